@@ -1,0 +1,139 @@
+"""
+Small shared utilities: distributed init, device and dtype, printing, paths, logging.
+"""
+import os
+import time
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+
+
+def print0(*args, **kwargs):
+    # Only rank 0 talks, so an 8-GPU run prints one log, not eight interleaved ones.
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def get_base_dir():
+    # Everything a run writes (tokenizer, checkpoints, data, report) lives under one directory.
+    base = os.environ.get("NANORL_BASE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "nanorl")
+    os.makedirs(base, exist_ok=True)
+    return base
+
+
+def autodetect_device_type():
+    if torch.cuda.is_available():
+        return "cuda"
+    if torch.backends.mps.is_available():
+        return "mps"
+    return "cpu"
+
+
+def is_ddp():
+    return int(os.environ.get("RANK", -1)) != -1
+
+
+def get_dist_info():
+    """(ddp, rank, local_rank, world_size), read from torchrun's environment."""
+    if is_ddp():
+        return True, int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    return False, 0, 0, 1
+
+
+def compute_init(device_type=None, seed=42):
+    """Init torch.distributed when launched by torchrun (nccl on CUDA, gloo otherwise), pick the device, seed RNGs."""
+    device_type = device_type or autodetect_device_type()
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device-type cuda was asked for but torch sees no CUDA GPU")
+    torch.manual_seed(seed)
+    if device_type == "cuda":
+        torch.cuda.manual_seed(seed)
+        # tf32 matmuls: free speed for the fp32 parts (optimizer math, fp32 logits)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    ddp, rank, local_rank, world_size = get_dist_info()
+    if ddp:
+        if device_type == "cuda":
+            device = torch.device("cuda", local_rank)
+            torch.cuda.set_device(device)
+            dist.init_process_group(backend="nccl", device_id=device)
+        else:
+            device = torch.device(device_type)
+            dist.init_process_group(backend="gloo")
+        dist.barrier()
+    else:
+        device = torch.device(device_type)
+    return ddp, rank, local_rank, world_size, device
+
+
+def compute_cleanup():
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def autocast_ctx(device_type, dtype="bfloat16"):
+    """bf16 autocast on CUDA; fp32 (no autocast) on CPU/MPS, where bf16 is slow or flaky and tests want exact math."""
+    if device_type == "cuda" and dtype == "bfloat16":
+        return torch.amp.autocast(device_type="cuda", dtype=torch.bfloat16)
+    return nullcontext()
+
+
+def synchronize(device_type):
+    if device_type == "cuda":
+        torch.cuda.synchronize()
+    elif device_type == "mps":
+        torch.mps.synchronize()
+
+
+def get_peak_flops(device_name):
+    """Peak dense bf16 FLOP/s for MFU, by GPU name (no sparsity). Unknown devices give None: MFU is then not printed."""
+    name = device_name.lower()
+    table = [  # (substring, flops); first match wins, so more specific names come first
+        ("h200", 989e12), ("h100 nvl", 835e12), ("h100 pcie", 756e12), ("h100", 989e12), ("h800", 989e12),
+        ("gh200", 989e12), ("b200", 2250e12), ("a100", 312e12), ("a10g", 125e12), ("l40s", 362e12),
+        ("l4", 121e12), ("4090", 165e12), ("3090", 71e12), ("v100", 125e12), ("t4", 65e12),
+    ]
+    for key, flops in table:
+        if key in name:
+            return flops
+    return None
+
+
+class DummyLogger:
+    """Stands in for a wandb run when wandb is off (--run dummy), so scripts call .log() unconditionally."""
+    def log(self, *args, **kwargs):
+        pass
+
+    def finish(self):
+        pass
+
+
+def get_logger(run_name, project="nanorl", config=None, master_process=True):
+    # wandb is an optional heavy import: only touched when a real run name is given
+    if run_name == "dummy" or not master_process:
+        return DummyLogger()
+    try:
+        import wandb
+    except ImportError as e:
+        raise RuntimeError(f"--run {run_name!r} asks for wandb logging but wandb is not installed; use --run dummy") from e
+    return wandb.init(project=project, name=run_name, config=config)
+
+
+class Timer:
+    """Wall-clock sections for the rollout/ref/train/eval time split."""
+    def __init__(self):
+        self.times = {}
+
+    def section(self, name, device_type="cpu"):
+        timer = self
+
+        class _Ctx:
+            def __enter__(self):
+                synchronize(device_type)
+                self.t0 = time.time()
+
+            def __exit__(self, *exc):
+                synchronize(device_type)
+                timer.times[name] = timer.times.get(name, 0.0) + time.time() - self.t0
+        return _Ctx()

@@ -1,0 +1,325 @@
+"""
+The nanorl GPT: one small, modern decoder-only transformer.
+
+- rotary position embeddings (no learned positions), QK-norm, grouped-query attention (n_kv_head)
+- ReLU^2 MLP, parameter-free RMSNorm, untied token embedding and unembedding, logit softcap
+- built on the meta device and initialised explicitly by init_weights()
+- three attention paths: plain causal; packed rows with document masking (several documents in a row
+  attend only within themselves, positions restart per document); and a KV cache for the engine
+"""
+import math
+from dataclasses import dataclass, asdict
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+@dataclass
+class GPTConfig:
+    sequence_len: int = 2048
+    vocab_size: int = 32768
+    n_layer: int = 12
+    n_head: int = 6
+    n_kv_head: int = 6
+    n_embd: int = 768
+    softcap: float = 15.0
+
+    def to_dict(self):
+        return asdict(self)
+
+
+def config_from_depth(depth, vocab_size, sequence_len=2048, aspect_ratio=64, head_dim=128, n_kv_head=None):
+    """--depth is the single size dial: width = depth * aspect_ratio, heads of head_dim each."""
+    if depth < 1:
+        raise ValueError(f"--depth must be >= 1, got {depth}")
+    n_embd = depth * aspect_ratio
+    if n_embd % head_dim != 0:
+        raise ValueError(f"--depth {depth} x aspect ratio {aspect_ratio} = model dim {n_embd}, "
+                         f"which is not a multiple of head_dim {head_dim}; pick a depth/aspect ratio/head dim that divides")
+    n_head = n_embd // head_dim
+    n_kv_head = n_head if n_kv_head is None else n_kv_head
+    if n_kv_head < 1 or n_head % n_kv_head != 0:
+        raise ValueError(f"--n-kv-head {n_kv_head} must divide the number of heads {n_head} (depth {depth})")
+    return GPTConfig(sequence_len=sequence_len, vocab_size=vocab_size, n_layer=depth,
+                     n_head=n_head, n_kv_head=n_kv_head, n_embd=n_embd)
+
+
+def norm(x):
+    # parameter-free RMSNorm: nothing to learn, nothing to decay
+    return F.rms_norm(x, (x.size(-1),))
+
+
+def apply_rotary(x, cos, sin):
+    # x: (B, H, T, D); cos/sin: (B or 1, 1, T, D/2). Rotate pairs made of the two halves of the head dim.
+    d = x.shape[-1] // 2
+    x1, x2 = x[..., :d], x[..., d:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
+
+
+def positions_from_doc_ids(doc_ids):
+    """Position of each token inside its own document: a packed row restarts at 0 at each new document."""
+    B, T = doc_ids.shape
+    idx = torch.arange(T, device=doc_ids.device).expand(B, T)
+    is_start = torch.ones_like(doc_ids, dtype=torch.bool)
+    is_start[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    start_idx = torch.where(is_start, idx, torch.zeros_like(idx))
+    start_idx = torch.cummax(start_idx, dim=1).values
+    return idx - start_idx
+
+
+def doc_mask(doc_ids):
+    """(B, 1, T, T) boolean mask: causal and within the same document."""
+    T = doc_ids.size(1)
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
+    same = doc_ids[:, :, None] == doc_ids[:, None, :]
+    return (same & causal)[:, None]
+
+
+class KVCache:
+    """
+    A pre-allocated KV cache with its own position per row, so one batch holds prompts of different
+    lengths and rows that are refilled at different times (continuous batching).
+    k, v: (n_layer, B, n_kv_head, max_len, head_dim). pos[b] = how many tokens row b holds.
+    """
+    def __init__(self, n_layer, batch_size, n_kv_head, max_len, head_dim, device, dtype):
+        shape = (n_layer, batch_size, n_kv_head, max_len, head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.pos = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.max_len = max_len
+        self.attend_len = None  # how much of the cache attention reads; None = work it out each forward
+        self.static = False  # True: attend_len stays fixed (static shapes for CUDA graphs)
+
+    def reset(self, rows=None):
+        if rows is None:
+            self.pos.zero_()
+        else:
+            self.pos[rows] = 0
+
+    def copy_rows(self, src, dst, source=None):
+        """Prefix sharing: copy the cached prompt of rows src (of `source`, default this cache) into rows dst.
+        Prefill a prompt once, then fan it out to the n rows that sample from it."""
+        source = self if source is None else source
+        L = int(source.pos[src].max())
+        self.k[:, dst, :, :L] = source.k[:, src, :, :L]
+        self.v[:, dst, :, :L] = source.v[:, src, :, :L]
+        self.pos[dst] = source.pos[src]
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_head, self.n_kv_head = config.n_head, config.n_kv_head
+        self.head_dim = config.n_embd // config.n_head
+        self.c_q = nn.Linear(config.n_embd, self.n_head * self.head_dim, bias=False)
+        self.c_k = nn.Linear(config.n_embd, self.n_kv_head * self.head_dim, bias=False)
+        self.c_v = nn.Linear(config.n_embd, self.n_kv_head * self.head_dim, bias=False)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
+
+    def forward(self, x, cos, sin, attn_mask=None, kv_cache=None):
+        B, T, C = x.shape
+        q = self.c_q(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = norm(q), norm(k)  # QK-norm keeps attention logits bounded without a temperature to tune
+        gqa = self.n_kv_head != self.n_head
+        if kv_cache is not None:
+            # write the new keys/values at each row's own positions, then attend over the cache
+            L = kv_cache.attend_len
+            t_idx = kv_cache.pos[:, None] + torch.arange(T, device=x.device)[None, :]  # (B, T)
+            b_idx = torch.arange(B, device=x.device)[:, None].expand(B, T)
+            kc, vc = kv_cache.k[self.layer_idx], kv_cache.v[self.layer_idx]
+            kc[b_idx, :, t_idx] = k.transpose(1, 2).to(kc.dtype)
+            vc[b_idx, :, t_idx] = v.transpose(1, 2).to(vc.dtype)
+            k, v = kc[:, :, :L], vc[:, :, :L]
+            if k.dtype != q.dtype:
+                k, v = k.to(q.dtype), v.to(q.dtype)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=gqa)
+        elif attn_mask is not None:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=gqa)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.c_proj(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=False)
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=False)
+
+    def forward(self, x):
+        return self.c_proj(F.relu(self.c_fc(x)).square())
+
+
+class Block(nn.Module):
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        self.attn = CausalSelfAttention(config, layer_idx)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, attn_mask=None, kv_cache=None):
+        x = x + self.attn(norm(x), cos, sin, attn_mask, kv_cache)
+        x = x + self.mlp(norm(x))
+        return x
+
+
+class GPT(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        if config.n_embd % config.n_head != 0:
+            raise ValueError(f"n_embd {config.n_embd} is not divisible by n_head {config.n_head}")
+        if config.n_head % config.n_kv_head != 0:
+            raise ValueError(f"n_kv_head {config.n_kv_head} must divide n_head {config.n_head}")
+        self.config = config
+        self.head_dim = config.n_embd // config.n_head
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        # rotary tables are buffers (not parameters, not saved): recomputed by init_weights / load
+        self.register_buffer("cos", torch.empty(config.sequence_len, self.head_dim // 2), persistent=False)
+        self.register_buffer("sin", torch.empty(config.sequence_len, self.head_dim // 2), persistent=False)
+
+    @torch.no_grad()
+    def init_weights(self):
+        """Explicit init, so the model can be built on the meta device and materialised with to_empty()."""
+        C = self.config.n_embd
+        torch.nn.init.normal_(self.transformer.wte.weight, mean=0.0, std=1.0)
+        # a tiny unembedding: the initial prediction is near uniform, so the first loss is ~ln(vocab)
+        torch.nn.init.normal_(self.lm_head.weight, mean=0.0, std=0.001)
+        bound = math.sqrt(3.0 / C)  # uniform with std 1/sqrt(fan_in)
+        for block in self.transformer.h:
+            for lin in (block.attn.c_q, block.attn.c_k, block.attn.c_v, block.mlp.c_fc):
+                torch.nn.init.uniform_(lin.weight, -bound, bound)
+            # residual branches start as the identity: outputs projections at zero
+            torch.nn.init.zeros_(block.attn.c_proj.weight)
+            torch.nn.init.zeros_(block.mlp.c_proj.weight)
+        self.init_rotary()
+        if self.transformer.wte.weight.device.type == "cuda":
+            # the embedding is only a lookup: keep it in bf16 to halve its memory traffic
+            self.transformer.wte.to(dtype=torch.bfloat16)
+
+    @torch.no_grad()
+    def init_rotary(self, base=10000.0):
+        dev = self.lm_head.weight.device
+        half = self.head_dim // 2
+        inv_freq = 1.0 / (base ** (torch.arange(0, half, dtype=torch.float32, device=dev) / half))
+        t = torch.arange(self.config.sequence_len, dtype=torch.float32, device=dev)
+        freqs = torch.outer(t, inv_freq)
+        self.cos.copy_(freqs.cos())
+        self.sin.copy_(freqs.sin())
+
+    def num_params(self):
+        return sum(p.numel() for p in self.parameters())
+
+    def estimate_flops(self):
+        """FLOPs per token of a training step: 6 x (matmul params) + attention (nanochat's convention)."""
+        nparams = self.num_params() - self.transformer.wte.weight.numel()
+        l, h, q, t = self.config.n_layer, self.config.n_head, self.head_dim, self.config.sequence_len
+        return 6 * nparams + 12 * l * h * q * t
+
+    def _rotary(self, pos):
+        # pos: (B, T) long positions -> cos/sin of shape (B, 1, T, D/2)
+        return self.cos[pos][:, None], self.sin[pos][:, None]
+
+    def hidden_states(self, idx, doc_ids=None, kv_cache=None):
+        """The final normed hidden states (B, T, C) for token ids idx (B, T)."""
+        B, T = idx.shape
+        if T > self.config.sequence_len:
+            raise ValueError(f"sequence of {T} tokens is longer than the model's context of {self.config.sequence_len}")
+        attn_mask = None
+        if kv_cache is not None:
+            pos = kv_cache.pos[:, None] + torch.arange(T, device=idx.device)[None, :]
+            if kv_cache.attend_len is None:
+                # eager path: read only the used part of the cache (one host sync). A caller that wants
+                # static shapes (CUDA graphs) sets attend_len itself and skips this check.
+                top = int(pos.max()) + 1
+                if top > kv_cache.max_len:
+                    raise ValueError(f"KV cache is full: position {top - 1} >= max_len {kv_cache.max_len}")
+                kv_cache.attend_len = top
+            key_pos = torch.arange(kv_cache.attend_len, device=idx.device)
+            attn_mask = (key_pos[None, None, :] <= pos[:, :, None])[:, None]  # (B, 1, T, L)
+        elif doc_ids is not None:
+            pos = positions_from_doc_ids(doc_ids)
+            attn_mask = doc_mask(doc_ids)
+        else:
+            pos = torch.arange(T, device=idx.device)[None, :]
+        cos, sin = self._rotary(pos)
+        x = norm(self.transformer.wte(idx))
+        for block in self.transformer.h:
+            x = block(x, cos, sin, attn_mask, kv_cache)
+        if kv_cache is not None:
+            kv_cache.pos += T
+            if not kv_cache.static:
+                kv_cache.attend_len = None
+        return norm(x)
+
+    def logits_from_hidden(self, h):
+        # softcap: smoothly bound logits to +-softcap, computed in fp32
+        logits = self.lm_head(h).float()
+        c = self.config.softcap
+        return c * torch.tanh(logits / c)
+
+    def forward(self, idx, targets=None, doc_ids=None, kv_cache=None, loss_reduction="mean"):
+        """Logits (B, T, V) when targets is None, else the cross-entropy loss (targets == -1 are ignored)."""
+        h = self.hidden_states(idx, doc_ids=doc_ids, kv_cache=kv_cache)
+        logits = self.logits_from_hidden(h)
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1),
+                               ignore_index=-1, reduction=loss_reduction)
+
+    def token_logprobs(self, idx, targets, doc_ids=None, temperature=1.0, return_entropy=False, chunk_size=1024):
+        """
+        log p(targets | prefix) per position (B, T), optionally with the entropy of each position's distribution.
+        fp32 logits are made one chunk of positions at a time and recomputed in backward (checkpoint), so
+        RL never holds B x T x V fp32 logits at once. Targets of -1 give log-prob 0.
+        """
+        h = self.hidden_states(idx, doc_ids=doc_ids)
+        B, T, C = h.shape
+        h, tgt = h.reshape(B * T, C), targets.reshape(B * T)
+
+        def chunk_fn(h_c, t_c):
+            logits = self.logits_from_hidden(h_c) / temperature
+            logp_all = torch.log_softmax(logits, dim=-1)
+            lp = logp_all.gather(1, t_c.clamp(min=0)[:, None])[:, 0] * (t_c >= 0)
+            ent = -(logp_all.exp() * logp_all).sum(-1)
+            return lp, ent
+
+        lps, ents = [], []
+        for s in range(0, B * T, chunk_size):
+            h_c, t_c = h[s:s + chunk_size], tgt[s:s + chunk_size]
+            if torch.is_grad_enabled() and h_c.requires_grad:
+                lp, ent = checkpoint(chunk_fn, h_c, t_c, use_reentrant=False)
+            else:
+                lp, ent = chunk_fn(h_c, t_c)
+            lps.append(lp)
+            ents.append(ent)
+        logp = torch.cat(lps).view(B, T)
+        if return_entropy:
+            return logp, torch.cat(ents).view(B, T)
+        return logp
+
+    def new_kv_cache(self, batch_size, max_len, dtype=None):
+        dev = self.lm_head.weight.device
+        if dtype is None:
+            dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+        if max_len > self.config.sequence_len:
+            raise ValueError(f"KV cache length {max_len} exceeds the model's context {self.config.sequence_len}")
+        return KVCache(self.config.n_layer, batch_size, self.config.n_kv_head, max_len, self.head_dim, dev, dtype)
+
+
+def build_model(config, device):
+    """Construct on the meta device (no memory, no init cost), materialise on `device`, then init explicitly."""
+    with torch.device("meta"):
+        model = GPT(config)
+    model.to_empty(device=device)
+    model.init_weights()
+    return model

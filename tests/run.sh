@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The one test command: set up (or reuse) .venv, install nanorl with its test deps, run every test.
+#   bash tests/run.sh            # all tests
+#   bash tests/run.sh -k engine  # extra args go to pytest
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ ! -x .venv/bin/python ]; then
+    python3 -m venv .venv
+fi
+PY=.venv/bin/python
+$PY -m pip install -q --upgrade pip >/dev/null
+if ! command -v nvidia-smi >/dev/null 2>&1 && ! $PY -c "import torch" 2>/dev/null; then
+    # no GPU: take the small CPU build of torch rather than a multi-GB CUDA one
+    $PY -m pip install -q torch==2.13.0 || $PY -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
+fi
+$PY -m pip install -q -e ".[dev]"
+# the browser test drives Debian's headless Chromium; install it when we can (root with apt-get)
+if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+        || echo "warning: could not install chromium; the browser test will be skipped"
+fi
+set +e
+$PY -m pytest -q --durations=15 "$@"
+rc=$?
+set -e
+if [ $rc -eq 5 ]; then
+    echo "error: pytest collected no tests" >&2
+    exit 1
+fi
+exit $rc

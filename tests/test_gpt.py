@@ -1,0 +1,170 @@
+import pytest
+import torch
+
+from nanorl.gpt import GPT, GPTConfig, build_model, config_from_depth, positions_from_doc_ids
+
+
+def tiny(n_kv_head=2, seq=64, vocab=97):
+    torch.manual_seed(0)
+    cfg = GPTConfig(sequence_len=seq, vocab_size=vocab, n_layer=2, n_head=4, n_kv_head=n_kv_head, n_embd=64)
+    model = build_model(cfg, "cpu")
+    # init_weights zeroes the output projections; perturb them so every layer really matters in the tests
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    return model.eval()
+
+
+@pytest.mark.parametrize("n_kv_head", [4, 2, 1])
+def test_cached_decode_equals_full_forward(n_kv_head):
+    model = tiny(n_kv_head)
+    idx = torch.randint(0, 97, (3, 20))
+    with torch.no_grad():
+        full = model(idx)
+        cache = model.new_kv_cache(batch_size=3, max_len=32)
+        outs = [model(idx[:, :8], kv_cache=cache)]  # prefill 8, then one token at a time
+        for t in range(8, 20):
+            outs.append(model(idx[:, t:t + 1], kv_cache=cache))
+    cached = torch.cat(outs, dim=1)
+    assert cache.pos.tolist() == [20, 20, 20]
+    torch.testing.assert_close(cached, full, atol=1e-5, rtol=1e-5)
+
+
+def test_cached_decode_rows_at_different_positions():
+    # rows of one batch can sit at different positions (mixed prompt lengths, continuous batching)
+    model = tiny()
+    a, b = torch.randint(0, 97, (1, 12)), torch.randint(0, 97, (1, 7))
+    with torch.no_grad():
+        cache = model.new_kv_cache(batch_size=2, max_len=32)
+        # row 0 gets a's prefix (11 tokens), row 1 b's prefix (6 tokens) padded to 11: pads beyond pos are masked
+        prefill = torch.cat([a[:, :11], torch.cat([b[:, :6], torch.zeros(1, 5, dtype=torch.long)], 1)])
+        model(prefill, kv_cache=cache)
+        cache.pos[1] = 6
+        step = model(torch.cat([a[:, 11:12], b[:, 6:7]]), kv_cache=cache)
+        ref_a, ref_b = model(a)[:, -1], model(b)[:, -1]
+    torch.testing.assert_close(step[0, 0], ref_a[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(step[1, 0], ref_b[0], atol=1e-5, rtol=1e-5)
+
+
+def test_copy_rows_prefix_sharing():
+    model = tiny()
+    idx = torch.randint(0, 97, (1, 10))
+    nxt = torch.randint(0, 97, (4, 1))
+    with torch.no_grad():
+        one = model.new_kv_cache(batch_size=1, max_len=16)
+        model(idx, kv_cache=one)  # prefill the prompt once...
+        cache = model.new_kv_cache(batch_size=4, max_len=16)
+        cache.copy_rows(torch.tensor([0, 0, 0, 0]), torch.tensor([0, 1, 2, 3]), source=one)  # ...fan out to 4 rows
+        out = model(nxt, kv_cache=cache)[:, 0]
+        ref = model(torch.cat([idx.expand(4, 10), nxt], dim=1))[:, -1]
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_packed_documents_equal_separate():
+    model = tiny()
+    lens = [5, 9, 3, 7]
+    docs = [torch.randint(0, 97, (n,)) for n in lens]
+    packed = torch.cat(docs)[None]
+    doc_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lens)])[None]
+    assert positions_from_doc_ids(doc_ids)[0].tolist() == [i for n in lens for i in range(n)]
+    with torch.no_grad():
+        logits = model(packed, doc_ids=doc_ids)[0]
+        sep = torch.cat([model(d[None])[0] for d in docs])
+        # loss: the packed row's loss equals the per-document losses (targets never cross documents)
+        tgt = torch.cat([torch.cat([d[1:], torch.tensor([-1])]) for d in docs])[None]
+        packed_loss = model(packed, targets=tgt, doc_ids=doc_ids, loss_reduction="sum")
+        sep_loss = sum(model(d[None, :-1], targets=d[None, 1:], loss_reduction="sum") for d in docs)
+    torch.testing.assert_close(logits, sep, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(packed_loss, sep_loss, atol=1e-4, rtol=1e-5)
+
+
+def test_token_logprobs_match_log_softmax_and_entropy():
+    model = tiny()
+    idx = torch.randint(0, 97, (2, 16))
+    tgt = torch.randint(0, 97, (2, 16))
+    tgt[0, :4] = -1
+    with torch.no_grad():
+        ref = torch.log_softmax(model(idx) / 0.7, dim=-1)
+        lp, ent = model.token_logprobs(idx, tgt, temperature=0.7, return_entropy=True, chunk_size=5)
+    want = ref.gather(-1, tgt.clamp(min=0)[..., None])[..., 0] * (tgt >= 0)
+    torch.testing.assert_close(lp, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent, -(ref.exp() * ref).sum(-1), atol=1e-5, rtol=1e-5)
+    # and the loss from forward() equals minus the mean log-prob at temperature 1
+    with torch.no_grad():
+        lp1 = model.token_logprobs(idx, tgt.clamp(min=0))
+        loss = model(idx, targets=tgt.clamp(min=0))
+    torch.testing.assert_close(loss, -lp1.mean(), atol=1e-5, rtol=1e-5)
+
+
+def test_token_logprobs_gradient_matches_plain():
+    model = tiny().train()
+    idx, tgt = torch.randint(0, 97, (2, 12)), torch.randint(0, 97, (2, 12))
+    model.zero_grad()
+    model.token_logprobs(idx, tgt, chunk_size=7).sum().backward()
+    g1 = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    torch.log_softmax(model(idx), -1).gather(-1, tgt[..., None]).sum().backward()
+    for a, b in zip(g1, [p.grad for p in model.parameters()]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_gradients_flow_and_loss_decreases():
+    torch.manual_seed(0)
+    cfg = GPTConfig(sequence_len=32, vocab_size=50, n_layer=2, n_head=2, n_kv_head=1, n_embd=64)
+    model = build_model(cfg, "cpu")
+    # a learnable pattern: each row counts up mod 50 from a random start
+    start = torch.randint(0, 50, (8, 1))
+    data = (start + torch.arange(33)) % 50
+    x, y = data[:, :-1], data[:, 1:]
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(30):
+        loss = model(x, targets=y)
+        opt.zero_grad()
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+    # right after init every parameter gets a gradient (except through zero-init'd projections' inputs)
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    assert abs(losses[0] - torch.log(torch.tensor(50.0)).item()) < 0.1  # near-uniform start
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_meta_init_then_init_weights():
+    cfg = config_from_depth(2, vocab_size=100, sequence_len=64, aspect_ratio=64, head_dim=32)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    assert all(p.is_meta for p in model.parameters())
+    model.to_empty(device="cpu")
+    model.init_weights()
+    assert not any(p.is_meta for p in model.parameters())
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert model.transformer.h[0].attn.c_proj.weight.abs().sum() == 0
+    assert 0.9 < model.transformer.wte.weight.std() < 1.1
+    # rotary tables are real numbers after init (to_empty leaves them uninitialised)
+    assert torch.allclose(model.cos[0], torch.ones_like(model.cos[0]))
+
+
+def test_config_errors_and_flops():
+    with pytest.raises(ValueError, match="head_dim"):
+        config_from_depth(3, vocab_size=100, aspect_ratio=10, head_dim=128)
+    with pytest.raises(ValueError, match="n-kv-head"):
+        config_from_depth(4, vocab_size=100, n_kv_head=3)
+    cfg = config_from_depth(4, vocab_size=100, sequence_len=128, head_dim=64, n_kv_head=2)
+    assert (cfg.n_embd, cfg.n_head, cfg.n_kv_head) == (256, 4, 2)
+    model = build_model(cfg, "cpu")
+    nparams = model.num_params() - 100 * 256
+    assert model.estimate_flops() == 6 * nparams + 12 * 4 * 4 * 64 * 128
+
+
+def test_too_long_inputs_error():
+    model = tiny(seq=16)
+    with pytest.raises(ValueError, match="context"):
+        model(torch.zeros(1, 17, dtype=torch.long))
+    with pytest.raises(ValueError, match="exceeds"):
+        model.new_kv_cache(1, 17)
+    cache = model.new_kv_cache(1, 8)
+    with torch.no_grad():
+        model(torch.zeros(1, 8, dtype=torch.long), kv_cache=cache)
+        with pytest.raises(ValueError, match="full"):
+            model(torch.zeros(1, 1, dtype=torch.long), kv_cache=cache)
