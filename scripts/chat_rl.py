@@ -1,0 +1,487 @@
+"""
+Reinforcement learning on a chat model: the GRPO family and friends, in one readable file.
+
+One step = one rollout: sample n responses for each of a batch of prompts with our own engine (the same
+model object we train, so no weight copies), score them with the reward hub, compute advantages, then
+take --num-steps-per-rollout optimizer steps over the samples (the first is exactly on-policy).
+
+    python -m scripts.chat_rl                                   # offline curriculum, CPU-sized defaults
+    torchrun --standalone --nproc_per_node=8 -m scripts.chat_rl -- --task gsm8k --rollout-batch-size 64
+"""
+import argparse
+import copy
+import math
+import os
+import random
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from nanorl import rl
+from nanorl.checkpoint import load_checkpoint, load_model, save_checkpoint, find_last_step
+from nanorl.common import (Timer, autocast_ctx, compute_cleanup, compute_init, get_base_dir, get_logger, print0)
+from nanorl.engine import Engine, Request
+from nanorl.optim import build_optimizer
+from nanorl.report import log_section
+from nanorl.rewards import compute_reward, extract_answer, safe_reward
+from nanorl.rollout import (ABORTED, COMPLETED, TRUNCATED, PromptSource, RolloutBuffer, Sample, collate, fill_rollout,
+                            keep_all_groups, load_function, pack_micro_batches)
+from tasks import get_task
+
+# fmt: off
+parser = argparse.ArgumentParser(description="RL on a chat model (GRPO family)")
+# model and data
+parser.add_argument("--source", default="sft", choices=["base", "mid", "sft", "rl"], help="checkpoint to start from")
+parser.add_argument("--model-tag", default=None, help="checkpoint subdirectory (default: newest)")
+parser.add_argument("--model-step", type=int, default=None, help="checkpoint step (default: last)")
+parser.add_argument("--task", default="offline", help="RL prompts: offline (the synthetic curriculum) or gsm8k")
+parser.add_argument("--task-path", default=None, help="local jsonl/parquet for the task instead of downloading")
+parser.add_argument("--eval-task", default=None, help="held-out task (default: the test split of --task)")
+parser.add_argument("--output-tag", default=None, help="save under rl_checkpoints/<tag> (default: the source's tag)")
+# rollout
+parser.add_argument("--num-rollouts", type=int, default=60, help="number of rollouts (= RL steps)")
+parser.add_argument("--rollout-batch-size", type=int, default=16, help="prompts per rollout (global)")
+parser.add_argument("--n-samples-per-prompt", type=int, default=8, help="group size")
+parser.add_argument("--global-batch-size", type=int, default=None, help="samples per optimizer step (default: the whole rollout)")
+parser.add_argument("--num-steps-per-rollout", type=int, default=1, help="optimizer steps per rollout (>1 is off-policy: uses the ratio)")
+parser.add_argument("--over-sampling-batch-size", type=int, default=None, help="prompts generated per round of dynamic sampling (default: rollout batch size)")
+parser.add_argument("--dynamic-sampling-filter-path", default="nanorl.rollout:keep_nonconstant_group", help="module:function(group) -> (keep, reason); 'none' keeps every group")
+parser.add_argument("--buffer-filter-path", default="nanorl.rollout:pop_first", help="module:function(buffer, n) -> (taken, rest) for surplus groups")
+parser.add_argument("--max-response-len", type=int, default=256, help="max tokens per response")
+parser.add_argument("--temperature", type=float, default=1.0, help="rollout temperature (the trainer divides logits by it too)")
+parser.add_argument("--top-k", type=int, default=None, help="rollout top-k (default: off; anything but off makes rollouts off-policy)")
+parser.add_argument("--top-p", type=float, default=None, help="rollout top-p (default: off)")
+parser.add_argument("--engine-batch-size", type=int, default=256, help="engine rows decoded at once")
+parser.add_argument("--custom-generate-function-path", default=None, help="module:function(args, engine, tokenizer, prompts, seed) -> list of groups of Sample")
+# advantages and loss
+parser.add_argument("--advantage-estimator", default="grpo", choices=["grpo", "rloo", "reinforce_plus_plus_baseline"])
+parser.add_argument("--disable-grpo-std-normalization", action="store_true", help="Dr. GRPO: no division by the group std")
+parser.add_argument("--normalize-advantages", action="store_true", help="whiten advantages across all ranks")
+parser.add_argument("--eps-clip", type=float, default=0.2)
+parser.add_argument("--eps-clip-high", type=float, default=None, help="clip-higher (DAPO); default = --eps-clip")
+parser.add_argument("--eps-clip-c", type=float, default=None, help="dual clip constant (> 1) for negative advantages")
+parser.add_argument("--entropy-coef", type=float, default=0.0)
+parser.add_argument("--loss-aggregation", default="token_mean", choices=["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+parser.add_argument("--overlong-buffer-len", type=int, default=0, help="DAPO overlong shaping: penalise the last N tokens before the max length")
+parser.add_argument("--overlong-penalty-factor", type=float, default=1.0)
+parser.add_argument("--mask-truncated-samples", action="store_true", help="truncated responses are not trained on")
+parser.add_argument("--use-kl-loss", action="store_true", help="add a KL(policy || reference) loss")
+parser.add_argument("--kl-loss-coef", type=float, default=0.0)
+parser.add_argument("--kl-loss-type", default="low_var_kl", choices=["k1", "k2", "k3", "low_var_kl"])
+parser.add_argument("--kl-coef", type=float, default=0.0, help="KL penalty folded into the reward")
+# rewards
+parser.add_argument("--rm-type", default="math", help="math | mc | exact | f1 | format | weighted e.g. math+format:0.9,0.1")
+parser.add_argument("--custom-rm-path", default=None, help="module:function(response, label, metadata) -> float or dict")
+# optimisation
+parser.add_argument("--max-tokens-per-gpu", type=int, default=8192, help="padded tokens per micro-batch")
+parser.add_argument("--lr-scale", type=float, default=0.05, help="multiplier on the base optimizer LRs (RL wants small steps)")
+parser.add_argument("--weight-decay", type=float, default=0.0)
+parser.add_argument("--grad-clip", type=float, default=1.0)
+parser.add_argument("--warmup-rollouts", type=int, default=0)
+# eval, saving, misc
+parser.add_argument("--eval-interval", type=int, default=10, help="evaluate every N rollouts (and before the first and after the last)")
+parser.add_argument("--eval-max-problems", type=int, default=200)
+parser.add_argument("--n-samples-per-eval-prompt", type=int, default=4)
+parser.add_argument("--eval-temperature", type=float, default=1.0)
+parser.add_argument("--pass-k", type=str, default="1,4", help="comma-separated k for pass@k")
+parser.add_argument("--save-interval", type=int, default=20)
+parser.add_argument("--resume", action="store_true", help="continue from the latest RL checkpoint")
+parser.add_argument("--run", default="dummy", help="wandb run name ('dummy' = no wandb)")
+parser.add_argument("--device-type", default=None, help="cuda | cpu | mps (default: autodetect)")
+parser.add_argument("--seed", type=int, default=42)
+args = parser.parse_args(sys.argv[1:] if sys.argv[1:2] != ["--"] else sys.argv[2:])
+# fmt: on
+
+# -----------------------------------------------------------------------------------------------
+# flags that must agree, checked before any GPU work
+ddp, rank, local_rank, world_size, device = compute_init(args.device_type, seed=args.seed)
+master = rank == 0
+n = args.n_samples_per_prompt
+rollout_samples = args.rollout_batch_size * n
+if args.global_batch_size is None:
+    if rollout_samples % args.num_steps_per_rollout:
+        raise SystemExit(f"--rollout-batch-size x --n-samples-per-prompt = {rollout_samples} does not divide by --num-steps-per-rollout {args.num_steps_per_rollout}")
+    args.global_batch_size = rollout_samples // args.num_steps_per_rollout
+if args.global_batch_size * args.num_steps_per_rollout != rollout_samples:
+    raise SystemExit(f"--global-batch-size {args.global_batch_size} x --num-steps-per-rollout {args.num_steps_per_rollout} "
+                     f"must equal --rollout-batch-size x --n-samples-per-prompt = {rollout_samples}")
+if args.rollout_batch_size % world_size:
+    raise SystemExit(f"--rollout-batch-size {args.rollout_batch_size} must divide by the number of ranks {world_size}")
+if args.global_batch_size % (world_size * n):
+    raise SystemExit(f"--global-batch-size {args.global_batch_size} must be a multiple of ranks x --n-samples-per-prompt = {world_size * n}")
+if args.over_sampling_batch_size is None:
+    args.over_sampling_batch_size = args.rollout_batch_size
+if args.over_sampling_batch_size % world_size:
+    raise SystemExit(f"--over-sampling-batch-size {args.over_sampling_batch_size} must divide by the number of ranks {world_size}")
+if args.use_kl_loss and args.kl_loss_coef <= 0:
+    raise SystemExit("--use-kl-loss needs a positive --kl-loss-coef")
+if args.eps_clip_c is not None and args.eps_clip_c <= 1:
+    raise SystemExit(f"--eps-clip-c must be > 1 (dual clip), got {args.eps_clip_c}")
+pass_ks = [int(k) for k in args.pass_k.split(",")]
+if max(pass_ks) > args.n_samples_per_eval_prompt:
+    raise SystemExit(f"--pass-k {args.pass_k} needs --n-samples-per-eval-prompt >= {max(pass_ks)}")
+group_filter = keep_all_groups if args.dynamic_sampling_filter_path == "none" else \
+    load_function(args.dynamic_sampling_filter_path, ["group"], "--dynamic-sampling-filter-path")
+buffer_filter = load_function(args.buffer_filter_path, ["buffer", "n"], "--buffer-filter-path")
+custom_rm = load_function(args.custom_rm_path, ["response", "label", "metadata"], "--custom-rm-path") if args.custom_rm_path else None
+custom_generate = load_function(args.custom_generate_function_path, ["args", "engine", "tokenizer", "prompts", "seed"],
+                                "--custom-generate-function-path") if args.custom_generate_function_path else None
+if custom_rm is None:
+    compute_reward(args.rm_type, "#### 1", "1")  # fails now, naming the valid types, if --rm-type is unknown
+
+# -----------------------------------------------------------------------------------------------
+# model, reference, optimizer
+model, tokenizer, meta = load_model(args.source, device, phase="train", model_tag=args.model_tag, step=args.model_step)
+need_ref = args.use_kl_loss or args.kl_coef > 0
+ref_model = copy.deepcopy(model).eval().requires_grad_(False) if need_ref else None  # frozen start point
+optimizer = build_optimizer(model, weight_decay=args.weight_decay)
+for g in optimizer.param_groups:
+    g["initial_lr"] = g["initial_lr"] * args.lr_scale
+    g["lr"] = g["initial_lr"]
+engine = Engine(model, tokenizer, batch_size=args.engine_batch_size)
+autocast = autocast_ctx(device.type)
+output_tag = args.output_tag or meta.get("model_tag") or args.model_tag or "d"
+ckpt_dir = os.path.join(get_base_dir(), "rl_checkpoints", output_tag)
+logger = get_logger(args.run, project="nanorl-rl", config=vars(args), master_process=master)
+
+
+def task_prompts(task_name, split):
+    """Turn a task's examples into RL prompts: the conversation without its answer, plus the label."""
+    task = get_task(task_name, split, path=args.task_path) if args.task_path else get_task(task_name, split)
+    items = []
+    for i in range(len(task)):
+        conv = task.get_example(i)
+        label = conv.get("label")
+        if label is None and conv["messages"][-1]["role"] == "assistant":
+            ref = conv["messages"][-1]["content"]
+            ref = ref if isinstance(ref, str) else "".join(p["text"] for p in ref if p["type"] == "text")
+            label = extract_answer(ref)
+        if label is None and custom_rm is None:
+            raise SystemExit(f"task {task_name!r} ({split}) row {i} has no label, and --rm-type {args.rm_type} needs one")
+        items.append({"conversation": conv, "label": label, "metadata": {"task": task_name, "row": i}})
+    return items
+
+
+train_items = task_prompts(args.task, "train")
+eval_name = args.eval_task or args.task
+eval_items = task_prompts(eval_name, "test")[:args.eval_max_problems]
+source = PromptSource(train_items, seed=args.seed, rank=rank, world_size=world_size)
+buffer = RolloutBuffer(buffer_filter)
+print0(f"RL on {len(train_items)} {args.task} prompts, eval on {len(eval_items)} {eval_name} prompts, {world_size} rank(s), device {device}")
+
+
+def score(response_text, label, metadata):
+    """Reward of one response; (None, reason) when the reward function fails or gives a non-number."""
+    if custom_rm is not None:
+        return safe_reward(custom_rm, response_text, label, metadata)
+    return safe_reward(compute_reward, args.rm_type, response_text, label, metadata)
+
+
+def response_text(tokens):
+    return tokenizer.decode([t for t in tokens if t not in engine_stop_tokens])
+
+
+engine_stop_tokens = {tokenizer.encode_special("<|assistant_end|>"), tokenizer.get_bos_token_id()}
+reward_failures = {"count": 0}
+
+
+def generate_groups(prompts, seed, temperature, num_samples, weight_version):
+    """The default rollout: one engine.generate call over all prompts, each fanned out to num_samples."""
+    if custom_generate is not None:
+        return custom_generate(args, engine, tokenizer, prompts, seed)
+    prompt_ids = [tokenizer.render_for_completion(p["conversation"]) for p in prompts]
+    reqs = [Request(prompt_ids=ids, num_samples=num_samples, max_tokens=args.max_response_len, temperature=temperature,
+                    top_k=args.top_k, top_p=args.top_p, seed=seed + i) for i, ids in enumerate(prompt_ids)]
+    results = engine.generate(reqs)
+    groups = []
+    for gi, (p, ids, comps) in enumerate(zip(prompts, prompt_ids, results)):
+        group = []
+        for si, c in enumerate(comps):
+            group.append(Sample(prompt=p["conversation"], tokens=list(ids) + list(c.tokens), response_length=len(c.tokens),
+                                label=p["label"], loss_mask=list(c.mask), rollout_log_probs=list(c.logprobs), status=c.status,
+                                weight_version=weight_version, group_index=gi, index=si, metadata=dict(p["metadata"])))
+        groups.append(group)
+    return groups
+
+
+def assign_rewards(groups):
+    for group in groups:
+        for s in group:
+            if s.reward is not None:
+                continue  # custom generate functions may score their own samples
+            text = response_text(s.tokens[s.prompt_length:])
+            value, err = score(text, s.label, s.metadata)
+            if value is None:
+                # a broken reward is counted and the sample is never trained on
+                reward_failures["count"] += 1
+                s.metadata["reward_error"] = err
+                s.loss_mask = [0] * s.response_length
+            s.reward = value
+        # failed samples take the group's mean reward: advantage 0, and no bias to the others' baseline
+        valid = [s.scalar_reward() for s in group if s.reward is not None]
+        fill = sum(valid) / len(valid) if valid else 0.0
+        for s in group:
+            if s.reward is None:
+                s.reward = fill
+    return groups
+
+
+# -----------------------------------------------------------------------------------------------
+# evaluation: pass@k on held-out prompts
+
+def evaluate(step):
+    model.eval()
+    my_items = eval_items[rank::world_size]
+    groups = generate_groups(my_items, seed=10_000_000 + rank * 100_000, temperature=args.eval_temperature,
+                             num_samples=args.n_samples_per_eval_prompt, weight_version=step)
+    groups = assign_rewards(groups)
+    correct = [[s.scalar_reward() >= 0.5 for s in g] for g in groups]
+    sums = torch.tensor([sum(rl.pass_at_k(len(c), sum(c), k) for c in correct) for k in pass_ks] + [len(correct)],
+                        dtype=torch.float64, device=device)
+    if ddp:
+        dist.all_reduce(sums)
+    out = {f"eval/pass@{k}": (sums[i] / max(sums[-1], 1)).item() for i, k in enumerate(pass_ks)}
+    print0(f"step {step:05d} | eval on {int(sums[-1])} prompts | " + " | ".join(f"{k} {v:.4f}" for k, v in out.items()))
+    return out
+
+
+# -----------------------------------------------------------------------------------------------
+# resume
+
+start_step, weight_version = 0, 0
+if args.resume:
+    last = find_last_step(ckpt_dir)
+    if last is None:
+        raise SystemExit(f"--resume: no RL checkpoint in {ckpt_dir}")
+    model_state, optim_state, ck_meta, extra = load_checkpoint(ckpt_dir, last, device=device, load_optimizer=True, rank=rank)
+    model.load_state_dict(model_state)
+    optimizer.load_state_dict(optim_state)
+    source.load_state_dict(extra["source"])
+    buffer.load_state_dict(extra["buffer"])
+    random.setstate(extra["py_rng"])
+    torch.set_rng_state(extra["torch_rng"])
+    start_step = weight_version = last
+    old_args = ck_meta.get("rl_args", {})
+    diffs = {k: (old_args.get(k), v) for k, v in vars(args).items() if k != "resume" and old_args.get(k) != v}
+    if diffs:
+        print0("warning: resuming with changed RL flags: " + ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in diffs.items()))
+    print0(f"resumed from {ckpt_dir} step {last}")
+
+
+def save(step):
+    extra = {"source": source.state_dict(), "buffer": buffer.state_dict(), "py_rng": random.getstate(),
+             "torch_rng": torch.get_rng_state()}
+    save_checkpoint(ckpt_dir, step, model.state_dict(), optimizer.state_dict(),
+                    meta={**meta, "model_tag": output_tag, "step": step, "rl_args": vars(args)}, extra=extra, rank=rank)
+
+
+# -----------------------------------------------------------------------------------------------
+# the training math on one micro-batch
+
+def forward_logp(m, batch):
+    with autocast:
+        return m.token_logprobs(batch["inputs"], batch["targets"].clamp(min=0), temperature=args.temperature, return_entropy=True)
+
+
+@torch.no_grad()
+def logp_of(m, samples):
+    """Per-token log-probs (B, T) of samples under model m, micro-batched, aligned like collate()."""
+    out = [None] * len(samples)
+    for mb in pack_micro_batches(samples, args.max_tokens_per_gpu):
+        batch = collate([samples[i] for i in mb], device)
+        lp, _ = forward_logp(m, batch)
+        for j, i in enumerate(mb):
+            out[i] = lp[j].float().cpu()
+    return out
+
+
+def pad_like(rows, T):
+    return torch.stack([torch.nn.functional.pad(r[:T], (0, T - min(len(r), T))) for r in rows])
+
+
+def compute_advantages(samples, ref_lp):
+    """Per-sample per-token advantages (list of 1-D tensors aligned like collate()), by --advantage-estimator."""
+    batch = collate(samples)
+    mask, T = batch["loss_mask"], batch["inputs"].size(1)
+    rewards = torch.tensor([s.scalar_reward() for s in samples], dtype=torch.float32)
+    kl = None
+    if ref_lp is not None and args.kl_coef > 0:
+        old_lp = pad_like(logp_of(model, samples), T)
+        kl = rl.kl_estimate(old_lp, pad_like(ref_lp, T), "k1") * mask
+    est = args.advantage_estimator
+    if est in ("grpo", "rloo") and kl is not None:
+        rewards = rewards - args.kl_coef * kl.sum(-1)  # sequence-level KL penalty in the reward
+    if est == "grpo":
+        adv = rl.grpo_advantages(rewards, mask, n, std_normalize=not args.disable_grpo_std_normalization)
+    elif est == "rloo":
+        adv = rl.rloo_advantages(rewards, mask, n)
+    else:
+        adv = rl.reinforce_pp_baseline_advantages(rewards, mask, n, kl=kl, kl_coef=args.kl_coef, distributed=ddp)
+    if args.normalize_advantages and est != "reinforce_plus_plus_baseline":
+        adv = rl.masked_whiten(adv, mask, distributed=ddp) * mask
+    return [adv[i] for i in range(len(samples))]
+
+
+def train_minibatch(samples, adv, old_lp, ref_lp, lr_mult):
+    """One optimizer step over `samples` (this rank's share of the global batch)."""
+    model.train()
+    local_tok = sum(sum(s.loss_mask) for s in samples)
+    counts = torch.tensor([local_tok, len(samples)], dtype=torch.float64, device=device)
+    if ddp:
+        dist.all_reduce(counts)
+    global_tok, global_seq = max(counts[0].item(), 1.0), counts[1].item()
+    sums = {}
+    for mb in pack_micro_batches(samples, args.max_tokens_per_gpu):
+        mbs = [samples[i] for i in mb]
+        batch = collate(mbs, device)
+        T, mask = batch["inputs"].size(1), batch["loss_mask"]
+        a = pad_like([adv[i] for i in mb], T).to(device)
+        logp, ent = forward_logp(model, batch)
+        logp, ent = logp.float(), ent.float()
+        old = pad_like([old_lp[i] for i in mb], T).to(device) if old_lp is not None else logp.detach()
+        pg_loss, m = rl.policy_loss(logp, old, a, mask, args.eps_clip, args.eps_clip_high, args.eps_clip_c,
+                                    loss_agg=args.loss_aggregation, max_len=args.max_response_len)
+        loss = pg_loss
+        if args.entropy_coef:
+            loss = loss - args.entropy_coef * rl.aggregate_loss(ent, mask, args.loss_aggregation, args.max_response_len)
+        if ref_lp is not None and args.use_kl_loss:
+            kl = rl.kl_estimate(logp, pad_like([ref_lp[i] for i in mb], T).to(device), args.kl_loss_type)
+            kl_loss = rl.aggregate_loss(kl, mask, args.loss_aggregation, args.max_response_len)
+            loss = loss + args.kl_loss_coef * kl_loss
+            m["kl_loss"] = kl_loss.detach()
+        # each micro-batch's mean is re-weighted to its share of the global batch (the optimizer averages
+        # gradients over ranks, hence x world_size), so the step equals one pass over the whole batch
+        mb_tok = mask.sum().item()
+        share = (mb_tok / global_tok) if args.loss_aggregation == "token_mean" else (len(mbs) / global_seq)
+        (loss * share * world_size).backward()
+        m["pg_loss"], m["entropy"] = pg_loss.detach(), rl.masked_mean(ent.detach(), mask)
+        m["train_rollout_logprob_abs_diff"] = rl.masked_mean((logp.detach() - batch["rollout_logp"]).abs(), mask)
+        for k, v in m.items():
+            sums[k] = sums.get(k, 0.0) + float(v) * mb_tok
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip) if args.grad_clip > 0 else \
+        torch.sqrt(sum((p.grad.float() ** 2).sum() for p in model.parameters() if p.grad is not None))
+    for g in optimizer.param_groups:
+        g["lr"] = g["initial_lr"] * lr_mult
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    out = {k: v / max(local_tok, 1) for k, v in sums.items()}
+    out["grad_norm"] = float(grad_norm)
+    return out
+
+
+# -----------------------------------------------------------------------------------------------
+# the loop
+
+timer_total = time.time()
+history = []
+eval_history = []
+if start_step == 0:
+    eval_history.append({"step": 0, **evaluate(0)})
+prompts_per_rank = args.rollout_batch_size // world_size
+for step in range(start_step, args.num_rollouts):
+    timer = Timer()
+    t0 = time.time()
+    # 1) rollout with dynamic sampling: over-sample prompts until the batch holds enough useful groups
+    round_counter = [0]
+
+    def make_groups():
+        round_counter[0] += 1
+        prompts = source.get(args.over_sampling_batch_size // world_size)
+        seed = args.seed * 7919 + step * 1_000_003 + round_counter[0] * 10_007 + rank * 100_003
+        return assign_rewards(generate_groups(prompts, seed, args.temperature, n, weight_version))
+
+    model.eval()
+    with timer.section("rollout", device.type):
+        groups, fstats = fill_rollout(prompts_per_rank, buffer, make_groups, group_filter)
+    samples = [s for g in groups for s in g]
+    # 2) reward shaping on the kept samples
+    if args.overlong_buffer_len > 0:
+        lens = torch.tensor([s.response_length for s in samples], dtype=torch.float32)
+        pen = rl.overlong_penalty(lens, args.max_response_len, args.overlong_buffer_len, args.overlong_penalty_factor)
+        for s, p in zip(samples, pen.tolist()):
+            if isinstance(s.reward, dict):
+                s.reward = {**s.reward, "overlong": p, "total": s.reward["total"] + p}
+            else:
+                s.reward = s.reward + p
+    if args.mask_truncated_samples:
+        for s in samples:
+            if s.status == TRUNCATED:
+                s.loss_mask = [0] * s.response_length
+    # 3) reference and old log-probs
+    ref_lp = None
+    if ref_model is not None:
+        with timer.section("ref", device.type):
+            ref_lp = logp_of(ref_model, samples)
+    old_lp = None
+    if args.num_steps_per_rollout > 1:
+        with timer.section("old_logp", device.type):
+            old_lp = logp_of(model, samples)  # the policy before this rollout's first update
+    adv = compute_advantages(samples, ref_lp)
+    # 4) train: the rollout is cut into num_steps_per_rollout mini-batches of whole groups
+    lr_mult = min(1.0, (step + 1) / args.warmup_rollouts) if args.warmup_rollouts > 0 else 1.0
+    per_step = len(samples) // args.num_steps_per_rollout
+    train_metrics = []
+    with timer.section("train", device.type):
+        for k in range(args.num_steps_per_rollout):
+            sl = slice(k * per_step, (k + 1) * per_step)
+            train_metrics.append(train_minibatch(samples[sl], adv[sl], old_lp[sl] if old_lp else None,
+                                                 ref_lp[sl] if ref_lp else None, lr_mult))
+    weight_version += 1
+    # 5) metrics, reduced over ranks
+    rewards = [s.scalar_reward() for s in samples]
+    lens = [s.response_length for s in samples]
+    m = {f"train/{k}": sum(t[k] for t in train_metrics) / len(train_metrics) for k in train_metrics[0]}
+    m["train/first_step_ppo_kl"] = train_metrics[0].get("ppo_kl", 0.0)
+    m.update({"rollout/reward_mean": sum(rewards) / len(rewards),
+              "rollout/reward_std": float(torch.tensor(rewards).std()) if len(rewards) > 1 else 0.0,
+              "rollout/response_len_mean": sum(lens) / len(lens),
+              "rollout/truncated_frac": sum(s.status == TRUNCATED for s in samples) / len(samples),
+              "rollout/reward_failures": reward_failures["count"]})
+    comps = [k for k in (samples[0].reward if isinstance(samples[0].reward, dict) else {}) if k != "total"]
+    for c in comps:
+        m[f"rollout/reward_{c}"] = sum(s.reward.get(c, 0.0) for s in samples) / len(samples)
+    seq_adv = torch.tensor([float(a[a != 0][0]) if (a != 0).any() else 0.0 for a in adv])
+    m.update({"rollout/adv_mean": seq_adv.mean().item(), "rollout/adv_std": seq_adv.std().item() if len(seq_adv) > 1 else 0.0,
+              "rollout/adv_abs_max": seq_adv.abs().max().item()})
+    m.update({f"rollout/{k}": v for k, v in fstats.items()})
+    n_tok = sum(lens)
+    for k, v in timer.times.items():
+        m[f"time/{k}"] = v
+    m["perf/rollout_tok_per_s"] = n_tok / max(timer.times.get("rollout", 1e-9), 1e-9)
+    m["perf/train_tok_per_s"] = sum(len(s.tokens) for s in samples) / max(timer.times.get("train", 1e-9), 1e-9)
+    if ddp:
+        keys = sorted(m)
+        vec = torch.tensor([float(m[k]) for k in keys], dtype=torch.float64, device=device)
+        dist.all_reduce(vec)
+        m = {k: v / world_size for k, v in zip(keys, vec.tolist())}
+    dt = time.time() - t0
+    print0(f"step {step + 1:05d}/{args.num_rollouts} | reward {m['rollout/reward_mean']:.3f} | len {m['rollout/response_len_mean']:.1f} "
+           f"| pg {m['train/pg_loss']:+.4f} | clip {m['train/clipfrac']:.3f} | ppo_kl {m['train/ppo_kl']:+.2e} "
+           f"| ent {m['train/entropy']:.3f} | gnorm {m['train/grad_norm']:.3f} | lp_diff {m['train/train_rollout_logprob_abs_diff']:.1e} "
+           f"| dropped {int(m.get('rollout/groups_dropped', 0))} | dt {dt:.1f}s (rollout {timer.times.get('rollout', 0):.1f}s)")
+    history.append({"step": step + 1, **m})
+    logger.log(m, step=step + 1)
+    # 6) eval and save
+    last_step = step + 1 == args.num_rollouts
+    if (step + 1) % args.eval_interval == 0 or last_step:
+        with timer.section("eval", device.type):
+            e = evaluate(step + 1)
+        eval_history.append({"step": step + 1, **e})
+        logger.log(e, step=step + 1)
+    if (step + 1) % args.save_interval == 0 or last_step:
+        save(step + 1)
+
+# -----------------------------------------------------------------------------------------------
+# report
+if master and eval_history:
+    first, last = eval_history[0], eval_history[-1]
+    log_section("Chat RL", [
+        {k: v for k, v in vars(args).items() if k in ("task", "advantage_estimator", "num_rollouts", "rollout_batch_size",
+                                                     "n_samples_per_prompt", "loss_aggregation", "eps_clip", "kl_loss_coef")},
+        {**{f"before {k}": v for k, v in first.items() if k != "step"}, **{f"after {k}": v for k, v in last.items() if k != "step"},
+         "wall_time_s": round(time.time() - timer_total, 1)},
+    ])
+logger.finish()
+compute_cleanup()

@@ -1,0 +1,103 @@
+import random
+
+import pytest
+import torch
+
+from nanorl.rollout import (PromptSource, RolloutBuffer, Sample, collate, fill_rollout, keep_nonconstant_group,
+                            load_function, pack_micro_batches)
+
+
+def group(rewards, gi=0):
+    return [Sample(tokens=[1, 2, 3], response_length=1, reward=r, loss_mask=[1], group_index=gi, index=i)
+            for i, r in enumerate(rewards)]
+
+
+def test_filter_keeps_and_drops_the_right_groups():
+    assert keep_nonconstant_group(group([1, 0, 0, 1])) == (True, None)
+    assert keep_nonconstant_group(group([1, 1, 1])) == (False, "all_correct")
+    assert keep_nonconstant_group(group([0, 0])) == (False, "all_wrong")
+    # dict rewards use their total
+    g = group([{"total": 0.5, "math": 1}, {"total": 0.5, "math": 0}])
+    assert keep_nonconstant_group(g)[0] is False
+
+
+def test_fill_rollout_over_samples_and_buffers_surplus():
+    rng = random.Random(0)
+    calls = []
+
+    def make_groups():  # 4 prompts per round; about half are constant and get dropped
+        calls.append(1)
+        return [group([rng.choice([0, 1]) for _ in range(2)], gi) for gi in range(4)]
+
+    buf = RolloutBuffer()
+    kept, stats = fill_rollout(5, buf, make_groups, keep_nonconstant_group)
+    assert len(kept) == 5 and all(keep_nonconstant_group(g)[0] for g in kept)
+    assert stats["groups_generated"] == 4 * len(calls)
+    assert stats["groups_dropped"] == stats["groups_generated"] - 5 - len(buf)
+    assert stats["groups_dropped"] == stats.get("dropped_all_correct", 0) + stats.get("dropped_all_wrong", 0)
+    # surplus is served first next time
+    surplus = list(buf.groups)
+    kept2, stats2 = fill_rollout(len(surplus), buf, make_groups, keep_nonconstant_group)
+    assert kept2 == surplus and stats2["groups_from_buffer"] == len(surplus) and stats2["rounds"] == 0
+
+
+def test_fill_rollout_gives_up_with_a_clear_error():
+    with pytest.raises(RuntimeError, match="dynamic sampling"):
+        fill_rollout(1, RolloutBuffer(), lambda: [group([0, 0])], keep_nonconstant_group, max_rounds=3)
+
+
+def test_buffer_state_roundtrip():
+    buf = RolloutBuffer()
+    buf.add([group([1, 0], 3)])
+    buf2 = RolloutBuffer()
+    buf2.load_state_dict(buf.state_dict())
+    assert [[s.to_dict() for s in g] for g in buf2.groups] == [[s.to_dict() for s in g] for g in buf.groups]
+
+
+def test_prompt_source_shards_epochs_and_resume():
+    items = list(range(10))
+    a, b = PromptSource(items, seed=1, rank=0, world_size=2), PromptSource(items, seed=1, rank=1, world_size=2)
+    first = a.get(5) + b.get(5)
+    assert sorted(first) == items  # one epoch across 2 ranks covers everything once
+    a.get(2)  # into epoch 2
+    state = a.state_dict()
+    nxt = a.get(7)
+    c = PromptSource(items, seed=1, rank=0, world_size=2)
+    c.load_state_dict(state)
+    assert c.get(7) == nxt
+    with pytest.raises(ValueError, match="empty"):
+        PromptSource([])
+
+
+def test_collate_aligns_responses():
+    # prompt [5, 6, 7], response [8, 9(tool output), 10]
+    s = Sample(tokens=[5, 6, 7, 8, 9, 10], response_length=3, loss_mask=[1, 0, 1], rollout_log_probs=[-0.1, 0.0, -0.3])
+    t = Sample(tokens=[1, 2, 3], response_length=1, loss_mask=[1], rollout_log_probs=[-0.5])
+    b = collate([s, t])
+    assert b["inputs"].tolist() == [[5, 6, 7, 8, 9], [1, 2, 0, 0, 0]]
+    assert b["targets"].tolist() == [[-1, -1, 8, 9, 10], [-1, 3, -1, -1, -1]]
+    assert b["loss_mask"].tolist() == [[0, 0, 1, 0, 1], [0, 1, 0, 0, 0]]
+    assert torch.allclose(b["rollout_logp"], torch.tensor([[0, 0, -0.1, 0.0, -0.3], [0, -0.5, 0, 0, 0]]))
+
+
+def test_pack_micro_batches_respects_budget():
+    samples = [Sample(tokens=[0] * n, response_length=1, loss_mask=[1]) for n in [10, 3, 7, 12, 5, 30]]
+    batches = pack_micro_batches(samples, max_tokens=24)
+    assert sorted(i for b in batches for i in b) == list(range(6))
+    for b in batches:
+        longest = max(len(samples[i].tokens) for i in b)
+        assert longest * len(b) <= 24 or len(b) == 1
+
+
+def test_load_function_errors(tmp_path):
+    f = tmp_path / "myrm.py"
+    f.write_text("def rm(a, b):\n    return 1.0\n")
+    assert load_function(f"{f}:rm", ["response", "label"], "--custom-rm-path")("x", "y") == 1.0
+    with pytest.raises(ValueError, match="--custom-rm-path.*could not import"):
+        load_function("no_such_module_xyz:rm", ["response", "label"], "--custom-rm-path")
+    with pytest.raises(ValueError, match="no function 'nope'"):
+        load_function(f"{f}:nope", ["response", "label"], "--custom-rm-path")
+    with pytest.raises(ValueError, match="wrong signature"):
+        load_function(f"{f}:rm", ["a", "b", "c"], "--custom-rm-path")
+    with pytest.raises(ValueError, match="module:function"):
+        load_function("justaname", ["a"], "--x")
