@@ -1,0 +1,168 @@
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from nanorl.checkpoint import find_last_step, load_checkpoint, save_checkpoint
+from nanorl.gpt import GPTConfig, build_model
+from nanorl.optim import build_optimizer, orthogonalize
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tiny_model(seed=0):
+    torch.manual_seed(seed)
+    return build_model(GPTConfig(sequence_len=16, vocab_size=40, n_layer=2, n_head=2, n_kv_head=1, n_embd=32), "cpu")
+
+
+def test_adamw_groups_match_torch_adamw():
+    model = tiny_model()
+    ref = tiny_model()
+    opt = build_optimizer(model, weight_decay=0.0)
+    head_group = [g for g in opt.param_groups if g["params"][0] is model.lm_head.weight][0]
+    ref_opt = torch.optim.AdamW([ref.lm_head.weight], lr=head_group["lr"], betas=head_group["betas"], eps=head_group["eps"], weight_decay=0.0)
+    x = torch.randint(0, 40, (2, 16))
+    for _ in range(3):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad() if o is ref_opt else m.zero_grad()
+            m(x, targets=x).backward()
+        opt.step()
+        ref_opt.step()
+        with torch.no_grad():  # only compare the head: keep the rest of ref in sync
+            for p, q in zip(model.parameters(), ref.parameters()):
+                if q is not ref.lm_head.weight:
+                    q.copy_(p)
+    torch.testing.assert_close(model.lm_head.weight, ref.lm_head.weight, atol=1e-6, rtol=1e-5)
+
+
+def test_muon_update_matches_hand_reference():
+    torch.manual_seed(0)
+    W = torch.randn(8, 4)
+    G1, G2 = torch.randn(8, 4), torch.randn(8, 4)
+    lr, mom = 0.02, 0.95
+
+    def ns(G):  # independent reference: the same quintic iteration written out on the transposed (wide) matrix
+        X = G.T / G.norm()
+        for _ in range(5):
+            A = X @ X.T
+            X = 3.4445 * X + (-4.7750 * A + 2.0315 * A @ A) @ X
+        return X.T
+
+    # two Muon steps by hand: buf = mom*buf + (1-mom)*g; nesterov g' = (1-mom)*g + mom*buf; W -= lr*sqrt(8/4)*ns(g')
+    buf = torch.zeros(8, 4)
+    W_ref = W.clone()
+    for G in (G1, G2):
+        buf = mom * buf + (1 - mom) * G
+        g = (1 - mom) * G + mom * buf
+        W_ref = W_ref - lr * (8 / 4) ** 0.5 * ns(g)
+
+    class Tiny(torch.nn.Module):  # build_optimizer needs the GPT's attribute names
+        def __init__(self):
+            super().__init__()
+            self.config = GPTConfig(n_embd=768)
+            self.transformer = torch.nn.ModuleDict({"wte": torch.nn.Embedding(2, 2), "h": torch.nn.ModuleList([torch.nn.Linear(4, 8, bias=False)])})
+            self.lm_head = torch.nn.Linear(2, 2, bias=False)
+    m = Tiny()
+    m.transformer.h[0].weight.data.copy_(W)
+    opt = build_optimizer(m, matrix_lr=lr, muon_momentum=mom)
+    for G in (G1, G2):
+        m.transformer.h[0].weight.grad = G.clone()
+        opt.step()
+    torch.testing.assert_close(m.transformer.h[0].weight.data, W_ref, atol=1e-5, rtol=1e-4)
+    # and the orthogonalisation really makes singular values close to 1
+    s = torch.linalg.svdvals(orthogonalize(torch.randn(16, 8)))
+    assert s.min() > 0.6 and s.max() < 1.3
+
+
+def _ddp_worker(rank, world, init_file, x, out_path):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    model = tiny_model()
+    opt = build_optimizer(model)
+    for _ in range(2):
+        xb = x[rank::world]
+        model(xb, targets=xb).backward()
+        opt.step()
+        model.zero_grad()
+    if rank == 0:
+        torch.save({k: v.clone() for k, v in model.state_dict().items()}, out_path)
+    dist.destroy_process_group()
+
+
+def test_ddp_two_processes_equal_one(tmp_path):
+    torch.manual_seed(1)
+    x = torch.randint(0, 40, (4, 16))
+    mp.spawn(_ddp_worker, args=(2, str(tmp_path / "init"), x, str(tmp_path / "ddp.pt")), nprocs=2, join=True)
+    model = tiny_model()
+    opt = build_optimizer(model)
+    for _ in range(2):
+        # the same global batch in one process: the mean of the two half-batch losses
+        loss = 0.5 * (model(x[0::2], targets=x[0::2]) + model(x[1::2], targets=x[1::2]))
+        loss.backward()
+        opt.step()
+        model.zero_grad()
+    ddp_state = torch.load(tmp_path / "ddp.pt")
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(ddp_state[k], v, atol=1e-5, rtol=1e-4)
+
+
+def test_checkpoint_atomic_and_corruption(tmp_path):
+    d = tmp_path / "ck"
+    for step in (1, 2, 3):
+        save_checkpoint(str(d), step, {"w": torch.full((2,), float(step))}, {"o": step}, {"step": step}, {"e": step}, keep_last=2)
+    assert find_last_step(str(d)) == 3 and not (d / "model_000001.pt").exists()
+    # an incomplete save (model written, no meta) is never "latest"
+    torch.save({"w": torch.zeros(2)}, d / "model_000004.pt")
+    assert find_last_step(str(d)) == 3
+    # a truncated model file: a clear error naming it, and the previous step still loads
+    (d / "model_000003.pt").write_bytes(b"garbage")
+    with pytest.raises(RuntimeError, match="model_000003.pt.*corrupt"):
+        load_checkpoint(str(d), 3)
+    ms, os_, meta, extra = load_checkpoint(str(d), 2, load_optimizer=True)
+    assert ms["w"][0] == 2 and os_ == {"o": 2} and meta == {"step": 2} and extra == {"e": 2}
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("nanorl")
+    env = {**os.environ, "NANORL_BASE_DIR": str(d)}
+    subprocess.run([sys.executable, "-m", "scripts.tok_train", "--vocab-size", "600", "--max-chars", "300000"],
+                   cwd=ROOT, env=env, check=True, capture_output=True)
+    return d
+
+
+def run_base_train(base_dir, *extra):
+    env = {**os.environ, "NANORL_BASE_DIR": str(base_dir), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "scripts.base_train", "--depth", "2", "--aspect-ratio", "32", "--head-dim", "32",
+           "--max-seq-len", "64", "--device-batch-size", "2", "--total-batch-size", "256", "--eval-every", "-1",
+           "--sample-every", "-1", "--keep-last", "5", *extra]
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    return {int(s): float(l) for s, l in re.findall(r"step (\d+)/\d+ \| loss ([\d.]+)", out.stdout)}, out.stdout
+
+
+def test_loss_drops_and_kill_resume_is_exact(base_dir):
+    losses, _ = run_base_train(base_dir, "--num-iterations", "40", "--save-every", "20", "--model-tag", "full")
+    assert losses[40] < 0.7 * losses[1]
+    # "kill" the run after step 20 (drop the final checkpoint), then resume: steps 21..40 must match exactly
+    ck = base_dir / "base_checkpoints" / "resumed"
+    run_base_train(base_dir, "--num-iterations", "40", "--save-every", "20", "--model-tag", "resumed")
+    for p in ck.glob("*_000040*"):
+        p.unlink()
+    resumed, log = run_base_train(base_dir, "--num-iterations", "40", "--save-every", "20", "--model-tag", "resumed", "--resume")
+    assert "resumed from" in log and min(resumed) == 21
+    assert all(resumed[s] == losses[s] for s in range(21, 41)), [(s, resumed[s], losses[s]) for s in range(21, 41)]
+
+
+def test_bad_batch_flags(base_dir):
+    env = {**os.environ, "NANORL_BASE_DIR": str(base_dir)}
+    out = subprocess.run([sys.executable, "-m", "scripts.base_train", "--depth", "2", "--aspect-ratio", "32", "--head-dim", "32",
+                          "--max-seq-len", "64", "--device-batch-size", "3", "--total-batch-size", "256"],
+                         cwd=ROOT, env=env, capture_output=True, text=True)
+    assert out.returncode != 0 and "--total-batch-size 256 must be a multiple" in out.stderr
