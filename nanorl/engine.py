@@ -21,7 +21,6 @@ The sampling engine: RL rollouts and the chat UI both run on it.
 import ast
 import collections
 import operator
-import os
 import queue
 import threading
 import traceback
@@ -663,13 +662,14 @@ class Engine:
 
 
 def _free_memory(device):
-    """Bytes free for a new allocation on device, or None when it cannot be told."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    if device.type == "cpu" and hasattr(os, "sysconf"):
-        try:
-            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (ValueError, OSError):
+    """Bytes a new allocation on device can get, or None when it cannot be told."""
+    if device.type == "cuda":  # free on the GPU, plus what torch's caching allocator holds but does not use
+        return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    if device.type == "cpu":
+        try:  # MemAvailable counts reclaimable page cache, unlike "free"
+            with open("/proc/meminfo") as f:
+                return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+        except (OSError, StopIteration, ValueError):
             return None
     return None
 

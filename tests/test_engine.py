@@ -349,3 +349,22 @@ def test_render_helpers():
     assert assistant_parts(TOK, reply) == conv["messages"][1]["content"]
     ts = TextStream(TOK)
     assert "".join(ts.push(t) for t in reply) + ts.flush() == "sum: <<2+3=5>> done é"
+
+
+def test_chat_cli_turn_streams_tool_use_and_renders_back():
+    import io
+
+    from scripts.chat_cli import chat_turn
+    a_start = SP("<|assistant_start|>")
+    model = bigram({a_start: PY_START, PY_START: ord("2"), ord("2"): ord("*"), ord("*"): ord("3"), ord("3"): PY_END,
+                    OUT_END: ord("!"), ord("!"): A_END})
+    engine = Engine(model, TOK, batch_size=1)
+    conv = {"messages": [{"role": "user", "content": "2*3?"}]}
+    out = io.StringIO()
+    reply = chat_turn(engine, TOK, conv, temperature=0, out=out)
+    assert out.getvalue() == "<<2*3=6>>!\n"
+    assert reply["content"] == [{"type": "python", "text": "2*3"}, {"type": "python_output", "text": "6"},
+                                {"type": "text", "text": "!"}]
+    conv["messages"] += [reply, {"role": "user", "content": "again"}]
+    ids = TOK.render_for_completion(conv)  # the reply renders back into the next prompt
+    assert ids.count(PY_START) == 1 and ids.count(OUT_START) == 1
