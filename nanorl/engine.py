@@ -290,6 +290,8 @@ class Engine:
         self.cancel_requested = False
         self.serving, self.stopping = False, False
 
+        # attention-length buckets for static shapes: 64, 128, 256, ... max_len
+        self.buckets = [L for L in (64 << i for i in range(32)) if L < self.max_len] + [self.max_len]
         self.use_cuda_graph = (self.device.type == "cuda") if cuda_graph is None else cuda_graph
         self.graphs = {}
         if self.use_cuda_graph:
@@ -519,11 +521,18 @@ class Engine:
     def _decode_logits(self, need):
         """Logits (B, V) of one decode step; every busy row writes at its position and reads <= need keys."""
         if not self.use_cuda_graph:
-            with self._autocast():
-                return self.model(self.input_ids[:, None], kv_cache=self.cache)[:, 0]
-        graph, logits = self.graphs[next(L for L in sorted(self.graphs) if L >= need)]
+            return self._forward_step()
+        graph, logits = self.graphs[self._bucket(need)]
         graph.replay()
         return logits  # a static tensor: read it before the next replay
+
+    def _forward_step(self):
+        # eager, or the body a CUDA graph records (then cache.static is set and attend_len is a bucket)
+        with self._autocast():
+            return self.model(self.input_ids[:, None], kv_cache=self.cache)[:, 0]
+
+    def _bucket(self, need):
+        return next(L for L in self.buckets if L >= need)
 
     def _choose_and_record(self, logits, rows, samples, filtered):
         """Pick each row's next token (sampled, or its forced tool token), its log-prob, record them. rows=None: all."""
@@ -628,33 +637,23 @@ class Engine:
         so the warm-up runs cannot overwrite anyone's KV. A step then replays the smallest bucket that covers
         its longest row: static shapes, one launch, and short rows do not pay for reading the whole cache.
         The graphs read the model's parameters in place: an optimizer step is seen, swapped tensors are not."""
-        buckets, L = [], 64
-        while L < self.max_len:
-            buckets.append(L)
-            L *= 2
-        buckets.append(self.max_len)
         cache, pool = self.cache, torch.cuda.graph_pool_handle()
-
-        def step():
-            with self._autocast():
-                return self.model(self.input_ids[:, None], kv_cache=cache)[:, 0]
-
         cache.static = True
         try:
-            for L in buckets:
+            for L in self.buckets:
                 cache.attend_len = L
                 side = torch.cuda.Stream()
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):  # warm up outside the capture (cuBLAS workspaces, kernel choice)
                     for _ in range(2):
                         cache.pos.zero_()
-                        step()
+                        self._forward_step()
                 torch.cuda.current_stream().wait_stream(side)
                 cache.pos.zero_()
                 graph = torch.cuda.CUDAGraph()
                 # one pool for all graphs: they never run at once, and each step reads its logits right away
                 with torch.cuda.graph(graph, pool=pool):
-                    logits = step()
+                    logits = self._forward_step()
                 self.graphs[L] = (graph, logits)
         finally:
             cache.static, cache.attend_len = False, None

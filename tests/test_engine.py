@@ -368,3 +368,32 @@ def test_chat_cli_turn_streams_tool_use_and_renders_back():
     conv["messages"] += [reply, {"role": "user", "content": "again"}]
     ids = TOK.render_for_completion(conv)  # the reply renders back into the next prompt
     assert ids.count(PY_START) == 1 and ids.count(OUT_START) == 1
+
+
+def test_static_shape_decode_equals_eager():
+    # what each CUDA graph records, run eagerly here: every row reads a fixed attention-length bucket (with
+    # stale KV past its position masked out), idle slots decode garbage at position 0
+    model = tiny(seq=256)
+    reqs = [Request(p, num_samples=2, max_tokens=70, temperature=0.7, seed=i, stop_tokens=[])
+            for i, p in enumerate(prompts([3, 50, 100, 20]))]
+    want = Engine(model, TOK, batch_size=3, max_len=200).generate(reqs)
+    engine = Engine(model, TOK, batch_size=3, max_len=200)
+    assert engine.buckets == [64, 128, 200]
+    seen = set()
+
+    def static_step(need):
+        L = engine._bucket(need)
+        seen.add(L)
+        engine.cache.static, engine.cache.attend_len = True, L
+        try:
+            return engine._forward_step()
+        finally:
+            engine.cache.static = False
+
+    engine._decode_logits = static_step
+    got = engine.generate(reqs)
+    assert seen == {64, 128, 200}
+    for a, b in zip(want, got):
+        assert [c.tokens for c in a] == [c.tokens for c in b]
+        for ca, cb in zip(a, b):
+            torch.testing.assert_close(torch.tensor(ca.logprobs), torch.tensor(cb.logprobs), atol=1e-5, rtol=0)
