@@ -34,9 +34,6 @@ try:
 except ImportError:  # execution.py comes from another branch; until it lands, the small fallback below
     calculator = None
 
-STATUSES = ("completed", "truncated", "aborted")  # plus "running" while in flight, "error" if the engine failed
-
-
 @dataclass
 class Request:
     prompt_ids: list
@@ -55,7 +52,7 @@ class Completion:
     tokens: list  # the generated tokens (not the prompt); the stop token is included when status is "completed"
     logprobs: list  # log p(token) at temperature 1 under the model, for sampled and forced tokens alike
     mask: list  # 1: sampled by the model, 0: forced in (tool output)
-    status: str  # "completed" | "truncated" | "aborted"
+    status: str  # "completed" | "truncated" | "aborted" ("running" while in flight, "error" if a step raised)
     prompt_len: int
 
 
