@@ -100,6 +100,20 @@ def get_peak_flops(device_name):
     return None
 
 
+def get_peak_bandwidth(device_name):
+    """Peak memory bandwidth in bytes/s for MBU (decode is bound by it, not by FLOPs), by GPU name; unknown -> None."""
+    name = device_name.lower()
+    table = [  # (substring, bytes/s); first match wins: "gh200" must come before "h200"
+        ("gh200", 4.0e12), ("h200", 4.8e12), ("h100 nvl", 3.9e12), ("h100 pcie", 2.0e12), ("h100", 3.35e12),
+        ("h800", 3.35e12), ("b200", 8.0e12), ("a100", 2.0e12), ("a10g", 0.6e12), ("l40s", 0.864e12),
+        ("l4", 0.3e12), ("4090", 1.008e12), ("3090", 0.936e12), ("v100", 0.9e12), ("t4", 0.32e12),
+    ]
+    for key, bw in table:
+        if key in name:
+            return bw
+    return None
+
+
 class DummyLogger:
     """Stands in for a wandb run when wandb is off (--run dummy), so scripts call .log() unconditionally."""
     def log(self, *args, **kwargs):

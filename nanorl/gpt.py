@@ -82,6 +82,7 @@ class KVCache:
     A pre-allocated KV cache with its own position per row, so one batch holds prompts of different
     lengths and rows that are refilled at different times (continuous batching).
     k, v: (n_layer, B, n_kv_head, max_len, head_dim). pos[b] = how many tokens row b holds.
+    A forward with the cache calls begin() once, update() once per layer, end() once.
     """
     def __init__(self, n_layer, batch_size, n_kv_head, max_len, head_dim, device, dtype):
         shape = (n_layer, batch_size, n_kv_head, max_len, head_dim)
@@ -89,8 +90,47 @@ class KVCache:
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.pos = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.max_len = max_len
-        self.attend_len = None  # how much of the cache attention reads; None = work it out each forward
-        self.static = False  # True: attend_len stays fixed (static shapes for CUDA graphs)
+        self.attend_len = None  # how much of the cache attention reads: worked out each forward unless static
+        self.static = False  # True: the caller fixed attend_len (static shapes for CUDA graphs)
+        # which cache rows the forward's batch rows are (None = all rows, in order): lets the engine
+        # prefill a few new prompts straight into free rows of the big decode cache
+        self.rows = None
+        self.write_pos = None  # (B, T) positions the current forward writes, set by begin()
+
+    def begin(self, T):
+        """Positions (B, T) of the next T tokens of each row, and the (B, 1, T, attend_len) attention mask."""
+        start = self.pos if self.rows is None else self.pos[self.rows]
+        pos = start[:, None] + torch.arange(T, device=start.device)[None, :]
+        if not self.static:
+            # eager path: read only the used part of the cache (one host sync). A caller that wants
+            # static shapes (CUDA graphs) sets static and attend_len itself and skips this check.
+            top = int(pos.max()) + 1
+            if top > self.max_len:
+                raise ValueError(f"KV cache is full: position {top - 1} >= max_len {self.max_len}")
+            self.attend_len = top
+        self.write_pos = pos
+        key_pos = torch.arange(self.attend_len, device=pos.device)
+        return pos, (key_pos[None, None, :] <= pos[:, :, None])[:, None]
+
+    def update(self, layer, k, v):
+        """Write one layer's new keys/values (B, H, T, D) at write_pos; return the keys/values to attend over."""
+        B, T = self.write_pos.shape
+        rows = torch.arange(B, device=k.device) if self.rows is None else self.rows
+        b_idx = rows[:, None].expand(B, T)
+        kc, vc = self.k[layer], self.v[layer]
+        kc[b_idx, :, self.write_pos] = k.transpose(1, 2).to(kc.dtype)
+        vc[b_idx, :, self.write_pos] = v.transpose(1, 2).to(vc.dtype)
+        L = self.attend_len
+        if self.rows is None:
+            return kc[:, :, :L], vc[:, :, :L]
+        return kc[self.rows, :, :L], vc[self.rows, :, :L]
+
+    def end(self, T):
+        if self.rows is None:
+            self.pos += T
+        else:
+            self.pos[self.rows] += T
+        self.write_pos = None
 
     def reset(self, rows=None):
         if rows is None:
@@ -106,6 +146,24 @@ class KVCache:
         self.k[:, dst, :, :L] = source.k[:, src, :, :L]
         self.v[:, dst, :, :L] = source.v[:, src, :, :L]
         self.pos[dst] = source.pos[src]
+
+
+def attend_cached(q, k, v, mask):
+    """
+    Attention of q (B, H, T, D) over cached k, v (B, Hkv, L, D) with a boolean mask (B, 1, T, L).
+    GQA: the G query heads sharing a KV head are folded into the query length, so each KV head is read
+    once and never expanded (SDPA's enable_gqa with a mask would fall back to a kernel that repeats K/V
+    G times, and decode is bound by exactly those bytes). q is cast to the cache dtype, never the reverse.
+    """
+    B, H, T, D = q.shape
+    Hkv = k.size(1)
+    G = H // Hkv
+    dtype = q.dtype
+    q = q.to(k.dtype).reshape(B, Hkv, G * T, D)  # query head h = kv_head * G + g, as enable_gqa groups them
+    if G > 1:
+        mask = mask.repeat(1, 1, G, 1)  # row g * T + t of the folded query uses token t's mask
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return y.reshape(B, H, T, D).to(dtype)
 
 
 class CausalSelfAttention(nn.Module):
@@ -128,17 +186,8 @@ class CausalSelfAttention(nn.Module):
         q, k = norm(q), norm(k)  # QK-norm keeps attention logits bounded without a temperature to tune
         gqa = self.n_kv_head != self.n_head
         if kv_cache is not None:
-            # write the new keys/values at each row's own positions, then attend over the cache
-            L = kv_cache.attend_len
-            t_idx = kv_cache.pos[:, None] + torch.arange(T, device=x.device)[None, :]  # (B, T)
-            b_idx = torch.arange(B, device=x.device)[:, None].expand(B, T)
-            kc, vc = kv_cache.k[self.layer_idx], kv_cache.v[self.layer_idx]
-            kc[b_idx, :, t_idx] = k.transpose(1, 2).to(kc.dtype)
-            vc[b_idx, :, t_idx] = v.transpose(1, 2).to(vc.dtype)
-            k, v = kc[:, :, :L], vc[:, :, :L]
-            if k.dtype != q.dtype:
-                k, v = k.to(q.dtype), v.to(q.dtype)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=gqa)
+            k, v = kv_cache.update(self.layer_idx, k, v)
+            y = attend_cached(q, k, v, attn_mask)
         elif attn_mask is not None:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=gqa)
         else:
@@ -236,16 +285,7 @@ class GPT(nn.Module):
             raise ValueError(f"sequence of {T} tokens is longer than the model's context of {self.config.sequence_len}")
         attn_mask = None
         if kv_cache is not None:
-            pos = kv_cache.pos[:, None] + torch.arange(T, device=idx.device)[None, :]
-            if kv_cache.attend_len is None:
-                # eager path: read only the used part of the cache (one host sync). A caller that wants
-                # static shapes (CUDA graphs) sets attend_len itself and skips this check.
-                top = int(pos.max()) + 1
-                if top > kv_cache.max_len:
-                    raise ValueError(f"KV cache is full: position {top - 1} >= max_len {kv_cache.max_len}")
-                kv_cache.attend_len = top
-            key_pos = torch.arange(kv_cache.attend_len, device=idx.device)
-            attn_mask = (key_pos[None, None, :] <= pos[:, :, None])[:, None]  # (B, 1, T, L)
+            pos, attn_mask = kv_cache.begin(T)
         elif doc_ids is not None:
             pos = positions_from_doc_ids(doc_ids)
             attn_mask = doc_mask(doc_ids)
@@ -256,9 +296,7 @@ class GPT(nn.Module):
         for block in self.transformer.h:
             x = block(x, cos, sin, attn_mask, kv_cache)
         if kv_cache is not None:
-            kv_cache.pos += T
-            if not kv_cache.static:
-                kv_cache.attend_len = None
+            kv_cache.end(T)
         return norm(x)
 
     def logits_from_hidden(self, h):

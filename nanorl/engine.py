@@ -1,0 +1,724 @@
+"""
+The sampling engine: RL rollouts and the chat UI both run on it.
+
+- one pre-allocated KV cache of batch_size rows ("slots"), each row at its own position
+- a request's prompt is prefilled once, straight into a free row, and its KV copied to the rows of its
+  other samples (prefix sharing)
+- continuous batching: a slot whose sample ends (stop token, max_tokens, context, abort) is refilled from
+  the queue at the next step, so the batch stays full while response lengths vary
+- a decode step is one forward of (batch_size, 1) tokens: replayed from a CUDA graph on CUDA (one graph
+  per attention-length bucket, captured up front), eager on CPU/MPS
+- sampling is batched (temperature, top-k, top-p) and its randomness is a counter-based hash of
+  (request seed, sample index, token index): a sample does not depend on what else shares the batch
+- every token comes with its mask (1 sampled, 0 forced tool output) and its log-prob at temperature 1
+  from the very logits it was drawn from (forced tokens get their true log-prob too, not 0)
+- tool use: <|python_start|>expr<|python_end|> runs a calculator (with a timeout) and its result is forced
+  in as <|output_start|>result<|output_end|>
+
+    engine = Engine(model, tokenizer, batch_size=64)
+    completions = engine.generate([Request(prompt_ids, num_samples=8, temperature=1.0, seed=0)])
+"""
+import ast
+import collections
+import operator
+import queue
+import threading
+import traceback
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+
+try:
+    from nanorl.execution import calculator
+except ImportError:  # execution.py comes from another branch; until it lands, the small fallback below
+    calculator = None
+
+@dataclass
+class Request:
+    prompt_ids: list
+    num_samples: int = 1
+    max_tokens: int = 256
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = None
+    top_p: float = None
+    seed: int = None  # None: drawn from torch's global RNG (so torch.manual_seed makes a run reproducible)
+    stop_tokens: list = None  # None: <|assistant_end|> and <|bos|>; [] never stops before max_tokens
+    use_tools: bool = True
+
+
+@dataclass
+class Completion:
+    tokens: list  # the generated tokens (not the prompt); the stop token is included when status is "completed"
+    logprobs: list  # log p(token) at temperature 1 under the model, for sampled and forced tokens alike
+    mask: list  # 1: sampled by the model, 0: forced in (tool output)
+    status: str  # "completed" | "truncated" | "aborted" ("running" while in flight, "error" if a step raised)
+    prompt_len: int
+
+
+# --- the calculator tool ------------------------------------------------------------------------
+
+_BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+_MAX_BITS = 4096  # bigger integers are refused, so no expression can make the calculator crawl
+
+
+def _calculator(expr):
+    """Safe arithmetic: numbers, + - * / // % ** and parentheses, and "word".count("r"). No eval()."""
+    if len(expr) > 1000:
+        raise ValueError("expression too long")
+    return str(_eval(ast.parse(expr.strip(), mode="eval").body))
+
+
+def _eval(node):
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        return node.value
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
+        v = _eval(node.operand)
+        return v if isinstance(node.op, ast.UAdd) else -v
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
+        a, b = _eval(node.left), _eval(node.right)
+        if isinstance(node.op, ast.Pow) and isinstance(a, int) and isinstance(b, int) and abs(a) > 1 \
+                and abs(a).bit_length() * abs(b) > _MAX_BITS:
+            raise ValueError("number too large")
+        r = _BINOPS[type(node.op)](a, b)
+        if isinstance(r, complex) or (isinstance(r, int) and r.bit_length() > _MAX_BITS):
+            raise ValueError("result is not a reasonable real number")
+        return r
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "count"
+            and isinstance(node.func.value, ast.Constant) and isinstance(node.func.value.value, str)
+            and len(node.args) == 1 and not node.keywords
+            and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+        return node.func.value.value.count(node.args[0].value)
+    raise ValueError(f"unsupported expression: {ast.dump(node)[:60]}")
+
+
+if calculator is None:
+    calculator = _calculator
+
+
+def run_tool(expr, tool=None, timeout=1.0, max_chars=200):
+    """Run tool(expr) -> str in a daemon thread. A failure or a timeout comes back as an error string, never
+    an exception: the model sees it as the tool's output. A thread cannot be killed, so a runaway tool keeps
+    its thread until it returns; the engine only stops waiting (the calculator itself is bounded)."""
+    tool = calculator if tool is None else tool
+    result = [f"Error: timed out after {timeout}s"]
+
+    def target():
+        try:
+            result[0] = str(tool(expr))
+        except Exception as e:
+            result[0] = f"Error: {type(e).__name__}: {e}"
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return result[0][:max_chars]
+
+
+# --- sampling -----------------------------------------------------------------------------------
+
+_MASK64 = (1 << 64) - 1
+
+
+def _signed64(x):
+    x &= _MASK64
+    return x - (1 << 64) if x >> 63 else x
+
+
+def _mix64(x):
+    """splitmix64's finalizer on a Python int: turns (seed, sample index) into well-spread row seeds."""
+    x &= _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+_GOLDEN, _M1, _M2 = _signed64(0x9E3779B97F4A7C15), _signed64(0xBF58476D1CE4E5B9), _signed64(0x94D049BB133111EB)
+
+
+def _shr(x, s):
+    # logical right shift of int64 tensors (torch's >> is arithmetic: it copies the sign bit)
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def uniform_from_counter(seed, counter):
+    """(B,) int64 row seeds and token counters -> (B,) float64 uniforms in [0, 1): splitmix64 on device.
+    Counter-based: token t of a sample gets the same number whatever else is in the batch, and no
+    per-request generator object has to be stepped in Python."""
+    x = seed + counter * _GOLDEN  # int64 arithmetic wraps, as splitmix64 wants
+    x = (x ^ _shr(x, 30)) * _M1
+    x = (x ^ _shr(x, 27)) * _M2
+    x = x ^ _shr(x, 31)
+    return _shr(x, 11).double() / float(1 << 53)
+
+
+def sample_tokens(logits, temperature, top_k, top_p, uniform, filtered=True):
+    """
+    One token per row of fp32 logits (B, V) by inverse-CDF sampling with one uniform per row.
+    temperature (B,) (0 = greedy), top_k (B,) long (V = off), top_p (B,) (1 = off); filtered=False skips
+    the sort when no row uses top-k/top-p.
+    """
+    V = logits.size(-1)
+    t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+    x, order = logits / t[:, None], None
+    if filtered:
+        x, order = x.sort(dim=-1, descending=True)
+    probs = torch.softmax(x, dim=-1)
+    if filtered:
+        # top-k and top-p both keep a prefix of the sorted tokens; the most likely one always survives
+        rank = torch.arange(V, device=logits.device)
+        keep = (rank[None, :] < top_k[:, None]) & (probs.cumsum(-1) - probs < top_p[:, None])
+        probs = probs * keep
+    cdf = probs.cumsum(-1)
+    total = cdf[:, -1:]
+    # u < total strictly, so the search lands on a token whose own probability is > 0
+    u = torch.minimum(uniform[:, None].float() * total, torch.nextafter(total, torch.zeros_like(total)))
+    idx = torch.searchsorted(cdf, u, right=True)
+    # a parallel cumsum is not exactly monotone; in the rare case that lands on a removed token, take the top one
+    idx = torch.where(probs.gather(1, idx) > 0, idx, probs.argmax(-1, keepdim=True))
+    if order is not None:
+        idx = order.gather(1, idx)
+    return torch.where(temperature > 0, idx[:, 0], logits.argmax(-1))
+
+
+# --- requests in flight -------------------------------------------------------------------------
+
+class Handle:
+    """A submitted request. Its completions fill in while it runs; iterate it (submit(..., stream=True))
+    for per-token events, or call result() to wait for all of them."""
+
+    def __init__(self, engine, request, stops, stream):
+        self.engine, self.request, self.stops = engine, request, stops
+        self.completions = [Completion([], [], [], "running", len(request.prompt_ids)) for _ in range(request.num_samples)]
+        self.events = queue.SimpleQueue() if stream else None
+        self.filtered = request.top_k is not None or (request.top_p is not None and request.top_p < 1)
+        self.cancelled = False
+        self.remaining = request.num_samples
+        self.finished = threading.Event()
+
+    @property
+    def done(self):
+        return self.finished.is_set()
+
+    def cancel(self):
+        """Stop this request: its samples end "aborted" with what they have, and free their slots at the next step."""
+        self.engine._cancel([self])
+
+    def result(self):
+        """Wait until every sample has ended (stepping the engine unless a serve_forever thread does) -> list[Completion]."""
+        while not self.done:
+            self.engine._progress(self)
+        return self.completions
+
+    def __iter__(self):
+        """Events: {"sample", "token", "logprob", "mask"} per token, {"sample", "status", "completion"} per sample end."""
+        if self.events is None:
+            raise ValueError("this handle was submitted without stream=True")
+        while True:
+            try:
+                yield self.events.get_nowait()
+                continue
+            except queue.Empty:
+                pass
+            if self.done and self.events.empty():  # the final events are queued before finished is set
+                return
+            if self.engine.serving:
+                try:
+                    yield self.events.get(timeout=0.1)
+                except queue.Empty:
+                    pass
+            else:
+                self.engine.step()
+
+
+class _Sample:
+    """One sample of a request, waiting for a slot or occupying one."""
+
+    def __init__(self, handle, index, row_seed):
+        self.handle, self.index, self.row_seed = handle, index, row_seed
+        self.out = handle.completions[index]
+        self.slot = None
+        self.forced = collections.deque()  # tool output tokens waiting to be fed in
+        self.expr = None  # tokens of an open <|python_start|> block, else None
+
+    @property
+    def length(self):  # prompt + generated tokens; the cache holds all but the last generated one
+        return self.out.prompt_len + len(self.out.tokens)
+
+
+# --- the engine ---------------------------------------------------------------------------------
+
+class Engine:
+    def __init__(self, model, tokenizer, batch_size=64, max_len=None, cuda_graph=None, tool=None,
+                 tool_timeout=1.0, prefill_tokens=16384):
+        cfg = model.config
+        self.model, self.tokenizer = model, tokenizer
+        self.max_len = cfg.sequence_len if max_len is None else max_len
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if not 2 <= self.max_len <= cfg.sequence_len:
+            raise ValueError(f"max_len must be in [2, {cfg.sequence_len}] (the model's context), got {self.max_len}")
+        self.batch_size, self.vocab_size = batch_size, cfg.vocab_size
+        self.device = next(model.parameters()).device
+        self.tool, self.tool_timeout, self.prefill_tokens = tool, tool_timeout, prefill_tokens
+        sp = tokenizer.encode_special
+        self.python_start, self.python_end = sp("<|python_start|>"), sp("<|python_end|>")
+        self.output_start, self.output_end = sp("<|output_start|>"), sp("<|output_end|>")
+        self.default_stops = frozenset([sp("<|assistant_end|>"), tokenizer.get_bos_token_id()])
+
+        self.cache = self._new_cache()
+        B, dev = batch_size, self.device
+        # per-slot state on the device, written when a slot is filled (static tensors for the CUDA graphs)
+        self.input_ids = torch.zeros(B, dtype=torch.long, device=dev)  # each slot's next input token
+        self.temperature = torch.ones(B, device=dev)
+        self.top_k = torch.full((B,), self.vocab_size, dtype=torch.long, device=dev)
+        self.top_p = torch.ones(B, device=dev)
+        self.seed = torch.zeros(B, dtype=torch.long, device=dev)
+        self.counter = torch.zeros(B, dtype=torch.long, device=dev)  # tokens drawn so far by each slot's sample
+        self.free = torch.ones(B, dtype=torch.bool, device=dev)
+        self.slots = [None] * B
+        self.freed = []  # slots emptied this step, marked free on the device in one go
+
+        self.pending = collections.deque()  # samples waiting for a slot, a request's samples next to each other
+        self.live = set()  # handles not finished yet (abort() cancels them all)
+        self.lock = threading.Condition()  # guards pending/live/cancel_requested; serve_forever sleeps on it
+        self.step_lock = threading.RLock()  # one step at a time, whichever thread drives
+        self.cancel_requested = False
+        self.serving, self.stopping = False, False
+
+        # attention-length buckets for static shapes: 64, 128, 256, ... max_len
+        self.buckets = [L for L in (64 << i for i in range(32)) if L < self.max_len] + [self.max_len]
+        self.use_cuda_graph = (self.device.type == "cuda") if cuda_graph is None else cuda_graph
+        self.graphs = {}
+        if self.use_cuda_graph:
+            self._capture_graphs()
+
+    # --- public API -----------------------------------------------------------------------------
+    def submit(self, request, stream=False):
+        """Queue a request and return its Handle at once. Thread-safe."""
+        return self._submit([request], stream)[0]
+
+    def generate(self, requests):
+        """Run requests to the end -> for each request, in order, its list of num_samples Completions."""
+        handles = self._submit(list(requests), stream=False)  # all validated before any is queued
+        for h in handles:
+            h.result()
+        return [h.completions for h in handles]
+
+    def stream(self, request):
+        """One sample, token by token: yields {"token", "logprob", "mask"} dicts, then {"status", "completion"}.
+        Closing the generator early cancels the request."""
+        if request.num_samples != 1:
+            raise ValueError(f"stream() generates one sample, got num_samples={request.num_samples}")
+        handle = self.submit(request, stream=True)
+        return self._stream_events(handle)
+
+    def abort(self):
+        """Abort every request in flight or queued: its samples end "aborted" with what they have so far."""
+        with self.lock:
+            live = list(self.live)
+        self._cancel(live)
+
+    def serve_forever(self):
+        """Step the engine in this thread until shutdown() (run it in a daemon thread): requests submitted from
+        any number of threads then share one continuous batch."""
+        self.serving, self.stopping = True, False
+        try:
+            while True:
+                with self.lock:
+                    while not self.stopping and not self._has_work():
+                        self.lock.wait()
+                    if self.stopping:
+                        return
+                try:
+                    self.step()
+                except Exception:  # the failed requests got status "error"; keep serving the next ones
+                    traceback.print_exc()
+        finally:
+            self.serving = False
+
+    def shutdown(self):
+        with self.lock:
+            self.stopping = True
+            self.lock.notify_all()
+
+    @torch.no_grad()
+    def step(self):
+        """End cancelled samples, refill free slots from the queue (prefill), decode one token in every busy
+        slot. Returns False when there was nothing to do."""
+        with self.step_lock:
+            try:
+                if self.cancel_requested:
+                    self._drop_cancelled()
+                self._admit()
+                self._flush_freed()
+                busy = [s for s in self.slots if s is not None]
+                if busy:
+                    self._decode(busy)
+                    self._flush_freed()
+                return bool(busy) or bool(self.pending)
+            except BaseException as e:
+                self._fail_all()
+                if isinstance(e, torch.OutOfMemoryError):
+                    raise MemoryError(f"out of memory while sampling with batch_size={self.batch_size}, "
+                                      f"max_len={self.max_len}: use a smaller batch_size (or max_len)") from e
+                raise
+
+    # --- submission -----------------------------------------------------------------------------
+    def _check(self, r):
+        if not isinstance(r, Request):
+            raise TypeError(f"expected a Request, got {type(r).__name__}")
+        n = len(r.prompt_ids)
+        if n == 0:
+            raise ValueError("empty prompt: a prompt needs at least one token (e.g. <|bos|>)")
+        if n >= self.max_len:
+            raise ValueError(f"prompt of {n} tokens is too long for the context of {self.max_len} tokens "
+                             f"(it needs room for at least one generated token)")
+        bad = [t for t in r.prompt_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt has unknown token ids {bad[:5]}: ids are ints in [0, {self.vocab_size})")
+        if r.stop_tokens is not None and any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in r.stop_tokens):
+            raise ValueError(f"stop_tokens {r.stop_tokens} has ids outside the vocab (size {self.vocab_size})")
+        if not isinstance(r.num_samples, int) or r.num_samples < 1:
+            raise ValueError(f"num_samples must be >= 1, got {r.num_samples}")
+        if not isinstance(r.max_tokens, int) or r.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be >= 1, got {r.max_tokens}")
+        if not r.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {r.temperature}")
+        if r.top_k is not None and (not isinstance(r.top_k, int) or r.top_k < 1):
+            raise ValueError(f"top_k must be >= 1 (or None), got {r.top_k}")
+        if r.top_p is not None and not 0 < r.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (or None), got {r.top_p}")
+
+    def _submit(self, requests, stream):
+        for r in requests:
+            self._check(r)
+        handles, samples = [], []
+        for r in requests:
+            stops = self.default_stops if r.stop_tokens is None else frozenset(r.stop_tokens)
+            h = Handle(self, r, stops, stream)
+            seed = int(torch.randint(0, 2**62, ()).item()) if r.seed is None else r.seed
+            base = _mix64(seed)
+            samples += [_Sample(h, j, _mix64(base + j)) for j in range(r.num_samples)]
+            handles.append(h)
+        with self.lock:
+            self.pending.extend(samples)
+            self.live.update(handles)
+            self.lock.notify_all()
+        return handles
+
+    def _stream_events(self, handle):
+        try:
+            for ev in handle:
+                ev = dict(ev)
+                del ev["sample"]
+                yield ev
+        finally:
+            if not handle.done:
+                handle.cancel()
+
+    def _cancel(self, handles):
+        with self.lock:
+            for h in handles:
+                h.cancelled = True
+            self.cancel_requested = True
+            self.lock.notify_all()
+
+    def _has_work(self):
+        return bool(self.pending) or self.cancel_requested or any(s is not None for s in self.slots)
+
+    def _progress(self, handle):
+        """Let a waiting caller's work advance: step inline, or wait while a serve_forever thread steps."""
+        if self.serving:
+            handle.finished.wait(0.1)
+        else:
+            self.step()
+
+    # --- one step -------------------------------------------------------------------------------
+    def _drop_cancelled(self):
+        with self.lock:
+            self.cancel_requested = False
+            dropped = [s for s in self.pending if s.handle.cancelled]
+            self.pending = collections.deque(s for s in self.pending if not s.handle.cancelled)
+        for s in dropped + [s for s in self.slots if s is not None and s.handle.cancelled]:
+            self._finish(s, "aborted")
+
+    def _admit(self):
+        """Move queued samples into free slots. Prompts are prefilled together (up to prefill_tokens padded
+        tokens per forward), each once, straight into the slot of its request's first sample here."""
+        free = [i for i, s in enumerate(self.slots) if s is None]
+        with self.lock:
+            take = [self.pending.popleft() for _ in range(min(len(free), len(self.pending)))]
+        if not take:
+            return
+        groups = []  # the samples of one request sit next to each other in the queue
+        for s, slot in zip(take, free):
+            s.slot, self.slots[slot] = slot, s
+            if groups and groups[-1][0].handle is s.handle:
+                groups[-1].append(s)
+            else:
+                groups.append([s])
+        chunk, longest = [], 0
+        for g in groups:
+            n = len(g[0].handle.request.prompt_ids)
+            if chunk and (len(chunk) + 1) * max(longest, n) > self.prefill_tokens:
+                self._prefill(chunk)
+                chunk, longest = [], 0
+            chunk.append(g)
+            longest = max(longest, n)
+        self._prefill(chunk)
+
+    def _prefill(self, groups):
+        prompts = [list(g[0].handle.request.prompt_ids) for g in groups]
+        lens = [len(p) for p in prompts]
+        T, dev = max(lens), self.device
+        idx = torch.tensor([p + [0] * (T - len(p)) for p in prompts], device=dev)
+        first = torch.tensor([g[0].slot for g in groups], device=dev)
+        self.cache.pos[first] = 0
+        self.cache.rows = first
+        try:
+            with self._autocast():
+                h = self.model.hidden_states(idx, kv_cache=self.cache)
+        finally:
+            self.cache.rows = None
+        # a short prompt's padding left garbage past its end: the mask never shows it and decode overwrites it
+        lens_t = torch.tensor(lens, device=dev)
+        self.cache.pos[first] = lens_t
+        with self._autocast():
+            logits = self.model.logits_from_hidden(h[torch.arange(len(groups), device=dev), lens_t - 1])
+        samples = [s for g in groups for s in g]
+        fan = [(g[0].slot, s.slot) for g in groups for s in g[1:]]
+        if fan:  # prefix sharing: the other samples of a request start from a copy of its prefilled row
+            src, dst = zip(*fan)
+            self.cache.copy_rows(torch.tensor(src, device=dev), torch.tensor(dst, device=dev))
+        rows = torch.tensor([s.slot for s in samples], device=dev)
+        self._set_slot_params(samples, rows)
+        which = torch.tensor([i for i, g in enumerate(groups) for _ in g], device=dev)
+        filtered = any(g[0].handle.filtered for g in groups)
+        tokens = self._choose_and_record(logits[which], rows, samples, filtered)
+        self.input_ids[rows] = tokens
+
+    def _set_slot_params(self, samples, rows):
+        reqs = [s.handle.request for s in samples]
+        dev, V = self.device, self.vocab_size
+        self.temperature[rows] = torch.tensor([float(r.temperature) for r in reqs], device=dev)
+        self.top_k[rows] = torch.tensor([min(r.top_k or V, V) for r in reqs], device=dev)
+        self.top_p[rows] = torch.tensor([float(r.top_p or 1.0) for r in reqs], device=dev)
+        self.seed[rows] = torch.tensor([_signed64(s.row_seed) for s in samples], device=dev)
+        self.counter[rows] = 0
+        self.free[rows] = False
+
+    def _decode(self, busy):
+        self.cache.pos.masked_fill_(self.free, 0)  # idle slots decode garbage at position 0, never past the cache
+        logits = self._decode_logits(max(s.length for s in busy))
+        tokens = self._choose_and_record(logits, None, list(self.slots), any(s.handle.filtered for s in busy))
+        self.input_ids.copy_(tokens)
+
+    def _decode_logits(self, need):
+        """Logits (B, V) of one decode step; every busy row writes at its position and reads <= need keys."""
+        if not self.use_cuda_graph:
+            return self._forward_step()
+        graph, logits = self.graphs[self._bucket(need)]
+        graph.replay()
+        return logits  # a static tensor: read it before the next replay
+
+    def _forward_step(self):
+        # eager, or the body a CUDA graph records (then cache.static is set and attend_len is a bucket)
+        with self._autocast():
+            return self.model(self.input_ids[:, None], kv_cache=self.cache)[:, 0]
+
+    def _bucket(self, need):
+        return next(L for L in self.buckets if L >= need)
+
+    def _choose_and_record(self, logits, rows, samples, filtered):
+        """Pick each row's next token (sampled, or its forced tool token), its log-prob, record them. rows=None: all."""
+        sel = slice(None) if rows is None else rows
+        forced = [s.forced.popleft() if s is not None and s.forced else -1 for s in samples]
+        u = uniform_from_counter(self.seed[sel], self.counter[sel])
+        tok = sample_tokens(logits, self.temperature[sel], self.top_k[sel], self.top_p[sel], u, filtered)
+        if any(f >= 0 for f in forced):
+            f = torch.tensor(forced, device=self.device)
+            tok = torch.where(f >= 0, f, tok)
+        logp = torch.log_softmax(logits, dim=-1).gather(1, tok[:, None])[:, 0]
+        self.counter[sel] += 1
+        host = torch.stack([tok.double(), logp.double()]).tolist()  # the step's one device -> host sync
+        for s, t, lp, f in zip(samples, host[0], host[1], forced):
+            if s is not None:
+                self._record(s, int(t), lp, 0 if f >= 0 else 1)
+        return tok
+
+    def _record(self, s, token, logprob, mask):
+        out, h = s.out, s.handle
+        out.tokens.append(token)
+        out.logprobs.append(logprob)
+        out.mask.append(mask)
+        if h.events is not None:
+            h.events.put({"sample": s.index, "token": token, "logprob": logprob, "mask": mask})
+        if mask and token in h.stops:
+            return self._finish(s, "completed")
+        if mask and h.request.use_tools:
+            self._tool_state(s, token)
+        if len(out.tokens) >= h.request.max_tokens or s.length >= self.max_len:
+            self._finish(s, "truncated")
+
+    def _tool_state(self, s, token):
+        if token == self.python_start:
+            s.expr = []
+        elif s.expr is not None and token == self.python_end:
+            result = run_tool(self.tokenizer.decode(s.expr), self.tool, self.tool_timeout)
+            s.forced.extend([self.output_start] + self.tokenizer.encode(result) + [self.output_end])
+            s.expr = None
+        elif s.expr is not None:
+            s.expr.append(token)
+
+    def _finish(self, s, status):
+        s.out.status = status
+        if s.slot is not None:
+            self.slots[s.slot] = None
+            self.freed.append(s.slot)
+            s.slot = None
+        h = s.handle
+        if h.events is not None:
+            h.events.put({"sample": s.index, "status": status, "completion": s.out})
+        h.remaining -= 1
+        if h.remaining == 0:
+            with self.lock:
+                self.live.discard(h)
+            h.finished.set()
+
+    def _flush_freed(self):
+        if self.freed:
+            self.free[torch.tensor(self.freed, device=self.device)] = True
+            self.freed = []
+
+    def _fail_all(self):
+        """After an exception mid-step: end everything in flight with status "error" and start clean."""
+        with self.lock:
+            pending, self.pending = list(self.pending), collections.deque()
+        for s in [s for s in self.slots if s is not None] + pending:
+            self._finish(s, "error")
+        self.freed = []
+        self.cache.rows = None
+        try:
+            self.cache.pos.zero_()
+            self.free.fill_(True)
+        except RuntimeError:  # the device itself may be what failed
+            pass
+
+    # --- memory, precision, CUDA graphs ---------------------------------------------------------
+    def _autocast(self):
+        # cache_enabled=False: autocast's weight-cast cache must not outlive a CUDA graph capture
+        if self.device.type == "cuda":
+            return torch.amp.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False)
+        return nullcontext()
+
+    def _new_cache(self):
+        cfg = self.model.config
+        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        nbytes = 2 * cfg.n_layer * self.batch_size * cfg.n_kv_head * self.max_len * self.model.head_dim * dtype.itemsize
+        avail = _free_memory(self.device)
+        msg = (f"the KV cache for batch_size={self.batch_size}, max_len={self.max_len} needs {nbytes / 1e9:.2f} GB"
+               + (f" but only {avail / 1e9:.2f} GB is free" if avail is not None else "")
+               + ": use a smaller batch_size (or max_len, or a model with fewer KV heads)")
+        if avail is not None and nbytes > avail:
+            raise MemoryError(msg)
+        try:
+            return self.model.new_kv_cache(self.batch_size, self.max_len, dtype=dtype)
+        except torch.OutOfMemoryError as e:
+            raise MemoryError(msg) from e
+
+    @torch.no_grad()
+    def _capture_graphs(self):
+        """Capture one decode step per attention-length bucket (64, 128, ... max_len) while the cache is empty,
+        so the warm-up runs cannot overwrite anyone's KV. A step then replays the smallest bucket that covers
+        its longest row: static shapes, one launch, and short rows do not pay for reading the whole cache.
+        The graphs read the model's parameters in place: an optimizer step is seen, swapped tensors are not."""
+        cache, pool = self.cache, torch.cuda.graph_pool_handle()
+        cache.static = True
+        try:
+            for L in self.buckets:
+                cache.attend_len = L
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):  # warm up outside the capture (cuBLAS workspaces, kernel choice)
+                    for _ in range(2):
+                        cache.pos.zero_()
+                        self._forward_step()
+                torch.cuda.current_stream().wait_stream(side)
+                cache.pos.zero_()
+                graph = torch.cuda.CUDAGraph()
+                # one pool for all graphs: they never run at once, and each step reads its logits right away
+                with torch.cuda.graph(graph, pool=pool):
+                    logits = self._forward_step()
+                self.graphs[L] = (graph, logits)
+        finally:
+            cache.static, cache.attend_len = False, None
+            cache.pos.zero_()
+
+
+def _free_memory(device):
+    """Bytes a new allocation on device can get, or None when it cannot be told."""
+    if device.type == "cuda":  # free on the GPU, plus what torch's caching allocator holds but does not use
+        return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    if device.type == "cpu":
+        try:  # MemAvailable counts reclaimable page cache, unlike "free"
+            with open("/proc/meminfo") as f:
+                return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+        except (OSError, StopIteration, ValueError):
+            return None
+    return None
+
+
+# --- rendering, shared by the CLI and the web server --------------------------------------------
+
+def assistant_parts(tokenizer, tokens):
+    """Generated tokens -> assistant content parts [{"type": "text"|"python"|"python_output", "text"}],
+    the inverse of Tokenizer.render_conversation's assistant turn. Stops at <|assistant_end|> / <|bos|>."""
+    sp = tokenizer.encode_special
+    starts = {sp("<|python_start|>"): "python", sp("<|output_start|>"): "python_output"}
+    ends = {sp("<|python_end|>"), sp("<|output_end|>")}
+    stops = {sp("<|assistant_end|>"), tokenizer.get_bos_token_id()}
+    parts, kind, buf = [], "text", []
+
+    def flush():
+        if buf or kind != "text":  # an empty tool call is still a tool call
+            parts.append({"type": kind, "text": tokenizer.decode(buf)})
+        buf.clear()
+
+    for t in tokens:
+        if t in stops:
+            break
+        if t in starts or t in ends:
+            flush()
+            kind = starts.get(t, "text")
+        else:
+            buf.append(t)
+    flush()
+    return parts
+
+
+class TextStream:
+    """Printable text of a token stream: holds back the bytes of a UTF-8 character split across tokens, shows
+    tool use as <<expr=result>> (GSM8K's calculator notation) and drops stop tokens."""
+
+    def __init__(self, tokenizer):
+        sp = tokenizer.encode_special
+        self.tokenizer, self.buf = tokenizer, []
+        self.marks = {sp("<|python_start|>"): "<<", sp("<|python_end|>"): "", sp("<|output_start|>"): "=",
+                      sp("<|output_end|>"): ">>", sp("<|assistant_end|>"): "", tokenizer.get_bos_token_id(): ""}
+
+    def push(self, token):
+        if token in self.marks:
+            return self.flush() + self.marks[token]
+        self.buf.append(token)
+        text = self.tokenizer.decode(self.buf)
+        if text.endswith("\ufffd") and len(self.buf) < 8:
+            return ""  # probably half a character: wait for the rest
+        self.buf = []
+        return text
+
+    def flush(self):
+        text = self.tokenizer.decode(self.buf) if self.buf else ""
+        self.buf = []
+        return text

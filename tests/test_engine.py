@@ -1,0 +1,400 @@
+import threading
+import time
+
+import pytest
+import torch
+
+from nanorl.engine import (Engine, Request, TextStream, _calculator, _mix64, _signed64, assistant_parts,
+                           run_tool, sample_tokens, uniform_from_counter)
+from nanorl.gpt import GPTConfig, build_model
+from nanorl.tokenizer import SPLIT_PATTERN, Tokenizer
+
+# a byte-level tokenizer needs no training: 256 byte tokens + the 9 special tokens
+TOK = Tokenizer.from_ranks({bytes([i]): i for i in range(256)}, SPLIT_PATTERN)
+SP = TOK.encode_special
+BOS, A_END = TOK.get_bos_token_id(), SP("<|assistant_end|>")
+PY_START, PY_END, OUT_START, OUT_END = (SP(f"<|{n}|>") for n in ("python_start", "python_end", "output_start", "output_end"))
+VOCAB = 272  # > the tokenizer's 265: the model's vocab may be padded
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # tiny models: threads only add sync overhead, and they crawl when the machine's cores are busy
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def tiny(n_kv_head=2, seq=64, seed=0):
+    torch.manual_seed(seed)
+    cfg = GPTConfig(sequence_len=seq, vocab_size=VOCAB, n_layer=2, n_head=4, n_kv_head=n_kv_head, n_embd=64)
+    model = build_model(cfg, "cpu")
+    with torch.no_grad():  # perturb: init zeroes the output projections, and the lm_head is near zero
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+        model.lm_head.weight.mul_(20)  # logits that matter: greedy has clear winners
+    return model.eval()
+
+
+def bigram(next_of, default=ord("z")):
+    """A rigged GPT whose next token depends only on the current one: blocks are the identity (zero output
+    projections), the embedding is one-hot, and the lm_head holds a logit table. Deterministic at T=0."""
+    C = 288
+    cfg = GPTConfig(sequence_len=64, vocab_size=VOCAB, n_layer=1, n_head=4, n_kv_head=2, n_embd=C)
+    model = build_model(cfg, "cpu")
+    with torch.no_grad():
+        model.transformer.wte.weight.copy_(torch.eye(VOCAB, C) * C ** 0.5)  # norm() keeps it as is
+        model.lm_head.weight.zero_()
+        for x in range(VOCAB):
+            model.lm_head.weight[next_of.get(x, default), x] = 12 / C ** 0.5
+    return model.eval()
+
+
+def greedy_reference(model, prompt, n):
+    """Greedy decoding by repeated full forwards, no cache."""
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
+    return seq[len(prompt):]
+
+
+def prompts(lengths, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("n_kv_head", [4, 1])
+def test_greedy_with_cache_equals_full_forwards(n_kv_head):
+    model = tiny(n_kv_head)
+    engine = Engine(model, TOK, batch_size=4)
+    ps = prompts([5, 12, 1, 30])
+    out = engine.generate([Request(p, num_samples=1 + (i == 1) * 2, max_tokens=12, temperature=0, stop_tokens=[])
+                           for i, p in enumerate(ps)])
+    for p, cs in zip(ps, out):
+        for c in cs:  # the 3 samples of prompt 1 share its prefill (copied rows)
+            assert c.tokens == greedy_reference(model, p, 12)
+            assert c.status == "truncated" and c.mask == [1] * 12 and c.prompt_len == len(p)
+
+
+def test_logprobs_equal_training_forward():
+    model = tiny()
+    engine = Engine(model, TOK, batch_size=3)
+    reqs = [Request(p, num_samples=2, max_tokens=15, temperature=0.8, top_k=50, top_p=0.95, seed=i, stop_tokens=[])
+            for i, p in enumerate(prompts([4, 9, 17]))]
+    for req, cs in zip(reqs, engine.generate(reqs)):
+        for c in cs:
+            seq = torch.tensor([req.prompt_ids + c.tokens])
+            with torch.no_grad():
+                lp = model.token_logprobs(seq[:, :-1], seq[:, 1:])[0, c.prompt_len - 1:]
+            torch.testing.assert_close(torch.tensor(c.logprobs), lp, atol=1e-4, rtol=0)
+
+
+def test_seeds_reproducible_and_samples_differ_from_first_token():
+    model = tiny()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.01)  # a spread first-token distribution
+    p = prompts([6])[0]
+    req = Request(p, num_samples=8, max_tokens=10, temperature=1.0, seed=123, stop_tokens=[])
+    a = Engine(model, TOK, batch_size=8).generate([req])[0]
+    firsts = [c.tokens[0] for c in a]
+    assert len(set(firsts)) >= 6, firsts  # independent draws from the first token on, not 8 copies
+    assert len({tuple(c.tokens) for c in a}) == 8
+    # same seed -> same samples, whatever the batch size and whatever else shares the batch
+    others = [Request(q, num_samples=3, max_tokens=7, seed=9, stop_tokens=[]) for q in prompts([3, 20], seed=5)]
+    b = Engine(model, TOK, batch_size=3).generate(others + [req])[-1]
+    assert [c.tokens for c in a] == [c.tokens for c in b]
+    c = Engine(model, TOK, batch_size=8).generate([Request(p, num_samples=8, max_tokens=10, seed=124, stop_tokens=[])])[0]
+    assert [x.tokens for x in c] != [x.tokens for x in a]
+
+
+def test_mixed_lengths_and_continuous_batching_equal_one_at_a_time():
+    model = tiny()
+    ps = prompts([3, 25, 8, 1, 14, 6, 40])
+    reqs = [Request(p, num_samples=1 + i % 2, max_tokens=4 + 3 * i, temperature=0, stop_tokens=[])
+            for i, p in enumerate(ps)]
+    alone = [Engine(model, TOK, batch_size=2).generate([r])[0] for r in reqs]
+    batched = Engine(model, TOK, batch_size=3, prefill_tokens=64).generate(reqs)  # 10 samples through 3 slots
+    for r, a, b in zip(reqs, alone, batched):
+        assert [c.tokens for c in a] == [c.tokens for c in b]
+        assert all(len(c.tokens) == r.max_tokens for c in b)
+
+
+def test_context_limit_truncates():
+    model = tiny(seq=32)
+    engine = Engine(model, TOK, batch_size=2, max_len=20)
+    (c,), = engine.generate([Request(prompts([15])[0], max_tokens=100, temperature=0, stop_tokens=[])])
+    assert c.status == "truncated" and c.prompt_len + len(c.tokens) == 20
+
+
+def test_stop_tokens():
+    model = bigram({BOS: ord("a"), ord("a"): ord("b"), ord("b"): A_END})
+    engine = Engine(model, TOK, batch_size=2)
+    (c,), = engine.generate([Request([BOS], max_tokens=10, temperature=0)])
+    assert c.tokens == [ord("a"), ord("b"), A_END] and c.status == "completed"
+    (c,), = engine.generate([Request([BOS], max_tokens=10, temperature=0, stop_tokens=[ord("b")])])
+    assert c.tokens == [ord("a"), ord("b")] and c.status == "completed"
+    (c,), = engine.generate([Request([BOS], max_tokens=2, temperature=0)])
+    assert c.tokens == [ord("a"), ord("b")] and c.status == "truncated"
+
+
+def test_tool_call_forces_output_with_mask_zero():
+    script = {BOS: PY_START, PY_START: ord("2"), ord("2"): ord("+"), ord("+"): ord("3"), ord("3"): PY_END,
+              OUT_END: A_END}
+    model = bigram(script)
+    engine = Engine(model, TOK, batch_size=2)
+    (c,), = engine.generate([Request([BOS], max_tokens=20, temperature=0)])
+    assert c.tokens == [PY_START, ord("2"), ord("+"), ord("3"), PY_END, OUT_START, ord("5"), OUT_END, A_END]
+    assert c.mask == [1, 1, 1, 1, 1, 0, 0, 0, 1] and c.status == "completed"
+    # forced tokens carry their real log-prob under the model (low here: it wanted "z")
+    with torch.no_grad():
+        seq = torch.tensor([[BOS] + c.tokens])
+        lp = model.token_logprobs(seq[:, :-1], seq[:, 1:])[0]
+    torch.testing.assert_close(torch.tensor(c.logprobs), lp, atol=1e-4, rtol=0)
+    assert max(c.logprobs[5:8]) < -5 < -0.05 < min(c.logprobs[:5])
+    assert assistant_parts(TOK, c.tokens) == [{"type": "python", "text": "2+3"}, {"type": "python_output", "text": "5"}]
+    # without tools the same model just goes on writing
+    (c,), = engine.generate([Request([BOS], max_tokens=8, temperature=0, use_tools=False)])
+    assert c.mask == [1] * 8 and OUT_START not in c.tokens
+
+
+def test_tool_errors_are_contained_and_timeout_enforced():
+    model = bigram({BOS: PY_START, PY_START: ord("1"), ord("1"): ord("/"), ord("/"): ord("0"), ord("0"): PY_END,
+                    OUT_END: A_END})
+    (c,), = Engine(model, TOK, batch_size=1, tool=_calculator).generate([Request([BOS], max_tokens=80, temperature=0)])
+    out = assistant_parts(TOK, c.tokens)[1]
+    assert out["type"] == "python_output" and out["text"].startswith("Error") and "ZeroDivision" in out["text"]
+    assert c.status == "completed" and c.tokens[-1] == A_END
+
+    def slow(expr):
+        time.sleep(3)
+        return "late"
+
+    engine = Engine(model, TOK, batch_size=1, tool=slow, tool_timeout=0.2)
+    t0 = time.time()
+    (c,), = engine.generate([Request([BOS], max_tokens=80, temperature=0)])
+    assert time.time() - t0 < 2
+    assert assistant_parts(TOK, c.tokens)[1] == {"type": "python_output", "text": "Error: timed out after 0.2s"}
+
+
+def test_calculator():
+    # the fallback calculator (nanorl.execution's, once it exists, is the default tool and has its own tests)
+    assert run_tool("2+3") == "5"  # whichever calculator is the default
+    assert run_tool('"strawberry".count("r")', tool=_calculator) == "3"
+    assert run_tool("(7 - 1) * 3 / 4", tool=_calculator) == "4.5"
+    assert run_tool("2 ** 10 % 1000", tool=_calculator) == "24"
+    for bad in ["__import__('os').system('ls')", "open('x')", "2 ** 10 ** 10", "(10**999)**9", "x + 1", "",
+                "'a' * 10**9", "1/0", "(" * 500 + ")" * 500]:
+        assert run_tool(bad, tool=_calculator).startswith("Error"), bad
+    with pytest.raises(ValueError):
+        _calculator("[].count(1)")
+    assert run_tool("1", tool=lambda e: 1 / 0).startswith("Error: ZeroDivisionError")
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(prompt_ids=[]), "empty prompt"),
+    (dict(prompt_ids=[1] * 64), "too long"),
+    (dict(prompt_ids=[1, VOCAB]), "unknown token"),
+    (dict(prompt_ids=[1, -1]), "unknown token"),
+    (dict(prompt_ids=[1], max_tokens=0), "max_tokens"),
+    (dict(prompt_ids=[1], temperature=-0.1), "temperature"),
+    (dict(prompt_ids=[1], top_p=0.0), "top_p"),
+    (dict(prompt_ids=[1], top_p=1.5), "top_p"),
+    (dict(prompt_ids=[1], top_k=0), "top_k"),
+    (dict(prompt_ids=[1], num_samples=0), "num_samples"),
+    (dict(prompt_ids=[1], stop_tokens=[VOCAB]), "stop_tokens"),
+])
+def test_bad_requests_are_clear_errors(kwargs, match):
+    engine = Engine(tiny(), TOK, batch_size=2)
+    good = Request([1, 2], max_tokens=2)
+    with pytest.raises(ValueError, match=match):
+        engine.generate([good, Request(**kwargs)])
+    assert not engine.pending  # nothing was queued: a batch is checked before any of it runs
+
+
+def test_bad_engine_settings():
+    model = tiny()
+    with pytest.raises(MemoryError, match="smaller batch_size"):
+        Engine(model, TOK, batch_size=10**9)
+    with pytest.raises(ValueError, match="max_len"):
+        Engine(model, TOK, max_len=65)
+    with pytest.raises(ValueError, match="batch_size"):
+        Engine(model, TOK, batch_size=0)
+    with pytest.raises(ValueError, match="num_samples"):
+        Engine(model, TOK).stream(Request([1], num_samples=2))
+
+
+def test_abort_returns_partial_sequences():
+    model = tiny()
+    engine = Engine(model, TOK, batch_size=2)
+    reqs = [Request(p, num_samples=2, max_tokens=50, seed=i, stop_tokens=[]) for i, p in enumerate(prompts([4, 7]))]
+    handles = [engine.submit(r) for r in reqs]
+    for _ in range(5):
+        engine.step()
+    engine.abort()
+    engine.step()
+    running = handles[0].completions  # in the two slots after 5 steps: 6 tokens each (1 at prefill + 5 decodes)
+    assert [c.status for c in running] == ["aborted", "aborted"] and [len(c.tokens) for c in running] == [6, 6]
+    assert all(len(c.logprobs) == len(c.mask) == 6 for c in running)
+    assert [(c.status, c.tokens) for c in handles[1].completions] == [("aborted", [])] * 2  # still queued
+    assert all(s is None for s in engine.slots) and not engine.pending
+    # the engine keeps working, and an abort from another thread stops a running generate()
+    many = [Request([1, 2, 3], max_tokens=50, stop_tokens=[]) for _ in range(200)]  # seconds of work
+    threading.Timer(0.3, engine.abort).start()
+    t0 = time.time()
+    out = engine.generate(many)
+    assert time.time() - t0 < 3
+    statuses = [c.status for (c,) in out]
+    assert statuses[-1] == "aborted" and set(statuses) <= {"truncated", "aborted"}
+
+
+def test_cancel_frees_the_slot():
+    engine = Engine(tiny(), TOK, batch_size=1)
+    h1 = engine.submit(Request([1, 2], max_tokens=40, stop_tokens=[]))
+    h2 = engine.submit(Request([3], max_tokens=3, stop_tokens=[]))
+    engine.step()
+    h1.cancel()
+    assert h2.result()[0].status == "truncated" and len(h2.completions[0].tokens) == 3
+    assert h1.done and h1.completions[0].status == "aborted" and len(h1.completions[0].tokens) == 2
+
+
+def test_stream_yields_the_same_as_generate():
+    model = tiny()
+    engine = Engine(model, TOK, batch_size=4)
+    req = Request(prompts([9])[0], max_tokens=12, temperature=1.0, top_k=20, seed=7, stop_tokens=[])
+    (want,), = engine.generate([req])
+    events = list(engine.stream(req))
+    assert [e["token"] for e in events[:-1]] == want.tokens
+    assert [e["logprob"] for e in events[:-1]] == want.logprobs and [e["mask"] for e in events[:-1]] == want.mask
+    assert events[-1]["status"] == "truncated" and events[-1]["completion"].tokens == want.tokens
+    # closing a stream early cancels its request and frees its slot
+    gen = engine.stream(Request([1, 2], max_tokens=100, stop_tokens=[]))
+    next(gen)
+    gen.close()
+    engine.step()
+    assert all(s is None for s in engine.slots) and not engine.live
+
+
+def test_serve_forever_batches_concurrent_users():
+    model = tiny()
+    engine = Engine(model, TOK, batch_size=3)
+    reqs = [Request(p, max_tokens=5 + i, temperature=0.9, seed=i, stop_tokens=[]) for i, p in enumerate(prompts([3, 8, 5, 12, 2]))]
+    want = [c[0].tokens for c in Engine(model, TOK, batch_size=5).generate(reqs)]
+    server = threading.Thread(target=engine.serve_forever, daemon=True)
+    server.start()
+    got = [None] * len(reqs)
+
+    def user(i):
+        got[i] = [e["token"] for e in engine.stream(reqs[i]) if "token" in e]
+
+    users = [threading.Thread(target=user, args=(i,)) for i in range(len(reqs))]
+    for u in users:
+        u.start()
+    for u in users:
+        u.join(timeout=30)
+    assert got == want
+    assert [c[0].tokens for c in engine.generate(reqs[:2])] == want[:2]  # generate() also works while serving
+    engine.shutdown()
+    server.join(timeout=5)
+    assert not server.is_alive()
+
+
+def test_sampling_is_exact_inverse_cdf():
+    torch.manual_seed(0)
+    logits = torch.randn(1, 50) * 2
+    N = 20000
+    u = (torch.arange(N, dtype=torch.float64) + 0.5) / N  # a uniform grid: counts follow the probabilities exactly
+    L = logits.expand(N, 50)
+
+    def freq(temperature=1.0, top_k=50, top_p=1.0, filtered=True):
+        t = sample_tokens(L, torch.full((N,), temperature), torch.full((N,), top_k), torch.full((N,), top_p), u, filtered)
+        return torch.bincount(t, minlength=50).double() / N
+
+    p = torch.softmax(logits[0] / 0.7, -1).double()
+    assert (freq(0.7, filtered=False) - p).abs().max() < 2 / N
+    assert (freq(0.7) - p).abs().max() < 2 / N
+    top = p.argsort(descending=True)
+    pk = torch.zeros(50, dtype=torch.float64)
+    pk[top[:5]] = p[top[:5]] / p[top[:5]].sum()
+    assert (freq(0.7, top_k=5) - pk).abs().max() < 2 / N
+    n_keep = int((p[top].cumsum(0) < 0.6).sum()) + 1  # the smallest top set holding 60% of the mass
+    pp = torch.zeros(50, dtype=torch.float64)
+    pp[top[:n_keep]] = p[top[:n_keep]] / p[top[:n_keep]].sum()
+    assert (freq(0.7, top_p=0.6) - pp).abs().max() < 2 / N
+    assert freq(0.0)[logits[0].argmax()] == 1.0 and freq(1.0, top_k=1)[logits[0].argmax()] == 1.0
+
+
+def test_counter_hash_matches_splitmix64():
+    M = (1 << 64) - 1
+
+    def splitmix(seed, c):
+        x = (seed + c * 0x9E3779B97F4A7C15) & M
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & M
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & M
+        return ((x ^ (x >> 31)) >> 11) / 2**53
+
+    seeds, counters = [_mix64(i) for i in range(1, 7)], [0, 1, 2, 1000, 2**40, 7]
+    u = uniform_from_counter(torch.tensor([_signed64(s) for s in seeds]), torch.tensor(counters))
+    assert u.tolist() == [splitmix(s, c) for s, c in zip(seeds, counters)]
+
+
+def test_render_helpers():
+    conv = {"messages": [{"role": "user", "content": "hi"},
+                         {"role": "assistant", "content": [{"type": "text", "text": "sum: "},
+                                                           {"type": "python", "text": "2+3"},
+                                                           {"type": "python_output", "text": "5"},
+                                                           {"type": "text", "text": " done é"}]}]}
+    ids, mask = TOK.render_conversation(conv)
+    reply = ids[ids.index(SP("<|assistant_start|>")) + 1:]
+    assert assistant_parts(TOK, reply) == conv["messages"][1]["content"]
+    ts = TextStream(TOK)
+    assert "".join(ts.push(t) for t in reply) + ts.flush() == "sum: <<2+3=5>> done é"
+
+
+def test_chat_cli_turn_streams_tool_use_and_renders_back():
+    import io
+
+    from scripts.chat_cli import chat_turn
+    a_start = SP("<|assistant_start|>")
+    model = bigram({a_start: PY_START, PY_START: ord("2"), ord("2"): ord("*"), ord("*"): ord("3"), ord("3"): PY_END,
+                    OUT_END: ord("!"), ord("!"): A_END})
+    engine = Engine(model, TOK, batch_size=1)
+    conv = {"messages": [{"role": "user", "content": "2*3?"}]}
+    out = io.StringIO()
+    reply = chat_turn(engine, TOK, conv, temperature=0, out=out)
+    assert out.getvalue() == "<<2*3=6>>!\n"
+    assert reply["content"] == [{"type": "python", "text": "2*3"}, {"type": "python_output", "text": "6"},
+                                {"type": "text", "text": "!"}]
+    conv["messages"] += [reply, {"role": "user", "content": "again"}]
+    ids = TOK.render_for_completion(conv)  # the reply renders back into the next prompt
+    assert ids.count(PY_START) == 1 and ids.count(OUT_START) == 1
+
+
+def test_static_shape_decode_equals_eager():
+    # what each CUDA graph records, run eagerly here: every row reads a fixed attention-length bucket (with
+    # stale KV past its position masked out), idle slots decode garbage at position 0
+    model = tiny(seq=256)
+    reqs = [Request(p, num_samples=2, max_tokens=70, temperature=0.7, seed=i, stop_tokens=[])
+            for i, p in enumerate(prompts([3, 50, 100, 20]))]
+    want = Engine(model, TOK, batch_size=3, max_len=200).generate(reqs)
+    engine = Engine(model, TOK, batch_size=3, max_len=200)
+    assert engine.buckets == [64, 128, 200]
+    seen = set()
+
+    def static_step(need):
+        L = engine._bucket(need)
+        seen.add(L)
+        engine.cache.static, engine.cache.attend_len = True, L
+        try:
+            return engine._forward_step()
+        finally:
+            engine.cache.static = False
+
+    engine._decode_logits = static_step
+    got = engine.generate(reqs)
+    assert seen == {64, 128, 200}
+    for a, b in zip(want, got):
+        assert [c.tokens for c in a] == [c.tokens for c in b]
+        for ca, cb in zip(a, b):
+            torch.testing.assert_close(torch.tensor(ca.logprobs), torch.tensor(cb.logprobs), atol=1e-5, rtol=0)
