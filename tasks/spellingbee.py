@@ -56,7 +56,7 @@ class SpellingBee(Task):
         else:
             content = text + f"The letter {letter} appears {count} times in {word}.\n#### {count}"
         return {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": content}],
-                "label": str(count)}
+                "label": str(count), "word": word, "letter": letter}
 
     def evaluate(self, conversation, response_text):
         return extract_answer(response_text) == conversation["label"]
