@@ -40,6 +40,8 @@ train_time = time.time() - t0
 out_dir = args.out_dir or os.path.join(get_base_dir(), "tokenizer")
 path = tokenizer.save(out_dir)
 print0(f"trained in {train_time:.1f}s, vocab {tokenizer.vocab_size}, saved to {path}")
+if tokenizer.vocab_size < args.vocab_size:
+    print0(f"note: the text ran out of pairs to merge, so the vocabulary is {tokenizer.vocab_size} < --vocab-size {args.vocab_size}")
 
 # sanity check: round trip, and a quick compression figure on held-out text
 sample = "Hello world! 12345 ünïcödé 🤖 <|bos|>"

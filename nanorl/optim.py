@@ -1,0 +1,122 @@
+"""
+One optimizer object for the whole model: Muon for the transformer's 2D matrices, AdamW for the
+embedding, the unembedding and anything else. Under DDP it averages gradients across ranks itself inside
+step(), so scripts never wrap the model in DDP and gradient accumulation needs no no_sync().
+"""
+import torch
+import torch.distributed as dist
+
+
+@torch.no_grad()
+def orthogonalize(G, steps=5):
+    """
+    Approximately replace G by the nearest semi-orthogonal matrix (U V^T of its SVD) with a quintic
+    Newton-Schulz iteration. The coefficients push singular values towards 1 quickly rather than exactly,
+    which is all Muon needs. Runs in bf16 on GPU (fast, and accurate enough), fp32 elsewhere.
+    """
+    a, b, c = 3.4445, -4.7750, 2.0315
+    X = G.bfloat16() if G.is_cuda else G.float()
+    transposed = X.size(-2) > X.size(-1)
+    if transposed:  # iterate on the smaller Gram matrix
+        X = X.mT
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)  # spectral norm <= Frobenius norm <= 1
+    for _ in range(steps):
+        A = X @ X.mT
+        B = b * A + c * (A @ A)
+        X = a * X + B @ X
+    if transposed:
+        X = X.mT
+    return X.to(G.dtype)
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    def __init__(self, param_groups):
+        super().__init__(param_groups, defaults={})
+
+    @torch.no_grad()
+    def average_gradients(self):
+        """All-reduce (mean) every gradient across ranks, one flat buffer per dtype to keep calls few."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        by_dtype = {}
+        for gr in grads:
+            by_dtype.setdefault(gr.dtype, []).append(gr)
+        for same in by_dtype.values():
+            flat = torch.cat([gr.reshape(-1) for gr in same])
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            flat /= dist.get_world_size()
+            off = 0
+            for gr in same:
+                gr.copy_(flat[off:off + gr.numel()].view_as(gr))
+                off += gr.numel()
+
+    @torch.no_grad()
+    def step(self):
+        self.average_gradients()
+        for group in self.param_groups:
+            if group["kind"] == "muon":
+                self._muon(group)
+            else:
+                self._adamw(group)
+
+    def _muon(self, group):
+        lr, mom, wd = group["lr"], group["momentum"], group["weight_decay"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p.grad)
+            buf = state["momentum_buffer"]
+            buf.lerp_(p.grad, 1 - mom)  # buf = mom * buf + (1 - mom) * g
+            g = p.grad.lerp(buf, mom)  # Nesterov: look ahead along the momentum
+            update = orthogonalize(g, group["ns_steps"])
+            # orthogonal updates have unit singular values; scale so tall matrices get comparable per-element steps
+            scale = max(1.0, p.size(-2) / p.size(-1)) ** 0.5
+            if wd:
+                p.mul_(1 - lr * wd)
+            p.add_(update, alpha=-lr * scale)
+
+    def _adamw(self, group):
+        lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if "step" not in state:
+                state["step"] = 0
+                state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+                state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+            state["step"] += 1
+            t = state["step"]
+            g = p.grad.float()
+            state["exp_avg"].lerp_(g, 1 - b1)
+            state["exp_avg_sq"].mul_(b2).addcmul_(g, g, value=1 - b2)
+            denom = (state["exp_avg_sq"] / (1 - b2 ** t)).sqrt_().add_(eps)
+            update = (state["exp_avg"] / (1 - b1 ** t)) / denom
+            if wd:
+                p.mul_(1 - lr * wd)
+            p.add_(update.to(p.dtype), alpha=-lr)
+
+
+def build_optimizer(model, matrix_lr=0.02, embedding_lr=0.2, unembedding_lr=0.004, weight_decay=0.0,
+                    adam_betas=(0.8, 0.95), muon_momentum=0.95):
+    """Muon for the blocks' matrices, AdamW for embedding / lm_head / the rest. Every group has initial_lr."""
+    embed = list(model.transformer.wte.parameters())
+    head = list(model.lm_head.parameters())
+    special = {id(p) for p in embed + head}
+    matrices = [p for p in model.transformer.h.parameters() if p.ndim == 2]
+    others = [p for p in model.parameters() if id(p) not in special and p.ndim != 2]
+    # AdamW LRs were tuned at width 768: scale them like 1/sqrt(width) for other widths
+    dmodel_scale = (model.config.n_embd / 768) ** -0.5
+    groups = [
+        dict(params=matrices, kind="muon", lr=matrix_lr, momentum=muon_momentum, ns_steps=5, weight_decay=weight_decay),
+        dict(params=embed, kind="adamw", lr=embedding_lr * dmodel_scale, betas=adam_betas, eps=1e-10, weight_decay=0.0),
+        dict(params=head, kind="adamw", lr=unembedding_lr * dmodel_scale, betas=adam_betas, eps=1e-10, weight_decay=0.0),
+    ]
+    if others:
+        groups.append(dict(params=others, kind="adamw", lr=unembedding_lr * dmodel_scale, betas=adam_betas, eps=1e-10, weight_decay=0.0))
+    for g in groups:
+        g["initial_lr"] = g["lr"]
+    return MuonAdamW([g for g in groups if g["params"]])

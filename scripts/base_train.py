@@ -1,0 +1,211 @@
+"""
+Pretrain the base model. --depth is the one dial: width, heads, LRs and the token budget follow from it.
+
+    python -m scripts.base_train --depth 4 --max-seq-len 256 --device-batch-size 8 --total-batch-size 4096 --num-iterations 200
+    torchrun --standalone --nproc_per_node=8 -m scripts.base_train -- --depth 20
+"""
+import argparse
+import math
+import os
+import random
+import sys
+import time
+
+import torch
+
+from nanorl.checkpoint import find_last_step, load_checkpoint, save_checkpoint
+from nanorl.common import (autocast_ctx, compute_cleanup, compute_init, get_base_dir, get_logger, get_peak_flops, print0,
+                           synchronize)
+from nanorl.dataloader import PretrainLoader
+from nanorl.dataset import describe_source
+from nanorl.gpt import build_model, config_from_depth
+from nanorl.loss_eval import evaluate_bpb
+from nanorl.optim import build_optimizer
+from nanorl.report import log_section
+from nanorl.tokenizer import get_token_bytes, get_tokenizer
+
+# fmt: off
+parser = argparse.ArgumentParser(description="Pretrain a base model")
+parser.add_argument("--depth", type=int, default=20, help="number of layers; width = depth x aspect ratio")
+parser.add_argument("--aspect-ratio", type=int, default=64)
+parser.add_argument("--head-dim", type=int, default=128)
+parser.add_argument("--n-kv-head", type=int, default=None, help="key/value heads (GQA); default = number of heads")
+parser.add_argument("--max-seq-len", type=int, default=2048)
+parser.add_argument("--device-batch-size", type=int, default=32, help="rows per forward/backward on one device")
+parser.add_argument("--total-batch-size", type=int, default=524288, help="tokens per optimizer step, all ranks")
+parser.add_argument("--num-iterations", type=int, default=-1, help="explicit number of steps (overrides the ratio)")
+parser.add_argument("--target-param-data-ratio", type=float, default=20, help="tokens : params (Chinchilla = 20)")
+parser.add_argument("--matrix-lr", type=float, default=0.02)
+parser.add_argument("--embedding-lr", type=float, default=0.2)
+parser.add_argument("--unembedding-lr", type=float, default=0.004)
+parser.add_argument("--weight-decay", type=float, default=0.0)
+parser.add_argument("--warmup-ratio", type=float, default=0.0)
+parser.add_argument("--warmdown-ratio", type=float, default=0.2)
+parser.add_argument("--final-lr-frac", type=float, default=0.0)
+parser.add_argument("--grad-clip", type=float, default=1.0, help="0 = off")
+parser.add_argument("--eval-every", type=int, default=250)
+parser.add_argument("--eval-tokens", type=int, default=10 * 524288)
+parser.add_argument("--sample-every", type=int, default=2000)
+parser.add_argument("--save-every", type=int, default=-1, help="-1 = only at the end")
+parser.add_argument("--keep-last", type=int, default=2)
+parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint of this model tag")
+parser.add_argument("--model-tag", default=None, help="default d<depth>")
+parser.add_argument("--data-dir", default=None)
+parser.add_argument("--no-compile", action="store_true")
+parser.add_argument("--device-type", default=None)
+parser.add_argument("--run", default="dummy", help="wandb run name ('dummy' = off)")
+parser.add_argument("--seed", type=int, default=42)
+args = parser.parse_args(sys.argv[1:] if sys.argv[1:2] != ["--"] else sys.argv[2:])
+# fmt: on
+
+ddp, rank, local_rank, world_size, device = compute_init(args.device_type, seed=args.seed)
+master = rank == 0
+tokenizer = get_tokenizer()
+token_bytes = get_token_bytes(tokenizer, device)
+config = config_from_depth(args.depth, tokenizer.vocab_size, args.max_seq_len, args.aspect_ratio, args.head_dim, args.n_kv_head)
+model = build_model(config, device)
+nparams = model.num_params()
+flops_per_token = model.estimate_flops()
+tokens_per_fwdbwd = args.device_batch_size * args.max_seq_len * world_size
+if args.total_batch_size % tokens_per_fwdbwd:
+    raise SystemExit(f"--total-batch-size {args.total_batch_size} must be a multiple of --device-batch-size x --max-seq-len x ranks "
+                     f"= {args.device_batch_size} x {args.max_seq_len} x {world_size} = {tokens_per_fwdbwd}")
+grad_accum = args.total_batch_size // tokens_per_fwdbwd
+num_iterations = args.num_iterations if args.num_iterations > 0 else \
+    max(1, round(args.target_param_data_ratio * nparams / args.total_batch_size))
+model_tag = args.model_tag or f"d{args.depth}"
+ckpt_dir = os.path.join(get_base_dir(), "base_checkpoints", model_tag)
+print0(f"model d{args.depth}: {nparams:,} params, {config.n_layer} layers, width {config.n_embd}, {config.n_head} heads "
+       f"({config.n_kv_head} kv), {flops_per_token:.3e} FLOPs/token")
+print0(f"{num_iterations} steps x {args.total_batch_size:,} tokens ({grad_accum} micro-steps each) = "
+       f"{num_iterations * args.total_batch_size:,} tokens, data: {describe_source(args.data_dir)}")
+
+optimizer = build_optimizer(model, args.matrix_lr, args.embedding_lr, args.unembedding_lr, args.weight_decay)
+train_loader = PretrainLoader(tokenizer, args.device_batch_size, args.max_seq_len, "train", args.data_dir, device, rank, world_size)
+compiled = model if (args.no_compile or device.type != "cuda") else torch.compile(model, dynamic=False)
+autocast = autocast_ctx(device.type)
+logger = get_logger(args.run, project="nanorl", config=vars(args), master_process=master)
+meta = {"model_config": config.to_dict(), "model_tag": model_tag, "train_args": vars(args)}
+
+start_step = 0
+if args.resume:
+    last = find_last_step(ckpt_dir)
+    if last is None:
+        raise SystemExit(f"--resume: no checkpoint in {ckpt_dir}")
+    model_state, optim_state, old_meta, extra = load_checkpoint(ckpt_dir, last, device, load_optimizer=True, rank=rank)
+    if old_meta["model_config"] != config.to_dict():
+        raise SystemExit(f"--resume: the checkpoint's model config {old_meta['model_config']} differs from this run's {config.to_dict()}")
+    model.load_state_dict(model_state)
+    optimizer.load_state_dict(optim_state)
+    train_loader.load_state_dict(extra["loader"])
+    random.setstate(extra["py_rng"])
+    torch.set_rng_state(extra["torch_rng"])
+    if device.type == "cuda" and extra.get("cuda_rng") is not None:
+        torch.cuda.set_rng_state(extra["cuda_rng"])
+    start_step = last
+    print0(f"resumed from {ckpt_dir} at step {last}")
+
+
+def lr_multiplier(it):
+    warmup = round(args.warmup_ratio * num_iterations)
+    warmdown = round(args.warmdown_ratio * num_iterations)
+    if it < warmup:
+        return (it + 1) / warmup
+    if it <= num_iterations - warmdown:
+        return 1.0
+    frac = (num_iterations - it) / max(warmdown, 1)
+    return frac + (1 - frac) * args.final_lr_frac
+
+
+def save(step):
+    extra = {"loader": train_loader.state_dict(), "py_rng": random.getstate(), "torch_rng": torch.get_rng_state(),
+             "cuda_rng": torch.cuda.get_rng_state() if device.type == "cuda" else None}
+    save_checkpoint(ckpt_dir, step, model.state_dict(), optimizer.state_dict(), {**meta, "step": step}, extra, rank, args.keep_last)
+
+
+def evaluate_val():
+    model.eval()
+    loader = PretrainLoader(tokenizer, args.device_batch_size, args.max_seq_len, "val", args.data_dir, device, rank, world_size)
+    steps = max(1, args.eval_tokens // tokens_per_fwdbwd)
+    with autocast:
+        bpb = evaluate_bpb(model, loader, steps, token_bytes)
+    model.train()
+    return bpb
+
+
+@torch.no_grad()
+def sample(prompt, max_tokens=32):
+    model.eval()
+    ids = tokenizer.encode(prompt, prepend="<|bos|>")
+    cache = model.new_kv_cache(1, min(len(ids) + max_tokens, config.sequence_len))
+    x = torch.tensor([ids], device=device)
+    out = []
+    with autocast:
+        for _ in range(max_tokens):
+            nxt = int(model(x, kv_cache=cache)[0, -1].argmax())
+            out.append(nxt)
+            if int(cache.pos[0]) >= cache.max_len:
+                break
+            x = torch.tensor([[nxt]], device=device)
+    model.train()
+    return prompt + tokenizer.decode(out)
+
+
+peak = get_peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+model.train()
+losses, val_bpb, t_train, min_val = [], None, 0.0, float("inf")
+t_start = time.time()
+for step in range(start_step, num_iterations + 1):
+    last_step = step == num_iterations
+    if args.eval_every > 0 and (step % args.eval_every == 0 or last_step):
+        val_bpb = evaluate_val()
+        min_val = min(min_val, val_bpb)
+        print0(f"step {step:05d} | val bpb {val_bpb:.4f}")
+        logger.log({"val/bpb": val_bpb}, step=step)
+    if master and args.sample_every > 0 and (step % args.sample_every == 0 or last_step) and step > 0:
+        for p in ["The capital of France is", "Alice has 3 apples and", "The word banana is spelled"]:
+            print0(f"  sample: {sample(p)!r}")
+    if last_step or (args.save_every > 0 and step > start_step and step % args.save_every == 0):
+        save(step)
+    if last_step:
+        break
+    synchronize(device.type)
+    t0 = time.time()
+    for micro in range(grad_accum):
+        x, y = train_loader.next_batch()
+        with autocast:
+            loss = compiled(x, targets=y)
+        (loss / grad_accum).backward()
+    if args.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+    mult = lr_multiplier(step)
+    for g in optimizer.param_groups:
+        g["lr"] = g["initial_lr"] * mult
+    optimizer.step()
+    model.zero_grad(set_to_none=True)
+    loss_val = loss.item()  # one host sync per step, for the log line and the NaN check
+    if not math.isfinite(loss_val):
+        raise SystemExit(f"step {step}: loss is {loss_val}; stopping. The last good checkpoint in {ckpt_dir} is kept; "
+                         f"lower the LRs or resume from it")
+    synchronize(device.type)
+    dt = time.time() - t0
+    if step > start_step + 2:
+        t_train += dt  # the first steps include compilation
+    losses.append(loss_val)
+    tok_s = args.total_batch_size / dt
+    mfu = f" | mfu {100 * flops_per_token * tok_s / (peak * world_size):.1f}%" if peak else ""
+    eta = (num_iterations - step - 1) * dt
+    print0(f"step {step + 1:05d}/{num_iterations} | loss {loss_val:.4f} | lrm {mult:.2f} | dt {dt * 1000:.0f}ms | "
+           f"tok/s {tok_s:,.0f}{mfu} | eta {eta / 60:.1f}m")
+    logger.log({"train/loss": loss_val, "train/lrm": mult, "train/tok_per_s": tok_s}, step=step + 1)
+
+log_section("Base model training", [{
+    "depth": args.depth, "params": nparams, "num_iterations": num_iterations, "total_batch_size": args.total_batch_size,
+    "data": describe_source(args.data_dir), "final_train_loss": losses[-1] if losses else float("nan"),
+    "min_val_bpb": min_val, "wall_time_s": round(time.time() - t_start, 1)}], rank=rank)
+if master and losses:
+    import json
+    with open(os.path.join(ckpt_dir, "train_loss.json"), "w") as f:
+        json.dump({"step": list(range(start_step + 1, start_step + 1 + len(losses))), "loss": losses}, f)
+logger.finish()
+compute_cleanup()
