@@ -1,0 +1,45 @@
+"""
+Tasks: datasets rendered as conversations, and their graders.
+
+    from tasks import get_task
+    task = get_task("gsm8k", "test", path="gsm8k/")   # a local jsonl/parquet instead of the Hub
+    conv = task.get_example(0); task.evaluate(conv, "... #### 18")
+"""
+from tasks.arc import ARC
+from tasks.common import Task, TaskMixture, TaskSequence
+from tasks.customjson import CustomJSON
+from tasks.gsm8k import GSM8K
+from tasks.humaneval import HumanEval
+from tasks.mmlu import MMLU
+from tasks.offline import OfflineChat, OfflineProblems
+from tasks.smoltalk import SmolTalk
+from tasks.spellingbee import SpellingBee
+
+# name -> constructor(split, **kw). Names are matched case-insensitively.
+TASKS = {
+    "offline": OfflineProblems,
+    "offline-chat": OfflineChat,
+    "smoltalk": SmolTalk,
+    "mmlu": MMLU,
+    "mmlu-aux": lambda split, **kw: MMLU(split, subset="auxiliary_train", **kw),
+    "arc-easy": lambda split, **kw: ARC("ARC-Easy", split, **kw),
+    "arc-challenge": lambda split, **kw: ARC("ARC-Challenge", split, **kw),
+    "gsm8k": GSM8K,
+    "humaneval": HumanEval,
+    "spellingbee": SpellingBee,
+    "customjson": CustomJSON,
+}
+
+# the score of random guessing, for ChatCORE's centred mean (generative tasks: 0)
+RANDOM_BASELINE = {"mmlu": 0.25, "arc-easy": 0.25, "arc-challenge": 0.25}
+
+
+def get_task(name, split, **kw):
+    key = name.lower()
+    if key not in TASKS:
+        raise ValueError(f"unknown task {name!r}; valid tasks: {', '.join(TASKS)}")
+    return TASKS[key](split=split, **kw)
+
+
+__all__ = ["Task", "TaskMixture", "TaskSequence", "get_task", "TASKS", "RANDOM_BASELINE",
+           "ARC", "CustomJSON", "GSM8K", "HumanEval", "MMLU", "OfflineChat", "OfflineProblems", "SmolTalk", "SpellingBee"]

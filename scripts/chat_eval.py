@@ -1,0 +1,176 @@
+"""
+Evaluate a chat model on tasks: generative ones by sampling through the engine and grading the text,
+multiple-choice ones by comparing the logits of the answer letters after the prompt.
+
+    python -m scripts.chat_eval -i sft                            # the held-out offline problems
+    python -m scripts.chat_eval -i sft -a gsm8k,arc-easy,mmlu --task-path gsm8k=/data/gsm8k
+    python -m scripts.chat_eval -i rl -a offline --num-samples 8 -k 1,8 --levels 3,4
+    torchrun --nproc_per_node=8 -m scripts.chat_eval -i sft -a gsm8k,humaneval,arc-challenge
+
+Reports accuracy, pass@k (the unbiased estimator from n samples per problem) and the ChatCORE-style
+centred mean: each task's accuracy minus its random baseline, over (1 - baseline), averaged.
+"""
+import argparse
+import math
+import time
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+
+from tasks import RANDOM_BASELINE, get_task
+
+
+def pass_at_k(n, c, k):
+    """P(at least one of k samples is correct) given c correct of n, unbiased (Chen et al. 2021):
+    1 - C(n-c, k) / C(n, k), as a product so that large n does not overflow."""
+    if k > n:
+        raise ValueError(f"pass@{k} needs at least {k} samples per problem, got {n}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def centered(accuracy, baseline):
+    """Accuracy with random guessing mapped to 0 and perfect to 1 (ChatCORE's per-task score)."""
+    return (accuracy - baseline) / (1.0 - baseline)
+
+
+@torch.no_grad()
+def run_categorical(model, tokenizer, task, indices, batch_size=32, autocast=None):
+    """One bool per problem: is the reference letter the most likely of the problem's letters right after
+    the prompt? Prompts are right-padded into batches; each row reads its own last position."""
+    device = next(model.parameters()).device
+    out = []
+    for s in range(0, len(indices), batch_size):
+        convs = [task.get_example(i) for i in indices[s:s + batch_size]]
+        prompts = [tokenizer.render_for_completion(c) for c in convs]
+        T = max(len(p) for p in prompts)
+        x = torch.full((len(prompts), T), tokenizer.get_bos_token_id(), dtype=torch.long)
+        for b, p in enumerate(prompts):
+            x[b, :len(p)] = torch.tensor(p)
+        with autocast if autocast is not None else nullcontext():
+            logits = model(x.to(device))
+        last = torch.tensor([len(p) - 1 for p in prompts], device=device)
+        logits = logits[torch.arange(len(prompts), device=device), last]  # (B, V)
+        for b, conv in enumerate(convs):
+            letter_ids = [letter_token(tokenizer, l) for l in conv["letters"]]
+            pred = conv["letters"][int(logits[b, letter_ids].argmax())]
+            out.append(pred == conv["label"])
+    return out
+
+
+def letter_token(tokenizer, letter):
+    ids = tokenizer.encode(letter)
+    if len(ids) != 1:
+        raise ValueError(f"answer letter {letter!r} is {len(ids)} tokens in this tokenizer; categorical eval needs one")
+    return ids[0]
+
+
+def run_generative(engine, tokenizer, task, indices, num_samples=1, max_tokens=256, temperature=0.0, top_k=None, seed=0):
+    """Per problem, how many of its num_samples responses grade correct, plus the responses' text.
+    All problems go to the engine in one generate call: it batches and schedules them itself."""
+    from nanorl.engine import Request
+    convs = [task.get_example(i) for i in indices]
+    reqs = [Request(prompt_ids=tokenizer.render_for_completion(c), num_samples=num_samples, max_tokens=max_tokens,
+                    temperature=temperature, top_k=top_k, seed=seed + i) for c, i in zip(convs, indices)]
+    results = engine.generate(reqs)
+    drop = {tokenizer.encode_special("<|assistant_end|>"), tokenizer.get_bos_token_id()}
+    counts, texts = [], []
+    for conv, comps in zip(convs, results):
+        responses = [tokenizer.decode([t for t in c.tokens if t not in drop]) for c in comps]
+        counts.append(sum(bool(task.evaluate(conv, r)) for r in responses))
+        texts.append(responses)
+    return counts, texts
+
+
+def evaluate(task, model, tokenizer, engine, indices, num_samples=1, ks=(1,), max_tokens=256, temperature=0.0,
+             top_k=None, seed=0, batch_size=32, autocast=None):
+    """Sums over this rank's problems: {"problems", "correct" (mean-per-problem accuracy sum), "pass@k" sums}.
+    Sums, not means, so ranks can all_reduce them."""
+    sums = {"problems": float(len(indices))}
+    if task.eval_type == "categorical":
+        right = run_categorical(model, tokenizer, task, indices, batch_size, autocast)
+        sums["correct"] = float(sum(right))
+        return sums, None
+    counts, texts = run_generative(engine, tokenizer, task, indices, num_samples, max_tokens, temperature, top_k, seed)
+    sums["correct"] = sum(c / num_samples for c in counts)
+    for k in ks:
+        sums[f"pass@{k}"] = sum(pass_at_k(num_samples, c, k) for c in counts)
+    return sums, texts
+
+
+def all_reduce_sums(sums, device):
+    if not (dist.is_available() and dist.is_initialized()):
+        return sums
+    keys = sorted(sums)
+    t = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return dict(zip(keys, t.tolist()))
+
+
+def main():
+    from nanorl.checkpoint import load_model
+    from nanorl.common import autocast_ctx, compute_cleanup, compute_init, print0
+    from nanorl.engine import Engine
+    from nanorl.report import log_section
+    from nanorl.sft_data import task_paths
+
+    parser = argparse.ArgumentParser(description="Evaluate a chat model on tasks")
+    parser.add_argument("-i", "--source", default="sft", choices=["base", "mid", "sft", "rl"], help="which checkpoint")
+    parser.add_argument("-a", "--tasks", default="offline", help="comma-separated task names (default: the offline problems)")
+    parser.add_argument("-g", "--model-tag", default=None, help="checkpoint subdirectory (default: newest)")
+    parser.add_argument("-s", "--model-step", type=int, default=None, help="checkpoint step (default: last)")
+    parser.add_argument("--task-path", action="append", default=[], metavar="NAME=PATH", help="local data for a Hub task (repeatable)")
+    parser.add_argument("-x", "--max-problems", type=int, default=None, help="evaluate at most this many problems per task")
+    parser.add_argument("-n", "--num-samples", type=int, default=1, help="samples per problem (generative tasks)")
+    parser.add_argument("-k", "--pass-k", default=None, help="comma-separated k for pass@k (default: 1 and n)")
+    parser.add_argument("-t", "--temperature", type=float, default=None, help="default: 0 (greedy) for 1 sample, else 1.0")
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("-m", "--max-new-tokens", type=int, default=256)
+    parser.add_argument("-b", "--batch-size", type=int, default=64, help="engine rows / categorical prompts at once")
+    parser.add_argument("--levels", default="1,2,3,4", help="offline task: difficulty levels to evaluate")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device-type", default=None, help="cuda | cpu | mps (default: autodetect)")
+    args = parser.parse_args()
+
+    ddp, rank, local_rank, world_size, device = compute_init(args.device_type)
+    autocast = autocast_ctx(device.type)
+    model, tokenizer, meta = load_model(args.source, device, phase="eval", model_tag=args.model_tag, step=args.model_step)
+    engine = Engine(model, tokenizer, batch_size=args.batch_size)
+    n = args.num_samples
+    ks = sorted({int(k) for k in args.pass_k.split(",")}) if args.pass_k else sorted({1, n})
+    temperature = args.temperature if args.temperature is not None else (0.0 if n == 1 else 1.0)
+    paths = task_paths(args)
+    results, t_all = {}, time.time()
+    for name in [t.strip() for t in args.tasks.split(",") if t.strip()]:
+        kw = {"path": paths[name.lower()]} if name.lower() in paths else {}
+        if name.lower() == "offline":
+            kw["levels"] = tuple(int(l) for l in args.levels.split(","))
+        task = get_task(name, "test", **kw)
+        N = len(task) if args.max_problems is None else min(len(task), args.max_problems)
+        indices = list(range(rank, N, world_size))  # each rank a strided slice
+        t0 = time.time()
+        sums, texts = evaluate(task, model, tokenizer, engine, indices, n, ks, args.max_new_tokens, temperature,
+                               args.top_k, args.seed, args.batch_size, autocast)
+        sums = all_reduce_sums(sums, device)
+        res = {"accuracy": sums["correct"] / max(sums["problems"], 1), "problems": int(sums["problems"])}
+        res.update({k: v / max(sums["problems"], 1) for k, v in sums.items() if k.startswith("pass@")})
+        res["centered"] = centered(res["accuracy"], RANDOM_BASELINE.get(name.lower(), 0.0))
+        results[name] = res
+        if texts:
+            print0(f"[{name}] example response: {texts[0][0][:300]!r}")
+        print0(f"{name}: accuracy {res['accuracy']:.4f} on {res['problems']} problems"
+               + "".join(f", {k} {v:.4f}" for k, v in res.items() if k.startswith("pass@")) + f" ({time.time() - t0:.1f}s)")
+    chatcore = sum(r["centered"] for r in results.values()) / len(results)
+    print0(f"ChatCORE (centred mean over {len(results)} task(s)): {chatcore:.4f}; total {time.time() - t_all:.1f}s")
+    rows = [{f"{name} {k}": v for k, v in r.items()} for name, r in results.items()]
+    log_section(f"Chat eval {args.source}", [{"source": f"{args.source} ({meta.get('model_tag', args.model_tag)})",
+                                              "samples per problem": n, "temperature": temperature, "ranks": world_size},
+                                             *rows, {"ChatCORE": chatcore}], rank=rank)
+    compute_cleanup()
+    return results
+
+
+if __name__ == "__main__":
+    main()

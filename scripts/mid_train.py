@@ -1,0 +1,47 @@
+"""
+Midtraining: teach a base model the conversation format, tool calls and the kind of problems it will
+later be asked, on a mixture heavier on problems and tool use than SFT's.
+
+    python -m scripts.mid_train                                   # offline curriculum, from the base checkpoint
+    python -m scripts.mid_train --data hub --identity-path identity.jsonl
+    torchrun --nproc_per_node=8 -m scripts.mid_train --data hub --device-batch-size 32
+"""
+import argparse
+
+from nanorl.sft_data import add_train_args, train
+from tasks import GSM8K, MMLU, CustomJSON, OfflineChat, OfflineProblems, SmolTalk, SpellingBee, TaskMixture
+
+parser = argparse.ArgumentParser(description="Midtraining on packed conversations")
+add_train_args(parser, "mid", source="base", init_lr_frac=1.0, warmdown_ratio=0.2, num_epochs=1)
+args = parser.parse_args()
+
+
+def identity():
+    # listed twice: a few hundred conversations would otherwise be lost in the mixture
+    return [CustomJSON(path=args.identity_path)] * 2 if args.identity_path else []
+
+
+def offline_mixture():
+    n = args.num_examples
+    train = TaskMixture([OfflineProblems("train", n=n, use_tools=True),  # tool use, the skill mid is for
+                         OfflineProblems("train", n=n, seed=1),  # half with tools, half in plain text
+                         SpellingBee("train", size=n // 4),
+                         OfflineChat("train", n=n // 2)] + identity(), seed=args.seed)
+    val = TaskMixture([OfflineProblems("test", n=300), OfflineChat("test", n=200)], seed=args.seed)
+    return train, val
+
+
+def hub_mixture(paths):
+    train = TaskMixture([SmolTalk("train", path=paths.get("smoltalk")),
+                         MMLU("train", subset="auxiliary_train", path=paths.get("mmlu-aux")),
+                         GSM8K("train", path=paths.get("gsm8k")),
+                         SpellingBee("train", size=50_000),
+                         OfflineProblems("train", n=args.num_examples, use_tools=True)] + identity(), seed=args.seed)
+    val = TaskMixture([SmolTalk("test", path=paths.get("smoltalk"), stop=5000),
+                       MMLU("test", path=paths.get("mmlu"), stop=2000),
+                       GSM8K("test", path=paths.get("gsm8k"), stop=500)], seed=args.seed)
+    return train, val
+
+
+if __name__ == "__main__":
+    train(args, "mid", hub_mixture, offline_mixture)

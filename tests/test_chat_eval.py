@@ -1,0 +1,154 @@
+import sys
+import types
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from nanorl.tokenizer import SPLIT_PATTERN, Tokenizer
+from scripts.chat_eval import centered, evaluate, letter_token, pass_at_k, run_categorical
+from tasks import Task, TaskMixture
+from tasks.common import render_mc
+from tasks.offline import OfflineProblems
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return Tokenizer.from_ranks({bytes([i]): i for i in range(256)}, SPLIT_PATTERN)
+
+
+class ListTask(Task):
+    def __init__(self, conversations, eval_type="generative", **kw):
+        super().__init__(**kw)
+        self.conversations, self.eval_type = conversations, eval_type
+
+    def num_examples(self):
+        return len(self.conversations)
+
+    def example(self, i):
+        return self.conversations[i]
+
+
+def test_pass_at_k_by_hand():
+    assert pass_at_k(5, 2, 1) == pytest.approx(2 / 5)
+    assert pass_at_k(5, 2, 2) == pytest.approx(1 - 3 / 10)  # 1 - C(3,2)/C(5,2)
+    assert pass_at_k(10, 3, 4) == pytest.approx(1 - 35 / 210)  # 1 - C(7,4)/C(10,4)
+    assert pass_at_k(5, 0, 3) == 0.0 and pass_at_k(5, 5, 1) == 1.0
+    assert pass_at_k(5, 4, 2) == 1.0  # fewer wrong samples than k: a right one is always drawn
+    assert pass_at_k(1, 1, 1) == 1.0 and pass_at_k(1, 0, 1) == 0.0
+    assert pass_at_k(200, 10, 100) == pytest.approx(1 - 0.5 ** 10, abs=2e-3)  # large n does not overflow
+    with pytest.raises(ValueError):
+        pass_at_k(2, 1, 3)
+
+
+def test_centered_mean():
+    assert centered(0.25, 0.25) == 0.0 and centered(1.0, 0.25) == 1.0
+    assert centered(0.625, 0.25) == pytest.approx(0.5) and centered(0.3, 0.0) == 0.3
+    assert centered(0.0, 0.25) == pytest.approx(-1 / 3)  # worse than chance is negative
+
+
+class LetterFavouringModel(torch.nn.Module):
+    """At position t the fake model's favourite answer letter is letters[t % n]; a non-letter token beats
+    every letter everywhere, so only an eval that restricts to the letters, at each row's last prompt
+    position, gets the expected answers."""
+    def __init__(self, tok, letters="ABCD"):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.letter_ids = [letter_token(tok, l) for l in letters]
+        self.vocab = tok.vocab_size
+
+    def forward(self, idx):
+        B, T = idx.shape
+        logits = torch.zeros(B, T, self.vocab)
+        logits[:, :, ord("z")] = 100.0
+        for t in range(T):
+            logits[:, t, self.letter_ids[t % len(self.letter_ids)]] = 10.0
+        return logits
+
+
+def test_categorical_eval_picks_the_favoured_letter(tok):
+    model = LetterFavouringModel(tok)
+    convs, expected = [], []
+    for i, q in enumerate(["Q?", "A longer question?", "Mid question", "x" * 17, "yy", "Which one is it, then?"]):
+        favoured = (len(tok.render_for_completion(render_mc(q, ["w", "x", "y", "z"], 0))) - 1) % 4
+        answer = favoured if i % 2 == 0 else (favoured + 1) % 4  # half right, half wrong
+        conv = render_mc(q, ["w", "x", "y", "z"], answer_index=answer)
+        convs.append(conv)
+        expected.append(answer == favoured)
+    assert any(expected) and not all(expected)  # the fixture has both right and wrong answers
+    task = ListTask(convs, eval_type="categorical")
+    got = run_categorical(model, tok, task, list(range(len(convs))), batch_size=4)  # mixed lengths, 2 batches
+    assert got == expected
+    sums, _ = evaluate(task, model, tok, None, list(range(len(convs))))
+    assert sums == {"problems": len(convs), "correct": sum(expected)}
+
+
+def test_categorical_eval_on_a_model_that_knows_the_answer(tok):
+    class Oracle(torch.nn.Module):  # reads the answer off a hint in the prompt: accuracy must be 1
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+
+        def forward(self, idx):
+            logits = torch.zeros(*idx.shape, tok.vocab_size)
+            for b in range(idx.size(0)):
+                text = tok.decode([t for t in idx[b].tolist() if t < 256])
+                logits[b, :, letter_token(tok, text.split("hint=")[1][0])] = 5.0
+            return logits
+    convs = [render_mc(f"hint={l} what?", ["1", "2", "3", "4", "5"], "ABCDE".index(l)) for l in "EBDAC"]
+    assert run_categorical(Oracle(), tok, ListTask(convs, "categorical"), [0, 1, 2, 3, 4], batch_size=2) == [True] * 5
+
+
+def test_generative_eval_one_engine_call_and_pass_at_k(tok, monkeypatch):
+    @dataclass
+    class Request:
+        prompt_ids: list
+        num_samples: int = 1
+        max_tokens: int = 256
+        temperature: float = 1.0
+        top_k: int = None
+        top_p: float = None
+        seed: int = None
+        stop_tokens: list = None
+        use_tools: bool = True
+
+    @dataclass
+    class Completion:
+        tokens: list
+        logprobs: list = field(default_factory=list)
+        mask: list = field(default_factory=list)
+        status: str = "completed"
+        prompt_len: int = 0
+    fake = types.ModuleType("nanorl.engine")
+    fake.Request = Request
+    monkeypatch.setitem(sys.modules, "nanorl.engine", fake)
+
+    task = OfflineProblems("test", n=6, levels=(1,))
+    end = tok.encode_special("<|assistant_end|>")
+
+    class FakeEngine:
+        calls = 0
+
+        def generate(self, reqs):
+            FakeEngine.calls += 1
+            out = []
+            for j, r in enumerate(reqs):
+                label = int(task.get_example(j)["label"])
+                # problem j: the first j of 4 samples are right (capped at 4)
+                texts = [f"#### {label if s < j else label + 1}" for s in range(r.num_samples)]
+                out.append([Completion(tokens=tok.encode(t) + [end]) for t in texts])
+            return out
+    sums, texts = evaluate(task, None, tok, FakeEngine(), list(range(6)), num_samples=4, ks=(1, 2, 4))
+    assert FakeEngine.calls == 1  # every problem in one generate call
+    c = [min(j, 4) for j in range(6)]
+    assert sums["correct"] == pytest.approx(sum(x / 4 for x in c))
+    for k in (1, 2, 4):
+        assert sums[f"pass@{k}"] == pytest.approx(sum(pass_at_k(4, x, k) for x in c))
+    assert texts[0][0] == f"#### {int(task.get_example(0)['label']) + 1}"  # <|assistant_end|> dropped
+
+
+def test_offline_test_split_is_held_out_from_the_sft_mixture():
+    train = TaskMixture([OfflineProblems("train", n=2000)])
+    test = OfflineProblems("test", n=300, levels=(1,))
+    train_q = {train.get_example(i)["messages"][0]["content"] for i in range(len(train))}
+    assert not any(test.get_example(i)["messages"][0]["content"] in train_q for i in range(len(test)))

@@ -1,0 +1,200 @@
+import pytest
+import torch
+
+from nanorl.gpt import GPTConfig, build_model
+from nanorl.sft_data import SFTLoader, lr_multiplier, render_example
+from nanorl.tokenizer import SPLIT_PATTERN, Tokenizer
+from tasks import OfflineChat, OfflineProblems, Task, TaskMixture
+
+
+@pytest.fixture(scope="module")
+def tok():
+    # a byte-level tokenizer: no training, every string encodable, letters are single tokens
+    return Tokenizer.from_ranks({bytes([i]): i for i in range(256)}, SPLIT_PATTERN)
+
+
+class ListTask(Task):
+    def __init__(self, conversations, **kw):
+        super().__init__(**kw)
+        self.conversations = conversations
+
+    def num_examples(self):
+        return len(self.conversations)
+
+    def example(self, i):
+        return self.conversations[i]
+
+
+TOOL_CONV = {"messages": [
+    {"role": "user", "content": "What is 12*7?"},
+    {"role": "assistant", "content": [{"type": "text", "text": "Let me compute "},
+                                      {"type": "python", "text": "12*7"},
+                                      {"type": "python_output", "text": "84"},
+                                      {"type": "text", "text": " so 84.\n#### 84"}]},
+    {"role": "user", "content": "thanks"},
+    {"role": "assistant", "content": "You're welcome."},
+]}
+
+
+def test_targets_are_exactly_what_the_assistant_wrote(tok):
+    inputs, targets, truncated = render_example(tok, TOOL_CONV, seq_len=1000)
+    ids, _ = tok.render_conversation(TOOL_CONV)
+    assert not truncated and inputs == ids[:-1] and len(targets) == len(inputs)
+    # independently rebuild who wrote each token, from the special tokens that delimit the turns
+    sp = {n: tok.encode_special(n) for n in ["<|user_start|>", "<|user_end|>", "<|assistant_start|>", "<|assistant_end|>",
+                                             "<|python_start|>", "<|python_end|>", "<|output_start|>", "<|output_end|>"]}
+    writer, in_assistant, in_output = [], False, False
+    for t in ids:
+        if t == sp["<|assistant_start|>"]:
+            writer.append(False)
+            in_assistant = True
+        elif t == sp["<|output_start|>"]:
+            in_output = True
+            writer.append(False)
+        elif t == sp["<|output_end|>"]:
+            in_output = False
+            writer.append(False)
+        elif t == sp["<|assistant_end|>"]:
+            writer.append(True)
+            in_assistant = False
+        else:
+            writer.append(in_assistant and not in_output)
+    expected = [t if w else -1 for t, w in zip(ids[1:], writer[1:])]
+    assert targets == expected
+    # the tool call itself is trained on, its output is not
+    trained = tok.decode([t for t in targets if t >= 0])
+    assert "12*7" in trained and "<|python_start|>" in trained and "<|output_start|>" not in trained
+    assert "What is" not in trained and "thanks" not in trained
+    assert trained.endswith("You're welcome.<|assistant_end|>")
+
+
+def random_model(vocab_size, seq_len=1024, seed=0):
+    torch.manual_seed(seed)
+    model = build_model(GPTConfig(sequence_len=seq_len, vocab_size=vocab_size, n_layer=2, n_head=2, n_kv_head=1, n_embd=32), "cpu")
+    with torch.no_grad():  # init_weights zeroes the residual projections: randomise everything so attention matters
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    return model
+
+
+def test_packed_loss_equals_per_conversation_losses(tok):
+    convs = OfflineChat("train", n=12).conversations + [TOOL_CONV]
+    loader = SFTLoader(ListTask(convs), tok, batch_size=2, seq_len=1024, shuffle=False, epochs=1)
+    batches = list(loader)
+    assert loader.stats["conversations"] == len(convs) and loader.stats["truncated"] == 0
+    model = random_model(tok.vocab_size)
+    with torch.no_grad():
+        packed_sum = sum(model(x, y, doc_ids=d, loss_reduction="sum").item() for x, y, d in batches)
+        packed_count = sum(int((y >= 0).sum()) for _, y, _ in batches)
+        single_sums, single_counts = [], []
+        for conv in convs:  # one at a time: no packing, no document mask, plain causal attention
+            inputs, targets, _ = render_example(tok, conv, 1024)
+            x, y = torch.tensor([inputs]), torch.tensor([targets])
+            single_sums.append(model(x, y, loss_reduction="sum").item())
+            single_counts.append(int((y >= 0).sum()))
+            # per conversation, the token-mean loss from packing-free rendering is finite and positive
+            assert single_sums[-1] / single_counts[-1] > 0
+    assert packed_count == sum(single_counts)
+    # the packed token-mean loss = the token-weighted mean of the per-conversation mean losses
+    per_conv_means = [s / c for s, c in zip(single_sums, single_counts)]
+    weighted = sum(m * c for m, c in zip(per_conv_means, single_counts)) / sum(single_counts)
+    assert packed_sum / packed_count == pytest.approx(weighted, rel=1e-5)
+    assert packed_sum == pytest.approx(sum(single_sums), rel=1e-5)
+    # and it is not the same number if the document mask is ignored (the test has teeth)
+    with torch.no_grad():
+        unmasked = sum(model(x, y, loss_reduction="sum").item() for x, y, _ in batches)
+    assert unmasked != pytest.approx(packed_sum, rel=1e-4)
+
+
+def test_packing_rows_documents_and_padding(tok):
+    task = OfflineProblems("train", n=60)
+    loader = SFTLoader(task, tok, batch_size=4, seq_len=512, shuffle=False, epochs=1)
+    seen_tokens, pad_before_last = 0, []
+    for x, y, d in loader:
+        pad_before_last.append((loader.stats["padding"], loader.stats["positions"]))
+        assert x.shape == y.shape == d.shape == (4, 512)
+        bos = tok.get_bos_token_id()
+        assert not (y == bos).any()  # <|bos|> is never a target: nothing predicts across a document boundary
+        for b in range(4):
+            ids = d[b].tolist()
+            assert ids == sorted(ids)  # documents are contiguous runs
+            starts = [0] + [i for i in range(1, 512) if ids[i] != ids[i - 1]]
+            assert all(x[b, i] == bos for i in starts)  # each run is a whole conversation (or the padded tail)
+            tail = [i for i, v in enumerate(ids) if v == ids[-1]]
+            if (y[b, tail] == -1).all():  # the padded tail: nothing to learn there
+                assert (x[b, tail] == bos).all()
+        seen_tokens += int((y >= 0).sum())
+    expected = sum(sum(t >= 0 for t in render_example(tok, task.get_example(i), 512)[1]) for i in range(len(task)))
+    assert seen_tokens == expected  # every conversation once, nothing lost
+    # best-fit packing wastes only row tails (the last batch of an epoch is allowed to be mostly empty)
+    pad, pos = pad_before_last[-2]
+    assert 0 <= pad / pos < 0.1, pad / pos
+
+
+def test_document_starts_restart_positions(tok):
+    convs = OfflineChat("train", n=6).conversations
+    loader = SFTLoader(ListTask(convs), tok, batch_size=1, seq_len=1024, shuffle=False, epochs=1)
+    x, y, d = loader.next_batch()
+    starts = [0] + [i for i in range(1, 1024) if d[0, i] != d[0, i - 1]]
+    # every document (but the padded tail) starts with <|bos|>, exactly where its id starts
+    docs = starts[:-1] if loader.stats["padding"] else starts
+    assert all(x[0, s] == tok.get_bos_token_id() for s in docs)
+
+
+def test_truncation_is_counted(tok):
+    long = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x" * 300}]}
+    prompt_only = {"messages": [{"role": "user", "content": "y" * 300}, {"role": "assistant", "content": "ok"}]}
+    short = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    loader = SFTLoader(ListTask([long, prompt_only, short]), tok, batch_size=2, seq_len=64, shuffle=False, epochs=1)
+    batches = list(loader)
+    assert loader.stats["truncated"] == 2  # both long ones, never silently
+    assert loader.stats["no_target"] == 1  # the truncated prompt left nothing to learn: skipped and counted
+    assert sum(int((y >= 0).sum()) for _, y, _ in batches) == (64 - 5) + len("hello") + 1  # 65 ids kept; the first 6 (bos, user turn, <|assistant_start|>) are not the assistant's
+
+
+def test_ddp_shards_are_disjoint_and_cover_the_data(tok):
+    task = OfflineProblems("train", n=40)
+    seen = []
+    for rank in range(2):
+        loader = SFTLoader(task, tok, batch_size=2, seq_len=512, rank=rank, world_size=2, seed=3, epochs=1)
+        idx = []
+        orig = loader._render
+
+        def spy(i, orig=orig, idx=idx):
+            idx.append(i)
+            return orig(i)
+        loader._render = spy
+        list(loader)
+        seen.append(idx)
+    assert set(seen[0]).isdisjoint(seen[1]) and sorted(seen[0] + seen[1]) == list(range(40))
+
+
+def test_resume_gives_the_same_batches(tok):
+    task = TaskMixture([OfflineProblems("train", n=50), OfflineChat("train", n=50)])
+    a = SFTLoader(task, tok, batch_size=2, seq_len=300, seed=1, pool_size=8)
+    for _ in range(7):
+        a.next_batch()
+    state = a.state_dict()
+    expected = [a.next_batch() for _ in range(30)]  # crosses an epoch boundary
+    assert a.epoch >= 1
+    b = SFTLoader(task, tok, batch_size=2, seq_len=300, seed=1, pool_size=8)
+    b.load_state_dict(state)
+    for e, got in zip(expected, (b.next_batch() for _ in range(30))):
+        assert all(torch.equal(u, v) for u, v in zip(e, got))
+
+
+def test_epochs_reshuffle_and_progress(tok):
+    task = OfflineProblems("train", n=20)
+    loader = SFTLoader(task, tok, batch_size=1, seq_len=2048, seed=0, pool_size=4)
+    first = list(loader.order)
+    while loader.epoch == 0:
+        loader.next_batch()
+    assert loader.order != first and sorted(loader.order) == sorted(first)
+    assert 1.0 <= loader.progress < 2.0
+
+
+def test_lr_multiplier():
+    assert lr_multiplier(0.0, 0.2) == 1.0 and lr_multiplier(0.79, 0.2) == 1.0
+    assert lr_multiplier(0.9, 0.2) == pytest.approx(0.5) and lr_multiplier(1.0, 0.2) == 0.0
+    assert lr_multiplier(0.25, 1.0) == pytest.approx(0.75)  # SFT: linear decay all along
+    assert lr_multiplier(0.5, 0.0) == 1.0
