@@ -1,238 +1,459 @@
 """
-The RL math, as small pure functions on tensors.
+All the RL math of nanorl: advantages, KL estimators, policy / value losses,
+importance weights and a few eval metrics. Pure functions on tensors, no state.
 
-Conventions: per-token tensors are (B, T) with a 0/1 `mask` (1 = a response token the model wrote and is
-trained on). Rewards are (B,). The B samples come in consecutive groups of `group_size` (n samples of one
-prompt). Advantages come back per token, (B, T), zero where mask is 0.
+Conventions
+- Per-token tensors are (B, T) floats. `mask` is (B, T) of 0/1: 1 on the response
+  tokens the policy generated and is trained on, 0 on prompt, padding and tool output.
+  A mask may start late (left part zeros = the prompt) and may have holes (tool output).
+- Rewards are (B,). The B rows come in consecutive groups of `group_size` samples of
+  the same prompt: rows [0, n), [n, 2n), ...
+- logp tensors hold log-probabilities of the sampled tokens, (B, T).
+- Advantage functions return (B, T) tensors with zeros where mask == 0 and no grad.
+- Metrics are detached 0-dim tensors (no GPU sync here; call float() when logging).
 """
-import math
 
 import torch
 import torch.distributed as dist
 
+# exp() of a log-ratio beyond this is an overflow, not information: clamp before exp
+MAX_LOG_RATIO = 20.0
 
-def _dist_on(distributed):
-    return distributed and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+# -----------------------------------------------------------------------------
+# masked reductions
 
 
 def masked_sum(x, mask, dim=None):
-    return (x * mask).sum() if dim is None else (x * mask).sum(dim)
+    """sum of x over positions where mask is 1 (masked entries may hold nan/inf, they are ignored)."""
+    x = torch.where(mask.bool(), x, torch.zeros_like(x))
+    return x.sum() if dim is None else x.sum(dim)
 
 
 def masked_mean(x, mask, dim=None):
-    if dim is None:
-        return (x * mask).sum() / mask.sum().clamp(min=1)
-    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
+    """sum(x * mask) / sum(mask). An empty mask gives 0 (the count is clamped at 1), never nan."""
+    count = mask.to(x.dtype)
+    count = count.sum() if dim is None else count.sum(dim)
+    return masked_sum(x, mask, dim) / count.clamp(min=1)
 
 
 def masked_whiten(x, mask, shift_mean=True, eps=1e-8, distributed=False):
-    """(x - mean) / std over the masked entries; with distributed=True the statistics span all ranks."""
-    stats = torch.stack([(x * mask).sum(), (x * x * mask).sum(), mask.sum()]).double()
-    if _dist_on(distributed):
+    """
+    (x - mean) / sqrt(var + eps) over the masked entries; zeros where mask is 0.
+    var is the unbiased (Bessel, n-1) masked variance, like verl's masked_whiten.
+    shift_mean=False adds the mean back (only rescales).
+    distributed=True (and torch.distributed initialized): the sums and counts are
+    all-reduced so that mean and var are those of the batch concatenated over all
+    ranks; in that case the statistics are constants for autograd.
+    """
+    reduce = distributed and dist.is_available() and dist.is_initialized()
+    stats = torch.stack([masked_sum(x, mask), mask.to(x.dtype).sum()])
+    if reduce:
+        stats = stats.detach().clone()
         dist.all_reduce(stats)
-    s, s2, n = stats.tolist()
-    n = max(n, 1.0)
-    mean = s / n
-    var = max(s2 / n - mean * mean, 0.0)
-    # unbiased variance, as most RL codebases use for advantage whitening
-    var = var * n / (n - 1) if n > 1 else var
-    out = (x - mean) * (1.0 / math.sqrt(var + eps))
+    total, count = stats[0], stats[1]
+    mean = total / count.clamp(min=1)
+    sq = masked_sum((x - mean) ** 2, mask)
+    if reduce:
+        sq = sq.detach().clone()
+        dist.all_reduce(sq)
+    var = sq / (count - 1).clamp(min=1)
+    out = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + mean
-    return out * mask
+    return torch.where(mask.bool(), out, torch.zeros_like(out))
 
 
-def _grouped(rewards, group_size):
-    if rewards.numel() % group_size:
-        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
-    return rewards.view(-1, group_size)
+# -----------------------------------------------------------------------------
+# advantages (all of them are targets: computed without grad)
 
 
-# -----------------------------------------------------------------------------------------------
-# advantages
+def _grouped(rewards, group_size, min_size=1):
+    """(B,) -> (B // n, n) view of consecutive groups, with a clear error on bad shapes."""
+    B = rewards.numel()
+    if group_size < min_size or B % group_size != 0:
+        raise ValueError(f"need group_size >= {min_size} dividing the batch, got B={B}, group_size={group_size}")
+    return rewards.float().reshape(B // group_size, group_size)
 
+
+def _broadcast(seq_values, mask):
+    """(B,) sequence values -> (B, T): the value on every masked token, 0 elsewhere."""
+    return seq_values[:, None] * mask.to(seq_values.dtype)
+
+
+@torch.no_grad()
 def grpo_advantages(rewards, mask, group_size, std_normalize=True, eps=1e-6):
-    """GRPO: (r - group mean) / (group std + eps), the std unbiased (torch's default). Without the std
-    division it is Dr. GRPO, which avoids up-weighting groups whose rewards barely differ."""
-    g = _grouped(rewards.float(), group_size)
-    adv = g - g.mean(dim=1, keepdim=True)
+    """
+    GRPO: A_i = (r_i - mean_g(r)) / (std_g(r) + eps), same value on every token of row i.
+    std is the unbiased (n-1) std of the group, torch's default and verl's choice.
+    std_normalize=False is Dr. GRPO: A_i = r_i - mean_g(r) (no per-prompt difficulty bias).
+    """
+    r = _grouped(rewards, group_size, 2 if std_normalize else 1)
+    adv = r - r.mean(dim=1, keepdim=True)
     if std_normalize:
-        adv = adv / (g.std(dim=1, keepdim=True) + eps)
-    return adv.reshape(-1, 1) * mask
+        adv = adv / (r.std(dim=1, keepdim=True) + eps)
+    return _broadcast(adv.reshape(-1), mask)
 
 
+@torch.no_grad()
 def rloo_advantages(rewards, mask, group_size):
-    """RLOO: each sample's baseline is the mean reward of the other n-1 samples of its group."""
-    g = _grouped(rewards.float(), group_size)
+    """
+    RLOO: A_i = r_i - mean_{j != i} r_j = n/(n-1) * (r_i - mean_g(r)).
+    The leave-one-out baseline does not depend on r_i, so the estimator stays unbiased.
+    """
     n = group_size
-    baseline = (g.sum(dim=1, keepdim=True) - g) / max(n - 1, 1)
-    return (g - baseline).reshape(-1, 1) * mask
+    r = _grouped(rewards, n, 2)
+    adv = (r - r.mean(dim=1, keepdim=True)) * (n / (n - 1))
+    return _broadcast(adv.reshape(-1), mask)
 
 
-def _last_token_index(mask):
-    T = mask.size(1)
-    idx = torch.arange(T, device=mask.device).expand_as(mask)
-    return torch.where(mask > 0, idx, torch.full_like(idx, -1)).max(dim=1).values
+@torch.no_grad()
+def discounted_returns(token_rewards, mask, gamma=1.0):
+    """
+    G_t = r_t + gamma * G_next over the masked positions, right to left; G_next is the
+    return at the next masked position (holes in the mask are skipped, not reset),
+    0 after the last one. Rewards at unmasked positions are ignored; output 0 there.
+    """
+    B, T = token_rewards.shape
+    valid = mask.bool()
+    returns = torch.zeros_like(token_rewards)
+    running = torch.zeros_like(token_rewards[:, 0])
+    for t in reversed(range(T)):
+        running = torch.where(valid[:, t], token_rewards[:, t] + gamma * running, running)
+        returns[:, t] = torch.where(valid[:, t], running, torch.zeros_like(running))
+    return returns
 
 
+def _last_token_rewards(rewards, mask):
+    """Place the scalar reward of each row on its last masked token: (B,) -> (B, T)."""
+    B, T = mask.shape
+    last = T - 1 - mask.flip(-1).to(torch.int64).argmax(-1)  # argmax returns the first max
+    out = torch.zeros(B, T, dtype=torch.float32, device=mask.device)
+    out[torch.arange(B, device=mask.device), last] = rewards.float()
+    return torch.where(mask.bool(), out, torch.zeros_like(out))
+
+
+@torch.no_grad()
+def reinforce_pp_baseline_advantages(rewards, mask, group_size, kl=None, kl_coef=0.0, distributed=False):
+    """
+    REINFORCE++-baseline: a_t = (r - mean_g(r)) + sum_{s >= t, masked} (-kl_coef * kl_s),
+    i.e. the group-centered scalar plus the undiscounted returns-to-go of a per-token KL
+    penalty, then whitened over every masked token of the (global, if distributed) batch.
+    The group mean removes the prompt's difficulty; the batch whitening sets the scale.
+    """
+    r = _grouped(rewards, group_size, 1)
+    adv = _broadcast((r - r.mean(dim=1, keepdim=True)).reshape(-1), mask)
+    if kl is not None and kl_coef != 0.0:
+        adv = adv + discounted_returns(-kl_coef * kl.float(), mask, gamma=1.0)
+    return masked_whiten(adv, mask, distributed=distributed)
+
+
+@torch.no_grad()
 def reinforce_pp_returns(rewards, mask, kl=None, kl_coef=0.0, gamma=1.0, distributed=False):
-    """REINFORCE++: token rewards (the scalar reward on each row's last response token, minus kl_coef * kl
-    on every token), discounted returns-to-go, then whitened across the whole batch (all ranks)."""
-    token_rewards = torch.zeros_like(mask, dtype=torch.float32)
-    last = _last_token_index(mask)
-    rows = torch.arange(mask.size(0), device=mask.device)
-    has = last >= 0
-    token_rewards[rows[has], last[has]] = rewards.float()[has]
-    if kl is not None and kl_coef:
-        token_rewards = token_rewards - kl_coef * kl * mask
+    """
+    REINFORCE++ (no critic, no group): token rewards r_t = -kl_coef * kl_t, plus the scalar
+    reward on the last masked token; G_t = discounted returns-to-go (gamma); the advantage
+    is G whitened over all masked tokens of the (global, if distributed) batch.
+    """
+    token_rewards = _last_token_rewards(rewards, mask)
+    if kl is not None and kl_coef != 0.0:
+        token_rewards = token_rewards - kl_coef * kl.float()
     returns = discounted_returns(token_rewards, mask, gamma)
     return masked_whiten(returns, mask, distributed=distributed)
 
 
-def discounted_returns(token_rewards, mask, gamma):
-    """G_t = r_t + gamma * G_{t+1}, stepping over masked-out positions (tool outputs) without discounting."""
-    B, T = token_rewards.shape
-    out = torch.zeros_like(token_rewards)
-    running = torch.zeros(B, dtype=token_rewards.dtype, device=token_rewards.device)
-    for t in reversed(range(T)):
-        m = mask[:, t]
-        running = torch.where(m > 0, token_rewards[:, t] + gamma * running, running)
-        out[:, t] = running * m
-    return out
-
-
-def reinforce_pp_baseline_advantages(rewards, mask, group_size, kl=None, kl_coef=0.0, distributed=False):
-    """REINFORCE++-baseline: subtract the group mean reward, fold the per-token KL penalty in as token
-    rewards (returns-to-go, gamma 1), then whiten across the whole batch."""
-    g = _grouped(rewards.float(), group_size)
-    centred = (g - g.mean(dim=1, keepdim=True)).reshape(-1)
-    adv = centred[:, None] * mask
-    if kl is not None and kl_coef:
-        adv = adv + discounted_returns(-kl_coef * kl * mask, mask, 1.0)
-    return masked_whiten(adv, mask, distributed=distributed)
-
-
+@torch.no_grad()
 def gae_advantages(token_rewards, values, mask, gamma, lam):
     """
-    Generalised advantage estimation over the masked positions:
-      delta_t = r_t + gamma * V_{t'} - V_t  (t' = the next masked position; V = 0 after the last one)
-      A_t = delta_t + gamma * lam * A_{t'}
-    Returns (advantages, returns = advantages + values), both zero off the mask.
+    GAE over the masked positions, right to left:
+      delta_t = r_t + gamma * V_next - V_t,   A_t = delta_t + gamma * lam * A_next
+    where V_next / A_next are those of the next masked position (0 after the last one),
+    so a prompt on the left, padding on the right or tool-output holes are all skipped.
+    returns_t = A_t + V_t is the critic's target. Both are 0 where mask is 0.
+    Not whitened: PPO usually calls masked_whiten(advantages, mask) next.
     """
-    B, T = token_rewards.shape
-    adv = torch.zeros_like(token_rewards)
-    next_value = torch.zeros(B, dtype=values.dtype, device=values.device)
-    next_adv = torch.zeros(B, dtype=values.dtype, device=values.device)
+    B, T = values.shape
+    valid = mask.bool()
+    zeros = torch.zeros_like(values[:, 0])
+    adv = torch.zeros_like(values)
+    next_value, next_adv = zeros, zeros
     for t in reversed(range(T)):
-        m = mask[:, t]
         delta = token_rewards[:, t] + gamma * next_value - values[:, t]
         a = delta + gamma * lam * next_adv
-        next_adv = torch.where(m > 0, a, next_adv)
-        next_value = torch.where(m > 0, values[:, t], next_value)
-        adv[:, t] = a * m
-    return adv, (adv + values) * mask
+        next_adv = torch.where(valid[:, t], a, next_adv)
+        next_value = torch.where(valid[:, t], values[:, t], next_value)
+        adv[:, t] = torch.where(valid[:, t], a, zeros)
+    returns = torch.where(valid, adv + values, torch.zeros_like(values))
+    return adv, returns
 
 
-# -----------------------------------------------------------------------------------------------
-# KL, entropy
+# -----------------------------------------------------------------------------
+# KL estimators (Schulman, "Approximating KL divergence"), per token, for KL(pi || ref)
+
 
 def kl_estimate(logp, ref_logp, kind):
-    """Per-token estimators of KL(policy || ref) from samples of the policy (Schulman's k1/k2/k3)."""
-    log_ratio = logp - ref_logp
+    """
+    With samples from pi and d = ref_logp - logp:
+      k1 = -d = logp - ref_logp          unbiased, high variance, can be negative
+      k2 = 0.5 * d^2                      biased, low variance, >= 0
+      k3 = exp(d) - d - 1                 unbiased, low variance, >= 0 (since e^x >= 1 + x)
+      low_var_kl = k3 with d clamped to [-20, 20] and the result clamped to [-10, 10] (verl)
+    """
+    d = ref_logp - logp
     if kind == "k1":
-        return log_ratio
+        return -d
     if kind == "k2":
-        return 0.5 * log_ratio ** 2
-    if kind in ("k3", "low_var_kl"):
-        # exp(ref - logp) - (ref - logp) - 1: unbiased and always >= 0
-        k3 = torch.exp(-log_ratio) - 1 + log_ratio
-        return k3.clamp(-10, 10) if kind == "low_var_kl" else k3
-    raise ValueError(f"unknown KL estimator {kind!r}; valid: k1, k2, k3, low_var_kl")
+        return 0.5 * d ** 2
+    if kind == "k3":
+        return torch.exp(d) - d - 1
+    if kind == "low_var_kl":
+        d = d.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+        return (torch.exp(d) - d - 1).clamp(-10.0, 10.0)
+    raise ValueError(f"unknown KL estimator {kind!r}, expected one of k1, k2, k3, low_var_kl")
 
 
-def entropy_from_logits(logits):
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(-1)
+# -----------------------------------------------------------------------------
+# policy losses
 
-
-# -----------------------------------------------------------------------------------------------
-# losses
-
-LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 
 
 def aggregate_loss(per_token, mask, loss_agg, max_len=None):
-    """token_mean (DAPO): every token weighs the same. seq_mean_token_mean (GRPO): every sequence weighs the
-    same. seq_mean_token_sum_norm (Dr. GRPO): token sums over a constant max_len, so no length bias."""
+    """
+    Reduce a (B, T) per-token loss to a scalar:
+      token_mean:              sum_{i,t} l / sum_{i,t} m               (DAPO: every token weighs the same)
+      seq_mean_token_mean:     1/B sum_i (sum_t l_i / sum_t m_i)       (GRPO: every sequence weighs the same)
+      seq_mean_token_sum_norm: 1/B sum_i (sum_t l_i / max_len)         (Dr. GRPO: no length bias)
+    The sequence means divide by B, all rows (an empty row adds 0), so a trainer can weight
+    a micro-batch by its share of rows and get exactly the mean over the whole batch.
+    """
     if loss_agg == "token_mean":
         return masked_mean(per_token, mask)
     if loss_agg == "seq_mean_token_mean":
-        return masked_mean(per_token, mask, dim=1).mean()
+        return masked_mean(per_token, mask, dim=-1).mean()
     if loss_agg == "seq_mean_token_sum_norm":
-        if not max_len:
-            raise ValueError("loss aggregation seq_mean_token_sum_norm needs max_len (the max response length)")
-        return (masked_sum(per_token, mask, dim=1) / max_len).mean()
-    raise ValueError(f"unknown loss aggregation {loss_agg!r}; valid: {', '.join(LOSS_AGGREGATIONS)}")
+        if max_len is None:
+            raise ValueError("loss_agg='seq_mean_token_sum_norm' needs max_len (the max response length)")
+        return (masked_sum(per_token, mask, dim=-1) / max_len).mean()
+    raise ValueError(f"unknown loss_agg {loss_agg!r}, expected one of {', '.join(LOSS_AGGS)}")
+
+
+def _ratio(logp, old_logp):
+    """pi / pi_old per token, with the log-ratio clamped against exp overflow."""
+    return torch.exp((logp - old_logp).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
 
 
 def policy_loss(logp, old_logp, advantages, mask, eps_clip=0.2, eps_clip_high=None, eps_clip_c=None,
                 loss_agg="token_mean", max_len=None, tis_weights=None):
     """
-    PPO clipped surrogate per token: max(-A r, -A clip(r, 1-eps, 1+eps_high)), r = exp(logp - old_logp).
-    Dual clip (eps_clip_c > 1): for A < 0 the loss is also capped at -A * eps_clip_c, so one huge ratio on a
-    bad token cannot blow up the step. tis_weights (detached) multiply the per-token loss.
+    PPO clipped surrogate, per token, as a loss to minimize:
+      ratio = exp(logp - old_logp)
+      pg    = max(-A * ratio, -A * clip(ratio, 1 - eps_clip, 1 + eps_clip_high))
+    eps_clip_high (DAPO clip-higher) defaults to eps_clip.
+    Dual clip (eps_clip_c > 1): for A < 0, pg = min(pg, -A * eps_clip_c), so a huge ratio on a
+    bad token cannot produce an unbounded loss.
+    tis_weights (B, T) multiply the per-token loss (detached): rollout/train mismatch correction.
+    Returns (loss, metrics): clipfrac, clipfrac_low, clipfrac_high, ppo_kl, dual_clip_frac.
     """
     eps_high = eps_clip if eps_clip_high is None else eps_clip_high
-    log_ratio = logp - old_logp
-    ratio = torch.exp(log_ratio)
-    pg1 = -advantages * ratio
-    pg2 = -advantages * ratio.clamp(1 - eps_clip, 1 + eps_high)
+    A = advantages.detach()
+    ratio = _ratio(logp, old_logp)
+    pg1 = -A * ratio
+    pg2 = -A * ratio.clamp(1 - eps_clip, 1 + eps_high)
     pg = torch.maximum(pg1, pg2)
-    clipped = (pg2 > pg1).float()
-    dual = torch.zeros_like(pg)
+    dual = torch.zeros_like(mask, dtype=torch.bool)
     if eps_clip_c is not None:
-        pg3 = -advantages * eps_clip_c
-        dual = ((advantages < 0) & (pg > pg3)).float()
-        pg = torch.where(advantages < 0, torch.minimum(pg, pg3), pg)
+        if eps_clip_c <= 1.0:
+            raise ValueError(f"dual clip needs eps_clip_c > 1, got {eps_clip_c}")
+        pg3 = -A * eps_clip_c
+        dual = (A < 0) & (pg3 < pg)
+        pg = torch.where(dual, pg3, pg)
     if tis_weights is not None:
         pg = pg * tis_weights.detach()
     loss = aggregate_loss(pg, mask, loss_agg, max_len)
     with torch.no_grad():
         metrics = {
-            "clipfrac": masked_mean(clipped, mask),
-            "clipfrac_low": masked_mean(clipped * (ratio < 1 - eps_clip).float(), mask),
-            "clipfrac_high": masked_mean(clipped * (ratio > 1 + eps_high).float(), mask),
-            "ppo_kl": masked_mean(-log_ratio, mask),
-            "dual_clip_frac": masked_mean(dual, mask),
+            "clipfrac": masked_mean((pg2 > pg1).float(), mask),
+            "clipfrac_low": masked_mean(((ratio < 1 - eps_clip) & (A < 0)).float(), mask),
+            "clipfrac_high": masked_mean(((ratio > 1 + eps_high) & (A > 0)).float(), mask),
+            "ppo_kl": masked_mean(old_logp - logp, mask),
+            "dual_clip_frac": masked_mean(dual.float(), mask),
         }
     return loss, metrics
 
 
-def value_loss(values, old_values, returns, mask, value_clip=None, loss_agg="token_mean"):
-    """0.5 * max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2): the critic cannot move far per step."""
-    l1 = (values - returns) ** 2
+def gspo_loss(logp, old_logp, advantages, mask, eps_clip, eps_clip_high=None):
+    """
+    GSPO (Qwen): one importance ratio per sequence, the geometric mean of the token ratios,
+      s_i = exp(1/|y_i| sum_t (logp_t - old_logp_t))
+    in its token-level form s_i,t = sg[s_i] * exp(logp_t - sg[logp_t]): same value as s_i, and
+    1/|y_i| sum_t grad s_i,t = grad s_i, so with the per-sequence token mean the gradient is
+    exactly that of the sequence objective. Clipped PPO-style with its own (small) range:
+      pg_i,t = max(-A_i s_i,t, -A_i clip(s_i,t, 1 - eps_clip, 1 + eps_clip_high))
+    aggregated seq_mean_token_mean. A_i: (B,) or (B, T) (then taken at the row's first masked token).
+    """
+    eps_high = eps_clip if eps_clip_high is None else eps_clip_high
+    if advantages.dim() == 2:
+        first = mask.to(torch.int64).argmax(-1)  # argmax returns the first max
+        advantages = advantages.gather(1, first[:, None]).squeeze(1)
+    A = advantages.detach()[:, None]
+    log_s = masked_mean(logp - old_logp, mask, dim=-1)  # (B,)
+    log_s_tok = log_s.detach().clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)[:, None] + logp - logp.detach()
+    s_tok = torch.exp(log_s_tok)
+    pg1 = -A * s_tok
+    pg2 = -A * s_tok.clamp(1 - eps_clip, 1 + eps_high)
+    pg = torch.maximum(pg1, pg2)
+    loss = aggregate_loss(pg, mask, "seq_mean_token_mean")
+    with torch.no_grad():
+        s, A = log_s.exp(), A[:, 0]
+        rows = (mask.sum(-1) > 0).float()
+        low, high = (s < 1 - eps_clip) & (A < 0), (s > 1 + eps_high) & (A > 0)
+        metrics = {
+            "clipfrac": masked_mean((low | high).float(), rows),  # fraction of sequences
+            "clipfrac_low": masked_mean(low.float(), rows),
+            "clipfrac_high": masked_mean(high.float(), rows),
+            "ppo_kl": masked_mean(old_logp - logp, mask),
+            "seq_ratio_mean": masked_mean(s, rows),
+        }
+    return loss, metrics
+
+
+def cispo_loss(logp, old_logp, advantages, mask, eps_clip_high, eps_clip_low=None, loss_agg="token_mean",
+               max_len=None):
+    """
+    CISPO (MiniMax-M1): clip the importance weight, not the update, so every token keeps a gradient:
+      l_t = -sg[clip(ratio_t, 1 - eps_clip_low, 1 + eps_clip_high)] * A_t * logp_t
+    grad_logp l_t = -clip(ratio_t) * A_t (REINFORCE with a truncated IS weight).
+    eps_clip_low=None: no lower clip (the paper's choice). The loss value itself is not meaningful.
+    """
+    A = advantages.detach()
+    ratio = _ratio(logp, old_logp).detach()
+    low = None if eps_clip_low is None else 1 - eps_clip_low
+    w = ratio.clamp(min=low, max=1 + eps_clip_high)
+    loss = aggregate_loss(-w * A * logp, mask, loss_agg, max_len)
+    with torch.no_grad():
+        metrics = {
+            "clipfrac": masked_mean((w != ratio).float(), mask),
+            "ppo_kl": masked_mean(old_logp - logp, mask),
+        }
+    return loss, metrics
+
+
+def value_loss(values, old_values, returns, mask, value_clip=None, loss_agg="token_mean", max_len=None):
+    """
+    PPO critic loss: 0.5 * max((v - R)^2, (v_clip - R)^2), v_clip = old + clip(v - old, -c, c).
+    The max is pessimistic: the critic cannot move further than c from its rollout values
+    to reduce the loss. value_clip=None: plain 0.5 * (v - R)^2. Metric vf_clipfrac.
+    """
+    R = returns.detach()
+    l1 = (values - R) ** 2
     if value_clip is None:
-        per_tok, clipfrac = 0.5 * l1, torch.zeros(())
+        per_token, clipped = l1, torch.zeros_like(l1, dtype=torch.bool)
     else:
         v_clip = old_values + (values - old_values).clamp(-value_clip, value_clip)
-        l2 = (v_clip - returns) ** 2
-        per_tok = 0.5 * torch.maximum(l1, l2)
-        clipfrac = masked_mean((l2 > l1).float(), mask).detach()
-    return aggregate_loss(per_tok, mask, loss_agg), {"vf_clipfrac": clipfrac}
+        l2 = (v_clip - R) ** 2
+        per_token, clipped = torch.maximum(l1, l2), l2 > l1
+    loss = 0.5 * aggregate_loss(per_token, mask, loss_agg, max_len)
+    return loss, {"vf_clipfrac": masked_mean(clipped.float(), mask).detach()}
 
 
-def pass_at_k(n, c, k):
-    """Unbiased pass@k from n samples with c correct: 1 - C(n-c, k) / C(n, k), as a stable product."""
-    if n - c < k:
-        return 1.0
-    prod = 1.0
-    for i in range(n - c + 1, n + 1):
-        prod *= 1.0 - k / i
-    return 1.0 - prod
+def entropy_from_logits(logits):
+    """
+    Entropy of softmax(logits) over the last dim, in fp32: H = -sum_v p_v log p_v.
+    log_softmax is stable, and p_v underflowing to 0 gives 0 * finite = 0 (logits must be finite).
+    """
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+# -----------------------------------------------------------------------------
+# rollout / train mismatch and on-policy distillation
+
+
+@torch.no_grad()
+def tis_weights(old_logp, rollout_logp, mask, clip=2.0, clip_low=0.0, mode="truncate"):
+    """
+    Truncated importance sampling against the inference engine's sampler: the tokens were sampled
+    by the rollout engine (rollout_logp) but the loss assumes the trainer's policy (old_logp).
+      w_t = exp(old_logp_t - rollout_logp_t)
+      truncate: clamp(w, clip_low, clip)               (TIS: bounded variance, small bias)
+      icepop:   w if clip_low <= w <= clip else 0      (drop the tokens where the two disagree)
+    Returns (weights (B, T), detached, 0 where mask is 0; metrics on the raw w).
+    """
+    w = _ratio(old_logp, rollout_logp)
+    if mode == "truncate":
+        out = w.clamp(clip_low, clip)
+    elif mode == "icepop":
+        out = torch.where((w >= clip_low) & (w <= clip), w, torch.zeros_like(w))
+    else:
+        raise ValueError(f"unknown tis mode {mode!r}, expected truncate or icepop")
+    valid = mask.bool()
+    out = torch.where(valid, out, torch.zeros_like(out))
+    any_valid = valid.any()
+    one = torch.ones_like(w[0, 0])
+    metrics = {
+        "tis_mean": masked_mean(w, mask),
+        "tis_min": torch.where(any_valid, torch.where(valid, w, torch.full_like(w, float("inf"))).min(), one),
+        "tis_max": torch.where(any_valid, torch.where(valid, w, torch.full_like(w, float("-inf"))).max(), one),
+        "tis_clipfrac": masked_mean(((w < clip_low) | (w > clip)).float(), mask),
+    }
+    return out, metrics
+
+
+@torch.no_grad()
+def opd_adjust(advantages, logp_student, logp_teacher, mask, coef):
+    """
+    On-policy distillation: A_t - coef * (logp_student_t - logp_teacher_t). The difference is the
+    per-token k1 estimate of the reverse KL(student || teacher) on the student's own samples, so
+    tokens the teacher finds likelier than the student get pushed up. 0 where mask is 0.
+    """
+    adv = advantages - coef * (logp_student - logp_teacher)
+    return torch.where(mask.bool(), adv, torch.zeros_like(adv))
+
+
+# -----------------------------------------------------------------------------
+# reward shaping, sampling filters and eval metrics
 
 
 def overlong_penalty(response_lengths, max_response_len, buffer_len, penalty_factor):
-    """DAPO's soft overlong punishment: 0 until max - buffer, then a linear ramp down to -penalty_factor."""
-    start = max_response_len - buffer_len
-    over = (response_lengths.float() - start).clamp(min=0)
-    return -(over / buffer_len).clamp(max=1.0) * penalty_factor
+    """
+    DAPO soft overlong punishment, (B,) penalties to add to the rewards:
+      0                                             if L <= max - buffer
+      -(L - (max - buffer)) / buffer * factor       inside the buffer, down to -factor at L = max
+      -factor                                       beyond
+    """
+    if buffer_len <= 0:
+        raise ValueError(f"buffer_len must be > 0, got {buffer_len}")
+    L = torch.as_tensor(response_lengths, dtype=torch.float32)
+    over = (L - (max_response_len - buffer_len)).clamp(min=0)
+    return -(over / buffer_len * penalty_factor).clamp(max=penalty_factor)
+
+
+def pass_at_k(n, c, k):
+    """
+    Unbiased pass@k from n samples with c correct (Chen et al. 2021): 1 - C(n-c, k) / C(n, k),
+    as the product 1 - prod_{i=n-c+1}^{n} (1 - k / i) to avoid huge binomials. 1.0 if n - c < k.
+    """
+    if not (0 <= c <= n and 1 <= k <= n):
+        raise ValueError(f"need 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    all_fail = 1.0
+    for i in range(n - c + 1, n + 1):
+        all_fail *= 1.0 - k / i
+    return 1.0 - all_fail
+
+
+def group_pass_at_k(correct, k):
+    """Mean over prompts of pass_at_k; `correct` is one list of bools (the n samples) per prompt."""
+    if not correct:
+        raise ValueError("group_pass_at_k needs at least one prompt")
+    return sum(pass_at_k(len(c), sum(bool(x) for x in c), k) for c in correct) / len(correct)
+
+
+def group_filter_nonconstant(rewards_of_group):
+    """
+    DAPO dynamic sampling: keep a group only if its rewards are not all equal. With equal
+    rewards every group-relative advantage is 0: the group costs compute and teaches nothing.
+    """
+    r = torch.as_tensor(rewards_of_group, dtype=torch.float64).flatten()
+    return r.numel() > 1 and bool(r.max() > r.min())
