@@ -158,22 +158,21 @@ class RolloutBuffer:
         self.groups = [[Sample(**d) for d in g] for g in state["groups"]]
 
 
-def fill_rollout(target_groups, buffer, make_groups, group_filter, max_rounds=100):
+def fill_rollout(target_groups, buffer, make_groups, group_filter, max_rounds=8):
     """
     Collect `target_groups` groups that pass `group_filter`: first from the buffer (surplus of the last
-    rollout, re-checked), then by calling make_groups() (which over-samples a batch of prompts) until full.
-    Surplus goes back to the buffer. Returns (groups, stats) where stats counts what was dropped and why.
+    rollout), then by calling make_groups() (which over-samples a batch of prompts) until full.
+    Surplus goes back to the buffer. If max_rounds of over-sampling still leave the batch short (a model
+    that gets everything wrong early in training), the batch is topped up with dropped groups rather than
+    looping forever, and stats["groups_unfiltered_fill"] says how many.
+    Returns (groups, stats) where stats counts what was dropped and why.
     """
-    stats = {"groups_generated": 0, "groups_from_buffer": 0, "groups_dropped": 0, "rounds": 0}
-    kept = []
+    stats = {"groups_generated": 0, "groups_from_buffer": 0, "groups_dropped": 0, "rounds": 0, "groups_unfiltered_fill": 0}
+    kept, dropped = [], []
     for g in buffer.pop(target_groups):
         stats["groups_from_buffer"] += 1
         kept.append(g)
-    while len(kept) < target_groups:
-        if stats["rounds"] >= max_rounds:
-            raise RuntimeError(f"dynamic sampling kept {len(kept)}/{target_groups} groups after {max_rounds} rounds of over-sampling: "
-                               f"the filter drops almost everything (all groups all-right or all-wrong?); "
-                               f"relax --dynamic-sampling-filter-path or use easier prompts")
+    while len(kept) < target_groups and stats["rounds"] < max_rounds:
         stats["rounds"] += 1
         for g in make_groups():
             stats["groups_generated"] += 1
@@ -181,9 +180,15 @@ def fill_rollout(target_groups, buffer, make_groups, group_filter, max_rounds=10
             if keep:
                 kept.append(g)
             else:
+                dropped.append(g)
                 stats["groups_dropped"] += 1
                 key = f"dropped_{reason or 'filter'}"
                 stats[key] = stats.get(key, 0) + 1
+    if len(kept) < target_groups:
+        fill = dropped[:target_groups - len(kept)]
+        stats["groups_unfiltered_fill"] = len(fill)
+        stats["groups_dropped"] -= len(fill)
+        kept.extend(fill)
     buffer.add(kept[target_groups:])
     return kept[:target_groups], stats
 

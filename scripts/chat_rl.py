@@ -38,6 +38,7 @@ parser.add_argument("--model-tag", default=None, help="checkpoint subdirectory (
 parser.add_argument("--model-step", type=int, default=None, help="checkpoint step (default: last)")
 parser.add_argument("--task", default="offline", help="RL prompts: offline (the synthetic curriculum) or gsm8k")
 parser.add_argument("--task-path", default=None, help="local jsonl/parquet for the task instead of downloading")
+parser.add_argument("--levels", default="1,2,3,4", help="offline task: difficulty levels of the prompts")
 parser.add_argument("--eval-task", default=None, help="held-out task (default: the test split of --task)")
 parser.add_argument("--output-tag", default=None, help="save under rl_checkpoints/<tag> (default: the source's tag)")
 # rollout
@@ -46,8 +47,9 @@ parser.add_argument("--rollout-batch-size", type=int, default=16, help="prompts 
 parser.add_argument("--n-samples-per-prompt", type=int, default=8, help="group size")
 parser.add_argument("--global-batch-size", type=int, default=None, help="samples per optimizer step (default: the whole rollout)")
 parser.add_argument("--num-steps-per-rollout", type=int, default=1, help="optimizer steps per rollout (>1 is off-policy: uses the ratio)")
-parser.add_argument("--over-sampling-batch-size", type=int, default=None, help="prompts generated per round of dynamic sampling (default: rollout batch size)")
-parser.add_argument("--dynamic-sampling-filter-path", default="nanorl.rollout:keep_nonconstant_group", help="module:function(group) -> (keep, reason); 'none' keeps every group")
+parser.add_argument("--over-sampling-batch-size", type=int, default=None, help="turns on dynamic sampling: prompts generated per round, groups kept by the filter until the batch is full")
+parser.add_argument("--dynamic-sampling-filter-path", default="nanorl.rollout:keep_nonconstant_group", help="module:function(group) -> (keep, reason), used with --over-sampling-batch-size")
+parser.add_argument("--max-sampling-rounds", type=int, default=8, help="dynamic sampling: rounds before the batch is topped up with dropped groups")
 parser.add_argument("--buffer-filter-path", default="nanorl.rollout:pop_first", help="module:function(buffer, n) -> (taken, rest) for surplus groups")
 parser.add_argument("--max-response-len", type=int, default=256, help="max tokens per response")
 parser.add_argument("--temperature", type=float, default=1.0, help="rollout temperature (the trainer divides logits by it too)")
@@ -111,7 +113,8 @@ if args.rollout_batch_size % world_size:
     raise SystemExit(f"--rollout-batch-size {args.rollout_batch_size} must divide by the number of ranks {world_size}")
 if args.global_batch_size % (world_size * n):
     raise SystemExit(f"--global-batch-size {args.global_batch_size} must be a multiple of ranks x --n-samples-per-prompt = {world_size * n}")
-if args.over_sampling_batch_size is None:
+dynamic_sampling = args.over_sampling_batch_size is not None
+if not dynamic_sampling:
     args.over_sampling_batch_size = args.rollout_batch_size
 if args.over_sampling_batch_size % world_size:
     raise SystemExit(f"--over-sampling-batch-size {args.over_sampling_batch_size} must divide by the number of ranks {world_size}")
@@ -122,8 +125,8 @@ if args.eps_clip_c is not None and args.eps_clip_c <= 1:
 pass_ks = [int(k) for k in args.pass_k.split(",")]
 if max(pass_ks) > args.n_samples_per_eval_prompt:
     raise SystemExit(f"--pass-k {args.pass_k} needs --n-samples-per-eval-prompt >= {max(pass_ks)}")
-group_filter = keep_all_groups if args.dynamic_sampling_filter_path == "none" else \
-    load_function(args.dynamic_sampling_filter_path, ["group"], "--dynamic-sampling-filter-path")
+group_filter = load_function(args.dynamic_sampling_filter_path, ["group"], "--dynamic-sampling-filter-path") \
+    if dynamic_sampling else keep_all_groups
 buffer_filter = load_function(args.buffer_filter_path, ["buffer", "n"], "--buffer-filter-path")
 custom_rm = load_function(args.custom_rm_path, ["response", "label", "metadata"], "--custom-rm-path") if args.custom_rm_path else None
 custom_generate = load_function(args.custom_generate_function_path, ["args", "engine", "tokenizer", "prompts", "seed"],
@@ -140,7 +143,7 @@ optimizer = build_optimizer(model, weight_decay=args.weight_decay)
 for g in optimizer.param_groups:
     g["initial_lr"] = g["initial_lr"] * args.lr_scale
     g["lr"] = g["initial_lr"]
-engine = Engine(model, tokenizer, batch_size=args.engine_batch_size)
+engine = None  # made once the prompts are known: its KV cache is sized to the longest prompt + response
 autocast = autocast_ctx(device.type)
 output_tag = args.output_tag or meta.get("model_tag") or args.model_tag or "d"
 ckpt_dir = os.path.join(get_base_dir(), "rl_checkpoints", output_tag)
@@ -149,7 +152,10 @@ logger = get_logger(args.run, project="nanorl-rl", config=vars(args), master_pro
 
 def task_prompts(task_name, split):
     """Turn a task's examples into RL prompts: the conversation without its answer, plus the label."""
-    task = get_task(task_name, split, path=args.task_path) if args.task_path else get_task(task_name, split)
+    kw = {"path": args.task_path} if args.task_path else {}
+    if task_name == "offline":
+        kw["levels"] = tuple(int(x) for x in args.levels.split(","))
+    task = get_task(task_name, split, **kw)
     items = []
     for i in range(len(task)):
         conv = task.get_example(i)
@@ -168,6 +174,11 @@ train_items = task_prompts(args.task, "train")
 eval_name = args.eval_task or args.task
 eval_items = task_prompts(eval_name, "test")[:args.eval_max_problems]
 source = PromptSource(train_items, seed=args.seed, rank=rank, world_size=world_size)
+longest_prompt = max(len(tokenizer.render_for_completion(p["conversation"])) for p in train_items + eval_items)
+if longest_prompt + 1 > model.config.sequence_len:
+    raise SystemExit(f"the longest prompt has {longest_prompt} tokens, more than the model's context {model.config.sequence_len}")
+engine = Engine(model, tokenizer, batch_size=args.engine_batch_size,
+                max_len=min(model.config.sequence_len, longest_prompt + args.max_response_len))
 buffer = RolloutBuffer(buffer_filter)
 print0(f"RL on {len(train_items)} {args.task} prompts, eval on {len(eval_items)} {eval_name} prompts, {world_size} rank(s), device {device}")
 
@@ -394,7 +405,7 @@ for step in range(start_step, args.num_rollouts):
 
     model.eval()
     with timer.section("rollout", device.type):
-        groups, fstats = fill_rollout(prompts_per_rank, buffer, make_groups, group_filter)
+        groups, fstats = fill_rollout(prompts_per_rank, buffer, make_groups, group_filter, args.max_sampling_rounds)
     samples = [s for g in groups for s in g]
     # 2) reward shaping on the kept samples
     if args.overlong_buffer_len > 0:

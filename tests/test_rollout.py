@@ -41,9 +41,15 @@ def test_fill_rollout_over_samples_and_buffers_surplus():
     assert kept2 == surplus and stats2["groups_from_buffer"] == len(surplus) and stats2["rounds"] == 0
 
 
-def test_fill_rollout_gives_up_with_a_clear_error():
-    with pytest.raises(RuntimeError, match="dynamic sampling"):
-        fill_rollout(1, RolloutBuffer(), lambda: [group([0, 0])], keep_nonconstant_group, max_rounds=3)
+def test_fill_rollout_tops_up_after_max_rounds():
+    calls = []
+
+    def make_groups():
+        calls.append(1)
+        return [group([0, 0])]
+    kept, stats = fill_rollout(2, RolloutBuffer(), make_groups, keep_nonconstant_group, max_rounds=3)
+    assert len(calls) == 3 and len(kept) == 2
+    assert stats["groups_unfiltered_fill"] == 2 and stats["groups_dropped"] == 1 and stats["dropped_all_wrong"] == 3
 
 
 def test_buffer_state_roundtrip():
