@@ -51,3 +51,38 @@ stage() {
     echo "-- $name done in $(( $(date +%s) - t0 ))s"
     touch "$marker"
 }
+
+# --- the stages ------------------------------------------------------------------------------------
+if [ $TINY = 1 ]; then
+    stage tok_train  $PY -m scripts.tok_train --vocab-size 4096 --max-chars 20000000
+    stage tok_eval   $PY -m scripts.tok_eval
+    stage base_train $PY -m scripts.base_train --depth 4 --head-dim 64 --max-seq-len 256 --device-batch-size 16 \
+        --total-batch-size 4096 --num-iterations 250 --warmdown-ratio 0.3 --eval-every 125 --eval-tokens 16384 --sample-every 250 --run "$WANDB_RUN"
+    stage mid_train  $PY -m scripts.mid_train --num-iterations 80 --device-batch-size 16 --eval-every 40 --eval-tokens 16384 --run "$WANDB_RUN"
+    stage eval_mid   $PY -m scripts.chat_eval -i mid -a offline -x 200 --levels 1,2
+    stage chat_sft   $PY -m scripts.chat_sft --num-iterations 80 --device-batch-size 16 --eval-every 40 --eval-tokens 16384 --run "$WANDB_RUN"
+    stage eval_sft   $PY -m scripts.chat_eval -i sft -a offline -x 200 --levels 1,2
+    stage chat_rl    $PY -m scripts.chat_rl --levels 1,2 --num-rollouts 24 --rollout-batch-size 8 --n-samples-per-prompt 8 \
+        --max-response-len 96 --eval-interval 8 --eval-max-problems 64 --n-samples-per-eval-prompt 4 --save-interval 8 --run "$WANDB_RUN"
+    stage eval_rl    $PY -m scripts.chat_eval -i rl -a offline -x 200 --levels 1,2
+else
+    # real data: the first shards now, the rest in the background while the tokenizer trains
+    stage data_first $PY -m nanorl.dataset -n 8
+    $PY -m nanorl.dataset -n 240 > "$NANORL_BASE_DIR/logs/data_download.log" 2>&1 &
+    DATA_PID=$!
+    stage tok_train  $PY -m scripts.tok_train --max-chars 2000000000
+    stage tok_eval   $PY -m scripts.tok_eval
+    wait $DATA_PID || { echo "!! data download failed; see $NANORL_BASE_DIR/logs/data_download.log" >&2; exit 1; }
+    stage base_train $RUN scripts.base_train -- --depth 20 --n-kv-head 2 --run "$WANDB_RUN"
+    stage base_eval  $RUN scripts.base_eval
+    stage mid_train  $RUN scripts.mid_train -- --data hub --run "$WANDB_RUN"
+    stage eval_mid   $RUN scripts.chat_eval -- -i mid -a arc-easy,arc-challenge,mmlu,gsm8k,humaneval,offline
+    stage chat_sft   $RUN scripts.chat_sft -- --data hub --run "$WANDB_RUN"
+    stage eval_sft   $RUN scripts.chat_eval -- -i sft -a arc-easy,arc-challenge,mmlu,gsm8k,humaneval,offline
+    stage chat_rl    $RUN scripts.chat_rl -- --task gsm8k --run "$WANDB_RUN"
+    stage eval_rl    $RUN scripts.chat_eval -- -i rl -a arc-easy,arc-challenge,mmlu,gsm8k,humaneval,offline
+fi
+
+# --- the report -----------------------------------------------------------------------------------
+$PY -m nanorl.report --out report.md --wall-time $(( $(date +%s) - T_START ))
+echo "== done in $(( ($(date +%s) - T_START) / 60 )) min; see report.md =="

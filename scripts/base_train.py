@@ -21,7 +21,7 @@ from nanorl.dataset import describe_source
 from nanorl.gpt import build_model, config_from_depth
 from nanorl.loss_eval import evaluate_bpb
 from nanorl.optim import build_optimizer
-from nanorl.report import log_section
+from nanorl.report import log_json, log_section, record_metrics
 from nanorl.tokenizer import get_token_bytes, get_tokenizer
 
 # fmt: off
@@ -203,9 +203,9 @@ log_section("Base model training", [{
     "depth": args.depth, "params": nparams, "num_iterations": num_iterations, "total_batch_size": args.total_batch_size,
     "data": describe_source(args.data_dir), "final_train_loss": losses[-1] if losses else float("nan"),
     "min_val_bpb": min_val, "wall_time_s": round(time.time() - t_start, 1)}], rank=rank)
-if master and losses:
-    import json
-    with open(os.path.join(ckpt_dir, "train_loss.json"), "w") as f:
-        json.dump({"step": list(range(start_step + 1, start_step + 1 + len(losses))), "loss": losses}, f)
+if losses:
+    log_json("base_train_loss", {"step": list(range(start_step + 1, start_step + 1 + len(losses))), "loss": losses}, rank=rank)
+if min_val < float("inf"):
+    record_metrics("BASE", {"val bpb": min_val}, rank=rank)
 logger.finish()
 compute_cleanup()

@@ -113,7 +113,7 @@ def main():
     from nanorl.checkpoint import load_model
     from nanorl.common import autocast_ctx, compute_cleanup, compute_init, print0
     from nanorl.engine import Engine
-    from nanorl.report import log_section
+    from nanorl.report import log_section, record_metrics
     from nanorl.sft_data import task_paths
 
     parser = argparse.ArgumentParser(description="Evaluate a chat model on tasks")
@@ -165,6 +165,9 @@ def main():
     chatcore = sum(r["centered"] for r in results.values()) / len(results)
     print0(f"ChatCORE (centred mean over {len(results)} task(s)): {chatcore:.4f}; total {time.time() - t_all:.1f}s")
     rows = [{f"{name} {k}": v for k, v in r.items()} for name, r in results.items()]
+    card_names = {"gsm8k": "GSM8K", "arc-easy": "ARC-Easy", "arc-challenge": "ARC-Challenge", "mmlu": "MMLU", "humaneval": "HumanEval"}
+    record_metrics(args.source, {**{card_names.get(name.lower(), name.lower()): r["accuracy"] for name, r in results.items()},
+                                 "ChatCORE": chatcore}, rank=rank)
     log_section(f"Chat eval {args.source}", [{"source": f"{args.source} ({meta.get('model_tag', args.model_tag)})",
                                               "samples per problem": n, "temperature": temperature, "ranks": world_size},
                                              *rows, {"ChatCORE": chatcore}], rank=rank)

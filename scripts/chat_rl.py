@@ -24,7 +24,7 @@ from nanorl.checkpoint import load_checkpoint, load_model, save_checkpoint, find
 from nanorl.common import (Timer, autocast_ctx, compute_cleanup, compute_init, get_base_dir, get_logger, print0)
 from nanorl.engine import Engine, Request
 from nanorl.optim import build_optimizer
-from nanorl.report import log_section
+from nanorl.report import log_json, log_section
 from nanorl.rewards import compute_reward, extract_answer, safe_reward
 from nanorl.rollout import (ABORTED, COMPLETED, TRUNCATED, PromptSource, RolloutBuffer, Sample, collate, fill_rollout,
                             keep_all_groups, load_function, pack_micro_batches)
@@ -474,6 +474,7 @@ for step in range(start_step, args.num_rollouts):
            f"| dropped {int(m.get('rollout/groups_dropped', 0))} | dt {dt:.1f}s (rollout {timer.times.get('rollout', 0):.1f}s)")
     history.append({"step": step + 1, **m})
     logger.log(m, step=step + 1)
+    log_json("rl_history", {"train": history, "eval": eval_history}, rank=rank)
     # 6) eval and save
     last_step = step + 1 == args.num_rollouts
     if (step + 1) % args.eval_interval == 0 or last_step:
@@ -486,6 +487,7 @@ for step in range(start_step, args.num_rollouts):
 
 # -----------------------------------------------------------------------------------------------
 # report
+log_json("rl_history", {"train": history, "eval": eval_history}, rank=rank)
 if master and eval_history:
     first, last = eval_history[0], eval_history[-1]
     log_section("Chat RL", [
