@@ -35,7 +35,9 @@ class MuonAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def average_gradients(self):
-        """All-reduce (mean) every gradient across ranks, one flat buffer per dtype to keep calls few."""
+        """All-reduce (mean) every gradient across ranks, one flat buffer per dtype to keep calls few.
+        step() calls it, unless the caller already did (gradient clipping must see the averaged gradients)."""
+        self._averaged = True
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
@@ -53,7 +55,9 @@ class MuonAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self):
-        self.average_gradients()
+        if not getattr(self, "_averaged", False):
+            self.average_gradients()
+        self._averaged = False
         for group in self.param_groups:
             if group["kind"] == "muon":
                 self._muon(group)

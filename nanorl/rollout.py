@@ -68,12 +68,16 @@ class PromptSource:
         return order[self.rank::self.world_size]
 
     def get(self, n):
-        out = []
+        """The next n prompts of this rank. self.last_keys holds a key per prompt that is the same whichever
+        rank serves it (epoch, position in the global order): seeding by it makes a run on k ranks sample
+        exactly what a run on one rank samples."""
+        out, self.last_keys = [], []
         while len(out) < n:
             if self.offset >= len(self._order):
                 self.epoch, self.offset = self.epoch + 1, 0
                 self._order = self._make_order()
             out.append(self.items[self._order[self.offset]])
+            self.last_keys.append((self.epoch, self.offset * self.world_size + self.rank))
             self.offset += 1
         return out
 

@@ -176,6 +176,7 @@ for step in range(start_step, num_iterations + 1):
         with autocast:
             loss = compiled(x, targets=y)
         (loss / grad_accum).backward()
+    optimizer.average_gradients()  # under DDP, clip the global gradient, not this rank's share
     if args.grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
     mult = lr_multiplier(step)

@@ -56,7 +56,7 @@ parser.add_argument("--temperature", type=float, default=1.0, help="rollout temp
 parser.add_argument("--top-k", type=int, default=None, help="rollout top-k (default: off; anything but off makes rollouts off-policy)")
 parser.add_argument("--top-p", type=float, default=None, help="rollout top-p (default: off)")
 parser.add_argument("--engine-batch-size", type=int, default=256, help="engine rows decoded at once")
-parser.add_argument("--custom-generate-function-path", default=None, help="module:function(args, engine, tokenizer, prompts, seed) -> list of groups of Sample")
+parser.add_argument("--custom-generate-function-path", default=None, help="module:function(args, engine, tokenizer, prompts, seeds) -> list of groups (lists) of Sample")
 # advantages and loss
 parser.add_argument("--advantage-estimator", default="grpo", choices=["grpo", "rloo", "reinforce_plus_plus_baseline"])
 parser.add_argument("--disable-grpo-std-normalization", action="store_true", help="Dr. GRPO: no division by the group std")
@@ -129,7 +129,7 @@ group_filter = load_function(args.dynamic_sampling_filter_path, ["group"], "--dy
     if dynamic_sampling else keep_all_groups
 buffer_filter = load_function(args.buffer_filter_path, ["buffer", "n"], "--buffer-filter-path")
 custom_rm = load_function(args.custom_rm_path, ["response", "label", "metadata"], "--custom-rm-path") if args.custom_rm_path else None
-custom_generate = load_function(args.custom_generate_function_path, ["args", "engine", "tokenizer", "prompts", "seed"],
+custom_generate = load_function(args.custom_generate_function_path, ["args", "engine", "tokenizer", "prompts", "seeds"],
                                 "--custom-generate-function-path") if args.custom_generate_function_path else None
 if custom_rm is None:
     compute_reward(args.rm_type, "#### 1", "1")  # fails now, naming the valid types, if --rm-type is unknown
@@ -198,13 +198,13 @@ engine_stop_tokens = {tokenizer.encode_special("<|assistant_end|>"), tokenizer.g
 reward_failures = {"count": 0}
 
 
-def generate_groups(prompts, seed, temperature, num_samples, weight_version):
+def generate_groups(prompts, seeds, temperature, num_samples, weight_version):
     """The default rollout: one engine.generate call over all prompts, each fanned out to num_samples."""
     if custom_generate is not None:
-        return custom_generate(args, engine, tokenizer, prompts, seed)
+        return custom_generate(args, engine, tokenizer, prompts, seeds)
     prompt_ids = [tokenizer.render_for_completion(p["conversation"]) for p in prompts]
     reqs = [Request(prompt_ids=ids, num_samples=num_samples, max_tokens=args.max_response_len, temperature=temperature,
-                    top_k=args.top_k, top_p=args.top_p, seed=seed + i) for i, ids in enumerate(prompt_ids)]
+                    top_k=args.top_k, top_p=args.top_p, seed=seed) for ids, seed in zip(prompt_ids, seeds)]
     results = engine.generate(reqs)
     groups = []
     for gi, (p, ids, comps) in enumerate(zip(prompts, prompt_ids, results)):
@@ -245,7 +245,8 @@ def assign_rewards(groups):
 def evaluate(step):
     model.eval()
     my_items = eval_items[rank::world_size]
-    groups = generate_groups(my_items, seed=10_000_000 + rank * 100_000, temperature=args.eval_temperature,
+    seeds = [10_000_000 + rank + world_size * i for i in range(len(my_items))]  # the prompt's global index
+    groups = generate_groups(my_items, seeds, temperature=args.eval_temperature,
                              num_samples=args.n_samples_per_eval_prompt, weight_version=step)
     groups = assign_rewards(groups)
     correct = [[s.scalar_reward() >= 0.5 for s in g] for g in groups]
@@ -371,6 +372,7 @@ def train_minibatch(samples, adv, old_lp, ref_lp, lr_mult):
         m["train_rollout_logprob_abs_diff"] = rl.masked_mean((logp.detach() - batch["rollout_logp"]).abs(), mask)
         for k, v in m.items():
             sums[k] = sums.get(k, 0.0) + float(v) * mb_tok
+    optimizer.average_gradients()  # clip the global gradient, not this rank's share
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip) if args.grad_clip > 0 else \
         torch.sqrt(sum((p.grad.float() ** 2).sum() for p in model.parameters() if p.grad is not None))
     for g in optimizer.param_groups:
@@ -395,13 +397,10 @@ for step in range(start_step, args.num_rollouts):
     timer = Timer()
     t0 = time.time()
     # 1) rollout with dynamic sampling: over-sample prompts until the batch holds enough useful groups
-    round_counter = [0]
-
     def make_groups():
-        round_counter[0] += 1
         prompts = source.get(args.over_sampling_batch_size // world_size)
-        seed = args.seed * 7919 + step * 1_000_003 + round_counter[0] * 10_007 + rank * 100_003
-        return assign_rewards(generate_groups(prompts, seed, args.temperature, n, weight_version))
+        seeds = [args.seed * 1_000_003 + epoch * 10_000_019 + pos for epoch, pos in source.last_keys]
+        return assign_rewards(generate_groups(prompts, seeds, args.temperature, n, weight_version))
 
     model.eval()
     with timer.section("rollout", device.type):

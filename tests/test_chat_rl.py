@@ -1,0 +1,115 @@
+"""End-to-end runs of scripts/chat_rl.py on a tiny random-weight model (CPU, fp32)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+RM = f"{ROOT / 'tests' / 'rl_fixture_reward.py'}:vowel_reward"
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("rl")
+    env = {**os.environ, "NANORL_BASE_DIR": str(d)}
+    subprocess.run([sys.executable, "-m", "scripts.tok_train", "--vocab-size", "600", "--max-chars", "300000"],
+                   cwd=ROOT, env=env, check=True, capture_output=True)
+    code = (
+        "import torch\n"
+        "from nanorl.gpt import GPTConfig, build_model\n"
+        "from nanorl.tokenizer import get_tokenizer\n"
+        "from nanorl.checkpoint import save_checkpoint, checkpoint_root\n"
+        "tok = get_tokenizer(); torch.manual_seed(0)\n"
+        "cfg = GPTConfig(sequence_len=256, vocab_size=tok.vocab_size, n_layer=1, n_head=1, n_kv_head=1, n_embd=32)\n"
+        "m = build_model(cfg, 'cpu')\n"
+        "with torch.no_grad():\n"
+        "    m.lm_head.weight.normal_(0, 0.2)\n"  # a spread-out first-token distribution
+        "save_checkpoint(checkpoint_root('sft') + '/t', 0, m.state_dict(), meta={'model_config': cfg.to_dict()})\n")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True, capture_output=True)
+    return d
+
+
+def run_rl(base_dir, *extra, nproc=1):
+    env = {**os.environ, "NANORL_BASE_DIR": str(base_dir), "OMP_NUM_THREADS": "1"}
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else [sys.executable]
+    cmd = launch + ["-m", "scripts.chat_rl", "--source", "sft", "--model-tag", "t", "--levels", "1", "--rollout-batch-size", "4",
+                    "--n-samples-per-prompt", "4", "--max-response-len", "12", "--eval-interval", "100", "--eval-max-problems", "4",
+                    "--n-samples-per-eval-prompt", "2", "--pass-k", "1,2", "--lr-scale", "1.0", "--engine-batch-size", "16",
+                    "--custom-rm-path", RM, "--device-type", "cpu", *extra]
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    with open(base_dir / "report" / "rl_history.json") as f:
+        return json.load(f), out.stdout
+
+
+def final_weights(base_dir, tag):
+    from nanorl.checkpoint import find_last_step
+    d = base_dir / "rl_checkpoints" / tag
+    return torch.load(d / f"model_{find_last_step(str(d)):06d}.pt")
+
+
+def test_first_step_is_exactly_on_policy(base_dir):
+    hist, log = run_rl(base_dir, "--num-rollouts", "2", "--output-tag", "onpolicy")
+    first = hist["train"][0]
+    assert first["train/first_step_ppo_kl"] == 0.0 and first["train/clipfrac"] == 0.0
+    assert first["train/train_rollout_logprob_abs_diff"] < 1e-4  # engine log-probs == trainer log-probs
+    assert first["rollout/reward_std"] > 0 and first["train/grad_norm"] > 0
+    assert "eval/pass@1" in hist["eval"][0] and len(hist["eval"]) == 2  # before the first and after the last
+
+
+def test_resume_gives_identical_steps(base_dir):
+    full, _ = run_rl(base_dir, "--num-rollouts", "4", "--save-interval", "2", "--output-tag", "full")
+    run_rl(base_dir, "--num-rollouts", "2", "--save-interval", "2", "--output-tag", "resumed")
+    res, log = run_rl(base_dir, "--num-rollouts", "4", "--save-interval", "2", "--output-tag", "resumed", "--resume")
+    assert "resumed from" in log and [h["step"] for h in res["train"]] == [3, 4]
+    for a, b in zip(full["train"][2:], res["train"]):
+        for k in ("rollout/reward_mean", "train/pg_loss", "train/grad_norm", "rollout/response_len_mean"):
+            assert a[k] == b[k], (k, a[k], b[k])
+    fw, rw = final_weights(base_dir, "full"), final_weights(base_dir, "resumed")
+    assert all(torch.equal(fw[k], rw[k]) for k in fw)
+
+
+def test_two_processes_equal_one(base_dir):
+    run_rl(base_dir, "--num-rollouts", "2", "--output-tag", "one")
+    run_rl(base_dir, "--num-rollouts", "2", "--output-tag", "two", nproc=2)
+    one, two = final_weights(base_dir, "one"), final_weights(base_dir, "two")
+    for k in one:
+        torch.testing.assert_close(one[k], two[k], atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("flags", [
+    ["--advantage-estimator", "rloo", "--loss-aggregation", "seq_mean_token_mean", "--use-kl-loss", "--kl-loss-coef", "0.1"],
+    ["--advantage-estimator", "reinforce_plus_plus_baseline", "--kl-coef", "0.05", "--loss-aggregation", "seq_mean_token_sum_norm"],
+    ["--disable-grpo-std-normalization", "--eps-clip-high", "0.28", "--eps-clip-c", "3", "--num-steps-per-rollout", "2",
+     "--normalize-advantages", "--entropy-coef", "0.01", "--overlong-buffer-len", "4", "--mask-truncated-samples"],
+    ["--over-sampling-batch-size", "8", "--max-sampling-rounds", "2"],
+])
+def test_estimators_and_options_run(base_dir, flags):
+    hist, log = run_rl(base_dir, "--num-rollouts", "2", "--output-tag", "opts", *flags)
+    for h in hist["train"]:
+        assert all(v == v for v in h.values() if isinstance(v, float))  # no NaN anywhere
+    if "--num-steps-per-rollout" in flags:
+        assert hist["train"][0]["train/first_step_ppo_kl"] == 0.0  # old log-probs come from a pass before the update
+
+
+def test_broken_rewards_are_counted_not_trained_on(base_dir):
+    rm = f"{ROOT / 'tests' / 'rl_fixture_reward.py'}:broken_reward"
+    hist, _ = run_rl(base_dir, "--num-rollouts", "1", "--output-tag", "broken", "--custom-rm-path", rm)
+    assert hist["train"][0]["rollout/reward_failures"] > 0
+
+
+@pytest.mark.parametrize("flags,msg", [
+    (["--custom-rm-path", "no_such_mod:fn"], "could not import"),
+    (["--rollout-batch-size", "3", "--num-steps-per-rollout", "5"], "--num-steps-per-rollout"),
+    (["--global-batch-size", "7"], "--global-batch-size"),
+    (["--rm-type", "bogus", "--custom-rm-path", ""], "bogus"),
+])
+def test_bad_flags_fail_early(base_dir, flags, msg):
+    env = {**os.environ, "NANORL_BASE_DIR": str(base_dir)}
+    cmd = [sys.executable, "-m", "scripts.chat_rl", "--source", "sft", "--model-tag", "t", "--custom-rm-path", RM, *flags]
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and msg in out.stdout + out.stderr, out.stderr[-2000:]
