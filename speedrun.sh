@@ -17,7 +17,7 @@ T_START=$(date +%s)
 # --- environment -------------------------------------------------------------------------------
 if [ ! -x .venv/bin/python ]; then python3 -m venv .venv; fi
 PY=.venv/bin/python
-$PY -m pip install -q --upgrade pip >/dev/null
+[ "${NANORL_SKIP_INSTALL:-0}" = "1" ] || $PY -m pip install -q --upgrade pip >/dev/null
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && [ "${NANORL_TINY:-0}" != "1" ]; then
     TINY=0
     NGPU=$(nvidia-smi -L | wc -l)
@@ -26,7 +26,7 @@ else
     NGPU=1
     $PY -c "import torch" 2>/dev/null || $PY -m pip install -q torch==2.13.0 || $PY -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
 fi
-$PY -m pip install -q -e ".[dev]"
+[ "${NANORL_SKIP_INSTALL:-0}" = "1" ] || $PY -m pip install -q -e ".[dev]"
 
 if [ $TINY = 1 ]; then
     echo "== nanorl speedrun: no CUDA GPU (or NANORL_TINY=1): tiny model on the offline curriculum, CPU, no network =="
@@ -53,18 +53,24 @@ stage() {
 }
 
 # --- the stages ------------------------------------------------------------------------------------
+# tiny-run sizes; NANORL_SMOKE=1 shrinks them to a couple of minutes (the CI test of the whole pipeline)
+if [ "${NANORL_SMOKE:-0}" = "1" ]; then
+    BASE_ITERS=20; MID_ITERS=6; SFT_ITERS=6; RL_ROLLOUTS=2; RL_PROMPTS=4; EVAL_N=16; RL_EVAL_N=8
+else
+    BASE_ITERS=250; MID_ITERS=80; SFT_ITERS=80; RL_ROLLOUTS=24; RL_PROMPTS=8; EVAL_N=200; RL_EVAL_N=64
+fi
 if [ $TINY = 1 ]; then
     stage tok_train  $PY -m scripts.tok_train --vocab-size 4096 --max-chars 20000000
     stage tok_eval   $PY -m scripts.tok_eval
     stage base_train $PY -m scripts.base_train --depth 4 --head-dim 64 --max-seq-len 256 --device-batch-size 16 \
-        --total-batch-size 4096 --num-iterations 250 --warmdown-ratio 0.3 --eval-every 125 --eval-tokens 16384 --sample-every 250 --run "$WANDB_RUN"
-    stage mid_train  $PY -m scripts.mid_train --num-iterations 80 --device-batch-size 16 --eval-every 40 --eval-tokens 16384 --run "$WANDB_RUN"
-    stage eval_mid   $PY -m scripts.chat_eval -i mid -a offline -x 200 --levels 1,2
-    stage chat_sft   $PY -m scripts.chat_sft --num-iterations 80 --device-batch-size 16 --eval-every 40 --eval-tokens 16384 --run "$WANDB_RUN"
-    stage eval_sft   $PY -m scripts.chat_eval -i sft -a offline -x 200 --levels 1,2
-    stage chat_rl    $PY -m scripts.chat_rl --levels 1,2 --num-rollouts 24 --rollout-batch-size 8 --n-samples-per-prompt 8 \
-        --max-response-len 96 --eval-interval 8 --eval-max-problems 64 --n-samples-per-eval-prompt 4 --save-interval 8 --run "$WANDB_RUN"
-    stage eval_rl    $PY -m scripts.chat_eval -i rl -a offline -x 200 --levels 1,2
+        --total-batch-size 4096 --num-iterations $BASE_ITERS --warmdown-ratio 0.3 --eval-every $(( BASE_ITERS / 2 )) --eval-tokens 16384 --sample-every $BASE_ITERS --run "$WANDB_RUN"
+    stage mid_train  $PY -m scripts.mid_train --num-iterations $MID_ITERS --device-batch-size 16 --eval-every $(( MID_ITERS / 2 )) --eval-tokens 16384 --run "$WANDB_RUN"
+    stage eval_mid   $PY -m scripts.chat_eval -i mid -a offline -x $EVAL_N --levels 1,2
+    stage chat_sft   $PY -m scripts.chat_sft --num-iterations $SFT_ITERS --device-batch-size 16 --eval-every $(( SFT_ITERS / 2 )) --eval-tokens 16384 --run "$WANDB_RUN"
+    stage eval_sft   $PY -m scripts.chat_eval -i sft -a offline -x $EVAL_N --levels 1,2
+    stage chat_rl    $PY -m scripts.chat_rl --levels 1,2 --num-rollouts $RL_ROLLOUTS --rollout-batch-size $RL_PROMPTS --n-samples-per-prompt 8 \
+        --max-response-len 96 --eval-interval 8 --eval-max-problems $RL_EVAL_N --n-samples-per-eval-prompt 4 --save-interval 8 --run "$WANDB_RUN"
+    stage eval_rl    $PY -m scripts.chat_eval -i rl -a offline -x $EVAL_N --levels 1,2
 else
     # real data: the first shards now, the rest in the background while the tokenizer trains
     stage data_first $PY -m nanorl.dataset -n 8
@@ -84,5 +90,5 @@ else
 fi
 
 # --- the report -----------------------------------------------------------------------------------
-$PY -m nanorl.report --out report.md --wall-time $(( $(date +%s) - T_START ))
-echo "== done in $(( ($(date +%s) - T_START) / 60 )) min; see report.md =="
+$PY -m nanorl.report --out "${NANORL_REPORT:-report.md}" --wall-time $(( $(date +%s) - T_START ))
+echo "== done in $(( ($(date +%s) - T_START) / 60 )) min; see ${NANORL_REPORT:-report.md} =="

@@ -7,7 +7,6 @@ predicts into the next one. Whole conversations are then packed best-fit into ro
 document id per token, which nanorl.gpt turns into block-diagonal attention with positions restarting
 per document. Only a row's tail is padding. Too-long conversations are truncated and counted.
 """
-import math
 import os
 import random
 import time

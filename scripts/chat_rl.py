@@ -10,7 +10,6 @@ take --num-steps-per-rollout optimizer steps over the samples (the first is exac
 """
 import argparse
 import copy
-import math
 import os
 import random
 import sys
@@ -24,9 +23,9 @@ from nanorl.checkpoint import load_checkpoint, load_model, save_checkpoint, find
 from nanorl.common import (Timer, autocast_ctx, compute_cleanup, compute_init, get_base_dir, get_logger, print0)
 from nanorl.engine import Engine, Request
 from nanorl.optim import build_optimizer
-from nanorl.report import log_json, log_section
+from nanorl.report import load_json, log_json, log_section
 from nanorl.rewards import compute_reward, extract_answer, safe_reward
-from nanorl.rollout import (ABORTED, COMPLETED, TRUNCATED, PromptSource, RolloutBuffer, Sample, collate, fill_rollout,
+from nanorl.rollout import (TRUNCATED, PromptSource, RolloutBuffer, Sample, collate, fill_rollout,
                             keep_all_groups, load_function, pack_micro_batches)
 from tasks import get_task
 
@@ -388,8 +387,10 @@ def train_minibatch(samples, adv, old_lp, ref_lp, lr_mult):
 # the loop
 
 timer_total = time.time()
-history = []
-eval_history = []
+# on resume, keep the history of the steps already done so the report's curves stay whole
+prev = load_json("rl_history", {}) if start_step > 0 else {}
+history = [h for h in prev.get("train", []) if h["step"] <= start_step]
+eval_history = [e for e in prev.get("eval", []) if e["step"] <= start_step]
 if start_step == 0:
     eval_history.append({"step": 0, **evaluate(0)})
 prompts_per_rank = args.rollout_batch_size // world_size

@@ -1,6 +1,5 @@
 import itertools
 import json
-import os
 
 import pytest
 
