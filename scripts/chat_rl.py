@@ -57,7 +57,9 @@ parser.add_argument("--top-p", type=float, default=None, help="rollout top-p (de
 parser.add_argument("--engine-batch-size", type=int, default=256, help="engine rows decoded at once")
 parser.add_argument("--custom-generate-function-path", default=None, help="module:function(args, engine, tokenizer, prompts, seeds) -> list of groups (lists) of Sample")
 # advantages and loss
-parser.add_argument("--advantage-estimator", default="grpo", choices=["grpo", "rloo", "reinforce_plus_plus_baseline"])
+parser.add_argument("--advantage-estimator", default="grpo", choices=["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gspo", "cispo"],
+                    help="gspo / cispo: GRPO advantages with GSPO's sequence-level ratio or CISPO's clipped-weight loss")
+parser.add_argument("--gamma", type=float, default=1.0, help="discount of reinforce_plus_plus returns")
 parser.add_argument("--disable-grpo-std-normalization", action="store_true", help="Dr. GRPO: no division by the group std")
 parser.add_argument("--normalize-advantages", action="store_true", help="whiten advantages across all ranks")
 parser.add_argument("--eps-clip", type=float, default=0.2)
@@ -72,6 +74,10 @@ parser.add_argument("--use-kl-loss", action="store_true", help="add a KL(policy 
 parser.add_argument("--kl-loss-coef", type=float, default=0.0)
 parser.add_argument("--kl-loss-type", default="low_var_kl", choices=["k1", "k2", "k3", "low_var_kl"])
 parser.add_argument("--kl-coef", type=float, default=0.0, help="KL penalty folded into the reward")
+parser.add_argument("--use-tis", action="store_true", help="truncated importance weights between trainer (old) and rollout log-probs")
+parser.add_argument("--tis-clip", type=float, default=2.0)
+parser.add_argument("--tis-clip-low", type=float, default=0.0)
+parser.add_argument("--tis-mode", default="truncate", choices=["truncate", "icepop"], help="icepop: weights outside the band are 0")
 # rewards
 parser.add_argument("--rm-type", default="math", help="math | mc | exact | f1 | format | weighted e.g. math+format:0.9,0.1")
 parser.add_argument("--custom-rm-path", default=None, help="module:function(response, label, metadata) -> float or dict")
@@ -322,15 +328,17 @@ def compute_advantages(samples, ref_lp):
         old_lp = pad_like(logp_of(model, samples), T)
         kl = rl.kl_estimate(old_lp, pad_like(ref_lp, T), "k1") * mask
     est = args.advantage_estimator
-    if est in ("grpo", "rloo") and kl is not None:
+    if est in ("grpo", "rloo", "gspo", "cispo") and kl is not None:
         rewards = rewards - args.kl_coef * kl.sum(-1)  # sequence-level KL penalty in the reward
-    if est == "grpo":
+    if est in ("grpo", "gspo", "cispo"):
         adv = rl.grpo_advantages(rewards, mask, n, std_normalize=not args.disable_grpo_std_normalization)
     elif est == "rloo":
         adv = rl.rloo_advantages(rewards, mask, n)
+    elif est == "reinforce_plus_plus":
+        adv = rl.reinforce_pp_returns(rewards, mask, kl=kl, kl_coef=args.kl_coef, gamma=args.gamma, distributed=ddp)
     else:
         adv = rl.reinforce_pp_baseline_advantages(rewards, mask, n, kl=kl, kl_coef=args.kl_coef, distributed=ddp)
-    if args.normalize_advantages and est != "reinforce_plus_plus_baseline":
+    if args.normalize_advantages and not est.startswith("reinforce_plus_plus"):
         adv = rl.masked_whiten(adv, mask, distributed=ddp) * mask
     return [adv[i] for i in range(len(samples))]
 
@@ -352,8 +360,19 @@ def train_minibatch(samples, adv, old_lp, ref_lp, lr_mult):
         logp, ent = forward_logp(model, batch)
         logp, ent = logp.float(), ent.float()
         old = pad_like([old_lp[i] for i in mb], T).to(device) if old_lp is not None else logp.detach()
-        pg_loss, m = rl.policy_loss(logp, old, a, mask, args.eps_clip, args.eps_clip_high, args.eps_clip_c,
-                                    loss_agg=args.loss_aggregation, max_len=args.max_response_len)
+        tis = None
+        if args.use_tis:
+            tis, tm = rl.tis_weights(old, batch["rollout_logp"], mask, args.tis_clip, args.tis_clip_low, args.tis_mode)
+        if args.advantage_estimator == "gspo":
+            pg_loss, m = rl.gspo_loss(logp, old, a, mask, args.eps_clip, args.eps_clip_high)
+        elif args.advantage_estimator == "cispo":
+            pg_loss, m = rl.cispo_loss(logp, old, a, mask, args.eps_clip_high or args.eps_clip, args.eps_clip,
+                                       loss_agg=args.loss_aggregation, max_len=args.max_response_len)
+        else:
+            pg_loss, m = rl.policy_loss(logp, old, a, mask, args.eps_clip, args.eps_clip_high, args.eps_clip_c,
+                                        loss_agg=args.loss_aggregation, max_len=args.max_response_len, tis_weights=tis)
+        if tis is not None:
+            m.update({f"tis_{k}": v for k, v in tm.items()})
         loss = pg_loss
         if args.entropy_coef:
             loss = loss - args.entropy_coef * rl.aggregate_loss(ent, mask, args.loss_aggregation, args.max_response_len)

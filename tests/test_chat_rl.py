@@ -87,6 +87,9 @@ def test_two_processes_equal_one(base_dir):
     ["--disable-grpo-std-normalization", "--eps-clip-high", "0.28", "--eps-clip-c", "3", "--num-steps-per-rollout", "2",
      "--normalize-advantages", "--entropy-coef", "0.01", "--overlong-buffer-len", "4", "--mask-truncated-samples"],
     ["--over-sampling-batch-size", "8", "--max-sampling-rounds", "2"],
+    ["--advantage-estimator", "gspo", "--num-steps-per-rollout", "2", "--eps-clip", "0.0003", "--eps-clip-high", "0.0004"],
+    ["--advantage-estimator", "cispo", "--eps-clip-high", "0.28", "--use-tis", "--tis-mode", "icepop"],
+    ["--advantage-estimator", "reinforce_plus_plus", "--gamma", "0.99", "--kl-coef", "0.01", "--use-tis"],
 ])
 def test_estimators_and_options_run(base_dir, flags):
     hist, log = run_rl(base_dir, "--num-rollouts", "2", "--output-tag", "opts", *flags)
