@@ -96,7 +96,8 @@ def _arith_problem(rng, level):
         total = res
     question = " ".join(sentences) + f" How many {item} does {name} have now?"
     answer = "\n".join(steps) + f"\n{name} has {total} {item} now.\n#### {total}"
-    return {"question": question, "answer": answer, "label": str(total), "kind": "arith", "level": level}
+    return {"question": question, "answer": answer, "label": str(total), "kind": "arith", "level": level,
+            "split_key": question}
 
 
 def _count_problem(rng, level):
@@ -121,7 +122,9 @@ def _count_problem(rng, level):
             marks.append(ch)
     answer = (f"The word {word} is spelled {spelled}.\nMarking each {letter}: {' '.join(marks)}.\n"
               f"So {word}.count('{letter}') = <<'{word}'.count('{letter}')={count}>>{count}.\n#### {count}")
-    return {"question": question, "answer": answer, "label": str(count), "kind": "count", "level": level}
+    # split by (word, letter), not by the wording: the same count must never be asked in both splits
+    return {"question": question, "answer": answer, "label": str(count), "kind": "count", "level": level,
+            "split_key": f"{word}|{letter}"}
 
 
 def make_problem(rng, level, kind=None):
@@ -144,7 +147,7 @@ def problems(split, n, seed=0, levels=(1, 2, 3, 4), kinds=("arith", "count")):
     out, seen, misses = [], set(), 0
     while len(out) < n:
         p = make_problem(rng, rng.choice(levels), rng.choice(kinds))
-        if p["question"] in seen or _hash_split(p["question"]) != split:
+        if p["question"] in seen or _hash_split(p["split_key"]) != split:
             misses += 1  # many misses in a row: the space is exhausted, say so instead of looping forever
             if misses > 20_000:
                 raise ValueError(f"could not find {n} distinct {split} problems at levels {levels} of kinds {kinds}: "
@@ -224,11 +227,13 @@ def _facts(rng):
     return " ".join(out)
 
 
-def _spelling(rng):
+def _spelling(rng, split):
     out = []
     for _ in range(rng.randint(2, 5)):
         w = rng.choice(WORDS)
         letter = rng.choice(sorted(set(w)))
+        if _hash_split(f"{w}|{letter}") != split:  # never state a held-out count
+            continue
         out.append(f"The word {w} is spelled {'-'.join(w)}. It has {len(w)} letters and the letter {letter} appears {w.count(letter)} times.")
     return " ".join(out)
 
@@ -248,13 +253,13 @@ def _document(rng, split):
         elif r < 0.45:
             parts.append(_facts(rng))
         elif r < 0.6:
-            parts.append(_spelling(rng))
+            parts.append(_spelling(rng, split))
         elif r < 0.7:
             parts.append(_counting(rng))
         else:
             # solved problems in the exact chat/problem format, so pretraining already sees them
             p = make_problem(rng, rng.choice([1, 2, 3, 4]))
-            if _hash_split(p["question"]) == split:
+            if _hash_split(p["split_key"]) == split:
                 parts.append(f"Question: {p['question']}\nAnswer: {_ANNOT.sub('', p['answer'])}")
     return "\n\n".join(parts)
 
@@ -293,21 +298,22 @@ def _world_qa(rng):
 def _one_exchange(rng, split):
     """One user/assistant exchange whose user message belongs to `split` (identity chat belongs to both)."""
     while True:
-        messages = _exchange(rng)
-        if any(messages[0]["content"] == q for q, _ in IDENTITY) or _hash_split(messages[0]["content"]) == split:
+        messages, key = _exchange(rng)
+        if any(messages[0]["content"] == q for q, _ in IDENTITY) or _hash_split(key) == split:
             return messages
 
 
 def _exchange(rng):
+    """(messages, split key) of one random exchange."""
     r = rng.random()
     if r < 0.15:
         q, a = rng.choice(IDENTITY)
-        return [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+        return [{"role": "user", "content": q}, {"role": "assistant", "content": a}], q
     if r < 0.4:
         q, a = _world_qa(rng)
-        return [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+        return [{"role": "user", "content": q}, {"role": "assistant", "content": a}], q
     p = make_problem(rng, rng.choice([1, 2, 3, 4]))
-    return problem_to_conversation(p, use_tools=rng.random() < 0.5)["messages"]
+    return problem_to_conversation(p, use_tools=rng.random() < 0.5)["messages"], p["split_key"]
 
 
 def conversations(split, n, seed=0):

@@ -39,6 +39,9 @@ def test_disjoint_splits():
     train = {p["question"] for p in synthetic.problems("train", 3000)}
     test = {p["question"] for p in synthetic.problems("test", 300)}
     assert len(train) == 3000 and len(test) == 300 and not train & test
+    # counting is split by (word, letter): the same count is never asked in both splits, however worded
+    keys = lambda ps: {p["split_key"] for p in ps if p["kind"] == "count"}
+    assert not keys(synthetic.problems("train", 3000)) & keys(synthetic.problems("test", 300))
     # conversations: every non-identity user message is in one split only
     identity = {q for q, _ in synthetic.IDENTITY}
     users = lambda convs: {m["content"] for c in convs for m in c["messages"] if m["role"] == "user"} - identity
