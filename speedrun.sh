@@ -55,9 +55,9 @@ stage() {
 # --- the stages ------------------------------------------------------------------------------------
 # tiny-run sizes; NANORL_SMOKE=1 shrinks them to a couple of minutes (the CI test of the whole pipeline)
 if [ "${NANORL_SMOKE:-0}" = "1" ]; then
-    BASE_ITERS=20; MID_ITERS=6; SFT_ITERS=6; RL_ROLLOUTS=2; RL_PROMPTS=4; EVAL_N=16; RL_EVAL_N=8
+    BASE_ITERS=20; MID_ITERS=6; SFT_ITERS=6; RL_ROLLOUTS=2; RL_PROMPTS=4; EVAL_N=16; RL_EVAL_N=8; GEN=48
 else
-    BASE_ITERS=250; MID_ITERS=80; SFT_ITERS=80; RL_ROLLOUTS=24; RL_PROMPTS=8; EVAL_N=200; RL_EVAL_N=64
+    BASE_ITERS=250; MID_ITERS=80; SFT_ITERS=80; RL_ROLLOUTS=24; RL_PROMPTS=8; EVAL_N=200; RL_EVAL_N=64; GEN=128
 fi
 if [ $TINY = 1 ]; then
     stage tok_train  $PY -m scripts.tok_train --vocab-size 4096 --max-chars 20000000
@@ -65,12 +65,12 @@ if [ $TINY = 1 ]; then
     stage base_train $PY -m scripts.base_train --depth 4 --head-dim 64 --max-seq-len 256 --device-batch-size 16 \
         --total-batch-size 4096 --num-iterations $BASE_ITERS --warmdown-ratio 0.3 --eval-every $(( BASE_ITERS / 2 )) --eval-tokens 16384 --sample-every $BASE_ITERS --run "$WANDB_RUN"
     stage mid_train  $PY -m scripts.mid_train --num-iterations $MID_ITERS --device-batch-size 16 --eval-every $(( MID_ITERS / 2 )) --eval-tokens 16384 --run "$WANDB_RUN"
-    stage eval_mid   $PY -m scripts.chat_eval -i mid -a offline -x $EVAL_N --levels 1,2
+    stage eval_mid   $PY -m scripts.chat_eval -i mid -a offline -x $EVAL_N -m $GEN --levels 1,2
     stage chat_sft   $PY -m scripts.chat_sft --num-iterations $SFT_ITERS --device-batch-size 16 --eval-every $(( SFT_ITERS / 2 )) --eval-tokens 16384 --run "$WANDB_RUN"
-    stage eval_sft   $PY -m scripts.chat_eval -i sft -a offline -x $EVAL_N --levels 1,2
+    stage eval_sft   $PY -m scripts.chat_eval -i sft -a offline -x $EVAL_N -m $GEN --levels 1,2
     stage chat_rl    $PY -m scripts.chat_rl --levels 1,2 --num-rollouts $RL_ROLLOUTS --rollout-batch-size $RL_PROMPTS --n-samples-per-prompt 8 \
-        --max-response-len 96 --eval-interval 8 --eval-max-problems $RL_EVAL_N --n-samples-per-eval-prompt 4 --save-interval 8 --run "$WANDB_RUN"
-    stage eval_rl    $PY -m scripts.chat_eval -i rl -a offline -x $EVAL_N --levels 1,2
+        --max-response-len $GEN --eval-interval 8 --eval-max-problems $RL_EVAL_N --n-samples-per-eval-prompt 4 --save-interval 8 --run "$WANDB_RUN"
+    stage eval_rl    $PY -m scripts.chat_eval -i rl -a offline -x $EVAL_N -m $GEN --levels 1,2
 else
     # real data: the first shards now, the rest in the background while the tokenizer trains
     stage data_first $PY -m nanorl.dataset -n 8
