@@ -144,6 +144,7 @@ def add_train_args(parser, stage, source, init_lr_frac, warmdown_ratio, num_epoc
       help="a local jsonl/parquet file or directory for a Hub task, e.g. gsm8k=/data/gsm8k (repeatable)")
     a("--identity-path", default=None, help="jsonl of identity conversations (CustomJSON), mixed in twice")
     a("--num-examples", type=int, default=20000, help="offline curriculum: number of training problems")
+    a("--levels", default="1,2,3,4", help="offline curriculum: difficulty levels of the problems (e.g. 1,2 to start easy)")
     a("--num-epochs", type=float, default=num_epochs, help="passes over the data (ignored with --num-iterations)")
     a("--num-iterations", type=int, default=-1, help="optimizer steps (-1: as many as --num-epochs takes)")
     a("--device-batch-size", type=int, default=16, help="rows per micro-batch per rank")
@@ -158,10 +159,15 @@ def add_train_args(parser, stage, source, init_lr_frac, warmdown_ratio, num_epoc
     a("--eval-every", type=int, default=100, help="eval loss every N steps (and at the start and end)")
     a("--eval-tokens", type=int, default=200_000, help="tokens of held-out conversations per eval")
     a("--save-every", type=int, default=-1, help="checkpoint every N steps (-1: only at the end)")
+    a("--keep-last", type=int, default=2, help="keep only the newest N checkpoints of this run")
     a("--resume", action="store_true", help=f"continue from the latest checkpoint in {stage}_checkpoints/<tag>")
     a("--seed", type=int, default=42)
     a("--run", default="dummy", help="wandb run name ('dummy' = no wandb)")
     a("--device-type", default=None, help="cuda | cpu | mps (default: autodetect)")
+
+
+def levels(args):
+    return tuple(int(l) for l in args.levels.split(","))
 
 
 def task_paths(args):
@@ -267,7 +273,7 @@ def train(args, stage, hub_mixture, offline_mixture):
     def save(step):
         save_checkpoint(ckpt_dir, step, model.state_dict(), optimizer.state_dict(),
                         meta={**meta, "model_tag": output_tag, "step": step, "stage": stage, f"{stage}_args": vars(args)},
-                        extra={"loader": loader.state_dict()}, rank=rank)
+                        extra={"loader": loader.state_dict()}, rank=rank, keep_last=args.keep_last)
 
     def get_progress():
         # every rank must agree on the LR and on when to stop: take the furthest rank's progress
@@ -316,8 +322,8 @@ def train(args, stage, hub_mixture, offline_mixture):
             print0(f"step {step:5d} | loss {step_loss:.4f} (ema {smooth:.4f}) | lrm {lrm:.3f} | progress {progress:.3f} "
                    f"| {dt * 1000:.0f} ms | padding {loader.padding_fraction():.1%}")
         logger.log({"step": step, "train/loss": step_loss, "train/lrm": lrm, "train/progress": progress})
-        if args.save_every > 0 and step % args.save_every == 0:
-            save(step)
+        if args.save_every > 0 and step % args.save_every == 0 and not get_progress() >= 1.0:
+            save(step)  # (the last step is saved below, once)
     save(step)
 
     s = loader.stats

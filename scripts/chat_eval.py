@@ -114,7 +114,7 @@ def main():
     from nanorl.common import autocast_ctx, compute_cleanup, compute_init, print0
     from nanorl.engine import Engine
     from nanorl.report import log_section, record_metrics
-    from nanorl.sft_data import task_paths
+    from nanorl.sft_data import levels, task_paths
 
     parser = argparse.ArgumentParser(description="Evaluate a chat model on tasks")
     parser.add_argument("-i", "--source", default="sft", choices=["base", "mid", "sft", "rl"], help="which checkpoint")
@@ -146,7 +146,7 @@ def main():
     for name in [t.strip() for t in args.tasks.split(",") if t.strip()]:
         kw = {"path": paths[name.lower()]} if name.lower() in paths else {}
         if name.lower() == "offline":
-            kw["levels"] = tuple(int(l) for l in args.levels.split(","))
+            kw["levels"] = levels(args)
         task = get_task(name, "test", **kw)
         N = len(task) if args.max_problems is None else min(len(task), args.max_problems)
         indices = list(range(rank, N, world_size))  # each rank a strided slice

@@ -8,7 +8,7 @@ that decays to zero. Only what the assistant writes is trained on.
 """
 import argparse
 
-from nanorl.sft_data import add_train_args, train
+from nanorl.sft_data import add_train_args, levels, train
 from tasks import ARC, GSM8K, CustomJSON, OfflineChat, OfflineProblems, SmolTalk, SpellingBee, TaskMixture
 
 parser = argparse.ArgumentParser(description="Supervised fine-tuning on packed conversations")
@@ -22,9 +22,9 @@ def identity():
 
 def offline_mixture():
     n = args.num_examples
-    train = TaskMixture([OfflineChat("train", n=n // 2), OfflineProblems("train", n=n, seed=2),
+    train = TaskMixture([OfflineChat("train", n=n // 2), OfflineProblems("train", n=n, seed=2, levels=levels(args)),
                          SpellingBee("train", size=n // 10)] + identity(), seed=args.seed)
-    val = TaskMixture([OfflineProblems("test", n=300), OfflineChat("test", n=200)], seed=args.seed)
+    val = TaskMixture([OfflineProblems("test", n=300, levels=levels(args)), OfflineChat("test", n=200)], seed=args.seed)
     return train, val
 
 

@@ -8,7 +8,7 @@ later be asked, on a mixture heavier on problems and tool use than SFT's.
 """
 import argparse
 
-from nanorl.sft_data import add_train_args, train
+from nanorl.sft_data import add_train_args, levels, train
 from tasks import GSM8K, MMLU, CustomJSON, OfflineChat, OfflineProblems, SmolTalk, SpellingBee, TaskMixture
 
 parser = argparse.ArgumentParser(description="Midtraining on packed conversations")
@@ -23,11 +23,11 @@ def identity():
 
 def offline_mixture():
     n = args.num_examples
-    train = TaskMixture([OfflineProblems("train", n=n, use_tools=True),  # tool use, the skill mid is for
-                         OfflineProblems("train", n=n, seed=1),  # half with tools, half in plain text
+    train = TaskMixture([OfflineProblems("train", n=n, levels=levels(args), use_tools=True),  # tool use, the skill mid is for
+                         OfflineProblems("train", n=n, seed=1, levels=levels(args)),  # half with tools, half in plain text
                          SpellingBee("train", size=n // 4),
                          OfflineChat("train", n=n // 2)] + identity(), seed=args.seed)
-    val = TaskMixture([OfflineProblems("test", n=300), OfflineChat("test", n=200)], seed=args.seed)
+    val = TaskMixture([OfflineProblems("test", n=300, levels=levels(args)), OfflineChat("test", n=200)], seed=args.seed)
     return train, val
 
 
