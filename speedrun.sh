@@ -30,7 +30,7 @@ fi
 
 if [ $TINY = 1 ]; then
     echo "== nanorl speedrun: no CUDA GPU (or NANORL_TINY=1): tiny model on the offline curriculum, CPU, no network =="
-    export OMP_NUM_THREADS=$(nproc)
+    export OMP_NUM_THREADS=$(nproc --all)  # --all: plain nproc echoes OMP_NUM_THREADS back
     RUN="$PY -m"
 else
     echo "== nanorl speedrun: $NGPU GPU(s), the full pipeline =="
