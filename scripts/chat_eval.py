@@ -12,6 +12,7 @@ centred mean: each task's accuracy minus its random baseline, over (1 - baseline
 """
 import argparse
 import math
+import sys
 import time
 from contextlib import nullcontext
 
@@ -132,7 +133,7 @@ def main():
     parser.add_argument("--levels", default="1,2,3,4", help="offline task: difficulty levels to evaluate")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device-type", default=None, help="cuda | cpu | mps (default: autodetect)")
-    args = parser.parse_args()
+    args = parser.parse_args(sys.argv[1:] if sys.argv[1:2] != ["--"] else sys.argv[2:])  # torchrun ... -m script -- args
 
     ddp, rank, local_rank, world_size, device = compute_init(args.device_type)
     autocast = autocast_ctx(device.type)
