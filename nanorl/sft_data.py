@@ -253,7 +253,10 @@ def train(args, stage, hub_mixture, offline_mixture):
     loader = SFTLoader(train_task, tokenizer, args.device_batch_size, T, rank, world_size, seed=args.seed, device=device)
 
     def val_loader():
-        return SFTLoader(val_task, tokenizer, args.device_batch_size, T, rank, world_size, shuffle=False, epochs=1, device=device)
+        # pool_size=1 packs in order: best-fit would put the longest conversations first, and an eval that
+        # stops after eval_batches would then measure a length-biased subset
+        return SFTLoader(val_task, tokenizer, args.device_batch_size, T, rank, world_size, shuffle=False, epochs=1,
+                         pool_size=1, device=device)
     eval_batches = max(1, args.eval_tokens // tokens_per_micro)
 
     output_tag = args.output_tag or meta.get("model_tag") or args.model_tag or "d"
@@ -306,12 +309,15 @@ def train(args, stage, hub_mixture, offline_mixture):
         n_tok = torch.tensor(float(sum(int((y >= 0).sum()) for _, y, _ in batches)), device=device)
         if ddp:
             dist.all_reduce(n_tok)
-        step_loss = 0.0
+        loss_sum = torch.zeros((), device=device)
         for x, y, d in batches:
             with autocast:
-                loss = model(x, y, doc_ids=d, loss_reduction="sum") * world_size / n_tok.clamp(min=1)
-            loss.backward()
-            step_loss += loss.item() / world_size
+                loss = model(x, y, doc_ids=d, loss_reduction="sum")
+            (loss * world_size / n_tok.clamp(min=1)).backward()
+            loss_sum += loss.detach()
+        if ddp:
+            dist.all_reduce(loss_sum)  # the logged loss is the whole step's, not rank 0's share
+        step_loss = (loss_sum / n_tok.clamp(min=1)).item()
         optimizer.step()
         model.zero_grad(set_to_none=True)
         step += 1
