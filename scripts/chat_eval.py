@@ -141,14 +141,21 @@ def main():
     engine = Engine(model, tokenizer, batch_size=args.batch_size)
     n = args.num_samples
     ks = sorted({int(k) for k in args.pass_k.split(",")}) if args.pass_k else sorted({1, n})
+    if ks[-1] > n or ks[0] < 1:
+        raise SystemExit(f"-k {args.pass_k}: each k must be between 1 and --num-samples {n}")
     temperature = args.temperature if args.temperature is not None else (0.0 if n == 1 else 1.0)
     paths = task_paths(args)
-    results, t_all = {}, time.time()
+    results, skipped, t_all = {}, {}, time.time()
     for name in [t.strip() for t in args.tasks.split(",") if t.strip()]:
         kw = {"path": paths[name.lower()]} if name.lower() in paths else {}
         if name.lower() == "offline":
             kw["levels"] = levels(args)
-        task = get_task(name, "test", **kw)
+        try:
+            task = get_task(name, "test", **kw)
+        except RuntimeError as e:  # a Hub task with no network and no --task-path: skip it, say why, go on
+            print0(f"skipping {name}: {e}")
+            skipped[name] = str(e).splitlines()[0][:200]
+            continue
         N = len(task) if args.max_problems is None else min(len(task), args.max_problems)
         indices = list(range(rank, N, world_size))  # each rank a strided slice
         t0 = time.time()
@@ -163,6 +170,8 @@ def main():
             print0(f"[{name}] example response: {texts[0][0][:300]!r}")
         print0(f"{name}: accuracy {res['accuracy']:.4f} on {res['problems']} problems"
                + "".join(f", {k} {v:.4f}" for k, v in res.items() if k.startswith("pass@")) + f" ({time.time() - t0:.1f}s)")
+    if not results:
+        raise SystemExit(f"no task could be evaluated ({', '.join(skipped)}); with no network, use -a offline")
     chatcore = sum(r["centered"] for r in results.values()) / len(results)
     print0(f"ChatCORE (centred mean over {len(results)} task(s)): {chatcore:.4f}; total {time.time() - t_all:.1f}s")
     rows = [{f"{name} {k}": v for k, v in r.items()} for name, r in results.items()]
@@ -171,7 +180,8 @@ def main():
                                  "ChatCORE": chatcore}, rank=rank)
     log_section(f"Chat eval {args.source}", [{"source": f"{args.source} ({meta.get('model_tag', args.model_tag)})",
                                               "samples per problem": n, "temperature": temperature, "ranks": world_size},
-                                             *rows, {"ChatCORE": chatcore}], rank=rank)
+                                             *rows, {"ChatCORE": chatcore},
+                                             *([{f"skipped {k}": v for k, v in skipped.items()}] if skipped else [])], rank=rank)
     compute_cleanup()
     return results
 

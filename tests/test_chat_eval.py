@@ -1,6 +1,9 @@
+import os
+import subprocess
 import sys
 import types
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import torch
@@ -145,6 +148,36 @@ def test_generative_eval_one_engine_call_and_pass_at_k(tok, monkeypatch):
     for k in (1, 2, 4):
         assert sums[f"pass@{k}"] == pytest.approx(sum(pass_at_k(4, x, k) for x in c))
     assert texts[0][0] == f"#### {int(task.get_example(0)['label']) + 1}"  # <|assistant_end|> dropped
+
+
+ROOT = Path(__file__).resolve().parents[1]
+E2E_BASE = ["--depth", "4", "--aspect-ratio", "32", "--head-dim", "32", "--max-seq-len", "256", "--device-batch-size", "16",
+            "--total-batch-size", "4096", "--num-iterations", "100", "--eval-every", "0", "--sample-every", "0"]
+E2E_SFT = ["--source", "base", "--levels", "1", "--num-examples", "3000", "--num-iterations", "80", "--init-lr-frac", "1.0",
+           "--device-batch-size", "16", "--eval-every", "30", "--eval-tokens", "8192"]
+
+
+@pytest.mark.slow
+def test_sft_beats_the_base_model_on_held_out_offline_problems(tmp_path, monkeypatch):
+    """The whole point of SFT, on a CPU in a few minutes: tokenizer -> tiny base model -> SFT on the offline
+    curriculum, then both models answer the same held-out level-1 problems through the engine."""
+    env = {**os.environ, "NANORL_BASE_DIR": str(tmp_path), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+    for cmd in (["scripts.tok_train", "--vocab-size", "1024", "--max-chars", "2000000"],
+                ["scripts.base_train", *E2E_BASE], ["scripts.chat_sft", *E2E_SFT]):
+        out = subprocess.run([sys.executable, "-m", *cmd], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+        assert out.returncode == 0, f"{cmd[0]} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    from nanorl.checkpoint import load_model
+    from nanorl.engine import Engine
+    monkeypatch.setenv("NANORL_BASE_DIR", str(tmp_path))
+    task = OfflineProblems("test", n=100, levels=(1,))
+    acc = {}
+    for source in ("base", "sft"):
+        model, tok, _ = load_model(source, "cpu")
+        sums, texts = evaluate(task, model, tok, Engine(model, tok, batch_size=100), list(range(len(task))),
+                               max_tokens=64, temperature=0.0)
+        acc[source] = sums["correct"] / sums["problems"]
+    print(f"held-out level-1 accuracy: base {acc['base']:.2f}, sft {acc['sft']:.2f}")
+    assert acc["sft"] >= acc["base"] + 0.1, acc
 
 
 def test_offline_test_split_is_held_out_from_the_sft_mixture():
