@@ -40,12 +40,19 @@ def centered(accuracy, baseline):
 @torch.no_grad()
 def run_categorical(model, tokenizer, task, indices, batch_size=32, autocast=None):
     """One bool per problem: is the reference letter the most likely of the problem's letters right after
-    the prompt? Prompts are right-padded into batches; each row reads its own last position."""
+    the prompt? Prompts are right-padded into batches; each row reads its own last position.
+    None for a prompt longer than the model's context (scored as wrong, and counted)."""
     device = next(model.parameters()).device
+    context = getattr(getattr(model, "config", None), "sequence_len", None)
     out = []
     for s in range(0, len(indices), batch_size):
         convs = [task.get_example(i) for i in indices[s:s + batch_size]]
         prompts = [tokenizer.render_for_completion(c) for c in convs]
+        fits = [context is None or len(p) <= context for p in prompts]
+        convs, prompts, verdicts = [c for c, f in zip(convs, fits) if f], [p for p, f in zip(prompts, fits) if f], []
+        if not prompts:
+            out += [None] * len(fits)
+            continue
         T = max(len(p) for p in prompts)
         x = torch.full((len(prompts), T), tokenizer.get_bos_token_id(), dtype=torch.long)
         for b, p in enumerate(prompts):
@@ -57,7 +64,8 @@ def run_categorical(model, tokenizer, task, indices, batch_size=32, autocast=Non
         for b, conv in enumerate(convs):
             letter_ids = [letter_token(tokenizer, l) for l in conv["letters"]]
             pred = conv["letters"][int(logits[b, letter_ids].argmax())]
-            out.append(pred == conv["label"])
+            verdicts.append(pred == conv["label"])
+        out += [verdicts.pop(0) if f else None for f in fits]
     return out
 
 
@@ -70,16 +78,24 @@ def letter_token(tokenizer, letter):
 
 def run_generative(engine, tokenizer, task, indices, num_samples=1, max_tokens=256, temperature=0.0, top_k=None, seed=0):
     """Per problem, how many of its num_samples responses grade correct, plus the responses' text.
-    All problems go to the engine in one generate call: it batches and schedules them itself."""
+    All problems go to the engine in one generate call: it batches and schedules them itself.
+    None for a prompt that leaves the engine no room to answer (scored as wrong, and counted)."""
     from nanorl.engine import Request
     convs = [task.get_example(i) for i in indices]
-    reqs = [Request(prompt_ids=tokenizer.render_for_completion(c), num_samples=num_samples, max_tokens=max_tokens,
-                    temperature=temperature, top_k=top_k, seed=seed + i) for c, i in zip(convs, indices)]
-    results = engine.generate(reqs)
+    prompts = [tokenizer.render_for_completion(c) for c in convs]
+    max_len = getattr(engine, "max_len", None)
+    fits = [max_len is None or len(p) < max_len for p in prompts]
+    reqs = [Request(prompt_ids=p, num_samples=num_samples, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
+                    seed=seed + i) for p, i, f in zip(prompts, indices, fits) if f]
+    results = iter(engine.generate(reqs))
     drop = {tokenizer.encode_special("<|assistant_end|>"), tokenizer.get_bos_token_id()}
     counts, texts = [], []
-    for conv, comps in zip(convs, results):
-        responses = [tokenizer.decode([t for t in c.tokens if t not in drop]) for c in comps]
+    for conv, f in zip(convs, fits):
+        if not f:
+            counts.append(None)
+            texts.append([])
+            continue
+        responses = [tokenizer.decode([t for t in c.tokens if t not in drop]) for c in next(results)]
         counts.append(sum(bool(task.evaluate(conv, r)) for r in responses))
         texts.append(responses)
     return counts, texts
@@ -87,14 +103,17 @@ def run_generative(engine, tokenizer, task, indices, num_samples=1, max_tokens=2
 
 def evaluate(task, model, tokenizer, engine, indices, num_samples=1, ks=(1,), max_tokens=256, temperature=0.0,
              top_k=None, seed=0, batch_size=32, autocast=None):
-    """Sums over this rank's problems: {"problems", "correct" (mean-per-problem accuracy sum), "pass@k" sums}.
-    Sums, not means, so ranks can all_reduce them."""
+    """Sums over this rank's problems: {"problems", "correct" (mean-per-problem accuracy sum), "pass@k" sums,
+    "too_long" (prompts that do not fit the context: wrong)}. Sums, not means, so ranks can all_reduce them."""
     sums = {"problems": float(len(indices))}
     if task.eval_type == "categorical":
         right = run_categorical(model, tokenizer, task, indices, batch_size, autocast)
-        sums["correct"] = float(sum(right))
+        sums["correct"] = float(sum(bool(r) for r in right))
+        sums["too_long"] = float(sum(r is None for r in right))
         return sums, None
     counts, texts = run_generative(engine, tokenizer, task, indices, num_samples, max_tokens, temperature, top_k, seed)
+    sums["too_long"] = float(sum(c is None for c in counts))
+    counts = [c or 0 for c in counts]
     sums["correct"] = sum(c / num_samples for c in counts)
     for k in ks:
         sums[f"pass@{k}"] = sum(pass_at_k(num_samples, c, k) for c in counts)
@@ -162,13 +181,16 @@ def main():
         sums, texts = evaluate(task, model, tokenizer, engine, indices, n, ks, args.max_new_tokens, temperature,
                                args.top_k, args.seed, args.batch_size, autocast)
         sums = all_reduce_sums(sums, device)
-        res = {"accuracy": sums["correct"] / max(sums["problems"], 1), "problems": int(sums["problems"])}
+        res = {"accuracy": sums["correct"] / max(sums["problems"], 1), "problems": int(sums["problems"]),
+               "too long for the context": int(sums["too_long"])}
         res.update({k: v / max(sums["problems"], 1) for k, v in sums.items() if k.startswith("pass@")})
         res["centered"] = centered(res["accuracy"], RANDOM_BASELINE.get(name.lower(), 0.0))
         results[name] = res
-        if texts:
-            print0(f"[{name}] example response: {texts[0][0][:300]!r}")
-        print0(f"{name}: accuracy {res['accuracy']:.4f} on {res['problems']} problems"
+        shown = next((t[0] for t in texts or [] if t), None)
+        if shown is not None:
+            print0(f"[{name}] example response: {shown[:300]!r}")
+        too_long = f" ({res['too long for the context']} too long for the context)" if res["too long for the context"] else ""
+        print0(f"{name}: accuracy {res['accuracy']:.4f} on {res['problems']} problems{too_long}"
                + "".join(f", {k} {v:.4f}" for k, v in res.items() if k.startswith("pass@")) + f" ({time.time() - t0:.1f}s)")
     if not results:
         raise SystemExit(f"no task could be evaluated ({', '.join(skipped)}); with no network, use -a offline")
