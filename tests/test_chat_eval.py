@@ -148,6 +148,15 @@ def test_generative_eval_one_engine_call_and_pass_at_k(tok, monkeypatch):
     for k in (1, 2, 4):
         assert sums[f"pass@{k}"] == pytest.approx(sum(pass_at_k(4, x, k) for x in c))
     assert texts[0][0] == f"#### {int(task.get_example(0)['label']) + 1}"  # <|assistant_end|> dropped
+    # a prompt that leaves the engine no room is scored wrong and counted, not sent (the engine would raise)
+    lengths = [len(tok.render_for_completion(task.get_example(j))) for j in range(6)]
+    engine = FakeEngine()
+    engine.max_len = sorted(lengths)[3]  # the 3 longest prompts do not fit
+    sent = []
+    engine.generate = lambda reqs: sent.extend(reqs) or [[Completion(tokens=[end])] * r.num_samples for r in reqs]
+    sums, _ = evaluate(task, None, tok, engine, list(range(6)), num_samples=2, ks=(1,))
+    assert sums["too_long"] == sum(n >= engine.max_len for n in lengths) and len(sent) == 6 - sums["too_long"]
+    assert sums["problems"] == 6 and sums["correct"] == 0
 
 
 ROOT = Path(__file__).resolve().parents[1]
