@@ -229,7 +229,7 @@ def train(args, stage, hub_mixture, offline_mixture):
     from nanorl.optim import build_optimizer
     from nanorl.report import log_section
 
-    ddp, rank, local_rank, world_size, device = compute_init(args.device_type, seed=args.seed)
+    ddp, rank, _, world_size, device = compute_init(args.device_type, seed=args.seed)
     master = rank == 0
     autocast = autocast_ctx(device.type)
     model, tokenizer, meta = load_model(args.source, device, phase="train", model_tag=args.model_tag, step=args.model_step)

@@ -154,7 +154,7 @@ def main():
     parser.add_argument("--device-type", default=None, help="cuda | cpu | mps (default: autodetect)")
     args = parser.parse_args(sys.argv[1:] if sys.argv[1:2] != ["--"] else sys.argv[2:])  # torchrun ... -m script -- args
 
-    ddp, rank, local_rank, world_size, device = compute_init(args.device_type)
+    _, rank, _, world_size, device = compute_init(args.device_type)
     autocast = autocast_ctx(device.type)
     model, tokenizer, meta = load_model(args.source, device, phase="eval", model_tag=args.model_tag, step=args.model_step)
     engine = Engine(model, tokenizer, batch_size=args.batch_size)

@@ -182,7 +182,7 @@ def test_sft_beats_the_base_model_on_held_out_offline_problems(tmp_path, monkeyp
     acc = {}
     for source in ("base", "sft"):
         model, tok, _ = load_model(source, "cpu")
-        sums, texts = evaluate(task, model, tok, Engine(model, tok, batch_size=100), list(range(len(task))),
+        sums, _ = evaluate(task, model, tok, Engine(model, tok, batch_size=100), list(range(len(task))),
                                max_tokens=64, temperature=0.0)
         acc[source] = sums["correct"] / sums["problems"]
     print(f"held-out level-1 accuracy: base {acc['base']:.2f}, sft {acc['sft']:.2f}")

@@ -134,7 +134,7 @@ def test_packing_rows_documents_and_padding(tok):
 def test_document_starts_restart_positions(tok):
     convs = OfflineChat("train", n=6).conversations
     loader = SFTLoader(ListTask(convs), tok, batch_size=1, seq_len=1024, shuffle=False, epochs=1)
-    x, y, d = loader.next_batch()
+    x, _, d = loader.next_batch()
     starts = [0] + [i for i in range(1, 1024) if d[0, i] != d[0, i - 1]]
     # every document (but the padded tail) starts with <|bos|>, exactly where its id starts
     docs = starts[:-1] if loader.stats["padding"] else starts

@@ -69,7 +69,7 @@ def test_gsm8k_annotation_round_trip_on_a_made_up_answer():
 def test_gsm8k_loader_and_grader_on_real_data(split):
     task = GSM8K(split, path=str(GSM8K_DIR))
     assert len(task) == {"train": 7473, "test": 1319}[split]
-    raw = [json.loads(l) for l in open(GSM8K_DIR / f"{split}.jsonl")]
+    raw = [json.loads(l) for l in (GSM8K_DIR / f"{split}.jsonl").read_text().splitlines()]
     n_tool_calls = 0
     for i in range(len(task)):
         conv = task.get_example(i)
