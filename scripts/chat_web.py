@@ -58,7 +58,7 @@ class Stats:
     def __init__(self):
         self.lock = threading.Lock()
         self.start = time.time()
-        self.requests, self.tokens, self.errors = 0, 0, 0
+        self.requests, self.tokens, self.errors, self.cancelled = 0, 0, 0, 0
         self.recent = collections.deque()  # (time, tokens) of the last WINDOW seconds, for a current tok/s
 
     WINDOW = 10.0
@@ -246,6 +246,7 @@ async def generate(state, ids, settings, stops, parts=False):
     finally:
         if handle is not None and not handle.done:
             handle.cancel()  # disconnect, stop string or error: free the slots
+            state["stats"].cancelled += 1
         with state["lock"]:
             replica.in_flight -= req.num_samples
 
@@ -298,7 +299,7 @@ def create_app(engines, tokenizer, limits=None):
         per = [{"replica": i, "device": r.name, "in_flight_samples": r.in_flight,
                 "busy_slots": sum(s is not None for s in r.engine.slots), "batch_size": r.engine.batch_size,
                 "queued": len(r.engine.pending)} for i, r in enumerate(replicas)]
-        return {"requests_served": st.requests, "errors": st.errors, "tokens_generated": st.tokens,
+        return {"requests_served": st.requests, "errors": st.errors, "cancelled": st.cancelled, "tokens_generated": st.tokens,
                 "tokens_per_s": round(st.tokens_per_s(), 2), "queue_length": sum(p["queued"] for p in per),
                 "uptime_s": round(time.time() - st.start, 1), "replicas": per}
 
