@@ -4,6 +4,7 @@ Serve a checkpoint over HTTP: a chat page at / and an OpenAI-compatible API, all
     python -m scripts.chat_web -i sft                      # http://127.0.0.1:8000
     python -m scripts.chat_web -i rl --num-gpus 8 --host 0.0.0.0
     curl -N localhost:8000/v1/chat/completions -d '{"messages": [{"role": "user", "content": "hi"}], "stream": true}'
+    python -m scripts.chat_web --load-test http://127.0.0.1:8000 --clients 64 --max-tokens 128  # tok/s, TTFT
 
 Every request goes into an engine's continuous batch (one engine replica per GPU, each stepped by its own
 serve_forever thread); a request goes to the replica with the fewest samples in flight. The handlers never
@@ -381,6 +382,43 @@ def create_app(engines, tokenizer, limits=None):
     return app
 
 
+def load_test(url, clients, max_tokens, prompt="Tell me a story about a robot."):
+    """Hit a running server with `clients` concurrent streaming requests (one each) and report aggregate tokens/s
+    (from /stats: the tokens the engine generated, not text chunks) and time to first token p50/p95."""
+    import httpx
+    ttft, errors = [], []
+    before = httpx.get(url + "/stats").json()["tokens_generated"]
+    barrier = threading.Barrier(clients)
+
+    def client(i):
+        body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "stream": True, "seed": i}
+        barrier.wait()  # all start together, as a burst of users would
+        t0 = time.perf_counter()
+        try:
+            with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
+                first = None
+                for line in r.iter_lines():
+                    if first is None and line.startswith("data: {") and '"content": "' in line and '"content": ""' not in line:
+                        first = time.perf_counter() - t0
+                ttft.append(first if first is not None else time.perf_counter() - t0)
+        except Exception as e:
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    tokens = httpx.get(url + "/stats").json()["tokens_generated"] - before
+    ttft.sort()
+    pct = lambda q: ttft[min(len(ttft) - 1, int(q * len(ttft)))] if ttft else float("nan")
+    print(f"{clients} clients x max_tokens={max_tokens}: {tokens} tokens in {wall:.2f}s = {tokens / wall:.1f} tok/s aggregate, "
+          f"TTFT p50 {pct(0.5) * 1000:.0f} ms, p95 {pct(0.95) * 1000:.0f} ms, {len(errors)} errors")
+    return dict(tokens=tokens, wall=wall, ttft_p50=pct(0.5), ttft_p95=pct(0.95), errors=errors)
+
+
 def main():
     parser = argparse.ArgumentParser(description="Serve a nanorl model: chat page + OpenAI-compatible API")
     parser.add_argument("-i", "--source", type=str, default="sft", choices=["base", "mid", "sft", "rl"], help="which model")
@@ -392,7 +430,12 @@ def main():
     parser.add_argument("--batch-size", type=int, default=32, help="engine slots per replica (concurrent samples)")
     parser.add_argument("--max-tokens", type=int, default=512, help="the most tokens a request may generate")
     parser.add_argument("--device-type", type=str, default=None, help="cuda|cpu|mps (default: autodetect)")
+    parser.add_argument("--load-test", type=str, default=None, metavar="URL", help="don't serve: load-test the server at URL")
+    parser.add_argument("--clients", type=int, default=64, help="--load-test: concurrent streaming clients")
     args = parser.parse_args()
+    if args.load_test:
+        load_test(args.load_test.rstrip("/"), args.clients, args.max_tokens)
+        return
 
     import sys
     import torch
