@@ -50,7 +50,7 @@ class Replica:
     """One engine with its serving thread, and how many samples the server has in flight on it."""
 
     def __init__(self, engine, name):
-        self.engine, self.name, self.in_flight = engine, name, 0
+        self.engine, self.name, self.in_flight, self.served = engine, name, 0, 0
         self.thread = threading.Thread(target=engine.serve_forever, daemon=True, name=f"engine-{name}")
         self.thread.start()
 
@@ -208,8 +208,9 @@ async def generate(state, ids, settings, stops, parts=False):
     stop_tokens = [tok.get_bos_token_id()] if base else None
     req = Request(list(ids), stop_tokens=stop_tokens, **settings)
     with state["lock"]:
-        replica = min(state["replicas"], key=lambda r: r.in_flight)
+        replica = min(state["replicas"], key=lambda r: r.in_flight)  # ties: the first, so one GPU alone stays warm
         replica.in_flight += req.num_samples
+        replica.served += 1
     samples = [_SampleText(tok, stops, parts) for _ in range(req.num_samples)]
     handle = None
     try:
@@ -297,7 +298,7 @@ def create_app(engines, tokenizer, limits=None):
     @app.get("/stats")
     async def stats():
         st = state["stats"]
-        per = [{"replica": i, "device": r.name, "in_flight_samples": r.in_flight,
+        per = [{"replica": i, "device": r.name, "in_flight_samples": r.in_flight, "requests": r.served,
                 "busy_slots": sum(s is not None for s in r.engine.slots), "batch_size": r.engine.batch_size,
                 "queued": len(r.engine.pending)} for i, r in enumerate(replicas)]
         return {"requests_served": st.requests, "errors": st.errors, "cancelled": st.cancelled, "tokens_generated": st.tokens,

@@ -1,5 +1,6 @@
 """scripts/chat_web.py on a tiny random-weight model (CPU): API schema, validation, concurrency, disconnects, a browser."""
 import base64
+import contextlib
 import json
 import os
 import shutil
@@ -25,7 +26,6 @@ def server(tmp_path_factory):
     subprocess.run([sys.executable, "-m", "scripts.tok_train", "--vocab-size", "600", "--max-chars", "300000"],
                    cwd=ROOT, env=env, check=True, capture_output=True)
     import torch
-    import uvicorn
     from nanorl.checkpoint import build_model, checkpoint_root, save_checkpoint
     from nanorl.engine import Engine
     from nanorl.gpt import GPTConfig, build_model as build_gpt
@@ -51,16 +51,27 @@ def server(tmp_path_factory):
             os.environ["NANORL_BASE_DIR"] = old
     engine = Engine(model, tokenizer, batch_size=8)
     app = create_app([engine], tokenizer, dict(max_tokens=64, model="tiny"))
+    with serve(app) as url:
+        yield dict(url=url, engine=engine, app=app, model=model, tokenizer=tokenizer)
+
+
+@contextlib.contextmanager
+def serve(app):
+    """Run app on a real uvicorn server, 127.0.0.1 and a free port, in a background thread."""
+    import uvicorn
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
+    t0 = time.time()
     while not srv.started:
+        assert thread.is_alive() and time.time() - t0 < 30, "uvicorn did not start"
         time.sleep(0.05)
-    port = srv.servers[0].sockets[0].getsockname()[1]
-    yield dict(url=f"http://127.0.0.1:{port}", engine=engine, app=app, tokenizer=tokenizer, tmp=d)
-    srv.should_exit = True
-    thread.join(10)
-    app.state.shutdown()
+    try:
+        yield f"http://127.0.0.1:{srv.servers[0].sockets[0].getsockname()[1]}"
+    finally:
+        srv.should_exit = True
+        thread.join(10)
+        app.state.shutdown()
 
 
 def user(text="hello"):
@@ -261,6 +272,31 @@ def test_disconnect_frees_the_slot(server):
             assert time.time() - t0 < 10, "the server did not notice the disconnect"
             time.sleep(0.01)
     assert wait_idle(engine), "the disconnected request still holds a slot"
+
+
+def test_replicas_share_the_load(server):
+    """--num-gpus N makes N engines; a request goes to the one with the fewest samples in flight."""
+    from nanorl.engine import Engine
+    from scripts.chat_web import create_app
+    engines = [Engine(server["model"], server["tokenizer"], batch_size=4) for _ in range(2)]
+    app = create_app(engines, server["tokenizer"], dict(max_tokens=64))
+    replicas = app.state.nanorl["replicas"]
+    with serve(app) as url:
+        def client(i):
+            httpx.post(url + "/v1/chat/completions", json={"messages": user(), "max_tokens": 32, "seed": i}, timeout=60)
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+        with engines[0].step_lock, engines[1].step_lock:  # freeze both, so all 8 are in flight at once
+            for t in threads:
+                t.start()
+            t0 = time.time()
+            while sum(r.in_flight for r in replicas) < 8:
+                assert time.time() - t0 < 20
+                time.sleep(0.01)
+            assert [r.in_flight for r in replicas] == [4, 4]
+        for t in threads:
+            t.join(60)
+        per = httpx.get(url + "/stats").json()["replicas"]
+    assert [p["requests"] for p in per] == [4, 4] and all(p["in_flight_samples"] == 0 for p in per)
 
 
 # --- a real browser -----------------------------------------------------------------------------
