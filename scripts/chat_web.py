@@ -247,8 +247,9 @@ async def generate(state, ids, settings, stops, parts=False):
                 await asyncio.sleep(0.005)
     finally:
         if handle is not None and not handle.done:
-            handle.cancel()  # disconnect, stop string or error: free the slots
-            state["stats"].cancelled += 1
+            handle.cancel()  # a disconnect, an error or a stop string: free the slots now
+            if not all(s.done for s in samples):
+                state["stats"].cancelled += 1  # the client went away (or it failed) mid-generation
         with state["lock"]:
             replica.in_flight -= req.num_samples
 

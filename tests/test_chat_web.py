@@ -204,6 +204,14 @@ def test_validation_errors(server, body, fragment):
         assert fragment in err["message"] and err["type"] == "invalid_request_error"
 
 
+def test_base_model_prompt(server):
+    # a base model gets the last message as plain text after <|bos|>, no chat tokens
+    from scripts.chat_web import DEFAULT_LIMITS, parse_request
+    tok = server["tokenizer"]
+    ids, settings, stop, stream = parse_request({"messages": user("The sky is"), "max_tokens": 5}, tok, {**DEFAULT_LIMITS, "base": True}, 256)
+    assert ids == tok.encode("The sky is", prepend="<|bos|>") and settings["max_tokens"] == 5 and stop == [] and stream is False
+
+
 def test_prompt_over_context(server):
     # 8000 chars per message is allowed, but a few of them do not fit a 256-token context
     r = httpx.post(server["url"] + "/v1/chat/completions", json={"messages": user("word " * 1500)}, timeout=30)
