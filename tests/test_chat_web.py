@@ -405,6 +405,24 @@ def test_browser_chat(server, tmp_path):
         assert cdp.eval("document.querySelector('.msg.user').textContent") == "Hello there"
         assert text, "no streamed assistant text appeared"
         assert "Error" not in text
+        # Stop: freeze the engine so the reply cannot finish first, send, click Stop; the server must cancel it
+        engine, stats = server["engine"], server["app"].state.nanorl["stats"]
+        cancelled = stats.cancelled
+        with engine.step_lock:
+            cdp.eval("document.getElementById('input').value = 'Another one'")
+            cdp.eval("document.getElementById('send').click()")
+            while not engine.pending:
+                assert time.time() - t0 < 40, "the second message never reached the engine"
+                time.sleep(0.02)
+            cdp.eval("document.getElementById('stop').click()")
+            while stats.cancelled == cancelled:
+                assert time.time() - t0 < 40, "Stop did not cancel the request on the server"
+                time.sleep(0.02)
+        assert wait_idle(engine)
+        while "[stopped]" not in (cdp.eval("document.querySelectorAll('.msg.assistant')[1].textContent") or ""):
+            assert time.time() - t0 < 40
+            time.sleep(0.05)
+        assert cdp.eval("document.getElementById('send').disabled") is False
         shot = base64.b64decode(cdp.call("Page.captureScreenshot", format="png")["data"])
         assert shot[:8] == b"\x89PNG\r\n\x1a\n"
         out = Path(os.environ.get("NANORL_SCREENSHOT_DIR", tmp_path))
