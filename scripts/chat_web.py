@@ -128,6 +128,9 @@ def parse_request(body, tokenizer, limits, max_len, openai=True):
         last = clean[-1]["content"]
         ids = tokenizer.encode(last if isinstance(last, str) else "".join(p["text"] for p in last), prepend="<|bos|>")
     else:
+        if clean[-1]["role"] != "user":  # the renderer would silently drop a final assistant message
+            raise BadRequest(f"the last message must be from the user (the model writes the next assistant turn), "
+                             f"got {clean[-1]['role']!r}", "messages")
         try:
             ids = tokenizer.render_for_completion({"messages": clean})
         except ValueError as e:  # roles out of order, a system message alone, ...

@@ -178,6 +178,8 @@ def test_tool_parts_are_typed(server):
 
 @pytest.mark.parametrize("body,fragment", [
     ("{not json", "malformed JSON"),
+    ("", "malformed JSON"),
+    ("[1, 2]", "JSON object"),
     ({"messages": []}, "non-empty list"),
     ({}, "non-empty list"),
     ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}] * 250 + user()}, "too many messages"),
@@ -194,6 +196,10 @@ def test_tool_parts_are_typed(server):
     ({"messages": user(), "n": 0}, "'n'"),
     ({"messages": user(), "n": 9}, "'n'"),
     ({"messages": user(), "stop": 5}, "stop"),
+    ({"messages": user(), "max_tokens": 2.5}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": 7}]}, "content must be"),
+    ({"messages": [{"role": "system", "content": "be nice"}]}, "last message must be from the user"),
+    ({"messages": user() + [{"role": "assistant", "content": "hi"}]}, "last message must be from the user"),
 ])
 def test_validation_errors(server, body, fragment):
     for path in ("/v1/chat/completions", "/chat/completions"):
