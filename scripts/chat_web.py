@@ -128,6 +128,9 @@ def parse_request(body, tokenizer, limits, max_len, openai=True):
         last = clean[-1]["content"]
         ids = tokenizer.encode(last if isinstance(last, str) else "".join(p["text"] for p in last), prepend="<|bos|>")
     else:
+        if clean[-1]["role"] != "user":  # the renderer would silently drop a final assistant message
+            raise BadRequest(f"the last message must be from the user (the model writes the next assistant turn), "
+                             f"got {clean[-1]['role']!r}", "messages")
         try:
             ids = tokenizer.render_for_completion({"messages": clean})
         except ValueError as e:  # roles out of order, a system message alone, ...
@@ -281,15 +284,17 @@ def create_app(engines, tokenizer, limits=None):
             body = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise BadRequest(f"malformed JSON: {e}")
-        return parse_request(body, tokenizer, limits, max_len, openai), body
+        return parse_request(body, tokenizer, limits, max_len, openai)
 
     def sse(obj):
         return f"data: {json.dumps(obj)}\n\n"
 
+    with open(UI_PATH, encoding="utf-8") as f:  # read once: no file I/O on the event loop
+        page = f.read()
+
     @app.get("/")
     async def index():
-        with open(UI_PATH, encoding="utf-8") as f:
-            return HTMLResponse(f.read())
+        return HTMLResponse(page)
 
     @app.get("/health")
     async def health():
@@ -315,7 +320,7 @@ def create_app(engines, tokenizer, limits=None):
     async def chat_page(request: HTTPRequest):
         """The page's stream: data: {"token": text, "type": text|python|python_output} lines, then data: [DONE]."""
         try:
-            (ids, settings, _, _), _ = await read(request, openai=False)
+            ids, settings, _, _ = await read(request, openai=False)
         except BadRequest as e:
             return error(400, e.message, e.param)
         settings["num_samples"] = 1
@@ -337,7 +342,7 @@ def create_app(engines, tokenizer, limits=None):
     @app.post("/v1/chat/completions")
     async def chat_completions(request: HTTPRequest):
         try:
-            (ids, settings, stops, stream), body = await read(request, openai=True)
+            ids, settings, stops, stream = await read(request, openai=True)
         except BadRequest as e:
             return error(400, e.message, e.param)
         cid, created, n = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), settings["num_samples"]

@@ -178,12 +178,15 @@ def test_tool_parts_are_typed(server):
 
 @pytest.mark.parametrize("body,fragment", [
     ("{not json", "malformed JSON"),
+    ("", "malformed JSON"),
+    ("[1, 2]", "JSON object"),
     ({"messages": []}, "non-empty list"),
     ({}, "non-empty list"),
     ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}] * 250 + user()}, "too many messages"),
     ({"messages": user("x" * 8001)}, "too long"),
     ({"messages": [{"role": "robot", "content": "hi"}]}, "role must be"),
-    ({"messages": [{"role": "assistant", "content": "hi"}]}, "expected 'user'"),
+    ({"messages": [{"role": "assistant", "content": "hi"}] + user()}, "expected 'user'"),
+    ({"messages": user() + user()}, "expected 'assistant'"),
     ({"messages": user(), "max_tokens": 0}, "max_tokens"),
     ({"messages": user(), "max_tokens": 65}, "max_tokens"),
     ({"messages": user(), "temperature": 2.5}, "temperature"),
@@ -194,6 +197,10 @@ def test_tool_parts_are_typed(server):
     ({"messages": user(), "n": 0}, "'n'"),
     ({"messages": user(), "n": 9}, "'n'"),
     ({"messages": user(), "stop": 5}, "stop"),
+    ({"messages": user(), "max_tokens": 2.5}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": 7}]}, "content must be"),
+    ({"messages": [{"role": "system", "content": "be nice"}]}, "last message must be from the user"),
+    ({"messages": user() + [{"role": "assistant", "content": "hi"}]}, "last message must be from the user"),
 ])
 def test_validation_errors(server, body, fragment):
     for path in ("/v1/chat/completions", "/chat/completions"):
