@@ -1,0 +1,443 @@
+"""scripts/chat_web.py on a tiny random-weight model (CPU): API schema, validation, concurrency, disconnects, a browser."""
+import base64
+import contextlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """A real uvicorn server on 127.0.0.1 (port 0) in a background thread, over one engine with 8 slots."""
+    d = tmp_path_factory.mktemp("web")
+    env = {**os.environ, "NANORL_BASE_DIR": str(d)}
+    subprocess.run([sys.executable, "-m", "scripts.tok_train", "--vocab-size", "600", "--max-chars", "300000"],
+                   cwd=ROOT, env=env, check=True, capture_output=True)
+    import torch
+    from nanorl.checkpoint import build_model, checkpoint_root, save_checkpoint
+    from nanorl.engine import Engine
+    from nanorl.gpt import GPTConfig, build_model as build_gpt
+    from nanorl.tokenizer import get_tokenizer
+    from scripts.chat_web import create_app
+
+    old = os.environ.get("NANORL_BASE_DIR")
+    os.environ["NANORL_BASE_DIR"] = str(d)
+    try:
+        tok = get_tokenizer()
+        torch.manual_seed(0)
+        cfg = GPTConfig(sequence_len=256, vocab_size=tok.vocab_size, n_layer=1, n_head=1, n_kv_head=1, n_embd=32)
+        m = build_gpt(cfg, "cpu")
+        with torch.no_grad():
+            m.lm_head.weight.normal_(0, 0.2)
+        ckpt = checkpoint_root("sft") + "/t"
+        save_checkpoint(ckpt, 0, m.state_dict(), meta={"model_config": cfg.to_dict()})
+        model, tokenizer, _ = build_model(ckpt, device="cpu", phase="eval")
+    finally:
+        if old is None:
+            del os.environ["NANORL_BASE_DIR"]
+        else:
+            os.environ["NANORL_BASE_DIR"] = old
+    engine = Engine(model, tokenizer, batch_size=8)
+    app = create_app([engine], tokenizer, dict(max_tokens=64, model="tiny"))
+    with serve(app) as url:
+        yield dict(url=url, engine=engine, app=app, model=model, tokenizer=tokenizer)
+
+
+@contextlib.contextmanager
+def serve(app):
+    """Run app on a real uvicorn server, 127.0.0.1 and a free port, in a background thread."""
+    import uvicorn
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    t0 = time.time()
+    while not srv.started:
+        assert thread.is_alive() and time.time() - t0 < 30, "uvicorn did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{srv.servers[0].sockets[0].getsockname()[1]}"
+    finally:
+        srv.should_exit = True
+        thread.join(10)
+        app.state.shutdown()
+
+
+def user(text="hello"):
+    return [{"role": "user", "content": text}]
+
+
+def sse_data(text):
+    return [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+
+
+def wait_idle(engine, timeout=10):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if all(s is None for s in engine.slots) and not engine.pending and not engine.live:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+# --- the API ------------------------------------------------------------------------------------
+
+def test_openai_non_streaming_schema(server):
+    r = httpx.post(server["url"] + "/v1/chat/completions", json={"messages": user(), "max_tokens": 10, "n": 2, "seed": 1}, timeout=30)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["id"].startswith("chatcmpl-") and body["object"] == "chat.completion" and body["model"] == "tiny"
+    assert isinstance(body["created"], int) and len(body["choices"]) == 2
+    for i, c in enumerate(body["choices"]):
+        assert c["index"] == i and c["message"]["role"] == "assistant" and isinstance(c["message"]["content"], str)
+        assert c["finish_reason"] in ("stop", "length")
+    u = body["usage"]
+    assert u["prompt_tokens"] > 0 and 1 <= u["completion_tokens"] <= 20 and u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+    # a seed makes it reproducible, whatever else shares the batch
+    again = httpx.post(server["url"] + "/v1/chat/completions", json={"messages": user(), "max_tokens": 10, "n": 2, "seed": 1}, timeout=30).json()
+    assert [c["message"] for c in again["choices"]] == [c["message"] for c in body["choices"]]
+
+
+def test_openai_streaming_schema(server):
+    with httpx.stream("POST", server["url"] + "/v1/chat/completions", timeout=30,
+                      json={"messages": user(), "max_tokens": 8, "stream": True, "temperature": 0.0}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        data = sse_data(r.read().decode())
+    assert data[-1] == "[DONE]"
+    chunks = [json.loads(x) for x in data[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    # greedy streaming equals greedy non-streaming
+    full = httpx.post(server["url"] + "/v1/chat/completions", json={"messages": user(), "max_tokens": 8, "temperature": 0.0}, timeout=30).json()
+    assert text == full["choices"][0]["message"]["content"]
+
+
+def test_stop_strings_and_length(server):
+    url = server["url"] + "/v1/chat/completions"
+    full = httpx.post(url, json={"messages": user(), "max_tokens": 30, "temperature": 0.0}, timeout=30).json()
+    text = full["choices"][0]["message"]["content"]
+    if full["choices"][0]["finish_reason"] == "length":
+        assert full["usage"]["completion_tokens"] == 30
+    if len(text) >= 6:
+        stop = text[3:6]
+        cut = httpx.post(url, json={"messages": user(), "max_tokens": 30, "temperature": 0.0, "stop": [stop]}, timeout=30).json()
+        assert cut["choices"][0]["message"]["content"] == text[:text.find(stop)]
+        assert cut["choices"][0]["finish_reason"] == "stop"
+        with httpx.stream("POST", url, json={"messages": user(), "max_tokens": 30, "temperature": 0.0, "stop": stop, "stream": True}, timeout=30) as r:
+            chunks = [json.loads(x) for x in sse_data(r.read().decode())[:-1]]
+        assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == text[:text.find(stop)]
+    assert wait_idle(server["engine"])  # the rows cut short by a stop string were cancelled
+
+
+def test_page_stream_and_index(server):
+    r = httpx.get(server["url"] + "/")
+    assert r.status_code == 200 and "<textarea" in r.text and "http" not in r.text.split("<script>")[0].lower().replace("http-equiv", "")
+    r = httpx.post(server["url"] + "/chat/completions", json={"messages": user(), "max_tokens": 5}, timeout=30)
+    data = sse_data(r.text)
+    assert data[-1] == "[DONE]"
+    events = [json.loads(x) for x in data[:-1]]
+    assert any("token" in e for e in events) and all(e.get("type", "text") in ("text", "python", "python_output") for e in events)
+
+
+def test_tool_parts_are_typed(server):
+    # force a tool call through the parts renderer directly: <|python_start|>2+3<|python_end|><|output_start|>5<|output_end|>
+    from scripts.chat_web import _SampleText
+    tok = server["tokenizer"]
+    sp = tok.encode_special
+    s = _SampleText(tok, [], parts=True)
+    out = []
+    for t in tok.encode("So ") + [sp("<|python_start|>")] + tok.encode("2+3") + [sp("<|python_end|>"), sp("<|output_start|>")] \
+            + tok.encode("5") + [sp("<|output_end|>")] + tok.encode(" done"):
+        out += s.push(t)
+    out += s.end("completed")
+    merged = []
+    for kind, text in out:
+        if merged and merged[-1][0] == kind:
+            merged[-1][1] += text
+        else:
+            merged.append([kind, text])
+    assert merged == [["text", "So "], ["python", "2+3"], ["python_output", "5"], ["text", " done"]]
+    plain = _SampleText(tok, [], parts=False)  # the API shows it in GSM8K's notation
+    text = "".join(x for t in [sp("<|python_start|>")] + tok.encode("2+3") + [sp("<|python_end|>"), sp("<|output_start|>")]
+                   + tok.encode("5") + [sp("<|output_end|>")] for _, x in plain.push(t))
+    assert text == "<<2+3=5>>"
+
+
+@pytest.mark.parametrize("body,fragment", [
+    ("{not json", "malformed JSON"),
+    ("", "malformed JSON"),
+    ("[1, 2]", "JSON object"),
+    ({"messages": []}, "non-empty list"),
+    ({}, "non-empty list"),
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}] * 250 + user()}, "too many messages"),
+    ({"messages": user("x" * 8001)}, "too long"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, "role must be"),
+    ({"messages": [{"role": "assistant", "content": "hi"}] + user()}, "expected 'user'"),
+    ({"messages": user() + user()}, "expected 'assistant'"),
+    ({"messages": user(), "max_tokens": 0}, "max_tokens"),
+    ({"messages": user(), "max_tokens": 65}, "max_tokens"),
+    ({"messages": user(), "temperature": 2.5}, "temperature"),
+    ({"messages": user(), "temperature": -0.1}, "temperature"),
+    ({"messages": user(), "top_k": 0}, "top_k"),
+    ({"messages": user(), "top_p": 0}, "top_p"),
+    ({"messages": user(), "top_p": 1.5}, "top_p"),
+    ({"messages": user(), "n": 0}, "'n'"),
+    ({"messages": user(), "n": 9}, "'n'"),
+    ({"messages": user(), "stop": 5}, "stop"),
+    ({"messages": user(), "max_tokens": 2.5}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": 7}]}, "content must be"),
+    ({"messages": [{"role": "system", "content": "be nice"}]}, "last message must be from the user"),
+    ({"messages": user() + [{"role": "assistant", "content": "hi"}]}, "last message must be from the user"),
+])
+def test_validation_errors(server, body, fragment):
+    for path in ("/v1/chat/completions", "/chat/completions"):
+        kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, str) else {"json": body}
+        r = httpx.post(server["url"] + path, timeout=30, **kw)
+        assert r.status_code == 400, (path, r.text)
+        err = r.json()["error"]
+        assert fragment in err["message"] and err["type"] == "invalid_request_error"
+
+
+def test_base_model_prompt(server):
+    # a base model gets the last message as plain text after <|bos|>, no chat tokens
+    from scripts.chat_web import DEFAULT_LIMITS, parse_request
+    tok = server["tokenizer"]
+    ids, settings, stop, stream = parse_request({"messages": user("The sky is"), "max_tokens": 5}, tok, {**DEFAULT_LIMITS, "base": True}, 256)
+    assert ids == tok.encode("The sky is", prepend="<|bos|>") and settings["max_tokens"] == 5 and stop == [] and stream is False
+
+
+def test_prompt_over_context(server):
+    # 8000 chars per message is allowed, but a few of them do not fit a 256-token context
+    r = httpx.post(server["url"] + "/v1/chat/completions", json={"messages": user("word " * 1500)}, timeout=30)
+    assert r.status_code == 400 and "over the context" in r.json()["error"]["message"]
+
+
+def test_health_models_stats(server):
+    assert httpx.get(server["url"] + "/health").json()["status"] == "ok"
+    models = httpx.get(server["url"] + "/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["id"] == "tiny"
+    httpx.post(server["url"] + "/v1/chat/completions", json={"messages": user(), "max_tokens": 4}, timeout=30)
+    st = httpx.get(server["url"] + "/stats").json()
+    assert st["requests_served"] >= 1 and st["tokens_generated"] >= 1 and st["tokens_per_s"] > 0
+    assert st["queue_length"] == 0 and st["replicas"][0]["batch_size"] == 8 and "busy_slots" in st["replicas"][0]
+
+
+# --- concurrency and disconnects ----------------------------------------------------------------
+
+def test_twenty_concurrent_clients(server):
+    """20 streaming clients on 8 slots: all finish, through the continuous batch (several in a batch at once)."""
+    engine, results, peak = server["engine"], [None] * 20, [0]
+    stop = threading.Event()
+
+    def watch():  # the most slots busy at once: > 1 means requests really share the batch
+        while not stop.is_set():
+            peak[0] = max(peak[0], sum(s is not None for s in engine.slots))
+            time.sleep(0.002)
+
+    def client(i):
+        with httpx.stream("POST", server["url"] + "/v1/chat/completions", timeout=60,
+                          json={"messages": user(f"client {i}"), "max_tokens": 24, "stream": True, "seed": i}) as r:
+            results[i] = sse_data(r.read().decode())
+
+    w = threading.Thread(target=watch)
+    w.start()
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(20)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    stop.set()
+    w.join()
+    assert all(r is not None and r[-1] == "[DONE]" for r in results)
+    assert all(json.loads(r[-2])["choices"][0]["finish_reason"] in ("stop", "length") for r in results)
+    assert peak[0] > 1
+    assert wait_idle(engine)
+
+
+def test_disconnect_frees_the_slot(server):
+    engine, stats = server["engine"], server["app"].state.nanorl["stats"]
+    cancelled = stats.cancelled
+    body = json.dumps({"messages": user(), "max_tokens": 64, "stream": True}).encode()
+    port = int(server["url"].rsplit(":", 1)[1])
+    s = socket.create_connection(("127.0.0.1", port))  # a raw socket, so the disconnect is abrupt
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    assert b"200 OK" in s.recv(4096)
+    t0 = time.time()
+    while not any(sl is not None for sl in engine.slots):
+        assert time.time() - t0 < 5
+        time.sleep(0.001)
+    with engine.step_lock:  # freeze the engine with the request in its slot, then hang up
+        assert any(sl is not None for sl in engine.slots), "finished before the test could freeze it"
+        s.close()
+        while stats.cancelled == cancelled:
+            assert time.time() - t0 < 10, "the server did not notice the disconnect"
+            time.sleep(0.01)
+    assert wait_idle(engine), "the disconnected request still holds a slot"
+
+
+def test_replicas_share_the_load(server):
+    """--num-gpus N makes N engines; a request goes to the one with the fewest samples in flight."""
+    from nanorl.engine import Engine
+    from scripts.chat_web import create_app
+    engines = [Engine(server["model"], server["tokenizer"], batch_size=4) for _ in range(2)]
+    app = create_app(engines, server["tokenizer"], dict(max_tokens=64))
+    replicas = app.state.nanorl["replicas"]
+    with serve(app) as url:
+        def client(i):
+            httpx.post(url + "/v1/chat/completions", json={"messages": user(), "max_tokens": 32, "seed": i}, timeout=60)
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+        with engines[0].step_lock, engines[1].step_lock:  # freeze both, so all 8 are in flight at once
+            for t in threads:
+                t.start()
+            t0 = time.time()
+            while sum(r.in_flight for r in replicas) < 8:
+                assert time.time() - t0 < 20
+                time.sleep(0.01)
+            assert [r.in_flight for r in replicas] == [4, 4]
+        for t in threads:
+            t.join(60)
+        per = httpx.get(url + "/stats").json()["replicas"]
+    assert [p["requests"] for p in per] == [4, 4] and all(p["in_flight_samples"] == 0 for p in per)
+
+
+# --- a real browser -----------------------------------------------------------------------------
+
+class CDP:
+    """A minimal Chrome DevTools Protocol client over a stdlib websocket (text frames only)."""
+
+    def __init__(self, ws_url):
+        host_port, path = ws_url[len("ws://"):].split("/", 1)
+        host, port = host_port.split(":")
+        self.sock = socket.create_connection((host, int(port)), timeout=30)
+        key = base64.b64encode(os.urandom(16)).decode()
+        self.sock.sendall((f"GET /{path} HTTP/1.1\r\nHost: {host_port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                           f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n").encode())
+        resp = b""
+        while b"\r\n\r\n" not in resp:
+            resp += self.sock.recv(1)
+        assert b" 101 " in resp, resp
+        self.next_id = 0
+
+    def _recv_exact(self, n):
+        buf = b""
+        while len(buf) < n:
+            chunk = self.sock.recv(n - len(buf))
+            if not chunk:
+                raise ConnectionError("devtools closed the connection")
+            buf += chunk
+        return buf
+
+    def _recv_message(self):
+        data = b""
+        while True:
+            b0, b1 = self._recv_exact(2)
+            n = b1 & 0x7F
+            if n == 126:
+                n = int.from_bytes(self._recv_exact(2), "big")
+            elif n == 127:
+                n = int.from_bytes(self._recv_exact(8), "big")
+            data += self._recv_exact(n)
+            if b0 & 0x80:  # FIN
+                return json.loads(data)
+
+    def call(self, method, **params):
+        self.next_id += 1
+        payload = json.dumps({"id": self.next_id, "method": method, "params": params}).encode()
+        mask = os.urandom(4)  # client frames must be masked
+        n = len(payload)
+        head = bytes([0x81]) + (bytes([0x80 | n]) if n < 126 else bytes([0x80 | 126]) + n.to_bytes(2, "big") if n < 65536
+                                else bytes([0x80 | 127]) + n.to_bytes(8, "big"))
+        self.sock.sendall(head + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(payload)))
+        while True:
+            msg = self._recv_message()
+            if msg.get("id") == self.next_id:
+                if "error" in msg:
+                    raise RuntimeError(msg["error"])
+                return msg["result"]
+
+    def eval(self, expr):
+        return self.call("Runtime.evaluate", expression=expr, returnByValue=True)["result"].get("value")
+
+
+def test_browser_chat(server, tmp_path):
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+    if chromium is None:
+        pytest.skip("no chromium on PATH (tests/run.sh installs Debian's chromium when run as root)")
+    profile = tmp_path / "profile"
+    proc = subprocess.Popen([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                             "--disable-component-update", "--no-first-run", "--disable-dev-shm-usage",
+                             f"--user-data-dir={profile}", "--remote-debugging-port=0", "--window-size=420,800",
+                             server["url"] + "/"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        t0 = time.time()
+        while not (profile / "DevToolsActivePort").exists() or len((profile / "DevToolsActivePort").read_text().split()) < 2:
+            assert time.time() - t0 < 30 and proc.poll() is None, "chromium did not start"
+            time.sleep(0.1)
+        port = (profile / "DevToolsActivePort").read_text().split()[0]
+        while True:  # the page target appears once the tab is created
+            targets = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=10).read())
+            pages = [t for t in targets if t["type"] == "page" and t["url"].startswith(server["url"])]
+            if pages:
+                break
+            assert time.time() - t0 < 30, targets
+            time.sleep(0.1)
+        cdp = CDP(pages[0]["webSocketDebuggerUrl"])
+        while cdp.eval("document.readyState") != "complete" or not cdp.eval("!!document.getElementById('send')"):
+            assert time.time() - t0 < 30
+            time.sleep(0.1)
+        cdp.eval("document.getElementById('temperature').value = '1.0'")
+        cdp.eval("document.getElementById('input').value = 'Hello there'")
+        cdp.eval("document.getElementById('send').click()")
+        text = ""
+        while time.time() - t0 < 40:
+            text = cdp.eval("(document.querySelector('.msg.assistant') || {}).textContent || ''")
+            done = cdp.eval("!document.querySelector('.msg.assistant.streaming') && !!document.querySelector('.msg.assistant')")
+            if text and done:
+                break
+            time.sleep(0.1)
+        assert cdp.eval("document.querySelector('.msg.user').textContent") == "Hello there"
+        assert text, "no streamed assistant text appeared"
+        assert "Error" not in text
+        # Stop: freeze the engine so the reply cannot finish first, send, click Stop; the server must cancel it
+        engine, stats = server["engine"], server["app"].state.nanorl["stats"]
+        cancelled = stats.cancelled
+        with engine.step_lock:
+            cdp.eval("document.getElementById('input').value = 'Another one'")
+            cdp.eval("document.getElementById('send').click()")
+            while not engine.pending:
+                assert time.time() - t0 < 40, "the second message never reached the engine"
+                time.sleep(0.02)
+            cdp.eval("document.getElementById('stop').click()")
+            while stats.cancelled == cancelled:
+                assert time.time() - t0 < 40, "Stop did not cancel the request on the server"
+                time.sleep(0.02)
+        assert wait_idle(engine)
+        while "[stopped]" not in (cdp.eval("document.querySelectorAll('.msg.assistant')[1].textContent") or ""):
+            assert time.time() - t0 < 40
+            time.sleep(0.05)
+        assert cdp.eval("document.getElementById('send').disabled") is False
+        shot = base64.b64decode(cdp.call("Page.captureScreenshot", format="png")["data"])
+        assert shot[:8] == b"\x89PNG\r\n\x1a\n"
+        out = Path(os.environ.get("NANORL_SCREENSHOT_DIR", tmp_path))
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "chat_web.png").write_bytes(shot)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
