@@ -56,6 +56,7 @@ class SFTLoader:
 
     def _next_doc(self):
         """The next conversation with something to learn, or None when the last epoch is done."""
+        skipped = 0
         while True:
             if self.cursor >= len(self.order):
                 if self.epochs is not None and self.epoch + 1 >= self.epochs:
@@ -68,6 +69,9 @@ class SFTLoader:
             self.stats["truncated"] += doc["truncated"]
             if all(t == -1 for t in doc["targets"]):
                 self.stats["no_target"] += 1  # e.g. a prompt longer than the context: nothing to train on
+                skipped += 1
+                if skipped > len(self.order):  # a whole epoch of them: looping would never end
+                    raise ValueError(f"no conversation has an assistant token within the first {self.T + 1} tokens")
                 continue
             return doc
 

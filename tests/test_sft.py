@@ -149,7 +149,9 @@ def test_truncation_is_counted(tok):
     batches = list(loader)
     assert loader.stats["truncated"] == 2  # both long ones, never silently
     assert loader.stats["no_target"] == 1  # the truncated prompt left nothing to learn: skipped and counted
-    assert sum(int((y >= 0).sum()) for _, y, _ in batches) == (64 - 5) + len("hello") + 1  # 65 ids kept; the first 6 (bos, user turn, <|assistant_start|>) are not the assistant's
+    assert sum(int((y >= 0).sum()) for _, y, _ in batches) == (64 - 5) + len("hello") + 1
+    with pytest.raises(ValueError, match="no conversation"):  # nothing to learn at all: an error, not a hang
+        SFTLoader(ListTask([prompt_only]), tok, batch_size=1, seq_len=64).next_batch()  # 65 ids kept; the first 6 (bos, user turn, <|assistant_start|>) are not the assistant's
 
 
 def test_ddp_shards_are_disjoint_and_cover_the_data(tok):
