@@ -49,24 +49,24 @@ stage() {
         exit 1
     fi
     echo "-- $name done in $(( $(date +%s) - t0 ))s"
-    touch "$marker"
+    echo $(( $(date +%s) - t0 )) > "$marker"  # the marker holds the stage's seconds, for the report's total
 }
 
 # --- the stages ------------------------------------------------------------------------------------
 # tiny-run sizes; NANORL_SMOKE=1 shrinks them to a couple of minutes (the CI test of the whole pipeline)
 if [ "${NANORL_SMOKE:-0}" = "1" ]; then
-    BASE_ITERS=20; MID_ITERS=6; SFT_ITERS=6; RL_ROLLOUTS=2; RL_PROMPTS=4; EVAL_N=16; RL_EVAL_N=8; GEN=48
+    BASE_ITERS=20; MID_ITERS=6; SFT_ITERS=6; RL_ROLLOUTS=2; RL_PROMPTS=4; EVAL_N=16; RL_EVAL_N=8; GEN=48; NUM_EX=1000; EVAL_TOK=4096
 else
-    BASE_ITERS=250; MID_ITERS=80; SFT_ITERS=80; RL_ROLLOUTS=24; RL_PROMPTS=8; EVAL_N=200; RL_EVAL_N=64; GEN=128
+    BASE_ITERS=250; MID_ITERS=80; SFT_ITERS=80; RL_ROLLOUTS=24; RL_PROMPTS=8; EVAL_N=200; RL_EVAL_N=64; GEN=128; NUM_EX=20000; EVAL_TOK=16384
 fi
 if [ $TINY = 1 ]; then
     stage tok_train  $PY -m scripts.tok_train --vocab-size 4096 --max-chars 20000000
     stage tok_eval   $PY -m scripts.tok_eval
     stage base_train $PY -m scripts.base_train --depth 4 --head-dim 64 --max-seq-len 256 --device-batch-size 16 \
-        --total-batch-size 4096 --num-iterations $BASE_ITERS --warmdown-ratio 0.3 --eval-every $(( BASE_ITERS / 2 )) --eval-tokens 16384 --sample-every $BASE_ITERS --run "$WANDB_RUN"
-    stage mid_train  $PY -m scripts.mid_train --num-iterations $MID_ITERS --device-batch-size 16 --eval-every $(( MID_ITERS / 2 )) --eval-tokens 16384 --run "$WANDB_RUN"
+        --total-batch-size 4096 --num-iterations $BASE_ITERS --warmdown-ratio 0.3 --eval-every $(( BASE_ITERS / 2 )) --eval-tokens $EVAL_TOK --sample-every $BASE_ITERS --run "$WANDB_RUN"
+    stage mid_train  $PY -m scripts.mid_train --num-iterations $MID_ITERS --device-batch-size 16 --eval-every $(( MID_ITERS / 2 )) --eval-tokens $EVAL_TOK --num-examples $NUM_EX --run "$WANDB_RUN"
     stage eval_mid   $PY -m scripts.chat_eval -i mid -a offline -x $EVAL_N -m $GEN --levels 1,2
-    stage chat_sft   $PY -m scripts.chat_sft --num-iterations $SFT_ITERS --device-batch-size 16 --eval-every $(( SFT_ITERS / 2 )) --eval-tokens 16384 --run "$WANDB_RUN"
+    stage chat_sft   $PY -m scripts.chat_sft --num-iterations $SFT_ITERS --device-batch-size 16 --eval-every $(( SFT_ITERS / 2 )) --eval-tokens $EVAL_TOK --num-examples $NUM_EX --run "$WANDB_RUN"
     stage eval_sft   $PY -m scripts.chat_eval -i sft -a offline -x $EVAL_N -m $GEN --levels 1,2
     stage chat_rl    $PY -m scripts.chat_rl --levels 1,2 --num-rollouts $RL_ROLLOUTS --rollout-batch-size $RL_PROMPTS --n-samples-per-prompt 8 \
         --max-response-len $GEN --eval-interval 8 --eval-max-problems $RL_EVAL_N --n-samples-per-eval-prompt 4 --save-interval 8 --run "$WANDB_RUN"
@@ -90,5 +90,7 @@ else
 fi
 
 # --- the report -----------------------------------------------------------------------------------
-$PY -m nanorl.report --out "${NANORL_REPORT:-report.md}" --wall-time $(( $(date +%s) - T_START ))
+# total = the stages' own times, so a rerun that skips finished stages still reports the whole pipeline
+STAGE_SECONDS=$(cat "$NANORL_BASE_DIR"/done/* 2>/dev/null | awk '{s += $1} END {print s + 0}')
+$PY -m nanorl.report --out "${NANORL_REPORT:-report.md}" --wall-time "$STAGE_SECONDS"
 echo "== done in $(( ($(date +%s) - T_START) / 60 )) min; see ${NANORL_REPORT:-report.md} =="
