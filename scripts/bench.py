@@ -3,6 +3,8 @@ Benchmarks on a random-init model of a given size: print the numbers, then one f
 
     python -m scripts.bench decode --depth 20 --batch 256 --prompt-len 128 --new-tokens 512
     python -m scripts.bench decode --depth 2 --batch 4 --prompt-len 32 --new-tokens 32 --vocab-size 4096 --threads 1  # CPU
+    python -m scripts.bench rl --depth 20 --prompts 16 --samples 16 --prompt-len 150 --new-tokens 256
+    python -m scripts.bench rl --depth 2 --prompts 4 --samples 4 --prompt-len 32 --new-tokens 32 --vocab-size 4096 --threads 1  # CPU
 """
 import argparse
 import json
@@ -12,6 +14,13 @@ import time
 import torch
 
 from nanorl.common import autodetect_device_type, get_peak_bandwidth, synchronize
+
+
+def device_name_and_peak_memory(device_type):
+    """The device's name and its peak memory in GB: CUDA's allocator peak, else the whole process's peak RSS."""
+    if device_type == "cuda":
+        return torch.cuda.get_device_name(), torch.cuda.max_memory_allocated() / 1e9
+    return device_type, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # Linux reports KiB
 
 
 def bench_decode(args):
@@ -64,12 +73,7 @@ def bench_decode(args):
     kv_per_token = (engine.cache.k.nbytes + engine.cache.v.nbytes) // (B * engine.max_len)  # all layers, K and V
     kv_step = B * (P + N / 2) * kv_per_token
     step_bytes = weight_bytes + kv_step
-    if device_type == "cuda":
-        peak_mem = torch.cuda.max_memory_allocated() / 1e9
-        name = torch.cuda.get_device_name()
-    else:  # peak RSS of the whole process (Linux reports KiB)
-        peak_mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
-        name = device_type
+    name, peak_mem = device_name_and_peak_memory(device_type)
     bw = get_peak_bandwidth(name) if device_type == "cuda" else None
     mbu = step_bytes / (ms_step / 1e3) / bw if bw and N > 1 else None
 
@@ -89,6 +93,104 @@ def bench_decode(args):
                       "peak_mem_gb": round(peak_mem, 3), "mbu": None if mbu is None else round(mbu, 4)}))
 
 
+def bench_rl(args):
+    """One GRPO step of chat_rl's shape and math on a random-init model: rollout (the engine, every response
+    forced to the full --new-tokens, the worst case of a GSM8K rollout), rewards, advantages, the policy loss
+    over micro-batches and one optimizer step. Time split rollout / train, tok/s of each, peak memory."""
+    from nanorl import rl
+    from nanorl.common import autocast_ctx
+    from nanorl.engine import Engine, Request
+    from nanorl.gpt import build_model, config_from_depth
+    from nanorl.optim import build_optimizer
+    from nanorl.rollout import Sample, collate, pack_micro_batches
+    from nanorl.tokenizer import SPLIT_PATTERN, Tokenizer
+
+    device_type = args.device_type or autodetect_device_type()
+    device = torch.device(device_type)
+    n_prompts, n, P, N = args.prompts, args.samples, args.prompt_len, args.new_tokens
+    if min(n_prompts, P, N, args.steps) < 1:
+        raise SystemExit("--prompts, --prompt-len, --new-tokens and --steps must all be >= 1")
+    if n < 2:
+        raise SystemExit(f"--samples must be >= 2 (GRPO normalises by the group's std), got {n}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    cfg = config_from_depth(args.depth, args.vocab_size, sequence_len=P + N, head_dim=args.head_dim, n_kv_head=args.n_kv_head)
+    # like chat_rl: fp32 master weights, bf16 autocast on CUDA for both the engine and the trainer
+    model = build_model(cfg, device)
+    optimizer = build_optimizer(model)
+    for g in optimizer.param_groups:
+        g["lr"] = g["initial_lr"] * args.lr_scale
+    autocast = autocast_ctx(device_type)
+    tok = Tokenizer.from_ranks({bytes([i]): i for i in range(256)}, SPLIT_PATTERN)  # the engine needs only its specials
+    engine = Engine(model, tok, batch_size=args.engine_batch_size or n_prompts * n, max_len=P + N)
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.randint(0, 256, (n_prompts, P), generator=g).tolist()
+
+    def rl_step(step):
+        """Returns (rollout seconds, train seconds, generated tokens, trained tokens, mean reward, grad norm)."""
+        model.eval()
+        synchronize(device_type)
+        t0 = time.perf_counter()
+        # stop_tokens=[]: a random model rarely ends a response, so every response runs to the budget
+        reqs = [Request(p, num_samples=n, max_tokens=N, temperature=1.0, seed=step * n_prompts + i, stop_tokens=[],
+                        use_tools=False) for i, p in enumerate(prompts)]
+        samples = [Sample(tokens=list(p) + list(c.tokens), response_length=len(c.tokens), loss_mask=list(c.mask),
+                          rollout_log_probs=list(c.logprobs), status=c.status, group_index=gi, index=si)
+                   for gi, (p, comps) in enumerate(zip(prompts, engine.generate(reqs))) for si, c in enumerate(comps)]
+        # a cheap deterministic reward from the sampled tokens (parity of their sum): about half right, so
+        # every group has a non-zero advantage, as in a useful rollout
+        for s in samples:
+            s.reward = float(sum(s.tokens[s.prompt_length:]) % 2)
+        synchronize(device_type)
+        t1 = time.perf_counter()
+        # train: chat_rl's on-policy step (one optimizer step per rollout, token_mean aggregation)
+        model.train()
+        full = collate(samples)
+        rewards = torch.tensor([s.reward for s in samples])
+        adv = rl.grpo_advantages(rewards, full["loss_mask"], n)
+        total_mask = full["loss_mask"].sum().item()
+        for mb in pack_micro_batches(samples, args.max_tokens_per_gpu):
+            batch = collate([samples[i] for i in mb], device)
+            mask, T = batch["loss_mask"], batch["inputs"].size(1)
+            with autocast:  # with the entropy, as chat_rl computes it for its logs
+                logp, _ = model.token_logprobs(batch["inputs"], batch["targets"].clamp(min=0), return_entropy=True)
+            loss, _ = rl.policy_loss(logp.float(), logp.detach().float(), adv[mb, :T].to(device), mask)
+            (loss * mask.sum().item() / total_mask).backward()  # each micro-batch weighs its share of the tokens
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        synchronize(device_type)
+        t2 = time.perf_counter()
+        gen_tok = sum(s.response_length for s in samples)
+        return t1 - t0, t2 - t1, gen_tok, sum(len(s.tokens) for s in samples), rewards.mean().item(), grad_norm.item()
+
+    rl_step(0)  # warm up: kernels, allocator, the optimizer's state
+    if device_type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    runs = [rl_step(k + 1) for k in range(args.steps)]
+    t_roll = sum(r[0] for r in runs) / len(runs)
+    t_train = sum(r[1] for r in runs) / len(runs)
+    gen_tok, train_tok, reward = runs[-1][2], runs[-1][3], sum(r[4] for r in runs) / len(runs)
+    name, peak_mem = device_name_and_peak_memory(device_type)
+
+    print(f"rl | {name} | depth {args.depth} ({model.num_params() / 1e6:.1f}M params) | {n_prompts} prompts x {n} samples | "
+          f"prompt {P} | new {N} (forced) | engine batch {engine.batch_size} | cuda graph {'on' if engine.use_cuda_graph else 'off'} "
+          f"| mean of {len(runs)} step(s) after a warm-up")
+    print(f"{'phase':<8} {'seconds':>9} {'share':>7} {'tok/s':>10}")
+    print(f"{'rollout':<8} {t_roll:>9.3f} {t_roll / (t_roll + t_train):>7.1%} {gen_tok / t_roll:>10,.0f}")
+    print(f"{'train':<8} {t_train:>9.3f} {t_train / (t_roll + t_train):>7.1%} {train_tok / t_train:>10,.0f}")
+    print(f"{'total':<8} {t_roll + t_train:>9.3f} {1:>7.0%}")
+    print(f"generated {gen_tok:,} tokens, trained on {train_tok:,} (prompt + response); mean reward {reward:.3f}; "
+          f"peak memory {peak_mem:.2f} GB")
+    print(json.dumps({"bench": "rl", "device": name, "depth": args.depth, "params": model.num_params(), "prompts": n_prompts,
+                      "samples": n, "prompt_len": P, "new_tokens": N, "steps": len(runs),
+                      "rollout_s": round(t_roll, 4), "train_s": round(t_train, 4), "total_s": round(t_roll + t_train, 4),
+                      "rollout_tok_per_s": round(gen_tok / t_roll, 1), "train_tok_per_s": round(train_tok / t_train, 1),
+                      "generated_tokens": gen_tok, "trained_tokens": train_tok, "reward_mean": round(reward, 4),
+                      "grad_norm": runs[-1][5], "peak_mem_gb": round(peak_mem, 3)}))
+
+
 def main():
     parser = argparse.ArgumentParser(description="nanorl benchmarks")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -104,6 +206,22 @@ def main():
     p.add_argument("--device-type", type=str, default=None, help="cuda|cpu|mps (default: autodetect)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice; 1 is steadier on a busy machine)")
     p.set_defaults(func=bench_decode)
+    p = sub.add_parser("rl", help="one GRPO step (rollout + train) of chat_rl's GSM8K shape: time split, tok/s, peak memory")
+    p.add_argument("--depth", type=int, default=20)
+    p.add_argument("--prompts", type=int, default=16, help="prompts per rollout")
+    p.add_argument("--samples", type=int, default=16, help="samples per prompt (the group)")
+    p.add_argument("--prompt-len", type=int, default=150, help="prompt tokens (GSM8K questions are ~150)")
+    p.add_argument("--new-tokens", type=int, default=256, help="response tokens, all generated (no stop tokens)")
+    p.add_argument("--steps", type=int, default=1, help="timed steps after the warm-up step (their mean is reported)")
+    p.add_argument("--engine-batch-size", type=int, default=None, help="engine rows (default: prompts x samples, all at once)")
+    p.add_argument("--max-tokens-per-gpu", type=int, default=8192, help="padded tokens per training micro-batch (chat_rl's flag)")
+    p.add_argument("--lr-scale", type=float, default=0.05, help="multiplier on the optimizer LRs (chat_rl's default)")
+    p.add_argument("--n-kv-head", type=int, default=None, help="KV heads (default: as many as query heads)")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--vocab-size", type=int, default=32768)
+    p.add_argument("--device-type", type=str, default=None, help="cuda|cpu|mps (default: autodetect)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice; 1 is steadier on a busy machine)")
+    p.set_defaults(func=bench_rl)
     args = parser.parse_args()
     args.func(args)
 
