@@ -19,10 +19,11 @@ import torch
 import torch.distributed as dist
 
 from nanorl import rl
-from nanorl.checkpoint import load_checkpoint, load_model, save_checkpoint, find_last_step
+from nanorl.checkpoint import build_model, load_checkpoint, load_model, save_checkpoint, find_last_step
 from nanorl.common import (Timer, autocast_ctx, compute_cleanup, compute_init, get_base_dir, get_logger, print0)
 from nanorl.engine import Engine, Request
-from nanorl.optim import build_optimizer
+from nanorl.gpt import Critic
+from nanorl.optim import MuonAdamW, build_optimizer
 from nanorl.report import load_json, log_json, log_section
 from nanorl.rewards import compute_reward, extract_answer, safe_reward
 from nanorl.rollout import (TRUNCATED, PromptSource, RolloutBuffer, Sample, collate, fill_rollout,
@@ -57,9 +58,12 @@ parser.add_argument("--top-p", type=float, default=None, help="rollout top-p (de
 parser.add_argument("--engine-batch-size", type=int, default=256, help="engine rows decoded at once")
 parser.add_argument("--custom-generate-function-path", default=None, help="module:function(args, engine, tokenizer, prompts, seeds) -> list of groups (lists) of Sample")
 # advantages and loss
-parser.add_argument("--advantage-estimator", default="grpo", choices=["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gspo", "cispo"],
+parser.add_argument("--advantage-estimator", default="grpo", choices=["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gspo", "cispo", "ppo"],
                     help="gspo / cispo: GRPO advantages with GSPO's sequence-level ratio or CISPO's clipped-weight loss")
-parser.add_argument("--gamma", type=float, default=1.0, help="discount of reinforce_plus_plus returns")
+parser.add_argument("--gamma", type=float, default=1.0, help="discount of reinforce_plus_plus returns and of ppo's GAE")
+parser.add_argument("--lambd", type=float, default=1.0, help="ppo: GAE lambda (1 = Monte Carlo returns minus the critic's baseline)")
+parser.add_argument("--critic-lr", type=float, default=None, help="ppo: AdamW learning rate of the critic (required with ppo)")
+parser.add_argument("--value-clip", type=float, default=0.2, help="ppo: clip the critic's values to within this of the rollout's (0 = off)")
 parser.add_argument("--disable-grpo-std-normalization", action="store_true", help="Dr. GRPO: no division by the group std")
 parser.add_argument("--normalize-advantages", action="store_true", help="whiten advantages across all ranks")
 parser.add_argument("--eps-clip", type=float, default=0.2)
@@ -74,6 +78,9 @@ parser.add_argument("--use-kl-loss", action="store_true", help="add a KL(policy 
 parser.add_argument("--kl-loss-coef", type=float, default=0.0)
 parser.add_argument("--kl-loss-type", default="low_var_kl", choices=["k1", "k2", "k3", "low_var_kl"])
 parser.add_argument("--kl-coef", type=float, default=0.0, help="KL penalty folded into the reward")
+parser.add_argument("--use-opd", action="store_true", help="on-policy distillation: a teacher's log-probs pull the advantages")
+parser.add_argument("--opd-kl-coef", type=float, default=1.0, help="OPD: A -= coef * (logp_student - logp_teacher)")
+parser.add_argument("--opd-teacher-load", default=None, help="OPD teacher: a checkpoint directory, or source[:tag] e.g. sft:d8")
 parser.add_argument("--use-tis", action="store_true", help="truncated importance weights between trainer (old) and rollout log-probs")
 parser.add_argument("--tis-clip", type=float, default=2.0)
 parser.add_argument("--tis-clip-low", type=float, default=0.0)
@@ -125,6 +132,13 @@ if args.over_sampling_batch_size % world_size:
     raise SystemExit(f"--over-sampling-batch-size {args.over_sampling_batch_size} must divide by the number of ranks {world_size}")
 if args.use_kl_loss and args.kl_loss_coef <= 0:
     raise SystemExit("--use-kl-loss needs a positive --kl-loss-coef")
+ppo = args.advantage_estimator == "ppo"
+if ppo and not (args.critic_lr or 0) > 0:
+    raise SystemExit("--advantage-estimator ppo needs a critic: give --critic-lr (e.g. 1e-4)")
+if args.critic_lr is not None and not ppo:
+    raise SystemExit(f"--critic-lr is only used by --advantage-estimator ppo, not {args.advantage_estimator}")
+if args.use_opd != (args.opd_teacher_load is not None):
+    raise SystemExit("--use-opd and --opd-teacher-load go together: give both or neither")
 if args.eps_clip_c is not None and args.eps_clip_c <= 1:
     raise SystemExit(f"--eps-clip-c must be > 1 (dual clip), got {args.eps_clip_c}")
 pass_ks = [int(k) for k in args.pass_k.split(",")]
@@ -144,6 +158,22 @@ if custom_rm is None:
 model, tokenizer, meta = load_model(args.source, device, phase="train", model_tag=args.model_tag, step=args.model_step)
 need_ref = args.use_kl_loss or args.kl_coef > 0
 ref_model = copy.deepcopy(model).eval().requires_grad_(False) if need_ref else None  # frozen start point
+critic = critic_optimizer = None
+if ppo:
+    critic = Critic(model).to(device)
+    critic_optimizer = MuonAdamW([dict(params=list(critic.parameters()), kind="adamw", lr=args.critic_lr, initial_lr=args.critic_lr,
+                                       betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)])
+teacher = None
+if args.use_opd:
+    t = args.opd_teacher_load
+    if os.path.isdir(t):
+        teacher, _, _ = build_model(t, device=device)
+    else:
+        src, _, tag = t.partition(":")
+        teacher, _, _ = load_model(src, device, model_tag=tag or None)
+    if teacher.config.vocab_size != model.config.vocab_size:
+        raise SystemExit(f"--opd-teacher-load {t}: vocab {teacher.config.vocab_size} differs from the student's {model.config.vocab_size}")
+    teacher.requires_grad_(False)
 optimizer = build_optimizer(model, weight_decay=args.weight_decay)
 for g in optimizer.param_groups:
     g["initial_lr"] = g["initial_lr"] * args.lr_scale
@@ -277,6 +307,9 @@ if args.resume:
     optimizer.load_state_dict(optim_state)
     source.load_state_dict(extra["source"])
     buffer.load_state_dict(extra["buffer"])
+    if critic is not None:
+        critic.load_state_dict(extra["critic"])
+        critic_optimizer.load_state_dict(extra["critic_optim"])
     random.setstate(extra["py_rng"])
     torch.set_rng_state(extra["torch_rng"])
     start_step = weight_version = last
@@ -290,6 +323,8 @@ if args.resume:
 def save(step):
     extra = {"source": source.state_dict(), "buffer": buffer.state_dict(), "py_rng": random.getstate(),
              "torch_rng": torch.get_rng_state()}
+    if critic is not None:  # every rank keeps the same critic (DDP-averaged), so each saves it with its extra state
+        extra.update(critic=critic.state_dict(), critic_optim=critic_optimizer.state_dict())
     save_checkpoint(ckpt_dir, step, model.state_dict(), optimizer.state_dict(),
                     meta={**meta, "model_tag": output_tag, "step": step, "rl_args": vars(args)}, extra=extra, rank=rank)
 
@@ -305,12 +340,24 @@ def forward_logp(m, batch):
 @torch.no_grad()
 def logp_of(m, samples):
     """Per-token log-probs (B, T) of samples under model m, micro-batched, aligned like collate()."""
+    return per_token(samples, lambda batch: forward_logp(m, batch)[0])
+
+
+@torch.no_grad()
+def values_of(samples):
+    """The critic's per-token values of samples (the ones the rollout saw: GAE's baseline, value clipping's anchor)."""
+    def f(batch):
+        with autocast:
+            return critic(batch["inputs"])
+    return per_token(samples, f)
+
+
+def per_token(samples, fn):
     out = [None] * len(samples)
     for mb in pack_micro_batches(samples, args.max_tokens_per_gpu):
-        batch = collate([samples[i] for i in mb], device)
-        lp, _ = forward_logp(m, batch)
+        res = fn(collate([samples[i] for i in mb], device))
         for j, i in enumerate(mb):
-            out[i] = lp[j].float().cpu()
+            out[i] = res[j].float().cpu()
     return out
 
 
@@ -318,8 +365,9 @@ def pad_like(rows, T):
     return torch.stack([torch.nn.functional.pad(r[:T], (0, T - min(len(r), T))) for r in rows])
 
 
-def compute_advantages(samples, ref_lp):
-    """Per-sample per-token advantages (list of 1-D tensors aligned like collate()), by --advantage-estimator."""
+def compute_advantages(samples, ref_lp, old_values):
+    """Per-sample per-token advantages (list of 1-D tensors aligned like collate()), by --advantage-estimator,
+    and for ppo the critic's targets (returns); None otherwise."""
     batch = collate(samples)
     mask, T = batch["loss_mask"], batch["inputs"].size(1)
     rewards = torch.tensor([s.scalar_reward() for s in samples], dtype=torch.float32)
@@ -336,15 +384,22 @@ def compute_advantages(samples, ref_lp):
         adv = rl.rloo_advantages(rewards, mask, n)
     elif est == "reinforce_plus_plus":
         adv = rl.reinforce_pp_returns(rewards, mask, kl=kl, kl_coef=args.kl_coef, gamma=args.gamma, distributed=ddp)
+    elif est == "ppo":
+        # the reward on the last response token, the KL penalty on every token, then GAE against the critic
+        token_rewards = rl._last_token_rewards(rewards, mask)
+        if kl is not None:
+            token_rewards = token_rewards - args.kl_coef * kl
+        adv, returns = rl.gae_advantages(token_rewards, pad_like(old_values, T), mask, args.gamma, args.lambd)
     else:
         adv = rl.reinforce_pp_baseline_advantages(rewards, mask, n, kl=kl, kl_coef=args.kl_coef, distributed=ddp)
     if args.normalize_advantages and not est.startswith("reinforce_plus_plus"):
         adv = rl.masked_whiten(adv, mask, distributed=ddp) * mask
-    return [adv[i] for i in range(len(samples))]
+    adv = [adv[i] for i in range(len(samples))]
+    return adv, ([returns[i] for i in range(len(samples))] if est == "ppo" else None)
 
 
-def train_minibatch(samples, adv, old_lp, ref_lp, lr_mult):
-    """One optimizer step over `samples` (this rank's share of the global batch)."""
+def train_minibatch(samples, adv, old_lp, ref_lp, lr_mult, returns=None, old_values=None):
+    """One optimizer step over `samples` (this rank's share of the global batch); with ppo, one critic step too."""
     model.train()
     local_tok = sum(sum(s.loss_mask) for s in samples)
     counts = torch.tensor([local_tok, len(samples)], dtype=torch.float64, device=device)
@@ -386,6 +441,14 @@ def train_minibatch(samples, adv, old_lp, ref_lp, lr_mult):
         mb_tok = mask.sum().item()
         share = (mb_tok / global_tok) if args.loss_aggregation == "token_mean" else (len(mbs) / global_seq)
         (loss * share * world_size).backward()
+        if critic is not None:
+            with autocast:
+                values = critic(batch["inputs"])
+            vf_loss, vm = rl.value_loss(values, pad_like([old_values[i] for i in mb], T).to(device),
+                                        pad_like([returns[i] for i in mb], T).to(device), mask, args.value_clip or None,
+                                        loss_agg=args.loss_aggregation, max_len=args.max_response_len)
+            (vf_loss * share * world_size).backward()
+            m.update(vm, vf_loss=vf_loss.detach())
         m["pg_loss"], m["entropy"] = pg_loss.detach(), rl.masked_mean(ent.detach(), mask)
         m["train_rollout_logprob_abs_diff"] = rl.masked_mean((logp.detach() - batch["rollout_logp"]).abs(), mask)
         for k, v in m.items():
@@ -399,6 +462,11 @@ def train_minibatch(samples, adv, old_lp, ref_lp, lr_mult):
     optimizer.zero_grad(set_to_none=True)
     out = {k: v / max(local_tok, 1) for k, v in sums.items()}
     out["grad_norm"] = float(grad_norm)
+    if critic is not None:
+        critic_optimizer.average_gradients()
+        out["critic_grad_norm"] = float(torch.nn.utils.clip_grad_norm_(critic.parameters(), args.grad_clip or float("inf")))
+        critic_optimizer.step()
+        critic_optimizer.zero_grad(set_to_none=True)
     return out
 
 
@@ -448,7 +516,21 @@ for step in range(start_step, args.num_rollouts):
     if args.num_steps_per_rollout > 1:
         with timer.section("old_logp", device.type):
             old_lp = logp_of(model, samples)  # the policy before this rollout's first update
-    adv = compute_advantages(samples, ref_lp)
+    old_values = None
+    if critic is not None:
+        with timer.section("values", device.type):
+            old_values = values_of(samples)
+    adv, returns = compute_advantages(samples, ref_lp, old_values)
+    opd_kl = None
+    if teacher is not None:
+        # on-policy distillation: tokens the teacher likes more than the student (before this update) get pushed up
+        with timer.section("teacher", device.type):
+            teacher_lp = logp_of(teacher, samples)
+        student_lp = old_lp or logp_of(model, samples)
+        T, mask = adv[0].numel(), collate(samples)["loss_mask"]
+        s_lp, t_lp = pad_like(student_lp, T), pad_like(teacher_lp, T)
+        adv = list(rl.opd_adjust(torch.stack(adv), s_lp, t_lp, mask, args.opd_kl_coef))
+        opd_kl = rl.masked_mean(s_lp - t_lp, mask).item()
     # 4) train: the rollout is cut into num_steps_per_rollout mini-batches of whole groups
     lr_mult = min(1.0, (step + 1) / args.warmup_rollouts) if args.warmup_rollouts > 0 else 1.0
     per_step = len(samples) // args.num_steps_per_rollout
@@ -457,7 +539,8 @@ for step in range(start_step, args.num_rollouts):
         for k in range(args.num_steps_per_rollout):
             sl = slice(k * per_step, (k + 1) * per_step)
             train_metrics.append(train_minibatch(samples[sl], adv[sl], old_lp[sl] if old_lp else None,
-                                                 ref_lp[sl] if ref_lp else None, lr_mult))
+                                                 ref_lp[sl] if ref_lp else None, lr_mult,
+                                                 returns[sl] if returns else None, old_values[sl] if old_values else None))
     weight_version += 1
     # 5) metrics, reduced over ranks
     rewards = [s.scalar_reward() for s in samples]
@@ -476,6 +559,8 @@ for step in range(start_step, args.num_rollouts):
     m.update({"rollout/adv_mean": seq_adv.mean().item(), "rollout/adv_std": seq_adv.std().item() if len(seq_adv) > 1 else 0.0,
               "rollout/adv_abs_max": seq_adv.abs().max().item()})
     m.update({f"rollout/{k}": v for k, v in fstats.items()})
+    if opd_kl is not None:
+        m["train/opd_student_teacher_kl"] = opd_kl
     n_tok = sum(lens)
     for k, v in timer.times.items():
         m[f"time/{k}"] = v

@@ -28,7 +28,11 @@ def base_dir(tmp_path_factory):
         "m = build_model(cfg, 'cpu')\n"
         "with torch.no_grad():\n"
         "    m.lm_head.weight.normal_(0, 0.2)\n"  # a spread-out first-token distribution
-        "save_checkpoint(checkpoint_root('sft') + '/t', 0, m.state_dict(), meta={'model_config': cfg.to_dict()})\n")
+        "save_checkpoint(checkpoint_root('sft') + '/t', 0, m.state_dict(), meta={'model_config': cfg.to_dict()})\n"
+        "torch.manual_seed(1); teacher = build_model(cfg, 'cpu')\n"  # a different model to distil from
+        "with torch.no_grad():\n"
+        "    teacher.lm_head.weight.normal_(0, 0.5)\n"
+        "save_checkpoint(checkpoint_root('sft') + '/teacher', 0, teacher.state_dict(), meta={'model_config': cfg.to_dict()})\n")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True, capture_output=True)
     return d
 
@@ -61,15 +65,17 @@ def test_first_step_is_exactly_on_policy(base_dir):
     assert "eval/pass@1" in hist["eval"][0] and len(hist["eval"]) == 2  # before the first and after the last
 
 
-def test_resume_gives_identical_steps(base_dir):
-    full, _ = run_rl(base_dir, "--num-rollouts", "4", "--save-interval", "2", "--output-tag", "full")
-    run_rl(base_dir, "--num-rollouts", "2", "--save-interval", "2", "--output-tag", "resumed")
-    res, log = run_rl(base_dir, "--num-rollouts", "4", "--save-interval", "2", "--output-tag", "resumed", "--resume")
+@pytest.mark.parametrize("flags", [[], ["--advantage-estimator", "ppo", "--critic-lr", "1e-3", "--lambd", "0.9"]])
+def test_resume_gives_identical_steps(base_dir, flags):
+    tag = "ppo" if flags else "grpo"
+    full, _ = run_rl(base_dir, "--num-rollouts", "4", "--save-interval", "2", "--output-tag", f"full_{tag}", *flags)
+    run_rl(base_dir, "--num-rollouts", "2", "--save-interval", "2", "--output-tag", f"resumed_{tag}", *flags)
+    res, log = run_rl(base_dir, "--num-rollouts", "4", "--save-interval", "2", "--output-tag", f"resumed_{tag}", "--resume", *flags)
     assert "resumed from" in log and [h["step"] for h in res["train"]] == [1, 2, 3, 4]
     for a, b in zip(full["train"][2:], res["train"][2:]):
-        for k in ("rollout/reward_mean", "train/pg_loss", "train/grad_norm", "rollout/response_len_mean"):
+        for k in ("rollout/reward_mean", "train/pg_loss", "train/grad_norm", "rollout/response_len_mean", *(["train/vf_loss"] if flags else [])):
             assert a[k] == b[k], (k, a[k], b[k])
-    fw, rw = final_weights(base_dir, "full"), final_weights(base_dir, "resumed")
+    fw, rw = final_weights(base_dir, f"full_{tag}"), final_weights(base_dir, f"resumed_{tag}")
     assert all(torch.equal(fw[k], rw[k]) for k in fw)
 
 
@@ -97,6 +103,9 @@ def test_two_processes_equal_one(base_dir):
     ["--advantage-estimator", "gspo", "--num-steps-per-rollout", "2", "--eps-clip", "0.0003", "--eps-clip-high", "0.0004"],
     ["--advantage-estimator", "cispo", "--eps-clip-high", "0.28", "--use-tis", "--tis-mode", "icepop"],
     ["--advantage-estimator", "reinforce_plus_plus", "--gamma", "0.99", "--kl-coef", "0.01", "--use-tis"],
+    ["--advantage-estimator", "ppo", "--critic-lr", "1e-3", "--lambd", "0.95", "--num-steps-per-rollout", "2", "--normalize-advantages",
+     "--kl-coef", "0.01"],
+    ["--use-opd", "--opd-teacher-load", "sft:teacher", "--opd-kl-coef", "0.5"],
 ])
 def test_estimators_and_options_run(base_dir, flags):
     hist, log = run_rl(base_dir, "--num-rollouts", "2", "--output-tag", "opts", *flags)
@@ -104,6 +113,10 @@ def test_estimators_and_options_run(base_dir, flags):
         assert all(v == v for v in h.values() if isinstance(v, float))  # no NaN anywhere
     if "--num-steps-per-rollout" in flags:
         assert hist["train"][0]["train/first_step_ppo_kl"] == 0.0  # old log-probs come from a pass before the update
+    if "ppo" in flags:  # the critic trains: a value loss and a nonzero critic gradient every step
+        assert all(h["train/critic_grad_norm"] > 0 and "train/vf_clipfrac" in h for h in hist["train"])
+    if "--use-opd" in flags:  # a different teacher: the student-teacher gap is measured and nonzero
+        assert all(abs(h["train/opd_student_teacher_kl"]) > 1e-3 for h in hist["train"])
 
 
 def test_broken_rewards_are_counted_not_trained_on(base_dir):
@@ -117,6 +130,9 @@ def test_broken_rewards_are_counted_not_trained_on(base_dir):
     (["--rollout-batch-size", "3", "--num-steps-per-rollout", "5"], "--num-steps-per-rollout"),
     (["--global-batch-size", "7"], "--global-batch-size"),
     (["--rm-type", "bogus", "--custom-rm-path", ""], "bogus"),
+    (["--advantage-estimator", "ppo"], "--critic-lr"),
+    (["--critic-lr", "1e-3"], "--critic-lr"),
+    (["--use-opd"], "--opd-teacher-load"),
 ])
 def test_bad_flags_fail_early(base_dir, flags, msg):
     env = {**os.environ, "NANORL_BASE_DIR": str(base_dir)}
