@@ -12,8 +12,10 @@ import argparse
 import copy
 import os
 import random
+import signal
 import sys
 import time
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -26,7 +28,7 @@ from nanorl.gpt import Critic
 from nanorl.optim import MuonAdamW, build_optimizer
 from nanorl.report import load_json, log_json, log_section
 from nanorl.rewards import compute_reward, extract_answer, safe_reward
-from nanorl.rollout import (TRUNCATED, PromptSource, RolloutBuffer, Sample, collate, fill_rollout,
+from nanorl.rollout import (ABORTED, TRUNCATED, PromptSource, RolloutBuffer, Sample, collate, extend_sample, fill_rollout,
                             keep_all_groups, load_function, pack_micro_batches)
 from tasks import get_task
 
@@ -51,6 +53,8 @@ parser.add_argument("--over-sampling-batch-size", type=int, default=None, help="
 parser.add_argument("--dynamic-sampling-filter-path", default="nanorl.rollout:keep_nonconstant_group", help="module:function(group) -> (keep, reason), used with --over-sampling-batch-size")
 parser.add_argument("--max-sampling-rounds", type=int, default=8, help="dynamic sampling: rounds before the batch is topped up with dropped groups")
 parser.add_argument("--buffer-filter-path", default="nanorl.rollout:pop_first", help="module:function(buffer, n) -> (taken, rest) for surplus groups")
+parser.add_argument("--partial-rollout", action="store_true", help="with over-sampling: once the batch is full, abort what is still "
+                    "generating, keep it with its tokens and continue it in the next rollout (pair with --use-tis)")
 parser.add_argument("--max-response-len", type=int, default=256, help="max tokens per response")
 parser.add_argument("--temperature", type=float, default=1.0, help="rollout temperature (the trainer divides logits by it too)")
 parser.add_argument("--top-k", type=int, default=None, help="rollout top-k (default: off; anything but off makes rollouts off-policy)")
@@ -101,6 +105,8 @@ parser.add_argument("--n-samples-per-eval-prompt", type=int, default=4)
 parser.add_argument("--eval-temperature", type=float, default=1.0)
 parser.add_argument("--pass-k", type=str, default="1,4", help="comma-separated k for pass@k")
 parser.add_argument("--save-interval", type=int, default=20)
+parser.add_argument("--rollout-timeout", type=float, default=1800, help="seconds a rank's rollout may take before the run saves and "
+                    "exits non-zero, naming what was in flight (0 = no limit)")
 parser.add_argument("--resume", action="store_true", help="continue from the latest RL checkpoint")
 parser.add_argument("--run", default="dummy", help="wandb run name ('dummy' = no wandb)")
 parser.add_argument("--device-type", default=None, help="cuda | cpu | mps (default: autodetect)")
@@ -110,7 +116,9 @@ args = parser.parse_args(sys.argv[1:] if sys.argv[1:2] != ["--"] else sys.argv[2
 
 # -----------------------------------------------------------------------------------------------
 # flags that must agree, checked before any GPU work
-ddp, rank, local_rank, world_size, device = compute_init(args.device_type, seed=args.seed)
+# collectives give up on a missing rank after a while (a hang in native code, a dead node) rather than block forever
+ddp, rank, local_rank, world_size, device = compute_init(args.device_type, seed=args.seed,
+                                                         timeout_s=2 * args.rollout_timeout + 600 if args.rollout_timeout > 0 else None)
 master = rank == 0
 n = args.n_samples_per_prompt
 rollout_samples = args.rollout_batch_size * n
@@ -128,6 +136,11 @@ if args.global_batch_size % (world_size * n):
 dynamic_sampling = args.over_sampling_batch_size is not None
 if not dynamic_sampling:
     args.over_sampling_batch_size = args.rollout_batch_size
+if args.partial_rollout and not (dynamic_sampling and args.over_sampling_batch_size > args.rollout_batch_size):
+    raise SystemExit("--partial-rollout needs --over-sampling-batch-size larger than --rollout-batch-size: "
+                     "partial rollouts abort the surplus that is still generating once the batch is full")
+if args.partial_rollout and args.custom_generate_function_path:
+    raise SystemExit("--partial-rollout drives the engine itself: it cannot be combined with --custom-generate-function-path")
 if args.over_sampling_batch_size % world_size:
     raise SystemExit(f"--over-sampling-batch-size {args.over_sampling_batch_size} must divide by the number of ranks {world_size}")
 if args.use_kl_loss and args.kl_loss_coef <= 0:
@@ -229,27 +242,69 @@ def response_text(tokens):
     return tokenizer.decode([t for t in tokens if t not in engine_stop_tokens])
 
 
+inflight = {}  # what this rank's rollout is working on, named in the report if the rollout fails or hangs
 engine_stop_tokens = {tokenizer.encode_special("<|assistant_end|>"), tokenizer.get_bos_token_id()}
+python_start, output_end = tokenizer.encode_special("<|python_start|>"), tokenizer.encode_special("<|output_end|>")
 reward_failures = {"count": 0}
 
 
 def generate_groups(prompts, seeds, temperature, num_samples, weight_version):
     """The default rollout: one engine.generate call over all prompts, each fanned out to num_samples."""
+    inflight.update(generating=[p["metadata"] for p in prompts])
     if custom_generate is not None:
         return custom_generate(args, engine, tokenizer, prompts, seeds)
     prompt_ids = [tokenizer.render_for_completion(p["conversation"]) for p in prompts]
     reqs = [Request(prompt_ids=ids, num_samples=num_samples, max_tokens=args.max_response_len, temperature=temperature,
                     top_k=args.top_k, top_p=args.top_p, seed=seed) for ids, seed in zip(prompt_ids, seeds)]
     results = engine.generate(reqs)
-    groups = []
-    for gi, (p, ids, comps) in enumerate(zip(prompts, prompt_ids, results)):
-        group = []
-        for si, c in enumerate(comps):
-            group.append(Sample(prompt=p["conversation"], tokens=list(ids) + list(c.tokens), response_length=len(c.tokens),
-                                label=p["label"], loss_mask=list(c.mask), rollout_log_probs=list(c.logprobs), status=c.status,
-                                weight_version=weight_version, group_index=gi, index=si, metadata=dict(p["metadata"])))
-        groups.append(group)
-    return groups
+    return [[extend_sample(s, c) for s, c in zip(new_group(p, ids, seed, num_samples, weight_version), comps)]
+            for p, ids, seed, comps in zip(prompts, prompt_ids, seeds, results)]
+
+
+def new_group(p, prompt_ids, seed, num_samples, weight_version):
+    """Empty samples of one prompt, to be extended by the engine's completions."""
+    return [Sample(prompt=p["conversation"], tokens=list(prompt_ids), label=p["label"], status=ABORTED, weight_version=weight_version,
+                   index=si, metadata={**p["metadata"], "seed": seed}) for si in range(num_samples)]
+
+
+def stream_groups(prompts, seeds, weight_version):
+    """
+    --partial-rollout: yield each group, scored, as soon as all its samples end. When the batch is full the caller
+    closes this generator: what is still generating is aborted and parked in the buffer with the tokens it has
+    (and the weight_version it started under), and the next rollout continues it before starting new prompts.
+    """
+    jobs = []  # (group, {sample index: (handle, completion index)})
+    inflight.update(generating=[s.metadata for g in buffer.partial for s in g[:1]] + [p["metadata"] for p in prompts])
+    for group in buffer.take_partial():
+        jobs.append((group, {s.index: (engine.submit(Request(
+            list(s.tokens), max_tokens=args.max_response_len - s.response_length, temperature=args.temperature, top_k=args.top_k,
+            top_p=args.top_p, seed=s.metadata["seed"], first_sample=s.index, start_counter=s.response_length)), 0)
+            for s in group if s.status == ABORTED}))
+        for s in group:
+            s.metadata["resumed"] = s.metadata.get("resumed", 0) + (s.status == ABORTED)
+    for p, seed in zip(prompts, seeds):
+        ids = tokenizer.render_for_completion(p["conversation"])
+        h = engine.submit(Request(ids, num_samples=n, max_tokens=args.max_response_len, temperature=args.temperature,
+                                  top_k=args.top_k, top_p=args.top_p, seed=seed))
+        jobs.append((new_group(p, ids, seed, n, weight_version), {si: (h, si) for si in range(n)}))
+    try:
+        while jobs:
+            engine.step()
+            for job in [j for j in jobs if all(h.done for h, _ in j[1].values())]:
+                jobs.remove(job)
+                group, handles = job
+                for si, (h, ci) in handles.items():
+                    extend_sample(group[si], h.completions[ci])
+                yield assign_rewards([group])[0]
+    finally:
+        if jobs:  # the batch is full: abort the rest and park it, cut back to where it can be continued exactly
+            engine.abort()
+            while engine.step():
+                pass
+            for group, handles in jobs:
+                for si, (h, ci) in handles.items():
+                    extend_sample(group[si], h.completions[ci], python_start, output_end)
+                buffer.partial.append(group)
 
 
 def assign_rewards(groups):
@@ -258,7 +313,9 @@ def assign_rewards(groups):
             if s.reward is not None:
                 continue  # custom generate functions may score their own samples
             text = response_text(s.tokens[s.prompt_length:])
+            inflight["scoring"] = {"metadata": s.metadata, "response": text[:200]}
             value, err = score(text, s.label, s.metadata)
+            del inflight["scoring"]
             if value is None:
                 # a broken reward is counted and the sample is never trained on
                 reward_failures["count"] += 1
@@ -318,6 +375,14 @@ if args.resume:
     if diffs:
         print0("warning: resuming with changed RL flags: " + ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in diffs.items()))
     print0(f"resumed from {ckpt_dir} step {last}")
+
+
+class RolloutTimeout(BaseException):
+    """Not an Exception: a reward wrapper that catches Exception must not swallow it."""
+
+
+def on_rollout_timeout(signum, frame):
+    raise RolloutTimeout(f"the rollout ran past --rollout-timeout {args.rollout_timeout:g}s")
 
 
 def save(step):
@@ -488,11 +553,40 @@ for step in range(start_step, args.num_rollouts):
     def make_groups():
         prompts = source.get(args.over_sampling_batch_size // world_size)
         seeds = [args.seed * 1_000_003 + epoch * 10_000_019 + pos for epoch, pos in source.last_keys]
+        if args.partial_rollout:
+            return stream_groups(prompts, seeds, weight_version)
         return assign_rewards(generate_groups(prompts, seeds, args.temperature, n, weight_version))
 
     model.eval()
-    with timer.section("rollout", device.type):
-        groups, fstats = fill_rollout(prompts_per_rank, buffer, make_groups, group_filter, args.max_sampling_rounds)
+    before = (source.state_dict(), buffer.state_dict())
+    failure = None
+    try:
+        if args.rollout_timeout > 0:  # SIGALRM interrupts Python code that hangs (a reward call, a custom rollout)
+            signal.signal(signal.SIGALRM, on_rollout_timeout)
+            signal.setitimer(signal.ITIMER_REAL, args.rollout_timeout)
+        with timer.section("rollout", device.type):
+            groups, fstats = fill_rollout(prompts_per_rank, buffer, make_groups, group_filter, args.max_sampling_rounds,
+                                          stop_when_full=args.partial_rollout)
+    except (Exception, RolloutTimeout) as e:
+        failure = f"{type(e).__name__}: {e}"
+        traceback.print_exc()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+    # every rank learns whether any rank failed, so none is left waiting in a collective for a rank that is gone
+    failed = torch.tensor([float(failure is not None)], device=device)
+    if ddp:
+        dist.all_reduce(failed)
+    if failed.item():
+        if failure:
+            what = inflight.get("scoring") or {"prompts": inflight.get("generating")}
+            print(f"rank {rank}: rollout {step + 1} failed: {failure}\n  in flight: {what}", file=sys.stderr, flush=True)
+        source.load_state_dict(before[0])  # the checkpoint is the state before this rollout: --resume redoes it
+        buffer.load_state_dict(before[1])
+        save(step)
+        print0(f"stopped: a rollout failed on {int(failed.item())} rank(s); saved step {step} in {ckpt_dir}")
+        compute_cleanup()
+        sys.exit(1)
+    inflight.clear()
     samples = [s for g in groups for s in g]
     # 2) reward shaping on the kept samples
     if args.overlong_buffer_len > 0:
@@ -559,6 +653,10 @@ for step in range(start_step, args.num_rollouts):
     m.update({"rollout/adv_mean": seq_adv.mean().item(), "rollout/adv_std": seq_adv.std().item() if len(seq_adv) > 1 else 0.0,
               "rollout/adv_abs_max": seq_adv.abs().max().item()})
     m.update({f"rollout/{k}": v for k, v in fstats.items()})
+    m["rollout/max_staleness"] = max(weight_version - 1 - s.weight_version for s in samples)  # policy versions behind
+    if args.partial_rollout:
+        m["rollout/partial_resumed_samples"] = sum(s.metadata.get("resumed", 0) > 0 for s in samples)
+        m["rollout/partial_parked_groups"] = len(buffer.partial)
     if opd_kl is not None:
         m["train/opd_student_teacher_kl"] = opd_kl
     n_tok = sum(lens)
