@@ -49,15 +49,16 @@ def find_last_step(checkpoint_dir):
     return steps[-1] if steps else None
 
 
-def save_checkpoint(checkpoint_dir, step, model_state, optim_state=None, meta=None, extra=None, rank=0, keep_last=None):
-    """Rank 0 writes the model and meta; every rank writes its own optimizer shard and extra state."""
+def save_checkpoint(checkpoint_dir, step, model_state, optim_state=None, meta=None, extra=None, rank=0, keep_last=None, group=None):
+    """Rank 0 writes the model and meta; every rank writes its own optimizer shard and extra state.
+    group: the process group of the ranks that save (default all; async RL's training ranks)."""
     os.makedirs(checkpoint_dir, exist_ok=True)
     if optim_state is not None:
         _atomic_save(optim_state, os.path.join(checkpoint_dir, f"optim_{step:06d}_rank{rank}.pt"))
     if extra is not None:
         _atomic_save(extra, os.path.join(checkpoint_dir, f"extra_{step:06d}_rank{rank}.pt"))
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.barrier()  # every rank's files exist before the step is marked complete
+        torch.distributed.barrier(group=group)  # every rank's files exist before the step is marked complete
     if rank == 0:
         _atomic_save(model_state, os.path.join(checkpoint_dir, f"model_{step:06d}.pt"))
         _atomic_json(meta or {}, os.path.join(checkpoint_dir, f"meta_{step:06d}.json"))  # last: marks it complete

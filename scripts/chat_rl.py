@@ -59,6 +59,9 @@ parser.add_argument("--max-response-len", type=int, default=256, help="max token
 parser.add_argument("--temperature", type=float, default=1.0, help="rollout temperature (the trainer divides logits by it too)")
 parser.add_argument("--top-k", type=int, default=None, help="rollout top-k (default: off; anything but off makes rollouts off-policy)")
 parser.add_argument("--top-p", type=float, default=None, help="rollout top-p (default: off)")
+parser.add_argument("--async", dest="async_mode", action="store_true", help="one-step-off-policy: sampling ranks generate rollout "
+                    "k+1 while training ranks train on rollout k, then get the new weights (one rank: synchronous)")
+parser.add_argument("--rollout-num-gpus", type=int, default=None, help="--async: how many ranks sample (the first ones; default half)")
 parser.add_argument("--engine-batch-size", type=int, default=256, help="engine rows decoded at once")
 parser.add_argument("--custom-generate-function-path", default=None, help="module:function(args, engine, tokenizer, prompts, seeds) -> list of groups (lists) of Sample")
 # advantages and loss
@@ -120,6 +123,25 @@ args = parser.parse_args(sys.argv[1:] if sys.argv[1:2] != ["--"] else sys.argv[2
 ddp, rank, local_rank, world_size, device = compute_init(args.device_type, seed=args.seed,
                                                          timeout_s=2 * args.rollout_timeout + 600 if args.rollout_timeout > 0 else None)
 master = rank == 0
+# --async splits the ranks: the first R sample, the others train; synchronous mode has every rank do both
+async_mode = args.async_mode and world_size > 1
+if args.async_mode and not async_mode:
+    print0("--async with one rank: falling back to synchronous RL (sampling and training take turns on the one device)")
+if args.rollout_num_gpus is not None and not args.async_mode:
+    raise SystemExit("--rollout-num-gpus only applies with --async")
+R = (args.rollout_num_gpus or world_size // 2) if async_mode else world_size
+if async_mode and not 1 <= R < world_size:
+    raise SystemExit(f"--rollout-num-gpus {R} must leave at least one of the {world_size} ranks to train (--async)")
+if async_mode and args.resume:
+    raise SystemExit("--resume with --async is not supported: the prompt order lives on the sampling ranks; resume without --async")
+is_sampler, is_trainer = rank < R or not async_mode, rank >= R or not async_mode
+sworld, tworld = R, (world_size - R if async_mode else world_size)  # sampling ranks, training ranks
+srank, trank = (rank, rank - R) if async_mode else (rank, rank)
+sgroup = tgroup = wgroup = None  # process groups: samplers, trainers, first trainer + samplers (weights); None = all
+if async_mode:
+    sgroup, tgroup = dist.new_group(list(range(R))), dist.new_group(list(range(R, world_size)))
+    wgroup = dist.new_group(list(range(R + 1)))
+dist_group = (tgroup if async_mode else True) if ddp else False  # what rl.masked_whiten reduces over
 n = args.n_samples_per_prompt
 rollout_samples = args.rollout_batch_size * n
 if args.global_batch_size is None:
@@ -129,10 +151,11 @@ if args.global_batch_size is None:
 if args.global_batch_size * args.num_steps_per_rollout != rollout_samples:
     raise SystemExit(f"--global-batch-size {args.global_batch_size} x --num-steps-per-rollout {args.num_steps_per_rollout} "
                      f"must equal --rollout-batch-size x --n-samples-per-prompt = {rollout_samples}")
-if args.rollout_batch_size % world_size:
-    raise SystemExit(f"--rollout-batch-size {args.rollout_batch_size} must divide by the number of ranks {world_size}")
-if args.global_batch_size % (world_size * n):
-    raise SystemExit(f"--global-batch-size {args.global_batch_size} must be a multiple of ranks x --n-samples-per-prompt = {world_size * n}")
+for what, k in (("sampling ranks", sworld), ("training ranks", tworld)):
+    if args.rollout_batch_size % k:
+        raise SystemExit(f"--rollout-batch-size {args.rollout_batch_size} must divide by the number of {what} {k}")
+if args.global_batch_size % (tworld * n):
+    raise SystemExit(f"--global-batch-size {args.global_batch_size} must be a multiple of training ranks x --n-samples-per-prompt = {tworld * n}")
 dynamic_sampling = args.over_sampling_batch_size is not None
 if not dynamic_sampling:
     args.over_sampling_batch_size = args.rollout_batch_size
@@ -141,8 +164,8 @@ if args.partial_rollout and not (dynamic_sampling and args.over_sampling_batch_s
                      "partial rollouts abort the surplus that is still generating once the batch is full")
 if args.partial_rollout and args.custom_generate_function_path:
     raise SystemExit("--partial-rollout drives the engine itself: it cannot be combined with --custom-generate-function-path")
-if args.over_sampling_batch_size % world_size:
-    raise SystemExit(f"--over-sampling-batch-size {args.over_sampling_batch_size} must divide by the number of ranks {world_size}")
+if args.over_sampling_batch_size % sworld:
+    raise SystemExit(f"--over-sampling-batch-size {args.over_sampling_batch_size} must divide by the number of sampling ranks {sworld}")
 if args.use_kl_loss and args.kl_loss_coef <= 0:
     raise SystemExit("--use-kl-loss needs a positive --kl-loss-coef")
 ppo = args.advantage_estimator == "ppo"
@@ -170,14 +193,14 @@ if custom_rm is None:
 # model, reference, optimizer
 model, tokenizer, meta = load_model(args.source, device, phase="train", model_tag=args.model_tag, step=args.model_step)
 need_ref = args.use_kl_loss or args.kl_coef > 0
-ref_model = copy.deepcopy(model).eval().requires_grad_(False) if need_ref else None  # frozen start point
+ref_model = copy.deepcopy(model).eval().requires_grad_(False) if need_ref and is_trainer else None  # frozen start point
 critic = critic_optimizer = None
-if ppo:
+if ppo and is_trainer:
     critic = Critic(model).to(device)
     critic_optimizer = MuonAdamW([dict(params=list(critic.parameters()), kind="adamw", lr=args.critic_lr, initial_lr=args.critic_lr,
                                        betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)])
 teacher = None
-if args.use_opd:
+if args.use_opd and is_trainer:
     t = args.opd_teacher_load
     if os.path.isdir(t):
         teacher, _, _ = build_model(t, device=device)
@@ -221,12 +244,12 @@ def task_prompts(task_name, split):
 train_items = task_prompts(args.task, "train")
 eval_name = args.eval_task or args.task
 eval_items = task_prompts(eval_name, "test")[:args.eval_max_problems]
-source = PromptSource(train_items, seed=args.seed, rank=rank, world_size=world_size)
+source = PromptSource(train_items, seed=args.seed, rank=srank, world_size=sworld)
 longest_prompt = max(len(tokenizer.render_for_completion(p["conversation"])) for p in train_items + eval_items)
 if longest_prompt + 1 > model.config.sequence_len:
     raise SystemExit(f"the longest prompt has {longest_prompt} tokens, more than the model's context {model.config.sequence_len}")
 engine = Engine(model, tokenizer, batch_size=args.engine_batch_size,
-                max_len=min(model.config.sequence_len, longest_prompt + args.max_response_len))
+                max_len=min(model.config.sequence_len, longest_prompt + args.max_response_len)) if is_sampler else None
 buffer = RolloutBuffer(buffer_filter)
 print0(f"RL on {len(train_items)} {args.task} prompts, eval on {len(eval_items)} {eval_name} prompts, {world_size} rank(s), device {device}")
 
@@ -336,8 +359,8 @@ def assign_rewards(groups):
 
 def evaluate(step):
     model.eval()
-    my_items = eval_items[rank::world_size]
-    seeds = [10_000_000 + rank + world_size * i for i in range(len(my_items))]  # the prompt's global index
+    my_items = eval_items[srank::sworld]
+    seeds = [10_000_000 + srank + sworld * i for i in range(len(my_items))]  # the prompt's global index
     groups = generate_groups(my_items, seeds, temperature=args.eval_temperature,
                              num_samples=args.n_samples_per_eval_prompt, weight_version=step)
     groups = assign_rewards(groups)
@@ -345,7 +368,7 @@ def evaluate(step):
     sums = torch.tensor([sum(rl.pass_at_k(len(c), sum(c), k) for c in correct) for k in pass_ks] + [len(correct)],
                         dtype=torch.float64, device=device)
     if ddp:
-        dist.all_reduce(sums)
+        dist.all_reduce(sums, group=sgroup)
     out = {f"eval/pass@{k}": (sums[i] / max(sums[-1], 1)).item() for i, k in enumerate(pass_ks)}
     print0(f"step {step:05d} | eval on {int(sums[-1])} prompts | " + " | ".join(f"{k} {v:.4f}" for k, v in out.items()))
     return out
@@ -391,7 +414,7 @@ def save(step):
     if critic is not None:  # every rank keeps the same critic (DDP-averaged), so each saves it with its extra state
         extra.update(critic=critic.state_dict(), critic_optim=critic_optimizer.state_dict())
     save_checkpoint(ckpt_dir, step, model.state_dict(), optimizer.state_dict(),
-                    meta={**meta, "model_tag": output_tag, "step": step, "rl_args": vars(args)}, extra=extra, rank=rank)
+                    meta={**meta, "model_tag": output_tag, "step": step, "rl_args": vars(args)}, extra=extra, rank=trank, group=tgroup)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -448,7 +471,7 @@ def compute_advantages(samples, ref_lp, old_values):
     elif est == "rloo":
         adv = rl.rloo_advantages(rewards, mask, n)
     elif est == "reinforce_plus_plus":
-        adv = rl.reinforce_pp_returns(rewards, mask, kl=kl, kl_coef=args.kl_coef, gamma=args.gamma, distributed=ddp)
+        adv = rl.reinforce_pp_returns(rewards, mask, kl=kl, kl_coef=args.kl_coef, gamma=args.gamma, distributed=dist_group)
     elif est == "ppo":
         # the reward on the last response token, the KL penalty on every token, then GAE against the critic
         token_rewards = rl._last_token_rewards(rewards, mask)
@@ -456,9 +479,9 @@ def compute_advantages(samples, ref_lp, old_values):
             token_rewards = token_rewards - args.kl_coef * kl
         adv, returns = rl.gae_advantages(token_rewards, pad_like(old_values, T), mask, args.gamma, args.lambd)
     else:
-        adv = rl.reinforce_pp_baseline_advantages(rewards, mask, n, kl=kl, kl_coef=args.kl_coef, distributed=ddp)
+        adv = rl.reinforce_pp_baseline_advantages(rewards, mask, n, kl=kl, kl_coef=args.kl_coef, distributed=dist_group)
     if args.normalize_advantages and not est.startswith("reinforce_plus_plus"):
-        adv = rl.masked_whiten(adv, mask, distributed=ddp) * mask
+        adv = rl.masked_whiten(adv, mask, distributed=dist_group) * mask
     adv = [adv[i] for i in range(len(samples))]
     return adv, ([returns[i] for i in range(len(samples))] if est == "ppo" else None)
 
@@ -469,7 +492,7 @@ def train_minibatch(samples, adv, old_lp, ref_lp, lr_mult, returns=None, old_val
     local_tok = sum(sum(s.loss_mask) for s in samples)
     counts = torch.tensor([local_tok, len(samples)], dtype=torch.float64, device=device)
     if ddp:
-        dist.all_reduce(counts)
+        dist.all_reduce(counts, group=tgroup)
     global_tok, global_seq = max(counts[0].item(), 1.0), counts[1].item()
     sums = {}
     for mb in pack_micro_batches(samples, args.max_tokens_per_gpu):
@@ -492,7 +515,7 @@ def train_minibatch(samples, adv, old_lp, ref_lp, lr_mult, returns=None, old_val
             pg_loss, m = rl.policy_loss(logp, old, a, mask, args.eps_clip, args.eps_clip_high, args.eps_clip_c,
                                         loss_agg=args.loss_aggregation, max_len=args.max_response_len, tis_weights=tis)
         if tis is not None:
-            m.update({f"tis_{k}": v for k, v in tm.items()})
+            m.update(tm)
         loss = pg_loss
         if args.entropy_coef:
             loss = loss - args.entropy_coef * rl.aggregate_loss(ent, mask, args.loss_aggregation, args.max_response_len)
@@ -502,23 +525,23 @@ def train_minibatch(samples, adv, old_lp, ref_lp, lr_mult, returns=None, old_val
             loss = loss + args.kl_loss_coef * kl_loss
             m["kl_loss"] = kl_loss.detach()
         # each micro-batch's mean is re-weighted to its share of the global batch (the optimizer averages
-        # gradients over ranks, hence x world_size), so the step equals one pass over the whole batch
+        # gradients over the training ranks, hence x tworld), so the step equals one pass over the whole batch
         mb_tok = mask.sum().item()
         share = (mb_tok / global_tok) if args.loss_aggregation == "token_mean" else (len(mbs) / global_seq)
-        (loss * share * world_size).backward()
+        (loss * share * tworld).backward()
         if critic is not None:
             with autocast:
                 values = critic(batch["inputs"])
             vf_loss, vm = rl.value_loss(values, pad_like([old_values[i] for i in mb], T).to(device),
                                         pad_like([returns[i] for i in mb], T).to(device), mask, args.value_clip or None,
                                         loss_agg=args.loss_aggregation, max_len=args.max_response_len)
-            (vf_loss * share * world_size).backward()
+            (vf_loss * share * tworld).backward()
             m.update(vm, vf_loss=vf_loss.detach())
         m["pg_loss"], m["entropy"] = pg_loss.detach(), rl.masked_mean(ent.detach(), mask)
         m["train_rollout_logprob_abs_diff"] = rl.masked_mean((logp.detach() - batch["rollout_logp"]).abs(), mask)
         for k, v in m.items():
             sums[k] = sums.get(k, 0.0) + float(v) * mb_tok
-    optimizer.average_gradients()  # clip the global gradient, not this rank's share
+    optimizer.average_gradients(tgroup)  # clip the global gradient, not this rank's share
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip) if args.grad_clip > 0 else \
         torch.sqrt(sum((p.grad.float() ** 2).sum() for p in model.parameters() if p.grad is not None))
     for g in optimizer.param_groups:
@@ -528,7 +551,7 @@ def train_minibatch(samples, adv, old_lp, ref_lp, lr_mult, returns=None, old_val
     out = {k: v / max(local_tok, 1) for k, v in sums.items()}
     out["grad_norm"] = float(grad_norm)
     if critic is not None:
-        critic_optimizer.average_gradients()
+        critic_optimizer.average_gradients(tgroup)
         out["critic_grad_norm"] = float(torch.nn.utils.clip_grad_norm_(critic.parameters(), args.grad_clip or float("inf")))
         critic_optimizer.step()
         critic_optimizer.zero_grad(set_to_none=True)
@@ -536,59 +559,51 @@ def train_minibatch(samples, adv, old_lp, ref_lp, lr_mult, returns=None, old_val
 
 
 # -----------------------------------------------------------------------------------------------
-# the loop
+# the loop: one rollout, one training step on it
 
-timer_total = time.time()
-# on resume, keep the history of the steps already done so the report's curves stay whole
-prev = load_json("rl_history", {}) if start_step > 0 else {}
-history = [h for h in prev.get("train", []) if h["step"] <= start_step]
-eval_history = [e for e in prev.get("eval", []) if e["step"] <= start_step]
-if start_step == 0:
-    eval_history.append({"step": 0, **evaluate(0)})
-prompts_per_rank = args.rollout_batch_size // world_size
-for step in range(start_step, args.num_rollouts):
-    timer = Timer()
-    t0 = time.time()
-    # 1) rollout with dynamic sampling: over-sample prompts until the batch holds enough useful groups
-    def make_groups():
-        prompts = source.get(args.over_sampling_batch_size // world_size)
+def do_rollout(step, version, timer):
+    """This rank's share of rollout step+1, sampled by policy `version` -> (groups, fstats, failure). A failure or a
+    hang past --rollout-timeout is caught and described (failure), never left to block the other ranks."""
+    def make_groups():  # dynamic sampling: over-sample prompts until the batch holds enough useful groups
+        prompts = source.get(args.over_sampling_batch_size // sworld)
         seeds = [args.seed * 1_000_003 + epoch * 10_000_019 + pos for epoch, pos in source.last_keys]
         if args.partial_rollout:
-            return stream_groups(prompts, seeds, weight_version)
-        return assign_rewards(generate_groups(prompts, seeds, args.temperature, n, weight_version))
+            return stream_groups(prompts, seeds, version)
+        return assign_rewards(generate_groups(prompts, seeds, args.temperature, n, version))
 
     model.eval()
-    before = (source.state_dict(), buffer.state_dict())
-    failure = None
+    groups, fstats, failure = [], {}, None
     try:
         if args.rollout_timeout > 0:  # SIGALRM interrupts Python code that hangs (a reward call, a custom rollout)
             signal.signal(signal.SIGALRM, on_rollout_timeout)
             signal.setitimer(signal.ITIMER_REAL, args.rollout_timeout)
         with timer.section("rollout", device.type):
-            groups, fstats = fill_rollout(prompts_per_rank, buffer, make_groups, group_filter, args.max_sampling_rounds,
-                                          stop_when_full=args.partial_rollout)
+            groups, fstats = fill_rollout(args.rollout_batch_size // sworld, buffer, make_groups, group_filter,
+                                          args.max_sampling_rounds, stop_when_full=args.partial_rollout)
     except (Exception, RolloutTimeout) as e:
-        failure = f"{type(e).__name__}: {e}"
         traceback.print_exc()
+        what = inflight.get("scoring") or {"prompts": inflight.get("generating")}
+        failure = f"rank {rank}: rollout {step + 1} failed: {type(e).__name__}: {e}\n  in flight: {what}"
+        print(failure, file=sys.stderr, flush=True)
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
-    # every rank learns whether any rank failed, so none is left waiting in a collective for a rank that is gone
-    failed = torch.tensor([float(failure is not None)], device=device)
-    if ddp:
-        dist.all_reduce(failed)
-    if failed.item():
-        if failure:
-            what = inflight.get("scoring") or {"prompts": inflight.get("generating")}
-            print(f"rank {rank}: rollout {step + 1} failed: {failure}\n  in flight: {what}", file=sys.stderr, flush=True)
-        source.load_state_dict(before[0])  # the checkpoint is the state before this rollout: --resume redoes it
-        buffer.load_state_dict(before[1])
+        inflight.clear()
+    return groups, fstats, failure
+
+
+def stop_after_failure(step, n_failed):
+    """A rollout failed somewhere: save the state before it (a --resume redoes that rollout) and exit non-zero."""
+    if is_trainer:
         save(step)
-        print0(f"stopped: a rollout failed on {int(failed.item())} rank(s); saved step {step} in {ckpt_dir}")
-        compute_cleanup()
-        sys.exit(1)
-    inflight.clear()
-    samples = [s for g in groups for s in g]
-    # 2) reward shaping on the kept samples
+    print0(f"stopped: a rollout failed on {n_failed} rank(s); saved step {step} in {ckpt_dir}")
+    compute_cleanup()
+    sys.exit(1)
+
+
+def train_step(step, samples, timer, m):
+    """Shape rewards, compute advantages and take --num-steps-per-rollout optimizer steps on this training rank's
+    samples -> the step's metrics (added to the rollout's metrics m), averaged over the training ranks."""
+    # reward shaping on the kept samples
     if args.overlong_buffer_len > 0:
         lens = torch.tensor([s.response_length for s in samples], dtype=torch.float32)
         pen = rl.overlong_penalty(lens, args.max_response_len, args.overlong_buffer_len, args.overlong_penalty_factor)
@@ -601,7 +616,7 @@ for step in range(start_step, args.num_rollouts):
         for s in samples:
             if s.status == TRUNCATED:
                 s.loss_mask = [0] * s.response_length
-    # 3) reference and old log-probs
+    # reference and old log-probs, the critic's values
     ref_lp = None
     if ref_model is not None:
         with timer.section("ref", device.type):
@@ -625,7 +640,7 @@ for step in range(start_step, args.num_rollouts):
         s_lp, t_lp = pad_like(student_lp, T), pad_like(teacher_lp, T)
         adv = list(rl.opd_adjust(torch.stack(adv), s_lp, t_lp, mask, args.opd_kl_coef))
         opd_kl = rl.masked_mean(s_lp - t_lp, mask).item()
-    # 4) train: the rollout is cut into num_steps_per_rollout mini-batches of whole groups
+    # train: the rollout is cut into num_steps_per_rollout mini-batches of whole groups
     lr_mult = min(1.0, (step + 1) / args.warmup_rollouts) if args.warmup_rollouts > 0 else 1.0
     per_step = len(samples) // args.num_steps_per_rollout
     train_metrics = []
@@ -635,11 +650,10 @@ for step in range(start_step, args.num_rollouts):
             train_metrics.append(train_minibatch(samples[sl], adv[sl], old_lp[sl] if old_lp else None,
                                                  ref_lp[sl] if ref_lp else None, lr_mult,
                                                  returns[sl] if returns else None, old_values[sl] if old_values else None))
-    weight_version += 1
-    # 5) metrics, reduced over ranks
+    # metrics, averaged over the training ranks
     rewards = [s.scalar_reward() for s in samples]
     lens = [s.response_length for s in samples]
-    m = {f"train/{k}": sum(t[k] for t in train_metrics) / len(train_metrics) for k in train_metrics[0]}
+    m.update({f"train/{k}": sum(t[k] for t in train_metrics) / len(train_metrics) for k in train_metrics[0]})
     m["train/first_step_ppo_kl"] = train_metrics[0].get("ppo_kl", 0.0)
     m.update({"rollout/reward_mean": sum(rewards) / len(rewards),
               "rollout/reward_std": float(torch.tensor(rewards).std()) if len(rewards) > 1 else 0.0,
@@ -652,51 +666,177 @@ for step in range(start_step, args.num_rollouts):
     seq_adv = torch.tensor([float(a[a != 0][0]) if (a != 0).any() else 0.0 for a in adv])
     m.update({"rollout/adv_mean": seq_adv.mean().item(), "rollout/adv_std": seq_adv.std().item() if len(seq_adv) > 1 else 0.0,
               "rollout/adv_abs_max": seq_adv.abs().max().item()})
-    m.update({f"rollout/{k}": v for k, v in fstats.items()})
-    m["rollout/max_staleness"] = max(weight_version - 1 - s.weight_version for s in samples)  # policy versions behind
+    m["rollout/max_staleness"] = max(step - s.weight_version for s in samples)  # policy versions behind the trainer
     if args.partial_rollout:
         m["rollout/partial_resumed_samples"] = sum(s.metadata.get("resumed", 0) > 0 for s in samples)
-        m["rollout/partial_parked_groups"] = len(buffer.partial)
     if opd_kl is not None:
         m["train/opd_student_teacher_kl"] = opd_kl
-    n_tok = sum(lens)
     for k, v in timer.times.items():
         m[f"time/{k}"] = v
-    m["perf/rollout_tok_per_s"] = n_tok / max(timer.times.get("rollout", 1e-9), 1e-9)
     m["perf/train_tok_per_s"] = sum(len(s.tokens) for s in samples) / max(timer.times.get("train", 1e-9), 1e-9)
     if ddp:
         keys = sorted(m)
         vec = torch.tensor([float(m[k]) for k in keys], dtype=torch.float64, device=device)
-        dist.all_reduce(vec)
-        m = {k: v / world_size for k, v in zip(keys, vec.tolist())}
-    dt = time.time() - t0
+        dist.all_reduce(vec, group=tgroup)
+        m = {k: v / tworld for k, v in zip(keys, vec.tolist())}
+    return m
+
+
+def rollout_metrics(fstats, samples, rollout_s):
+    m = {f"rollout/{k}": v for k, v in fstats.items()}
+    m["perf/rollout_tok_per_s"] = sum(s.response_length for s in samples) / max(rollout_s, 1e-9)
+    if args.partial_rollout:
+        m["rollout/partial_parked_groups"] = len(buffer.partial)
+    return m
+
+
+def log_step(step, m, dt):
     print0(f"step {step + 1:05d}/{args.num_rollouts} | reward {m['rollout/reward_mean']:.3f} | len {m['rollout/response_len_mean']:.1f} "
            f"| pg {m['train/pg_loss']:+.4f} | clip {m['train/clipfrac']:.3f} | ppo_kl {m['train/ppo_kl']:+.2e} "
            f"| ent {m['train/entropy']:.3f} | gnorm {m['train/grad_norm']:.3f} | lp_diff {m['train/train_rollout_logprob_abs_diff']:.1e} "
-           f"| dropped {int(m.get('rollout/groups_dropped', 0))} | dt {dt:.1f}s (rollout {timer.times.get('rollout', 0):.1f}s)")
+           f"| dropped {int(m.get('rollout/groups_dropped', 0))} | dt {dt:.1f}s (rollout {m.get('time/rollout', 0):.1f}s, "
+           f"idle {m['perf/idle_frac']:.0%})")
     history.append({"step": step + 1, **m})
     logger.log(m, step=step + 1)
     log_json("rl_history", {"train": history, "eval": eval_history}, rank=rank)
-    # 6) eval and save
-    last_step = step + 1 == args.num_rollouts
-    if (step + 1) % args.eval_interval == 0 or last_step:
-        with timer.section("eval", device.type):
-            e = evaluate(step + 1)
+
+
+def maybe_eval(step):
+    if (step + 1) % args.eval_interval == 0 or step + 1 == args.num_rollouts:
+        e = evaluate(step + 1)
         eval_history.append({"step": step + 1, **e})
         logger.log(e, step=step + 1)
-    if (step + 1) % args.save_interval == 0 or last_step:
-        save(step + 1)
+
+
+def weights_checksum():
+    return sum(p.detach().double().sum().item() for p in model.parameters())
+
+
+timer_total = time.time()
+# on resume, keep the history of the steps already done so the report's curves stay whole
+prev = load_json("rl_history", {}) if start_step > 0 else {}
+history = [h for h in prev.get("train", []) if h["step"] <= start_step]
+eval_history = [e for e in prev.get("eval", []) if e["step"] <= start_step]
+if start_step == 0 and is_sampler:
+    eval_history.append({"step": 0, **evaluate(0)})
+idle = {"s": 0.0}  # seconds this rank spent waiting on other ranks instead of computing
+
+if not async_mode:
+    # synchronous: every rank samples its share, then every rank trains on it
+    for step in range(start_step, args.num_rollouts):
+        timer, t0 = Timer(), time.time()
+        before = (source.state_dict(), buffer.state_dict())
+        groups, fstats, failure = do_rollout(step, weight_version, timer)
+        # every rank learns whether any rank failed (so none waits in a collective for a rank that is gone); the wait
+        # here is also this rank's idle time: the other ranks were still sampling
+        t_wait = time.time()
+        failed = torch.tensor([float(failure is not None)], device=device)
+        if ddp:
+            dist.all_reduce(failed)
+        wait = time.time() - t_wait
+        if failed.item():
+            source.load_state_dict(before[0])
+            buffer.load_state_dict(before[1])
+            stop_after_failure(step, int(failed.item()))
+        samples = [s for g in groups for s in g]
+        m = train_step(step, samples, timer, rollout_metrics(fstats, samples, timer.times.get("rollout", 0.0)))
+        weight_version += 1
+        dt = time.time() - t0
+        m["perf/idle_frac"] = wait / dt
+        idle["s"] += wait
+        log_step(step, m, dt)
+        maybe_eval(step)
+        if (step + 1) % args.save_interval == 0 or step + 1 == args.num_rollouts:
+            save(step + 1)
+elif is_sampler:
+    # async, sampling rank: hand rollout k to the trainers, sample rollout k+1 with the weights it has (one version
+    # behind) while they train, then take the new weights. Collectives, in order: gather k, weights k, gather k+1, ...
+    def sample_payload(step):
+        timer, t0 = Timer(), time.time()
+        groups, fstats, failure = do_rollout(step, weight_version, timer)
+        samples = [s for g in groups for s in g]
+        return {"groups": groups, "failure": failure, "metrics": rollout_metrics(fstats, samples, timer.times.get("rollout", 0.0)),
+                "rollout_s": time.time() - t0}
+
+    payload = sample_payload(start_step)
+    for step in range(start_step, args.num_rollouts):
+        t0 = time.time()
+        gathered = [None] * world_size
+        dist.all_gather_object(gathered, payload)
+        wait = time.time() - t0
+        failures = [p["failure"] for p in gathered if p is not None and p["failure"]]
+        if failures:
+            stop_after_failure(step, len(failures))
+        if step + 1 < args.num_rollouts:
+            payload = sample_payload(step + 1)
+        # the trainers' new weights (in place: the engine's CUDA graphs see them), their version and the step's metrics
+        t_wait = time.time()
+        for p in model.parameters():
+            dist.broadcast(p.data, src=R, group=wgroup)
+        box = [None]
+        dist.broadcast_object_list(box, src=R, group=wgroup)
+        wait += time.time() - t_wait
+        weight_version, m = box[0]
+        m["async/sampler_weight_version"] = weight_version
+        m["async/sampler_weight_checksum"] = weights_checksum()
+        dt = time.time() - t0
+        m["perf/idle_frac_sampler"] = m["perf/idle_frac"] = wait / dt
+        idle["s"] += wait
+        if master:
+            log_step(step, m, dt)
+        maybe_eval(step)
+else:
+    # async, training rank: wait for rollout k, train on this rank's share, send the new weights to the samplers
+    for step in range(start_step, args.num_rollouts):
+        timer, t0 = Timer(), time.time()
+        gathered = [None] * world_size
+        dist.all_gather_object(gathered, None)
+        wait = time.time() - t0
+        payloads = [p for p in gathered if p is not None]
+        failures = [p["failure"] for p in payloads if p["failure"]]
+        if failures:
+            stop_after_failure(step, len(failures))
+        groups = [g for p in payloads for g in p["groups"]][trank::tworld]
+        m = {}
+        for p in payloads:  # counts add up over the sampling ranks, times are the slowest one's
+            for k, v in p["metrics"].items():
+                m[k] = max(m.get(k, 0), v) if k.startswith("perf/") else m.get(k, 0) + v
+        m["time/rollout"] = max(p["rollout_s"] for p in payloads)
+        m = train_step(step, [s for g in groups for s in g], timer, m)
+        weight_version += 1
+        m["async/trainer_weight_checksum"] = weights_checksum()
+        m["perf/idle_frac_trainer"] = wait / (time.time() - t0)
+        idle["s"] += wait
+        if trank == 0:
+            for p in model.parameters():
+                dist.broadcast(p.data, src=R, group=wgroup)
+            dist.broadcast_object_list([(weight_version, m)], src=R, group=wgroup)
+        if (step + 1) % args.save_interval == 0 or step + 1 == args.num_rollouts:
+            save(step + 1)
 
 # -----------------------------------------------------------------------------------------------
-# report
-log_json("rl_history", {"train": history, "eval": eval_history}, rank=rank)
+# report: idle fraction per role, pass@k before and after
+busy = [None] * world_size
+if ddp:
+    dist.all_gather_object(busy, ("sampling" if not is_trainer else "training" if async_mode else "both", idle["s"],
+                                  time.time() - timer_total))
+else:
+    busy = [("both", idle["s"], time.time() - timer_total)]
+idle_frac = {}
+for role in ("both", "sampling", "training"):
+    rows = [(w, t) for r, w, t in busy if r == role]
+    if rows:
+        idle_frac[f"idle_frac_{role}_ranks"] = round(sum(w for w, _ in rows) / sum(t for _, t in rows), 3)
+print0("GPU idle fraction (time waiting on other ranks): " + ", ".join(f"{k} {v:.1%}" for k, v in idle_frac.items()))
+log_json("rl_history", {"train": history, "eval": eval_history, "idle": idle_frac}, rank=rank)
 if master and eval_history:
     first, last = eval_history[0], eval_history[-1]
     log_section("Chat RL", [
         {k: v for k, v in vars(args).items() if k in ("task", "advantage_estimator", "num_rollouts", "rollout_batch_size",
-                                                     "n_samples_per_prompt", "loss_aggregation", "eps_clip", "kl_loss_coef")},
+                                                     "n_samples_per_prompt", "loss_aggregation", "eps_clip", "kl_loss_coef",
+                                                     "async_mode")},
         {**{f"before {k}": v for k, v in first.items() if k != "step"}, **{f"after {k}": v for k, v in last.items() if k != "step"},
-         "wall_time_s": round(time.time() - timer_total, 1)},
+         "wall_time_s": round(time.time() - timer_total, 1), **idle_frac},
     ])
 logger.finish()
 compute_cleanup()

@@ -142,6 +142,8 @@ def test_broken_rewards_are_counted_not_trained_on(base_dir):
     (["--advantage-estimator", "ppo"], "--critic-lr"),
     (["--critic-lr", "1e-3"], "--critic-lr"),
     (["--use-opd"], "--opd-teacher-load"),
+    (["--rollout-num-gpus", "1"], "--async"),
+    (["--partial-rollout"], "--over-sampling-batch-size"),
 ])
 def test_bad_flags_fail_early(base_dir, flags, msg):
     env = {**os.environ, "NANORL_BASE_DIR": str(base_dir)}
@@ -163,3 +165,18 @@ def test_failed_or_hung_rollout_saves_and_exits_nonzero(base_dir, mode, nproc):
     assert f"rank {nproc - 1}: rollout 2 failed" in err and "in flight" in err and "'row':" in err, err[-3000:]
     assert ("RolloutTimeout" if mode == "hang" else "the sandbox crashed") in err
     assert (base_dir / "rl_checkpoints" / f"fail_{mode}" / "model_000001.pt").exists()
+
+
+def test_async_two_processes_trains_and_ships_weights_every_step(base_dir):
+    # rank 0 samples rollout k+1 while rank 1 trains on rollout k, then receives the new weights: the sampler's version
+    # counts up every step, its weights equal the trainer's (checksums), and no sample is more than one version stale
+    hist, log = run_rl(base_dir, "--num-rollouts", "3", "--output-tag", "async", "--async", "--use-tis", nproc=2)
+    steps = hist["train"]
+    assert [h["step"] for h in steps] == [1, 2, 3]
+    assert [h["async/sampler_weight_version"] for h in steps] == [1, 2, 3]
+    for h in steps:
+        assert h["async/sampler_weight_checksum"] == h["async/trainer_weight_checksum"]
+        assert h["train/grad_norm"] > 0 and h["train/tis_mean"] > 0
+    assert [h["rollout/max_staleness"] for h in steps] == [0, 1, 1]
+    assert len(hist["eval"]) == 2 and set(hist["idle"]) == {"idle_frac_sampling_ranks", "idle_frac_training_ranks"}
+    assert (base_dir / "rl_checkpoints" / "async" / "model_000003.pt").exists()
