@@ -19,6 +19,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 from nanorl.common import get_base_dir, print0
 
@@ -54,6 +55,14 @@ def parquet_ok(path):
         raise ValueError(f"{path} has no 'text' column")
 
 
+@contextmanager
+def file_lock(path):
+    """Hold an exclusive fcntl lock on path + ".lock" (other processes block here until it is released)."""
+    with open(path + ".lock", "w") as lock:  # the lock file stays: deleting it would race a waiting process
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield  # closing the file releases the lock, also when the body raises
+
+
 def download_file(url, path, opener=urllib.request.urlopen, attempts=5, backoff=2.0, validate=None, timeout=60):
     """Fetch url into path and return path; a file already at path is kept as is.
 
@@ -65,8 +74,7 @@ def download_file(url, path, opener=urllib.request.urlopen, attempts=5, backoff=
     if os.path.exists(path):
         return path
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path + ".lock", "w") as lock:  # the lock file stays: deleting it would race a waiting process
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with file_lock(path):
         if os.path.exists(path):  # someone else downloaded it while we waited
             return path
         tmp = f"{path}.tmp{os.getpid()}"
