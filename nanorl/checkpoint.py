@@ -14,7 +14,8 @@ import re
 import torch
 
 from nanorl.common import get_base_dir, print0
-from nanorl.gpt import GPTConfig, build_model as build_gpt
+from nanorl.gpt import GPTConfig
+from nanorl.gpt import build_model as build_gpt
 
 
 def _atomic_save(obj, path):
@@ -64,9 +65,17 @@ def save_checkpoint(checkpoint_dir, step, model_state, optim_state=None, meta=No
         _atomic_json(meta or {}, os.path.join(checkpoint_dir, f"meta_{step:06d}.json"))  # last: marks it complete
         if keep_last:
             for old in complete_steps(checkpoint_dir)[:-keep_last]:
-                for p in glob.glob(os.path.join(checkpoint_dir, f"*_{old:06d}*")):
-                    os.remove(p)
+                delete_step(checkpoint_dir, old)
         print0(f"saved checkpoint step {step} to {checkpoint_dir}")
+
+
+def delete_step(checkpoint_dir, step):
+    # meta first: the step stops counting as complete before its other files go
+    meta = os.path.join(checkpoint_dir, f"meta_{step:06d}.json")
+    if os.path.exists(meta):
+        os.remove(meta)
+    for p in glob.glob(os.path.join(checkpoint_dir, f"*_{step:06d}*")):
+        os.remove(p)
 
 
 def _load(path, device):

@@ -1,0 +1,41 @@
+"""scripts/bench.py on the CPU: tiny sizes, the final JSON line parsed and checked against the table above it."""
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def bench(*args):
+    out = subprocess.run([sys.executable, "-m", "scripts.bench", *args], check=False, cwd=ROOT, capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    return lines, json.loads(lines[-1])
+
+
+def test_bench_train_cpu_smoke():
+    lines, r = bench("train", "--depth", "2", "--batch", "2", "--seq-len", "32", "--head-dim", "64", "--vocab-size", "512",
+                     "--warmup", "1", "--steps", "4", "--threads", "1", "--device-type", "cpu")
+    assert r["bench"] == "train" and r["device"] == "cpu" and r["batch"] == 2 and r["seq_len"] == 32 and r["steps"] == 4
+    assert r["compiled"] is False and r["mfu"] is None and r["peak_mem_gb"] > 0  # no peak FLOP/s for a CPU
+    rows = [ln for ln in lines if re.match(r"\s+\d+ \|", ln)]
+    assert len(rows) == 4  # one table row per timed step
+    ms = [float(row.split("|")[1]) for row in rows]
+    assert abs(r["ms_per_step"] - sum(ms) / 4) < 0.02 * r["ms_per_step"] + 0.01
+    assert abs(r["tok_per_s"] - 2 * 32 / (r["ms_per_step"] / 1e3)) < 0.01 * r["tok_per_s"]
+    # the real step trains: the same random batch four times is being memorised
+    assert r["loss_last"] < r["loss_first"]
+    # 6 x matmul params + attention, for this width and context
+    n_embd, n_layer = 128, 2
+    matmul_params = r["params"] - 512 * n_embd
+    assert r["flops_per_token"] == 6 * matmul_params + 12 * n_layer * 2 * 64 * 32
+
+
+def test_bench_decode_still_works():
+    _, r = bench("decode", "--depth", "2", "--batch", "2", "--prompt-len", "8", "--new-tokens", "4", "--vocab-size", "512",
+                 "--threads", "1", "--device-type", "cpu")
+    assert r["bench"] == "decode" and r["ms_per_step"] > 0 and r["peak_mem_gb"] > 0
