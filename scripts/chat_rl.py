@@ -24,9 +24,9 @@ from nanorl.common import (Timer, autocast_ctx, compute_cleanup, compute_init, g
 from nanorl.engine import Engine, Request
 from nanorl.optim import build_optimizer
 from nanorl.report import load_json, log_json, log_section
-from nanorl.rewards import compute_reward, extract_answer, safe_reward
+from nanorl.rewards import compute_reward, extract_answer, remote_rewards, safe_reward
 from nanorl.rollout import (TRUNCATED, PromptSource, RolloutBuffer, Sample, collate, fill_rollout,
-                            keep_all_groups, load_function, pack_micro_batches)
+                            keep_all_groups, load_function, pack_micro_batches, set_rewards)
 from tasks import get_task
 
 # fmt: off
@@ -79,8 +79,14 @@ parser.add_argument("--tis-clip", type=float, default=2.0)
 parser.add_argument("--tis-clip-low", type=float, default=0.0)
 parser.add_argument("--tis-mode", default="truncate", choices=["truncate", "icepop"], help="icepop: weights outside the band are 0")
 # rewards
-parser.add_argument("--rm-type", default="math", help="math | mc | exact | f1 | format | weighted e.g. math+format:0.9,0.1")
+parser.add_argument("--rm-type", default="math", help="math | mc | exact | f1 | format | weighted e.g. math+format:0.9,0.1 | remote (needs --rm-url)")
 parser.add_argument("--custom-rm-path", default=None, help="module:function(response, label, metadata) -> float or dict")
+parser.add_argument("--rm-url", default=None, help="--rm-type remote: each sample is POSTed here as JSON (README: RL)")
+parser.add_argument("--rm-concurrency", type=int, default=32, help="--rm-type remote: requests in flight at once")
+parser.add_argument("--rm-timeout", type=float, default=30.0, help="--rm-type remote: seconds per request attempt")
+parser.add_argument("--rm-retries", type=int, default=3, help="--rm-type remote: retries after a refused/timed-out/5xx call")
+parser.add_argument("--rm-failure", default="drop", choices=["drop", "zero"],
+                    help="a reward that fails (raises, non-number, failed remote call): drop = never trained on, zero = reward 0")
 # optimisation
 parser.add_argument("--max-tokens-per-gpu", type=int, default=8192, help="padded tokens per micro-batch")
 parser.add_argument("--lr-scale", type=float, default=0.05, help="multiplier on the base optimizer LRs (RL wants small steps)")
@@ -136,7 +142,20 @@ buffer_filter = load_function(args.buffer_filter_path, ["buffer", "n"], "--buffe
 custom_rm = load_function(args.custom_rm_path, ["response", "label", "metadata"], "--custom-rm-path") if args.custom_rm_path else None
 custom_generate = load_function(args.custom_generate_function_path, ["args", "engine", "tokenizer", "prompts", "seeds"],
                                 "--custom-generate-function-path") if args.custom_generate_function_path else None
-if custom_rm is None:
+remote_rm = args.rm_type == "remote"
+if remote_rm:
+    if not args.rm_url:
+        raise SystemExit("--rm-type remote needs --rm-url (the reward server's address, e.g. http://127.0.0.1:8000/reward)")
+    if not args.rm_url.startswith(("http://", "https://")):
+        raise SystemExit(f"--rm-url {args.rm_url!r} must start with http:// or https://")
+    if custom_rm is not None:
+        raise SystemExit("--rm-type remote and --custom-rm-path both pick the reward: give one of them")
+    if args.rm_concurrency < 1 or args.rm_timeout <= 0 or args.rm_retries < 0:
+        raise SystemExit(f"--rm-concurrency must be >= 1 (got {args.rm_concurrency}), --rm-timeout > 0 (got {args.rm_timeout}), "
+                         f"--rm-retries >= 0 (got {args.rm_retries})")
+elif args.rm_url:
+    raise SystemExit(f"--rm-url is only used with --rm-type remote (got --rm-type {args.rm_type})")
+if custom_rm is None and not remote_rm:
     compute_reward(args.rm_type, "#### 1", "1")  # fails now, naming the valid types, if --rm-type is unknown
 
 # -----------------------------------------------------------------------------------------------
@@ -169,7 +188,7 @@ def task_prompts(task_name, split):
             ref = conv["messages"][-1]["content"]
             ref = ref if isinstance(ref, str) else "".join(p["text"] for p in ref if p["type"] == "text")
             label = extract_answer(ref)
-        if label is None and custom_rm is None:
+        if label is None and custom_rm is None and not remote_rm:  # a remote grader may not need one
             raise SystemExit(f"task {task_name!r} ({split}) row {i} has no label, and --rm-type {args.rm_type} needs one")
         items.append({"conversation": conv, "label": label, "metadata": {"task": task_name, "row": i}})
     return items
@@ -223,24 +242,18 @@ def generate_groups(prompts, seeds, temperature, num_samples, weight_version):
 
 
 def assign_rewards(groups):
-    for group in groups:
-        for s in group:
-            if s.reward is not None:
-                continue  # custom generate functions may score their own samples
-            text = response_text(s.tokens[s.prompt_length:])
-            value, err = score(text, s.label, s.metadata)
-            if value is None:
-                # a broken reward is counted and the sample is never trained on
-                reward_failures["count"] += 1
-                s.metadata["reward_error"] = err
-                s.loss_mask = [0] * s.response_length
-            s.reward = value
-        # failed samples take the group's mean reward: advantage 0, and no bias to the others' baseline
-        valid = [s.scalar_reward() for s in group if s.reward is not None]
-        fill = sum(valid) / len(valid) if valid else 0.0
-        for s in group:
-            if s.reward is None:
-                s.reward = fill
+    todo = [s for g in groups for s in g if s.reward is None]  # custom generate functions may score their own samples
+    texts = [response_text(s.tokens[s.prompt_length:]) for s in todo]
+    if remote_rm:  # the whole rollout in one batched call, --rm-concurrency requests in flight
+        payloads = [{"prompt": s.prompt, "response": t, "label": s.label, "metadata": s.metadata} for s, t in zip(todo, texts)]
+        results = remote_rewards(args.rm_url, payloads, args.rm_concurrency, args.rm_timeout, args.rm_retries)
+    else:
+        results = [score(t, s.label, s.metadata) for s, t in zip(todo, texts)]
+    # a broken reward is counted, and its sample is dropped from training or scored 0 (--rm-failure)
+    failed = set_rewards(groups, todo, results, args.rm_failure)
+    reward_failures["count"] += len(failed)
+    if failed:
+        print0(f"warning: {len(failed)}/{len(todo)} rewards failed ({args.rm_failure}), e.g. {failed[0].metadata['reward_error']}")
     return groups
 
 
@@ -469,9 +482,9 @@ for step in range(start_step, args.num_rollouts):
               "rollout/response_len_mean": sum(lens) / len(lens),
               "rollout/truncated_frac": sum(s.status == TRUNCATED for s in samples) / len(samples),
               "rollout/reward_failures": reward_failures["count"]})
-    comps = [k for k in (samples[0].reward if isinstance(samples[0].reward, dict) else {}) if k != "total"]
+    comps = [k for k in next((s.reward for s in samples if isinstance(s.reward, dict)), {}) if k != "total"]
     for c in comps:
-        m[f"rollout/reward_{c}"] = sum(s.reward.get(c, 0.0) for s in samples) / len(samples)
+        m[f"rollout/reward_{c}"] = sum(s.reward.get(c, 0.0) for s in samples if isinstance(s.reward, dict)) / len(samples)
     seq_adv = torch.tensor([float(a[a != 0][0]) if (a != 0).any() else 0.0 for a in adv])
     m.update({"rollout/adv_mean": seq_adv.mean().item(), "rollout/adv_std": seq_adv.std().item() if len(seq_adv) > 1 else 0.0,
               "rollout/adv_abs_max": seq_adv.abs().max().item()})

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from rl_fixture_server import RewardHandler, reward_server
 
 ROOT = Path(__file__).resolve().parents[1]
 RM = f"{ROOT / 'tests' / 'rl_fixture_reward.py'}:vowel_reward"
@@ -33,13 +34,13 @@ def base_dir(tmp_path_factory):
     return d
 
 
-def run_rl(base_dir, *extra, nproc=1):
+def run_rl(base_dir, *extra, nproc=1, rm=RM):
     env = {**os.environ, "NANORL_BASE_DIR": str(base_dir), "OMP_NUM_THREADS": "1"}
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else [sys.executable]
     cmd = launch + ["-m", "scripts.chat_rl", "--source", "sft", "--model-tag", "t", "--levels", "1", "--rollout-batch-size", "4",
                     "--n-samples-per-prompt", "4", "--max-response-len", "12", "--eval-interval", "100", "--eval-max-problems", "4",
                     "--n-samples-per-eval-prompt", "2", "--pass-k", "1,2", "--lr-scale", "1.0", "--engine-batch-size", "16",
-                    "--custom-rm-path", RM, "--device-type", "cpu", *extra]
+                    "--device-type", "cpu", *(["--custom-rm-path", rm] if rm else []), *extra]
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     with open(base_dir / "report" / "rl_history.json") as f:
@@ -112,11 +113,31 @@ def test_broken_rewards_are_counted_not_trained_on(base_dir):
     assert hist["train"][0]["rollout/reward_failures"] > 0
 
 
+@pytest.mark.parametrize("mode", ["drop", "zero"])
+def test_remote_rewards_survive_a_failing_server(base_dir, mode):
+    # the server answers some responses, and fails the others with a 500, a hang past --rm-timeout or bad JSON
+    with reward_server() as url:
+        RewardHandler.payloads.clear()
+        hist, log = run_rl(base_dir, "--num-rollouts", "1", "--output-tag", f"remote_{mode}", "--rm-type", "remote",
+                           "--rm-url", url + "/mixed", "--rm-timeout", "0.5", "--rm-retries", "1", "--rm-failure", mode, rm=None)
+        payload = RewardHandler.payloads[0]
+    first = hist["train"][0]
+    assert first["rollout/reward_failures"] > 0 and f"rewards failed ({mode})" in log
+    assert first["train/grad_norm"] > 0 and first["rollout/reward_std"] > 0  # the good answers still train
+    assert set(payload) == {"prompt", "response", "label", "metadata"} and payload["prompt"]["messages"][0]["role"] == "user"
+    assert payload["metadata"]["task"] == "offline" and isinstance(payload["response"], str)
+
+
 @pytest.mark.parametrize("flags,msg", [
     (["--custom-rm-path", "no_such_mod:fn"], "could not import"),
     (["--rollout-batch-size", "3", "--num-steps-per-rollout", "5"], "--num-steps-per-rollout"),
     (["--global-batch-size", "7"], "--global-batch-size"),
     (["--rm-type", "bogus", "--custom-rm-path", ""], "bogus"),
+    (["--rm-type", "remote", "--custom-rm-path", ""], "--rm-type remote needs --rm-url"),
+    (["--rm-type", "remote", "--rm-url", "http://127.0.0.1:1/r"], "--custom-rm-path both pick the reward"),
+    (["--rm-type", "remote", "--rm-url", "127.0.0.1:1", "--custom-rm-path", ""], "must start with http://"),
+    (["--rm-url", "http://127.0.0.1:1/r"], "only used with --rm-type remote"),
+    (["--rm-type", "remote", "--rm-url", "http://127.0.0.1:1/r", "--custom-rm-path", "", "--rm-timeout", "0"], "--rm-timeout > 0"),
 ])
 def test_bad_flags_fail_early(base_dir, flags, msg):
     env = {**os.environ, "NANORL_BASE_DIR": str(base_dir)}
