@@ -22,6 +22,7 @@ from nanorl import rl
 from nanorl.checkpoint import load_checkpoint, load_model, save_checkpoint, find_last_step
 from nanorl.common import (Timer, autocast_ctx, compute_cleanup, compute_init, get_base_dir, get_logger, print0)
 from nanorl.engine import Engine, Request
+from nanorl.multiturn import TOOLS, make_tool, multi_turn_generate
 from nanorl.optim import build_optimizer
 from nanorl.report import load_json, log_json, log_section
 from nanorl.rewards import compute_reward, extract_answer, remote_rewards, safe_reward
@@ -56,6 +57,9 @@ parser.add_argument("--top-k", type=int, default=None, help="rollout top-k (defa
 parser.add_argument("--top-p", type=float, default=None, help="rollout top-p (default: off)")
 parser.add_argument("--engine-batch-size", type=int, default=256, help="engine rows decoded at once")
 parser.add_argument("--custom-generate-function-path", default=None, help="module:function(args, engine, tokenizer, prompts, seeds) -> list of groups (lists) of Sample")
+parser.add_argument("--multi-turn", action="store_true", help="run tool calls turn by turn (nanorl/multiturn.py), with per-turn metrics")
+parser.add_argument("--max-turns", type=int, default=None, help="--multi-turn: tool calls per response (default 4); one more ends it as truncated")
+parser.add_argument("--tool", default=None, choices=TOOLS, help="--multi-turn: what answers a tool call (default calculator)")
 # advantages and loss
 parser.add_argument("--advantage-estimator", default="grpo", choices=["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gspo", "cispo"],
                     help="gspo / cispo: GRPO advantages with GSPO's sequence-level ratio or CISPO's clipped-weight loss")
@@ -142,6 +146,16 @@ buffer_filter = load_function(args.buffer_filter_path, ["buffer", "n"], "--buffe
 custom_rm = load_function(args.custom_rm_path, ["response", "label", "metadata"], "--custom-rm-path") if args.custom_rm_path else None
 custom_generate = load_function(args.custom_generate_function_path, ["args", "engine", "tokenizer", "prompts", "seeds"],
                                 "--custom-generate-function-path") if args.custom_generate_function_path else None
+if args.multi_turn:
+    if custom_generate is not None:
+        raise SystemExit("--multi-turn and --custom-generate-function-path both generate the rollout: give one of them")
+    args.max_turns = 4 if args.max_turns is None else args.max_turns
+    if args.max_turns < 1:
+        raise SystemExit(f"--max-turns must be >= 1, got {args.max_turns}")
+    args.tool = args.tool or "calculator"
+    tool = make_tool(args.tool)
+elif args.max_turns is not None or args.tool is not None:
+    raise SystemExit("--max-turns and --tool are only used with --multi-turn")
 remote_rm = args.rm_type == "remote"
 if remote_rm:
     if not args.rm_url:
@@ -229,14 +243,15 @@ def generate_groups(prompts, seeds, temperature, num_samples, weight_version):
     prompt_ids = [tokenizer.render_for_completion(p["conversation"]) for p in prompts]
     reqs = [Request(prompt_ids=ids, num_samples=num_samples, max_tokens=args.max_response_len, temperature=temperature,
                     top_k=args.top_k, top_p=args.top_p, seed=seed) for ids, seed in zip(prompt_ids, seeds)]
-    results = engine.generate(reqs)
+    results = multi_turn_generate(engine, reqs, args.max_turns, tool) if args.multi_turn else engine.generate(reqs)
     groups = []
     for gi, (p, ids, comps) in enumerate(zip(prompts, prompt_ids, results)):
         group = []
         for si, c in enumerate(comps):
             group.append(Sample(prompt=p["conversation"], tokens=list(ids) + list(c.tokens), response_length=len(c.tokens),
                                 label=p["label"], loss_mask=list(c.mask), rollout_log_probs=list(c.logprobs), status=c.status,
-                                weight_version=weight_version, group_index=gi, index=si, metadata=dict(p["metadata"])))
+                                weight_version=weight_version, group_index=gi, index=si,
+                                metadata={**p["metadata"], **(c.turn_stats() if args.multi_turn else {})}))
         groups.append(group)
     return groups
 
@@ -489,6 +504,9 @@ for step in range(start_step, args.num_rollouts):
     m.update({"rollout/adv_mean": seq_adv.mean().item(), "rollout/adv_std": seq_adv.std().item() if len(seq_adv) > 1 else 0.0,
               "rollout/adv_abs_max": seq_adv.abs().max().item()})
     m.update({f"rollout/{k}": v for k, v in fstats.items()})
+    if args.multi_turn:  # per response: tool calls, calls that errored, and whether it ran into --max-turns
+        for k in ("tool_calls", "tool_errors", "max_turns_hit"):
+            m[f"rollout/{k}_mean"] = sum(s.metadata.get(k, 0) for s in samples) / len(samples)
     n_tok = sum(lens)
     for k, v in timer.times.items():
         m[f"time/{k}"] = v
@@ -503,7 +521,9 @@ for step in range(start_step, args.num_rollouts):
     print0(f"step {step + 1:05d}/{args.num_rollouts} | reward {m['rollout/reward_mean']:.3f} | len {m['rollout/response_len_mean']:.1f} "
            f"| pg {m['train/pg_loss']:+.4f} | clip {m['train/clipfrac']:.3f} | ppo_kl {m['train/ppo_kl']:+.2e} "
            f"| ent {m['train/entropy']:.3f} | gnorm {m['train/grad_norm']:.3f} | lp_diff {m['train/train_rollout_logprob_abs_diff']:.1e} "
-           f"| dropped {int(m.get('rollout/groups_dropped', 0))} | dt {dt:.1f}s (rollout {timer.times.get('rollout', 0):.1f}s)")
+           f"| dropped {int(m.get('rollout/groups_dropped', 0))} | dt {dt:.1f}s (rollout {timer.times.get('rollout', 0):.1f}s)"
+           + (f" | tools {m['rollout/tool_calls_mean']:.2f} err {m['rollout/tool_errors_mean']:.2f} "
+              f"max_turns {m['rollout/max_turns_hit_mean']:.2f}" if args.multi_turn else ""))
     history.append({"step": step + 1, **m})
     logger.log(m, step=step + 1)
     log_json("rl_history", {"train": history, "eval": eval_history}, rank=rank)

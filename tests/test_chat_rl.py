@@ -34,6 +34,22 @@ def base_dir(tmp_path_factory):
     return d
 
 
+@pytest.fixture(scope="module")
+def tool_model(base_dir):
+    """A checkpoint "tools" that often writes <|python_start|>2+3<|python_end|>, and calls again after each output."""
+    code = (
+        "import sys; sys.path.insert(0, 'tests')\n"
+        "from rl_fixture_tools import tool_user_model\n"
+        "from nanorl.tokenizer import get_tokenizer\n"
+        "from nanorl.checkpoint import save_checkpoint, checkpoint_root\n"
+        "tok = get_tokenizer()\n"
+        "m = tool_user_model(tok, '2+3', tok.encode_special('<|python_start|>'), tok.vocab_size, strength=10.0, noise=0.01)\n"
+        "save_checkpoint(checkpoint_root('sft') + '/tools', 0, m.state_dict(), meta={'model_config': m.config.to_dict()})\n")
+    env = {**os.environ, "NANORL_BASE_DIR": str(base_dir)}
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True, capture_output=True)
+    return "tools"
+
+
 def run_rl(base_dir, *extra, nproc=1, rm=RM):
     env = {**os.environ, "NANORL_BASE_DIR": str(base_dir), "OMP_NUM_THREADS": "1"}
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else [sys.executable]
@@ -128,6 +144,17 @@ def test_remote_rewards_survive_a_failing_server(base_dir, mode):
     assert payload["metadata"]["task"] == "offline" and isinstance(payload["response"], str)
 
 
+def test_multi_turn_tool_rl(base_dir, tool_model):
+    hist, log = run_rl(base_dir, "--model-tag", tool_model, "--num-rollouts", "2", "--output-tag", "multiturn", "--multi-turn",
+                       "--max-turns", "2", "--max-response-len", "24")
+    first = hist["train"][0]
+    assert first["rollout/tool_calls_mean"] > 0 and first["rollout/max_turns_hit_mean"] > 0 and "| tools " in log
+    assert first["rollout/tool_errors_mean"] < first["rollout/tool_calls_mean"]  # mostly 2+3, sometimes a sampled typo
+    # engine log-probs over several turns (tool outputs masked out) are the trainer's: exactly on-policy
+    assert first["train/train_rollout_logprob_abs_diff"] < 1e-4 and first["train/first_step_ppo_kl"] == 0.0
+    assert first["train/grad_norm"] > 0
+
+
 @pytest.mark.parametrize("flags,msg", [
     (["--custom-rm-path", "no_such_mod:fn"], "could not import"),
     (["--rollout-batch-size", "3", "--num-steps-per-rollout", "5"], "--num-steps-per-rollout"),
@@ -137,6 +164,10 @@ def test_remote_rewards_survive_a_failing_server(base_dir, mode):
     (["--rm-type", "remote", "--rm-url", "http://127.0.0.1:1/r"], "--custom-rm-path both pick the reward"),
     (["--rm-type", "remote", "--rm-url", "127.0.0.1:1", "--custom-rm-path", ""], "must start with http://"),
     (["--rm-url", "http://127.0.0.1:1/r"], "only used with --rm-type remote"),
+    (["--max-turns", "3"], "only used with --multi-turn"),
+    (["--multi-turn", "--max-turns", "0"], "--max-turns must be >= 1"),
+    # print takes any arguments, so it passes the signature check and the clash is what fails
+    (["--multi-turn", "--custom-generate-function-path", "builtins:print"], "--multi-turn and --custom-generate-function-path"),
     (["--rm-type", "remote", "--rm-url", "http://127.0.0.1:1/r", "--custom-rm-path", "", "--rm-timeout", "0"], "--rm-timeout > 0"),
 ])
 def test_bad_flags_fail_early(base_dir, flags, msg):
