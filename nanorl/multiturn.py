@@ -13,6 +13,7 @@ prompt + response so far (prefill is cheap next to decode) and joins the same co
 Tool output tokens get loss mask 0 and rollout log-prob 0: the model did not write them, so they are
 neither trained on nor part of any importance ratio. Model tokens keep the engine's log-probs.
 """
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from nanorl.engine import Completion, run_tool
@@ -47,7 +48,7 @@ class TurnCompletion(Completion):
         return {"tool_calls": self.tool_calls, "tool_errors": self.tool_errors, "max_turns_hit": self.max_turns_hit}
 
 
-def multi_turn_generate(engine, requests, max_turns, tool):
+def multi_turn_generate(engine, requests, max_turns, tool, tool_workers=16):
     """
     engine.generate(requests), with tool calls run between turns: for each request, its list of
     num_samples TurnCompletions. A response ends "completed" at a stop token, "truncated" at its
@@ -61,14 +62,25 @@ def multi_turn_generate(engine, requests, max_turns, tool):
     firsts = [replace(r, stop_tokens=_stops(engine, r), use_tools=False) for r in requests]
     for i, h in enumerate(engine._submit(firsts, stream=False)):  # all validated before any is queued
         live[h] = [(requests[i], c, j) for j, c in enumerate(out[i])]
-    while live:
-        engine.step()
-        for h in [h for h in live if h.done]:
-            for (r, c, j), turn in zip(live.pop(h), h.completions):
-                nxt = _after_turn(engine, tool, max_turns, r, c, j, turn)
+    # the calls of turns that end in the same step run at once: the python sandbox takes ~50 ms a call
+    with ThreadPoolExecutor(max_workers=tool_workers) as pool:
+        while live:
+            engine.step()
+            ended = [(owner, turn) for h in [h for h in live if h.done] for owner, turn in zip(live.pop(h), h.completions)]
+            calls = [(owner, _add_turn(engine, max_turns, owner[1], turn)) for owner, turn in ended]
+            outputs = iter(pool.map(tool, [src for _, src in calls if isinstance(src, str)]))
+            for (r, c, j), src in calls:
+                if src is _ENDED:
+                    continue
+                if isinstance(src, str):
+                    _add_output(engine, r, c, next(outputs))
+                nxt = _next_turn(engine, r, c, j)
                 if nxt is not None:
                     live[engine.submit(nxt)] = [(r, c, j)]
     return out
+
+
+_ENDED, _GO_ON = object(), object()
 
 
 def _stops(engine, r):
@@ -76,28 +88,36 @@ def _stops(engine, r):
     return sorted(set(stops) | {engine.python_end})
 
 
-def _after_turn(engine, tool, max_turns, r, c, j, turn):
-    """Add one turn to response c and run its tool call; the Request of the next turn, or None when c has ended."""
+def _add_turn(engine, max_turns, c, turn):
+    """Add one turn to response c: the source of the tool call it closed, _GO_ON, or _ENDED when c is done."""
     c.tokens += turn.tokens
     c.logprobs += turn.logprobs
     c.mask += turn.mask
     c.status = turn.status
     if turn.status != "completed" or turn.tokens[-1] != engine.python_end:
-        return None  # <|assistant_end|> (or another stop token), out of tokens or context, aborted
+        return _ENDED  # <|assistant_end|> (or another stop token), out of tokens or context, aborted
     start = max((k for k, t in enumerate(c.tokens[:-1]) if t == engine.python_start), default=None)
-    if start is not None and not {engine.python_end, engine.output_end} & set(c.tokens[start + 1:-1]):
-        if c.tool_calls == max_turns:
-            c.max_turns_hit, c.status = True, "truncated"
-            return None
-        result = tool(engine.tokenizer.decode(c.tokens[start + 1:-1]))
-        c.tool_calls += 1
-        c.tool_errors += result.startswith("Error")
-        forced = [engine.output_start] + engine.tokenizer.encode(result) + [engine.output_end]
-        forced = forced[:_room(engine, r, c)]
-        c.tokens += forced
-        c.logprobs += [0.0] * len(forced)
-        c.mask += [0] * len(forced)
-    # (a <|python_end|> that closes no call is just a token: the model goes on)
+    if start is None or {engine.python_end, engine.output_end} & set(c.tokens[start + 1:-1]):
+        return _GO_ON  # a <|python_end|> that closes no call is just a token: the model goes on
+    if c.tool_calls == max_turns:
+        c.max_turns_hit, c.status = True, "truncated"
+        return _ENDED
+    return engine.tokenizer.decode(c.tokens[start + 1:-1])
+
+
+def _add_output(engine, r, c, result):
+    """Force the tool's result in: not the model's tokens, so loss mask 0 and rollout log-prob 0."""
+    c.tool_calls += 1
+    c.tool_errors += result.startswith("Error")
+    forced = [engine.output_start] + engine.tokenizer.encode(result) + [engine.output_end]
+    forced = forced[:_room(engine, r, c)]
+    c.tokens += forced
+    c.logprobs += [0.0] * len(forced)
+    c.mask += [0] * len(forced)
+
+
+def _next_turn(engine, r, c, j):
+    """The Request that continues response c (sample j of request r), or None when it has no room left."""
     room = _room(engine, r, c)
     if room < 1:
         c.status = "truncated"

@@ -1,4 +1,6 @@
 """Multi-turn tool rollouts (nanorl/multiturn.py) on rigged models that call a tool."""
+import time
+
 import pytest
 import torch
 from rl_fixture_tools import tool_user_model
@@ -47,6 +49,17 @@ def test_max_turns_ends_the_response():
     call = [PY_START, *TOK.encode("2+3"), PY_END]
     assert c.tokens == (call + output_span("5")) * 2 + call  # the third call is not run
     assert (c.status, c.tool_calls, c.max_turns_hit) == ("truncated", 2, True)
+
+
+def test_calls_of_one_step_run_at_once():
+    def slow_tool(src):
+        time.sleep(0.3)
+        return "5"
+    engine = Engine(tool_user_model(TOK, "2+3", A_END, VOCAB), TOK, batch_size=8)
+    t = time.monotonic()
+    [res] = multi_turn_generate(engine, [Request(PROMPT, num_samples=8, max_tokens=40, temperature=0)], 1, slow_tool)
+    assert time.monotonic() - t < 1.5  # 8 x 0.3 s one after another would be 2.4 s
+    assert all(c.tool_calls == 1 and c.status == "completed" for c in res)
 
 
 def test_tool_errors_and_the_length_budget():
