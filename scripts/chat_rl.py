@@ -12,21 +12,24 @@ import argparse
 import copy
 import os
 import random
+import signal
 import sys
 import time
+import traceback
 
 import torch
 import torch.distributed as dist
 
 from nanorl import rl
-from nanorl.checkpoint import load_checkpoint, load_model, save_checkpoint, find_last_step
+from nanorl.checkpoint import build_model, load_checkpoint, load_model, save_checkpoint, find_last_step
 from nanorl.common import (Timer, autocast_ctx, compute_cleanup, compute_init, get_base_dir, get_logger, print0)
 from nanorl.engine import Engine, Request
+from nanorl.gpt import Critic
 from nanorl.multiturn import TOOLS, make_tool, multi_turn_generate
-from nanorl.optim import build_optimizer
+from nanorl.optim import MuonAdamW, build_optimizer
 from nanorl.report import load_json, log_json, log_section
 from nanorl.rewards import compute_reward, extract_answer, remote_rewards, safe_reward
-from nanorl.rollout import (TRUNCATED, PromptSource, RolloutBuffer, Sample, collate, fill_rollout,
+from nanorl.rollout import (ABORTED, TRUNCATED, PromptSource, RolloutBuffer, Sample, collate, extend_sample, fill_rollout,
                             keep_all_groups, load_function, pack_micro_batches, set_rewards)
 from tasks import get_task
 
@@ -51,6 +54,8 @@ parser.add_argument("--over-sampling-batch-size", type=int, default=None, help="
 parser.add_argument("--dynamic-sampling-filter-path", default="nanorl.rollout:keep_nonconstant_group", help="module:function(group) -> (keep, reason), used with --over-sampling-batch-size")
 parser.add_argument("--max-sampling-rounds", type=int, default=8, help="dynamic sampling: rounds before the batch is topped up with dropped groups")
 parser.add_argument("--buffer-filter-path", default="nanorl.rollout:pop_first", help="module:function(buffer, n) -> (taken, rest) for surplus groups")
+parser.add_argument("--partial-rollout", action="store_true", help="with over-sampling: once the batch is full, abort what is still "
+                    "generating, keep it with its tokens and continue it in the next rollout (pair with --use-tis)")
 parser.add_argument("--max-response-len", type=int, default=256, help="max tokens per response")
 parser.add_argument("--temperature", type=float, default=1.0, help="rollout temperature (the trainer divides logits by it too)")
 parser.add_argument("--top-k", type=int, default=None, help="rollout top-k (default: off; anything but off makes rollouts off-policy)")
@@ -61,9 +66,12 @@ parser.add_argument("--multi-turn", action="store_true", help="run tool calls tu
 parser.add_argument("--max-turns", type=int, default=None, help="--multi-turn: tool calls per response (default 4); one more ends it as truncated")
 parser.add_argument("--tool", default=None, choices=TOOLS, help="--multi-turn: what answers a tool call (default calculator)")
 # advantages and loss
-parser.add_argument("--advantage-estimator", default="grpo", choices=["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gspo", "cispo"],
+parser.add_argument("--advantage-estimator", default="grpo", choices=["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gspo", "cispo", "ppo"],
                     help="gspo / cispo: GRPO advantages with GSPO's sequence-level ratio or CISPO's clipped-weight loss")
-parser.add_argument("--gamma", type=float, default=1.0, help="discount of reinforce_plus_plus returns")
+parser.add_argument("--gamma", type=float, default=1.0, help="discount of reinforce_plus_plus returns and of ppo's GAE")
+parser.add_argument("--lambd", type=float, default=1.0, help="ppo: GAE lambda (1 = Monte Carlo returns minus the critic's baseline)")
+parser.add_argument("--critic-lr", type=float, default=None, help="ppo: AdamW learning rate of the critic (required with ppo)")
+parser.add_argument("--value-clip", type=float, default=0.2, help="ppo: clip the critic's values to within this of the rollout's (0 = off)")
 parser.add_argument("--disable-grpo-std-normalization", action="store_true", help="Dr. GRPO: no division by the group std")
 parser.add_argument("--normalize-advantages", action="store_true", help="whiten advantages across all ranks")
 parser.add_argument("--eps-clip", type=float, default=0.2)
@@ -78,6 +86,9 @@ parser.add_argument("--use-kl-loss", action="store_true", help="add a KL(policy 
 parser.add_argument("--kl-loss-coef", type=float, default=0.0)
 parser.add_argument("--kl-loss-type", default="low_var_kl", choices=["k1", "k2", "k3", "low_var_kl"])
 parser.add_argument("--kl-coef", type=float, default=0.0, help="KL penalty folded into the reward")
+parser.add_argument("--use-opd", action="store_true", help="on-policy distillation: a teacher's log-probs pull the advantages")
+parser.add_argument("--opd-kl-coef", type=float, default=1.0, help="OPD: A -= coef * (logp_student - logp_teacher)")
+parser.add_argument("--opd-teacher-load", default=None, help="OPD teacher: a checkpoint directory, or source[:tag] e.g. sft:d8")
 parser.add_argument("--use-tis", action="store_true", help="truncated importance weights between trainer (old) and rollout log-probs")
 parser.add_argument("--tis-clip", type=float, default=2.0)
 parser.add_argument("--tis-clip-low", type=float, default=0.0)
@@ -104,6 +115,8 @@ parser.add_argument("--n-samples-per-eval-prompt", type=int, default=4)
 parser.add_argument("--eval-temperature", type=float, default=1.0)
 parser.add_argument("--pass-k", type=str, default="1,4", help="comma-separated k for pass@k")
 parser.add_argument("--save-interval", type=int, default=20)
+parser.add_argument("--rollout-timeout", type=float, default=1800, help="seconds a rank's rollout may take before the run saves and "
+                    "exits non-zero, naming what was in flight (0 = no limit)")
 parser.add_argument("--resume", action="store_true", help="continue from the latest RL checkpoint")
 parser.add_argument("--run", default="dummy", help="wandb run name ('dummy' = no wandb)")
 parser.add_argument("--device-type", default=None, help="cuda | cpu | mps (default: autodetect)")
@@ -113,7 +126,9 @@ args = parser.parse_args(sys.argv[1:] if sys.argv[1:2] != ["--"] else sys.argv[2
 
 # -----------------------------------------------------------------------------------------------
 # flags that must agree, checked before any GPU work
-ddp, rank, local_rank, world_size, device = compute_init(args.device_type, seed=args.seed)
+# collectives give up on a missing rank after a while (a hang in native code, a dead node) rather than block forever
+ddp, rank, local_rank, world_size, device = compute_init(args.device_type, seed=args.seed,
+                                                         timeout_s=2 * args.rollout_timeout + 600 if args.rollout_timeout > 0 else None)
 master = rank == 0
 n = args.n_samples_per_prompt
 rollout_samples = args.rollout_batch_size * n
@@ -131,10 +146,22 @@ if args.global_batch_size % (world_size * n):
 dynamic_sampling = args.over_sampling_batch_size is not None
 if not dynamic_sampling:
     args.over_sampling_batch_size = args.rollout_batch_size
+if args.partial_rollout and not (dynamic_sampling and args.over_sampling_batch_size > args.rollout_batch_size):
+    raise SystemExit("--partial-rollout needs --over-sampling-batch-size larger than --rollout-batch-size: "
+                     "partial rollouts abort the surplus that is still generating once the batch is full")
+if args.partial_rollout and args.custom_generate_function_path:
+    raise SystemExit("--partial-rollout drives the engine itself: it cannot be combined with --custom-generate-function-path")
 if args.over_sampling_batch_size % world_size:
     raise SystemExit(f"--over-sampling-batch-size {args.over_sampling_batch_size} must divide by the number of ranks {world_size}")
 if args.use_kl_loss and args.kl_loss_coef <= 0:
     raise SystemExit("--use-kl-loss needs a positive --kl-loss-coef")
+ppo = args.advantage_estimator == "ppo"
+if ppo and not (args.critic_lr or 0) > 0:
+    raise SystemExit("--advantage-estimator ppo needs a critic: give --critic-lr (e.g. 1e-4)")
+if args.critic_lr is not None and not ppo:
+    raise SystemExit(f"--critic-lr is only used by --advantage-estimator ppo, not {args.advantage_estimator}")
+if args.use_opd != (args.opd_teacher_load is not None):
+    raise SystemExit("--use-opd and --opd-teacher-load go together: give both or neither")
 if args.eps_clip_c is not None and args.eps_clip_c <= 1:
     raise SystemExit(f"--eps-clip-c must be > 1 (dual clip), got {args.eps_clip_c}")
 pass_ks = [int(k) for k in args.pass_k.split(",")]
@@ -149,6 +176,8 @@ custom_generate = load_function(args.custom_generate_function_path, ["args", "en
 if args.multi_turn:
     if custom_generate is not None:
         raise SystemExit("--multi-turn and --custom-generate-function-path both generate the rollout: give one of them")
+    if args.partial_rollout:
+        raise SystemExit("--multi-turn and --partial-rollout cannot be combined: partial rollouts park and resume single engine requests")
     args.max_turns = 4 if args.max_turns is None else args.max_turns
     if args.max_turns < 1:
         raise SystemExit(f"--max-turns must be >= 1, got {args.max_turns}")
@@ -177,6 +206,22 @@ if custom_rm is None and not remote_rm:
 model, tokenizer, meta = load_model(args.source, device, phase="train", model_tag=args.model_tag, step=args.model_step)
 need_ref = args.use_kl_loss or args.kl_coef > 0
 ref_model = copy.deepcopy(model).eval().requires_grad_(False) if need_ref else None  # frozen start point
+critic = critic_optimizer = None
+if ppo:
+    critic = Critic(model).to(device)
+    critic_optimizer = MuonAdamW([dict(params=list(critic.parameters()), kind="adamw", lr=args.critic_lr, initial_lr=args.critic_lr,
+                                       betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)])
+teacher = None
+if args.use_opd:
+    t = args.opd_teacher_load
+    if os.path.isdir(t):
+        teacher, _, _ = build_model(t, device=device)
+    else:
+        src, _, tag = t.partition(":")
+        teacher, _, _ = load_model(src, device, model_tag=tag or None)
+    if teacher.config.vocab_size != model.config.vocab_size:
+        raise SystemExit(f"--opd-teacher-load {t}: vocab {teacher.config.vocab_size} differs from the student's {model.config.vocab_size}")
+    teacher.requires_grad_(False)
 optimizer = build_optimizer(model, weight_decay=args.weight_decay)
 for g in optimizer.param_groups:
     g["initial_lr"] = g["initial_lr"] * args.lr_scale
@@ -232,38 +277,90 @@ def response_text(tokens):
     return tokenizer.decode([t for t in tokens if t not in engine_stop_tokens])
 
 
+inflight = {}  # what this rank's rollout is working on, named in the report if the rollout fails or hangs
 engine_stop_tokens = {tokenizer.encode_special("<|assistant_end|>"), tokenizer.get_bos_token_id()}
+python_start, output_end = tokenizer.encode_special("<|python_start|>"), tokenizer.encode_special("<|output_end|>")
 reward_failures = {"count": 0}
 
 
 def generate_groups(prompts, seeds, temperature, num_samples, weight_version):
     """The default rollout: one engine.generate call over all prompts, each fanned out to num_samples."""
+    inflight.update(generating=[p["metadata"] for p in prompts])
     if custom_generate is not None:
         return custom_generate(args, engine, tokenizer, prompts, seeds)
     prompt_ids = [tokenizer.render_for_completion(p["conversation"]) for p in prompts]
     reqs = [Request(prompt_ids=ids, num_samples=num_samples, max_tokens=args.max_response_len, temperature=temperature,
                     top_k=args.top_k, top_p=args.top_p, seed=seed) for ids, seed in zip(prompt_ids, seeds)]
     results = multi_turn_generate(engine, reqs, args.max_turns, tool) if args.multi_turn else engine.generate(reqs)
-    groups = []
-    for gi, (p, ids, comps) in enumerate(zip(prompts, prompt_ids, results)):
-        group = []
-        for si, c in enumerate(comps):
-            group.append(Sample(prompt=p["conversation"], tokens=list(ids) + list(c.tokens), response_length=len(c.tokens),
-                                label=p["label"], loss_mask=list(c.mask), rollout_log_probs=list(c.logprobs), status=c.status,
-                                weight_version=weight_version, group_index=gi, index=si,
-                                metadata={**p["metadata"], **(c.turn_stats() if args.multi_turn else {})}))
-        groups.append(group)
+    groups = [[extend_sample(s, c) for s, c in zip(new_group(p, ids, seed, num_samples, weight_version), comps)]
+              for p, ids, seed, comps in zip(prompts, prompt_ids, seeds, results)]
+    if args.multi_turn:  # each response's tool calls, errors and whether it hit --max-turns, for the step's metrics
+        for group, comps in zip(groups, results):
+            for s, c in zip(group, comps):
+                s.metadata.update(c.turn_stats())
     return groups
+
+
+def new_group(p, prompt_ids, seed, num_samples, weight_version):
+    """Empty samples of one prompt, to be extended by the engine's completions."""
+    return [Sample(prompt=p["conversation"], tokens=list(prompt_ids), label=p["label"], status=ABORTED, weight_version=weight_version,
+                   index=si, metadata={**p["metadata"], "seed": seed}) for si in range(num_samples)]
+
+
+def stream_groups(prompts, seeds, weight_version):
+    """
+    --partial-rollout: yield each group, scored, as soon as all its samples end. When the batch is full the caller
+    closes this generator: what is still generating is aborted and parked in the buffer with the tokens it has
+    (and the weight_version it started under), and the next rollout continues it before starting new prompts.
+    """
+    jobs = []  # (group, {sample index: (handle, completion index)})
+    inflight.update(generating=[s.metadata for g in buffer.partial for s in g[:1]] + [p["metadata"] for p in prompts])
+    for group in buffer.take_partial():
+        jobs.append((group, {s.index: (engine.submit(Request(
+            list(s.tokens), max_tokens=args.max_response_len - s.response_length, temperature=args.temperature, top_k=args.top_k,
+            top_p=args.top_p, seed=s.metadata["seed"], first_sample=s.index, start_counter=s.response_length)), 0)
+            for s in group if s.status == ABORTED}))
+        for s in group:
+            s.metadata["resumed"] = s.metadata.get("resumed", 0) + (s.status == ABORTED)
+    for p, seed in zip(prompts, seeds):
+        ids = tokenizer.render_for_completion(p["conversation"])
+        h = engine.submit(Request(ids, num_samples=n, max_tokens=args.max_response_len, temperature=args.temperature,
+                                  top_k=args.top_k, top_p=args.top_p, seed=seed))
+        jobs.append((new_group(p, ids, seed, n, weight_version), {si: (h, si) for si in range(n)}))
+    try:
+        while jobs:
+            engine.step()
+            for job in [j for j in jobs if all(h.done for h, _ in j[1].values())]:
+                jobs.remove(job)
+                group, handles = job
+                for si, (h, ci) in handles.items():
+                    extend_sample(group[si], h.completions[ci])
+                yield assign_rewards([group])[0]
+    finally:
+        if jobs:  # the batch is full: abort the rest and park it, cut back to where it can be continued exactly
+            engine.abort()
+            while engine.step():
+                pass
+            for group, handles in jobs:
+                for si, (h, ci) in handles.items():
+                    extend_sample(group[si], h.completions[ci], python_start, output_end)
+                buffer.partial.append(group)
 
 
 def assign_rewards(groups):
     todo = [s for g in groups for s in g if s.reward is None]  # custom generate functions may score their own samples
     texts = [response_text(s.tokens[s.prompt_length:]) for s in todo]
-    if remote_rm:  # the whole rollout in one batched call, --rm-concurrency requests in flight
+    if remote_rm:  # all the samples in one batched call, --rm-concurrency requests in flight
         payloads = [{"prompt": s.prompt, "response": t, "label": s.label, "metadata": s.metadata} for s, t in zip(todo, texts)]
+        inflight["scoring"] = {"remote": args.rm_url, "samples": len(payloads)}
         results = remote_rewards(args.rm_url, payloads, args.rm_concurrency, args.rm_timeout, args.rm_retries)
+        del inflight["scoring"]
     else:
-        results = [score(t, s.label, s.metadata) for s, t in zip(todo, texts)]
+        results = []
+        for s, t in zip(todo, texts):
+            inflight["scoring"] = {"metadata": s.metadata, "response": t[:200]}
+            results.append(score(t, s.label, s.metadata))
+            del inflight["scoring"]
     # a broken reward is counted, and its sample is dropped from training or scored 0 (--rm-failure)
     failed = set_rewards(groups, todo, results, args.rm_failure)
     reward_failures["count"] += len(failed)
@@ -305,6 +402,9 @@ if args.resume:
     optimizer.load_state_dict(optim_state)
     source.load_state_dict(extra["source"])
     buffer.load_state_dict(extra["buffer"])
+    if critic is not None:
+        critic.load_state_dict(extra["critic"])
+        critic_optimizer.load_state_dict(extra["critic_optim"])
     random.setstate(extra["py_rng"])
     torch.set_rng_state(extra["torch_rng"])
     start_step = weight_version = last
@@ -315,9 +415,19 @@ if args.resume:
     print0(f"resumed from {ckpt_dir} step {last}")
 
 
+class RolloutTimeout(BaseException):
+    """Not an Exception: a reward wrapper that catches Exception must not swallow it."""
+
+
+def on_rollout_timeout(signum, frame):
+    raise RolloutTimeout(f"the rollout ran past --rollout-timeout {args.rollout_timeout:g}s")
+
+
 def save(step):
     extra = {"source": source.state_dict(), "buffer": buffer.state_dict(), "py_rng": random.getstate(),
              "torch_rng": torch.get_rng_state()}
+    if critic is not None:  # every rank keeps the same critic (DDP-averaged), so each saves it with its extra state
+        extra.update(critic=critic.state_dict(), critic_optim=critic_optimizer.state_dict())
     save_checkpoint(ckpt_dir, step, model.state_dict(), optimizer.state_dict(),
                     meta={**meta, "model_tag": output_tag, "step": step, "rl_args": vars(args)}, extra=extra, rank=rank)
 
@@ -333,12 +443,24 @@ def forward_logp(m, batch):
 @torch.no_grad()
 def logp_of(m, samples):
     """Per-token log-probs (B, T) of samples under model m, micro-batched, aligned like collate()."""
+    return per_token(samples, lambda batch: forward_logp(m, batch)[0])
+
+
+@torch.no_grad()
+def values_of(samples):
+    """The critic's per-token values of samples (the ones the rollout saw: GAE's baseline, value clipping's anchor)."""
+    def f(batch):
+        with autocast:
+            return critic(batch["inputs"])
+    return per_token(samples, f)
+
+
+def per_token(samples, fn):
     out = [None] * len(samples)
     for mb in pack_micro_batches(samples, args.max_tokens_per_gpu):
-        batch = collate([samples[i] for i in mb], device)
-        lp, _ = forward_logp(m, batch)
+        res = fn(collate([samples[i] for i in mb], device))
         for j, i in enumerate(mb):
-            out[i] = lp[j].float().cpu()
+            out[i] = res[j].float().cpu()
     return out
 
 
@@ -346,8 +468,9 @@ def pad_like(rows, T):
     return torch.stack([torch.nn.functional.pad(r[:T], (0, T - min(len(r), T))) for r in rows])
 
 
-def compute_advantages(samples, ref_lp):
-    """Per-sample per-token advantages (list of 1-D tensors aligned like collate()), by --advantage-estimator."""
+def compute_advantages(samples, ref_lp, old_values):
+    """Per-sample per-token advantages (list of 1-D tensors aligned like collate()), by --advantage-estimator,
+    and for ppo the critic's targets (returns); None otherwise."""
     batch = collate(samples)
     mask, T = batch["loss_mask"], batch["inputs"].size(1)
     rewards = torch.tensor([s.scalar_reward() for s in samples], dtype=torch.float32)
@@ -364,15 +487,22 @@ def compute_advantages(samples, ref_lp):
         adv = rl.rloo_advantages(rewards, mask, n)
     elif est == "reinforce_plus_plus":
         adv = rl.reinforce_pp_returns(rewards, mask, kl=kl, kl_coef=args.kl_coef, gamma=args.gamma, distributed=ddp)
+    elif est == "ppo":
+        # the reward on the last response token, the KL penalty on every token, then GAE against the critic
+        token_rewards = rl._last_token_rewards(rewards, mask)
+        if kl is not None:
+            token_rewards = token_rewards - args.kl_coef * kl
+        adv, returns = rl.gae_advantages(token_rewards, pad_like(old_values, T), mask, args.gamma, args.lambd)
     else:
         adv = rl.reinforce_pp_baseline_advantages(rewards, mask, n, kl=kl, kl_coef=args.kl_coef, distributed=ddp)
     if args.normalize_advantages and not est.startswith("reinforce_plus_plus"):
         adv = rl.masked_whiten(adv, mask, distributed=ddp) * mask
-    return [adv[i] for i in range(len(samples))]
+    adv = [adv[i] for i in range(len(samples))]
+    return adv, ([returns[i] for i in range(len(samples))] if est == "ppo" else None)
 
 
-def train_minibatch(samples, adv, old_lp, ref_lp, lr_mult):
-    """One optimizer step over `samples` (this rank's share of the global batch)."""
+def train_minibatch(samples, adv, old_lp, ref_lp, lr_mult, returns=None, old_values=None):
+    """One optimizer step over `samples` (this rank's share of the global batch); with ppo, one critic step too."""
     model.train()
     local_tok = sum(sum(s.loss_mask) for s in samples)
     counts = torch.tensor([local_tok, len(samples)], dtype=torch.float64, device=device)
@@ -414,6 +544,14 @@ def train_minibatch(samples, adv, old_lp, ref_lp, lr_mult):
         mb_tok = mask.sum().item()
         share = (mb_tok / global_tok) if args.loss_aggregation == "token_mean" else (len(mbs) / global_seq)
         (loss * share * world_size).backward()
+        if critic is not None:
+            with autocast:
+                values = critic(batch["inputs"])
+            vf_loss, vm = rl.value_loss(values, pad_like([old_values[i] for i in mb], T).to(device),
+                                        pad_like([returns[i] for i in mb], T).to(device), mask, args.value_clip or None,
+                                        loss_agg=args.loss_aggregation, max_len=args.max_response_len)
+            (vf_loss * share * world_size).backward()
+            m.update(vm, vf_loss=vf_loss.detach())
         m["pg_loss"], m["entropy"] = pg_loss.detach(), rl.masked_mean(ent.detach(), mask)
         m["train_rollout_logprob_abs_diff"] = rl.masked_mean((logp.detach() - batch["rollout_logp"]).abs(), mask)
         for k, v in m.items():
@@ -427,6 +565,11 @@ def train_minibatch(samples, adv, old_lp, ref_lp, lr_mult):
     optimizer.zero_grad(set_to_none=True)
     out = {k: v / max(local_tok, 1) for k, v in sums.items()}
     out["grad_norm"] = float(grad_norm)
+    if critic is not None:
+        critic_optimizer.average_gradients()
+        out["critic_grad_norm"] = float(torch.nn.utils.clip_grad_norm_(critic.parameters(), args.grad_clip or float("inf")))
+        critic_optimizer.step()
+        critic_optimizer.zero_grad(set_to_none=True)
     return out
 
 
@@ -448,11 +591,40 @@ for step in range(start_step, args.num_rollouts):
     def make_groups():
         prompts = source.get(args.over_sampling_batch_size // world_size)
         seeds = [args.seed * 1_000_003 + epoch * 10_000_019 + pos for epoch, pos in source.last_keys]
+        if args.partial_rollout:
+            return stream_groups(prompts, seeds, weight_version)
         return assign_rewards(generate_groups(prompts, seeds, args.temperature, n, weight_version))
 
     model.eval()
-    with timer.section("rollout", device.type):
-        groups, fstats = fill_rollout(prompts_per_rank, buffer, make_groups, group_filter, args.max_sampling_rounds)
+    before = (source.state_dict(), buffer.state_dict())
+    failure = None
+    try:
+        if args.rollout_timeout > 0:  # SIGALRM interrupts Python code that hangs (a reward call, a custom rollout)
+            signal.signal(signal.SIGALRM, on_rollout_timeout)
+            signal.setitimer(signal.ITIMER_REAL, args.rollout_timeout)
+        with timer.section("rollout", device.type):
+            groups, fstats = fill_rollout(prompts_per_rank, buffer, make_groups, group_filter, args.max_sampling_rounds,
+                                          stop_when_full=args.partial_rollout)
+    except (Exception, RolloutTimeout) as e:
+        failure = f"{type(e).__name__}: {e}"
+        traceback.print_exc()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+    # every rank learns whether any rank failed, so none is left waiting in a collective for a rank that is gone
+    failed = torch.tensor([float(failure is not None)], device=device)
+    if ddp:
+        dist.all_reduce(failed)
+    if failed.item():
+        if failure:
+            what = inflight.get("scoring") or {"prompts": inflight.get("generating")}
+            print(f"rank {rank}: rollout {step + 1} failed: {failure}\n  in flight: {what}", file=sys.stderr, flush=True)
+        source.load_state_dict(before[0])  # the checkpoint is the state before this rollout: --resume redoes it
+        buffer.load_state_dict(before[1])
+        save(step)
+        print0(f"stopped: a rollout failed on {int(failed.item())} rank(s); saved step {step} in {ckpt_dir}")
+        compute_cleanup()
+        sys.exit(1)
+    inflight.clear()
     samples = [s for g in groups for s in g]
     # 2) reward shaping on the kept samples
     if args.overlong_buffer_len > 0:
@@ -476,7 +648,21 @@ for step in range(start_step, args.num_rollouts):
     if args.num_steps_per_rollout > 1:
         with timer.section("old_logp", device.type):
             old_lp = logp_of(model, samples)  # the policy before this rollout's first update
-    adv = compute_advantages(samples, ref_lp)
+    old_values = None
+    if critic is not None:
+        with timer.section("values", device.type):
+            old_values = values_of(samples)
+    adv, returns = compute_advantages(samples, ref_lp, old_values)
+    opd_kl = None
+    if teacher is not None:
+        # on-policy distillation: tokens the teacher likes more than the student (before this update) get pushed up
+        with timer.section("teacher", device.type):
+            teacher_lp = logp_of(teacher, samples)
+        student_lp = old_lp or logp_of(model, samples)
+        T, mask = adv[0].numel(), collate(samples)["loss_mask"]
+        s_lp, t_lp = pad_like(student_lp, T), pad_like(teacher_lp, T)
+        adv = list(rl.opd_adjust(torch.stack(adv), s_lp, t_lp, mask, args.opd_kl_coef))
+        opd_kl = rl.masked_mean(s_lp - t_lp, mask).item()
     # 4) train: the rollout is cut into num_steps_per_rollout mini-batches of whole groups
     lr_mult = min(1.0, (step + 1) / args.warmup_rollouts) if args.warmup_rollouts > 0 else 1.0
     per_step = len(samples) // args.num_steps_per_rollout
@@ -485,7 +671,8 @@ for step in range(start_step, args.num_rollouts):
         for k in range(args.num_steps_per_rollout):
             sl = slice(k * per_step, (k + 1) * per_step)
             train_metrics.append(train_minibatch(samples[sl], adv[sl], old_lp[sl] if old_lp else None,
-                                                 ref_lp[sl] if ref_lp else None, lr_mult))
+                                                 ref_lp[sl] if ref_lp else None, lr_mult,
+                                                 returns[sl] if returns else None, old_values[sl] if old_values else None))
     weight_version += 1
     # 5) metrics, reduced over ranks
     rewards = [s.scalar_reward() for s in samples]
@@ -504,6 +691,12 @@ for step in range(start_step, args.num_rollouts):
     m.update({"rollout/adv_mean": seq_adv.mean().item(), "rollout/adv_std": seq_adv.std().item() if len(seq_adv) > 1 else 0.0,
               "rollout/adv_abs_max": seq_adv.abs().max().item()})
     m.update({f"rollout/{k}": v for k, v in fstats.items()})
+    m["rollout/max_staleness"] = max(weight_version - 1 - s.weight_version for s in samples)  # policy versions behind
+    if args.partial_rollout:
+        m["rollout/partial_resumed_samples"] = sum(s.metadata.get("resumed", 0) > 0 for s in samples)
+        m["rollout/partial_parked_groups"] = len(buffer.partial)
+    if opd_kl is not None:
+        m["train/opd_student_teacher_kl"] = opd_kl
     if args.multi_turn:  # per response: tool calls, calls that errored, and whether it ran into --max-turns
         for k in ("tool_calls", "tool_errors", "max_turns_hit"):
             m[f"rollout/{k}_mean"] = sum(s.metadata.get(k, 0) for s in samples) / len(samples)
