@@ -237,6 +237,38 @@ def fill_rollout(target_groups, buffer, make_groups, group_filter, max_rounds=8,
 
 
 # -----------------------------------------------------------------------------------------------
+# rewards
+
+def set_rewards(groups, scored, results, on_failure="drop"):
+    """
+    Give the samples `scored` (drawn from `groups`) their rewards from `results`, a (value, error) pair each.
+    A failed reward (value None) is never trained on with on_failure="drop": its loss mask is zeroed and it
+    takes the mean reward of its group's good samples, so its advantage is 0 and the others' baseline is not
+    biased. With on_failure="zero" it is an ordinary sample with reward 0.0. Returns the failed samples;
+    each carries its error in metadata["reward_error"].
+    """
+    if on_failure not in ("drop", "zero"):
+        raise ValueError(f"on_failure must be 'drop' or 'zero', got {on_failure!r}")
+    failed = []
+    for s, (value, err) in zip(scored, results, strict=True):
+        if value is None:
+            failed.append(s)
+            s.metadata["reward_error"] = err
+            if on_failure == "zero":
+                value = 0.0
+            else:
+                s.loss_mask = [0] * s.response_length
+        s.reward = value
+    for group in groups:
+        valid = [s.scalar_reward() for s in group if s.reward is not None]
+        fill = sum(valid) / len(valid) if valid else 0.0
+        for s in group:
+            if s.reward is None:
+                s.reward = fill
+    return failed
+
+
+# -----------------------------------------------------------------------------------------------
 # training batches
 
 def pack_micro_batches(samples, max_tokens):

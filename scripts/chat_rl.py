@@ -25,11 +25,12 @@ from nanorl.checkpoint import build_model, load_checkpoint, load_model, save_che
 from nanorl.common import (Timer, autocast_ctx, compute_cleanup, compute_init, get_base_dir, get_logger, print0)
 from nanorl.engine import Engine, Request
 from nanorl.gpt import Critic
+from nanorl.multiturn import TOOLS, make_tool, multi_turn_generate
 from nanorl.optim import MuonAdamW, build_optimizer
 from nanorl.report import load_json, log_json, log_section
-from nanorl.rewards import compute_reward, extract_answer, safe_reward
+from nanorl.rewards import compute_reward, extract_answer, remote_rewards, safe_reward
 from nanorl.rollout import (ABORTED, TRUNCATED, PromptSource, RolloutBuffer, Sample, collate, extend_sample, fill_rollout,
-                            keep_all_groups, load_function, pack_micro_batches)
+                            keep_all_groups, load_function, pack_micro_batches, set_rewards)
 from tasks import get_task
 
 # fmt: off
@@ -64,6 +65,9 @@ parser.add_argument("--async", dest="async_mode", action="store_true", help="one
 parser.add_argument("--rollout-num-gpus", type=int, default=None, help="--async: how many ranks sample (the first ones; default half)")
 parser.add_argument("--engine-batch-size", type=int, default=256, help="engine rows decoded at once")
 parser.add_argument("--custom-generate-function-path", default=None, help="module:function(args, engine, tokenizer, prompts, seeds) -> list of groups (lists) of Sample")
+parser.add_argument("--multi-turn", action="store_true", help="run tool calls turn by turn (nanorl/multiturn.py), with per-turn metrics")
+parser.add_argument("--max-turns", type=int, default=None, help="--multi-turn: tool calls per response (default 4); one more ends it as truncated")
+parser.add_argument("--tool", default=None, choices=TOOLS, help="--multi-turn: what answers a tool call (default calculator)")
 # advantages and loss
 parser.add_argument("--advantage-estimator", default="grpo", choices=["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gspo", "cispo", "ppo"],
                     help="gspo / cispo: GRPO advantages with GSPO's sequence-level ratio or CISPO's clipped-weight loss")
@@ -93,8 +97,14 @@ parser.add_argument("--tis-clip", type=float, default=2.0)
 parser.add_argument("--tis-clip-low", type=float, default=0.0)
 parser.add_argument("--tis-mode", default="truncate", choices=["truncate", "icepop"], help="icepop: weights outside the band are 0")
 # rewards
-parser.add_argument("--rm-type", default="math", help="math | mc | exact | f1 | format | weighted e.g. math+format:0.9,0.1")
+parser.add_argument("--rm-type", default="math", help="math | mc | exact | f1 | format | weighted e.g. math+format:0.9,0.1 | remote (needs --rm-url)")
 parser.add_argument("--custom-rm-path", default=None, help="module:function(response, label, metadata) -> float or dict")
+parser.add_argument("--rm-url", default=None, help="--rm-type remote: each sample is POSTed here as JSON (README: RL)")
+parser.add_argument("--rm-concurrency", type=int, default=32, help="--rm-type remote: requests in flight at once")
+parser.add_argument("--rm-timeout", type=float, default=30.0, help="--rm-type remote: seconds per request attempt")
+parser.add_argument("--rm-retries", type=int, default=3, help="--rm-type remote: retries after a refused/timed-out/5xx call")
+parser.add_argument("--rm-failure", default="drop", choices=["drop", "zero"],
+                    help="a reward that fails (raises, non-number, failed remote call): drop = never trained on, zero = reward 0")
 # optimisation
 parser.add_argument("--max-tokens-per-gpu", type=int, default=8192, help="padded tokens per micro-batch")
 parser.add_argument("--lr-scale", type=float, default=0.05, help="multiplier on the base optimizer LRs (RL wants small steps)")
@@ -186,7 +196,32 @@ buffer_filter = load_function(args.buffer_filter_path, ["buffer", "n"], "--buffe
 custom_rm = load_function(args.custom_rm_path, ["response", "label", "metadata"], "--custom-rm-path") if args.custom_rm_path else None
 custom_generate = load_function(args.custom_generate_function_path, ["args", "engine", "tokenizer", "prompts", "seeds"],
                                 "--custom-generate-function-path") if args.custom_generate_function_path else None
-if custom_rm is None:
+if args.multi_turn:
+    if custom_generate is not None:
+        raise SystemExit("--multi-turn and --custom-generate-function-path both generate the rollout: give one of them")
+    if args.partial_rollout:
+        raise SystemExit("--multi-turn and --partial-rollout cannot be combined: partial rollouts park and resume single engine requests")
+    args.max_turns = 4 if args.max_turns is None else args.max_turns
+    if args.max_turns < 1:
+        raise SystemExit(f"--max-turns must be >= 1, got {args.max_turns}")
+    args.tool = args.tool or "calculator"
+    tool = make_tool(args.tool)
+elif args.max_turns is not None or args.tool is not None:
+    raise SystemExit("--max-turns and --tool are only used with --multi-turn")
+remote_rm = args.rm_type == "remote"
+if remote_rm:
+    if not args.rm_url:
+        raise SystemExit("--rm-type remote needs --rm-url (the reward server's address, e.g. http://127.0.0.1:8000/reward)")
+    if not args.rm_url.startswith(("http://", "https://")):
+        raise SystemExit(f"--rm-url {args.rm_url!r} must start with http:// or https://")
+    if custom_rm is not None:
+        raise SystemExit("--rm-type remote and --custom-rm-path both pick the reward: give one of them")
+    if args.rm_concurrency < 1 or args.rm_timeout <= 0 or args.rm_retries < 0:
+        raise SystemExit(f"--rm-concurrency must be >= 1 (got {args.rm_concurrency}), --rm-timeout > 0 (got {args.rm_timeout}), "
+                         f"--rm-retries >= 0 (got {args.rm_retries})")
+elif args.rm_url:
+    raise SystemExit(f"--rm-url is only used with --rm-type remote (got --rm-type {args.rm_type})")
+if custom_rm is None and not remote_rm:
     compute_reward(args.rm_type, "#### 1", "1")  # fails now, naming the valid types, if --rm-type is unknown
 
 # -----------------------------------------------------------------------------------------------
@@ -235,7 +270,7 @@ def task_prompts(task_name, split):
             ref = conv["messages"][-1]["content"]
             ref = ref if isinstance(ref, str) else "".join(p["text"] for p in ref if p["type"] == "text")
             label = extract_answer(ref)
-        if label is None and custom_rm is None:
+        if label is None and custom_rm is None and not remote_rm:  # a remote grader may not need one
             raise SystemExit(f"task {task_name!r} ({split}) row {i} has no label, and --rm-type {args.rm_type} needs one")
         items.append({"conversation": conv, "label": label, "metadata": {"task": task_name, "row": i}})
     return items
@@ -279,9 +314,14 @@ def generate_groups(prompts, seeds, temperature, num_samples, weight_version):
     prompt_ids = [tokenizer.render_for_completion(p["conversation"]) for p in prompts]
     reqs = [Request(prompt_ids=ids, num_samples=num_samples, max_tokens=args.max_response_len, temperature=temperature,
                     top_k=args.top_k, top_p=args.top_p, seed=seed) for ids, seed in zip(prompt_ids, seeds)]
-    results = engine.generate(reqs)
-    return [[extend_sample(s, c) for s, c in zip(new_group(p, ids, seed, num_samples, weight_version), comps)]
-            for p, ids, seed, comps in zip(prompts, prompt_ids, seeds, results)]
+    results = multi_turn_generate(engine, reqs, args.max_turns, tool) if args.multi_turn else engine.generate(reqs)
+    groups = [[extend_sample(s, c) for s, c in zip(new_group(p, ids, seed, num_samples, weight_version), comps)]
+              for p, ids, seed, comps in zip(prompts, prompt_ids, seeds, results)]
+    if args.multi_turn:  # each response's tool calls, errors and whether it hit --max-turns, for the step's metrics
+        for group, comps in zip(groups, results):
+            for s, c in zip(group, comps):
+                s.metadata.update(c.turn_stats())
+    return groups
 
 
 def new_group(p, prompt_ids, seed, num_samples, weight_version):
@@ -331,26 +371,24 @@ def stream_groups(prompts, seeds, weight_version):
 
 
 def assign_rewards(groups):
-    for group in groups:
-        for s in group:
-            if s.reward is not None:
-                continue  # custom generate functions may score their own samples
-            text = response_text(s.tokens[s.prompt_length:])
-            inflight["scoring"] = {"metadata": s.metadata, "response": text[:200]}
-            value, err = score(text, s.label, s.metadata)
+    todo = [s for g in groups for s in g if s.reward is None]  # custom generate functions may score their own samples
+    texts = [response_text(s.tokens[s.prompt_length:]) for s in todo]
+    if remote_rm:  # all the samples in one batched call, --rm-concurrency requests in flight
+        payloads = [{"prompt": s.prompt, "response": t, "label": s.label, "metadata": s.metadata} for s, t in zip(todo, texts)]
+        inflight["scoring"] = {"remote": args.rm_url, "samples": len(payloads)}
+        results = remote_rewards(args.rm_url, payloads, args.rm_concurrency, args.rm_timeout, args.rm_retries)
+        del inflight["scoring"]
+    else:
+        results = []
+        for s, t in zip(todo, texts):
+            inflight["scoring"] = {"metadata": s.metadata, "response": t[:200]}
+            results.append(score(t, s.label, s.metadata))
             del inflight["scoring"]
-            if value is None:
-                # a broken reward is counted and the sample is never trained on
-                reward_failures["count"] += 1
-                s.metadata["reward_error"] = err
-                s.loss_mask = [0] * s.response_length
-            s.reward = value
-        # failed samples take the group's mean reward: advantage 0, and no bias to the others' baseline
-        valid = [s.scalar_reward() for s in group if s.reward is not None]
-        fill = sum(valid) / len(valid) if valid else 0.0
-        for s in group:
-            if s.reward is None:
-                s.reward = fill
+    # a broken reward is counted, and its sample is dropped from training or scored 0 (--rm-failure)
+    failed = set_rewards(groups, todo, results, args.rm_failure)
+    reward_failures["count"] += len(failed)
+    if failed:
+        print0(f"warning: {len(failed)}/{len(todo)} rewards failed ({args.rm_failure}), e.g. {failed[0].metadata['reward_error']}")
     return groups
 
 
@@ -660,9 +698,9 @@ def train_step(step, samples, timer, m):
               "rollout/response_len_mean": sum(lens) / len(lens),
               "rollout/truncated_frac": sum(s.status == TRUNCATED for s in samples) / len(samples),
               "rollout/reward_failures": reward_failures["count"]})
-    comps = [k for k in (samples[0].reward if isinstance(samples[0].reward, dict) else {}) if k != "total"]
+    comps = [k for k in next((s.reward for s in samples if isinstance(s.reward, dict)), {}) if k != "total"]
     for c in comps:
-        m[f"rollout/reward_{c}"] = sum(s.reward.get(c, 0.0) for s in samples) / len(samples)
+        m[f"rollout/reward_{c}"] = sum(s.reward.get(c, 0.0) for s in samples if isinstance(s.reward, dict)) / len(samples)
     seq_adv = torch.tensor([float(a[a != 0][0]) if (a != 0).any() else 0.0 for a in adv])
     m.update({"rollout/adv_mean": seq_adv.mean().item(), "rollout/adv_std": seq_adv.std().item() if len(seq_adv) > 1 else 0.0,
               "rollout/adv_abs_max": seq_adv.abs().max().item()})
@@ -671,6 +709,9 @@ def train_step(step, samples, timer, m):
         m["rollout/partial_resumed_samples"] = sum(s.metadata.get("resumed", 0) > 0 for s in samples)
     if opd_kl is not None:
         m["train/opd_student_teacher_kl"] = opd_kl
+    if args.multi_turn:  # per response: tool calls, calls that errored, and whether it ran into --max-turns
+        for k in ("tool_calls", "tool_errors", "max_turns_hit"):
+            m[f"rollout/{k}_mean"] = sum(s.metadata.get(k, 0) for s in samples) / len(samples)
     for k, v in timer.times.items():
         m[f"time/{k}"] = v
     m["perf/train_tok_per_s"] = sum(len(s.tokens) for s in samples) / max(timer.times.get("train", 1e-9), 1e-9)
@@ -695,7 +736,9 @@ def log_step(step, m, dt):
            f"| pg {m['train/pg_loss']:+.4f} | clip {m['train/clipfrac']:.3f} | ppo_kl {m['train/ppo_kl']:+.2e} "
            f"| ent {m['train/entropy']:.3f} | gnorm {m['train/grad_norm']:.3f} | lp_diff {m['train/train_rollout_logprob_abs_diff']:.1e} "
            f"| dropped {int(m.get('rollout/groups_dropped', 0))} | dt {dt:.1f}s (rollout {m.get('time/rollout', 0):.1f}s, "
-           f"idle {m['perf/idle_frac']:.0%})")
+           f"idle {m['perf/idle_frac']:.0%})"
+           + (f" | tools {m['rollout/tool_calls_mean']:.2f} err {m['rollout/tool_errors_mean']:.2f} "
+              f"max_turns {m['rollout/max_turns_hit_mean']:.2f}" if args.multi_turn else ""))
     history.append({"step": step + 1, **m})
     logger.log(m, step=step + 1)
     log_json("rl_history", {"train": history, "eval": eval_history}, rank=rank)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from rl_fixture_server import RewardHandler, reward_server
 
 ROOT = Path(__file__).resolve().parents[1]
 RM = f"{ROOT / 'tests' / 'rl_fixture_reward.py'}:vowel_reward"
@@ -37,13 +38,29 @@ def base_dir(tmp_path_factory):
     return d
 
 
-def run_rl(base_dir, *extra, nproc=1, check=True, env=None):
+@pytest.fixture(scope="module")
+def tool_model(base_dir):
+    """A checkpoint "tools" that often writes <|python_start|>2+3<|python_end|>, and calls again after each output."""
+    code = (
+        "import sys; sys.path.insert(0, 'tests')\n"
+        "from rl_fixture_tools import tool_user_model\n"
+        "from nanorl.tokenizer import get_tokenizer\n"
+        "from nanorl.checkpoint import save_checkpoint, checkpoint_root\n"
+        "tok = get_tokenizer()\n"
+        "m = tool_user_model(tok, '2+3', tok.encode_special('<|python_start|>'), tok.vocab_size, strength=10.0, noise=0.01)\n"
+        "save_checkpoint(checkpoint_root('sft') + '/tools', 0, m.state_dict(), meta={'model_config': m.config.to_dict()})\n")
+    env = {**os.environ, "NANORL_BASE_DIR": str(base_dir)}
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True, capture_output=True)
+    return "tools"
+
+
+def run_rl(base_dir, *extra, nproc=1, check=True, env=None, rm=RM):
     env = {**os.environ, "NANORL_BASE_DIR": str(base_dir), "OMP_NUM_THREADS": "1", **(env or {})}
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else [sys.executable]
     cmd = launch + ["-m", "scripts.chat_rl", "--source", "sft", "--model-tag", "t", "--levels", "1", "--rollout-batch-size", "4",
                     "--n-samples-per-prompt", "4", "--max-response-len", "12", "--eval-interval", "100", "--eval-max-problems", "4",
                     "--n-samples-per-eval-prompt", "2", "--pass-k", "1,2", "--lr-scale", "1.0", "--engine-batch-size", "16",
-                    "--custom-rm-path", RM, "--device-type", "cpu", *extra]
+                    "--device-type", "cpu", *(["--custom-rm-path", rm] if rm else []), *extra]
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     if not check:
         return out
@@ -134,6 +151,32 @@ def test_broken_rewards_are_counted_not_trained_on(base_dir):
     assert hist["train"][0]["rollout/reward_failures"] > 0
 
 
+@pytest.mark.parametrize("mode", ["drop", "zero"])
+def test_remote_rewards_survive_a_failing_server(base_dir, mode):
+    # the server answers some responses, and fails the others with a 500, a hang past --rm-timeout or bad JSON
+    with reward_server() as url:
+        RewardHandler.payloads.clear()
+        hist, log = run_rl(base_dir, "--num-rollouts", "1", "--output-tag", f"remote_{mode}", "--rm-type", "remote",
+                           "--rm-url", url + "/mixed", "--rm-timeout", "0.5", "--rm-retries", "1", "--rm-failure", mode, rm=None)
+        payload = RewardHandler.payloads[0]
+    first = hist["train"][0]
+    assert first["rollout/reward_failures"] > 0 and f"rewards failed ({mode})" in log
+    assert first["train/grad_norm"] > 0 and first["rollout/reward_std"] > 0  # the good answers still train
+    assert set(payload) == {"prompt", "response", "label", "metadata"} and payload["prompt"]["messages"][0]["role"] == "user"
+    assert payload["metadata"]["task"] == "offline" and isinstance(payload["response"], str)
+
+
+def test_multi_turn_tool_rl(base_dir, tool_model):
+    hist, log = run_rl(base_dir, "--model-tag", tool_model, "--num-rollouts", "2", "--output-tag", "multiturn", "--multi-turn",
+                       "--max-turns", "2", "--max-response-len", "24")
+    first = hist["train"][0]
+    assert first["rollout/tool_calls_mean"] > 0 and first["rollout/max_turns_hit_mean"] > 0 and "| tools " in log
+    assert first["rollout/tool_errors_mean"] < first["rollout/tool_calls_mean"]  # mostly 2+3, sometimes a sampled typo
+    # engine log-probs over several turns (tool outputs masked out) are the trainer's: exactly on-policy
+    assert first["train/train_rollout_logprob_abs_diff"] < 1e-4 and first["train/first_step_ppo_kl"] == 0.0
+    assert first["train/grad_norm"] > 0
+
+
 @pytest.mark.parametrize("flags,msg", [
     (["--custom-rm-path", "no_such_mod:fn"], "could not import"),
     (["--rollout-batch-size", "3", "--num-steps-per-rollout", "5"], "--num-steps-per-rollout"),
@@ -144,6 +187,16 @@ def test_broken_rewards_are_counted_not_trained_on(base_dir):
     (["--use-opd"], "--opd-teacher-load"),
     (["--rollout-num-gpus", "1"], "--async"),
     (["--partial-rollout"], "--over-sampling-batch-size"),
+    (["--rm-type", "remote", "--custom-rm-path", ""], "--rm-type remote needs --rm-url"),
+    (["--rm-type", "remote", "--rm-url", "http://127.0.0.1:1/r"], "--custom-rm-path both pick the reward"),
+    (["--rm-type", "remote", "--rm-url", "127.0.0.1:1", "--custom-rm-path", ""], "must start with http://"),
+    (["--rm-url", "http://127.0.0.1:1/r"], "only used with --rm-type remote"),
+    (["--max-turns", "3"], "only used with --multi-turn"),
+    (["--multi-turn", "--max-turns", "0"], "--max-turns must be >= 1"),
+    # print takes any arguments, so it passes the signature check and the clash is what fails
+    (["--multi-turn", "--custom-generate-function-path", "builtins:print"], "--multi-turn and --custom-generate-function-path"),
+    (["--rm-type", "remote", "--rm-url", "http://127.0.0.1:1/r", "--custom-rm-path", "", "--rm-timeout", "0"], "--rm-timeout > 0"),
+    (["--multi-turn", "--partial-rollout", "--rollout-batch-size", "4", "--over-sampling-batch-size", "8"], "--multi-turn and --partial-rollout"),
 ])
 def test_bad_flags_fail_early(base_dir, flags, msg):
     env = {**os.environ, "NANORL_BASE_DIR": str(base_dir)}
