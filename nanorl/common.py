@@ -137,6 +137,11 @@ def get_logger(run_name, project="nanorl", config=None, master_process=True):
     return wandb.init(project=project, name=run_name, config=config)
 
 
+def eta_min(elapsed_s, progress):
+    """Minutes left, if the rest goes at the pace so far (progress: the fraction done, 0..1)."""
+    return elapsed_s * (1 - progress) / progress / 60 if progress > 0 else float("nan")
+
+
 class Timer:
     """Wall-clock sections for the rollout/ref/train/eval time split."""
     def __init__(self):

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from nanorl import rl
 from nanorl.checkpoint import build_model, load_checkpoint, load_model, save_checkpoint, find_last_step
-from nanorl.common import (Timer, autocast_ctx, compute_cleanup, compute_init, get_base_dir, get_logger, print0)
+from nanorl.common import (Timer, autocast_ctx, eta_min, compute_cleanup, compute_init, get_base_dir, get_logger, print0)
 from nanorl.engine import Engine, Request
 from nanorl.gpt import Critic
 from nanorl.multiturn import TOOLS, make_tool, multi_turn_generate
@@ -736,7 +736,7 @@ def log_step(step, m, dt):
            f"| pg {m['train/pg_loss']:+.4f} | clip {m['train/clipfrac']:.3f} | ppo_kl {m['train/ppo_kl']:+.2e} "
            f"| ent {m['train/entropy']:.3f} | gnorm {m['train/grad_norm']:.3f} | lp_diff {m['train/train_rollout_logprob_abs_diff']:.1e} "
            f"| dropped {int(m.get('rollout/groups_dropped', 0))} | dt {dt:.1f}s (rollout {m.get('time/rollout', 0):.1f}s, "
-           f"idle {m['perf/idle_frac']:.0%})"
+           f"idle {m['perf/idle_frac']:.0%}) | eta {eta_min(time.time() - timer_total, (step + 1 - start_step) / (args.num_rollouts - start_step)):.1f}m"
            + (f" | tools {m['rollout/tool_calls_mean']:.2f} err {m['rollout/tool_errors_mean']:.2f} "
               f"max_turns {m['rollout/max_turns_hit_mean']:.2f}" if args.multi_turn else ""))
     history.append({"step": step + 1, **m})
