@@ -641,6 +641,10 @@ def stop_after_failure(step, n_failed):
 def train_step(step, samples, timer, m):
     """Shape rewards, compute advantages and take --num-steps-per-rollout optimizer steps on this training rank's
     samples -> the step's metrics (added to the rollout's metrics m), averaged over the training ranks."""
+    bad = next((s for s in samples if len(s.rollout_log_probs) != s.response_length), None)
+    if args.use_tis and bad is not None:  # TIS compares against the sampler's log-probs: without them it is garbage
+        raise SystemExit(f"--use-tis needs the rollout's log-probs, but a sample ({bad.metadata}) has {len(bad.rollout_log_probs)} for "
+                         f"{bad.response_length} response tokens: --custom-generate-function-path must fill Sample.rollout_log_probs")
     # reward shaping on the kept samples
     if args.overlong_buffer_len > 0:
         lens = torch.tensor([s.response_length for s in samples], dtype=torch.float32)

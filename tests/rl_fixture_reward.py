@@ -34,3 +34,14 @@ def failing_generate(args, engine, tokenizer, prompts, seeds):
         groups.append([extend_sample(Sample(prompt=p["conversation"], tokens=list(ids), label=p["label"], index=i,
                                             metadata=dict(p["metadata"])), c) for i, c in enumerate(comps)])
     return groups
+
+
+def no_logprob_generate(args, engine, tokenizer, prompts, seeds):
+    """A custom rollout that does not report the sampler's log-probs."""
+    import os
+    os.environ.update(FAIL_AT="1000000", FAIL_RANK="-1", FAIL_MODE="raise")
+    groups = failing_generate(args, engine, tokenizer, prompts, seeds)
+    for g in groups:
+        for s in g:
+            s.rollout_log_probs = []
+    return groups

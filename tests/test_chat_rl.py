@@ -233,3 +233,9 @@ def test_async_two_processes_trains_and_ships_weights_every_step(base_dir):
     assert [h["rollout/max_staleness"] for h in steps] == [0, 1, 1]
     assert len(hist["eval"]) == 2 and set(hist["idle"]) == {"idle_frac_sampling_ranks", "idle_frac_training_ranks"}
     assert (base_dir / "rl_checkpoints" / "async" / "model_000003.pt").exists()
+
+
+def test_tis_without_rollout_logprobs_fails_naming_both_flags(base_dir):
+    gen = f"{ROOT / 'tests' / 'rl_fixture_reward.py'}:no_logprob_generate"
+    out = run_rl(base_dir, "--num-rollouts", "1", "--output-tag", "nolp", "--use-tis", "--custom-generate-function-path", gen, check=False)
+    assert out.returncode != 0 and "--use-tis needs the rollout's log-probs" in out.stderr and "--custom-generate-function-path" in out.stderr
