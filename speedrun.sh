@@ -64,6 +64,8 @@ if [ $TINY = 1 ]; then
     stage tok_eval   $PY -m scripts.tok_eval
     stage base_train $PY -m scripts.base_train --depth 4 --head-dim 64 --max-seq-len 256 --device-batch-size 16 \
         --total-batch-size 4096 --num-iterations $BASE_ITERS --warmdown-ratio 0.3 --eval-every $(( BASE_ITERS / 2 )) --eval-tokens $EVAL_TOK --sample-every $BASE_ITERS --run "$WANDB_RUN"
+    # no CORE offline: the eval bundle is a download, and its 22 tasks would take the tiny run minutes on a CPU
+    stage base_eval  $PY -m scripts.base_eval --eval bpb,sample --device-batch-size 16 --split-tokens $EVAL_TOK
     stage mid_train  $PY -m scripts.mid_train --num-iterations $MID_ITERS --device-batch-size 16 --eval-every $(( MID_ITERS / 2 )) --eval-tokens $EVAL_TOK --num-examples $NUM_EX --run "$WANDB_RUN"
     stage eval_mid   $PY -m scripts.chat_eval -i mid -a offline -x $EVAL_N -m $GEN --levels 1,2
     stage chat_sft   $PY -m scripts.chat_sft --num-iterations $SFT_ITERS --device-batch-size 16 --eval-every $(( SFT_ITERS / 2 )) --eval-tokens $EVAL_TOK --num-examples $NUM_EX --run "$WANDB_RUN"

@@ -14,7 +14,8 @@ import re
 import torch
 
 from nanorl.common import get_base_dir, print0
-from nanorl.gpt import GPTConfig, build_model as build_gpt
+from nanorl.gpt import GPTConfig
+from nanorl.gpt import build_model as build_gpt
 
 
 def _atomic_save(obj, path):
@@ -49,23 +50,32 @@ def find_last_step(checkpoint_dir):
     return steps[-1] if steps else None
 
 
-def save_checkpoint(checkpoint_dir, step, model_state, optim_state=None, meta=None, extra=None, rank=0, keep_last=None):
-    """Rank 0 writes the model and meta; every rank writes its own optimizer shard and extra state."""
+def save_checkpoint(checkpoint_dir, step, model_state, optim_state=None, meta=None, extra=None, rank=0, keep_last=None, group=None):
+    """Rank 0 writes the model and meta; every rank writes its own optimizer shard and extra state.
+    group: the process group of the ranks that save (default all; async RL's training ranks)."""
     os.makedirs(checkpoint_dir, exist_ok=True)
     if optim_state is not None:
         _atomic_save(optim_state, os.path.join(checkpoint_dir, f"optim_{step:06d}_rank{rank}.pt"))
     if extra is not None:
         _atomic_save(extra, os.path.join(checkpoint_dir, f"extra_{step:06d}_rank{rank}.pt"))
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.barrier()  # every rank's files exist before the step is marked complete
+        torch.distributed.barrier(group=group)  # every rank's files exist before the step is marked complete
     if rank == 0:
         _atomic_save(model_state, os.path.join(checkpoint_dir, f"model_{step:06d}.pt"))
         _atomic_json(meta or {}, os.path.join(checkpoint_dir, f"meta_{step:06d}.json"))  # last: marks it complete
         if keep_last:
             for old in complete_steps(checkpoint_dir)[:-keep_last]:
-                for p in glob.glob(os.path.join(checkpoint_dir, f"*_{old:06d}*")):
-                    os.remove(p)
+                delete_step(checkpoint_dir, old)
         print0(f"saved checkpoint step {step} to {checkpoint_dir}")
+
+
+def delete_step(checkpoint_dir, step):
+    # meta first: the step stops counting as complete before its other files go
+    meta = os.path.join(checkpoint_dir, f"meta_{step:06d}.json")
+    if os.path.exists(meta):
+        os.remove(meta)
+    for p in glob.glob(os.path.join(checkpoint_dir, f"*_{step:06d}*")):
+        os.remove(p)
 
 
 def _load(path, device):

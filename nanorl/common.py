@@ -1,6 +1,7 @@
 """
 Small shared utilities: distributed init, device and dtype, printing, paths, logging.
 """
+import datetime
 import os
 import time
 from contextlib import nullcontext
@@ -41,8 +42,9 @@ def get_dist_info():
     return False, 0, 0, 1
 
 
-def compute_init(device_type=None, seed=42):
-    """Init torch.distributed when launched by torchrun (nccl on CUDA, gloo otherwise), pick the device, seed RNGs."""
+def compute_init(device_type=None, seed=42, timeout_s=None):
+    """Init torch.distributed when launched by torchrun (nccl on CUDA, gloo otherwise), pick the device, seed RNGs.
+    timeout_s: how long a collective waits for a missing rank before failing (torch's default: 10 min)."""
     device_type = device_type or autodetect_device_type()
     if device_type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device-type cuda was asked for but torch sees no CUDA GPU")
@@ -54,13 +56,14 @@ def compute_init(device_type=None, seed=42):
         torch.backends.cudnn.allow_tf32 = True
     ddp, rank, local_rank, world_size = get_dist_info()
     if ddp:
+        kw = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s else {}
         if device_type == "cuda":
             device = torch.device("cuda", local_rank)
             torch.cuda.set_device(device)
-            dist.init_process_group(backend="nccl", device_id=device)
+            dist.init_process_group(backend="nccl", device_id=device, **kw)
         else:
             device = torch.device(device_type)
-            dist.init_process_group(backend="gloo")
+            dist.init_process_group(backend="gloo", **kw)
         dist.barrier()
     else:
         device = torch.device(device_type)
@@ -132,6 +135,11 @@ def get_logger(run_name, project="nanorl", config=None, master_process=True):
     except ImportError as e:
         raise RuntimeError(f"--run {run_name!r} asks for wandb logging but wandb is not installed; use --run dummy") from e
     return wandb.init(project=project, name=run_name, config=config)
+
+
+def eta_min(elapsed_s, progress):
+    """Minutes left, if the rest goes at the pace so far (progress: the fraction done, 0..1)."""
+    return elapsed_s * (1 - progress) / progress / 60 if progress > 0 else float("nan")
 
 
 class Timer:

@@ -1,19 +1,136 @@
 """
 Where pretraining text comes from: a local directory of parquet/jsonl/txt files, or (with nothing given
 and nothing downloaded) the built-in offline synthetic curriculum.
+
+    python -m nanorl.dataset -n 8          # download FineWeb-Edu shards 0..7 into <base>/base_data
+
+The shards are the ones nanochat trained on before its ClimbMix switch: FineWeb-Edu 100B tokens,
+shuffled and repacked into 1,823 parquet files of ~100 MB (shard_00000 .. shard_01822). The last file
+of a directory is the validation split, so `-n 8` gives 7 train shards and 1 val shard.
 """
+import argparse
+import fcntl
 import glob
 import json
 import os
+import socket
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 from nanorl.common import get_base_dir, print0
 
 TEXT_EXTS = (".parquet", ".jsonl", ".txt")
+BASE_URL = "https://huggingface.co/datasets/karpathy/fineweb-edu-100b-shuffle/resolve/main"
+NUM_SHARDS = 1823  # shard_00000.parquet .. shard_01822.parquet
 
 
 def default_data_dir():
     return os.path.join(get_base_dir(), "base_data")
 
+
+def shard_name(index):
+    return f"shard_{index:05d}.parquet"
+
+
+# -----------------------------------------------------------------------------------------------------
+# Downloading: one file at a time, safe against crashes (temp file + rename) and against other processes
+# (a lock per file), with retries for the network's bad moments.
+
+def _is_permanent(e):
+    """Errors a retry cannot fix: no such file/page, or no DNS at all (offline). Fail fast on those."""
+    if isinstance(e, urllib.error.HTTPError):
+        return 400 <= e.code < 500 and e.code not in (408, 429)
+    reason = getattr(e, "reason", e)
+    return isinstance(reason, (FileNotFoundError, socket.gaierror))
+
+
+def parquet_ok(path):
+    """A downloaded shard is kept only if pyarrow can read its footer (a truncated file has none) and it has text."""
+    import pyarrow.parquet as pq
+    if "text" not in pq.read_schema(path).names:  # raises on a truncated/garbled file
+        raise ValueError(f"{path} has no 'text' column")
+
+
+@contextmanager
+def file_lock(path):
+    """Hold an exclusive fcntl lock on path + ".lock" (other processes block here until it is released)."""
+    with open(path + ".lock", "w") as lock:  # the lock file stays: deleting it would race a waiting process
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield  # closing the file releases the lock, also when the body raises
+
+
+def download_file(url, path, opener=urllib.request.urlopen, attempts=5, backoff=2.0, validate=None, timeout=60):
+    """Fetch url into path and return path; a file already at path is kept as is.
+
+    The bytes go to a temp file in the same directory, are checked (length against Content-Length, then
+    validate(tmp_path)), fsynced and renamed, so path is either absent or complete. An fcntl lock on
+    path + ".lock" makes concurrent callers (DDP ranks, parallel scripts) download once: the others wait,
+    then find the file and return. opener(url, timeout=...) -> file-like response; injectable for tests."""
+    path = os.fspath(path)
+    if os.path.exists(path):
+        return path
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with file_lock(path):
+        if os.path.exists(path):  # someone else downloaded it while we waited
+            return path
+        tmp = f"{path}.tmp{os.getpid()}"
+        for attempt in range(1, attempts + 1):
+            try:
+                with opener(url, timeout=timeout) as response, open(tmp, "wb") as f:
+                    expected = getattr(response, "headers", {}).get("Content-Length")
+                    nbytes = 0
+                    while chunk := response.read(1 << 20):
+                        f.write(chunk)
+                        nbytes += len(chunk)
+                    if expected is not None and nbytes != int(expected):
+                        raise OSError(f"truncated: got {nbytes:,} of {int(expected):,} bytes")
+                    f.flush()
+                    os.fsync(f.fileno())
+                if validate is not None:
+                    validate(tmp)
+                os.replace(tmp, path)
+                return path
+            except Exception as e:
+                if os.path.exists(tmp):
+                    os.remove(tmp)
+                if attempt == attempts or _is_permanent(e):
+                    raise RuntimeError(f"could not download {url} to {path} ({attempt} attempt(s)): "
+                                       f"{type(e).__name__}: {e}") from e
+                wait = backoff ** attempt
+                print0(f"attempt {attempt}/{attempts} for {os.path.basename(path)} failed ({type(e).__name__}: {e}); "
+                       f"retrying in {wait:.0f}s")
+                time.sleep(wait)
+
+
+def download_shards(indices, data_dir=None, base_url=BASE_URL, workers=4, opener=urllib.request.urlopen, backoff=2.0):
+    """Download shards (skipping those present) with `workers` threads. -> {shard name: error} of the failures."""
+    data_dir = data_dir or default_data_dir()
+    os.makedirs(data_dir, exist_ok=True)
+
+    def one(i):
+        name = shard_name(i)
+        path = os.path.join(data_dir, name)
+        if os.path.exists(path):
+            print0(f"{name}: already present, skipping")
+            return name, None
+        try:
+            download_file(f"{base_url}/{name}", path, opener=opener, backoff=backoff, validate=parquet_ok)
+            print0(f"{name}: downloaded ({os.path.getsize(path) / 1e6:.1f} MB)")
+            return name, None
+        except RuntimeError as e:
+            return name, str(e)
+
+    with ThreadPoolExecutor(max(1, workers)) as pool:  # I/O bound: threads are enough
+        results = list(pool.map(one, indices))
+    return {name: err for name, err in results if err}
+
+
+# -----------------------------------------------------------------------------------------------------
+# Reading
 
 def list_data_files(data_dir):
     if not os.path.isdir(data_dir):
@@ -32,19 +149,27 @@ def split_files(files, split):
 
 
 def iter_file_texts(path):
-    """Yield the text documents of one file; a bad row is skipped with a warning, never a crash."""
+    """Yield the text documents of one file. A file that cannot be opened, or a bad row group / row, is
+    skipped with a warning naming it: one corrupt shard must not kill a long run."""
+    try:
+        if path.endswith(".parquet"):
+            import pyarrow.parquet as pq
+            pf = pq.ParquetFile(path)
+        else:
+            f = open(path, encoding="utf-8", errors="replace")  # noqa: SIM115 - closed by the `with f` below
+    except Exception as e:  # noqa: BLE001 - whatever is wrong with the file, the run goes on without it
+        print0(f"warning: skipping {path}: cannot open it ({type(e).__name__}: {e})")
+        return
     if path.endswith(".parquet"):
-        import pyarrow.parquet as pq
-        pf = pq.ParquetFile(path)
         for rg in range(pf.num_row_groups):
             try:
                 column = pf.read_row_group(rg, columns=["text"]).column("text").to_pylist()
-            except Exception as e:  # a corrupt row group: skip it, keep the run alive
+            except Exception as e:  # noqa: BLE001 - a corrupt row group: skip it, keep the run alive
                 print0(f"warning: skipping row group {rg} of {path}: {type(e).__name__}: {e}")
                 continue
             yield from (t for t in column if t)
     elif path.endswith(".jsonl"):
-        with open(path, encoding="utf-8") as f:
+        with f:
             for lineno, line in enumerate(f, 1):
                 if not line.strip():
                     continue
@@ -53,7 +178,7 @@ def iter_file_texts(path):
                 except (json.JSONDecodeError, KeyError, TypeError):
                     print0(f"warning: skipping {path}:{lineno}: not a JSON object with a 'text' field")
     else:
-        with open(path, encoding="utf-8", errors="replace") as f:
+        with f:
             # documents are separated by blank lines
             yield from (d.strip() for d in f.read().split("\n\n") if d.strip())
 
@@ -68,13 +193,44 @@ def iter_documents(split="train", data_dir=None, seed=0):
         return
     files = split_files(list_data_files(data_dir), split)
     while True:  # loop over the data forever; callers decide how much they take
+        ndocs = 0
         for path in files:
-            yield from iter_file_texts(path)
+            for text in iter_file_texts(path):
+                ndocs += 1
+                yield text
         if split != "train":
             return
+        if ndocs == 0:  # every file was unreadable or empty: looping again would spin forever
+            raise RuntimeError(f"no readable documents in the {split} files of {data_dir}: {files}")
 
 
 def describe_source(data_dir=None):
     if data_dir is None and os.path.isdir(default_data_dir()) and glob.glob(os.path.join(default_data_dir(), "*.parquet")):
         data_dir = default_data_dir()
     return f"files in {data_dir}" if data_dir else "the offline synthetic curriculum (no data downloaded)"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="Download FineWeb-Edu pretraining shards")
+    parser.add_argument("-n", "--num-files", type=int, default=-1, help=f"shards 0..n-1 to download (-1 = all {NUM_SHARDS})")
+    parser.add_argument("-w", "--num-workers", type=int, default=4, help="parallel downloads")
+    parser.add_argument("--data-dir", default=None, help="where the shards go (default <base>/base_data)")
+    parser.add_argument("--base-url", default=BASE_URL, help="where the shards come from (a mirror, or file:///dir)")
+    args = parser.parse_args(argv)
+    if args.num_files == 0 or args.num_files < -1 or args.num_files > NUM_SHARDS:
+        parser.error(f"-n {args.num_files}: must be between 1 and {NUM_SHARDS}, or -1 for all")
+    if args.num_workers < 1:
+        parser.error(f"-w {args.num_workers}: need at least 1 worker")
+    n = NUM_SHARDS if args.num_files == -1 else args.num_files
+    data_dir = args.data_dir or default_data_dir()
+    print0(f"downloading {n} shard(s) from {args.base_url} to {data_dir} with {args.num_workers} worker(s)")
+    failed = download_shards(range(n), data_dir, args.base_url, args.num_workers)
+    for name, err in failed.items():
+        print(f"FAILED {name}: {err}", file=sys.stderr)
+    if failed:
+        sys.exit(f"{len(failed)} of {n} shard(s) failed: {', '.join(sorted(failed))}; rerun to retry them (the others are kept)")
+    print0(f"done: {n} shard(s) in {data_dir}")
+
+
+if __name__ == "__main__":
+    main()

@@ -45,6 +45,11 @@ class Request:
     seed: int = None  # None: drawn from torch's global RNG (so torch.manual_seed makes a run reproducible)
     stop_tokens: list = None  # None: <|assistant_end|> and <|bos|>; [] never stops before max_tokens
     use_tools: bool = True
+    # continuing an aborted sample (partial rollouts): prompt_ids = its prompt + the tokens it has, first_sample = its
+    # index in the original request and start_counter = how many tokens it drew, so its random stream picks up where
+    # it stopped and the continuation equals an uninterrupted run
+    first_sample: int = 0
+    start_counter: int = 0
 
 
 @dataclass
@@ -390,6 +395,8 @@ class Engine:
             raise ValueError(f"top_k must be >= 1 (or None), got {r.top_k}")
         if r.top_p is not None and not 0 < r.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1] (or None), got {r.top_p}")
+        if not (isinstance(r.first_sample, int) and isinstance(r.start_counter, int) and r.first_sample >= 0 and r.start_counter >= 0):
+            raise ValueError(f"first_sample and start_counter must be ints >= 0, got {r.first_sample}, {r.start_counter}")
 
     def _submit(self, requests, stream):
         for r in requests:
@@ -400,7 +407,7 @@ class Engine:
             h = Handle(self, r, stops, stream)
             seed = int(torch.randint(0, 2**62, ()).item()) if r.seed is None else r.seed
             base = _mix64(seed)
-            samples += [_Sample(h, j, _mix64(base + j)) for j in range(r.num_samples)]
+            samples += [_Sample(h, j, _mix64(base + r.first_sample + j)) for j in range(r.num_samples)]
             handles.append(h)
         with self.lock:
             self.pending.extend(samples)
@@ -506,7 +513,7 @@ class Engine:
         self.top_k[rows] = torch.tensor([min(r.top_k or V, V) for r in reqs], device=dev)
         self.top_p[rows] = torch.tensor([float(r.top_p or 1.0) for r in reqs], device=dev)
         self.seed[rows] = torch.tensor([_signed64(s.row_seed) for s in samples], device=dev)
-        self.counter[rows] = 0
+        self.counter[rows] = torch.tensor([s.handle.request.start_counter for s in samples], device=dev)
         self.free[rows] = False
 
     def _decode(self, busy):

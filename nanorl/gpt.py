@@ -7,6 +7,7 @@ The nanorl GPT: one small, modern decoder-only transformer.
 - three attention paths: plain causal; packed rows with document masking (several documents in a row
   attend only within themselves, positions restart per document); and a KV cache for the engine
 """
+import copy
 import math
 from dataclasses import dataclass, asdict
 
@@ -352,6 +353,25 @@ class GPT(nn.Module):
         if max_len > self.config.sequence_len:
             raise ValueError(f"KV cache length {max_len} exceeds the model's context {self.config.sequence_len}")
         return KVCache(self.config.n_layer, batch_size, self.config.n_kv_head, max_len, self.head_dim, dev, dtype)
+
+
+class Critic(nn.Module):
+    """
+    PPO's value model V(prefix) -> (B, T): a separate copy of the policy's transformer with a scalar head in
+    place of the unembedding. Separate, not a head on the policy's trunk, so the value loss never moves the
+    policy (no value-loss coefficient to tune against the policy loss) and every other estimator trains the
+    policy exactly as without a critic; the price is a second copy of the weights.
+    """
+    def __init__(self, policy):
+        super().__init__()
+        self.gpt = copy.deepcopy(policy)
+        del self.gpt.lm_head  # the value head replaces it
+        self.value_head = nn.Linear(policy.config.n_embd, 1)
+        nn.init.zeros_(self.value_head.weight)  # V = 0 at the start: the first advantages are the plain returns
+        nn.init.zeros_(self.value_head.bias)
+
+    def forward(self, idx, doc_ids=None):
+        return self.value_head(self.gpt.hidden_states(idx, doc_ids=doc_ids)).squeeze(-1).float()
 
 
 def build_model(config, device):

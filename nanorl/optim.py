@@ -34,11 +34,11 @@ class MuonAdamW(torch.optim.Optimizer):
         super().__init__(param_groups, defaults={})
 
     @torch.no_grad()
-    def average_gradients(self):
-        """All-reduce (mean) every gradient across ranks, one flat buffer per dtype to keep calls few.
-        step() calls it, unless the caller already did (gradient clipping must see the averaged gradients)."""
+    def average_gradients(self, group=None):
+        """All-reduce (mean) every gradient across ranks (of `group`, default all), one flat buffer per dtype to keep
+        calls few. step() calls it, unless the caller already did (gradient clipping must see the averaged gradients)."""
         self._averaged = True
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
             return
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
         by_dtype = {}
@@ -46,8 +46,8 @@ class MuonAdamW(torch.optim.Optimizer):
             by_dtype.setdefault(gr.dtype, []).append(gr)
         for same in by_dtype.values():
             flat = torch.cat([gr.reshape(-1) for gr in same])
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-            flat /= dist.get_world_size()
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+            flat /= dist.get_world_size(group)
             off = 0
             for gr in same:
                 gr.copy_(flat[off:off + gr.numel()].view_as(gr))

@@ -43,19 +43,21 @@ def masked_whiten(x, mask, shift_mean=True, eps=1e-8, distributed=False):
     shift_mean=False adds the mean back (only rescales).
     distributed=True (and torch.distributed initialized): the sums and counts are
     all-reduced so that mean and var are those of the batch concatenated over all
-    ranks; in that case the statistics are constants for autograd.
+    ranks; in that case the statistics are constants for autograd. A process group in
+    place of True reduces over that group's ranks only (async RL's training ranks).
     """
-    reduce = distributed and dist.is_available() and dist.is_initialized()
+    reduce = distributed is not False and distributed is not None and dist.is_available() and dist.is_initialized()
+    group = None if distributed is True else distributed
     stats = torch.stack([masked_sum(x, mask), mask.to(x.dtype).sum()])
     if reduce:
         stats = stats.detach().clone()
-        dist.all_reduce(stats)
+        dist.all_reduce(stats, group=group)
     total, count = stats[0], stats[1]
     mean = total / count.clamp(min=1)
     sq = masked_sum((x - mean) ** 2, mask)
     if reduce:
         sq = sq.detach().clone()
-        dist.all_reduce(sq)
+        dist.all_reduce(sq, group=group)
     var = sq / (count - 1).clamp(min=1)
     out = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:

@@ -140,9 +140,10 @@ def pop_first(buffer, n):
 
 
 class RolloutBuffer:
-    """Groups generated beyond what one rollout needed, kept for the next one (nothing sampled is wasted)."""
+    """Groups generated beyond what one rollout needed, kept for the next one (nothing sampled is wasted).
+    `partial` holds the groups a partial rollout aborted mid-generation, to be continued first next time."""
     def __init__(self, buffer_filter=pop_first):
-        self.groups = []
+        self.groups, self.partial = [], []
         self.buffer_filter = buffer_filter
 
     def add(self, groups):
@@ -155,20 +156,51 @@ class RolloutBuffer:
     def __len__(self):
         return len(self.groups)
 
+    def take_partial(self):
+        taken, self.partial = self.partial, []
+        return taken
+
     def state_dict(self):
-        return {"groups": [[s.to_dict() for s in g] for g in self.groups]}
+        return {"groups": [[s.to_dict() for s in g] for g in self.groups],
+                "partial": [[s.to_dict() for s in g] for g in self.partial]}
 
     def load_state_dict(self, state):
         self.groups = [[Sample(**d) for d in g] for g in state["groups"]]
+        self.partial = [[Sample(**d) for d in g] for g in state.get("partial", [])]
 
 
-def fill_rollout(target_groups, buffer, make_groups, group_filter, max_rounds=8):
+def extend_sample(s, completion, python_start=None, output_end=None):
+    """Append an engine Completion to a Sample. An aborted one keeps only what can be continued exactly: if it
+    stopped inside a tool call (the call's forced output not all fed in), the call is cut and the model redoes it."""
+    s.tokens += completion.tokens
+    s.response_length += len(completion.tokens)
+    s.loss_mask += completion.mask
+    s.rollout_log_probs += completion.logprobs
+    s.status = completion.status
+    if s.status == ABORTED:
+        response = s.tokens[s.prompt_length:]
+        open_at = None
+        for i, t in enumerate(response):
+            if t == python_start:
+                open_at = i
+            elif t == output_end:
+                open_at = None
+        if open_at is not None:
+            cut = s.response_length - open_at
+            del s.tokens[-cut:], s.loss_mask[-cut:], s.rollout_log_probs[-cut:]
+            s.response_length = open_at
+    return s
+
+
+def fill_rollout(target_groups, buffer, make_groups, group_filter, max_rounds=8, stop_when_full=False):
     """
     Collect `target_groups` groups that pass `group_filter`: first from the buffer (surplus of the last
     rollout), then by calling make_groups() (which over-samples a batch of prompts) until full.
     Surplus goes back to the buffer. If max_rounds of over-sampling still leave the batch short (a model
     that gets everything wrong early in training), the batch is topped up with dropped groups rather than
     looping forever, and stats["groups_unfiltered_fill"] says how many.
+    stop_when_full (partial rollouts): make_groups() yields groups as they finish; once the batch is full the
+    round is closed, which aborts and parks what is still generating.
     Returns (groups, stats) where stats counts what was dropped and why.
     """
     stats = {"groups_generated": 0, "groups_from_buffer": 0, "groups_dropped": 0, "rounds": 0, "groups_unfiltered_fill": 0}
@@ -178,16 +210,23 @@ def fill_rollout(target_groups, buffer, make_groups, group_filter, max_rounds=8)
         kept.append(g)
     while len(kept) < target_groups and stats["rounds"] < max_rounds:
         stats["rounds"] += 1
-        for g in make_groups():
-            stats["groups_generated"] += 1
-            keep, reason = group_filter(g)
-            if keep:
-                kept.append(g)
-            else:
-                dropped.append(g)
-                stats["groups_dropped"] += 1
-                key = f"dropped_{reason or 'filter'}"
-                stats[key] = stats.get(key, 0) + 1
+        groups = make_groups()
+        try:
+            for g in groups:
+                stats["groups_generated"] += 1
+                keep, reason = group_filter(g)
+                if keep:
+                    kept.append(g)
+                else:
+                    dropped.append(g)
+                    stats["groups_dropped"] += 1
+                    key = f"dropped_{reason or 'filter'}"
+                    stats[key] = stats.get(key, 0) + 1
+                if stop_when_full and len(kept) >= target_groups:
+                    break
+        finally:
+            if hasattr(groups, "close"):  # a generator: closing it aborts and parks what is in flight
+                groups.close()
     if len(kept) < target_groups:
         fill = dropped[:target_groups - len(kept)]
         stats["groups_unfiltered_fill"] = len(fill)
@@ -195,6 +234,38 @@ def fill_rollout(target_groups, buffer, make_groups, group_filter, max_rounds=8)
         kept.extend(fill)
     buffer.add(kept[target_groups:])
     return kept[:target_groups], stats
+
+
+# -----------------------------------------------------------------------------------------------
+# rewards
+
+def set_rewards(groups, scored, results, on_failure="drop"):
+    """
+    Give the samples `scored` (drawn from `groups`) their rewards from `results`, a (value, error) pair each.
+    A failed reward (value None) is never trained on with on_failure="drop": its loss mask is zeroed and it
+    takes the mean reward of its group's good samples, so its advantage is 0 and the others' baseline is not
+    biased. With on_failure="zero" it is an ordinary sample with reward 0.0. Returns the failed samples;
+    each carries its error in metadata["reward_error"].
+    """
+    if on_failure not in ("drop", "zero"):
+        raise ValueError(f"on_failure must be 'drop' or 'zero', got {on_failure!r}")
+    failed = []
+    for s, (value, err) in zip(scored, results, strict=True):
+        if value is None:
+            failed.append(s)
+            s.metadata["reward_error"] = err
+            if on_failure == "zero":
+                value = 0.0
+            else:
+                s.loss_mask = [0] * s.response_length
+        s.reward = value
+    for group in groups:
+        valid = [s.scalar_reward() for s in group if s.reward is not None]
+        fill = sum(valid) / len(valid) if valid else 0.0
+        for s in group:
+            if s.reward is None:
+                s.reward = fill
+    return failed
 
 
 # -----------------------------------------------------------------------------------------------

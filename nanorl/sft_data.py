@@ -229,7 +229,7 @@ def eval_loss(model, loader, max_batches, autocast):
 def train(args, stage, hub_mixture, offline_mixture):
     """Load the source checkpoint, train on packed conversations, evaluate, save, write the report section."""
     from nanorl.checkpoint import find_last_step, load_checkpoint, load_model, save_checkpoint
-    from nanorl.common import autocast_ctx, compute_cleanup, compute_init, get_base_dir, get_logger, print0
+    from nanorl.common import autocast_ctx, eta_min, compute_cleanup, compute_init, get_base_dir, get_logger, print0
     from nanorl.optim import build_optimizer
     from nanorl.report import log_section
 
@@ -330,7 +330,7 @@ def train(args, stage, hub_mixture, offline_mixture):
         smooth = step_loss if smooth is None else 0.9 * smooth + 0.1 * step_loss
         if step % 10 == 0 or step == 1:
             print0(f"step {step:5d} | loss {step_loss:.4f} (ema {smooth:.4f}) | lrm {lrm:.3f} | progress {progress:.3f} "
-                   f"| {dt * 1000:.0f} ms | padding {loader.padding_fraction():.1%}")
+                   f"| {dt * 1000:.0f} ms | padding {loader.padding_fraction():.1%} | eta {eta_min(train_time, progress):.1f}m")
         logger.log({"step": step, "train/loss": step_loss, "train/lrm": lrm, "train/progress": progress})
         if args.save_every > 0 and step % args.save_every == 0 and not get_progress() >= 1.0:
             save(step)  # (the last step is saved below, once)

@@ -13,9 +13,8 @@ import time
 
 import torch
 
-from nanorl.checkpoint import find_last_step, load_checkpoint, save_checkpoint
-from nanorl.common import (autocast_ctx, compute_cleanup, compute_init, get_base_dir, get_logger, get_peak_flops, print0,
-                           synchronize)
+from nanorl.checkpoint import delete_step, find_last_step, load_checkpoint, save_checkpoint
+from nanorl.common import autocast_ctx, compute_cleanup, compute_init, get_base_dir, get_logger, get_peak_flops, print0, synchronize
 from nanorl.dataloader import PretrainLoader
 from nanorl.dataset import describe_source
 from nanorl.gpt import build_model, config_from_depth
@@ -85,16 +84,20 @@ train_loader = PretrainLoader(tokenizer, args.device_batch_size, args.max_seq_le
 compiled = model if (args.no_compile or device.type != "cuda") else torch.compile(model, dynamic=False)
 autocast = autocast_ctx(device.type)
 logger = get_logger(args.run, project="nanorl", config=vars(args), master_process=master)
-meta = {"model_config": config.to_dict(), "model_tag": model_tag, "train_args": vars(args)}
+meta = {"model_config": config.to_dict(), "model_tag": model_tag, "train_args": vars(args), "world_size": world_size}
 
 start_step = 0
 if args.resume:
     last = find_last_step(ckpt_dir)
     if last is None:
         raise SystemExit(f"--resume: no checkpoint in {ckpt_dir}")
-    model_state, optim_state, old_meta, extra = load_checkpoint(ckpt_dir, last, device, load_optimizer=True, rank=rank)
+    _, _, old_meta, _ = load_checkpoint(ckpt_dir, last, "cpu")  # meta first: check before reading per-rank files
     if old_meta["model_config"] != config.to_dict():
         raise SystemExit(f"--resume: the checkpoint's model config {old_meta['model_config']} differs from this run's {config.to_dict()}")
+    if old_meta.get("world_size", 1) != world_size:  # the data order is sharded by rank: it cannot be re-split
+        raise SystemExit(f"--resume: step {last} in {ckpt_dir} was written by {old_meta.get('world_size', 1)} rank(s), "
+                         f"this run has {world_size}; resume with --nproc_per_node={old_meta.get('world_size', 1)}")
+    model_state, optim_state, _, extra = load_checkpoint(ckpt_dir, last, device, load_optimizer=True, rank=rank)
     model.load_state_dict(model_state)
     optimizer.load_state_dict(optim_state)
     train_loader.load_state_dict(extra["loader"])
@@ -154,6 +157,7 @@ def sample(prompt, max_tokens=32):
 peak = get_peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
 model.train()
 losses, val_bpb, t_train, min_val = [], None, 0.0, float("inf")
+saved_step = None  # the step of the checkpoint this run wrote last
 t_start = time.time()
 for step in range(start_step, num_iterations + 1):
     last_step = step == num_iterations
@@ -167,6 +171,7 @@ for step in range(start_step, num_iterations + 1):
             print0(f"  sample: {sample(p)!r}")
     if last_step or (args.save_every > 0 and step > start_step and step % args.save_every == 0):
         save(step)
+        saved_step = step
     if last_step:
         break
     synchronize(device.type)
@@ -184,10 +189,20 @@ for step in range(start_step, num_iterations + 1):
         g["lr"] = g["initial_lr"] * mult
     optimizer.step()
     model.zero_grad(set_to_none=True)
-    loss_val = loss.item()  # one host sync per step, for the log line and the NaN check
+    loss_t = loss.detach().float()
+    if ddp:  # every rank must see the same verdict, or one stops while the others wait in the next all-reduce
+        torch.distributed.all_reduce(loss_t)
+        loss_t /= world_size
+    loss_val = loss_t.item()  # one host sync per step, for the log line and the NaN check
     if not math.isfinite(loss_val):
-        raise SystemExit(f"step {step}: loss is {loss_val}; stopping. The last good checkpoint in {ckpt_dir} is kept; "
-                         f"lower the LRs or resume from it")
+        if saved_step == step and master:  # saved just before this step: its weights are the ones that blew up
+            delete_step(ckpt_dir, step)
+        if ddp:
+            torch.distributed.barrier()  # the other ranks name the same surviving step
+        good = find_last_step(ckpt_dir)
+        kept = f"The last good checkpoint, step {good} in {ckpt_dir}, is kept" if good is not None else "No checkpoint was written before it"
+        raise SystemExit(f"step {step + 1}/{num_iterations}: training loss is {loss_val}; stopping. {kept}. "
+                         f"Lower the LRs (or raise the warmup) and rerun{' with --resume' if good is not None else ''}")
     synchronize(device.type)
     dt = time.time() - t0
     if step > start_step + 2:

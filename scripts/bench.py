@@ -3,6 +3,8 @@ Benchmarks on a random-init model of a given size: print the numbers, then one f
 
     python -m scripts.bench decode --depth 20 --batch 256 --prompt-len 128 --new-tokens 512
     python -m scripts.bench decode --depth 2 --batch 4 --prompt-len 32 --new-tokens 32 --vocab-size 4096 --threads 1  # CPU
+    python -m scripts.bench train --depth 20 --batch 32 --seq-len 2048
+    python -m scripts.bench train --depth 2 --batch 4 --seq-len 64 --head-dim 64 --vocab-size 4096 --threads 1  # CPU
     python -m scripts.bench rl --depth 20 --prompts 16 --samples 16 --prompt-len 150 --new-tokens 256
     python -m scripts.bench rl --depth 2 --prompts 4 --samples 4 --prompt-len 32 --new-tokens 32 --vocab-size 4096 --threads 1  # CPU
 """
@@ -13,14 +15,83 @@ import time
 
 import torch
 
-from nanorl.common import autodetect_device_type, get_peak_bandwidth, synchronize
+from nanorl.common import autocast_ctx, autodetect_device_type, get_peak_bandwidth, get_peak_flops, synchronize
 
 
-def device_name_and_peak_memory(device_type):
-    """The device's name and its peak memory in GB: CUDA's allocator peak, else the whole process's peak RSS."""
+def peak_memory_gb(device_type):
     if device_type == "cuda":
-        return torch.cuda.get_device_name(), torch.cuda.max_memory_allocated() / 1e9
-    return device_type, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # Linux reports KiB
+        return torch.cuda.max_memory_allocated() / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # peak RSS of the whole process (Linux: KiB)
+
+
+def bench_train(args):
+    """Throughput of base_train's step on random tokens: forward + backward under bf16 autocast (CUDA), gradient
+    clipping, a MuonAdamW step; the model is torch.compile'd on CUDA. Warm-up steps (compilation, allocator) are
+    not timed. MFU = estimate_flops() per token x tokens/s over the GPU's peak bf16 FLOP/s."""
+    from nanorl.gpt import build_model, config_from_depth
+    from nanorl.optim import build_optimizer
+
+    device_type = args.device_type or autodetect_device_type()
+    device = torch.device(device_type)
+    B, T = args.batch, args.seq_len
+    if min(B, T, args.steps) < 1 or args.warmup < 0:
+        raise SystemExit("--batch, --seq-len and --steps must be >= 1, --warmup >= 0")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    cfg = config_from_depth(args.depth, args.vocab_size, sequence_len=T, head_dim=args.head_dim, n_kv_head=args.n_kv_head)
+    model = build_model(cfg, device)
+    model.train()
+    optimizer = build_optimizer(model)
+    compile_it = device_type == "cuda" and not args.no_compile
+    compiled = torch.compile(model, dynamic=False) if compile_it else model
+    autocast = autocast_ctx(device_type)
+    tokens = torch.randint(0, args.vocab_size, (B, T + 1), generator=torch.Generator().manual_seed(1)).to(device)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+
+    def step():
+        with autocast:
+            loss = compiled(x, targets=y)
+        loss.backward()
+        if args.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        optimizer.step()
+        model.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    t0 = time.perf_counter()
+    for _ in range(args.warmup):
+        step()
+    synchronize(device_type)
+    warmup_s = time.perf_counter() - t0
+    if device_type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    name = torch.cuda.get_device_name() if device_type == "cuda" else device_type
+    peak = get_peak_flops(name) if device_type == "cuda" else None
+    flops_per_token = model.estimate_flops()
+    print(f"train | {name} | depth {args.depth} ({model.num_params() / 1e6:.1f}M params) | batch {B} x seq {T} = {B * T:,} tokens/step | "
+          f"compiled {'yes' if compile_it else 'no'} | {'bf16 autocast' if device_type == 'cuda' else 'fp32'} | "
+          f"warm-up {args.warmup} steps {warmup_s:.1f}s")
+    print(f"{'step':>5} | {'ms':>9} | {'tok/s':>12} | {'loss':>8}")
+    times, losses = [], []
+    for i in range(args.steps):
+        synchronize(device_type)
+        t0 = time.perf_counter()
+        loss = step()
+        synchronize(device_type)
+        times.append(time.perf_counter() - t0)
+        losses.append(loss.item())  # after the timer: the sync it costs is not the step's
+        print(f"{i + 1:>5} | {times[-1] * 1e3:>9.2f} | {B * T / times[-1]:>12,.0f} | {losses[-1]:>8.4f}")
+    tok_s = B * T * len(times) / sum(times)
+    mfu = flops_per_token * tok_s / peak if peak else None
+    peak_mem = peak_memory_gb(device_type)
+    print(f"mean {sum(times) / len(times) * 1e3:.2f} ms/step, {tok_s:,.0f} tok/s, {flops_per_token:.3e} FLOPs/token, "
+          f"peak memory {peak_mem:.2f} GB; " + (f"MFU {mfu:.1%}" if mfu is not None else "MFU: n/a (no peak FLOP/s known for this device)"))
+    print(json.dumps({"bench": "train", "device": name, "depth": args.depth, "params": model.num_params(), "batch": B, "seq_len": T,
+                      "n_head": cfg.n_head, "n_kv_head": cfg.n_kv_head, "compiled": compile_it, "warmup": args.warmup,
+                      "steps": args.steps, "ms_per_step": round(sum(times) / len(times) * 1e3, 3), "tok_per_s": round(tok_s, 1),
+                      "flops_per_token": flops_per_token, "mfu": None if mfu is None else round(mfu, 4),
+                      "peak_mem_gb": round(peak_mem, 3), "loss_first": round(losses[0], 4), "loss_last": round(losses[-1], 4)}))
 
 
 def bench_decode(args):
@@ -73,7 +144,8 @@ def bench_decode(args):
     kv_per_token = (engine.cache.k.nbytes + engine.cache.v.nbytes) // (B * engine.max_len)  # all layers, K and V
     kv_step = B * (P + N / 2) * kv_per_token
     step_bytes = weight_bytes + kv_step
-    name, peak_mem = device_name_and_peak_memory(device_type)
+    peak_mem = peak_memory_gb(device_type)
+    name = torch.cuda.get_device_name() if device_type == "cuda" else device_type
     bw = get_peak_bandwidth(name) if device_type == "cuda" else None
     mbu = step_bytes / (ms_step / 1e3) / bw if bw and N > 1 else None
 
@@ -98,7 +170,6 @@ def bench_rl(args):
     forced to the full --new-tokens, the worst case of a GSM8K rollout), rewards, advantages, the policy loss
     over micro-batches and one optimizer step. Time split rollout / train, tok/s of each, peak memory."""
     from nanorl import rl
-    from nanorl.common import autocast_ctx
     from nanorl.engine import Engine, Request
     from nanorl.gpt import build_model, config_from_depth
     from nanorl.optim import build_optimizer
@@ -172,7 +243,8 @@ def bench_rl(args):
     t_roll = sum(r[0] for r in runs) / len(runs)
     t_train = sum(r[1] for r in runs) / len(runs)
     gen_tok, train_tok, reward = runs[-1][2], runs[-1][3], sum(r[4] for r in runs) / len(runs)
-    name, peak_mem = device_name_and_peak_memory(device_type)
+    peak_mem = peak_memory_gb(device_type)
+    name = torch.cuda.get_device_name() if device_type == "cuda" else device_type
 
     print(f"rl | {name} | depth {args.depth} ({model.num_params() / 1e6:.1f}M params) | {n_prompts} prompts x {n} samples | "
           f"prompt {P} | new {N} (forced) | engine batch {engine.batch_size} | cuda graph {'on' if engine.use_cuda_graph else 'off'} "
@@ -206,6 +278,20 @@ def main():
     p.add_argument("--device-type", type=str, default=None, help="cuda|cpu|mps (default: autodetect)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice; 1 is steadier on a busy machine)")
     p.set_defaults(func=bench_decode)
+    p = sub.add_parser("train", help="base_train's step on random tokens: tok/s, MFU, peak memory")
+    p.add_argument("--depth", type=int, default=20)
+    p.add_argument("--batch", type=int, default=32, help="rows per step (one micro-batch)")
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps first (torch.compile, allocator)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps")
+    p.add_argument("--n-kv-head", type=int, default=None, help="KV heads (default: as many as query heads)")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--vocab-size", type=int, default=32768)
+    p.add_argument("--grad-clip", type=float, default=1.0, help="as base_train; 0 = off")
+    p.add_argument("--no-compile", action="store_true", help="run eagerly on CUDA")
+    p.add_argument("--device-type", type=str, default=None, help="cuda|cpu|mps (default: autodetect)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
+    p.set_defaults(func=bench_train)
     p = sub.add_parser("rl", help="one GRPO step (rollout + train) of chat_rl's GSM8K shape: time split, tok/s, peak memory")
     p.add_argument("--depth", type=int, default=20)
     p.add_argument("--prompts", type=int, default=16, help="prompts per rollout")

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from rl_fixture_server import RewardHandler, reward_server
 
 ROOT = Path(__file__).resolve().parents[1]
 RM = f"{ROOT / 'tests' / 'rl_fixture_reward.py'}:vowel_reward"
@@ -28,19 +29,41 @@ def base_dir(tmp_path_factory):
         "m = build_model(cfg, 'cpu')\n"
         "with torch.no_grad():\n"
         "    m.lm_head.weight.normal_(0, 0.2)\n"  # a spread-out first-token distribution
-        "save_checkpoint(checkpoint_root('sft') + '/t', 0, m.state_dict(), meta={'model_config': cfg.to_dict()})\n")
+        "save_checkpoint(checkpoint_root('sft') + '/t', 0, m.state_dict(), meta={'model_config': cfg.to_dict()})\n"
+        "torch.manual_seed(1); teacher = build_model(cfg, 'cpu')\n"  # a different model to distil from
+        "with torch.no_grad():\n"
+        "    teacher.lm_head.weight.normal_(0, 0.5)\n"
+        "save_checkpoint(checkpoint_root('sft') + '/teacher', 0, teacher.state_dict(), meta={'model_config': cfg.to_dict()})\n")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True, capture_output=True)
     return d
 
 
-def run_rl(base_dir, *extra, nproc=1):
-    env = {**os.environ, "NANORL_BASE_DIR": str(base_dir), "OMP_NUM_THREADS": "1"}
+@pytest.fixture(scope="module")
+def tool_model(base_dir):
+    """A checkpoint "tools" that often writes <|python_start|>2+3<|python_end|>, and calls again after each output."""
+    code = (
+        "import sys; sys.path.insert(0, 'tests')\n"
+        "from rl_fixture_tools import tool_user_model\n"
+        "from nanorl.tokenizer import get_tokenizer\n"
+        "from nanorl.checkpoint import save_checkpoint, checkpoint_root\n"
+        "tok = get_tokenizer()\n"
+        "m = tool_user_model(tok, '2+3', tok.encode_special('<|python_start|>'), tok.vocab_size, strength=10.0, noise=0.01)\n"
+        "save_checkpoint(checkpoint_root('sft') + '/tools', 0, m.state_dict(), meta={'model_config': m.config.to_dict()})\n")
+    env = {**os.environ, "NANORL_BASE_DIR": str(base_dir)}
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True, capture_output=True)
+    return "tools"
+
+
+def run_rl(base_dir, *extra, nproc=1, check=True, env=None, rm=RM):
+    env = {**os.environ, "NANORL_BASE_DIR": str(base_dir), "OMP_NUM_THREADS": "1", **(env or {})}
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else [sys.executable]
     cmd = launch + ["-m", "scripts.chat_rl", "--source", "sft", "--model-tag", "t", "--levels", "1", "--rollout-batch-size", "4",
                     "--n-samples-per-prompt", "4", "--max-response-len", "12", "--eval-interval", "100", "--eval-max-problems", "4",
                     "--n-samples-per-eval-prompt", "2", "--pass-k", "1,2", "--lr-scale", "1.0", "--engine-batch-size", "16",
-                    "--custom-rm-path", RM, "--device-type", "cpu", *extra]
+                    "--device-type", "cpu", *(["--custom-rm-path", rm] if rm else []), *extra]
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    if not check:
+        return out
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     with open(base_dir / "report" / "rl_history.json") as f:
         return json.load(f), out.stdout
@@ -61,15 +84,24 @@ def test_first_step_is_exactly_on_policy(base_dir):
     assert "eval/pass@1" in hist["eval"][0] and len(hist["eval"]) == 2  # before the first and after the last
 
 
-def test_resume_gives_identical_steps(base_dir):
-    full, _ = run_rl(base_dir, "--num-rollouts", "4", "--save-interval", "2", "--output-tag", "full")
-    run_rl(base_dir, "--num-rollouts", "2", "--save-interval", "2", "--output-tag", "resumed")
-    res, log = run_rl(base_dir, "--num-rollouts", "4", "--save-interval", "2", "--output-tag", "resumed", "--resume")
+@pytest.mark.parametrize("tag,flags", [
+    ("grpo", []),
+    ("ppo", ["--advantage-estimator", "ppo", "--critic-lr", "1e-3", "--lambd", "0.9"]),
+    # the aborted samples parked at a checkpoint continue into the same tokens after the resume
+    ("partial", ["--partial-rollout", "--over-sampling-batch-size", "8", "--use-tis", "--max-response-len", "24"]),
+])
+def test_resume_gives_identical_steps(base_dir, tag, flags):
+    full, _ = run_rl(base_dir, "--num-rollouts", "4", "--save-interval", "2", "--output-tag", f"full_{tag}", *flags)
+    run_rl(base_dir, "--num-rollouts", "2", "--save-interval", "2", "--output-tag", f"resumed_{tag}", *flags)
+    res, log = run_rl(base_dir, "--num-rollouts", "4", "--save-interval", "2", "--output-tag", f"resumed_{tag}", "--resume", *flags)
     assert "resumed from" in log and [h["step"] for h in res["train"]] == [1, 2, 3, 4]
     for a, b in zip(full["train"][2:], res["train"][2:]):
-        for k in ("rollout/reward_mean", "train/pg_loss", "train/grad_norm", "rollout/response_len_mean"):
+        for k in ("rollout/reward_mean", "train/pg_loss", "train/grad_norm", "rollout/response_len_mean", *(["train/vf_loss"] if tag == "ppo" else [])):
             assert a[k] == b[k], (k, a[k], b[k])
-    fw, rw = final_weights(base_dir, "full"), final_weights(base_dir, "resumed")
+    fw, rw = final_weights(base_dir, f"full_{tag}"), final_weights(base_dir, f"resumed_{tag}")
+    if tag == "partial":  # parked samples were continued, and some of them were generated by an older policy
+        assert sum(h["rollout/partial_resumed_samples"] for h in full["train"]) > 0
+        assert max(h["rollout/max_staleness"] for h in full["train"]) >= 1
     assert all(torch.equal(fw[k], rw[k]) for k in fw)
 
 
@@ -97,6 +129,9 @@ def test_two_processes_equal_one(base_dir):
     ["--advantage-estimator", "gspo", "--num-steps-per-rollout", "2", "--eps-clip", "0.0003", "--eps-clip-high", "0.0004"],
     ["--advantage-estimator", "cispo", "--eps-clip-high", "0.28", "--use-tis", "--tis-mode", "icepop"],
     ["--advantage-estimator", "reinforce_plus_plus", "--gamma", "0.99", "--kl-coef", "0.01", "--use-tis"],
+    ["--advantage-estimator", "ppo", "--critic-lr", "1e-3", "--lambd", "0.95", "--num-steps-per-rollout", "2", "--normalize-advantages",
+     "--kl-coef", "0.01"],
+    ["--use-opd", "--opd-teacher-load", "sft:teacher", "--opd-kl-coef", "0.5"],
 ])
 def test_estimators_and_options_run(base_dir, flags):
     hist, log = run_rl(base_dir, "--num-rollouts", "2", "--output-tag", "opts", *flags)
@@ -104,6 +139,10 @@ def test_estimators_and_options_run(base_dir, flags):
         assert all(v == v for v in h.values() if isinstance(v, float))  # no NaN anywhere
     if "--num-steps-per-rollout" in flags:
         assert hist["train"][0]["train/first_step_ppo_kl"] == 0.0  # old log-probs come from a pass before the update
+    if "ppo" in flags:  # the critic trains: a value loss and a nonzero critic gradient every step
+        assert all(h["train/critic_grad_norm"] > 0 and "train/vf_clipfrac" in h for h in hist["train"])
+    if "--use-opd" in flags:  # a different teacher: the student-teacher gap is measured and nonzero
+        assert all(abs(h["train/opd_student_teacher_kl"]) > 1e-3 for h in hist["train"])
 
 
 def test_broken_rewards_are_counted_not_trained_on(base_dir):
@@ -112,14 +151,91 @@ def test_broken_rewards_are_counted_not_trained_on(base_dir):
     assert hist["train"][0]["rollout/reward_failures"] > 0
 
 
+@pytest.mark.parametrize("mode", ["drop", "zero"])
+def test_remote_rewards_survive_a_failing_server(base_dir, mode):
+    # the server answers some responses, and fails the others with a 500, a hang past --rm-timeout or bad JSON
+    with reward_server() as url:
+        RewardHandler.payloads.clear()
+        hist, log = run_rl(base_dir, "--num-rollouts", "1", "--output-tag", f"remote_{mode}", "--rm-type", "remote",
+                           "--rm-url", url + "/mixed", "--rm-timeout", "0.5", "--rm-retries", "1", "--rm-failure", mode, rm=None)
+        payload = RewardHandler.payloads[0]
+    first = hist["train"][0]
+    assert first["rollout/reward_failures"] > 0 and f"rewards failed ({mode})" in log
+    assert first["train/grad_norm"] > 0 and first["rollout/reward_std"] > 0  # the good answers still train
+    assert set(payload) == {"prompt", "response", "label", "metadata"} and payload["prompt"]["messages"][0]["role"] == "user"
+    assert payload["metadata"]["task"] == "offline" and isinstance(payload["response"], str)
+
+
+def test_multi_turn_tool_rl(base_dir, tool_model):
+    hist, log = run_rl(base_dir, "--model-tag", tool_model, "--num-rollouts", "2", "--output-tag", "multiturn", "--multi-turn",
+                       "--max-turns", "2", "--max-response-len", "24")
+    first = hist["train"][0]
+    assert first["rollout/tool_calls_mean"] > 0 and first["rollout/max_turns_hit_mean"] > 0 and "| tools " in log
+    assert first["rollout/tool_errors_mean"] < first["rollout/tool_calls_mean"]  # mostly 2+3, sometimes a sampled typo
+    # engine log-probs over several turns (tool outputs masked out) are the trainer's: exactly on-policy
+    assert first["train/train_rollout_logprob_abs_diff"] < 1e-4 and first["train/first_step_ppo_kl"] == 0.0
+    assert first["train/grad_norm"] > 0
+
+
 @pytest.mark.parametrize("flags,msg", [
     (["--custom-rm-path", "no_such_mod:fn"], "could not import"),
     (["--rollout-batch-size", "3", "--num-steps-per-rollout", "5"], "--num-steps-per-rollout"),
     (["--global-batch-size", "7"], "--global-batch-size"),
     (["--rm-type", "bogus", "--custom-rm-path", ""], "bogus"),
+    (["--advantage-estimator", "ppo"], "--critic-lr"),
+    (["--critic-lr", "1e-3"], "--critic-lr"),
+    (["--use-opd"], "--opd-teacher-load"),
+    (["--rollout-num-gpus", "1"], "--async"),
+    (["--partial-rollout"], "--over-sampling-batch-size"),
+    (["--rm-type", "remote", "--custom-rm-path", ""], "--rm-type remote needs --rm-url"),
+    (["--rm-type", "remote", "--rm-url", "http://127.0.0.1:1/r"], "--custom-rm-path both pick the reward"),
+    (["--rm-type", "remote", "--rm-url", "127.0.0.1:1", "--custom-rm-path", ""], "must start with http://"),
+    (["--rm-url", "http://127.0.0.1:1/r"], "only used with --rm-type remote"),
+    (["--max-turns", "3"], "only used with --multi-turn"),
+    (["--multi-turn", "--max-turns", "0"], "--max-turns must be >= 1"),
+    # print takes any arguments, so it passes the signature check and the clash is what fails
+    (["--multi-turn", "--custom-generate-function-path", "builtins:print"], "--multi-turn and --custom-generate-function-path"),
+    (["--rm-type", "remote", "--rm-url", "http://127.0.0.1:1/r", "--custom-rm-path", "", "--rm-timeout", "0"], "--rm-timeout > 0"),
+    (["--multi-turn", "--partial-rollout", "--rollout-batch-size", "4", "--over-sampling-batch-size", "8"], "--multi-turn and --partial-rollout"),
 ])
 def test_bad_flags_fail_early(base_dir, flags, msg):
     env = {**os.environ, "NANORL_BASE_DIR": str(base_dir)}
     cmd = [sys.executable, "-m", "scripts.chat_rl", "--source", "sft", "--model-tag", "t", "--custom-rm-path", RM, *flags]
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and msg in out.stdout + out.stderr, out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("mode,nproc", [("raise", 1), ("hang", 2)])
+def test_failed_or_hung_rollout_saves_and_exits_nonzero(base_dir, mode, nproc):
+    # the 3rd call of the rollout function (eval, rollout 1, rollout 2) fails on the last rank; a hang is cut by
+    # --rollout-timeout. Every rank stops, the state after step 1 is saved, and the report names what was in flight.
+    gen = f"{ROOT / 'tests' / 'rl_fixture_reward.py'}:failing_generate"
+    env = {"FAIL_AT": "3", "FAIL_RANK": str(nproc - 1), "FAIL_MODE": mode}
+    out = run_rl(base_dir, "--num-rollouts", "4", "--output-tag", f"fail_{mode}", "--custom-generate-function-path", gen,
+                 "--rollout-timeout", "5", nproc=nproc, check=False, env=env)
+    assert out.returncode != 0
+    err = out.stdout + out.stderr
+    assert f"rank {nproc - 1}: rollout 2 failed" in err and "in flight" in err and "'row':" in err, err[-3000:]
+    assert ("RolloutTimeout" if mode == "hang" else "the sandbox crashed") in err
+    assert (base_dir / "rl_checkpoints" / f"fail_{mode}" / "model_000001.pt").exists()
+
+
+def test_async_two_processes_trains_and_ships_weights_every_step(base_dir):
+    # rank 0 samples rollout k+1 while rank 1 trains on rollout k, then receives the new weights: the sampler's version
+    # counts up every step, its weights equal the trainer's (checksums), and no sample is more than one version stale
+    hist, log = run_rl(base_dir, "--num-rollouts", "3", "--output-tag", "async", "--async", "--use-tis", nproc=2)
+    steps = hist["train"]
+    assert [h["step"] for h in steps] == [1, 2, 3]
+    assert [h["async/sampler_weight_version"] for h in steps] == [1, 2, 3]
+    for h in steps:
+        assert h["async/sampler_weight_checksum"] == h["async/trainer_weight_checksum"]
+        assert h["train/grad_norm"] > 0 and h["train/tis_mean"] > 0
+    assert [h["rollout/max_staleness"] for h in steps] == [0, 1, 1]
+    assert len(hist["eval"]) == 2 and set(hist["idle"]) == {"idle_frac_sampling_ranks", "idle_frac_training_ranks"}
+    assert (base_dir / "rl_checkpoints" / "async" / "model_000003.pt").exists()
+
+
+def test_tis_without_rollout_logprobs_fails_naming_both_flags(base_dir):
+    gen = f"{ROOT / 'tests' / 'rl_fixture_reward.py'}:no_logprob_generate"
+    out = run_rl(base_dir, "--num-rollouts", "1", "--output-tag", "nolp", "--use-tis", "--custom-generate-function-path", gen, check=False)
+    assert out.returncode != 0 and "--use-tis needs the rollout's log-probs" in out.stderr and "--custom-generate-function-path" in out.stderr

@@ -398,3 +398,39 @@ def test_static_shape_decode_equals_eager():
         assert [c.tokens for c in a] == [c.tokens for c in b]
         for ca, cb in zip(a, b):
             torch.testing.assert_close(torch.tensor(ca.logprobs), torch.tensor(cb.logprobs), atol=1e-5, rtol=0)
+
+
+def test_aborted_sample_continues_into_the_uninterrupted_sequence():
+    # partial rollouts: a sample aborted mid-way and resubmitted with its tokens, its index and its token count
+    # (first_sample, start_counter) draws the same random stream, so it finishes exactly as if never interrupted
+    from nanorl.rollout import Sample, extend_sample
+    model = tiny(seq=64)
+    prompt = [BOS, 65, 66, 67]
+    req = dict(max_tokens=40, temperature=1.0, seed=7, stop_tokens=[], use_tools=False)
+    full = Engine(model, TOK, batch_size=4).generate([Request(prompt, num_samples=3, **req)])[0]
+    eng = Engine(model, TOK, batch_size=4)
+    h = eng.submit(Request(prompt, num_samples=3, **req))
+    for _ in range(9):
+        eng.step()
+    eng.abort()
+    while eng.step():
+        pass
+    parts = [extend_sample(Sample(tokens=list(prompt)), c) for c in h.completions]
+    assert all(s.status == "aborted" and 0 < s.response_length < 40 for s in parts)
+    cont = eng.generate([Request(list(s.tokens), max_tokens=40 - s.response_length, first_sample=i, start_counter=s.response_length,
+                                 **{k: v for k, v in req.items() if k != "max_tokens"}) for i, s in enumerate(parts)])
+    for s, c, ref in zip(parts, cont, full):
+        extend_sample(s, c[0])
+        assert s.tokens[len(prompt):] == ref.tokens and s.status == ref.status == "truncated"
+        assert torch.allclose(torch.tensor(s.rollout_log_probs), torch.tensor(ref.logprobs), atol=1e-4)
+
+
+def test_aborted_sample_inside_a_tool_call_is_cut_before_the_call():
+    from nanorl.engine import Completion
+    from nanorl.rollout import Sample, extend_sample
+    resp = [65, PY_START, 49, 43, 49, PY_END, OUT_START, 50]  # aborted while the output was being forced in
+    s = extend_sample(Sample(tokens=[BOS]), Completion(resp, [-1.0] * 8, [1, 1, 1, 1, 1, 1, 0, 0], "aborted", 1), PY_START, OUT_END)
+    assert s.tokens == [BOS, 65] and s.loss_mask == [1] and s.rollout_log_probs == [-1.0] and s.response_length == 1
+    done = resp[:7] + [50, OUT_END, 66]  # a finished call is kept
+    s = extend_sample(Sample(tokens=[BOS]), Completion(done, [0.0] * 10, [1] * 10, "aborted", 1), PY_START, OUT_END)
+    assert s.response_length == 10

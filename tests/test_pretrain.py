@@ -24,7 +24,7 @@ def test_adamw_groups_match_torch_adamw():
     model = tiny_model()
     ref = tiny_model()
     opt = build_optimizer(model, weight_decay=0.0)
-    head_group = [g for g in opt.param_groups if g["params"][0] is model.lm_head.weight][0]
+    head_group = next(g for g in opt.param_groups if g["params"][0] is model.lm_head.weight)
     ref_opt = torch.optim.AdamW([ref.lm_head.weight], lr=head_group["lr"], betas=head_group["betas"], eps=head_group["eps"], weight_decay=0.0)
     x = torch.randint(0, 40, (2, 16))
     for _ in range(3):
@@ -136,12 +136,18 @@ def base_dir(tmp_path_factory):
     return d
 
 
-def run_base_train(base_dir, *extra):
+TINY = ["--depth", "2", "--aspect-ratio", "32", "--head-dim", "32", "--max-seq-len", "64", "--device-batch-size", "2",
+        "--total-batch-size", "256", "--eval-every", "-1", "--sample-every", "-1", "--keep-last", "5"]
+
+
+def base_train(base_dir, *extra, launcher=(sys.executable, "-m")):
     env = {**os.environ, "NANORL_BASE_DIR": str(base_dir), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "scripts.base_train", "--depth", "2", "--aspect-ratio", "32", "--head-dim", "32",
-           "--max-seq-len", "64", "--device-batch-size", "2", "--total-batch-size", "256", "--eval-every", "-1",
-           "--sample-every", "-1", "--keep-last", "5", *extra]
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    return subprocess.run([*launcher, "scripts.base_train", *(["--"] if len(launcher) > 2 else []), *TINY, *extra],
+                          check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def run_base_train(base_dir, *extra):
+    out = base_train(base_dir, *extra)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     return {int(s): float(l) for s, l in re.findall(r"step (\d+)/\d+ \| loss ([\d.]+)", out.stdout)}, out.stdout
 
@@ -160,8 +166,39 @@ def test_loss_drops_and_kill_resume_is_exact(base_dir):
 
 
 def test_bad_batch_flags(base_dir):
-    env = {**os.environ, "NANORL_BASE_DIR": str(base_dir)}
-    out = subprocess.run([sys.executable, "-m", "scripts.base_train", "--depth", "2", "--aspect-ratio", "32", "--head-dim", "32",
-                          "--max-seq-len", "64", "--device-batch-size", "3", "--total-batch-size", "256"],
-                         cwd=ROOT, env=env, capture_output=True, text=True)
+    out = base_train(base_dir, "--device-batch-size", "3")
     assert out.returncode != 0 and "--total-batch-size 256 must be a multiple" in out.stderr
+
+
+def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(base_dir):
+    # an absurd embedding LR overflows the RMSNorm of step 3's forward (a natural trigger, no injection flag);
+    # the checkpoint saved just before that step holds the weights that blew up, so it goes; step 1 stays
+    out = base_train(base_dir, "--num-iterations", "10", "--embedding-lr", "1e36", "--save-every", "1", "--model-tag", "nan")
+    assert out.returncode != 0
+    assert "step 3/10: training loss is nan; stopping. The last good checkpoint, step 1 in" in out.stderr, out.stderr[-2000:]
+    ck = base_dir / "base_checkpoints" / "nan"
+    assert find_last_step(str(ck)) == 1 and not list(ck.glob("*_000002*"))
+    model_state = load_checkpoint(str(ck), 1)[0]
+    assert all(torch.isfinite(v).all() for v in model_state.values())
+
+
+def test_resume_with_another_config_or_world_size_is_refused(base_dir):
+    run_base_train(base_dir, "--num-iterations", "2", "--model-tag", "mismatch")
+    out = base_train(base_dir, "--num-iterations", "4", "--model-tag", "mismatch", "--resume", "--aspect-ratio", "64")
+    assert out.returncode != 0 and "--resume: the checkpoint's model config" in out.stderr and "differs from this run's" in out.stderr
+    # 2 gloo ranks on the CPU resuming a 1-rank run: the data order was sharded for 1 rank
+    out = base_train(base_dir, "--num-iterations", "4", "--model-tag", "mismatch", "--resume",
+                     launcher=(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m"))
+    assert out.returncode != 0
+    assert "written by 1 rank(s), this run has 2; resume with --nproc_per_node=1" in out.stdout + out.stderr
+
+
+def test_loader_refuses_another_world_size():
+    from nanorl.dataloader import PretrainLoader
+    from nanorl.tokenizer import SPLIT_PATTERN, Tokenizer
+    tok = Tokenizer.from_ranks({bytes([i]): i for i in range(256)}, SPLIT_PATTERN)
+    loader = PretrainLoader(tok, 2, 16, world_size=1)
+    loader.next_batch()
+    state = {**loader.state_dict(), "world_size": 2}
+    with pytest.raises(ValueError, match="made with 2 ranks, this run has 1"):
+        loader.load_state_dict(state)

@@ -1,11 +1,11 @@
 import json
-import threading
 import time
 from collections import Counter
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from rl_fixture_server import RewardHandler
+from rl_fixture_server import reward_server as serve_rewards
 
 from nanorl.rewards import (compute_reward, exact_match, extract_answer, extract_choice, f1_reward, format_reward,
                             load_function, math_reward, mc_reward, normalize_number, parse_rm_type, remote_rewards,
@@ -228,57 +228,10 @@ def test_gsm8k_reference_answers_grade_correct():
 # -----------------------------------------------------------------------------------------------
 # remote rewards against a real HTTP server on 127.0.0.1
 
-class _RewardHandler(BaseHTTPRequestHandler):
-    hits = Counter()  # (path, payload id) -> requests seen
-    lock = threading.Lock()
-
-    def do_POST(self):
-        payload = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        with self.lock:
-            self.hits[self.path, payload.get("id")] += 1
-            n = self.hits[self.path, payload.get("id")]
-        if self.path == "/ok":
-            self._send(200, {"reward": payload["x"] * 0.5})
-        elif self.path == "/dict":
-            self._send(200, {"reward": {"acc": 1, "fmt": 0.5, "total": 1.5}})
-        elif self.path == "/flaky":  # two 500s per payload, then an answer
-            self._send(500, {"error": "busy"}) if n <= 2 else self._send(200, {"reward": 1.0})
-        elif self.path == "/slow":
-            time.sleep(float(payload.get("sleep", 1.0)))
-            self._send(200, {"reward": 1.0})
-        elif self.path == "/badjson":
-            self._send_raw(200, b"{not json")
-        elif self.path == "/string":
-            self._send(200, {"reward": "high"})
-        elif self.path == "/nan":
-            self._send_raw(200, b'{"reward": NaN}')
-        elif self.path == "/nokey":
-            self._send(200, {"score": 1.0})
-        else:
-            self._send(404, {"error": "no such endpoint"})
-
-    def _send(self, code, obj):
-        self._send_raw(code, json.dumps(obj).encode())
-
-    def _send_raw(self, code, body):
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass  # keep pytest output clean
-
-
 @pytest.fixture(scope="module")
 def reward_server():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _RewardHandler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    with serve_rewards() as url:
+        yield url
 
 
 def _errors(results):
@@ -304,7 +257,7 @@ def test_remote_rewards_retries_5xx(reward_server):
     results = remote_rewards(reward_server + "/flaky", [{"id": f"f{i}"} for i in range(3)], retries=3, backoff=0.01,
                              timeout=1)
     assert results == [(1.0, None)] * 3
-    assert all(_RewardHandler.hits["/flaky", f"f{i}"] == 3 for i in range(3))
+    assert all(RewardHandler.hits["/flaky", f"f{i}"] == 3 for i in range(3))
     # too few retries: the 500s win, and the reason says so
     results = remote_rewards(reward_server + "/flaky", [{"id": "g"}], retries=1, backoff=0.01, timeout=1)
     assert results == [(None, "gave up after 2 attempts: HTTP 500")]
@@ -320,7 +273,7 @@ def test_remote_rewards_failures_are_counted_not_raised(reward_server):
                       ("/nokey", "no 'reward' key"), ("/missing", "HTTP 404")]:
         results = remote_rewards(reward_server + path, [{"id": i} for i in range(3)], retries=3, backoff=0.01)
         assert _errors(results) == 3 and all(v is None and why in err for v, err in results), (path, results)
-        assert _RewardHandler.hits[path, 0] == 1  # a bad answer is not retried
+        assert RewardHandler.hits[path, 0] == 1  # a bad answer is not retried
 
     results = remote_rewards(reward_server + "/ok", [{"id": 1, "x": 2}, {"id": 2, "x": object()}])
     assert results[0] == (1.0, None) and results[1][0] is None and "JSON" in results[1][1]
@@ -336,3 +289,27 @@ def test_remote_rewards_connection_refused():
     results = remote_rewards(f"http://127.0.0.1:{port}/", [{"id": 0}, {"id": 1}], retries=2, backoff=0.01, timeout=0.5)
     assert _errors(results) == 2 and all("gave up after 3 attempts" in err for _, err in results)
     assert time.monotonic() - t < 2.0
+
+
+def test_remote_scoring_path_of_the_rl_loop(reward_server):
+    # what chat_rl does with a rollout: one batched call, then set_rewards; /mixed answers by response length:
+    # 0 mod 5 -> HTTP 500, 1 -> hangs past the timeout, 2 -> malformed JSON, 3 and 4 -> the vowel fraction
+    from nanorl.rollout import Sample, set_rewards
+    texts = ["ab" * k + "c" * (k % 2) for k in range(10)]
+    samples = [Sample(tokens=[0] * (len(t) + 2), response_length=len(t) + 1, loss_mask=[1] * (len(t) + 1),
+                      metadata={"row": i}) for i, t in enumerate(texts)]
+    groups = [samples[:5], samples[5:]]
+    payloads = [{"prompt": {"messages": []}, "response": t, "label": None, "metadata": s.metadata} for s, t in zip(samples, texts)]
+    t0 = time.monotonic()
+    results = remote_rewards(reward_server + "/mixed", payloads, concurrency=10, timeout=0.3, retries=1, backoff=0.01)
+    assert time.monotonic() - t0 < 2.0  # the hanging ones time out, twice, all at once
+    failed = set_rewards(groups, samples, results, "drop")
+    kinds = [len(t) % 5 for t in texts]
+    assert [s.metadata["row"] for s in failed] == [i for i, k in enumerate(kinds) if k < 3]
+    for s, t, k in zip(samples, texts, kinds):
+        why = s.metadata.get("reward_error", "")
+        want = {0: "HTTP 500", 1: "gave up after 2 attempts", 2: "malformed JSON"}.get(k)
+        if want is None:
+            assert s.reward == sum(c in "aeiou" for c in t) / len(t) and sum(s.loss_mask) == s.response_length
+        else:
+            assert want in why and sum(s.loss_mask) == 0

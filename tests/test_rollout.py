@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from nanorl.rollout import (PromptSource, RolloutBuffer, Sample, collate, fill_rollout, keep_nonconstant_group,
-                            load_function, pack_micro_batches)
+                            load_function, pack_micro_batches, set_rewards)
 
 
 def group(rewards, gi=0):
@@ -107,3 +107,30 @@ def test_load_function_errors(tmp_path):
         load_function(f"{f}:rm", ["a", "b", "c"], "--custom-rm-path")
     with pytest.raises(ValueError, match="module:function"):
         load_function("justaname", ["a"], "--x")
+
+
+def _unscored(n):
+    return [Sample(tokens=[1, 2, 3, 4], response_length=2, loss_mask=[1, 1], index=i) for i in range(n)]
+
+
+@pytest.mark.parametrize("mode", ["drop", "zero"])
+def test_set_rewards_failure_policy(mode):
+    groups = [_unscored(3), [Sample(tokens=[1, 2, 3], response_length=1, loss_mask=[1], reward=0.7)] + _unscored(1)]
+    scored = [s for g in groups for s in g if s.reward is None]  # the pre-scored sample keeps its reward
+    failed = set_rewards(groups, scored, [(1.0, None), (None, "HTTP 500"), (0.0, None), (None, "timed out")], mode)
+    assert failed == [groups[0][1], groups[1][1]]
+    assert [s.metadata["reward_error"] for s in failed] == ["HTTP 500", "timed out"]
+    if mode == "drop":  # never trained on, and the group mean (advantage 0) as its reward
+        assert [s.reward for s in groups[0]] == [1.0, 0.5, 0.0] and [s.reward for s in groups[1]] == [0.7, 0.7]
+        assert [s.loss_mask for s in groups[0]] == [[1, 1], [0, 0], [1, 1]] and groups[1][1].loss_mask == [0, 0]
+    else:  # an ordinary sample with reward 0
+        assert [s.reward for s in groups[0]] == [1.0, 0.0, 0.0] and [s.reward for s in groups[1]] == [0.7, 0.0]
+        assert all(s.loss_mask == [1] * s.response_length for g in groups for s in g)
+
+
+def test_set_rewards_bad_input():
+    g = _unscored(2)
+    with pytest.raises(ValueError):  # one result per scored sample, no silent misalignment
+        set_rewards([g], g, [(1.0, None)])
+    with pytest.raises(ValueError, match="on_failure"):
+        set_rewards([g], g, [(1.0, None)] * 2, "skip")

@@ -19,7 +19,7 @@ def test_tiny_speedrun_end_to_end(tmp_path):
     assert "no CUDA GPU" in out.stdout  # it says up front that this is the tiny offline run
     text = report.read_text()
     for section in ["## Environment", "## Report card", "## RL: held-out pass@k before and after", "## Time and cost",
-                    "## Plots", "Tokenizer training", "Base model training", "Midtraining", "Chat SFT", "Chat RL"]:
+                    "## Plots", "Tokenizer training", "Base model training", "Base model evaluation", "Midtraining", "Chat SFT", "Chat RL"]:
         assert section in text, section
     # the offline task has a number for every stage that evaluates it, and BASE has its val bpb
     row = re.search(r"^\| offline \| (.*) \|$", text, re.M).group(1).split(" | ")
@@ -30,6 +30,6 @@ def test_tiny_speedrun_end_to_end(tmp_path):
         assert (tmp_path / png).stat().st_size > 1000
     # a rerun skips every finished stage
     again = subprocess.run(["bash", "speedrun.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert again.returncode == 0 and again.stdout.count("already done, skipping") == 9
+    assert again.returncode == 0 and again.stdout.count("already done, skipping") == 10
     minutes = float(re.search(r"total wall time: ([\d.]+) min", report.read_text()).group(1))
     assert minutes >= 0.5  # the rerun's report still counts the stages' own time, not the rerun's seconds
