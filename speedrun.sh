@@ -68,11 +68,14 @@ if [ $TINY = 1 ]; then
     stage base_eval  $PY -m scripts.base_eval --eval bpb,sample --device-batch-size 16 --split-tokens $EVAL_TOK
     stage mid_train  $PY -m scripts.mid_train --num-iterations $MID_ITERS --device-batch-size 16 --eval-every $(( MID_ITERS / 2 )) --eval-tokens $EVAL_TOK --num-examples $NUM_EX --run "$WANDB_RUN"
     stage eval_mid   $PY -m scripts.chat_eval -i mid -a offline -x $EVAL_N -m $GEN --levels 1,2
+    stage eval_mid_sampled $PY -m scripts.chat_eval -i mid -a offline -x $EVAL_N -m $GEN --levels 1,2 -n 4 -t 1.0
     stage chat_sft   $PY -m scripts.chat_sft --num-iterations $SFT_ITERS --device-batch-size 16 --eval-every $(( SFT_ITERS / 2 )) --eval-tokens $EVAL_TOK --num-examples $NUM_EX --run "$WANDB_RUN"
     stage eval_sft   $PY -m scripts.chat_eval -i sft -a offline -x $EVAL_N -m $GEN --levels 1,2
+    stage eval_sft_sampled $PY -m scripts.chat_eval -i sft -a offline -x $EVAL_N -m $GEN --levels 1,2 -n 4 -t 1.0
     stage chat_rl    $PY -m scripts.chat_rl --levels 1,2 --num-rollouts $RL_ROLLOUTS --rollout-batch-size $RL_PROMPTS --n-samples-per-prompt 8 \
         --max-response-len $GEN --eval-interval 8 --eval-max-problems $RL_EVAL_N --n-samples-per-eval-prompt 4 --save-interval 8 --run "$WANDB_RUN"
     stage eval_rl    $PY -m scripts.chat_eval -i rl -a offline -x $EVAL_N -m $GEN --levels 1,2
+    stage eval_rl_sampled $PY -m scripts.chat_eval -i rl -a offline -x $EVAL_N -m $GEN --levels 1,2 -n 4 -t 1.0
 else
     # real data: the first shards now, the rest in the background while the tokenizer trains
     stage data_first $PY -m nanorl.dataset -n 8

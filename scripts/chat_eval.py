@@ -198,9 +198,13 @@ def main():
     print0(f"ChatCORE (centred mean over {len(results)} task(s)): {chatcore:.4f}; total {time.time() - t_all:.1f}s")
     rows = [{f"{name} {k}": v for k, v in r.items()} for name, r in results.items()]
     card_names = {"gsm8k": "GSM8K", "arc-easy": "ARC-Easy", "arc-challenge": "ARC-Challenge", "mmlu": "MMLU", "humaneval": "HumanEval"}
-    record_metrics(args.source, {**{card_names.get(name.lower(), name.lower()): r["accuracy"] for name, r in results.items()},
-                                 "ChatCORE": chatcore}, rank=rank)
-    log_section(f"Chat eval {args.source}", [{"source": f"{args.source} ({meta.get('model_tag', args.model_tag)})",
+    if n == 1:
+        record_metrics(args.source, {**{card_names.get(name.lower(), name.lower()): r["accuracy"] for name, r in results.items()},
+                                     "ChatCORE": chatcore}, rank=rank)
+    else:  # sampled: own card rows (RL optimises exactly this expected reward), beside the greedy ones
+        record_metrics(args.source, {f"{card_names.get(name.lower(), name.lower())} {k} (T={temperature:g})": v
+                                     for name, r in results.items() for k, v in r.items() if k.startswith("pass@")}, rank=rank)
+    log_section(f"Chat eval {args.source}" + (" sampled" if n > 1 else ""), [{"source": f"{args.source} ({meta.get('model_tag', args.model_tag)})",
                                               "samples per problem": n, "temperature": temperature, "ranks": world_size},
                                              *rows, {"ChatCORE": chatcore},
                                              *([{f"skipped {k}": v for k, v in skipped.items()}] if skipped else [])], rank=rank)

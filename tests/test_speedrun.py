@@ -25,11 +25,15 @@ def test_tiny_speedrun_end_to_end(tmp_path):
     row = re.search(r"^\| offline \| (.*) \|$", text, re.M).group(1).split(" | ")
     assert row[0] == "-" and all(re.fullmatch(r"\d\.\d{4}", v) for v in row[1:]), row
     assert re.search(r"^\| val bpb \| \d+\.\d{4} \|", text, re.M)
+    # beside greedy accuracy, the sampled pass@1 / pass@4 (temperature 1: what RL optimises) of MID, SFT and RL
+    for k in (1, 4):
+        row = re.search(rf"^\| offline pass@{k} \(T=1\) \| (.*) \|$", text, re.M).group(1).split(" | ")
+        assert row[0] == "-" and all(re.fullmatch(r"\d\.\d{4}", v) for v in row[1:]), row
     assert re.search(r"^\| pass@1 \| \d\.\d{4} \| \d\.\d{4} \|$", text, re.M)
     for png in ("plot_base_loss.png", "plot_rl.png"):
         assert (tmp_path / png).stat().st_size > 1000
     # a rerun skips every finished stage
     again = subprocess.run(["bash", "speedrun.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert again.returncode == 0 and again.stdout.count("already done, skipping") == 10
+    assert again.returncode == 0 and again.stdout.count("already done, skipping") == 13
     minutes = float(re.search(r"total wall time: ([\d.]+) min", report.read_text()).group(1))
     assert minutes >= 0.5  # the rerun's report still counts the stages' own time, not the rerun's seconds
