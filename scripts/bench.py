@@ -257,10 +257,19 @@ def bench_rl(args):
           f"peak memory {peak_mem:.2f} GB")
     print(json.dumps({"bench": "rl", "device": name, "depth": args.depth, "params": model.num_params(), "prompts": n_prompts,
                       "samples": n, "prompt_len": P, "new_tokens": N, "steps": len(runs),
-                      "rollout_s": round(t_roll, 4), "train_s": round(t_train, 4), "total_s": round(t_roll + t_train, 4),
+                      "rollout_s": round(t_roll, 6), "train_s": round(t_train, 6), "total_s": round(t_roll + t_train, 6),
                       "rollout_tok_per_s": round(gen_tok / t_roll, 1), "train_tok_per_s": round(train_tok / t_train, 1),
                       "generated_tokens": gen_tok, "trained_tokens": train_tok, "reward_mean": round(reward, 4),
                       "grad_norm": runs[-1][5], "peak_mem_gb": round(peak_mem, 3)}))
+
+
+def model_and_device_args(p):
+    """The flags every benchmark shares: the random-init model's shape (besides --depth) and where it runs."""
+    p.add_argument("--n-kv-head", type=int, default=None, help="KV heads (default: as many as query heads)")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--vocab-size", type=int, default=32768)
+    p.add_argument("--device-type", type=str, default=None, help="cuda|cpu|mps (default: autodetect)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice; 1 is steadier on a busy machine)")
 
 
 def main():
@@ -271,12 +280,8 @@ def main():
     p.add_argument("--batch", type=int, default=64, help="engine batch slots (all filled)")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=256)
-    p.add_argument("--n-kv-head", type=int, default=None, help="KV heads (default: as many as query heads)")
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--vocab-size", type=int, default=32768)
     p.add_argument("--no-cuda-graph", action="store_true", help="decode eagerly on CUDA")
-    p.add_argument("--device-type", type=str, default=None, help="cuda|cpu|mps (default: autodetect)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice; 1 is steadier on a busy machine)")
+    model_and_device_args(p)
     p.set_defaults(func=bench_decode)
     p = sub.add_parser("train", help="base_train's step on random tokens: tok/s, MFU, peak memory")
     p.add_argument("--depth", type=int, default=20)
@@ -284,13 +289,9 @@ def main():
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (torch.compile, allocator)")
     p.add_argument("--steps", type=int, default=10, help="timed steps")
-    p.add_argument("--n-kv-head", type=int, default=None, help="KV heads (default: as many as query heads)")
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--vocab-size", type=int, default=32768)
     p.add_argument("--grad-clip", type=float, default=1.0, help="as base_train; 0 = off")
     p.add_argument("--no-compile", action="store_true", help="run eagerly on CUDA")
-    p.add_argument("--device-type", type=str, default=None, help="cuda|cpu|mps (default: autodetect)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
+    model_and_device_args(p)
     p.set_defaults(func=bench_train)
     p = sub.add_parser("rl", help="one GRPO step (rollout + train) of chat_rl's GSM8K shape: time split, tok/s, peak memory")
     p.add_argument("--depth", type=int, default=20)
@@ -302,11 +303,7 @@ def main():
     p.add_argument("--engine-batch-size", type=int, default=None, help="engine rows (default: prompts x samples, all at once)")
     p.add_argument("--max-tokens-per-gpu", type=int, default=8192, help="padded tokens per training micro-batch (chat_rl's flag)")
     p.add_argument("--lr-scale", type=float, default=0.05, help="multiplier on the optimizer LRs (chat_rl's default)")
-    p.add_argument("--n-kv-head", type=int, default=None, help="KV heads (default: as many as query heads)")
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--vocab-size", type=int, default=32768)
-    p.add_argument("--device-type", type=str, default=None, help="cuda|cpu|mps (default: autodetect)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice; 1 is steadier on a busy machine)")
+    model_and_device_args(p)
     p.set_defaults(func=bench_rl)
     args = parser.parse_args()
     args.func(args)
