@@ -244,67 +244,65 @@ def _ratio(logp, old_logp):
     return torch.exp((logp - old_logp).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
 
 
-def policy_loss(logp, old_logp, advantages, mask, eps_clip=0.2, eps_clip_high=None, eps_clip_c=None,
-                loss_agg="token_mean", max_len=None, tis_weights=None):
+def _clipped_surrogate(ratio, A, eps_clip, eps_clip_high, eps_clip_c):
     """
-    PPO clipped surrogate, per token, as a loss to minimize:
-      ratio = exp(logp - old_logp)
-      pg    = max(-A * ratio, -A * clip(ratio, 1 - eps_clip, 1 + eps_clip_high))
-    eps_clip_high (DAPO clip-higher) defaults to eps_clip.
-    Dual clip (eps_clip_c > 1): for A < 0, pg = min(pg, -A * eps_clip_c), so a huge ratio on a
-    bad token cannot produce an unbounded loss.
-    tis_weights (B, T) multiply the per-token loss (detached): rollout/train mismatch correction.
-    Returns (loss, metrics): clipfrac, clipfrac_low, clipfrac_high, ppo_kl, dual_clip_frac.
+    PPO's pessimistic surrogate, per token, as a loss: max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps_high)).
+    Dual clip (eps_clip_c > 1): where A < 0 the loss is also capped at -A * eps_clip_c, so a huge ratio on a
+    bad token cannot produce an unbounded loss. Returns (loss, clipped, dual) with clipped/dual boolean masks.
     """
-    eps_high = eps_clip if eps_clip_high is None else eps_clip_high
-    A = advantages.detach()
-    ratio = _ratio(logp, old_logp)
     pg1 = -A * ratio
-    pg2 = -A * ratio.clamp(1 - eps_clip, 1 + eps_high)
+    pg2 = -A * ratio.clamp(1 - eps_clip, 1 + eps_clip_high)
     pg = torch.maximum(pg1, pg2)
-    dual = torch.zeros_like(mask, dtype=torch.bool)
+    dual = torch.zeros_like(pg, dtype=torch.bool)
     if eps_clip_c is not None:
         if eps_clip_c <= 1.0:
             raise ValueError(f"dual clip needs eps_clip_c > 1, got {eps_clip_c}")
         pg3 = -A * eps_clip_c
         dual = (A < 0) & (pg3 < pg)
         pg = torch.where(dual, pg3, pg)
-    if tis_weights is not None:
-        pg = pg * tis_weights.detach()
-    loss = aggregate_loss(pg, mask, loss_agg, max_len)
+    return pg, pg2 > pg1, dual
+
+
+# The three policy losses share one signature and return a per-token loss (B, T) and metrics; the caller
+# (policy_loss) applies importance weights, aggregation, entropy and KL once for all of them.
+
+def ppo_clip_loss(logp, old_logp, advantages, mask, eps_clip=0.2, eps_clip_high=None, eps_clip_c=None):
+    """
+    PPO clipped surrogate with token ratios exp(logp - old_logp): GRPO, RLOO, REINFORCE++ and PPO use it.
+    eps_clip_high (DAPO clip-higher) defaults to eps_clip; eps_clip_c turns on dual clip.
+    """
+    eps_high = eps_clip if eps_clip_high is None else eps_clip_high
+    A = advantages.detach()
+    ratio = _ratio(logp, old_logp)
+    pg, clipped, dual = _clipped_surrogate(ratio, A, eps_clip, eps_high, eps_clip_c)
     with torch.no_grad():
         metrics = {
-            "clipfrac": masked_mean((pg2 > pg1).float(), mask),
+            "clipfrac": masked_mean(clipped.float(), mask),
             "clipfrac_low": masked_mean(((ratio < 1 - eps_clip) & (A < 0)).float(), mask),
             "clipfrac_high": masked_mean(((ratio > 1 + eps_high) & (A > 0)).float(), mask),
             "ppo_kl": masked_mean(old_logp - logp, mask),
             "dual_clip_frac": masked_mean(dual.float(), mask),
         }
-    return loss, metrics
+    return pg, metrics
 
 
-def gspo_loss(logp, old_logp, advantages, mask, eps_clip, eps_clip_high=None):
+def gspo_loss(logp, old_logp, advantages, mask, eps_clip=3e-4, eps_clip_high=None, eps_clip_c=None):
     """
-    GSPO (Qwen): one importance ratio per sequence, the geometric mean of the token ratios,
+    GSPO (Qwen): one importance ratio per sequence, the geometric mean of its token ratios,
       s_i = exp(1/|y_i| sum_t (logp_t - old_logp_t))
-    in its token-level form s_i,t = sg[s_i] * exp(logp_t - sg[logp_t]): same value as s_i, and
-    1/|y_i| sum_t grad s_i,t = grad s_i, so with the per-sequence token mean the gradient is
-    exactly that of the sequence objective. Clipped PPO-style with its own (small) range:
-      pg_i,t = max(-A_i s_i,t, -A_i clip(s_i,t, 1 - eps_clip, 1 + eps_clip_high))
-    aggregated seq_mean_token_mean. A_i: (B,) or (B, T) (then taken at the row's first masked token).
+    in its token-level form s_i,t = sg[s_i] * exp(logp_t - sg[logp_t]): the same value as s_i on every token,
+    and 1/|y_i| sum_t grad s_i,t = grad s_i, so aggregated seq_mean_token_mean the gradient is exactly that of the
+    sequence objective. Then the same clipped surrogate as PPO (with GSPO's small clip range), dual clip included.
+    A_i: (B,) or (B, T) (then taken at the row's first masked token).
     """
     eps_high = eps_clip if eps_clip_high is None else eps_clip_high
     if advantages.dim() == 2:
         first = mask.to(torch.int64).argmax(-1)  # argmax returns the first max
         advantages = advantages.gather(1, first[:, None]).squeeze(1)
-    A = advantages.detach()[:, None]
+    A = advantages.detach()[:, None].expand_as(logp)
     log_s = masked_mean(logp - old_logp, mask, dim=-1)  # (B,)
-    log_s_tok = log_s.detach().clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)[:, None] + logp - logp.detach()
-    s_tok = torch.exp(log_s_tok)
-    pg1 = -A * s_tok
-    pg2 = -A * s_tok.clamp(1 - eps_clip, 1 + eps_high)
-    pg = torch.maximum(pg1, pg2)
-    loss = aggregate_loss(pg, mask, "seq_mean_token_mean")
+    s_tok = torch.exp(log_s.detach().clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)[:, None] + logp - logp.detach())
+    pg, _, dual = _clipped_surrogate(s_tok, A, eps_clip, eps_high, eps_clip_c)
     with torch.no_grad():
         s, A = log_s.exp(), A[:, 0]
         rows = (mask.sum(-1) > 0).float()
@@ -314,29 +312,58 @@ def gspo_loss(logp, old_logp, advantages, mask, eps_clip, eps_clip_high=None):
             "clipfrac_low": masked_mean(low.float(), rows),
             "clipfrac_high": masked_mean(high.float(), rows),
             "ppo_kl": masked_mean(old_logp - logp, mask),
+            "dual_clip_frac": masked_mean(dual.float(), mask),
             "seq_ratio_mean": masked_mean(s, rows),
         }
-    return loss, metrics
+    return pg, metrics
 
 
-def cispo_loss(logp, old_logp, advantages, mask, eps_clip_high, eps_clip_low=None, loss_agg="token_mean",
-               max_len=None):
+def cispo_loss(logp, old_logp, advantages, mask, eps_clip=0.2, eps_clip_high=None, eps_clip_c=None):
     """
     CISPO (MiniMax-M1): clip the importance weight, not the update, so every token keeps a gradient:
-      l_t = -sg[clip(ratio_t, 1 - eps_clip_low, 1 + eps_clip_high)] * A_t * logp_t
-    grad_logp l_t = -clip(ratio_t) * A_t (REINFORCE with a truncated IS weight).
-    eps_clip_low=None: no lower clip (the paper's choice). The loss value itself is not meaningful.
+      l_t = -sg[clip(ratio_t, 1 - eps_clip, 1 + eps_clip_high)] * A_t * logp_t
+    grad_logp l_t = -clip(ratio_t) * A_t (REINFORCE with a truncated IS weight). The loss value itself is not
+    meaningful, only its gradient. Dual clip has no meaning here (nothing is clipped to cap): eps_clip_c must be None.
     """
+    if eps_clip_c is not None:
+        raise ValueError("dual clip (eps_clip_c) has no meaning for CISPO: its weight is already clipped")
+    eps_high = eps_clip if eps_clip_high is None else eps_clip_high
     A = advantages.detach()
     ratio = _ratio(logp, old_logp).detach()
-    low = None if eps_clip_low is None else 1 - eps_clip_low
-    w = ratio.clamp(min=low, max=1 + eps_clip_high)
-    loss = aggregate_loss(-w * A * logp, mask, loss_agg, max_len)
+    w = ratio.clamp(1 - eps_clip, 1 + eps_high)
     with torch.no_grad():
         metrics = {
             "clipfrac": masked_mean((w != ratio).float(), mask),
             "ppo_kl": masked_mean(old_logp - logp, mask),
         }
+    return -w * A * logp, metrics
+
+
+def policy_loss(logp, old_logp, advantages, mask, kind="ppo_clip", eps_clip=0.2, eps_clip_high=None, eps_clip_c=None,
+                loss_agg="token_mean", max_len=None, tis_weights=None, entropy=None, entropy_coef=0.0,
+                ref_logp=None, kl_type="low_var_kl", kl_coef=0.0):
+    """
+    The one loss path of every estimator:
+      per-token policy loss (kind: ppo_clip | gspo | cispo)  x  importance weights (TIS / IcePop, if given)
+      -> aggregate_loss(loss_agg)  - entropy_coef * aggregated entropy  + kl_coef * aggregated KL(pi || ref)
+    Returns (loss, metrics) with metrics pg_loss, entropy_loss / kl_loss when used, and the policy loss's own.
+    """
+    fn = {"ppo_clip": ppo_clip_loss, "gspo": gspo_loss, "cispo": cispo_loss}.get(kind)
+    if fn is None:
+        raise ValueError(f"unknown policy loss {kind!r}, expected ppo_clip, gspo or cispo")
+    pg, metrics = fn(logp, old_logp, advantages, mask, eps_clip, eps_clip_high, eps_clip_c)
+    if tis_weights is not None:
+        pg = pg * tis_weights.detach()
+    loss = aggregate_loss(pg, mask, loss_agg, max_len)
+    metrics["pg_loss"] = loss.detach()
+    if entropy_coef:
+        ent_loss = aggregate_loss(entropy, mask, loss_agg, max_len)
+        loss = loss - entropy_coef * ent_loss
+        metrics["entropy_loss"] = ent_loss.detach()
+    if kl_coef:
+        kl_loss = aggregate_loss(kl_estimate(logp, ref_logp, kl_type), mask, loss_agg, max_len)
+        loss = loss + kl_coef * kl_loss
+        metrics["kl_loss"] = kl_loss.detach()
     return loss, metrics
 
 
@@ -356,15 +383,6 @@ def value_loss(values, old_values, returns, mask, value_clip=None, loss_agg="tok
         per_token, clipped = torch.maximum(l1, l2), l2 > l1
     loss = 0.5 * aggregate_loss(per_token, mask, loss_agg, max_len)
     return loss, {"vf_clipfrac": masked_mean(clipped.float(), mask).detach()}
-
-
-def entropy_from_logits(logits):
-    """
-    Entropy of softmax(logits) over the last dim, in fp32: H = -sum_v p_v log p_v.
-    log_softmax is stable, and p_v underflowing to 0 gives 0 * finite = 0 (logits must be finite).
-    """
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(-1)
 
 
 # -----------------------------------------------------------------------------
@@ -443,19 +461,3 @@ def pass_at_k(n, c, k):
     for i in range(n - c + 1, n + 1):
         all_fail *= 1.0 - k / i
     return 1.0 - all_fail
-
-
-def group_pass_at_k(correct, k):
-    """Mean over prompts of pass_at_k; `correct` is one list of bools (the n samples) per prompt."""
-    if not correct:
-        raise ValueError("group_pass_at_k needs at least one prompt")
-    return sum(pass_at_k(len(c), sum(bool(x) for x in c), k) for c in correct) / len(correct)
-
-
-def group_filter_nonconstant(rewards_of_group):
-    """
-    DAPO dynamic sampling: keep a group only if its rewards are not all equal. With equal
-    rewards every group-relative advantage is 0: the group costs compute and teaches nothing.
-    """
-    r = torch.as_tensor(rewards_of_group, dtype=torch.float64).flatten()
-    return r.numel() > 1 and bool(r.max() > r.min())

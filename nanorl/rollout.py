@@ -1,19 +1,26 @@
 """
-Rollout machinery for RL: the Sample record, the prompt source, dynamic sampling with over-sampling,
-the surplus buffer, and packing samples into training micro-batches.
+The sampling side of RL: the Sample record, the prompt source, the rollout flags, generating and scoring groups
+of samples (RolloutWorker), dynamic sampling with over-sampling, the surplus buffer, and packing samples into
+training micro-batches.
 
 The flow of one rollout (see scripts/chat_rl.py):
-  prompts (PromptSource) -> n samples each (engine or a custom generate function) -> rewards
-  -> dynamic-sampling filter keeps whole groups -> surplus groups wait in the buffer for the next rollout
+  prompts (PromptSource) -> n samples each (engine, multi-turn tool calls or a custom generate function)
+  -> rewards (a local function or a remote server) -> dynamic-sampling filter keeps whole groups
+  -> surplus groups wait in the buffer for the next rollout
 """
 import importlib
 import importlib.util
 import inspect
 import os
 import random
+import signal
+from contextlib import contextmanager
 from dataclasses import dataclass, field, asdict
 
 import torch
+
+from nanorl.engine import Request
+from nanorl.rewards import remote_rewards
 
 COMPLETED, TRUNCATED, ABORTED = "completed", "truncated", "aborted"
 
@@ -313,3 +320,219 @@ def collate(samples, device="cpu", pad_id=0):
             rollout_logp[b, resp] = torch.tensor(s.rollout_log_probs, dtype=torch.float32)
     return {"inputs": inputs.to(device), "targets": targets.to(device),
             "loss_mask": loss_mask.to(device), "rollout_logp": rollout_logp.to(device)}
+
+
+# -----------------------------------------------------------------------------------------------
+# the rollout and reward flags, next to the code they configure
+
+def add_args(parser, tools=("calculator", "python")):
+    g = parser.add_argument_group("rollout (nanorl/rollout.py)")
+    g.add_argument("--over-sampling-batch-size", type=int, default=None, help="turns on dynamic sampling: prompts generated per "
+                   "round, groups kept by the filter until the batch is full")
+    g.add_argument("--dynamic-sampling-filter-path", default="nanorl.rollout:keep_nonconstant_group",
+                   help="module:function(group) -> (keep, reason), used with --over-sampling-batch-size")
+    g.add_argument("--max-sampling-rounds", type=int, default=8, help="dynamic sampling: rounds before the batch is topped up with dropped groups")
+    g.add_argument("--buffer-filter-path", default="nanorl.rollout:pop_first", help="module:function(buffer, n) -> (taken, rest) for surplus groups")
+    g.add_argument("--partial-rollout", action="store_true", help="with over-sampling: once the batch is full, abort what is still "
+                   "generating, keep it with its tokens and continue it in the next rollout (pair with --use-tis)")
+    g.add_argument("--top-k", type=int, default=None, help="rollout top-k (default: off; anything but off makes rollouts off-policy)")
+    g.add_argument("--top-p", type=float, default=None, help="rollout top-p (default: off)")
+    g.add_argument("--engine-batch-size", type=int, default=256, help="engine rows decoded at once")
+    g.add_argument("--custom-generate-function-path", default=None,
+                   help="module:function(args, engine, tokenizer, prompts, seeds) -> list of groups (lists) of Sample")
+    g.add_argument("--multi-turn", action="store_true", help="run tool calls turn by turn (nanorl/multiturn.py), with per-turn metrics")
+    g.add_argument("--max-turns", type=int, default=None, help="--multi-turn: tool calls per response (default 4); one more ends it as truncated")
+    g.add_argument("--tool", default=None, choices=tools, help="--multi-turn: what answers a tool call (default calculator)")
+    g.add_argument("--rollout-timeout", type=float, default=1800, help="seconds a rank's rollout (or eval) may take before the run "
+                   "saves and exits non-zero, naming what was in flight (0 = no limit)")
+    g = parser.add_argument_group("rewards (nanorl/rewards.py)")
+    g.add_argument("--rm-type", default="math", help="math | mc | exact | f1 | format | weighted e.g. math+format:0.9,0.1 | remote (needs --rm-url)")
+    g.add_argument("--custom-rm-path", default=None, help="module:function(response, label, metadata) -> float or dict")
+    g.add_argument("--rm-url", default=None, help="--rm-type remote: each sample is POSTed here as JSON (README: RL)")
+    g.add_argument("--rm-concurrency", type=int, default=32, help="--rm-type remote: requests in flight at once")
+    g.add_argument("--rm-timeout", type=float, default=30.0, help="--rm-type remote: seconds per request attempt")
+    g.add_argument("--rm-retries", type=int, default=3, help="--rm-type remote: retries after a refused/timed-out/5xx call")
+    g.add_argument("--rm-failure", default="drop", choices=["drop", "zero"],
+                   help="a reward that fails (raises, non-number, failed remote call): drop = never trained on, zero = reward 0")
+
+
+def check_args(args, parser):
+    """Rollout and reward flags that must agree, checked before any work."""
+    dynamic = args.over_sampling_batch_size is not None
+    if args.partial_rollout and not (dynamic and args.over_sampling_batch_size > args.rollout_batch_size):
+        parser.error("--partial-rollout needs --over-sampling-batch-size larger than --rollout-batch-size: "
+                     "partial rollouts abort the surplus that is still generating once the batch is full")
+    if args.partial_rollout and args.custom_generate_function_path:
+        parser.error("--partial-rollout drives the engine itself: it cannot be combined with --custom-generate-function-path")
+    if args.multi_turn:
+        if args.custom_generate_function_path:
+            parser.error("--multi-turn and --custom-generate-function-path both generate the rollout: give one of them")
+        if args.partial_rollout:
+            parser.error("--multi-turn and --partial-rollout cannot be combined: partial rollouts park and resume single engine requests")
+        args.max_turns = 4 if args.max_turns is None else args.max_turns
+        if args.max_turns < 1:
+            parser.error(f"--max-turns must be >= 1, got {args.max_turns}")
+        args.tool = args.tool or "calculator"
+    elif args.max_turns is not None or args.tool is not None:
+        parser.error("--max-turns and --tool are only used with --multi-turn")
+    if args.rm_type == "remote":
+        if not args.rm_url:
+            parser.error("--rm-type remote needs --rm-url (the reward server's address, e.g. http://127.0.0.1:8000/reward)")
+        if not args.rm_url.startswith(("http://", "https://")):
+            parser.error(f"--rm-url {args.rm_url!r} must start with http:// or https://")
+        if args.custom_rm_path:
+            parser.error("--rm-type remote and --custom-rm-path both pick the reward: give one of them")
+        if args.rm_concurrency < 1 or args.rm_timeout <= 0 or args.rm_retries < 0:
+            parser.error(f"--rm-concurrency must be >= 1 (got {args.rm_concurrency}), --rm-timeout > 0 (got {args.rm_timeout}), "
+                         f"--rm-retries >= 0 (got {args.rm_retries})")
+    elif args.rm_url:
+        parser.error(f"--rm-url is only used with --rm-type remote (got --rm-type {args.rm_type})")
+
+
+class RolloutTimeout(BaseException):
+    """Not an Exception: a reward wrapper that catches Exception must not swallow it."""
+
+
+@contextmanager
+def deadline(seconds, what="the rollout"):
+    """Raise RolloutTimeout in this (main) thread once `seconds` have passed (0 = no limit). SIGALRM interrupts
+    Python code that hangs: a reward call, a custom rollout, a tool."""
+    def on_timeout(signum, frame):
+        raise RolloutTimeout(f"{what} ran past --rollout-timeout {seconds:g}s")
+    if seconds > 0:
+        signal.signal(signal.SIGALRM, on_timeout)
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        if seconds > 0:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+# -----------------------------------------------------------------------------------------------
+# generating and scoring groups on one rank
+
+def prompt_ids(tokenizer, item):
+    """The tokens a prompt item starts the response from: a conversation rendered up to the assistant's turn, or
+    raw text (--prompt-data without --apply-chat-template) after <|bos|>."""
+    if "text" in item:
+        return [tokenizer.get_bos_token_id()] + tokenizer.encode(item["text"])
+    return tokenizer.render_for_completion(item["conversation"])
+
+
+class RolloutWorker:
+    """
+    Turns prompts into scored groups of Samples on one rank. It owns the engine, the reward function and two
+    pieces of state: what it is working on right now (`inflight`, named in the report when a rollout fails or
+    hangs) and how many rewards have failed in training rollouts (`reward_failures`).
+      reward_fn(response_text, label, metadata) -> (value, None) | (None, reason), or None with --rm-type remote
+      tool: what answers a tool call under --multi-turn; custom_generate: --custom-generate-function-path
+    """
+    def __init__(self, args, engine, tokenizer, reward_fn, tool=None, custom_generate=None):
+        self.args, self.engine, self.tokenizer = args, engine, tokenizer
+        self.reward_fn, self.tool, self.custom_generate = reward_fn, tool, custom_generate
+        self.inflight, self.reward_failures = {}, 0
+        self.stop_tokens = {tokenizer.encode_special("<|assistant_end|>"), tokenizer.get_bos_token_id()}
+        self.python_start = tokenizer.encode_special("<|python_start|>")
+        self.output_end = tokenizer.encode_special("<|output_end|>")
+
+    def request(self, prompt_ids, seed, num_samples, temperature, max_tokens=None, **kw):
+        a = self.args
+        return Request(prompt_ids=prompt_ids, num_samples=num_samples, max_tokens=a.max_response_len if max_tokens is None else max_tokens,
+                       temperature=temperature, top_k=a.top_k, top_p=a.top_p, seed=seed, **kw)
+
+    def new_group(self, p, prompt_ids, seed, num_samples, weight_version):
+        """Empty samples of one prompt, to be extended by the engine's completions."""
+        return [Sample(prompt=p.get("conversation", p.get("text")), tokens=list(prompt_ids), label=p["label"], status=ABORTED,
+                       weight_version=weight_version, index=si, metadata={**p["metadata"], "seed": seed})
+                for si in range(num_samples)]
+
+    def generate(self, prompts, seeds, temperature, num_samples, weight_version):
+        """The default rollout: one engine call over all prompts, each fanned out to num_samples -> groups."""
+        from nanorl.multiturn import multi_turn_generate
+        self.inflight["generating"] = [p["metadata"] for p in prompts]
+        if self.custom_generate is not None:
+            return self.custom_generate(self.args, self.engine, self.tokenizer, prompts, seeds)
+        ids_of = [prompt_ids(self.tokenizer, p) for p in prompts]
+        reqs = [self.request(ids, seed, num_samples, temperature) for ids, seed in zip(ids_of, seeds)]
+        if self.args.multi_turn:
+            results = multi_turn_generate(self.engine, reqs, self.args.max_turns, self.tool)
+        else:
+            results = self.engine.generate(reqs)
+        groups = []
+        for p, ids, seed, comps in zip(prompts, ids_of, seeds, results):
+            group = [extend_sample(s, c) for s, c in zip(self.new_group(p, ids, seed, num_samples, weight_version), comps)]
+            if self.args.multi_turn:  # each response's tool calls, errors and whether it hit --max-turns
+                for s, c in zip(group, comps):
+                    s.metadata.update(c.turn_stats())
+            groups.append(group)
+        return groups
+
+    def stream(self, prompts, seeds, weight_version, buffer):
+        """
+        --partial-rollout: yield each group, scored, as soon as all its samples end. When the batch is full the caller
+        closes this generator: what is still generating is aborted and parked in the buffer with the tokens it has
+        (and the weight_version it started under), and the next rollout continues it before starting new prompts.
+        """
+        a, n, engine = self.args, self.args.n_samples_per_prompt, self.engine
+        jobs = []  # (group, {sample index: (handle, completion index)})
+        self.inflight["generating"] = [s.metadata for g in buffer.partial for s in g[:1]] + [p["metadata"] for p in prompts]
+        for group in buffer.take_partial():
+            handles = {}
+            for s in group:
+                if s.status == ABORTED:  # continue it: same random stream, from the token it stopped at
+                    req = self.request(list(s.tokens), s.metadata["seed"], 1, a.temperature,
+                                       max_tokens=a.max_response_len - s.response_length, first_sample=s.index,
+                                       start_counter=s.response_length)
+                    handles[s.index] = (engine.submit(req), 0)
+                s.metadata["resumed"] = s.metadata.get("resumed", 0) + (s.status == ABORTED)
+            jobs.append((group, handles))
+        for p, seed in zip(prompts, seeds):
+            ids = prompt_ids(self.tokenizer, p)
+            h = engine.submit(self.request(ids, seed, n, a.temperature))
+            jobs.append((self.new_group(p, ids, seed, n, weight_version), {si: (h, si) for si in range(n)}))
+        try:
+            while jobs:
+                engine.step()
+                for job in [j for j in jobs if all(h.done for h, _ in j[1].values())]:
+                    jobs.remove(job)
+                    group, handles = job
+                    for si, (h, ci) in handles.items():
+                        extend_sample(group[si], h.completions[ci])
+                    yield self.score([group])[0]
+        finally:
+            if jobs:  # the batch is full: abort the rest and park it, cut back to where it can be continued exactly
+                engine.abort()
+                while engine.step():
+                    pass
+                for group, handles in jobs:
+                    for si, (h, ci) in handles.items():
+                        extend_sample(group[si], h.completions[ci], self.python_start, self.output_end)
+                    buffer.partial.append(group)
+
+    def response_text(self, s):
+        return self.tokenizer.decode([t for t in s.tokens[s.prompt_length:] if t not in self.stop_tokens])
+
+    def score(self, groups, count_failures=True):
+        """Reward every unscored sample of groups (custom generate functions may score their own). A reward that
+        fails is counted (training rollouts only) and its sample dropped from training or scored 0 (--rm-failure)."""
+        a = self.args
+        todo = [s for g in groups for s in g if s.reward is None]
+        texts = [self.response_text(s) for s in todo]
+        if self.reward_fn is None:  # --rm-type remote: all the samples in one batched call
+            payloads = [{"prompt": s.prompt, "response": t, "label": s.label, "metadata": s.metadata} for s, t in zip(todo, texts)]
+            self.inflight["scoring"] = {"remote": a.rm_url, "samples": len(payloads)}
+            results = remote_rewards(a.rm_url, payloads, a.rm_concurrency, a.rm_timeout, a.rm_retries)
+        else:
+            results = []
+            for s, t in zip(todo, texts):
+                self.inflight["scoring"] = {"metadata": s.metadata, "response": t[:200]}
+                results.append(self.reward_fn(t, s.label, s.metadata))
+        self.inflight.pop("scoring", None)
+        failed = set_rewards(groups, todo, results, a.rm_failure)
+        if count_failures:
+            self.reward_failures += len(failed)
+        if failed:
+            print(f"warning: {len(failed)}/{len(todo)} rewards failed ({a.rm_failure}), e.g. {failed[0].metadata['reward_error']}",
+                  flush=True)
+        return groups

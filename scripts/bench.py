@@ -166,14 +166,16 @@ def bench_decode(args):
 
 
 def bench_rl(args):
-    """One GRPO step of chat_rl's shape and math on a random-init model: rollout (the engine, every response
-    forced to the full --new-tokens, the worst case of a GSM8K rollout), rewards, advantages, the policy loss
-    over micro-batches and one optimizer step. Time split rollout / train, tok/s of each, peak memory."""
-    from nanorl import rl
+    """One GRPO step of chat_rl's shape on a random-init model: rollout (the engine, every response forced to the
+    full --new-tokens, the worst case of a GSM8K rollout), rewards, then chat_rl's own training step
+    (nanorl.rl_trainer.Trainer: advantages, the loss over micro-batches, one optimizer step), with chat_rl's
+    defaults for every training flag. Time split rollout / train, tok/s of each, peak memory."""
+    from nanorl import rl_trainer
+    from nanorl.common import Timer
     from nanorl.engine import Engine, Request
     from nanorl.gpt import build_model, config_from_depth
     from nanorl.optim import build_optimizer
-    from nanorl.rollout import Sample, collate, pack_micro_batches
+    from nanorl.rollout import Sample
     from nanorl.tokenizer import SPLIT_PATTERN, Tokenizer
 
     device_type = args.device_type or autodetect_device_type()
@@ -191,8 +193,13 @@ def bench_rl(args):
     model = build_model(cfg, device)
     optimizer = build_optimizer(model)
     for g in optimizer.param_groups:
-        g["lr"] = g["initial_lr"] * args.lr_scale
-    autocast = autocast_ctx(device_type)
+        g["initial_lr"] = g["lr"] = g["initial_lr"] * args.lr_scale
+    # chat_rl's training flags at their defaults, with this benchmark's shape
+    p = argparse.ArgumentParser()
+    rl_trainer.add_args(p)
+    targs = p.parse_args(["--max-tokens-per-gpu", str(args.max_tokens_per_gpu)])
+    targs.advantage_estimator, targs.temperature, targs.n_samples_per_prompt, targs.max_response_len = "grpo", 1.0, n, N
+    trainer = rl_trainer.Trainer(targs, model, optimizer, device)
     tok = Tokenizer.from_ranks({bytes([i]): i for i in range(256)}, SPLIT_PATTERN)  # the engine needs only its specials
     engine = Engine(model, tok, batch_size=args.engine_batch_size or n_prompts * n, max_len=P + N)
     g = torch.Generator().manual_seed(1)
@@ -207,7 +214,7 @@ def bench_rl(args):
         reqs = [Request(p, num_samples=n, max_tokens=N, temperature=1.0, seed=step * n_prompts + i, stop_tokens=[],
                         use_tools=False) for i, p in enumerate(prompts)]
         samples = [Sample(tokens=list(p) + list(c.tokens), response_length=len(c.tokens), loss_mask=list(c.mask),
-                          rollout_log_probs=list(c.logprobs), status=c.status, group_index=gi, index=si)
+                          rollout_log_probs=list(c.logprobs), status=c.status, group_index=gi, index=si, weight_version=step)
                    for gi, (p, comps) in enumerate(zip(prompts, engine.generate(reqs))) for si, c in enumerate(comps)]
         # a cheap deterministic reward from the sampled tokens (parity of their sum): about half right, so
         # every group has a non-zero advantage, as in a useful rollout
@@ -215,26 +222,12 @@ def bench_rl(args):
             s.reward = float(sum(s.tokens[s.prompt_length:]) % 2)
         synchronize(device_type)
         t1 = time.perf_counter()
-        # train: chat_rl's on-policy step (one optimizer step per rollout, token_mean aggregation)
-        model.train()
-        full = collate(samples)
-        rewards = torch.tensor([s.reward for s in samples])
-        adv = rl.grpo_advantages(rewards, full["loss_mask"], n)
-        total_mask = full["loss_mask"].sum().item()
-        for mb in pack_micro_batches(samples, args.max_tokens_per_gpu):
-            batch = collate([samples[i] for i in mb], device)
-            mask, T = batch["loss_mask"], batch["inputs"].size(1)
-            with autocast:  # with the entropy, as chat_rl computes it for its logs
-                logp, _ = model.token_logprobs(batch["inputs"], batch["targets"].clamp(min=0), return_entropy=True)
-            loss, _ = rl.policy_loss(logp.float(), logp.detach().float(), adv[mb, :T].to(device), mask)
-            (loss * mask.sum().item() / total_mask).backward()  # each micro-batch weighs its share of the tokens
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        m = trainer.train_step(step, samples, Timer())
         synchronize(device_type)
         t2 = time.perf_counter()
         gen_tok = sum(s.response_length for s in samples)
-        return t1 - t0, t2 - t1, gen_tok, sum(len(s.tokens) for s in samples), rewards.mean().item(), grad_norm.item()
+        reward = sum(s.reward for s in samples) / len(samples)
+        return t1 - t0, t2 - t1, gen_tok, sum(len(s.tokens) for s in samples), reward, m["train/grad_norm"]
 
     rl_step(0)  # warm up: kernels, allocator, the optimizer's state
     if device_type == "cuda":
@@ -260,7 +253,7 @@ def bench_rl(args):
                       "rollout_s": round(t_roll, 6), "train_s": round(t_train, 6), "total_s": round(t_roll + t_train, 6),
                       "rollout_tok_per_s": round(gen_tok / t_roll, 1), "train_tok_per_s": round(train_tok / t_train, 1),
                       "generated_tokens": gen_tok, "trained_tokens": train_tok, "reward_mean": round(reward, 4),
-                      "grad_norm": runs[-1][5], "peak_mem_gb": round(peak_mem, 3)}))
+                      "grad_norm": round(runs[-1][5], 6), "peak_mem_gb": round(peak_mem, 3)}))
 
 
 def model_and_device_args(p):

@@ -311,7 +311,7 @@ def test_gspo_loss():
     m = t([[1, 1, 1], [1, 1, 0]])
     A = t([1.0, -1.0])
     logp = lr.clone().requires_grad_()
-    loss, met = rl.gspo_loss(logp, old, A, m, eps_clip=0.2)
+    loss, met = rl.policy_loss(logp, old, A, m, kind="gspo", eps_clip=0.2, loss_agg="seq_mean_token_mean")
     # s0 = e^.05 (inside, A>0: -s0) ; s1 = e^-.4 = .67 < .8 with A<0: clipped -> .8
     close(loss, (-math.exp(0.05) + 0.8) / 2)
     close(met["clipfrac"], 0.5)
@@ -330,7 +330,7 @@ def test_gspo_loss():
     # (B, T) advantages: taken at each row's first masked token (left padding), here 1 and -1
     m2 = t([[0, 1, 1], [1, 1, 0]])
     A2 = t([[99.0, 1.0, 1.0], [-1.0, -1.0, 5.0]])
-    loss2, _ = rl.gspo_loss(lr, old, A2, m2, eps_clip=0.2)
+    loss2, _ = rl.policy_loss(lr, old, A2, m2, kind="gspo", eps_clip=0.2, loss_agg="seq_mean_token_mean")
     close(loss2, (-math.exp(0.025) + 0.8) / 2)
 
 
@@ -341,7 +341,8 @@ def test_gspo_gradient_matches_sequence_form_random():
     m = t([[1, 1, 1, 1, 1], [0, 1, 1, 1, 0], [0, 0, 1, 1, 1]])
     A = t([0.7, -1.3, 0.4])
     logp = lr.clone().requires_grad_()
-    loss, _ = rl.gspo_loss(logp, old, A, m, eps_clip=0.1, eps_clip_high=0.15)
+    loss, _ = rl.policy_loss(logp, old, A, m, kind="gspo", eps_clip=0.1, eps_clip_high=0.15,
+                             loss_agg="seq_mean_token_mean")
     loss.backward()
     logp2 = lr.clone().requires_grad_()
     s = torch.exp(((logp2 - old) * m).sum(-1) / m.sum(-1))
@@ -355,17 +356,107 @@ def test_cispo_loss():
     lp = t([[math.log(1.5), math.log(0.5), 0.0]])
     A, m, old = t([[1.0, 1.0, -2.0]]), torch.ones(1, 3), torch.zeros(1, 3)
     logp = lp.clone().requires_grad_()
-    loss, met = rl.cispo_loss(logp, old, A, m, eps_clip_high=0.2)
-    # weights clip(1.5, 1.2) = 1.2, .5 (no lower clip), 1 ; loss -(1.2 lp0 + .5 lp1 - 2 lp2) / 3
+    loss, met = rl.policy_loss(logp, old, A, m, kind="cispo", eps_clip=1.0, eps_clip_high=0.2)
+    # eps_clip 1 = no lower clip: weights clip(1.5, 1.2) = 1.2, .5, 1 ; loss -(1.2 lp0 + .5 lp1 - 2 lp2) / 3
     close(loss, -(1.2 * math.log(1.5) + 0.5 * math.log(0.5)) / 3)
     loss.backward()
     close(logp.grad, [[-1.2 / 3, -0.5 / 3, 2.0 / 3]])  # -clip(r) A / T: every token keeps a gradient
     close(met["clipfrac"], 1 / 3)
     logp = lp.clone().requires_grad_()
-    loss, met = rl.cispo_loss(logp, old, A, m, eps_clip_high=0.2, eps_clip_low=0.2)
+    loss, met = rl.policy_loss(logp, old, A, m, kind="cispo", eps_clip=0.2, eps_clip_high=0.2)
     loss.backward()
     close(logp.grad, [[-1.2 / 3, -0.8 / 3, 2.0 / 3]])
     close(met["clipfrac"], 2 / 3)
+
+
+def _reference_loss(kind, lp, old, A, m, ent, ref, eps, eps_high, eps_c, tis, agg, max_len, ent_coef, kl_coef, lp0=None):
+    """The one loss path written out token by token in plain python floats (an independent reference). lp0: where the
+    stop-gradient parts are frozen (GSPO's sequence ratio, CISPO's weight) when differentiating numerically."""
+    lp0 = lp if lp0 is None else lp0
+    B, T = len(lp), len(lp[0])
+    rows = [[t for t in range(T) if m[i][t]] for i in range(B)]
+    per = [[0.0] * T for _ in range(B)]
+    for i in range(B):
+        a_seq = A[i][rows[i][0]] if rows[i] else 0.0
+        log_s = sum(lp0[i][t] - old[i][t] for t in rows[i]) / max(len(rows[i]), 1)
+        for t in rows[i]:
+            r = math.exp(lp[i][t] - old[i][t])
+            if kind == "cispo":
+                w = math.exp(lp0[i][t] - old[i][t])
+                per[i][t] = -min(max(w, 1 - eps), 1 + eps_high) * A[i][t] * lp[i][t]
+                continue
+            # GSPO-token: s_i,t = sg[s_i] * exp(lp_t - sg[lp_t])
+            a, r = (a_seq, math.exp(log_s + lp[i][t] - lp0[i][t])) if kind == "gspo" else (A[i][t], r)
+            v = max(-a * r, -a * min(max(r, 1 - eps), 1 + eps_high))
+            if eps_c is not None and a < 0:
+                v = min(v, -a * eps_c)
+            per[i][t] = v
+    if tis is not None:
+        per = [[per[i][t] * tis[i][t] for t in range(T)] for i in range(B)]
+
+    def agg_py(x):
+        if agg == "token_mean":
+            return sum(x[i][t] for i in range(B) for t in rows[i]) / sum(len(r) for r in rows)
+        if agg == "seq_mean_token_mean":
+            return sum(sum(x[i][t] for t in rows[i]) / max(len(rows[i]), 1) for i in range(B)) / B
+        return sum(sum(x[i][t] for t in rows[i]) / max_len for i in range(B)) / B
+
+    kl = [[math.exp(ref[i][t] - lp[i][t]) - (ref[i][t] - lp[i][t]) - 1 for t in range(T)] for i in range(B)]  # k3
+    return agg_py(per) - ent_coef * agg_py(ent) + kl_coef * agg_py(kl)
+
+
+@pytest.mark.parametrize("kind", ["ppo_clip", "gspo", "cispo"])
+@pytest.mark.parametrize("agg", rl.LOSS_AGGS)
+@pytest.mark.parametrize("tis_mode", [None, "truncate", "icepop"])
+@pytest.mark.parametrize("extras", ["none", "entropy_kl", "dual_clip"])
+def test_every_policy_loss_through_every_option(kind, agg, tis_mode, extras):
+    """Every estimator's loss with every option of the one loss path (importance weights, aggregation, entropy,
+    KL to the reference, dual clip) equals the token-by-token reference above; the gradient is checked too."""
+    if extras == "dual_clip" and kind == "cispo":
+        with pytest.raises(ValueError, match="CISPO"):
+            rl.policy_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2), kind=kind, eps_clip_c=3.0)
+        return
+    g = torch.Generator().manual_seed(7)
+    B, T = 4, 6
+    m = t([[0, 1, 1, 1, 1, 0], [0, 0, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1], [0, 1, 0, 1, 1, 0]])  # left prompt, hole, padding
+    old = -torch.rand(B, T, generator=g) * 2
+    lp = old + 0.4 * torch.randn(B, T, generator=g)
+    A = (torch.randn(B, 1, generator=g) * 2).expand(B, T).clone() * m
+    ent, ref = torch.rand(B, T, generator=g), old + 0.3 * torch.randn(B, T, generator=g)
+    rollout = old + 0.8 * torch.randn(B, T, generator=g)
+    tis = None
+    if tis_mode:
+        tis, _ = rl.tis_weights(old, rollout, m, clip=1.5, clip_low=0.5, mode=tis_mode)
+    eps, eps_high = (0.1, 0.15) if kind == "gspo" else (0.2, 0.28)
+    eps_c = 2.0 if extras == "dual_clip" else None
+    ent_coef, kl_coef = (0.03, 0.2) if extras == "entropy_kl" else (0.0, 0.0)
+    logp = lp.clone().requires_grad_()
+    loss, met = rl.policy_loss(logp, old, A, m, kind=kind, eps_clip=eps, eps_clip_high=eps_high, eps_clip_c=eps_c,
+                               loss_agg=agg, max_len=T, tis_weights=tis, entropy=ent, entropy_coef=ent_coef,
+                               ref_logp=ref, kl_type="k3", kl_coef=kl_coef)
+    L = lambda x: x.tolist()
+    expected = _reference_loss(kind, L(lp), L(old), L(A), L(m), L(ent), L(ref), eps, eps_high, eps_c,
+                               L(tis) if tis is not None else None, agg, T, ent_coef, kl_coef)
+    close(loss, expected)
+    if tis_mode:  # the weights really were applied: without them the loss differs
+        plain, _ = rl.policy_loss(lp, old, A, m, kind=kind, eps_clip=eps, eps_clip_high=eps_high, eps_clip_c=eps_c,
+                                  loss_agg=agg, max_len=T, entropy=ent, entropy_coef=ent_coef, ref_logp=ref,
+                                  kl_type="k3", kl_coef=kl_coef)
+        assert abs(float(plain) - expected) > 1e-4
+    if extras == "entropy_kl":
+        assert "kl_loss" in met and "entropy_loss" in met
+    # gradient: finite differences of the reference on one trained token of each row
+    loss.backward()
+    for i in range(B):
+        tt = int(m[i].nonzero()[0])
+        h = 1e-3
+        up, dn = lp.clone(), lp.clone()
+        up[i, tt] += h
+        dn[i, tt] -= h
+        ref_args = (L(old), L(A), L(m), L(ent), L(ref), eps, eps_high, eps_c, L(tis) if tis is not None else None, agg, T,
+                    ent_coef, kl_coef)
+        fd = (_reference_loss(kind, L(up), *ref_args, lp0=L(lp)) - _reference_loss(kind, L(dn), *ref_args, lp0=L(lp))) / (2 * h)
+        close(logp.grad[i, tt], fd, tol=2e-3)
 
 
 def test_value_loss():
@@ -383,14 +474,6 @@ def test_value_loss():
     vv = v.clone().requires_grad_()
     rl.value_loss(vv, old, R, m, value_clip=0.2)[0].backward()
     close(vv.grad, [[0.0, 0.0, 0.5 / 3 * 2 * (3.0 - 3.5), 0.0]])  # clipped tokens carry no gradient
-
-
-def test_entropy_from_logits():
-    logits = t([[0.0, 0.0, 0.0, 0.0], [1000.0, 0.0, -1000.0, 5.0], [0.0, math.log(3), -1e9, -1e9]])
-    h = rl.entropy_from_logits(logits.to(torch.bfloat16))
-    assert h.dtype == torch.float32 and torch.isfinite(h).all()
-    close(h, [math.log(4), 0.0, -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))], tol=1e-2)
-    close(rl.entropy_from_logits(logits), [math.log(4), 0.0, 0.562335])
 
 
 # -----------------------------------------------------------------------------
@@ -446,18 +529,3 @@ def test_pass_at_k_brute_force():
     assert 0.0 < rl.pass_at_k(1000, 1, 1) < 1.0  # large n: no binomial overflow
     with pytest.raises(ValueError):
         rl.pass_at_k(3, 1, 4)
-
-
-def test_group_pass_at_k():
-    correct = [[True, False, False], [False, False, False]]
-    close(rl.group_pass_at_k(correct, 1), (1 / 3 + 0) / 2)
-    close(rl.group_pass_at_k(correct, 2), (2 / 3 + 0) / 2)  # 1 - C(2,2)/C(3,2)
-    close(rl.group_pass_at_k(correct, 3), 0.5)
-
-
-def test_group_filter_nonconstant():
-    assert rl.group_filter_nonconstant([1.0, 1.0, 1.0]) is False
-    assert rl.group_filter_nonconstant([1.0, 0.0]) is True
-    assert rl.group_filter_nonconstant(t([0.5, 0.5])) is False
-    assert rl.group_filter_nonconstant(t([0.0, 0.0, 1.0])) is True
-    assert rl.group_filter_nonconstant([1.0]) is False

@@ -1,0 +1,302 @@
+"""
+The training side of RL: given a rollout's scored samples, shape the rewards, compute advantages and take the
+optimizer steps. One loss path serves every estimator: the per-token policy loss (PPO clip, GSPO or CISPO),
+then importance weights, aggregation, entropy and KL, all in nanorl.rl.policy_loss. Used by scripts/chat_rl.py
+(synchronous and --async) and by `bench rl`, so the benchmark times exactly the step that trains.
+
+The flags of this step live here too (add_args / check_args), next to the code they configure.
+"""
+import torch
+import torch.distributed as dist
+
+from nanorl import rl
+from nanorl.common import autocast_ctx
+from nanorl.rollout import TRUNCATED, collate, pack_micro_batches
+
+ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gspo", "cispo", "ppo")
+GROUP_ESTIMATORS = ("grpo", "rloo", "gspo", "cispo")  # group-relative advantages from the rewards alone
+
+
+def add_args(parser):
+    g = parser.add_argument_group("training step (nanorl/rl_trainer.py)")
+    g.add_argument("--global-batch-size", type=int, default=None, help="samples per optimizer step (default: the whole rollout)")
+    g.add_argument("--num-steps-per-rollout", type=int, default=1, help="optimizer steps per rollout (>1 is off-policy: uses the ratio)")
+    g.add_argument("--max-tokens-per-gpu", type=int, default=8192, help="padded tokens per training micro-batch")
+    g.add_argument("--weight-decay", type=float, default=0.0, help="optimizer weight decay")
+    g.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm (0 = off)")
+    g.add_argument("--warmup-rollouts", type=int, default=0, help="linear LR warmup over this many rollouts")
+    g = parser.add_argument_group("advantages and loss (nanorl/rl_trainer.py, nanorl/rl.py)")
+    g.add_argument("--gamma", type=float, default=1.0, help="discount of reinforce_plus_plus returns and of ppo's GAE")
+    g.add_argument("--lambd", type=float, default=1.0, help="ppo: GAE lambda (1 = Monte Carlo returns minus the critic's baseline)")
+    g.add_argument("--critic-lr", type=float, default=None, help="ppo: AdamW learning rate of the critic (required with ppo)")
+    g.add_argument("--value-clip", type=float, default=0.2, help="ppo: clip the critic's values to within this of the rollout's (0 = off)")
+    g.add_argument("--disable-grpo-std-normalization", action="store_true", help="Dr. GRPO: no division by the group std")
+    g.add_argument("--normalize-advantages", action="store_true", help="whiten advantages across all training ranks")
+    g.add_argument("--eps-clip", type=float, default=0.2, help="PPO clip range (the lower one with --eps-clip-high)")
+    g.add_argument("--eps-clip-high", type=float, default=None, help="clip-higher (DAPO); default = --eps-clip")
+    g.add_argument("--eps-clip-c", type=float, default=None, help="dual clip constant (> 1) for negative advantages")
+    g.add_argument("--entropy-coef", type=float, default=0.0, help="entropy bonus coefficient")
+    g.add_argument("--loss-aggregation", default="token_mean", choices=rl.LOSS_AGGS, help="how per-token losses become one number")
+    g.add_argument("--overlong-buffer-len", type=int, default=0, help="DAPO overlong shaping: penalise the last N tokens before the max length")
+    g.add_argument("--overlong-penalty-factor", type=float, default=1.0, help="the overlong penalty at the max length")
+    g.add_argument("--mask-truncated-samples", action="store_true", help="truncated responses are not trained on")
+    g.add_argument("--use-kl-loss", action="store_true", help="add a KL(policy || reference) loss")
+    g.add_argument("--kl-loss-coef", type=float, default=0.0, help="weight of the KL loss (needs --use-kl-loss)")
+    g.add_argument("--kl-loss-type", default="low_var_kl", choices=["k1", "k2", "k3", "low_var_kl"], help="KL estimator of the KL loss")
+    g.add_argument("--kl-coef", type=float, default=0.0, help="KL penalty (k1) folded into the reward")
+    g.add_argument("--use-opd", action="store_true", help="on-policy distillation: a teacher's log-probs pull the advantages")
+    g.add_argument("--opd-kl-coef", type=float, default=1.0, help="OPD: A -= coef * (logp_student - logp_teacher)")
+    g.add_argument("--opd-teacher-load", default=None, help="OPD teacher: a checkpoint directory, or source[:tag] e.g. sft:d8")
+    g.add_argument("--use-tis", action="store_true", help="truncated importance weights between trainer (old) and rollout log-probs")
+    g.add_argument("--tis-clip", type=float, default=2.0, help="TIS: upper bound of the weights")
+    g.add_argument("--tis-clip-low", type=float, default=0.0, help="TIS: lower bound of the weights")
+    g.add_argument("--tis-mode", default="truncate", choices=["truncate", "icepop"], help="icepop: weights outside the band are 0")
+
+
+def check_args(args, parser):
+    """Flag combinations that have no meaning fail here, before any work, naming both flags."""
+    est = args.advantage_estimator
+
+    def unused(flag, value, default, needs):
+        if value != default:
+            parser.error(f"{flag} {value} has no effect {needs}")
+    if est == "ppo" and not (args.critic_lr or 0) > 0:
+        parser.error("--advantage-estimator ppo needs a critic: give --critic-lr (e.g. 1e-4)")
+    if args.critic_lr is not None and est != "ppo":
+        parser.error(f"--critic-lr is only used by --advantage-estimator ppo, not {est}")
+    unused("--lambd", args.lambd, 1.0, f"with --advantage-estimator {est} (only ppo's GAE uses it)") if est != "ppo" else None
+    if est not in ("ppo", "reinforce_plus_plus"):
+        unused("--gamma", args.gamma, 1.0, f"with --advantage-estimator {est} (reinforce_plus_plus and ppo discount)")
+    if est != "grpo" and est not in ("gspo", "cispo") and args.disable_grpo_std_normalization:
+        parser.error(f"--disable-grpo-std-normalization has no effect with --advantage-estimator {est} (grpo, gspo, cispo)")
+    if args.normalize_advantages and est.startswith("reinforce_plus_plus"):
+        parser.error(f"--normalize-advantages with --advantage-estimator {est}: its advantages are already whitened")
+    if args.eps_clip_c is not None and est == "cispo":
+        parser.error("--eps-clip-c (dual clip) has no meaning with --advantage-estimator cispo: its weights are already clipped")
+    if args.eps_clip_c is not None and args.eps_clip_c <= 1:
+        parser.error(f"--eps-clip-c must be > 1 (dual clip), got {args.eps_clip_c}")
+    if args.use_kl_loss != (args.kl_loss_coef > 0):
+        parser.error("--use-kl-loss and --kl-loss-coef go together: give both (a positive coefficient) or neither")
+    if args.use_opd != (args.opd_teacher_load is not None):
+        parser.error("--use-opd and --opd-teacher-load go together: give both or neither")
+    if not args.use_opd:
+        unused("--opd-kl-coef", args.opd_kl_coef, 1.0, "without --use-opd")
+    if not args.use_tis:
+        for flag, v, d in (("--tis-clip", args.tis_clip, 2.0), ("--tis-clip-low", args.tis_clip_low, 0.0), ("--tis-mode", args.tis_mode, "truncate")):
+            unused(flag, v, d, "without --use-tis")
+    if args.overlong_buffer_len == 0:
+        unused("--overlong-penalty-factor", args.overlong_penalty_factor, 1.0, "without --overlong-buffer-len")
+
+
+def policy_loss_kind(estimator):
+    return {"gspo": "gspo", "cispo": "cispo"}.get(estimator, "ppo_clip")
+
+
+def pad_like(rows, T):
+    """Per-sample 1-D tensors -> (B, T), cut or zero-padded on the right."""
+    return torch.stack([torch.nn.functional.pad(r[:T], (0, T - min(len(r), T))) for r in rows])
+
+
+class Trainer:
+    """
+    One RL training step on this rank's share of a rollout. Holds the policy and its optimizer, the frozen
+    reference (KL), the critic (ppo) and the teacher (OPD) when those are on, and the process group the
+    training ranks average over (None: all ranks; only --async gives the trainers a group of their own).
+    """
+    def __init__(self, args, model, optimizer, device, ref_model=None, critic=None, critic_optimizer=None, teacher=None,
+                 group=None, world=1, distributed=False):
+        self.args, self.model, self.optimizer, self.device = args, model, optimizer, device
+        self.ref_model, self.critic, self.critic_optimizer, self.teacher = ref_model, critic, critic_optimizer, teacher
+        self.group, self.world, self.distributed = group, world, distributed
+        self.autocast = autocast_ctx(device.type)
+
+    # --- forward passes over samples, micro-batched like the training step -----------------------
+
+    def forward_logp(self, m, batch):
+        """Log-probs and entropies at the rollout temperature: the engine records its log-probs at that temperature."""
+        with self.autocast:
+            logp, ent = m.token_logprobs(batch["inputs"], batch["targets"].clamp(min=0), temperature=self.args.temperature,
+                                         return_entropy=True)
+        return logp.float(), ent.float()
+
+    @torch.no_grad()
+    def per_token(self, samples, fn):
+        """fn(batch) -> (B, T) for every micro-batch; the rows, in sample order, on the compute device."""
+        out = [None] * len(samples)
+        for mb in pack_micro_batches(samples, self.args.max_tokens_per_gpu):
+            res = fn(collate([samples[i] for i in mb], self.device))
+            for j, i in enumerate(mb):
+                out[i] = res[j].float()
+        return out
+
+    def logp_of(self, m, samples):
+        return self.per_token(samples, lambda batch: self.forward_logp(m, batch)[0])
+
+    def values_of(self, samples):
+        def f(batch):
+            with self.autocast:
+                return self.critic(batch["inputs"])
+        return self.per_token(samples, f)
+
+    # --- rewards and advantages -------------------------------------------------------------------
+
+    def shape_rewards(self, samples):
+        """DAPO overlong penalty and truncated-sample masking, on the samples in place."""
+        a = self.args
+        if a.overlong_buffer_len > 0:
+            lens = torch.tensor([s.response_length for s in samples], dtype=torch.float32)
+            pen = rl.overlong_penalty(lens, a.max_response_len, a.overlong_buffer_len, a.overlong_penalty_factor)
+            for s, p in zip(samples, pen.tolist()):
+                s.reward = {**s.reward, "overlong": p, "total": s.reward["total"] + p} if isinstance(s.reward, dict) else s.reward + p
+        if a.mask_truncated_samples:
+            for s in samples:
+                if s.status == TRUNCATED:
+                    s.loss_mask = [0] * s.response_length
+
+    def compute_advantages(self, samples, old_lp, ref_lp, old_values):
+        """
+        Per-sample per-token advantages (list of 1-D tensors on the compute device, aligned like collate()) by
+        --advantage-estimator, and for ppo the critic's targets (returns); None otherwise. Built on the compute
+        device: the whitening all-reduces them, and NCCL takes only CUDA tensors.
+        """
+        a, n = self.args, self.args.n_samples_per_prompt
+        mask = collate(samples, self.device)["loss_mask"]
+        T = mask.size(1)
+        rewards = torch.tensor([s.scalar_reward() for s in samples], dtype=torch.float32, device=self.device)
+        dist_group = (self.group if self.group is not None else True) if self.distributed else False
+        kl = None
+        if ref_lp is not None and a.kl_coef > 0:
+            kl = rl.kl_estimate(pad_like(old_lp, T), pad_like(ref_lp, T), "k1") * mask
+        est, returns = a.advantage_estimator, None
+        if est in GROUP_ESTIMATORS and kl is not None:
+            rewards = rewards - a.kl_coef * kl.sum(-1)  # sequence-level KL penalty in the reward
+        if est in ("grpo", "gspo", "cispo"):
+            adv = rl.grpo_advantages(rewards, mask, n, std_normalize=not a.disable_grpo_std_normalization)
+        elif est == "rloo":
+            adv = rl.rloo_advantages(rewards, mask, n)
+        elif est == "reinforce_plus_plus":
+            adv = rl.reinforce_pp_returns(rewards, mask, kl=kl, kl_coef=a.kl_coef, gamma=a.gamma, distributed=dist_group)
+        elif est == "reinforce_plus_plus_baseline":
+            adv = rl.reinforce_pp_baseline_advantages(rewards, mask, n, kl=kl, kl_coef=a.kl_coef, distributed=dist_group)
+        else:  # ppo: the reward on the last response token, the KL penalty on every token, then GAE against the critic
+            token_rewards = rl._last_token_rewards(rewards, mask)
+            if kl is not None:
+                token_rewards = token_rewards - a.kl_coef * kl
+            adv, returns = rl.gae_advantages(token_rewards, pad_like(old_values, T), mask, a.gamma, a.lambd)
+        if a.normalize_advantages:
+            adv = rl.masked_whiten(adv, mask, distributed=dist_group) * mask
+        if self.teacher is not None:  # on-policy distillation: tokens the teacher likes more get pushed up
+            s_lp, t_lp = pad_like(old_lp, T), pad_like(self.logp_of(self.teacher, samples), T)
+            adv = rl.opd_adjust(adv, s_lp, t_lp, mask, a.opd_kl_coef)
+            self.opd_kl = rl.masked_mean(s_lp - t_lp, mask).item()
+        return list(adv), (list(returns) if returns is not None else None)
+
+    # --- the step ---------------------------------------------------------------------------------
+
+    def train_step(self, step, samples, timer):
+        """Shape rewards, compute advantages, take --num-steps-per-rollout optimizer steps -> metrics (this rank's)."""
+        a = self.args
+        bad = next((s for s in samples if len(s.rollout_log_probs) != s.response_length), None)
+        if a.use_tis and bad is not None:  # TIS compares against the sampler's log-probs: without them it is garbage
+            raise SystemExit(f"--use-tis needs the rollout's log-probs, but a sample ({bad.metadata}) has {len(bad.rollout_log_probs)} for "
+                             f"{bad.response_length} response tokens: --custom-generate-function-path must fill Sample.rollout_log_probs")
+        self.shape_rewards(samples)
+        ref_lp = old_lp = old_values = None
+        if self.ref_model is not None:
+            with timer.section("ref", self.device.type):
+                ref_lp = self.logp_of(self.ref_model, samples)
+        # the policy before this rollout's first update: the ratio's denominator off-policy, the KL penalty's and OPD's
+        # student; on-policy (one step) the first micro-batch pass gives it for free, so it is only computed when needed
+        if a.num_steps_per_rollout > 1 or a.kl_coef > 0 or self.teacher is not None:
+            with timer.section("old_logp", self.device.type):
+                old_lp = self.logp_of(self.model, samples)
+        if self.critic is not None:
+            with timer.section("values", self.device.type):
+                old_values = self.values_of(samples)
+        self.opd_kl = None
+        with timer.section("advantages", self.device.type):
+            adv, returns = self.compute_advantages(samples, old_lp, ref_lp, old_values)
+        lr_mult = min(1.0, (step + 1) / a.warmup_rollouts) if a.warmup_rollouts > 0 else 1.0
+        per_step = len(samples) // a.num_steps_per_rollout
+        off_policy = a.num_steps_per_rollout > 1
+        results = []
+        with timer.section("train", self.device.type):
+            for k in range(a.num_steps_per_rollout):  # the rollout cut into mini-batches of whole groups
+                sl = slice(k * per_step, (k + 1) * per_step)
+                pick = lambda rows: rows[sl] if rows is not None else None
+                results.append(self.train_minibatch(samples[sl], adv[sl], pick(old_lp) if off_policy else None, pick(ref_lp),
+                                                    lr_mult, pick(returns), pick(old_values)))
+        m = {f"train/{k}": sum(r[k] for r in results) / len(results) for k in results[0]}
+        m["train/first_step_ppo_kl"] = results[0].get("ppo_kl", 0.0)
+        if self.opd_kl is not None:
+            m["train/opd_student_teacher_kl"] = self.opd_kl
+        A = torch.stack(adv)
+        first = (A != 0).to(torch.int64).argmax(-1)  # each sample's advantage at its first trained token
+        seq_adv = A.gather(1, first[:, None]).squeeze(1).cpu()
+        m.update({"rollout/adv_mean": seq_adv.mean().item(), "rollout/adv_std": seq_adv.std().item() if len(seq_adv) > 1 else 0.0,
+                  "rollout/adv_abs_max": seq_adv.abs().max().item()})
+        return m
+
+    def train_minibatch(self, samples, adv, old_lp, ref_lp, lr_mult, returns=None, old_values=None):
+        """One optimizer step over `samples` (this rank's share of the global batch); with ppo, one critic step too.
+        old_lp None = on-policy: the ratio's denominator is this very forward, detached."""
+        a, model, device = self.args, self.model, self.device
+        model.train()
+        local_tok = sum(sum(s.loss_mask) for s in samples)
+        counts = torch.tensor([local_tok, len(samples)], dtype=torch.float64, device=device)
+        if self.distributed:
+            dist.all_reduce(counts, group=self.group)
+        global_tok, global_seq = max(counts[0].item(), 1.0), counts[1].item()
+        sums = {}
+        for mb in pack_micro_batches(samples, a.max_tokens_per_gpu):
+            batch = collate([samples[i] for i in mb], device)
+            T, mask = batch["inputs"].size(1), batch["loss_mask"]
+            rows = lambda xs: pad_like([xs[i] for i in mb], T)
+            logp, ent = self.forward_logp(model, batch)
+            old = rows(old_lp) if old_lp is not None else logp.detach()
+            tis = None
+            if a.use_tis:
+                tis, tis_metrics = rl.tis_weights(old, batch["rollout_logp"], mask, a.tis_clip, a.tis_clip_low, a.tis_mode)
+            loss, m = rl.policy_loss(logp, old, rows(adv), mask, kind=policy_loss_kind(a.advantage_estimator),
+                                     eps_clip=a.eps_clip, eps_clip_high=a.eps_clip_high, eps_clip_c=a.eps_clip_c,
+                                     loss_agg=a.loss_aggregation, max_len=a.max_response_len, tis_weights=tis,
+                                     entropy=ent, entropy_coef=a.entropy_coef, ref_logp=rows(ref_lp) if ref_lp else None,
+                                     kl_type=a.kl_loss_type, kl_coef=a.kl_loss_coef if a.use_kl_loss else 0.0)
+            if tis is not None:
+                m.update(tis_metrics)
+            # each micro-batch's loss is re-weighted to its share of the global batch, by the aggregation's own unit
+            # (tokens for token_mean, rows for the sequence means), and x world because the optimizer averages
+            # gradients over the training ranks: the step equals one pass over the whole batch, however it is cut
+            mb_tok = mask.sum().item()
+            share = (mb_tok / global_tok) if a.loss_aggregation == "token_mean" else (len(mb) / global_seq)
+            (loss * share * self.world).backward()
+            if self.critic is not None:
+                with self.autocast:
+                    values = self.critic(batch["inputs"])
+                vf_loss, vm = rl.value_loss(values.float(), rows(old_values), rows(returns), mask, a.value_clip or None,
+                                            loss_agg=a.loss_aggregation, max_len=a.max_response_len)
+                (vf_loss * share * self.world).backward()
+                m.update(vm, vf_loss=vf_loss.detach())
+            m["entropy"] = rl.masked_mean(ent.detach(), mask)
+            m["train_rollout_logprob_abs_diff"] = rl.masked_mean((logp.detach() - batch["rollout_logp"]).abs(), mask)
+            for k, v in m.items():
+                sums[k] = sums.get(k, 0.0) + float(v) * mb_tok
+        out = {k: v / max(local_tok, 1) for k, v in sums.items()}
+        out["grad_norm"] = self.optimizer_step(model, self.optimizer, lr_mult)
+        if self.critic is not None:
+            out["critic_grad_norm"] = self.optimizer_step(self.critic, self.critic_optimizer, 1.0)
+        return out
+
+    def optimizer_step(self, module, optimizer, lr_mult):
+        """Average gradients over the training ranks, clip the global norm, step -> the norm before clipping."""
+        optimizer.average_gradients(self.group)
+        params = [p for p in module.parameters() if p.grad is not None]
+        if self.args.grad_clip > 0:
+            norm = torch.nn.utils.clip_grad_norm_(params, self.args.grad_clip)
+        else:
+            norm = torch.sqrt(sum((p.grad.float() ** 2).sum() for p in params))
+        for g in optimizer.param_groups:
+            g["lr"] = g["initial_lr"] * lr_mult
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(norm)

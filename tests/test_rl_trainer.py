@@ -1,0 +1,149 @@
+"""
+chat_rl's training step (nanorl.rl_trainer.Trainer) in process on a tiny model: the step does not depend on how the
+batch is cut into micro-batches, for every estimator and aggregation; the sampler's log-probs are the trainer's at
+any temperature; flag combinations without meaning fail naming both flags.
+"""
+import argparse
+import copy
+
+import pytest
+import torch
+
+from nanorl import rl, rl_trainer
+from nanorl.common import Timer
+from nanorl.engine import Engine, Request
+from nanorl.gpt import GPTConfig, build_model
+from nanorl.optim import build_optimizer
+from nanorl.rollout import Sample, collate, extend_sample
+from nanorl.tokenizer import SPLIT_PATTERN, Tokenizer
+
+V = 300
+
+
+def tiny_model(seed=0):
+    torch.manual_seed(seed)
+    m = build_model(GPTConfig(sequence_len=64, vocab_size=V, n_layer=2, n_head=2, n_kv_head=1, n_embd=32), "cpu")
+    with torch.no_grad():
+        m.lm_head.weight.normal_(0, 0.3)  # a spread-out distribution, so samples and ratios differ
+    return m
+
+
+def trainer_args(*flags, estimator="grpo", n=4, max_len=12):
+    p = argparse.ArgumentParser()
+    rl_trainer.add_args(p)
+    a = p.parse_args(list(flags))
+    a.advantage_estimator, a.temperature, a.n_samples_per_prompt, a.max_response_len = estimator, 1.0, n, max_len
+    rl_trainer.check_args(a, p)
+    return a
+
+
+def make_samples(lengths, n=4, seed=0):
+    """Groups of n samples with the given response lengths (short and long mixed), random tokens and rewards."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i, L in enumerate(lengths):
+        P = 3 + i % 2
+        toks = torch.randint(0, V, (P + L,), generator=g).tolist()
+        out.append(Sample(tokens=toks, response_length=L, loss_mask=[1] * L, rollout_log_probs=[-1.0] * L,
+                          reward=float(torch.rand(1, generator=g) > 0.5) + 0.1 * i, index=i % n, metadata={"row": i}))
+    return out
+
+
+def step_grads(args, samples):
+    """The gradient the training step hands its optimizer (Adam's division by sqrt(v) would blow float noise up)."""
+    model = tiny_model()
+    optimizer, grads = build_optimizer(model), {}
+    optimizer.step = lambda: grads.update({k: p.grad.clone() for k, p in model.named_parameters()})
+    m = rl_trainer.Trainer(args, model, optimizer, torch.device("cpu")).train_step(0, copy.deepcopy(samples), Timer())
+    return grads, m
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gspo", "cispo"])
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+def test_step_does_not_depend_on_micro_batching(estimator, agg):
+    """4 short + 4 long samples in one micro-batch or several (--max-tokens-per-gpu): the same update, for every
+    estimator and aggregation (GSPO used to weigh micro-batches by token share whatever the aggregation)."""
+    samples = make_samples([2, 3, 11, 12, 2, 12, 3, 11])
+    flags = ["--loss-aggregation", agg, "--use-tis", "--grad-clip", "0"]
+    one, m1 = step_grads(trainer_args("--max-tokens-per-gpu", "10000", *flags, estimator=estimator), samples)
+    many, m2 = step_grads(trainer_args("--max-tokens-per-gpu", "40", *flags, estimator=estimator), samples)
+    assert len(one) == len(many) > 0
+    for k in one:
+        assert torch.allclose(one[k], many[k], atol=1e-7, rtol=1e-5), (k, (one[k] - many[k]).abs().max())
+    assert m1["train/grad_norm"] == pytest.approx(m2["train/grad_norm"], rel=1e-5)
+    assert m1["train/grad_norm"] > 0
+    # --use-tis is applied by every estimator (the rollout log-probs here are off: the weights are not 1)
+    plain, _ = step_grads(trainer_args("--max-tokens-per-gpu", "40", *flags[:2], "--grad-clip", "0", estimator=estimator), samples)
+    assert any(not torch.allclose(plain[k], many[k]) for k in plain)
+
+
+def test_gspo_rows_weigh_equally_under_sequence_mean():
+    """The issue's case: 8 samples, 4 short + 4 long, in two micro-batches: with seq_mean_token_mean each row's
+    gradient weight is 1/8 whatever its length, i.e. the loss is the plain mean of the rows' token means."""
+    samples = make_samples([2, 2, 2, 2, 12, 12, 12, 12])
+    args = trainer_args("--loss-aggregation", "seq_mean_token_mean", "--max-tokens-per-gpu", "40", "--grad-clip", "0",
+                        estimator="gspo")
+    model = tiny_model()
+    trainer = rl_trainer.Trainer(args, model, build_optimizer(model), torch.device("cpu"))
+    adv, _ = trainer.compute_advantages(samples, None, None, None)
+    # on-policy the GSPO loss's gradient is that of -1/8 sum_i A_i mean_t logp_i,t: each row weighs 1/8, whatever its length
+    model.zero_grad()
+    batch = collate(samples)
+    logp, _ = trainer.forward_logp(model, batch)
+    mask = batch["loss_mask"]
+    ref = -(torch.stack(adv)[:, :mask.size(1)] * logp * mask).sum(-1) / mask.sum(-1)
+    ref.mean().backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    for mb in [[0, 1, 2, 3], [4, 5, 6, 7]]:  # the trainer's own loss path, two micro-batches of 4 rows
+        sub = [samples[i] for i in mb]
+        b = collate(sub)
+        lp, _ = trainer.forward_logp(model, b)
+        loss, _ = rl.policy_loss(lp, lp.detach(), rl_trainer.pad_like([adv[i] for i in mb], lp.size(1)), b["loss_mask"],
+                                 kind="gspo", loss_agg="seq_mean_token_mean")
+        (loss * len(mb) / 8).backward()
+    for w, p in zip(want, model.parameters()):
+        assert torch.allclose(w, p.grad, atol=1e-7, rtol=1e-5)
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_sampler_logprobs_are_the_trainers_at_any_temperature(temperature):
+    """On-policy, the engine's recorded log-probs are those of the distribution it sampled from, which is what the
+    trainer computes at the rollout temperature: TIS weights are all 1 and the mismatch metric is ~0."""
+    model = tiny_model(3)
+    tok = Tokenizer.from_ranks({bytes([i]): i for i in range(256)}, SPLIT_PATTERN)
+    engine = Engine(model, tok, batch_size=8, max_len=40)
+    prompt = [tok.get_bos_token_id(), 5, 6, 7]
+    comps = engine.generate([Request(prompt, num_samples=4, max_tokens=20, temperature=temperature, seed=1, stop_tokens=[])])[0]
+    samples = [extend_sample(Sample(tokens=list(prompt), reward=float(i % 2), index=i), c) for i, c in enumerate(comps)]
+    args = trainer_args("--use-tis", n=4, max_len=20)
+    args.temperature = temperature
+    trainer = rl_trainer.Trainer(args, model, build_optimizer(model), torch.device("cpu"))
+    lp = trainer.logp_of(model, samples)
+    for s, row in zip(samples, lp):
+        got = row[s.prompt_length - 1:s.prompt_length - 1 + s.response_length]
+        assert torch.allclose(got, torch.tensor(s.rollout_log_probs), atol=1e-5), (got - torch.tensor(s.rollout_log_probs)).abs().max()
+    m = trainer.train_step(0, samples, Timer())
+    assert m["train/train_rollout_logprob_abs_diff"] < 1e-5
+    assert m["train/tis_mean"] == pytest.approx(1.0, abs=1e-5) and m["train/tis_clipfrac"] == 0.0
+
+
+@pytest.mark.parametrize("flags,msg", [
+    (["--eps-clip-c", "3"], "--eps-clip-c (dual clip) has no meaning with --advantage-estimator cispo"),
+    (["--tis-mode", "icepop"], "--tis-mode icepop has no effect without --use-tis"),
+    (["--kl-loss-coef", "0.1"], "--use-kl-loss and --kl-loss-coef go together"),
+    (["--use-kl-loss"], "--use-kl-loss and --kl-loss-coef go together"),
+    (["--lambd", "0.9"], "--lambd 0.9 has no effect with --advantage-estimator cispo"),
+    (["--opd-kl-coef", "0.5"], "--opd-kl-coef 0.5 has no effect without --use-opd"),
+    (["--overlong-penalty-factor", "2"], "--overlong-penalty-factor 2.0 has no effect without --overlong-buffer-len"),
+])
+def test_meaningless_flag_combinations_fail_naming_both(flags, msg, capsys):
+    with pytest.raises(SystemExit) as e:
+        trainer_args(*flags, estimator="cispo")
+    assert e.value.code == 2 and msg in capsys.readouterr().err
+
+
+def test_normalize_advantages_refused_for_reinforce_pp(capsys):
+    with pytest.raises(SystemExit):
+        trainer_args("--normalize-advantages", estimator="reinforce_plus_plus")
+    assert "already whitened" in capsys.readouterr().err
