@@ -239,3 +239,26 @@ def test_tis_without_rollout_logprobs_fails_naming_both_flags(base_dir):
     gen = f"{ROOT / 'tests' / 'rl_fixture_reward.py'}:no_logprob_generate"
     out = run_rl(base_dir, "--num-rollouts", "1", "--output-tag", "nolp", "--use-tis", "--custom-generate-function-path", gen, check=False)
     assert out.returncode != 0 and "--use-tis needs the rollout's log-probs" in out.stderr and "--custom-generate-function-path" in out.stderr
+
+
+def test_slime_style_prompt_data_and_flags(base_dir, tmp_path):
+    # a slime command line ports with its own flag names: a jsonl of prompts + labels, the chat template, slime's
+    # names for the response length, the temperature and the number of rollouts; the built-in math grader scores it
+    data = tmp_path / "prompts.jsonl"
+    rows = [{"question": f"What is {a} + {b}?", "answer": str(a + b)} for a, b in [(1, 2), (3, 4), (2, 2), (5, 1), (6, 2)]]
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    env = {**os.environ, "NANORL_BASE_DIR": str(base_dir), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "scripts.chat_rl", "--source", "sft", "--model-tag", "t", "--prompt-data", str(data),
+           "--input-key", "question", "--label-key", "answer", "--apply-chat-template", "--rollout-max-response-len", "8",
+           "--rollout-temperature", "0.9", "--num-rollout", "2", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
+           "--rm-type", "math", "--eval-max-problems", "2", "--n-samples-per-eval-prompt", "2", "--pass-k", "1",
+           "--output-tag", "slime", "--device-type", "cpu", "--engine-batch-size", "8"]
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    hist = json.loads((base_dir / "report" / "rl_history.json").read_text())
+    assert [h["step"] for h in hist["train"]] == [1, 2] and hist["train"][0]["rollout/response_len_mean"] <= 8
+    assert "RL on 5 prompts" in out.stdout and "not held out" in out.stdout
+    # a row without the prompt key is named by file and line
+    data.write_text(json.dumps({"q": "x"}) + "\n")
+    bad = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and f"--prompt-data {data} line 1" in bad.stderr
