@@ -387,7 +387,8 @@ def remote_rewards(url, payloads, concurrency=8, timeout=10.0, retries=3, backof
     payloads = list(payloads)
     if not payloads:
         return []
-    with ThreadPoolExecutor(max_workers=max(1, min(concurrency, len(payloads)))) as pool:
+    pool = ThreadPoolExecutor(max_workers=max(1, min(concurrency, len(payloads))))
+    try:
         futures = [pool.submit(_post_with_retries, url, p, timeout, retries, backoff) for p in payloads]
         results = []
         for f in futures:
@@ -395,4 +396,8 @@ def remote_rewards(url, payloads, concurrency=8, timeout=10.0, retries=3, backof
                 results.append(f.result())
             except Exception as e:  # belt and braces: _post_with_retries already catches everything
                 results.append((None, f"{type(e).__name__}: {e}"))
-    return results
+        return results
+    finally:
+        # never wait here for workers still blocked in a call: when --rollout-timeout interrupts this function the
+        # rollout must end now, not when the last socket gives up
+        pool.shutdown(wait=False, cancel_futures=True)

@@ -29,6 +29,9 @@ class RewardHandler(BaseHTTPRequestHandler):
         elif self.path == "/slow":
             time.sleep(float(payload.get("sleep", 1.0)))
             self._send(200, {"reward": 1.0})
+        elif self.path == "/hang":  # a grader that never answers in time
+            time.sleep(30.0)
+            self._send(200, {"reward": 1.0})
         elif self.path == "/badjson":
             self._send_raw(200, b"{not json")
         elif self.path == "/string":

@@ -262,3 +262,28 @@ def test_slime_style_prompt_data_and_flags(base_dir, tmp_path):
     data.write_text(json.dumps({"q": "x"}) + "\n")
     bad = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and f"--prompt-data {data} line 1" in bad.stderr
+
+
+def test_rollout_timeout_holds_whatever_the_reward_workers_do(base_dir):
+    # the reward server never answers and each attempt may take 60 s, but --rollout-timeout 3 ends the eval (and so
+    # the run) on time: the worker threads still blocked in their HTTP calls must not hold the exit. Timed from the
+    # line printed just before the first eval, so a slow start-up on a busy machine does not count.
+    import time
+    env = {**os.environ, "NANORL_BASE_DIR": str(base_dir), "OMP_NUM_THREADS": "1"}
+    with reward_server() as url:
+        cmd = [sys.executable, "-u", "-m", "scripts.chat_rl", "--source", "sft", "--model-tag", "t", "--levels", "1",
+               "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--max-response-len", "8", "--eval-max-problems", "4",
+               "--n-samples-per-eval-prompt", "2", "--pass-k", "1", "--device-type", "cpu", "--num-rollouts", "1",
+               "--output-tag", "timeout", "--rm-type", "remote", "--rm-url", url + "/hang", "--rm-timeout", "60",
+               "--rm-retries", "0", "--rollout-timeout", "3"]
+        p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        lines, t_ready = [], None
+        for line in p.stdout:
+            lines.append(line)
+            if line.startswith("RL on "):
+                t_ready = time.time()
+        p.wait(timeout=120)
+        took = time.time() - t_ready
+    out = "".join(lines)
+    assert p.returncode != 0 and "the eval ran past --rollout-timeout 3s" in out, out[-2000:]
+    assert took < 3 + 8, took  # 3 s and the exit, far below the 60 s a blocked worker would hold it
