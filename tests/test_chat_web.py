@@ -52,14 +52,15 @@ def server(tmp_path_factory):
     engine = Engine(model, tokenizer, batch_size=8)
     app = create_app([engine], tokenizer, dict(max_tokens=64, model="tiny"))
     with serve(app) as url:
-        yield dict(url=url, engine=engine, app=app, model=model, tokenizer=tokenizer)
+        yield dict(url=url, engine=engine, app=app, model=model, tokenizer=tokenizer, base_dir=d)
 
 
 @contextlib.contextmanager
-def serve(app):
-    """Run app on a real uvicorn server, 127.0.0.1 and a free port, in a background thread."""
+def serve(app, header_timeout=10.0):
+    """Run app on a real uvicorn server as chat_web configures it, 127.0.0.1 and a free port, in a background thread."""
     import uvicorn
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    from scripts.chat_web import server_config
+    srv = uvicorn.Server(server_config(app, "127.0.0.1", 0, header_timeout))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     t0 = time.time()
@@ -145,10 +146,12 @@ def test_stop_strings_and_length(server):
 def test_page_stream_and_index(server):
     r = httpx.get(server["url"] + "/")
     assert r.status_code == 200 and "<textarea" in r.text and "http" not in r.text.split("<script>")[0].lower().replace("http-equiv", "")
-    r = httpx.post(server["url"] + "/chat/completions", json={"messages": user(), "max_tokens": 5}, timeout=30)
+    r = httpx.post(server["url"] + "/ui/chat", json={"messages": user(), "max_tokens": 5}, timeout=30)
     data = sse_data(r.text)
     assert data[-1] == "[DONE]"
     events = [json.loads(x) for x in data[:-1]]
+    prompt = server["tokenizer"].render_for_completion({"messages": user()})
+    assert events[0] == {"prompt_tokens": len(prompt), "dropped": 0, "context": 256}
     assert any("token" in e for e in events) and all(e.get("type", "text") in ("text", "python", "python_output") for e in events)
 
 
@@ -176,47 +179,117 @@ def test_tool_parts_are_typed(server):
     assert text == "<<2+3=5>>"
 
 
-@pytest.mark.parametrize("body,fragment", [
-    ("{not json", "malformed JSON"),
-    ("", "malformed JSON"),
-    ("[1, 2]", "JSON object"),
-    ({"messages": []}, "non-empty list"),
-    ({}, "non-empty list"),
-    ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}] * 250 + user()}, "too many messages"),
-    ({"messages": user("x" * 8001)}, "too long"),
-    ({"messages": [{"role": "robot", "content": "hi"}]}, "role must be"),
-    ({"messages": [{"role": "assistant", "content": "hi"}] + user()}, "expected 'user'"),
-    ({"messages": user() + user()}, "expected 'assistant'"),
-    ({"messages": user(), "max_tokens": 0}, "max_tokens"),
-    ({"messages": user(), "max_tokens": 65}, "max_tokens"),
-    ({"messages": user(), "temperature": 2.5}, "temperature"),
-    ({"messages": user(), "temperature": -0.1}, "temperature"),
-    ({"messages": user(), "top_k": 0}, "top_k"),
-    ({"messages": user(), "top_p": 0}, "top_p"),
-    ({"messages": user(), "top_p": 1.5}, "top_p"),
-    ({"messages": user(), "n": 0}, "'n'"),
-    ({"messages": user(), "n": 9}, "'n'"),
-    ({"messages": user(), "stop": 5}, "stop"),
-    ({"messages": user(), "max_tokens": 2.5}, "max_tokens"),
-    ({"messages": [{"role": "user", "content": 7}]}, "content must be"),
-    ({"messages": [{"role": "system", "content": "be nice"}]}, "last message must be from the user"),
-    ({"messages": user() + [{"role": "assistant", "content": "hi"}]}, "last message must be from the user"),
-])
-def test_validation_errors(server, body, fragment):
-    for path in ("/v1/chat/completions", "/chat/completions"):
-        kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, str) else {"json": body}
-        r = httpx.post(server["url"] + path, timeout=30, **kw)
-        assert r.status_code == 400, (path, r.text)
-        err = r.json()["error"]
-        assert fragment in err["message"] and err["type"] == "invalid_request_error"
+# Malformed requests: (method, path, body, status, a fragment of the error message). A str body is sent raw.
+DEEP = "[" * 100000 + "]" * 100000
+MALFORMED = [
+    ("POST", "/v1/chat/completions", "{not json", 400, "malformed JSON"),
+    ("POST", "/v1/chat/completions", "", 400, "malformed JSON"),
+    ("POST", "/v1/chat/completions", b"\xff\xfe{}", 400, "malformed JSON"),
+    ("POST", "/v1/chat/completions", "[1, 2]", 400, "JSON object"),
+    ("POST", "/v1/chat/completions", DEEP, 400, "nested too deeply"),
+    ("POST", "/v1/chat/completions", '{"messages": ' + DEEP + '}', 400, "nested too deeply"),
+    ("POST", "/v1/chat/completions", '{"messages": [], "seed": ' + "9" * 5000 + "}", 400, "malformed JSON"),
+    ("POST", "/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400, "finite"),
+    ("POST", "/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "top_p": NaN}', 400, "finite"),
+    ("POST", "/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "temperature": Infinity}', 400, "finite"),
+    ("POST", "/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "top_p": 1e999}', 400, "finite"),
+    ("POST", "/v1/chat/completions", {"messages": []}, 400, "'messages'"),
+    ("POST", "/v1/chat/completions", {}, 400, "'messages': Field required"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}] * 250 + [{"role": "user", "content": "c"}]}, 400, "at most 500"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 8001}]}, 400, "too long"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, 400, "'messages.0.role'"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "tool", "content": "5", "tool_call_id": "x"}]}, 400, "tool_call_id"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "tool", "content": "5"}]}, 400, "role 'tool' is not supported"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages.0.content"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "python", "text": "1+1"}]}]}, 400, "parts must have type 'text'"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "hi"}]}, 400, "expected 'user'"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}] * 2}, 400, "expected 'assistant'"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": 7}]}, 400, "messages.0.content"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages.0.content"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "system", "content": "be nice"}]}, 400, "last message must be from the user"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hi"}]}, 400, "last message must be from the user"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 1500}]}, 400, "over the context"),
+] + [("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], **extra}, 400, fragment) for extra, fragment in [
+    ({"max_tokens": 0}, "'max_tokens'"),
+    ({"max_tokens": 65}, "'max_tokens' must be <= 64"),
+    ({"max_completion_tokens": 65}, "'max_completion_tokens' must be <= 64"),
+    ({"max_completion_tokens": 0}, "'max_completion_tokens'"),
+    ({"max_tokens": 5, "max_completion_tokens": 6}, "disagree"),
+    ({"max_tokens": 2.5}, "'max_tokens'"),
+    ({"max_tokens": "10"}, "'max_tokens'"),
+    ({"max_tokens": True}, "'max_tokens'"),
+    ({"temperature": 2.5}, "'temperature'"),
+    ({"temperature": -0.1}, "'temperature'"),
+    ({"temperature": "hot"}, "'temperature'"),
+    ({"top_k": 0}, "'top_k'"),
+    ({"top_p": 0}, "'top_p'"),
+    ({"top_p": 1.5}, "'top_p'"),
+    ({"n": 0}, "'n'"),
+    ({"n": 9}, "'n'"),
+    ({"seed": 2**63}, "'seed'"),
+    ({"stop": 5}, "'stop'"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "'stop'"),
+    ({"stop": ""}, "'stop'"),
+    ({"stream": "yes"}, "'stream'"),
+    ({"stream_options": {"include_usage": True}}, "only allowed with stream"),
+    ({"stream": True, "stream_options": {"include_usage": True, "x": 1}}, "'stream_options.x'"),
+    ({"logprobs": True, "top_logprobs": 21}, "'top_logprobs'"),
+    ({"top_logprobs": 2}, "needs logprobs"),
+    ({"response_format": {"type": "json_object"}}, "unsupported parameter 'response_format'"),
+    ({"presence_penalty": 0.5}, "penalties are not implemented"),
+    ({"frequency_penalty": -1}, "penalties are not implemented"),
+    ({"logit_bias": {"50": 100}}, "unsupported parameter 'logit_bias'"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "unsupported parameter 'tools'"),
+    ({"tool_choice": "auto"}, "unsupported parameter 'tool_choice'"),
+    ({"functions": []}, "unsupported parameter 'functions'"),
+    ({"min_p": 0.1}, "unsupported parameter 'min_p'"),
+    ({"reasoning_effort": "low"}, "unsupported parameter 'reasoning_effort'"),
+    ({"model": 5}, "'model'"),
+]] + [
+    ("POST", "/ui/chat", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "unsupported parameter 'n'"),
+    ("POST", "/ui/chat", {"messages": [{"role": "user", "content": "hi"}], "temperature": 3}, 400, "'temperature'"),
+    ("POST", "/ui/chat", "{not json", 400, "malformed JSON"),
+    ("POST", "/ui/chat", '{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400, "finite"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4o"}, 404, "does not exist"),
+    ("GET", "/v1/models/gpt-4o", None, 404, "does not exist"),
+    ("POST", "/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, 404, "base_url ends in /v1"),
+    ("GET", "/models", None, 404, "under /v1"),
+    ("GET", "/nope", None, 404, "Not Found"),
+    ("GET", "/v1/chat/completions", None, 405, "Method Not Allowed"),
+    ("DELETE", "/v1/models", None, 405, "Method Not Allowed"),
+    ("PUT", "/ui/chat", "{}", 405, "Method Not Allowed"),
+]
+
+
+def test_malformed_requests_get_openai_errors(server):
+    """Every malformed request gets its 4xx and an OpenAI error object naming what is wrong; the server stays up."""
+    wrong = []
+    for method, path, body, status, fragment in MALFORMED:
+        kw = {} if body is None else {"content": body, "headers": {"content-type": "application/json"}} \
+            if isinstance(body, (str, bytes)) else {"json": body}
+        r = httpx.request(method, server["url"] + path, timeout=30, **kw)
+        err = r.json().get("error") if r.headers.get("content-type") == "application/json" else None
+        if not (r.status_code == status and isinstance(err, dict) and set(err) == {"message", "type", "param", "code"}
+                and fragment in err["message"] and err["type"] == "invalid_request_error"):
+            wrong.append((method, path, str(body)[:80], r.status_code, r.text[:300]))
+    print(f"{len(MALFORMED)} malformed requests tried, {len(MALFORMED) - len(wrong)} got their 4xx with an OpenAI error")
+    assert not wrong, wrong
+    assert httpx.get(server["url"] + "/health").json()["status"] == "ok"
+    # the error names the field in param too
+    r = httpx.post(server["url"] + "/v1/chat/completions", json={"messages": user(), "logit_bias": {}}, timeout=30)
+    assert r.json()["error"]["param"] == "logit_bias" and r.json()["error"]["code"] == "unsupported_parameter"
+    r = httpx.post(server["url"] + "/v1/chat/completions", json={"messages": user(), "model": "gpt-4o"}, timeout=30)
+    assert r.json()["error"]["code"] == "model_not_found" and r.json()["error"]["param"] == "model"
 
 
 def test_base_model_prompt(server):
     # a base model gets the last message as plain text after <|bos|>, no chat tokens
-    from scripts.chat_web import DEFAULT_LIMITS, parse_request
+    from scripts.chat_web import DEFAULT_LIMITS, ChatRequest, prepare
     tok = server["tokenizer"]
-    ids, settings, stop, stream = parse_request({"messages": user("The sky is"), "max_tokens": 5}, tok, {**DEFAULT_LIMITS, "base": True}, 256)
-    assert ids == tok.encode("The sky is", prepend="<|bos|>") and settings["max_tokens"] == 5 and stop == [] and stream is False
+    body = json.dumps({"messages": user("The sky is"), "max_tokens": 5}).encode()
+    req, ids, settings, dropped = prepare(body, ChatRequest, tok, {**DEFAULT_LIMITS, "base": True}, 256)
+    assert ids == tok.encode("The sky is", prepend="<|bos|>") and settings["max_tokens"] == 5 and dropped == 0
+    assert req.stop is None and not req.stream
 
 
 def test_prompt_over_context(server):
