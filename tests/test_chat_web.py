@@ -514,3 +514,275 @@ def test_browser_chat(server, tmp_path):
             proc.wait(10)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+# --- the official openai client -------------------------------------------------------------------
+
+def test_openai_client(server):
+    """The real `openai` package against the server: everything a client of an OpenAI-compatible server uses."""
+    import openai
+    import torch
+    client = openai.OpenAI(base_url=server["url"] + "/v1", api_key="none", max_retries=0, timeout=30)
+    assert [m.id for m in client.models.list()] == ["tiny"]
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("gpt-4o")
+    with pytest.raises(openai.NotFoundError, match="model_not_found|does not exist"):
+        client.chat.completions.create(model="gpt-4o", messages=user())
+    # the trap: a base_url without /v1 gets an error, never the page's raw stream
+    with pytest.raises(openai.NotFoundError, match="/v1"):
+        openai.OpenAI(base_url=server["url"], api_key="none", max_retries=0).chat.completions.create(model="tiny", messages=user())
+
+    # n, seed, max_completion_tokens
+    r = client.chat.completions.create(model="tiny", messages=user(), n=3, seed=7, max_completion_tokens=9)
+    assert len(r.choices) == 3 and r.usage.completion_tokens <= 27
+    for c in r.choices:
+        assert c.finish_reason in ("stop", "length") and c.logprobs is None
+    again = client.chat.completions.create(model="tiny", messages=user(), n=3, seed=7, max_completion_tokens=9)
+    assert [c.message.content for c in again.choices] == [c.message.content for c in r.choices]
+    # max_completion_tokens binds: greedy, the first 3 tokens of the longer reply, ended by "length"
+    short = client.chat.completions.create(model="tiny", messages=user(), seed=1, max_completion_tokens=3, temperature=0)
+    long = client.chat.completions.create(model="tiny", messages=user(), seed=1, max_tokens=40, temperature=0)
+    assert long.usage.completion_tokens > 3  # the tiny model does not stop that early (else the next lines test nothing)
+    assert short.usage.completion_tokens == 3 and short.choices[0].finish_reason == "length"
+    assert long.choices[0].message.content.startswith(short.choices[0].message.content)
+
+    # stop strings
+    text = long.choices[0].message.content
+    assert len(text) >= 6
+    cut = client.chat.completions.create(model="tiny", messages=user(), max_tokens=40, temperature=0, stop=[text[3:6]])
+    assert cut.choices[0].message.content == text[:text.find(text[3:6])] and cut.choices[0].finish_reason == "stop"
+
+    # developer is OpenAI's newer name for system
+    sys_msg = [{"role": "system", "content": "Be brief."}] + user()
+    dev_msg = [{"role": "developer", "content": "Be brief."}] + user()
+    a = client.chat.completions.create(model="tiny", messages=sys_msg, max_tokens=12, temperature=0)
+    b = client.chat.completions.create(model="tiny", messages=dev_msg, max_tokens=12, temperature=0)
+    assert a.choices[0].message.content == b.choices[0].message.content and a.usage.prompt_tokens == b.usage.prompt_tokens
+
+    # streaming with the usage chunk: the same text as non-streaming, usage last with no choices
+    chunks = list(client.chat.completions.create(model="tiny", messages=user(), max_tokens=40, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == long.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == long.usage.prompt_tokens and all(c.usage is None for c in chunks[:-1])
+    plain = list(client.chat.completions.create(model="tiny", messages=user(), max_tokens=5, stream=True))
+    assert all(c.usage is None for c in plain) and plain[-1].choices[0].finish_reason in ("stop", "length")
+
+    # logprobs and top_logprobs against a forward of the model itself
+    r = client.chat.completions.create(model="tiny", messages=user(), max_tokens=8, temperature=0, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) >= 4
+    tok, model = server["tokenizer"], server["model"]
+    by_bytes = {tok.enc.decode_single_token_bytes(i): i for i in range(tok.vocab_size)}
+    ids = [by_bytes[bytes(e.bytes)] for e in content]
+    assert tok.decode(ids) == r.choices[0].message.content  # greedy text with no tool calls: the tokens are the text
+    assert len(content) == r.usage.completion_tokens - (r.choices[0].finish_reason == "stop")  # the stop token is not listed
+    prompt = tok.render_for_completion({"messages": user()})
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([prompt + ids]))[0, len(prompt) - 1:-1].float(), -1)
+    for t, (e, row) in enumerate(zip(content, ref)):
+        assert abs(e.logprob - row[ids[t]].item()) < 1e-4
+        top = row.topk(3)
+        assert [by_bytes[bytes(x.bytes)] for x in e.top_logprobs] == top.indices.tolist()
+        assert all(abs(x.logprob - v) < 1e-4 for x, v in zip(e.top_logprobs, top.values.tolist()))
+        assert e.top_logprobs[0].token == e.token  # greedy: the sampled token is the most likely one
+    # streamed: the same log-probs, with the sample's finish_reason
+    streamed = [c for c in client.chat.completions.create(model="tiny", messages=user(), max_tokens=8, temperature=0,
+                                                           logprobs=True, top_logprobs=3, stream=True) if c.choices and c.choices[0].logprobs]
+    assert len(streamed) == 1 and streamed[0].choices[0].finish_reason == r.choices[0].finish_reason
+    assert [(e.token, round(e.logprob, 5)) for e in streamed[0].choices[0].logprobs.content] == \
+        [(e.token, round(e.logprob, 5)) for e in content]
+    just = client.chat.completions.create(model="tiny", messages=user(), max_tokens=8, temperature=0, logprobs=True)
+    assert [e.top_logprobs for e in just.choices[0].logprobs.content] == [[]] * len(content)
+
+    # a field this server does not implement: 400 naming it, not silently ignored
+    with pytest.raises(openai.BadRequestError, match="response_format") as e:
+        client.chat.completions.create(model="tiny", messages=user(), response_format={"type": "json_object"})
+    assert e.value.body["param"] == "response_format" and e.value.body["code"] == "unsupported_parameter"
+    with pytest.raises(openai.BadRequestError, match="role 'tool' is not supported"):
+        client.chat.completions.create(model="tiny", messages=user() + [{"role": "tool", "content": "5"}])
+
+
+# --- hardening: slow clients, big conversations, a failing request --------------------------------
+
+def _port(url):
+    return int(url.rsplit(":", 1)[1])
+
+
+def _read_until_closed(s, limit):
+    """Everything the server sends until it closes the connection -> (bytes, seconds); fails after limit seconds."""
+    s.settimeout(limit)
+    t0, data = time.time(), b""
+    while True:
+        chunk = s.recv(4096)
+        if not chunk:
+            return data, time.time() - t0
+        data += chunk
+
+
+def test_slow_clients_are_cut_off(server):
+    """A client that trickles its headers or its body gets a 408 and is disconnected at the deadline (1 s here)."""
+    from nanorl.engine import Engine
+    from scripts.chat_web import create_app
+    app = create_app([Engine(server["model"], server["tokenizer"], batch_size=2)], server["tokenizer"],
+                     dict(max_tokens=8, body_timeout=1.0))
+    with serve(app, header_timeout=1.0) as url:
+        port = _port(url)
+        idle = socket.create_connection(("127.0.0.1", port))  # connects and says nothing
+        headers = socket.create_connection(("127.0.0.1", port))
+        headers.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")  # never finishes its headers
+        body = socket.create_connection(("127.0.0.1", port))
+        body.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"messages\"")  # 11 of 100 bytes, then a byte every 0.3 s
+
+        def trickle():
+            for _ in range(20):
+                time.sleep(0.3)
+                try:
+                    body.sendall(b" ")
+                except OSError:
+                    return
+        threading.Thread(target=trickle, daemon=True).start()
+        t0 = time.time()
+        assert httpx.get(url + "/health", timeout=5).json()["status"] == "ok"  # others are served meanwhile
+        for s, what in ((idle, "headers"), (headers, "headers"), (body, "body")):
+            data, _ = _read_until_closed(s, 5)
+            assert data.startswith(b"HTTP/1.1 408 "), data
+            err = json.loads(data.split(b"\r\n\r\n", 1)[1])["error"]
+            assert f"the request {what} did not arrive within 1s" in err["message"] and err["code"] == "request_timeout"
+            s.close()
+        assert time.time() - t0 < 2.5, "a deadline of 1 s took longer"
+        # a kept-alive connection that starts a second request and stalls is cut off too
+        ka = socket.create_connection(("127.0.0.1", port))
+        ka.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        ka.settimeout(5)
+        first = b""
+        while not first.endswith(b'"replicas":1}'):
+            first += ka.recv(4096)
+        assert b"200 OK" in first
+        ka.sendall(b"GET /health HTTP/1.1\r\n")
+        data, took = _read_until_closed(ka, 5)
+        assert data.startswith(b"HTTP/1.1 408 ") and took < 2.5
+        # a prompt client on a 1 s deadline is not affected
+        r = httpx.post(url + "/v1/chat/completions", json={"messages": user(), "max_tokens": 4}, timeout=10)
+        assert r.status_code == 200
+
+
+class SlowTokenizer:
+    """The test tokenizer, but rendering a conversation takes 0.5 s (as a 4 MB one does): a handler that tokenised on
+    the event loop would stall every other client for that long."""
+
+    def __init__(self, tok):
+        self.tok = tok
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+    def render_for_completion(self, conversation):
+        time.sleep(0.5)
+        return self.tok.render_for_completion(conversation)
+
+
+def test_tokenising_does_not_block_the_server(server):
+    from nanorl.engine import Engine
+    from scripts.chat_web import create_app
+    slow = SlowTokenizer(server["tokenizer"])
+    app = create_app([Engine(server["model"], server["tokenizer"], batch_size=4)], slow, dict(max_tokens=4))
+    with serve(app) as url:
+        done = []
+        threads = [threading.Thread(target=lambda: done.append(httpx.post(
+            url + "/v1/chat/completions", json={"messages": user(), "max_tokens": 2}, timeout=30).status_code)) for _ in range(4)]
+        for t in threads:
+            t.start()
+        time.sleep(0.1)
+        worst = 0.0
+        while any(t.is_alive() for t in threads):
+            t0 = time.perf_counter()
+            assert httpx.get(url + "/health", timeout=5).status_code == 200
+            worst = max(worst, time.perf_counter() - t0)
+            time.sleep(0.05)
+        assert done == [200] * 4
+        assert worst < 0.25, f"/health took {worst:.2f}s while conversations were being tokenised"
+
+
+def test_an_engine_failure_ends_only_its_request(server):
+    """A sample the engine ends with status "error" fails that request alone (500 / an error event); the next ones
+    and the one beside it are served."""
+    engine, url = server["engine"], server["url"] + "/v1/chat/completions"
+    results = {}
+
+    def post(name, body):
+        results[name] = httpx.post(url, json=body, timeout=30)
+
+    def stream(name, body):
+        with httpx.stream("POST", url, json={**body, "stream": True}, timeout=30) as r:
+            results[name] = sse_data(r.read().decode())
+
+    with engine.step_lock:  # frozen: both requests queue, then one of them is failed the way the engine fails one
+        threads = [threading.Thread(target=post, args=("bad", {"messages": user("one"), "max_tokens": 8})),
+                   threading.Thread(target=post, args=("good", {"messages": user("two"), "max_tokens": 8, "seed": 3}))]
+        for t in threads:
+            t.start()
+            t0 = time.time()
+            while len(engine.pending) < len(threads[:threads.index(t) + 1]):
+                assert time.time() - t0 < 10
+                time.sleep(0.01)
+        engine.pending[0].handle.events.put({"sample": 0, "status": "error", "completion": None})
+        ts = threading.Thread(target=stream, args=("bad_stream", {"messages": user("three"), "max_tokens": 8}))
+        ts.start()
+        while len(engine.pending) < 3:
+            assert time.time() - t0 < 10
+            time.sleep(0.01)
+        engine.pending[2].handle.events.put({"sample": 0, "status": "error", "completion": None})
+    for t in threads + [ts]:
+        t.join(30)
+    assert results["bad"].status_code == 500
+    assert results["bad"].json()["error"] == {"message": "the engine failed while generating this request",
+                                             "type": "server_error", "param": None, "code": None}
+    assert results["good"].status_code == 200 and results["good"].json()["choices"][0]["finish_reason"] in ("stop", "length")
+    assert json.loads(results["bad_stream"][-2])["error"]["type"] == "server_error" and results["bad_stream"][-1] == "[DONE]"
+    assert wait_idle(engine)
+    again = httpx.post(url, json={"messages": user("two"), "max_tokens": 8, "seed": 3}, timeout=30)
+    assert again.json()["choices"] == results["good"].json()["choices"]
+
+
+def test_page_drops_the_oldest_turns_to_fit(server):
+    """After long replies the page's request leaves out the fewest oldest turns that make room for max_tokens."""
+    tok = server["tokenizer"]
+    conv = []
+    for i in range(6):
+        conv += [{"role": "user", "content": f"question {i} " + "word " * 15},
+                 {"role": "assistant", "content": [{"type": "text", "text": f"answer {i} " + "more " * 15}]}]
+    conv += user("the last question")
+    length = lambda drop: len(tok.render_for_completion({"messages": conv[drop:]}))
+    assert length(0) + 64 > 256 and length(len(conv) - 1) + 64 <= 256  # the test needs some, not all, to go
+    want = next(d for d in range(0, len(conv), 2) if length(d) + 64 <= 256)  # the fewest pairs, by brute force
+    r = httpx.post(server["url"] + "/ui/chat", json={"messages": conv, "max_tokens": 64, "temperature": 0}, timeout=30)
+    first = json.loads(sse_data(r.text)[0])
+    assert first == {"prompt_tokens": length(want), "dropped": want, "context": 256} and want >= 2
+    # the API refuses instead: a client of the OpenAI API decides what to leave out
+    r = httpx.post(server["url"] + "/v1/chat/completions", json={"messages": conv[:-1] * 3 + user(), "max_tokens": 64}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_cli_flags(monkeypatch, capsys):
+    """chat_web: every flag has help text and --help shows the defaults; out-of-range numbers exit 2 naming the flag."""
+    from scripts.chat_web import main
+
+    monkeypatch.setenv("COLUMNS", "300")  # one line per flag's help
+    def run(*args):
+        monkeypatch.setattr(sys, "argv", ["chat_web", *args])
+        with pytest.raises(SystemExit) as e:
+            main()
+        out = capsys.readouterr()
+        return e.value.code, out.out, out.err
+    code, out, _ = run("--help")
+    assert code == 0 and "-p PORT, --port PORT" in out and "(default: 8000)" in out and "(default: 10.0)" in out
+    helps = out.split("options:")[1].split("\n  -")[1:]  # one entry per flag: its names, then its help text
+    assert len(helps) >= 14 and all("(default: " in h for h in helps[1:]), helps  # [0] is -h itself
+    for args, flag in [(("--port", "99999"), "-p/--port"), (("-p", "-1"), "-p/--port"), (("-b", "0"), "-b/--batch-size"),
+                       (("-m", "0"), "-m/--max-tokens"), (("--header-timeout", "0"), "--header-timeout"),
+                       (("-n", "x"), "-n/--num-gpus")]:
+        code, _, err = run(*args)
+        assert code == 2 and err.splitlines()[-1].startswith(f"chat_web: error: argument {flag}:"), err
