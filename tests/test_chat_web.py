@@ -786,3 +786,65 @@ def test_cli_flags(monkeypatch, capsys):
                        (("-n", "x"), "-n/--num-gpus")]:
         code, _, err = run(*args)
         assert code == 2 and err.splitlines()[-1].startswith(f"chat_web: error: argument {flag}:"), err
+
+
+# --- chat_cli in a terminal -------------------------------------------------------------------------
+
+def test_chat_cli_line_editing(server):
+    """chat_cli in a pseudo-terminal: Ctrl-C at the prompt clears the line (and the CLI stays), the up arrow recalls
+    the last message, Ctrl-D leaves, and the history is saved."""
+    import pty
+    import select
+    env = {**os.environ, "NANORL_BASE_DIR": str(server["base_dir"]), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+           "TERM": "xterm", "INPUTRC": "/dev/null"}
+    history = server["base_dir"] / "chat_history"
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: chat_cli on the terminal (exec at once: the test process has threads)
+        os.chdir(ROOT)
+        os.execve(sys.executable, [sys.executable, "-m", "scripts.chat_cli", "-i", "sft", "-t", "0", "-m", "4",
+                                   "--device-type", "cpu"], env)
+    seen = b""
+
+    def expect(text, count=1, timeout=60):
+        nonlocal seen
+        t0 = time.time()
+        while seen.count(text) < count:
+            assert time.time() - t0 < timeout, seen.decode(errors="replace")
+            if select.select([fd], [], [], 0.5)[0]:
+                try:
+                    seen += os.read(fd, 4096)
+                except OSError:  # the child closed the terminal
+                    break
+        assert seen.count(text) >= count, seen.decode(errors="replace")
+
+    try:
+        expect(b"User: ")
+        os.write(fd, b"abc")
+        expect(b"abc")
+        os.write(fd, b"\x03")  # Ctrl-C: a fresh prompt, the CLI still running
+        expect(b"User: ", 2)
+        os.write(fd, b"hello\r")
+        expect(b"Assistant: ")
+        expect(b"User: ", 3)
+        os.write(fd, b"\x1b[A")  # the up arrow brings back "hello"
+        expect(b"hello", 2)
+        os.write(fd, b"\r")
+        expect(b"Assistant: ", 2)
+        expect(b"User: ", 4)
+        os.write(fd, b"\x04")  # Ctrl-D leaves
+        t0 = time.time()
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            assert time.time() - t0 < 20, "Ctrl-D did not end chat_cli"
+            expect(b"", 0, timeout=1)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass
+        os.close(fd)
+    lines = [line for line in history.read_text().splitlines() if not line.startswith("_HiStOrY")]
+    assert lines == ["hello"], lines  # "abc" was cleared, never sent (readline keeps one of two equal lines in a row)
