@@ -472,6 +472,10 @@ def test_browser_chat(server, tmp_path):
         while cdp.eval("document.readyState") != "complete" or not cdp.eval("!!document.getElementById('send')"):
             assert time.time() - t0 < 30
             time.sleep(0.1)
+        while "tiny" not in (cdp.eval("document.getElementById('model').textContent") or ""):  # the checkpoint's name
+            assert time.time() - t0 < 30
+            time.sleep(0.05)
+        assert cdp.eval("document.getElementById('maxtokens').value") == "64"  # the server's limit
         cdp.eval("document.getElementById('temperature').value = '1.0'")
         cdp.eval("document.getElementById('input').value = 'Hello there'")
         cdp.eval("document.getElementById('send').click()")
@@ -503,6 +507,18 @@ def test_browser_chat(server, tmp_path):
             assert time.time() - t0 < 40
             time.sleep(0.05)
         assert cdp.eval("document.getElementById('send').disabled") is False
+        # a conversation that no longer fits: the server leaves out the oldest turns, the page says so and forgets them
+        long_turns = json.dumps([{"role": r, "content": f"{r} {i} " + "word " * 40} for i in range(4) for r in ("user", "assistant")])
+        cdp.eval(f"conversation = {long_turns}; bubbles = conversation.map(m => bubble(m.role, m.content))")
+        cdp.eval("document.getElementById('input').value = 'And now?'")
+        cdp.eval("document.getElementById('send').click()")
+        while not cdp.eval("!!document.querySelector('.notice') && !document.querySelector('.msg.assistant.streaming')"):
+            assert time.time() - t0 < 40, "no notice about the left-out turns"
+            time.sleep(0.05)
+        assert "no longer fit the model's 256-token context" in cdp.eval("document.querySelector('.notice').textContent")
+        dropped = cdp.eval("document.querySelectorAll('.msg.dropped').length")
+        assert dropped >= 2 and cdp.eval("conversation.length") == 8 - dropped + 2
+        assert cdp.eval("conversation[conversation.length - 2].content") == "And now?"
         shot = base64.b64decode(cdp.call("Page.captureScreenshot", format="png")["data"])
         assert shot[:8] == b"\x89PNG\r\n\x1a\n"
         out = Path(os.environ.get("NANORL_SCREENSHOT_DIR", tmp_path))
