@@ -163,10 +163,26 @@ def _messages(req):
     return out
 
 
-def render_prompt(tokenizer, messages, max_len, base=False, room=None):
+def render_prompt(tokenizer, messages, max_len, base=False, room=None, token_bytes=None):
     """Messages -> (prompt ids, how many of the oldest messages were left out). room=None: nothing is left out;
     else the fewest oldest user/assistant pairs are (a leading system message stays) so that the prompt leaves
-    room tokens to generate, or as many as there are with only the last message kept."""
+    room tokens to generate, or as many as there are with only the last message kept. token_bytes, the longest
+    token's bytes, bounds the tokens from below without tokenising: a huge conversation is refused (or cut) at once."""
+    def text_bytes(m):
+        c = m["content"]
+        return len((c if isinstance(c, str) else "".join(p["text"] for p in c)).encode())
+    least = 0  # pairs that must go whatever the tokenizer says: at token_bytes bytes a token they would not fit
+    if token_bytes and not base:
+        sizes = [text_bytes(m) for m in messages]
+        start, total = (1 if messages[0]["role"] == "system" else 0), sum(sizes)
+        while total / token_bytes + (room or 1) > max_len:
+            if room is None:
+                raise BadRequest(f"the conversation is at least {-(-total // token_bytes)} tokens, over the context of "
+                                 f"{max_len}", "messages", "context_length_exceeded")
+            if start + 2 * least + 1 >= len(messages) - 1:  # only the last user message is left
+                break
+            total -= sizes[start + 2 * least] + sizes[start + 2 * least + 1]
+            least += 1
     if base:  # a base model never saw chat tokens: it continues the last message's text
         last = messages[-1]["content"]
         ids = tokenizer.encode(last if isinstance(last, str) else "".join(p["text"] for p in last), prepend="<|bos|>")
@@ -182,9 +198,9 @@ def render_prompt(tokenizer, messages, max_len, base=False, room=None):
                 return tokenizer.render_for_completion({"messages": head + messages[len(head) + drop:]})
             except ValueError as e:  # roles out of order, a system message alone, ...
                 raise BadRequest(str(e), "messages")
-        ids, dropped = render(0), 0
+        ids, dropped = render(2 * least), 2 * least
         if room is not None and len(ids) + room > max_len:
-            lo, hi = 1, (len(messages) - len(head) - 1) // 2  # pairs that can go; the last user message stays
+            lo, hi = least + 1, (len(messages) - len(head) - 1) // 2  # pairs that can go; the last user message stays
             while lo < hi:  # the prompt only shrinks as more pairs go: binary search, a few renders however long
                 mid = (lo + hi) // 2
                 if len(render(2 * mid)) + room <= max_len:
@@ -233,7 +249,8 @@ def prepare(raw, schema, tokenizer, limits, max_len, fit=False):
     if max_tokens is not None and max_tokens > limits["max_tokens"]:
         raise BadRequest(f"'{param}' must be <= {limits['max_tokens']} (this server's --max-tokens), got {max_tokens}", param)
     max_tokens = limits["max_tokens"] if max_tokens is None else max_tokens
-    ids, dropped = render_prompt(tokenizer, _messages(req), max_len, limits["base"], room=max_tokens if fit else None)
+    ids, dropped = render_prompt(tokenizer, _messages(req), max_len, limits["base"], max_tokens if fit else None,
+                                 limits.get("token_bytes"))
     settings = dict(
         max_tokens=min(max_tokens, max_len - len(ids)),  # ending at the context edge is finish_reason "length"
         temperature=req.temperature if req.temperature is not None else (1.0 if api else 0.6),
@@ -507,6 +524,8 @@ def create_app(engines, tokenizer, limits=None):
     from starlette.exceptions import HTTPException
 
     limits = {**DEFAULT_LIMITS, **(limits or {})}
+    # the longest token in bytes: a conversation's bytes / this bounds its tokens from below, without tokenising it
+    limits["token_bytes"] = max(len(tokenizer.enc.decode_single_token_bytes(i)) for i in range(tokenizer.vocab_size))
     replicas = [Replica(e, f"{e.device}") for e in engines]
     state = dict(replicas=replicas, tokenizer=tokenizer, limits=limits, lock=threading.Lock(), stats=Stats())
     max_len = min(e.max_len for e in engines)

@@ -720,6 +720,12 @@ def test_tokenising_does_not_block_the_server(server):
             time.sleep(0.05)
         assert done == [200] * 4
         assert worst < 0.25, f"/health took {worst:.2f}s while conversations were being tokenised"
+        # a conversation far over the context is refused from its size alone, before the (slow) tokenizer runs
+        huge = [{"role": r, "content": "x" * 8000} for _ in range(50) for r in ("user", "assistant")] + user()
+        t0 = time.perf_counter()
+        r = httpx.post(url + "/v1/chat/completions", json={"messages": huge}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        assert time.perf_counter() - t0 < 0.4, "the tokenizer ran on a conversation that cannot fit"
 
 
 def test_an_engine_failure_ends_only_its_request(server):
