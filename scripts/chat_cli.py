@@ -1,11 +1,16 @@
 """
 Chat with a checkpoint in the terminal, on the sampling engine (tool calls show as <<expr=result>>).
 
-    python -m scripts.chat_cli -i sft                            # interactive; 'clear' starts over, 'quit' leaves
+    python -m scripts.chat_cli -i sft                            # interactive; 'clear' starts over, 'quit' or Ctrl-D leaves
     python -m scripts.chat_cli -i rl -p "What is 17 * 23?"       # one shot
     python -m scripts.chat_cli -i base -p "The capital of France"  # a base model continues plain text
+
+At the prompt the arrow keys edit the line and walk the history (readline; kept in $NANORL_BASE_DIR/chat_history),
+Ctrl-C clears the line, and Ctrl-C during a reply stops it.
 """
 import argparse
+import atexit
+import os
 import sys
 
 from nanorl.engine import Engine, Request, TextStream, assistant_parts
@@ -42,20 +47,42 @@ def chat_turn(engine, tokenizer, conversation, base=False, temperature=0.6, top_
     return {"role": "assistant", "content": assistant_parts(tokenizer, tokens)}
 
 
+def line_editing(path):
+    """input() gets line editing and a history that persists in path (readline: absent on some platforms, then
+    input() stays plain)."""
+    try:
+        import readline
+    except ImportError:
+        return
+    try:
+        readline.read_history_file(path)
+    except OSError:  # the first session, or an unreadable file: start with no history
+        pass
+    readline.set_history_length(1000)
+
+    def save():
+        try:
+            readline.write_history_file(path)
+        except OSError:
+            pass
+    atexit.register(save)
+
+
 def main():
-    parser = argparse.ArgumentParser(description="Chat with a nanorl model")
+    from scripts.chat_web import bounded
+    parser = argparse.ArgumentParser(description="Chat with a nanorl model", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("-i", "--source", type=str, default="sft", choices=["base", "mid", "sft", "rl"], help="which model")
-    parser.add_argument("-g", "--model-tag", type=str, default=None, help="model tag (default: the largest)")
-    parser.add_argument("-s", "--step", type=int, default=None, help="checkpoint step (default: the last)")
+    parser.add_argument("-g", "--model-tag", type=str, default=None, help="model tag; None picks the largest")
+    parser.add_argument("-s", "--step", type=bounded(int, 0), default=None, help="checkpoint step; None picks the last")
     parser.add_argument("-p", "--prompt", type=str, default=None, help="one-shot: answer this and exit")
-    parser.add_argument("-t", "--temperature", type=float, default=0.6, help="0 = greedy")
-    parser.add_argument("-k", "--top-k", type=int, default=50)
-    parser.add_argument("--max-tokens", type=int, default=512)
-    parser.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
-    parser.add_argument("--device-type", type=str, default=None, help="cuda|cpu|mps (default: autodetect)")
+    parser.add_argument("-t", "--temperature", type=bounded(float, 0.0, 2.0), default=0.6, help="sampling temperature, 0 = greedy")
+    parser.add_argument("-k", "--top-k", type=bounded(int, 1), default=50, help="sample from the k most likely tokens")
+    parser.add_argument("-m", "--max-tokens", type=bounded(int, 1), default=512, help="the most tokens a reply may have")
+    parser.add_argument("--seed", type=int, default=None, help="sampling seed; None draws one")
+    parser.add_argument("--device-type", type=str, default=None, choices=["cuda", "cpu", "mps"], help="None detects the device")
     args = parser.parse_args()
 
-    from nanorl.common import compute_init
+    from nanorl.common import compute_init, get_base_dir
     try:
         from nanorl.checkpoint import load_model
     except ImportError as e:
@@ -72,12 +99,16 @@ def main():
     if args.prompt is not None:
         chat_turn(engine, tokenizer, {"messages": [{"role": "user", "content": args.prompt}]}, **settings)
         return
-    print(f"nanorl chat ({args.source}). 'clear' starts a new conversation, 'quit' or Ctrl-D leaves.")
+    line_editing(os.path.join(get_base_dir(), "chat_history"))
+    print(f"nanorl chat ({args.source}). 'clear' starts a new conversation, 'quit' or Ctrl-D leaves, Ctrl-C clears the line.")
     conversation = {"messages": []}
     while True:
         try:
             user = input("\nUser: ").strip()
-        except (EOFError, KeyboardInterrupt):
+        except KeyboardInterrupt:  # Ctrl-C: drop what was typed, ask again
+            print()
+            continue
+        except EOFError:  # Ctrl-D
             print()
             return
         if user in ("quit", "exit"):

@@ -52,14 +52,15 @@ def server(tmp_path_factory):
     engine = Engine(model, tokenizer, batch_size=8)
     app = create_app([engine], tokenizer, dict(max_tokens=64, model="tiny"))
     with serve(app) as url:
-        yield dict(url=url, engine=engine, app=app, model=model, tokenizer=tokenizer)
+        yield dict(url=url, engine=engine, app=app, model=model, tokenizer=tokenizer, base_dir=d)
 
 
 @contextlib.contextmanager
-def serve(app):
-    """Run app on a real uvicorn server, 127.0.0.1 and a free port, in a background thread."""
+def serve(app, header_timeout=10.0):
+    """Run app on a real uvicorn server as chat_web configures it, 127.0.0.1 and a free port, in a background thread."""
     import uvicorn
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    from scripts.chat_web import server_config
+    srv = uvicorn.Server(server_config(app, "127.0.0.1", 0, header_timeout))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     t0 = time.time()
@@ -145,10 +146,12 @@ def test_stop_strings_and_length(server):
 def test_page_stream_and_index(server):
     r = httpx.get(server["url"] + "/")
     assert r.status_code == 200 and "<textarea" in r.text and "http" not in r.text.split("<script>")[0].lower().replace("http-equiv", "")
-    r = httpx.post(server["url"] + "/chat/completions", json={"messages": user(), "max_tokens": 5}, timeout=30)
+    r = httpx.post(server["url"] + "/ui/chat", json={"messages": user(), "max_tokens": 5}, timeout=30)
     data = sse_data(r.text)
     assert data[-1] == "[DONE]"
     events = [json.loads(x) for x in data[:-1]]
+    prompt = server["tokenizer"].render_for_completion({"messages": user()})
+    assert events[0] == {"prompt_tokens": len(prompt), "dropped": 0, "context": 256}
     assert any("token" in e for e in events) and all(e.get("type", "text") in ("text", "python", "python_output") for e in events)
 
 
@@ -176,47 +179,117 @@ def test_tool_parts_are_typed(server):
     assert text == "<<2+3=5>>"
 
 
-@pytest.mark.parametrize("body,fragment", [
-    ("{not json", "malformed JSON"),
-    ("", "malformed JSON"),
-    ("[1, 2]", "JSON object"),
-    ({"messages": []}, "non-empty list"),
-    ({}, "non-empty list"),
-    ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}] * 250 + user()}, "too many messages"),
-    ({"messages": user("x" * 8001)}, "too long"),
-    ({"messages": [{"role": "robot", "content": "hi"}]}, "role must be"),
-    ({"messages": [{"role": "assistant", "content": "hi"}] + user()}, "expected 'user'"),
-    ({"messages": user() + user()}, "expected 'assistant'"),
-    ({"messages": user(), "max_tokens": 0}, "max_tokens"),
-    ({"messages": user(), "max_tokens": 65}, "max_tokens"),
-    ({"messages": user(), "temperature": 2.5}, "temperature"),
-    ({"messages": user(), "temperature": -0.1}, "temperature"),
-    ({"messages": user(), "top_k": 0}, "top_k"),
-    ({"messages": user(), "top_p": 0}, "top_p"),
-    ({"messages": user(), "top_p": 1.5}, "top_p"),
-    ({"messages": user(), "n": 0}, "'n'"),
-    ({"messages": user(), "n": 9}, "'n'"),
-    ({"messages": user(), "stop": 5}, "stop"),
-    ({"messages": user(), "max_tokens": 2.5}, "max_tokens"),
-    ({"messages": [{"role": "user", "content": 7}]}, "content must be"),
-    ({"messages": [{"role": "system", "content": "be nice"}]}, "last message must be from the user"),
-    ({"messages": user() + [{"role": "assistant", "content": "hi"}]}, "last message must be from the user"),
-])
-def test_validation_errors(server, body, fragment):
-    for path in ("/v1/chat/completions", "/chat/completions"):
-        kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, str) else {"json": body}
-        r = httpx.post(server["url"] + path, timeout=30, **kw)
-        assert r.status_code == 400, (path, r.text)
-        err = r.json()["error"]
-        assert fragment in err["message"] and err["type"] == "invalid_request_error"
+# Malformed requests: (method, path, body, status, a fragment of the error message). A str body is sent raw.
+DEEP = "[" * 100000 + "]" * 100000
+MALFORMED = [
+    ("POST", "/v1/chat/completions", "{not json", 400, "malformed JSON"),
+    ("POST", "/v1/chat/completions", "", 400, "malformed JSON"),
+    ("POST", "/v1/chat/completions", b"\xff\xfe{}", 400, "malformed JSON"),
+    ("POST", "/v1/chat/completions", "[1, 2]", 400, "JSON object"),
+    ("POST", "/v1/chat/completions", DEEP, 400, "nested too deeply"),
+    ("POST", "/v1/chat/completions", '{"messages": ' + DEEP + '}', 400, "nested too deeply"),
+    ("POST", "/v1/chat/completions", '{"messages": [], "seed": ' + "9" * 5000 + "}", 400, "malformed JSON"),
+    ("POST", "/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400, "finite"),
+    ("POST", "/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "top_p": NaN}', 400, "finite"),
+    ("POST", "/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "temperature": Infinity}', 400, "finite"),
+    ("POST", "/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "top_p": 1e999}', 400, "finite"),
+    ("POST", "/v1/chat/completions", {"messages": []}, 400, "'messages'"),
+    ("POST", "/v1/chat/completions", {}, 400, "'messages': Field required"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}] * 250 + [{"role": "user", "content": "c"}]}, 400, "at most 500"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 8001}]}, 400, "too long"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, 400, "'messages.0.role'"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "tool", "content": "5", "tool_call_id": "x"}]}, 400, "tool_call_id"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "tool", "content": "5"}]}, 400, "role 'tool' is not supported"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages.0.content"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "python", "text": "1+1"}]}]}, 400, "parts must have type 'text'"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "hi"}]}, 400, "expected 'user'"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}] * 2}, 400, "expected 'assistant'"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": 7}]}, 400, "messages.0.content"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages.0.content"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "system", "content": "be nice"}]}, 400, "last message must be from the user"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hi"}]}, 400, "last message must be from the user"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 1500}]}, 400, "over the context"),
+] + [("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], **extra}, 400, fragment) for extra, fragment in [
+    ({"max_tokens": 0}, "'max_tokens'"),
+    ({"max_tokens": 65}, "'max_tokens' must be <= 64"),
+    ({"max_completion_tokens": 65}, "'max_completion_tokens' must be <= 64"),
+    ({"max_completion_tokens": 0}, "'max_completion_tokens'"),
+    ({"max_tokens": 5, "max_completion_tokens": 6}, "disagree"),
+    ({"max_tokens": 2.5}, "'max_tokens'"),
+    ({"max_tokens": "10"}, "'max_tokens'"),
+    ({"max_tokens": True}, "'max_tokens'"),
+    ({"temperature": 2.5}, "'temperature'"),
+    ({"temperature": -0.1}, "'temperature'"),
+    ({"temperature": "hot"}, "'temperature'"),
+    ({"top_k": 0}, "'top_k'"),
+    ({"top_p": 0}, "'top_p'"),
+    ({"top_p": 1.5}, "'top_p'"),
+    ({"n": 0}, "'n'"),
+    ({"n": 9}, "'n'"),
+    ({"seed": 2**63}, "'seed'"),
+    ({"stop": 5}, "'stop'"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "'stop'"),
+    ({"stop": ""}, "'stop'"),
+    ({"stream": "yes"}, "'stream'"),
+    ({"stream_options": {"include_usage": True}}, "only allowed with stream"),
+    ({"stream": True, "stream_options": {"include_usage": True, "x": 1}}, "'stream_options.x'"),
+    ({"logprobs": True, "top_logprobs": 21}, "'top_logprobs'"),
+    ({"top_logprobs": 2}, "needs logprobs"),
+    ({"response_format": {"type": "json_object"}}, "unsupported parameter 'response_format'"),
+    ({"presence_penalty": 0.5}, "penalties are not implemented"),
+    ({"frequency_penalty": -1}, "penalties are not implemented"),
+    ({"logit_bias": {"50": 100}}, "unsupported parameter 'logit_bias'"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "unsupported parameter 'tools'"),
+    ({"tool_choice": "auto"}, "unsupported parameter 'tool_choice'"),
+    ({"functions": []}, "unsupported parameter 'functions'"),
+    ({"min_p": 0.1}, "unsupported parameter 'min_p'"),
+    ({"reasoning_effort": "low"}, "unsupported parameter 'reasoning_effort'"),
+    ({"model": 5}, "'model'"),
+]] + [
+    ("POST", "/ui/chat", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "unsupported parameter 'n'"),
+    ("POST", "/ui/chat", {"messages": [{"role": "user", "content": "hi"}], "temperature": 3}, 400, "'temperature'"),
+    ("POST", "/ui/chat", "{not json", 400, "malformed JSON"),
+    ("POST", "/ui/chat", '{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400, "finite"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4o"}, 404, "does not exist"),
+    ("GET", "/v1/models/gpt-4o", None, 404, "does not exist"),
+    ("POST", "/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, 404, "base_url ends in /v1"),
+    ("GET", "/models", None, 404, "under /v1"),
+    ("GET", "/nope", None, 404, "Not Found"),
+    ("GET", "/v1/chat/completions", None, 405, "Method Not Allowed"),
+    ("DELETE", "/v1/models", None, 405, "Method Not Allowed"),
+    ("PUT", "/ui/chat", "{}", 405, "Method Not Allowed"),
+]
+
+
+def test_malformed_requests_get_openai_errors(server):
+    """Every malformed request gets its 4xx and an OpenAI error object naming what is wrong; the server stays up."""
+    wrong = []
+    for method, path, body, status, fragment in MALFORMED:
+        kw = {} if body is None else {"content": body, "headers": {"content-type": "application/json"}} \
+            if isinstance(body, (str, bytes)) else {"json": body}
+        r = httpx.request(method, server["url"] + path, timeout=30, **kw)
+        err = r.json().get("error") if r.headers.get("content-type") == "application/json" else None
+        if not (r.status_code == status and isinstance(err, dict) and set(err) == {"message", "type", "param", "code"}
+                and fragment in err["message"] and err["type"] == "invalid_request_error"):
+            wrong.append((method, path, str(body)[:80], r.status_code, r.text[:300]))
+    print(f"{len(MALFORMED)} malformed requests tried, {len(MALFORMED) - len(wrong)} got their 4xx with an OpenAI error")
+    assert not wrong, wrong
+    assert httpx.get(server["url"] + "/health").json()["status"] == "ok"
+    # the error names the field in param too
+    r = httpx.post(server["url"] + "/v1/chat/completions", json={"messages": user(), "logit_bias": {}}, timeout=30)
+    assert r.json()["error"]["param"] == "logit_bias" and r.json()["error"]["code"] == "unsupported_parameter"
+    r = httpx.post(server["url"] + "/v1/chat/completions", json={"messages": user(), "model": "gpt-4o"}, timeout=30)
+    assert r.json()["error"]["code"] == "model_not_found" and r.json()["error"]["param"] == "model"
 
 
 def test_base_model_prompt(server):
     # a base model gets the last message as plain text after <|bos|>, no chat tokens
-    from scripts.chat_web import DEFAULT_LIMITS, parse_request
+    from scripts.chat_web import DEFAULT_LIMITS, ChatRequest, prepare
     tok = server["tokenizer"]
-    ids, settings, stop, stream = parse_request({"messages": user("The sky is"), "max_tokens": 5}, tok, {**DEFAULT_LIMITS, "base": True}, 256)
-    assert ids == tok.encode("The sky is", prepend="<|bos|>") and settings["max_tokens"] == 5 and stop == [] and stream is False
+    body = json.dumps({"messages": user("The sky is"), "max_tokens": 5}).encode()
+    req, ids, settings, dropped = prepare(body, ChatRequest, tok, {**DEFAULT_LIMITS, "base": True}, 256)
+    assert ids == tok.encode("The sky is", prepend="<|bos|>") and settings["max_tokens"] == 5 and dropped == 0
+    assert req.stop is None and not req.stream
 
 
 def test_prompt_over_context(server):
@@ -399,6 +472,10 @@ def test_browser_chat(server, tmp_path):
         while cdp.eval("document.readyState") != "complete" or not cdp.eval("!!document.getElementById('send')"):
             assert time.time() - t0 < 30
             time.sleep(0.1)
+        while "tiny" not in (cdp.eval("document.getElementById('model').textContent") or ""):  # the checkpoint's name
+            assert time.time() - t0 < 30
+            time.sleep(0.05)
+        assert cdp.eval("document.getElementById('maxtokens').value") == "64"  # the server's limit
         cdp.eval("document.getElementById('temperature').value = '1.0'")
         cdp.eval("document.getElementById('input').value = 'Hello there'")
         cdp.eval("document.getElementById('send').click()")
@@ -430,6 +507,18 @@ def test_browser_chat(server, tmp_path):
             assert time.time() - t0 < 40
             time.sleep(0.05)
         assert cdp.eval("document.getElementById('send').disabled") is False
+        # a conversation that no longer fits: the server leaves out the oldest turns, the page says so and forgets them
+        long_turns = json.dumps([{"role": r, "content": f"{r} {i} " + "word " * 40} for i in range(4) for r in ("user", "assistant")])
+        cdp.eval(f"conversation = {long_turns}; bubbles = conversation.map(m => bubble(m.role, m.content))")
+        cdp.eval("document.getElementById('input').value = 'And now?'")
+        cdp.eval("document.getElementById('send').click()")
+        while not cdp.eval("!!document.querySelector('.notice') && !document.querySelector('.msg.assistant.streaming')"):
+            assert time.time() - t0 < 40, "no notice about the left-out turns"
+            time.sleep(0.05)
+        assert "no longer fit the model's 256-token context" in cdp.eval("document.querySelector('.notice').textContent")
+        dropped = cdp.eval("document.querySelectorAll('.msg.dropped').length")
+        assert dropped >= 2 and cdp.eval("conversation.length") == 8 - dropped + 2
+        assert cdp.eval("conversation[conversation.length - 2].content") == "And now?"
         shot = base64.b64decode(cdp.call("Page.captureScreenshot", format="png")["data"])
         assert shot[:8] == b"\x89PNG\r\n\x1a\n"
         out = Path(os.environ.get("NANORL_SCREENSHOT_DIR", tmp_path))
@@ -441,3 +530,343 @@ def test_browser_chat(server, tmp_path):
             proc.wait(10)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+# --- the official openai client -------------------------------------------------------------------
+
+def test_openai_client(server):
+    """The real `openai` package against the server: everything a client of an OpenAI-compatible server uses."""
+    import openai
+    import torch
+    client = openai.OpenAI(base_url=server["url"] + "/v1", api_key="none", max_retries=0, timeout=30)
+    assert [m.id for m in client.models.list()] == ["tiny"]
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("gpt-4o")
+    with pytest.raises(openai.NotFoundError, match="model_not_found|does not exist"):
+        client.chat.completions.create(model="gpt-4o", messages=user())
+    # the trap: a base_url without /v1 gets an error, never the page's raw stream
+    with pytest.raises(openai.NotFoundError, match="/v1"):
+        openai.OpenAI(base_url=server["url"], api_key="none", max_retries=0).chat.completions.create(model="tiny", messages=user())
+
+    # n, seed, max_completion_tokens
+    r = client.chat.completions.create(model="tiny", messages=user(), n=3, seed=7, max_completion_tokens=9)
+    assert len(r.choices) == 3 and r.usage.completion_tokens <= 27
+    for c in r.choices:
+        assert c.finish_reason in ("stop", "length") and c.logprobs is None
+    again = client.chat.completions.create(model="tiny", messages=user(), n=3, seed=7, max_completion_tokens=9)
+    assert [c.message.content for c in again.choices] == [c.message.content for c in r.choices]
+    # max_completion_tokens binds: greedy, the first 3 tokens of the longer reply, ended by "length"
+    short = client.chat.completions.create(model="tiny", messages=user(), seed=1, max_completion_tokens=3, temperature=0)
+    long = client.chat.completions.create(model="tiny", messages=user(), seed=1, max_tokens=40, temperature=0)
+    assert long.usage.completion_tokens > 3  # the tiny model does not stop that early (else the next lines test nothing)
+    assert short.usage.completion_tokens == 3 and short.choices[0].finish_reason == "length"
+    assert long.choices[0].message.content.startswith(short.choices[0].message.content)
+
+    # stop strings
+    text = long.choices[0].message.content
+    assert len(text) >= 6
+    cut = client.chat.completions.create(model="tiny", messages=user(), max_tokens=40, temperature=0, stop=[text[3:6]])
+    assert cut.choices[0].message.content == text[:text.find(text[3:6])] and cut.choices[0].finish_reason == "stop"
+
+    # developer is OpenAI's newer name for system
+    sys_msg = [{"role": "system", "content": "Be brief."}] + user()
+    dev_msg = [{"role": "developer", "content": "Be brief."}] + user()
+    a = client.chat.completions.create(model="tiny", messages=sys_msg, max_tokens=12, temperature=0)
+    b = client.chat.completions.create(model="tiny", messages=dev_msg, max_tokens=12, temperature=0)
+    assert a.choices[0].message.content == b.choices[0].message.content and a.usage.prompt_tokens == b.usage.prompt_tokens
+
+    # streaming with the usage chunk: the same text as non-streaming, usage last with no choices
+    chunks = list(client.chat.completions.create(model="tiny", messages=user(), max_tokens=40, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == long.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == long.usage.prompt_tokens and all(c.usage is None for c in chunks[:-1])
+    plain = list(client.chat.completions.create(model="tiny", messages=user(), max_tokens=5, stream=True))
+    assert all(c.usage is None for c in plain) and plain[-1].choices[0].finish_reason in ("stop", "length")
+
+    # logprobs and top_logprobs against a forward of the model itself
+    r = client.chat.completions.create(model="tiny", messages=user(), max_tokens=8, temperature=0, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) >= 4
+    tok, model = server["tokenizer"], server["model"]
+    by_bytes = {tok.enc.decode_single_token_bytes(i): i for i in range(tok.vocab_size)}
+    ids = [by_bytes[bytes(e.bytes)] for e in content]
+    assert tok.decode(ids) == r.choices[0].message.content  # greedy text with no tool calls: the tokens are the text
+    assert len(content) == r.usage.completion_tokens - (r.choices[0].finish_reason == "stop")  # the stop token is not listed
+    prompt = tok.render_for_completion({"messages": user()})
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([prompt + ids]))[0, len(prompt) - 1:-1].float(), -1)
+    for t, (e, row) in enumerate(zip(content, ref)):
+        assert abs(e.logprob - row[ids[t]].item()) < 1e-4
+        top = row.topk(3)
+        assert [by_bytes[bytes(x.bytes)] for x in e.top_logprobs] == top.indices.tolist()
+        assert all(abs(x.logprob - v) < 1e-4 for x, v in zip(e.top_logprobs, top.values.tolist()))
+        assert e.top_logprobs[0].token == e.token  # greedy: the sampled token is the most likely one
+    # streamed: the same log-probs, with the sample's finish_reason
+    streamed = [c for c in client.chat.completions.create(model="tiny", messages=user(), max_tokens=8, temperature=0,
+                                                           logprobs=True, top_logprobs=3, stream=True) if c.choices and c.choices[0].logprobs]
+    assert len(streamed) == 1 and streamed[0].choices[0].finish_reason == r.choices[0].finish_reason
+    assert [(e.token, round(e.logprob, 5)) for e in streamed[0].choices[0].logprobs.content] == \
+        [(e.token, round(e.logprob, 5)) for e in content]
+    just = client.chat.completions.create(model="tiny", messages=user(), max_tokens=8, temperature=0, logprobs=True)
+    assert [e.top_logprobs for e in just.choices[0].logprobs.content] == [[]] * len(content)
+
+    # a field this server does not implement: 400 naming it, not silently ignored
+    with pytest.raises(openai.BadRequestError, match="response_format") as e:
+        client.chat.completions.create(model="tiny", messages=user(), response_format={"type": "json_object"})
+    assert e.value.body["param"] == "response_format" and e.value.body["code"] == "unsupported_parameter"
+    with pytest.raises(openai.BadRequestError, match="role 'tool' is not supported"):
+        client.chat.completions.create(model="tiny", messages=user() + [{"role": "tool", "content": "5"}])
+
+
+# --- hardening: slow clients, big conversations, a failing request --------------------------------
+
+def _port(url):
+    return int(url.rsplit(":", 1)[1])
+
+
+def _read_until_closed(s, limit):
+    """Everything the server sends until it closes the connection -> (bytes, seconds); fails after limit seconds."""
+    s.settimeout(limit)
+    t0, data = time.time(), b""
+    while True:
+        chunk = s.recv(4096)
+        if not chunk:
+            return data, time.time() - t0
+        data += chunk
+
+
+def test_slow_clients_are_cut_off(server):
+    """A client that trickles its headers or its body gets a 408 and is disconnected at the deadline (1 s here)."""
+    from nanorl.engine import Engine
+    from scripts.chat_web import create_app
+    app = create_app([Engine(server["model"], server["tokenizer"], batch_size=2)], server["tokenizer"],
+                     dict(max_tokens=8, body_timeout=1.0))
+    with serve(app, header_timeout=1.0) as url:
+        port = _port(url)
+        idle = socket.create_connection(("127.0.0.1", port))  # connects and says nothing
+        headers = socket.create_connection(("127.0.0.1", port))
+        headers.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")  # never finishes its headers
+        body = socket.create_connection(("127.0.0.1", port))
+        body.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"messages\"")  # 11 of 100 bytes, then a byte every 0.3 s
+
+        def trickle():
+            for _ in range(20):
+                time.sleep(0.3)
+                try:
+                    body.sendall(b" ")
+                except OSError:
+                    return
+        threading.Thread(target=trickle, daemon=True).start()
+        t0 = time.time()
+        assert httpx.get(url + "/health", timeout=5).json()["status"] == "ok"  # others are served meanwhile
+        for s, what in ((idle, "headers"), (headers, "headers"), (body, "body")):
+            data, _ = _read_until_closed(s, 5)
+            assert data.startswith(b"HTTP/1.1 408 "), data
+            err = json.loads(data.split(b"\r\n\r\n", 1)[1])["error"]
+            assert f"the request {what} did not arrive within 1s" in err["message"] and err["code"] == "request_timeout"
+            s.close()
+        assert time.time() - t0 < 2.5, "a deadline of 1 s took longer"
+        # a kept-alive connection that starts a second request and stalls is cut off too
+        ka = socket.create_connection(("127.0.0.1", port))
+        ka.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        ka.settimeout(5)
+        first = b""
+        while not first.endswith(b'"replicas":1}'):
+            first += ka.recv(4096)
+        assert b"200 OK" in first
+        ka.sendall(b"GET /health HTTP/1.1\r\n")
+        data, took = _read_until_closed(ka, 5)
+        assert data.startswith(b"HTTP/1.1 408 ") and took < 2.5
+        # a prompt client on a 1 s deadline is not affected
+        r = httpx.post(url + "/v1/chat/completions", json={"messages": user(), "max_tokens": 4}, timeout=10)
+        assert r.status_code == 200
+
+
+class SlowTokenizer:
+    """The test tokenizer, but rendering a conversation takes 0.5 s (as a 4 MB one does): a handler that tokenised on
+    the event loop would stall every other client for that long."""
+
+    def __init__(self, tok):
+        self.tok = tok
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+    def render_for_completion(self, conversation):
+        time.sleep(0.5)
+        return self.tok.render_for_completion(conversation)
+
+
+def test_tokenising_does_not_block_the_server(server):
+    from nanorl.engine import Engine
+    from scripts.chat_web import create_app
+    slow = SlowTokenizer(server["tokenizer"])
+    app = create_app([Engine(server["model"], server["tokenizer"], batch_size=4)], slow, dict(max_tokens=4))
+    with serve(app) as url:
+        done = []
+        threads = [threading.Thread(target=lambda: done.append(httpx.post(
+            url + "/v1/chat/completions", json={"messages": user(), "max_tokens": 2}, timeout=30).status_code)) for _ in range(4)]
+        for t in threads:
+            t.start()
+        time.sleep(0.1)
+        worst = 0.0
+        while any(t.is_alive() for t in threads):
+            t0 = time.perf_counter()
+            assert httpx.get(url + "/health", timeout=5).status_code == 200
+            worst = max(worst, time.perf_counter() - t0)
+            time.sleep(0.05)
+        assert done == [200] * 4
+        assert worst < 0.25, f"/health took {worst:.2f}s while conversations were being tokenised"
+        # a conversation far over the context is refused from its size alone, before the (slow) tokenizer runs
+        huge = [{"role": r, "content": "x" * 8000} for _ in range(50) for r in ("user", "assistant")] + user()
+        t0 = time.perf_counter()
+        r = httpx.post(url + "/v1/chat/completions", json={"messages": huge}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        assert time.perf_counter() - t0 < 0.4, "the tokenizer ran on a conversation that cannot fit"
+
+
+def test_an_engine_failure_ends_only_its_request(server):
+    """A sample the engine ends with status "error" fails that request alone (500 / an error event); the next ones
+    and the one beside it are served."""
+    engine, url = server["engine"], server["url"] + "/v1/chat/completions"
+    results = {}
+
+    def post(name, body):
+        results[name] = httpx.post(url, json=body, timeout=30)
+
+    def stream(name, body):
+        with httpx.stream("POST", url, json={**body, "stream": True}, timeout=30) as r:
+            results[name] = sse_data(r.read().decode())
+
+    with engine.step_lock:  # frozen: both requests queue, then one of them is failed the way the engine fails one
+        threads = [threading.Thread(target=post, args=("bad", {"messages": user("one"), "max_tokens": 8})),
+                   threading.Thread(target=post, args=("good", {"messages": user("two"), "max_tokens": 8, "seed": 3}))]
+        for t in threads:
+            t.start()
+            t0 = time.time()
+            while len(engine.pending) < len(threads[:threads.index(t) + 1]):
+                assert time.time() - t0 < 10
+                time.sleep(0.01)
+        engine.pending[0].handle.events.put({"sample": 0, "status": "error", "completion": None})
+        ts = threading.Thread(target=stream, args=("bad_stream", {"messages": user("three"), "max_tokens": 8}))
+        ts.start()
+        while len(engine.pending) < 3:
+            assert time.time() - t0 < 10
+            time.sleep(0.01)
+        engine.pending[2].handle.events.put({"sample": 0, "status": "error", "completion": None})
+    for t in threads + [ts]:
+        t.join(30)
+    assert results["bad"].status_code == 500
+    assert results["bad"].json()["error"] == {"message": "the engine failed while generating this request",
+                                             "type": "server_error", "param": None, "code": None}
+    assert results["good"].status_code == 200 and results["good"].json()["choices"][0]["finish_reason"] in ("stop", "length")
+    assert json.loads(results["bad_stream"][-2])["error"]["type"] == "server_error" and results["bad_stream"][-1] == "[DONE]"
+    assert wait_idle(engine)
+    again = httpx.post(url, json={"messages": user("two"), "max_tokens": 8, "seed": 3}, timeout=30)
+    assert again.json()["choices"] == results["good"].json()["choices"]
+
+
+def test_page_drops_the_oldest_turns_to_fit(server):
+    """After long replies the page's request leaves out the fewest oldest turns that make room for max_tokens."""
+    tok = server["tokenizer"]
+    conv = []
+    for i in range(6):
+        conv += [{"role": "user", "content": f"question {i} " + "word " * 15},
+                 {"role": "assistant", "content": [{"type": "text", "text": f"answer {i} " + "more " * 15}]}]
+    conv += user("the last question")
+    length = lambda drop: len(tok.render_for_completion({"messages": conv[drop:]}))
+    assert length(0) + 64 > 256 and length(len(conv) - 1) + 64 <= 256  # the test needs some, not all, to go
+    want = next(d for d in range(0, len(conv), 2) if length(d) + 64 <= 256)  # the fewest pairs, by brute force
+    r = httpx.post(server["url"] + "/ui/chat", json={"messages": conv, "max_tokens": 64, "temperature": 0}, timeout=30)
+    first = json.loads(sse_data(r.text)[0])
+    assert first == {"prompt_tokens": length(want), "dropped": want, "context": 256} and want >= 2
+    # the API refuses instead: a client of the OpenAI API decides what to leave out
+    r = httpx.post(server["url"] + "/v1/chat/completions", json={"messages": conv[:-1] * 3 + user(), "max_tokens": 64}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_cli_flags(monkeypatch, capsys):
+    """chat_web: every flag has help text and --help shows the defaults; out-of-range numbers exit 2 naming the flag."""
+    from scripts.chat_web import main
+
+    monkeypatch.setenv("COLUMNS", "300")  # one line per flag's help
+    def run(*args):
+        monkeypatch.setattr(sys, "argv", ["chat_web", *args])
+        with pytest.raises(SystemExit) as e:
+            main()
+        out = capsys.readouterr()
+        return e.value.code, out.out, out.err
+    code, out, _ = run("--help")
+    assert code == 0 and "-p PORT, --port PORT" in out and "(default: 8000)" in out and "(default: 10.0)" in out
+    helps = out.split("options:")[1].split("\n  -")[1:]  # one entry per flag: its names, then its help text
+    assert len(helps) >= 14 and all("(default: " in h for h in helps[1:]), helps  # [0] is -h itself
+    for args, flag in [(("--port", "99999"), "-p/--port"), (("-p", "-1"), "-p/--port"), (("-b", "0"), "-b/--batch-size"),
+                       (("-m", "0"), "-m/--max-tokens"), (("--header-timeout", "0"), "--header-timeout"),
+                       (("-n", "x"), "-n/--num-gpus")]:
+        code, _, err = run(*args)
+        assert code == 2 and err.splitlines()[-1].startswith(f"chat_web: error: argument {flag}:"), err
+
+
+# --- chat_cli in a terminal -------------------------------------------------------------------------
+
+def test_chat_cli_line_editing(server):
+    """chat_cli in a pseudo-terminal: Ctrl-C at the prompt clears the line (and the CLI stays), the up arrow recalls
+    the last message, Ctrl-D leaves, and the history is saved."""
+    import pty
+    import select
+    env = {**os.environ, "NANORL_BASE_DIR": str(server["base_dir"]), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+           "TERM": "xterm", "INPUTRC": "/dev/null"}
+    history = server["base_dir"] / "chat_history"
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: chat_cli on the terminal (exec at once: the test process has threads)
+        os.chdir(ROOT)
+        os.execve(sys.executable, [sys.executable, "-m", "scripts.chat_cli", "-i", "sft", "-t", "0", "-m", "4",
+                                   "--device-type", "cpu"], env)
+    seen = b""
+
+    def expect(text, count=1, timeout=60):
+        nonlocal seen
+        t0 = time.time()
+        while seen.count(text) < count:
+            assert time.time() - t0 < timeout, seen.decode(errors="replace")
+            if select.select([fd], [], [], 0.5)[0]:
+                try:
+                    seen += os.read(fd, 4096)
+                except OSError:  # the child closed the terminal
+                    break
+        assert seen.count(text) >= count, seen.decode(errors="replace")
+
+    try:
+        expect(b"User: ")
+        os.write(fd, b"abc")
+        expect(b"abc")
+        os.write(fd, b"\x03")  # Ctrl-C: a fresh prompt, the CLI still running
+        expect(b"User: ", 2)
+        os.write(fd, b"hello\r")
+        expect(b"Assistant: ")
+        expect(b"User: ", 3)
+        os.write(fd, b"\x1b[A")  # the up arrow brings back "hello"
+        expect(b"hello", 2)
+        os.write(fd, b"\r")
+        expect(b"Assistant: ", 2)
+        expect(b"User: ", 4)
+        os.write(fd, b"\x04")  # Ctrl-D leaves
+        t0 = time.time()
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            assert time.time() - t0 < 20, "Ctrl-D did not end chat_cli"
+            expect(b"", 0, timeout=1)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass
+        os.close(fd)
+    lines = [line for line in history.read_text().splitlines() if not line.startswith("_HiStOrY")]
+    assert lines == ["hello"], lines  # "abc" was cleared, never sent (readline keeps one of two equal lines in a row)
