@@ -7,7 +7,8 @@ The nanorl GPT: one small, modern decoder-only transformer.
 - three attention paths: plain causal; packed rows with document masking (several documents in a row
   attend only within themselves, positions restart per document); and a KV cache for the engine.
   Which kernel runs where (attention_backend() says it in each stage's log):
-    plain causal  CUDA: SDPA pinned to FlashAttention-2 (bf16/fp16; GQA without repeating K/V); CPU: SDPA
+    plain causal  CUDA: SDPA pinned to its FlashAttention backend (bf16/fp16: GQA without repeating K/V;
+                  fp32 is left to SDPA's choice); CPU: SDPA
     packed docs   CUDA: compiled flex_attention with a block mask (never a T x T mask in memory);
                   CPU: SDPA with a dense (B, 1, T, T) boolean mask (exact, and T is small there)
 """
@@ -94,6 +95,9 @@ def use_flex(device):
 def doc_block_mask(doc_ids):
     """flex_attention's BlockMask for causal attention within each document: it stores which 128 x 128 tiles
     are empty, full or partial, and evaluates the rule below only inside partial tiles."""
+    global _flex_compiled
+    if _flex_compiled is None and doc_ids.device.type == "cuda":
+        _flex_compiled = torch.compile(flex_attention)
     B, T = doc_ids.shape
 
     def causal_same_doc(b, h, q_idx, kv_idx):
@@ -101,23 +105,21 @@ def doc_block_mask(doc_ids):
     return create_block_mask(causal_same_doc, B, None, T, T, device=doc_ids.device)
 
 
-# compiled flex_attention generates one fused kernel for the mask; called eagerly it would materialise the full
-# scores, so it is compiled wherever it runs for real (CUDA) and left eager on CPU, where only tests call it
+# compiled flex_attention is one fused kernel that reads the block mask; called eagerly it materialises the full
+# scores. So it is compiled wherever it runs for real (CUDA; inside an already compiled model the call is inlined)
+# and eager on CPU, where only tests call it. The first doc_block_mask on CUDA makes it: calling torch.compile
+# costs ~2 s of imports, which CPU processes never need to pay.
 _flex_compiled = None
 
 
 def flex_attend(q, k, v, block_mask, enable_gqa):
-    global _flex_compiled
-    if q.device.type != "cuda":
-        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
-    if _flex_compiled is None:
-        _flex_compiled = torch.compile(flex_attention)
-    return _flex_compiled(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
+    fn = _flex_compiled if q.device.type == "cuda" else flex_attention
+    return fn(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
 
 
 def causal_attend(q, k, v, enable_gqa):
-    """Plain causal attention. On CUDA in bf16/fp16 it is pinned to FlashAttention-2, so a torch or cuDNN upgrade
-    cannot switch the kernel (or fail over to the O(T^2)-memory math kernel) without an error saying so."""
+    """Plain causal attention. On CUDA in bf16/fp16 it is pinned to SDPA's FlashAttention backend, so a torch or
+    cuDNN upgrade cannot switch the kernel (or fail over to the O(T^2)-memory math kernel) without an error."""
     if q.device.type == "cuda" and q.dtype in (torch.bfloat16, torch.float16):
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=enable_gqa)
@@ -127,7 +129,7 @@ def causal_attend(q, k, v, enable_gqa):
 def attention_backend(device):
     """One line for a stage's log: which attention kernel each training path runs on `device`."""
     if use_flex(device):
-        return ("attention: causal = SDPA FlashAttention-2 (pinned, bf16); "
+        return ("attention: causal = SDPA FlashAttention (pinned, bf16); "
                 "packed documents = compiled flex_attention with a block mask")
     return "attention: causal = SDPA (torch's choice); packed documents = SDPA with a dense document mask (exact)"
 
