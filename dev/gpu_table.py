@@ -41,9 +41,11 @@ def main(logdir, out, mode, seconds):
         name, kind, label, rc = line.split("\t")
         text = (logdir / name).read_text()
         if kind == "tests":
+            # pytest's last line: "3 passed, 1 failed, 2 skipped, 1 error in 40.1s" (any of the parts)
+            summary = [ln for ln in text.splitlines() if re.search(r"\d+ (passed|failed|skipped|errors?)\b.* in [\d.]+s", ln)]
             counts = {k: 0 for k in ("passed", "failed", "skipped")}
-            for n, k in re.findall(r"(\d+) (passed|failed|skipped|error)", text):
-                counts["failed" if k == "error" else k] += int(n)
+            for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?)\b", summary[-1] if summary else ""):
+                counts["failed" if k.startswith("error") else k] += int(n)
             rows.append([label, f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped", "", "", ""])
             for fig in re.findall(r"^gpu_check (\{.*\})$", text, re.M):
                 f = json.loads(fig)
