@@ -3,6 +3,7 @@ GPU readiness. Tests marked `gpu` need a CUDA GPU and are skipped without one; `
 them and puts the figures they print (lines starting "gpu_check ") in its table. The others run on the CPU: the
 tensor devices of the collectives (nanorl.common.strict_collective_device) and the CPU mode of dev/gpu_check.sh.
 """
+import argparse
 import json
 import math
 import os
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from nanorl import gpt, rl
+from nanorl import gpt, rl, rl_trainer
 from nanorl.common import autocast_ctx, strict_collective_device
 from nanorl.gpt import GPT, GPTConfig, build_model, config_from_depth
 from nanorl.optim import build_optimizer
@@ -60,6 +61,22 @@ def _advantages(samples, device):
     return rl.masked_whiten(adv, batch["loss_mask"], distributed=True)
 
 
+# the estimators whose advantages are all-reduced (whitened over every training rank)
+WHITENED = [("grpo", ["--normalize-advantages"]), ("reinforce_plus_plus", []), ("reinforce_plus_plus_baseline", [])]
+
+
+def _trainer_advantages(rank, device, est, flags):
+    """chat_rl's own advantage code, rl_trainer.Trainer.compute_advantages, with a KL penalty in the reward."""
+    p = argparse.ArgumentParser()
+    rl_trainer.add_args(p)
+    a = p.parse_args(flags + ["--kl-coef", "0.1"])
+    a.advantage_estimator, a.temperature, a.n_samples_per_prompt, a.max_response_len = est, 1.0, 2, 8
+    trainer = rl_trainer.Trainer(a, None, None, torch.device(device), distributed=True)
+    samples = _rollout(rank)
+    lp = [torch.zeros(len(s.tokens) - 1, device=device) for s in samples]  # old/ref log-probs, as the trainer holds them
+    return trainer.compute_advantages(samples, lp, lp, None)
+
+
 def _outcome(fn):
     try:
         fn()
@@ -78,6 +95,8 @@ def _collective_checks(rank, world, device):
     out["whiten"] = None if device == "meta" else w.cpu()
     out["advantages_on_device"] = _outcome(lambda: _advantages(_rollout(rank), device))
     out["advantages_on_host"] = _outcome(lambda: _advantages(_rollout(rank), "cpu"))
+    for est, flags in WHITENED:
+        out[f"trainer {est}"] = _outcome(lambda: _trainer_advantages(rank, device, est, flags))
     # the optimizer's gradient average: rank r's gradients are all r + 1, so the mean is (world + 1) / 2
     cfg = GPTConfig(sequence_len=8, vocab_size=16, n_layer=1, n_head=2, n_kv_head=1, n_embd=16)
     if device == "meta":
@@ -126,6 +145,7 @@ def _check_real_exchange(r, device):
     torch.testing.assert_close(got, rl.masked_whiten(x, m), atol=1e-5, rtol=1e-5)  # the whole batch's statistics
     assert r[0][device]["grads"] == r[1][device]["grads"] == [1.5]  # (1 + 2) / 2 on every parameter
     assert r[0][device]["advantages_on_device"] == "ok"
+    assert all(r[k][device][f"trainer {est}"] == "ok" for k in (0, 1) for est, _ in WHITENED), r[0][device]
 
 
 def test_collectives_on_compute_device_two_ranks(tmp_path):
@@ -137,6 +157,7 @@ def test_collectives_on_compute_device_two_ranks(tmp_path):
     # advantages built on the host fail as NCCL would (chat_rl's --normalize-advantages crash, caught on CPU)
     for rank in (0, 1):
         assert r[rank]["meta"]["advantages_on_device"] == "ok"
+        assert all(r[rank]["meta"][f"trainer {est}"] == "ok" for est, _ in WHITENED), r[rank]["meta"]  # chat_rl's path
         assert "dist.all_reduce got a tensor on cpu" in r[rank]["meta"]["advantages_on_host"]
         assert "No backend type associated with device type cpu" in r[rank]["meta"]["advantages_on_host"]
 
