@@ -91,13 +91,10 @@ def use_flex(device):
     return torch.device(device).type == "cuda"
 
 
-@torch.compiler.disable  # built once per batch outside any compiled graph; the layers reuse it
 def doc_block_mask(doc_ids):
     """flex_attention's BlockMask for causal attention within each document: it stores which 128 x 128 tiles
-    are empty, full or partial, and evaluates the rule below only inside partial tiles."""
-    global _flex_compiled
-    if _flex_compiled is None and doc_ids.device.type == "cuda":
-        _flex_compiled = torch.compile(flex_attention)
+    are empty, full or partial, and evaluates the rule below only inside partial tiles. Built once per forward;
+    every layer reuses it."""
     B, T = doc_ids.shape
 
     def causal_same_doc(b, h, q_idx, kv_idx):
@@ -105,15 +102,20 @@ def doc_block_mask(doc_ids):
     return create_block_mask(causal_same_doc, B, None, T, T, device=doc_ids.device)
 
 
-# compiled flex_attention is one fused kernel that reads the block mask; called eagerly it materialises the full
-# scores. So it is compiled wherever it runs for real (CUDA; inside an already compiled model the call is inlined)
-# and eager on CPU, where only tests call it. The first doc_block_mask on CUDA makes it: calling torch.compile
-# costs ~2 s of imports, which CPU processes never need to pay.
+# flex_attention must run compiled: called eagerly it materialises the full scores. Inside a compiled model it is
+# compiled with the model; called eagerly on CUDA it goes through its own compiled wrapper, made on first use
+# (creating it imports torch's compiler, ~2 s that CPU processes never need); on CPU, where only tests call
+# it, it runs eagerly.
 _flex_compiled = None
 
 
 def flex_attend(q, k, v, block_mask, enable_gqa):
-    fn = _flex_compiled if q.device.type == "cuda" else flex_attention
+    global _flex_compiled
+    fn = flex_attention
+    if q.device.type == "cuda" and not torch.compiler.is_compiling():
+        if _flex_compiled is None:
+            _flex_compiled = torch.compile(flex_attention)
+        fn = _flex_compiled
     return fn(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
 
 
