@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one command that proves the GPU path:
-#   bash dev/gpu_check.sh OUT.md          # one CUDA GPU: about 8 minutes on an H100
+#   bash dev/gpu_check.sh OUT.md          # one CUDA GPU: budgeted at <= 8 minutes on one H100
 #   bash dev/gpu_check.sh OUT.md --cpu    # tiny CPU mode (also what runs when torch sees no CUDA GPU)
 # On a GPU it runs the tests marked `gpu` (CUDA-graph engine == eager engine, bf16 engine vs trainer log-prob gap,
 # compiled == eager loss, flex == dense-mask gradients, a packed SFT step at d20 shape, a GRPO step at d12, a 2-rank
@@ -8,7 +8,8 @@
 # 256 new tokens, the engine RL samples with), bench rl d20 (16 prompts x 16 samples, 256 new tokens), and writes
 # one markdown table of the figures to OUT.md. Each step's full output is kept in OUT_logs/ next to OUT.md.
 # The CPU mode runs the same steps at tiny sizes: its figures say the command works, not how fast anything is.
-# Exit status 1 if any step failed (the table still lists every step, failures included).
+# Exit status 1 if any step failed (the table still lists every step, failures included). Needs the test
+# dependencies: bash tests/run.sh (or pip install -e ".[dev]") first.
 set -uo pipefail
 OUT=${1:?usage: bash dev/gpu_check.sh OUT.md [--cpu]}
 cd "$(dirname "$0")/.."
@@ -36,8 +37,8 @@ step() {
 
 step tests "gpu tests" $PY -m pytest -q -s -m gpu -p no:cacheprovider tests/test_gpu.py
 if [ $MODE = gpu ]; then
-    step train "train d12" $PY -m scripts.bench train --depth 12 --batch 32 --seq-len 2048 --warmup 3 --steps 5
-    step train "train d20" $PY -m scripts.bench train --depth 20 --n-kv-head 2 --batch 32 --seq-len 2048 --warmup 3 --steps 5
+    step train "train d12" $PY -m scripts.bench train --depth 12 --batch 32 --seq-len 2048 --warmup 2 --steps 5
+    step train "train d20" $PY -m scripts.bench train --depth 20 --n-kv-head 2 --batch 32 --seq-len 2048 --warmup 2 --steps 5
     for B in 1 64 256; do
         step decode "decode d20 batch $B" $PY -m scripts.bench decode --depth 20 --n-kv-head 2 --batch $B --prompt-len 512 --new-tokens 256
     done
