@@ -77,9 +77,14 @@ if [ $TINY = 1 ]; then
     stage eval_rl    $PY -m scripts.chat_eval -i rl -a offline -x $EVAL_N -m $GEN --levels 1,2
     stage eval_rl_sampled $PY -m scripts.chat_eval -i rl -a offline -x $EVAL_N -m $GEN --levels 1,2 -n 4 -t 1.0
 else
-    # real data: the first shards now, the rest in the background while the tokenizer trains
+    # real data: the first shards now, the rest in the background while the tokenizer trains.
+    # How many: d20 with --n-kv-head 2 and a 32,768 vocab has 424.7M params; Chinchilla 20x = 16,200 steps of
+    # 524,288 = 8.49B tokens. The loader crops the document that overflows each 2,049-token row and drops its
+    # rest, an estimated 32-43% of the stream, so it reads up to 8.49B / 0.57 = 14.9B tokens. A shard is ~250M
+    # chars, at most ~52M tokens (4.8 chars/token, a 65k vocab's rate; 32k compresses less, giving more tokens):
+    # 14.9B / 52M = 287 training shards (240 would cover only the 32%-waste case). 300 = 299 train + 1 val.
     stage data_first $PY -m nanorl.dataset -n 8
-    $PY -m nanorl.dataset -n 240 > "$NANORL_BASE_DIR/logs/data_download.log" 2>&1 &
+    $PY -m nanorl.dataset -n 300 > "$NANORL_BASE_DIR/logs/data_download.log" 2>&1 &
     DATA_PID=$!
     stage tok_train  $PY -m scripts.tok_train --max-chars 2000000000
     stage tok_eval   $PY -m scripts.tok_eval

@@ -70,6 +70,57 @@ def compute_init(device_type=None, seed=42, timeout_s=None):
     return ddp, rank, local_rank, world_size, device
 
 
+# torch.distributed's tensor collectives: the ones strict_collective_device checks
+_TENSOR_COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+                       "reduce_scatter_tensor", "all_to_all_single", "all_to_all", "gather", "scatter")
+
+
+class _DoneWork:
+    def wait(self, *args, **kwargs):
+        return True
+
+
+def strict_collective_device(device):
+    """
+    Make every tensor collective of torch.distributed fail unless all its tensors are on `device`, the way NCCL
+    refuses a CPU tensor ("No backend type associated with device type cpu"). gloo takes tensors on any device,
+    so without this a CPU run never notices a collective fed from the host that will crash on GPUs.
+    device "meta" stands in for a GPU on a machine without one: call the code under test with meta tensors
+    (shapes only) and any tensor it builds on the CPU on its own fails the check; the exchange itself is
+    skipped for meta tensors, which hold no data (async_op=True then gets a handle whose wait() returns at once).
+    Returns a function that undoes the patch. A test aid: in a CPU-only process host and compute tensors are both
+    on the CPU, so only meta inputs can tell them apart.
+    """
+    want = torch.device(device).type
+    originals = {name: getattr(dist, name) for name in _TENSOR_COLLECTIVES}
+
+    def tensors_in(args, kwargs):
+        for a in list(args) + list(kwargs.values()):
+            for t in (a if isinstance(a, (list, tuple)) else [a]):
+                if isinstance(t, torch.Tensor):
+                    yield t
+
+    def checked(name, fn):
+        def wrapper(*args, **kwargs):
+            ts = list(tensors_in(args, kwargs))
+            for t in ts:
+                if t.device.type != want:
+                    raise RuntimeError(f"dist.{name} got a tensor on {t.device} but the compute device is {want}: "
+                                       f"NCCL would fail with \"No backend type associated with device type {t.device.type}\"")
+            if want == "meta":
+                return _DoneWork() if kwargs.get("async_op") else None
+            return fn(*args, **kwargs)
+        return wrapper
+
+    for name, fn in originals.items():
+        setattr(dist, name, checked(name, fn))
+
+    def restore():
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    return restore
+
+
 def compute_cleanup():
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

@@ -5,7 +5,12 @@ The nanorl GPT: one small, modern decoder-only transformer.
 - ReLU^2 MLP, parameter-free RMSNorm, untied token embedding and unembedding, logit softcap
 - built on the meta device and initialised explicitly by init_weights()
 - three attention paths: plain causal; packed rows with document masking (several documents in a row
-  attend only within themselves, positions restart per document); and a KV cache for the engine
+  attend only within themselves, positions restart per document); and a KV cache for the engine.
+  Which kernel runs where (attention_backend() says it in each stage's log):
+    plain causal  CUDA: SDPA pinned to its FlashAttention backend (bf16/fp16: GQA without repeating K/V;
+                  fp32 is left to SDPA's choice); CPU: SDPA
+    packed docs   CUDA: compiled flex_attention with a block mask (never a T x T mask in memory);
+                  CPU: SDPA with a dense (B, 1, T, T) boolean mask (exact, and T is small there)
 """
 import copy
 import math
@@ -14,6 +19,8 @@ from dataclasses import dataclass, asdict
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
 
@@ -71,11 +78,62 @@ def positions_from_doc_ids(doc_ids):
 
 
 def doc_mask(doc_ids):
-    """(B, 1, T, T) boolean mask: causal and within the same document."""
+    """(B, 1, T, T) boolean mask: causal and within the same document (the CPU path)."""
     T = doc_ids.size(1)
     causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
     same = doc_ids[:, :, None] == doc_ids[:, None, :]
     return (same & causal)[:, None]
+
+
+def use_flex(device):
+    # SDPA with an explicit mask cannot use FlashAttention, and memory-efficient attention has no GQA, so on
+    # CUDA a dense document mask falls back to the math kernel (fp32 B x H x T x T scores: tens of GB at d20)
+    return torch.device(device).type == "cuda"
+
+
+def doc_block_mask(doc_ids):
+    """flex_attention's BlockMask for causal attention within each document: it stores which 128 x 128 tiles
+    are empty, full or partial, and evaluates the rule below only inside partial tiles. Built once per forward;
+    every layer reuses it."""
+    B, T = doc_ids.shape
+
+    def causal_same_doc(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
+    return create_block_mask(causal_same_doc, B, None, T, T, device=doc_ids.device)
+
+
+# flex_attention must run compiled: called eagerly it materialises the full scores. Inside a compiled model it is
+# compiled with the model; called eagerly on CUDA it goes through its own compiled wrapper, made on first use
+# (creating it imports torch's compiler, ~2 s that CPU processes never need); on CPU, where only tests call
+# it, it runs eagerly.
+_flex_compiled = None
+
+
+def flex_attend(q, k, v, block_mask, enable_gqa):
+    global _flex_compiled
+    fn = flex_attention
+    if q.device.type == "cuda" and not torch.compiler.is_compiling():
+        if _flex_compiled is None:
+            _flex_compiled = torch.compile(flex_attention)
+        fn = _flex_compiled
+    return fn(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
+
+
+def causal_attend(q, k, v, enable_gqa):
+    """Plain causal attention. On CUDA in bf16/fp16 it is pinned to SDPA's FlashAttention backend, so a torch or
+    cuDNN upgrade cannot switch the kernel (or fail over to the O(T^2)-memory math kernel) without an error."""
+    if q.device.type == "cuda" and q.dtype in (torch.bfloat16, torch.float16):
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=enable_gqa)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=enable_gqa)
+
+
+def attention_backend(device):
+    """One line for a stage's log: which attention kernel each training path runs on `device`."""
+    if use_flex(device):
+        return ("attention: causal = SDPA FlashAttention (pinned, bf16); "
+                "packed documents = compiled flex_attention with a block mask")
+    return "attention: causal = SDPA (torch's choice); packed documents = SDPA with a dense document mask (exact)"
 
 
 class KVCache:
@@ -189,10 +247,15 @@ class CausalSelfAttention(nn.Module):
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v)
             y = attend_cached(q, k, v, attn_mask)
-        elif attn_mask is not None:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=gqa)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            # one dtype for the kernels (v's: the Linear's output dtype, bf16 under autocast); a no-op in fp32
+            q, k = q.to(v.dtype), k.to(v.dtype)
+            if isinstance(attn_mask, BlockMask):
+                y = flex_attend(q, k, v, attn_mask, gqa)
+            elif attn_mask is not None:
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=gqa)
+            else:
+                y = causal_attend(q, k, v, gqa)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.c_proj(y)
 
@@ -289,7 +352,7 @@ class GPT(nn.Module):
             pos, attn_mask = kv_cache.begin(T)
         elif doc_ids is not None:
             pos = positions_from_doc_ids(doc_ids)
-            attn_mask = doc_mask(doc_ids)
+            attn_mask = doc_block_mask(doc_ids) if use_flex(idx.device) else doc_mask(doc_ids)
         else:
             pos = torch.arange(T, device=idx.device)[None, :]
         cos, sin = self._rotary(pos)

@@ -230,6 +230,7 @@ def train(args, stage, hub_mixture, offline_mixture):
     """Load the source checkpoint, train on packed conversations, evaluate, save, write the report section."""
     from nanorl.checkpoint import find_last_step, load_checkpoint, load_model, save_checkpoint
     from nanorl.common import autocast_ctx, eta_min, compute_cleanup, compute_init, get_base_dir, get_logger, print0
+    from nanorl.gpt import attention_backend
     from nanorl.optim import build_optimizer
     from nanorl.report import log_section
 
@@ -243,6 +244,7 @@ def train(args, stage, hub_mixture, offline_mixture):
     train_task, val_task, data_desc = build_data(args, hub_mixture, offline_mixture)
     print0(f"{stage}: {len(train_task):,} training / {len(val_task):,} held-out conversations ({data_desc}), "
            f"{world_size} rank(s) on {device}, rows of {T} tokens")
+    print0(attention_backend(device))  # packed rows: document-masked attention
 
     tokens_per_micro = args.device_batch_size * T * world_size
     total = args.total_batch_size or tokens_per_micro

@@ -17,7 +17,7 @@ from nanorl.checkpoint import delete_step, find_last_step, load_checkpoint, save
 from nanorl.common import autocast_ctx, compute_cleanup, compute_init, get_base_dir, get_logger, get_peak_flops, print0, synchronize
 from nanorl.dataloader import PretrainLoader
 from nanorl.dataset import describe_source
-from nanorl.gpt import build_model, config_from_depth
+from nanorl.gpt import attention_backend, build_model, config_from_depth
 from nanorl.loss_eval import evaluate_bpb
 from nanorl.optim import build_optimizer
 from nanorl.report import log_json, log_section, record_metrics
@@ -76,6 +76,7 @@ model_tag = args.model_tag or f"d{args.depth}"
 ckpt_dir = os.path.join(get_base_dir(), "base_checkpoints", model_tag)
 print0(f"model d{args.depth}: {nparams:,} params, {config.n_layer} layers, width {config.n_embd}, {config.n_head} heads "
        f"({config.n_kv_head} kv), {flops_per_token:.3e} FLOPs/token")
+print0(attention_backend(device))
 print0(f"{num_iterations} steps x {args.total_batch_size:,} tokens ({grad_accum} micro-steps each) = "
        f"{num_iterations * args.total_batch_size:,} tokens, data: {describe_source(args.data_dir)}")
 

@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from nanorl import gpt
 from nanorl.gpt import GPT, GPTConfig, build_model, config_from_depth, positions_from_doc_ids
 
 
@@ -60,9 +61,14 @@ def test_copy_rows_prefix_sharing():
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_packed_documents_equal_separate():
-    model = tiny()
-    lens = [5, 9, 3, 7]
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("backend", ["sdpa_mask", "flex"])
+@pytest.mark.parametrize("n_kv_head,lens", [(2, [5, 9, 3, 7]), (4, [100, 60, 1, 89])])
+def test_packed_documents_equal_separate(monkeypatch, backend, n_kv_head, lens):
+    # "flex" runs the CUDA path's block mask (flex_attention, eager on CPU); "sdpa_mask" is the CPU path. The second
+    # case packs 250 tokens, so the mask crosses flex's 128-token tiles and has a 1-token document.
+    monkeypatch.setattr(gpt, "use_flex", lambda device: backend == "flex")
+    model = tiny(n_kv_head, seq=256)
     docs = [torch.randint(0, 97, (n,)) for n in lens]
     packed = torch.cat(docs)[None]
     doc_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lens)])[None]
@@ -76,6 +82,14 @@ def test_packed_documents_equal_separate():
         sep_loss = sum(model(d[None, :-1], targets=d[None, 1:], loss_reduction="sum") for d in docs)
     torch.testing.assert_close(logits, sep, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(packed_loss, sep_loss, atol=1e-4, rtol=1e-5)
+
+
+def test_attention_backend_names_the_kernels():
+    # each stage prints this line; on CUDA the packed path must never be the dense mask (math-kernel fallback)
+    assert "flex_attention" in gpt.attention_backend("cuda") and "dense" not in gpt.attention_backend("cuda")
+    assert "FlashAttention" in gpt.attention_backend(torch.device("cuda", 0))
+    assert "dense document mask" in gpt.attention_backend("cpu")
+    assert gpt.use_flex("cuda:1") and not gpt.use_flex("cpu")
 
 
 def test_token_logprobs_match_log_softmax_and_entropy():

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The one command that proves the GPU path:
+#   bash dev/gpu_check.sh OUT.md          # one CUDA GPU: budgeted at <= 8 minutes on one H100
+#   bash dev/gpu_check.sh OUT.md --cpu    # tiny CPU mode (also what runs when torch sees no CUDA GPU)
+# On a GPU it runs the tests marked `gpu` (CUDA-graph engine == eager engine, bf16 engine vs trainer log-prob gap,
+# compiled == eager loss, flex == dense-mask gradients, a packed SFT step at d20 shape, a GRPO step at d12, a 2-rank
+# NCCL run when 2 GPUs exist), then bench train d12 and d20, bench decode d20 at batch 1/64/256 (512-token prompts,
+# 256 new tokens, the engine RL samples with), bench rl d20 (16 prompts x 16 samples, 256 new tokens), and writes
+# one markdown table of the figures to OUT.md. Each step's full output is kept in OUT_logs/ next to OUT.md.
+# The CPU mode runs the same steps at tiny sizes: its figures say the command works, not how fast anything is.
+# Exit status 1 if any step failed (the table still lists every step, failures included). Needs the test
+# dependencies: bash tests/run.sh (or pip install -e ".[dev]") first.
+set -uo pipefail
+OUT=${1:?usage: bash dev/gpu_check.sh OUT.md [--cpu]}
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] && [ -z "${PYTHON:-}" ] && PY=.venv/bin/python
+MODE=gpu
+if [ "${2:-}" = "--cpu" ] || ! $PY -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    MODE=cpu
+fi
+LOGS="${OUT%.md}_logs"
+rm -rf "$LOGS" && mkdir -p "$LOGS"
+T0=$(date +%s)
+N=0
+
+# step KIND LABEL CMD...: run CMD, keep its output in $LOGS, note (file, kind, label, exit status) for the table
+step() {
+    local kind=$1 label=$2; shift 2
+    N=$((N + 1))
+    local log="$LOGS/$(printf %02d $N)_$kind.log" t=$(date +%s) rc=0
+    echo "== $label: $*"
+    "$@" > "$log" 2>&1 || rc=$?
+    echo "   exit $rc in $(( $(date +%s) - t ))s ($log)"
+    printf '%s\t%s\t%s\t%s\n' "$(basename "$log")" "$kind" "$label" "$rc" >> "$LOGS/index.tsv"
+}
+
+step tests "gpu tests" $PY -m pytest -q -s -m gpu -p no:cacheprovider tests/test_gpu.py
+if [ $MODE = gpu ]; then
+    step train "train d12" $PY -m scripts.bench train --depth 12 --batch 32 --seq-len 2048 --warmup 2 --steps 5
+    step train "train d20" $PY -m scripts.bench train --depth 20 --n-kv-head 2 --batch 32 --seq-len 2048 --warmup 2 --steps 5
+    for B in 1 64 256; do
+        step decode "decode d20 batch $B" $PY -m scripts.bench decode --depth 20 --n-kv-head 2 --batch $B --prompt-len 512 --new-tokens 256
+    done
+    step rl "rl d20 step (16x16)" $PY -m scripts.bench rl --depth 20 --n-kv-head 2 --prompts 16 --samples 16 --prompt-len 150 --new-tokens 256
+else
+    TINY="--head-dim 64 --vocab-size 4096 --device-type cpu --threads 1"
+    step train "train d2" $PY -m scripts.bench train --depth 2 --batch 2 --seq-len 64 --warmup 1 --steps 2 $TINY
+    for B in 1 2 4; do
+        step decode "decode d2 batch $B" $PY -m scripts.bench decode --depth 2 --batch $B --prompt-len 16 --new-tokens 8 $TINY
+    done
+    step rl "rl d2 step (2x2)" $PY -m scripts.bench rl --depth 2 --prompts 2 --samples 2 --prompt-len 16 --new-tokens 8 $TINY
+fi
+$PY dev/gpu_table.py "$LOGS" "$OUT" $MODE $(( $(date +%s) - T0 ))

@@ -1,0 +1,358 @@
+"""
+GPU readiness. Tests marked `gpu` need a CUDA GPU and are skipped without one; `bash dev/gpu_check.sh OUT.md` runs
+them and puts the figures they print (lines starting "gpu_check ") in its table. The others run on the CPU: the
+tensor devices of the collectives (nanorl.common.strict_collective_device) and the CPU mode of dev/gpu_check.sh.
+"""
+import argparse
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from nanorl import gpt, rl, rl_trainer
+from nanorl.common import autocast_ctx, strict_collective_device
+from nanorl.gpt import GPT, GPTConfig, build_model, config_from_depth
+from nanorl.optim import build_optimizer
+from nanorl.rollout import Sample, collate
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def gpu(fn):
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")(fn))
+
+
+def report(check, **figures):
+    # one line per figure for dev/gpu_check.sh's table (pytest -s shows it)
+    print("gpu_check " + json.dumps({"check": check, **figures}), flush=True)
+
+
+# -----------------------------------------------------------------------------
+# collectives: every tensor on the compute device (NCCL refuses CPU tensors; gloo does not)
+
+def _whiten_data():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 6, generator=g) * 3 + 1
+    m = (torch.rand(5, 6, generator=g) > 0.3).float()
+    return x, m
+
+
+def _rollout(rank):
+    # two groups of two samples, responses of different lengths, rewards 0/1: a rank's share of a GRPO rollout
+    return [Sample(tokens=[5, 6, 7] + [8 + k] * (k + 1 + rank), response_length=k + 1 + rank,
+                   loss_mask=[1] * (k + 1 + rank), reward=float(k % 2), group_index=k // 2, index=k % 2)
+            for k in range(4)]
+
+
+def _advantages(samples, device):
+    """The shape of chat_rl's compute_advantages with --normalize-advantages: rollout tensors on `device`, GRPO
+    advantages, then whitened over every rank's tokens (an all-reduce). device "cpu" is what chat_rl does today."""
+    batch = collate(samples, device)
+    rewards = torch.tensor([s.reward for s in samples], device=device)
+    adv = rl.grpo_advantages(rewards, batch["loss_mask"], 2)
+    return rl.masked_whiten(adv, batch["loss_mask"], distributed=True)
+
+
+# the estimators whose advantages are all-reduced (whitened over every training rank)
+WHITENED = [("grpo", ["--normalize-advantages"]), ("reinforce_plus_plus", []), ("reinforce_plus_plus_baseline", [])]
+
+
+def _trainer_advantages(rank, device, est, flags):
+    """chat_rl's own advantage code, rl_trainer.Trainer.compute_advantages, with a KL penalty in the reward."""
+    p = argparse.ArgumentParser()
+    rl_trainer.add_args(p)
+    a = p.parse_args(flags + ["--kl-coef", "0.1"])
+    a.advantage_estimator, a.temperature, a.n_samples_per_prompt, a.max_response_len = est, 1.0, 2, 8
+    trainer = rl_trainer.Trainer(a, None, None, torch.device(device), distributed=True)
+    samples = _rollout(rank)
+    lp = [torch.zeros(len(s.tokens) - 1, device=device) for s in samples]  # old/ref log-probs, as the trainer holds them
+    return trainer.compute_advantages(samples, lp, lp, None)
+
+
+def _outcome(fn):
+    try:
+        fn()
+        return "ok"
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        return f"{type(e).__name__}: {e}"
+
+
+def _collective_checks(rank, world, device):
+    """What the training and RL steps all-reduce, with tensors on `device`; and the same advantages built on the
+    host (chat_rl's pattern), which must fail wherever the compute device is not the host."""
+    out = {}
+    x, m = _whiten_data()
+    rows = slice(0, 3) if rank == 0 else slice(3, 5)  # uneven: 3 rows and 2 rows
+    w = rl.masked_whiten(x[rows].to(device), m[rows].to(device), distributed=True)
+    out["whiten"] = None if device == "meta" else w.cpu()
+    out["advantages_on_device"] = _outcome(lambda: _advantages(_rollout(rank), device))
+    out["advantages_on_host"] = _outcome(lambda: _advantages(_rollout(rank), "cpu"))
+    for est, flags in WHITENED:
+        out[f"trainer {est}"] = _outcome(lambda: _trainer_advantages(rank, device, est, flags))
+    # the optimizer's gradient average: rank r's gradients are all r + 1, so the mean is (world + 1) / 2
+    cfg = GPTConfig(sequence_len=8, vocab_size=16, n_layer=1, n_head=2, n_kv_head=1, n_embd=16)
+    if device == "meta":
+        with torch.device("meta"):
+            model = GPT(cfg)
+    else:
+        model = build_model(cfg, device)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, rank + 1.0)
+    build_optimizer(model).average_gradients()
+    out["grads"] = None if device == "meta" else sorted({v for p in model.parameters() for v in p.grad.unique().tolist()})
+    return out
+
+
+def _collective_worker(rank, world, init_file, out_dir, backend, devices):
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        results = {}
+        for device in devices:
+            dev = f"cuda:{rank}" if device == "cuda" else device
+            restore = strict_collective_device(dev)
+            try:
+                results[device] = _collective_checks(rank, world, dev)
+            finally:
+                restore()
+        if backend == "nccl":  # what strict_collective_device imitates: NCCL itself refuses a host tensor
+            results["nccl_host_tensor"] = _outcome(lambda: dist.all_reduce(torch.ones(2)))
+        torch.save(results, f"{out_dir}/collectives{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_two_ranks(tmp_path, backend, devices):
+    # fork (where available and CUDA is not in use) skips re-importing torch in the children: ~0.1 s, not ~7 s
+    method = "fork" if backend == "gloo" and "fork" in mp.get_all_start_methods() else "spawn"
+    mp.start_processes(_collective_worker, args=(2, str(tmp_path / "init"), str(tmp_path), backend, devices),
+                       nprocs=2, join=True, start_method=method)
+    return [torch.load(tmp_path / f"collectives{r}.pt") for r in range(2)]
+
+
+def _check_real_exchange(r, device):
+    x, m = _whiten_data()
+    got = torch.cat([r[0][device]["whiten"], r[1][device]["whiten"]])
+    torch.testing.assert_close(got, rl.masked_whiten(x, m), atol=1e-5, rtol=1e-5)  # the whole batch's statistics
+    assert r[0][device]["grads"] == r[1][device]["grads"] == [1.5]  # (1 + 2) / 2 on every parameter
+    assert r[0][device]["advantages_on_device"] == "ok"
+    assert all(r[k][device][f"trainer {est}"] == "ok" for k in (0, 1) for est, _ in WHITENED), r[0][device]
+
+
+def test_collectives_on_compute_device_two_ranks(tmp_path):
+    r = _run_two_ranks(tmp_path, "gloo", ["cpu", "meta"])
+    # compute device cpu (gloo, as the CPU suite runs): real exchanges, right values, host tensors are fine
+    _check_real_exchange(r, "cpu")
+    assert r[0]["cpu"]["advantages_on_host"] == "ok"
+    # compute device meta stands in for a GPU: tensors that follow the model's device pass the check, and
+    # advantages built on the host fail as NCCL would (chat_rl's --normalize-advantages crash, caught on CPU)
+    for rank in (0, 1):
+        assert r[rank]["meta"]["advantages_on_device"] == "ok"
+        assert all(r[rank]["meta"][f"trainer {est}"] == "ok" for est, _ in WHITENED), r[rank]["meta"]  # chat_rl's path
+        assert "dist.all_reduce got a tensor on cpu" in r[rank]["meta"]["advantages_on_host"]
+        assert "No backend type associated with device type cpu" in r[rank]["meta"]["advantages_on_host"]
+
+
+def test_strict_collective_device_restores():
+    before = dist.all_reduce
+    restore = strict_collective_device("meta")
+    assert dist.all_reduce is not before
+    restore()
+    assert dist.all_reduce is before
+
+
+@gpu
+def test_two_rank_nccl(tmp_path):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    r = _run_two_ranks(tmp_path, "nccl", ["cuda"])
+    _check_real_exchange(r, "cuda")
+    assert "dist.all_reduce got a tensor on cpu" in r[0]["cuda"]["advantages_on_host"]
+    assert r[0]["nccl_host_tensor"] != "ok"  # NCCL's own refusal, which the CPU check imitates
+    report("2-rank NCCL collectives", figure="pass")
+
+
+# -----------------------------------------------------------------------------
+# dev/gpu_check.sh: its CPU mode, so the one GPU command cannot rot
+
+@pytest.mark.slow  # ~40 s: seven subprocesses, each importing torch
+def test_gpu_check_cpu_mode(tmp_path):
+    out = tmp_path / "gpu_check.md"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHON": sys.executable}
+    res = subprocess.run(["bash", str(REPO / "dev" / "gpu_check.sh"), str(out), "--cpu"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    text = out.read_text()
+    lines = [ln for ln in text.splitlines() if ln.startswith("|")]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    assert header == ["check", "figure", "unit", "MFU / % of bandwidth bound", "peak memory (GB)"]
+    rows = {c[0]: c for c in ([x.strip() for x in ln.strip("|").split("|")] for ln in lines[2:])}
+    want = ["train d2", "decode d2 batch 1", "decode d2 batch 2", "decode d2 batch 4", "rl d2 step (2x2)"]
+    assert list(rows)[-len(want):] == want, list(rows)
+    for name in want:
+        row = rows[name]
+        assert float(row[1]) > 0 and float(row[4]) > 0, row  # figure and peak memory are numbers
+        assert row[3] == "n/a (CPU)", row
+    assert rows["train d2"][2] == "tok/s" and rows["rl d2 step (2x2)"][2] == "s/step"
+    # the gpu tests ran (and were skipped here): the table says how many
+    assert re.fullmatch(r"0 passed, 0 failed, \d+ skipped", rows["gpu tests"][1]), rows["gpu tests"]
+    assert "CPU mode" in text
+
+
+# -----------------------------------------------------------------------------
+# the GPU checks themselves (bash dev/gpu_check.sh runs these first)
+
+def _random_model(depth=4, vocab=4096, seq=512, lm_std=0.05):
+    """A random model (d4: width 256, 4 heads of 64, 2 KV heads) whose every layer matters (init zeroes the output
+    projections) and whose next-token distributions are far from uniform: logits of std ~ lm_std x 16."""
+    torch.manual_seed(0)
+    model = build_model(config_from_depth(depth, vocab, seq, head_dim=64, n_kv_head=2), "cuda")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+        model.lm_head.weight.normal_(0, lm_std)
+    return model.eval()
+
+
+def _byte_tokenizer():
+    from nanorl.tokenizer import SPLIT_PATTERN, Tokenizer
+    return Tokenizer.from_ranks({bytes([i]): i for i in range(256)}, SPLIT_PATTERN)
+
+
+def _generate(engine, prompts, temperature, n_new=32):
+    from nanorl.engine import Request
+    reqs = [Request(p, max_tokens=n_new, temperature=temperature, seed=i, stop_tokens=[], use_tools=False)
+            for i, p in enumerate(prompts)]
+    return [c[0] for c in engine.generate(reqs)]
+
+
+BF16_LOGPROB_ATOL = 5e-2  # bf16 keeps 8 mantissa bits: ~0.4% of a log-prob of ~-5 is 2e-2; twice that for slack
+
+
+@gpu
+def test_cuda_graph_engine_equals_eager():
+    """Greedy tokens equal and log-probs within BF16_LOGPROB_ATOL. The graph pads attention to a static length,
+    so its sums run in another order; a bf16 near-tie between the two best tokens may then break the other way:
+    that is allowed in at most one of the 8 rows, only where both engines' chosen tokens are within the
+    tolerance of each other (a true tie), and the row is compared up to there."""
+    from nanorl.engine import Engine
+    model, tok = _random_model(lm_std=0.5), _byte_tokenizer()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 40, 17, 100, 1, 64, 33, 8)]
+    outs = {}
+    for graph in (True, False):
+        engine = Engine(model, tok, batch_size=8, max_len=160, cuda_graph=graph)
+        assert engine.use_cuda_graph == graph
+        outs[graph] = _generate(engine, prompts, temperature=0.0)
+    gap, ties = 0.0, 0
+    for a, b in zip(outs[True], outs[False]):
+        assert len(a.tokens) == len(b.tokens) == 32
+        n = next((i for i, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y), 32)
+        if n < 32:
+            ties += 1
+            assert abs(a.logprobs[n] - b.logprobs[n]) <= BF16_LOGPROB_ATOL, (n, a.logprobs[n], b.logprobs[n])
+        gap = max([gap] + [abs(x - y) for x, y in zip(a.logprobs[:n], b.logprobs[:n])])
+    report("engine CUDA graph vs eager: max |logprob gap|", figure=gap, unit="nats")
+    report("engine CUDA graph vs eager: rows split at a bf16 tie (of 8)", figure=ties, unit="rows")
+    assert gap <= BF16_LOGPROB_ATOL and ties <= 1
+
+
+@gpu
+def test_bf16_engine_vs_trainer_logprob_gap():
+    from nanorl.engine import Engine
+    model, tok = _random_model(), _byte_tokenizer()
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 256, (20,), generator=g).tolist() for _ in range(8)]
+    comps = _generate(Engine(model, tok, batch_size=8, max_len=64), prompts, temperature=1.0)
+    seqs = torch.tensor([p + c.tokens for p, c in zip(prompts, comps)], device="cuda")
+    with torch.no_grad(), autocast_ctx("cuda"):  # the trainer's forward: fp32 master weights, bf16 autocast
+        lp = model.token_logprobs(seqs[:, :-1], seqs[:, 1:]).float()
+    trainer = lp[:, 19:].cpu()  # the log-probs of the 32 generated tokens
+    engine = torch.tensor([c.logprobs for c in comps])
+    gap = (trainer - engine).abs()
+    report("engine (bf16) vs trainer log-prob gap: mean", figure=gap.mean().item(), unit="nats")
+    report("engine (bf16) vs trainer log-prob gap: max", figure=gap.max().item(), unit="nats")
+    # expected ~1e-3 mean; equality holds only in fp32 (the CPU suite checks it); a misaligned position would
+    # be off by nats, not hundredths
+    assert gap.mean() < 2e-2 and gap.max() < 0.3
+
+
+@gpu
+def test_compiled_equals_eager_loss():
+    model = _random_model().train()
+    x, y = torch.randint(0, 4096, (2, 2, 512), device="cuda")
+    doc_ids = (torch.arange(512, device="cuda") // 100).expand(2, 512)  # packed rows: documents of 100 tokens
+    compiled = torch.compile(model, dynamic=False)
+    for kw in ({}, {"doc_ids": doc_ids}):
+        with autocast_ctx("cuda"):
+            eager, comp = model(x, targets=y, **kw), compiled(x, targets=y, **kw)
+        comp.backward()  # the compiled backward runs too
+        name = "packed (flex)" if kw else "causal (flash)"
+        report(f"compiled vs eager loss, {name}: |difference|", figure=abs(eager.item() - comp.item()), unit="nats")
+        assert abs(eager.item() - comp.item()) < 1e-2 * eager.item()
+
+
+@gpu
+def test_packed_flex_gradients_equal_dense_mask(monkeypatch):
+    # fp32 on the GPU: compiled flex (block mask) against SDPA with the dense mask, forward and backward
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    model = _random_model(depth=2, seq=300).train()
+    model.transformer.wte.float()  # init_weights keeps the embedding in bf16 on CUDA; fp32 here, no autocast
+    idx, tgt = torch.randint(0, 4096, (2, 2, 300), device="cuda")
+    doc_ids = torch.tensor([[0] * 40 + [1] * 260, [0] * 129 + [1] * 170 + [2]], device="cuda")
+    grads, losses = {}, {}
+    for flex in (False, True):
+        monkeypatch.setattr(gpt, "use_flex", lambda device: flex)
+        model.zero_grad()
+        losses[flex] = model(idx, targets=tgt, doc_ids=doc_ids)
+        losses[flex].backward()
+        grads[flex] = [p.grad.clone() for p in model.parameters()]
+    torch.testing.assert_close(losses[True], losses[False], atol=1e-5, rtol=1e-4)
+    for a, b in zip(grads[False], grads[True]):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-3)
+
+
+@gpu
+def test_packed_sft_step_d20_peak_memory():
+    """One SFT/mid step at the speedrun's d20 shape (--n-kv-head 2, 16 rows x 2048 tokens of packed documents,
+    bf16 autocast, MuonAdamW): the dense-mask fallback this replaces needed ~54 GB for attention alone."""
+    torch.manual_seed(0)
+    cfg = config_from_depth(20, 32768, 2048, n_kv_head=2)
+    model = build_model(cfg, "cuda").train()
+    optimizer = build_optimizer(model)
+    B, T = 16, 2048
+    x, y = torch.randint(0, 32768, (2, B, T), device="cuda")
+    ends = torch.randint(50, 900, (B, 12)).cumsum(1)  # documents of 50..900 tokens, as packed conversations are
+    doc_ids = torch.searchsorted(ends, torch.arange(T).expand(B, T).contiguous(), right=True).cuda()
+    torch.cuda.reset_peak_memory_stats()
+    with autocast_ctx("cuda"):
+        loss = model(x, targets=y, doc_ids=doc_ids)
+    loss.backward()
+    optimizer.step()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() / 1e9
+    report("packed SFT step d20 (16 x 2048, n_kv_head 2): peak memory", figure=peak, unit="GB", peak_mem_gb=peak)
+    assert abs(loss.item() - math.log(32768)) < 0.05  # init predicts near uniform
+    assert peak < 0.9 * torch.cuda.get_device_properties(0).total_memory / 1e9
+
+
+@gpu
+def test_grpo_step_d12():
+    # one GRPO step (rollout, rewards, advantages, policy loss, optimizer step) of a random-init d12 on the GPU
+    cmd = [sys.executable, "-m", "scripts.bench", "rl", "--depth", "12", "--prompts", "4", "--samples", "4",
+           "--prompt-len", "64", "--new-tokens", "64"]
+    res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    r = json.loads(res.stdout.strip().splitlines()[-1])
+    assert r["generated_tokens"] == 4 * 4 * 64 and r["trained_tokens"] == 4 * 4 * (64 + 64)
+    assert math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0
+    report("GRPO step d12 (4x4, 64 new)", figure=r["total_s"], unit="s/step", peak_mem_gb=r["peak_mem_gb"])
