@@ -6,12 +6,21 @@ The sampling engine: RL rollouts and the chat UI both run on it.
   other samples (prefix sharing)
 - continuous batching: a slot whose sample ends (stop token, max_tokens, context, abort) is refilled from
   the queue at the next step, so the batch stays full while response lengths vary
-- a decode step is one forward of (batch_size, 1) tokens: replayed from a CUDA graph on CUDA (one graph
-  per attention-length bucket, captured up front), eager on CPU/MPS
+- busy samples always sit in slots 0..n-1 (a sample that ends leaves a hole the last busy one moves into),
+  so a decode step is one forward of only the smallest ladder size (1, 2, 4, ... batch_size) >= n rows:
+  one user on a big engine decodes about as fast as on a batch-1 engine. On CUDA the step is replayed from
+  a CUDA graph (one per ladder size and attention-length bucket, captured up front), eager on CPU/MPS
+- it samples from its own inference copy of the model (bf16 on CUDA, fp32 elsewhere; weights in one flat
+  buffer), refreshed from the trainer's model by load_weights(); share_weights=True uses the model itself
 - sampling is batched (temperature, top-k, top-p) and its randomness is a counter-based hash of
   (request seed, sample index, token index): a sample does not depend on what else shares the batch
-- every token comes with its mask (1 sampled, 0 forced tool output) and its log-prob at temperature 1
-  from the very logits it was drawn from (forced tokens get their true log-prob too, not 0)
+- every token comes with its mask (1 sampled, 0 forced tool output) and its log-prob under the distribution
+  it was sampled from, log_softmax(logits / T) at the request's temperature (T = 1 for greedy), before top-k
+  /top-p: exactly what the trainer's GPT.token_logprobs(..., temperature=T) computes, so on-policy importance
+  weights are 1. Forced tokens get their true log-prob too, not 0. Top-k/top-p sampling is off-policy: the
+  trainer cannot apply the filter, so those log-probs are of the unfiltered tempered distribution
+- a failure that belongs to one request (its prefill, its tool call) ends that request with status "error"
+  and nothing else; only a failure of the shared decode step ends everything in flight
 - tool use: <|python_start|>expr<|python_end|> runs a calculator (with a timeout) and its result is forced
   in as <|output_start|>result<|output_end|>
 
@@ -20,6 +29,7 @@ The sampling engine: RL rollouts and the chat UI both run on it.
 """
 import ast
 import collections
+import math
 import operator
 import queue
 import threading
@@ -28,6 +38,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 try:
     from nanorl.execution import calculator
@@ -55,7 +66,7 @@ class Request:
 @dataclass
 class Completion:
     tokens: list  # the generated tokens (not the prompt); the stop token is included when status is "completed"
-    logprobs: list  # log p(token) at temperature 1 under the model, for sampled and forced tokens alike
+    logprobs: list  # log_softmax(logits / T)[token] at the request's temperature (1 if greedy), before top-k/top-p
     mask: list  # 1: sampled by the model, 0: forced in (tool output)
     status: str  # "completed" | "truncated" | "aborted" ("running" while in flight, "error" if a step raised)
     prompt_len: int
@@ -158,28 +169,36 @@ def uniform_from_counter(seed, counter):
     return _shr(x, 11).double() / float(1 << 53)
 
 
+def tempered(logits, temperature):
+    """(logits - row max) / T per row (T = 1 where T = 0, greedy): the log-probs the engine records are
+    log_softmax of this. Subtracting the max first keeps it total for any T > 0: at T = 1e-40 the top
+    token gets 0 and the rest -inf, where logits / T would overflow to inf - inf = NaN."""
+    t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+    return (logits - logits.amax(dim=-1, keepdim=True)) / t[:, None]
+
+
 def sample_tokens(logits, temperature, top_k, top_p, uniform, filtered=True):
     """
     One token per row of fp32 logits (B, V) by inverse-CDF sampling with one uniform per row.
     temperature (B,) (0 = greedy), top_k (B,) long (V = off), top_p (B,) (1 = off); filtered=False skips
-    the sort when no row uses top-k/top-p.
+    the sort when no row uses top-k/top-p. Total: whatever the values, the most likely token stays a candidate.
     """
     V = logits.size(-1)
-    t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
-    x, order = logits / t[:, None], None
+    x, order = tempered(logits, temperature), None
     if filtered:
         x, order = x.sort(dim=-1, descending=True)
     probs = torch.softmax(x, dim=-1)
     if filtered:
-        # top-k and top-p both keep a prefix of the sorted tokens; the most likely one always survives
+        # top-k and top-p both keep a prefix of the sorted tokens; rank 0 is kept whatever top_p is (a top_p of
+        # 1e-50 is 0 in float32, and "mass before it < 0" would keep nothing)
         rank = torch.arange(V, device=logits.device)
         keep = (rank[None, :] < top_k[:, None]) & (probs.cumsum(-1) - probs < top_p[:, None])
-        probs = probs * keep
+        probs = probs * (keep | (rank[None, :] == 0))
     cdf = probs.cumsum(-1)
     total = cdf[:, -1:]
     # u < total strictly, so the search lands on a token whose own probability is > 0
     u = torch.minimum(uniform[:, None].float() * total, torch.nextafter(total, torch.zeros_like(total)))
-    idx = torch.searchsorted(cdf, u, right=True)
+    idx = torch.searchsorted(cdf, u, right=True).clamp(max=V - 1)
     # a parallel cumsum is not exactly monotone; in the rare case that lands on a removed token, take the top one
     idx = torch.where(probs.gather(1, idx) > 0, idx, probs.argmax(-1, keepdim=True))
     if order is not None:
@@ -199,6 +218,7 @@ class Handle:
         self.events = queue.SimpleQueue() if stream else None
         self.filtered = request.top_k is not None or (request.top_p is not None and request.top_p < 1)
         self.cancelled = False
+        self.error = None  # why the request ended "error", when it did
         self.remaining = request.num_samples
         self.finished = threading.Event()
 
@@ -256,16 +276,27 @@ class _Sample:
 
 class Engine:
     def __init__(self, model, tokenizer, batch_size=64, max_len=None, cuda_graph=None, tool=None,
-                 tool_timeout=1.0, prefill_tokens=16384):
+                 tool_timeout=1.0, prefill_tokens=16384, dtype=None, share_weights=False):
         cfg = model.config
-        self.model, self.tokenizer = model, tokenizer
+        self.tokenizer = tokenizer
         self.max_len = cfg.sequence_len if max_len is None else max_len
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if not 2 <= self.max_len <= cfg.sequence_len:
             raise ValueError(f"max_len must be in [2, {cfg.sequence_len}] (the model's context), got {self.max_len}")
+        if share_weights and dtype is not None:
+            raise ValueError("dtype sets the precision of the engine's own copy of the weights: it has no meaning with share_weights")
         self.batch_size, self.vocab_size = batch_size, cfg.vocab_size
         self.device = next(model.parameters()).device
+        # sampling reads every weight once per token: a copy in the inference precision (bf16 on CUDA) halves
+        # that traffic and never re-casts fp32 master weights under autocast. Sharing the model itself is for
+        # exact fp32 checks; the trainer's updates are then seen without load_weights().
+        self.source = model
+        if share_weights:
+            self.model, self.flat_weights = model, None
+        else:
+            dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+            self.model, self.flat_weights = inference_copy(model, dtype)
         self.tool, self.tool_timeout, self.prefill_tokens = tool, tool_timeout, prefill_tokens
         sp = tokenizer.encode_special
         self.python_start, self.python_end = sp("<|python_start|>"), sp("<|python_end|>")
@@ -281,9 +312,8 @@ class Engine:
         self.top_p = torch.ones(B, device=dev)
         self.seed = torch.zeros(B, dtype=torch.long, device=dev)
         self.counter = torch.zeros(B, dtype=torch.long, device=dev)  # tokens drawn so far by each slot's sample
-        self.free = torch.ones(B, dtype=torch.bool, device=dev)
-        self.slots = [None] * B
-        self.freed = []  # slots emptied this step, marked free on the device in one go
+        self.slot_state = [self.input_ids, self.temperature, self.top_k, self.top_p, self.seed, self.counter]
+        self.slots = [None] * B  # busy slots are always 0..n-1 between steps (see _compact)
 
         self.pending = collections.deque()  # samples waiting for a slot, a request's samples next to each other
         self.live = set()  # handles not finished yet (abort() cancels them all)
@@ -292,7 +322,8 @@ class Engine:
         self.cancel_requested = False
         self.serving, self.stopping = False, False
 
-        # attention-length buckets for static shapes: 64, 128, 256, ... max_len
+        # static shapes: decode batch sizes 1, 2, 4, ... batch_size and attention lengths 64, 128, ... max_len
+        self.sizes = sorted({min(1 << i, B) for i in range(B.bit_length() + 1)})
         self.buckets = [L for L in (64 << i for i in range(32)) if L < self.max_len] + [self.max_len]
         self.use_cuda_graph = (self.device.type == "cuda") if cuda_graph is None else cuda_graph
         self.graphs = {}
@@ -324,6 +355,20 @@ class Engine:
         with self.lock:
             live = list(self.live)
         self._cancel(live)
+
+    @torch.no_grad()
+    def load_weights(self, model=None):
+        """Refresh the engine's copy of the weights from model (default: the model it was built from), e.g.
+        after each optimizer step. In place, so the CUDA graphs keep reading the right addresses; one fused
+        multi-tensor copy that casts to the inference dtype on the way. Nothing to do with share_weights."""
+        if self.flat_weights is None:
+            return
+        src = dict((model or self.source).named_parameters())
+        dst = dict(self.model.named_parameters())
+        if src.keys() != dst.keys() or any(src[n].shape != p.shape for n, p in dst.items()):
+            raise ValueError("load_weights: the model's parameters do not match the engine's (names or shapes differ)")
+        with self.step_lock:  # never between a step's forward and its sampling
+            torch._foreach_copy_(list(dst.values()), [src[n].detach() for n in dst])
 
     def serve_forever(self):
         """Step the engine in this thread until shutdown() (run it in a daemon thread): requests submitted from
@@ -357,13 +402,13 @@ class Engine:
                 if self.cancel_requested:
                     self._drop_cancelled()
                 self._admit()
-                self._flush_freed()
-                busy = [s for s in self.slots if s is not None]
-                if busy:
-                    self._decode(busy)
-                    self._flush_freed()
-                return bool(busy) or bool(self.pending)
-            except BaseException as e:
+                self._compact()
+                n = sum(s is not None for s in self.slots)
+                if n:
+                    self._decode(n)
+                    self._compact()
+                return bool(n) or bool(self.pending)
+            except BaseException as e:  # the shared decode step failed: nothing in flight can go on
                 self._fail_all()
                 if isinstance(e, torch.OutOfMemoryError):
                     raise MemoryError(f"out of memory while sampling with batch_size={self.batch_size}, "
@@ -389,6 +434,10 @@ class Engine:
             raise ValueError(f"num_samples must be >= 1, got {r.num_samples}")
         if not isinstance(r.max_tokens, int) or r.max_tokens <= 0:
             raise ValueError(f"max_tokens must be >= 1, got {r.max_tokens}")
+        for name in ("temperature", "top_p", "top_k"):  # NaN passes every range check below; inf is no setting
+            v = getattr(r, name)
+            if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)):
+                raise ValueError(f"{name} must be a finite number, got {v!r}")
         if not r.temperature >= 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {r.temperature}")
         if r.top_k is not None and (not isinstance(r.top_k, int) or r.top_k < 1):
@@ -470,11 +519,21 @@ class Engine:
         for g in groups:
             n = len(g[0].handle.request.prompt_ids)
             if chunk and (len(chunk) + 1) * max(longest, n) > self.prefill_tokens:
-                self._prefill(chunk)
+                self._prefill_or_fail(chunk)
                 chunk, longest = [], 0
             chunk.append(g)
             longest = max(longest, n)
-        self._prefill(chunk)
+        self._prefill_or_fail(chunk)
+
+    def _prefill_or_fail(self, groups):
+        """Prefill groups; if that fails, each group alone, so a failure ends only the request it belongs to."""
+        try:
+            self._prefill(groups)
+        except Exception as e:
+            if len(groups) == 1:
+                return self._fail(groups[0][0].handle, e)
+            for g in groups:
+                self._prefill_or_fail([g])
 
     def _prefill(self, groups):
         prompts = [list(g[0].handle.request.prompt_ids) for g in groups]
@@ -514,45 +573,81 @@ class Engine:
         self.top_p[rows] = torch.tensor([float(r.top_p or 1.0) for r in reqs], device=dev)
         self.seed[rows] = torch.tensor([_signed64(s.row_seed) for s in samples], device=dev)
         self.counter[rows] = torch.tensor([s.handle.request.start_counter for s in samples], device=dev)
-        self.free[rows] = False
 
-    def _decode(self, busy):
-        self.cache.pos.masked_fill_(self.free, 0)  # idle slots decode garbage at position 0, never past the cache
-        logits = self._decode_logits(max(s.length for s in busy))
-        tokens = self._choose_and_record(logits, None, list(self.slots), any(s.handle.filtered for s in busy))
-        self.input_ids.copy_(tokens)
+    def _compact(self):
+        """Keep the busy slots a prefix 0..n-1: the last busy samples move into the holes ended ones left
+        (their KV rows and slot state are copied once), so decode can run just the first rows of the cache."""
+        n = sum(s is not None for s in self.slots)
+        holes = [i for i in range(n) if self.slots[i] is None]
+        movers = [s for s in self.slots[n:] if s is not None]
+        if not holes:
+            return
+        src = torch.tensor([s.slot for s in movers], device=self.device)
+        dst = torch.tensor(holes, device=self.device)
+        self.cache.copy_rows(src, dst)
+        for t in self.slot_state:
+            t[dst] = t[src]
+        for s, i in zip(movers, holes):
+            self.slots[s.slot], self.slots[i], s.slot = None, s, i
 
-    def _decode_logits(self, need):
-        """Logits (B, V) of one decode step; every busy row writes at its position and reads <= need keys."""
+    def _decode(self, n):
+        """One token for each of the n busy slots 0..n-1, run as the smallest ladder batch that holds them."""
+        size = next(b for b in self.sizes if b >= n)
+        self.cache.pos[n:size] = 0  # the idle rows of the batch decode garbage at position 0, never past the cache
+        busy = self.slots[:n]
+        logits = self._decode_logits(size, max(s.length for s in busy))
+        tokens = self._choose_and_record(logits, slice(0, size), self.slots[:size], any(s.handle.filtered for s in busy))
+        self.input_ids[:size] = tokens
+
+    def _decode_logits(self, size, need):
+        """Logits (size, V) of one decode step of rows 0..size-1; each writes at its position, reads <= need keys."""
         if not self.use_cuda_graph:
-            return self._forward_step()
-        graph, logits = self.graphs[self._bucket(need)]
+            return self._forward_step(size)
+        graph, logits = self.graphs[size, self._bucket(need)]
         graph.replay()
         return logits  # a static tensor: read it before the next replay
 
-    def _forward_step(self):
-        # eager, or the body a CUDA graph records (then cache.static is set and attend_len is a bucket)
-        with self._autocast():
-            return self.model(self.input_ids[:, None], kv_cache=self.cache)[:, 0]
+    def _forward_step(self, size):
+        # eager, or the body a CUDA graph records (then cache.static is set and attend_len is a bucket).
+        # The attention kernel is pinned, not left to SDPA's choice: a graph freezes whichever kernel ran at
+        # capture, so a torch or cuDNN upgrade must not swap it silently. Memory-efficient attention is the
+        # CUDA kernel that takes a boolean mask (flash takes none); on CPU the plain math kernel.
+        self.cache.rows = slice(0, size)
+        try:
+            with self._autocast(), sdpa_kernel(self.decode_attention()):
+                return self.model(self.input_ids[:size, None], kv_cache=self.cache)[:, 0]
+        finally:
+            self.cache.rows = None
+
+    def decode_attention(self):
+        """The SDPA backends allowed inside a decode step (see _forward_step)."""
+        if self.device.type == "cuda":
+            return [SDPBackend.EFFICIENT_ATTENTION]
+        return [SDPBackend.MATH]
 
     def _bucket(self, need):
         return next(L for L in self.buckets if L >= need)
 
     def _choose_and_record(self, logits, rows, samples, filtered):
-        """Pick each row's next token (sampled, or its forced tool token), its log-prob, record them. rows=None: all."""
-        sel = slice(None) if rows is None else rows
+        """Pick each row's next token (sampled, or its forced tool token), its log-prob, record them."""
         forced = [s.forced.popleft() if s is not None and s.forced else -1 for s in samples]
-        u = uniform_from_counter(self.seed[sel], self.counter[sel])
-        tok = sample_tokens(logits, self.temperature[sel], self.top_k[sel], self.top_p[sel], u, filtered)
+        u = uniform_from_counter(self.seed[rows], self.counter[rows])
+        temperature = self.temperature[rows]
+        tok = sample_tokens(logits, temperature, self.top_k[rows], self.top_p[rows], u, filtered)
         if any(f >= 0 for f in forced):
             f = torch.tensor(forced, device=self.device)
             tok = torch.where(f >= 0, f, tok)
-        logp = torch.log_softmax(logits, dim=-1).gather(1, tok[:, None])[:, 0]
-        self.counter[sel] += 1
+        # the log-prob of the distribution sampled from (before top-k/top-p, which the trainer cannot apply)
+        logp = torch.log_softmax(tempered(logits, temperature), dim=-1).gather(1, tok[:, None])[:, 0]
+        self.counter[rows] += 1
         host = torch.stack([tok.double(), logp.double()]).tolist()  # the step's one device -> host sync
         for s, t, lp, f in zip(samples, host[0], host[1], forced):
-            if s is not None:
+            if s is None or s.out.status != "running":  # an idle row, or its request failed earlier in this loop
+                continue
+            try:
                 self._record(s, int(t), lp, 0 if f >= 0 else 1)
+            except Exception as e:  # e.g. its tool output cannot be tokenized: that request ends, no other
+                self._fail(s.handle, e)
         return tok
 
     def _record(self, s, token, logprob, mask):
@@ -580,10 +675,10 @@ class Engine:
             s.expr.append(token)
 
     def _finish(self, s, status):
+        """End sample s. Its slot is free at once (the next _admit may reuse it); _compact closes the hole."""
         s.out.status = status
         if s.slot is not None:
             self.slots[s.slot] = None
-            self.freed.append(s.slot)
             s.slot = None
         h = s.handle
         if h.events is not None:
@@ -594,29 +689,45 @@ class Engine:
                 self.live.discard(h)
             h.finished.set()
 
-    def _flush_freed(self):
-        if self.freed:
-            self.free[torch.tensor(self.freed, device=self.device)] = True
-            self.freed = []
+    def _fail(self, handle, error):
+        """End every sample of one request with status "error" (the error is kept in handle.error)."""
+        handle.error = f"{type(error).__name__}: {error}"
+        with self.lock:
+            queued = [s for s in self.pending if s.handle is handle]
+            self.pending = collections.deque(s for s in self.pending if s.handle is not handle)
+        for s in queued + [s for s in self.slots if s is not None and s.handle is handle]:
+            self._finish(s, "error")
 
     def _fail_all(self):
-        """After an exception mid-step: end everything in flight with status "error" and start clean."""
+        """After an exception in the shared step: end everything in flight with status "error" and start clean."""
         with self.lock:
             pending, self.pending = list(self.pending), collections.deque()
         for s in [s for s in self.slots if s is not None] + pending:
             self._finish(s, "error")
-        self.freed = []
         self.cache.rows = None
         try:
             self.cache.pos.zero_()
-            self.free.fill_(True)
         except RuntimeError:  # the device itself may be what failed
             pass
 
+    def _check_invariants(self):
+        """For tests, after any step: every sample in a slot knows its slot and is running, the busy slots are
+        exactly 0..n-1, no queued sample holds a slot, and each busy row's cache holds its sample's tokens but
+        the last one, which is the row's next input."""
+        n = sum(s is not None for s in self.slots)
+        assert all(s is not None for s in self.slots[:n]), f"busy slots are not a prefix: {self.slots}"
+        assert all(s.slot == i and s.out.status == "running" for i, s in enumerate(self.slots[:n]))
+        assert len({id(s) for s in self.slots[:n]}) == n, "a sample sits in two slots"
+        assert all(s.slot is None and s.out.status == "running" for s in self.pending)
+        assert self.cache.pos[:n].tolist() == [s.length - 1 for s in self.slots[:n]], "a row's cache is out of step"
+        assert self.input_ids[:n].tolist() == [s.out.tokens[-1] for s in self.slots[:n]], "a row's next input is wrong"
+        assert self.cache.rows is None
+
     # --- memory, precision, CUDA graphs ---------------------------------------------------------
     def _autocast(self):
-        # cache_enabled=False: autocast's weight-cast cache must not outlive a CUDA graph capture
-        if self.device.type == "cuda":
+        # only for fp32 weights on CUDA (share_weights); cache_enabled=False: autocast's weight-cast cache must
+        # not outlive a CUDA graph capture
+        if self.device.type == "cuda" and self.model.lm_head.weight.dtype == torch.float32:
             return torch.amp.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False)
         return nullcontext()
 
@@ -637,31 +748,56 @@ class Engine:
 
     @torch.no_grad()
     def _capture_graphs(self):
-        """Capture one decode step per attention-length bucket (64, 128, ... max_len) while the cache is empty,
-        so the warm-up runs cannot overwrite anyone's KV. A step then replays the smallest bucket that covers
-        its longest row: static shapes, one launch, and short rows do not pay for reading the whole cache.
-        The graphs read the model's parameters in place: an optimizer step is seen, swapped tensors are not."""
+        """Capture one decode step per (ladder batch size, attention-length bucket) while the cache is empty,
+        so the warm-up runs cannot overwrite anyone's KV. A step then replays the smallest batch that holds its
+        busy rows and the smallest bucket that covers its longest row: static shapes, one launch, and neither
+        idle slots nor short rows pay for the whole cache. The graphs read the weights in place: load_weights()
+        (an in-place copy) is seen, swapped tensors are not."""
         cache, pool = self.cache, torch.cuda.graph_pool_handle()
         cache.static = True
         try:
-            for L in self.buckets:
-                cache.attend_len = L
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):  # warm up outside the capture (cuBLAS workspaces, kernel choice)
-                    for _ in range(2):
-                        cache.pos.zero_()
-                        self._forward_step()
-                torch.cuda.current_stream().wait_stream(side)
-                cache.pos.zero_()
-                graph = torch.cuda.CUDAGraph()
-                # one pool for all graphs: they never run at once, and each step reads its logits right away
-                with torch.cuda.graph(graph, pool=pool):
-                    logits = self._forward_step()
-                self.graphs[L] = (graph, logits)
+            for size in self.sizes:
+                for L in self.buckets:
+                    cache.attend_len = L
+                    side = torch.cuda.Stream()
+                    side.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(side):  # warm up outside the capture (cuBLAS workspaces, kernel choice)
+                        for _ in range(2):
+                            cache.pos.zero_()
+                            self._forward_step(size)
+                    torch.cuda.current_stream().wait_stream(side)
+                    cache.pos.zero_()
+                    graph = torch.cuda.CUDAGraph()
+                    # one pool for all graphs: they never run at once, and each step reads its logits right away
+                    with torch.cuda.graph(graph, pool=pool):
+                        logits = self._forward_step(size)
+                    self.graphs[size, L] = (graph, logits)
         finally:
             cache.static, cache.attend_len = False, None
             cache.pos.zero_()
+
+
+@torch.no_grad()
+def inference_copy(model, dtype):
+    """A frozen copy of model for sampling -> (copy, flat): every parameter of the copy is a view of one flat
+    buffer `flat` of dtype, so the whole set of weights is one tensor (one copy, one broadcast). Buffers (the
+    rotary tables) keep their own dtype."""
+    with torch.device("meta"):
+        twin = type(model)(model.config)
+    named = dict(model.named_parameters())
+    device = next(iter(named.values())).device
+    flat = torch.empty(sum(p.numel() for p in named.values()), dtype=dtype, device=device)
+    offset = 0
+    for name, p in named.items():
+        view = flat[offset:offset + p.numel()].view(p.shape)
+        offset += p.numel()
+        view.copy_(p.detach())
+        module, _, attr = name.rpartition(".")
+        setattr(twin.get_submodule(module), attr, torch.nn.Parameter(view, requires_grad=False))
+    for name, b in model.named_buffers():
+        module, _, attr = name.rpartition(".")
+        twin.get_submodule(module)._buffers[attr] = b.detach().clone()
+    return twin.eval(), flat
 
 
 def _free_memory(device):

@@ -151,14 +151,18 @@ class KVCache:
         self.max_len = max_len
         self.attend_len = None  # how much of the cache attention reads: worked out each forward unless static
         self.static = False  # True: the caller fixed attend_len (static shapes for CUDA graphs)
-        # which cache rows the forward's batch rows are (None = all rows, in order): lets the engine
-        # prefill a few new prompts straight into free rows of the big decode cache
+        # which cache rows the forward's batch rows are: a slice of leading rows (views, no copies: the engine
+        # decodes its busy rows 0..n-1 this way) or a LongTensor of rows (gathered: the engine prefills a few new
+        # prompts straight into free rows of the big decode cache). None = all rows, in order.
         self.rows = None
         self.write_pos = None  # (B, T) positions the current forward writes, set by begin()
 
+    def _rows(self):
+        return slice(None) if self.rows is None else self.rows
+
     def begin(self, T):
         """Positions (B, T) of the next T tokens of each row, and the (B, 1, T, attend_len) attention mask."""
-        start = self.pos if self.rows is None else self.pos[self.rows]
+        start = self.pos[self._rows()]
         pos = start[:, None] + torch.arange(T, device=start.device)[None, :]
         if not self.static:
             # eager path: read only the used part of the cache (one host sync). A caller that wants
@@ -174,21 +178,21 @@ class KVCache:
     def update(self, layer, k, v):
         """Write one layer's new keys/values (B, H, T, D) at write_pos; return the keys/values to attend over."""
         B, T = self.write_pos.shape
-        rows = torch.arange(B, device=k.device) if self.rows is None else self.rows
-        b_idx = rows[:, None].expand(B, T)
+        rows, L = self._rows(), self.attend_len
         kc, vc = self.k[layer], self.v[layer]
+        if isinstance(rows, slice):  # leading rows: write into and read views of the cache
+            kc, vc = kc[rows], vc[rows]
+            b_idx = torch.arange(B, device=k.device)[:, None].expand(B, T)
+        else:
+            b_idx = rows[:, None].expand(B, T)
         kc[b_idx, :, self.write_pos] = k.transpose(1, 2).to(kc.dtype)
         vc[b_idx, :, self.write_pos] = v.transpose(1, 2).to(vc.dtype)
-        L = self.attend_len
-        if self.rows is None:
+        if isinstance(rows, slice):
             return kc[:, :, :L], vc[:, :, :L]
-        return kc[self.rows, :, :L], vc[self.rows, :, :L]
+        return kc[rows, :, :L], vc[rows, :, :L]
 
     def end(self, T):
-        if self.rows is None:
-            self.pos += T
-        else:
-            self.pos[self.rows] += T
+        self.pos[self._rows()] += T
         self.write_pos = None
 
     def reset(self, rows=None):
@@ -198,8 +202,8 @@ class KVCache:
             self.pos[rows] = 0
 
     def copy_rows(self, src, dst, source=None):
-        """Prefix sharing: copy the cached prompt of rows src (of `source`, default this cache) into rows dst.
-        Prefill a prompt once, then fan it out to the n rows that sample from it."""
+        """Copy the cached tokens of rows src (of `source`, default this cache) into rows dst. Prefix sharing:
+        prefill a prompt once, then fan it out to the n rows that sample from it; and moving a row."""
         source = self if source is None else source
         L = int(source.pos[src].max())
         self.k[:, dst, :, :L] = source.k[:, src, :, :L]

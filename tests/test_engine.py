@@ -78,17 +78,47 @@ def test_greedy_with_cache_equals_full_forwards(n_kv_head):
             assert c.status == "truncated" and c.mask == [1] * 12 and c.prompt_len == len(p)
 
 
-def test_logprobs_equal_training_forward():
+def trainer_logprobs(model, prompt, tokens, temperature):
+    """The trainer's log-probs of tokens after prompt (GPT.token_logprobs at the rollout temperature), fp32."""
+    seq = torch.tensor([list(prompt) + list(tokens)])
+    with torch.no_grad():
+        return model.token_logprobs(seq[:, :-1], seq[:, 1:], temperature=temperature)[0, len(prompt) - 1:]
+
+
+def run_checked(engine, requests):
+    """engine.generate, checking the engine's slot invariants after every step."""
+    handles = [engine.submit(r) for r in requests]
+    while engine.step():
+        engine._check_invariants()
+    engine._check_invariants()
+    return [h.completions for h in handles]
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_logprobs_are_the_trainers_at_the_sampling_temperature(temperature):
+    # the engine records log_softmax(logits / T), before top-k/top-p: what the trainer computes at the rollout
+    # temperature, so on-policy TIS weights exp(trainer - rollout) are 1. (Log-probs at T = 1 fail at T = 0.7.)
     model = tiny()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.2)  # a spread distribution: the temperature matters for every token
     engine = Engine(model, TOK, batch_size=3)
-    reqs = [Request(p, num_samples=2, max_tokens=15, temperature=0.8, top_k=50, top_p=0.95, seed=i, stop_tokens=[])
+    reqs = [Request(p, num_samples=2, max_tokens=15, temperature=temperature, seed=i, stop_tokens=[])
             for i, p in enumerate(prompts([4, 9, 17]))]
-    for req, cs in zip(reqs, engine.generate(reqs)):
+    reqs.append(Request(prompts([5])[0], num_samples=2, max_tokens=15, temperature=temperature, top_k=50, top_p=0.9, seed=9,
+                        stop_tokens=[]))  # top-k/top-p change what is drawn, not the recorded log-probs (off-policy)
+    for req, cs in zip(reqs, run_checked(engine, reqs)):
         for c in cs:
-            seq = torch.tensor([req.prompt_ids + c.tokens])
-            with torch.no_grad():
-                lp = model.token_logprobs(seq[:, :-1], seq[:, 1:])[0, c.prompt_len - 1:]
-            torch.testing.assert_close(torch.tensor(c.logprobs), lp, atol=1e-4, rtol=0)
+            lp = trainer_logprobs(model, req.prompt_ids, c.tokens, temperature)
+            torch.testing.assert_close(torch.tensor(c.logprobs), lp, atol=1e-5, rtol=0)
+            assert torch.exp(lp - torch.tensor(c.logprobs)).sub(1).abs().max() < 1e-5  # TIS weights are 1
+            assert lp.std() > 0.1  # a real comparison, not the same number everywhere
+
+
+def test_greedy_logprobs_are_at_temperature_one():
+    model = tiny()
+    p = prompts([6])[0]
+    (c,), = Engine(model, TOK, batch_size=2).generate([Request(p, max_tokens=10, temperature=0, stop_tokens=[])])
+    torch.testing.assert_close(torch.tensor(c.logprobs), trainer_logprobs(model, p, c.tokens, 1.0), atol=1e-5, rtol=0)
 
 
 def test_seeds_reproducible_and_samples_differ_from_first_token():
@@ -154,6 +184,10 @@ def test_tool_call_forces_output_with_mask_zero():
     torch.testing.assert_close(torch.tensor(c.logprobs), lp, atol=1e-4, rtol=0)
     assert max(c.logprobs[5:8]) < -5 < -0.05 < min(c.logprobs[:5])
     assert assistant_parts(TOK, c.tokens) == [{"type": "python", "text": "2+3"}, {"type": "python_output", "text": "5"}]
+    # at T = 0.7 every token, forced ones included, has the trainer's log-prob at 0.7
+    (c7,), = Engine(model, TOK, batch_size=2).generate([Request([BOS], max_tokens=20, temperature=0.7, seed=3)])
+    assert c7.mask == c.mask
+    torch.testing.assert_close(torch.tensor(c7.logprobs), trainer_logprobs(model, [BOS], c7.tokens, 0.7), atol=1e-5, rtol=0)
     # without tools the same model just goes on writing
     (c,), = engine.generate([Request([BOS], max_tokens=8, temperature=0, use_tools=False)])
     assert c.mask == [1] * 8 and OUT_START not in c.tokens
@@ -382,12 +416,12 @@ def test_static_shape_decode_equals_eager():
     assert engine.buckets == [64, 128, 200]
     seen = set()
 
-    def static_step(need):
+    def static_step(size, need):
         L = engine._bucket(need)
         seen.add(L)
         engine.cache.static, engine.cache.attend_len = True, L
         try:
-            return engine._forward_step()
+            return engine._forward_step(size)
         finally:
             engine.cache.static = False
 
@@ -400,29 +434,39 @@ def test_static_shape_decode_equals_eager():
             torch.testing.assert_close(torch.tensor(ca.logprobs), torch.tensor(cb.logprobs), atol=1e-5, rtol=0)
 
 
-def test_aborted_sample_continues_into_the_uninterrupted_sequence():
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_aborted_sample_continues_into_the_uninterrupted_sequence(temperature):
     # partial rollouts: a sample aborted mid-way and resubmitted with its tokens, its index and its token count
-    # (first_sample, start_counter) draws the same random stream, so it finishes exactly as if never interrupted
+    # (first_sample, start_counter) draws the same random stream, so it finishes exactly as if never interrupted,
+    # with the trainer's log-probs at the rollout temperature; the slots stay consistent through abort + resubmit
     from nanorl.rollout import Sample, extend_sample
     model = tiny(seq=64)
     prompt = [BOS, 65, 66, 67]
-    req = dict(max_tokens=40, temperature=1.0, seed=7, stop_tokens=[], use_tools=False)
+    req = dict(max_tokens=40, temperature=temperature, seed=7, stop_tokens=[], use_tools=False)
     full = Engine(model, TOK, batch_size=4).generate([Request(prompt, num_samples=3, **req)])[0]
     eng = Engine(model, TOK, batch_size=4)
     h = eng.submit(Request(prompt, num_samples=3, **req))
+    eng.submit(Request([BOS, 70], num_samples=2, max_tokens=30, seed=1, stop_tokens=[]))  # queued behind it, aborted too
     for _ in range(9):
         eng.step()
+        eng._check_invariants()
     eng.abort()
     while eng.step():
-        pass
+        eng._check_invariants()
+    assert all(s is None for s in eng.slots) and not eng.pending
     parts = [extend_sample(Sample(tokens=list(prompt)), c) for c in h.completions]
     assert all(s.status == "aborted" and 0 < s.response_length < 40 for s in parts)
-    cont = eng.generate([Request(list(s.tokens), max_tokens=40 - s.response_length, first_sample=i, start_counter=s.response_length,
-                                 **{k: v for k, v in req.items() if k != "max_tokens"}) for i, s in enumerate(parts)])
+    other = eng.submit(Request([BOS, 71], num_samples=2, max_tokens=12, seed=2, stop_tokens=[]))  # shares the batch
+    cont = run_checked(eng, [Request(list(s.tokens), max_tokens=40 - s.response_length, first_sample=i,
+                                     start_counter=s.response_length, **{k: v for k, v in req.items() if k != "max_tokens"})
+                             for i, s in enumerate(parts)])
+    assert [c.status for c in other.completions] == ["truncated"] * 2
     for s, c, ref in zip(parts, cont, full):
         extend_sample(s, c[0])
         assert s.tokens[len(prompt):] == ref.tokens and s.status == ref.status == "truncated"
-        assert torch.allclose(torch.tensor(s.rollout_log_probs), torch.tensor(ref.logprobs), atol=1e-4)
+        torch.testing.assert_close(torch.tensor(s.rollout_log_probs), torch.tensor(ref.logprobs), atol=1e-5, rtol=0)
+        lp = trainer_logprobs(model, prompt, s.tokens[len(prompt):], temperature)
+        torch.testing.assert_close(torch.tensor(s.rollout_log_probs), lp, atol=1e-5, rtol=0)
 
 
 def test_aborted_sample_inside_a_tool_call_is_cut_before_the_call():
