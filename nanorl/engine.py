@@ -186,14 +186,18 @@ def sample_tokens(logits, temperature, top_k, top_p, uniform, filtered=True):
     V = logits.size(-1)
     x, order = tempered(logits, temperature), None
     if filtered:
-        x, order = x.sort(dim=-1, descending=True)
+        # only the rows that filter are sorted: a row's token must not depend on whether a filtering request
+        # shares its batch (inverse-CDF sampling in sorted order picks another token for the same uniform)
+        rank = torch.arange(V, device=logits.device).expand_as(x)
+        sorts = ((top_k < V) | (top_p < 1))[:, None]
+        x_sorted, order_sorted = x.sort(dim=-1, descending=True)
+        x, order = torch.where(sorts, x_sorted, x), torch.where(sorts, order_sorted, rank)
     probs = torch.softmax(x, dim=-1)
     if filtered:
         # top-k and top-p both keep a prefix of the sorted tokens; rank 0 is kept whatever top_p is (a top_p of
         # 1e-50 is 0 in float32, and "mass before it < 0" would keep nothing)
-        rank = torch.arange(V, device=logits.device)
-        keep = (rank[None, :] < top_k[:, None]) & (probs.cumsum(-1) - probs < top_p[:, None])
-        probs = probs * (keep | (rank[None, :] == 0))
+        keep = (rank < top_k[:, None]) & (probs.cumsum(-1) - probs < top_p[:, None])
+        probs = probs * (keep | (rank == 0) | ~sorts)
     cdf = probs.cumsum(-1)
     total = cdf[:, -1:]
     # u < total strictly, so the search lands on a token whose own probability is > 0

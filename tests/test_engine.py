@@ -1,4 +1,5 @@
 import threading
+from dataclasses import replace
 import time
 
 import pytest
@@ -478,3 +479,146 @@ def test_aborted_sample_inside_a_tool_call_is_cut_before_the_call():
     done = resp[:7] + [50, OUT_END, 66]  # a finished call is kept
     s = extend_sample(Sample(tokens=[BOS]), Completion(done, [0.0] * 10, [1] * 10, "aborted", 1), PY_START, OUT_END)
     assert s.response_length == 10
+
+
+def test_request_after_a_cancel_equals_it_on_an_idle_engine():
+    # cancelling frees a slot that the next admitted request reuses in the same step; that request must decode
+    # exactly as on an idle engine (it used to be reset to position 0 at every later step)
+    model = tiny()
+    req = Request(prompts([7])[0], max_tokens=20, temperature=0.8, seed=5, stop_tokens=[])
+    (want,), = Engine(model, TOK, batch_size=2).generate([req])
+    engine = Engine(model, TOK, batch_size=2)
+    running = [engine.submit(Request(p, max_tokens=40, seed=i, stop_tokens=[])) for i, p in enumerate(prompts([3, 5]))]
+    for _ in range(3):
+        engine.step()
+        engine._check_invariants()
+    running[0].cancel()
+    (got,), = run_checked(engine, [req])
+    assert got.tokens == want.tokens and got.status == "truncated"
+    torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-5, rtol=0)
+    assert running[0].completions[0].status == "aborted" and running[1].completions[0].status == "truncated"
+
+
+def test_one_request_on_a_big_engine_equals_a_batch_one_engine():
+    # decode runs only the smallest ladder batch holding the busy rows (1, 2, 4, ... 64): a lone request on a
+    # batch-64 engine decodes a batch of 1, and gets exactly what a batch-1 engine gives
+    model = tiny()
+    reqs = [Request(p, max_tokens=12, temperature=0.9, seed=i, stop_tokens=[]) for i, p in enumerate(prompts([5, 9]))]
+    small = [Engine(model, TOK, batch_size=1).generate([r])[0][0] for r in reqs]
+    big = Engine(model, TOK, batch_size=64)
+    assert big.sizes == [1, 2, 4, 8, 16, 32, 64]
+    sizes = []
+    decode = big._decode_logits
+    big._decode_logits = lambda size, need: sizes.append(size) or decode(size, need)
+    for r, want in zip(reqs, small):
+        (got,), = run_checked(big, [r])
+        assert got.tokens == want.tokens
+        torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-5, rtol=0)
+    assert set(sizes) == {1}
+
+
+def test_compaction_moves_rows_without_changing_any_sample():
+    # requests of different lengths end at different steps: the last busy rows move into the holes and the
+    # batch shrinks down the ladder (5 busy -> 8 rows, 2 -> 2 ...); each sample equals itself alone on a batch-1 engine
+    model = tiny()
+    reqs = [Request(p, num_samples=1 + i % 2, max_tokens=3 + 4 * i, temperature=0.8, top_k=40 if i == 2 else None, seed=i,
+                    stop_tokens=[]) for i, p in enumerate(prompts([4, 11, 2, 7, 5]))]
+    alone = [[Engine(model, TOK, batch_size=1).generate([replace(r, num_samples=1, first_sample=j)])[0][0]
+              for j in range(r.num_samples)] for r in reqs]
+    engine = Engine(model, TOK, batch_size=8)
+    sizes = []
+    decode = engine._decode_logits
+    engine._decode_logits = lambda size, need: sizes.append(size) or decode(size, need)
+    for a, b in zip(alone, run_checked(engine, reqs)):
+        assert [c.tokens for c in a] == [c.tokens for c in b]
+        for ca, cb in zip(a, b):
+            torch.testing.assert_close(torch.tensor(ca.logprobs), torch.tensor(cb.logprobs), atol=1e-5, rtol=0)
+    assert sizes[0] == 8 and sizes[-1] == 1 and sizes == sorted(sizes, reverse=True) and 4 in sizes
+
+
+@pytest.mark.parametrize("kwargs", [dict(top_p=1e-50), dict(top_p=1e-46), dict(temperature=1e-40), dict(top_k=1, top_p=1e-45),
+                                    dict(temperature=1e-40, top_p=1e-50)])
+def test_extreme_sampling_settings_are_greedy_and_fail_nothing_else(kwargs):
+    # top_p 1e-50 is 0 in float32 and 1e-40 a denormal temperature: the sampler still keeps the top token (greedy),
+    # and other requests sharing the batch are untouched
+    model = tiny()
+    p, q = prompts([6, 9])
+    (greedy,), = Engine(model, TOK, batch_size=1).generate([Request(p, max_tokens=8, temperature=0, stop_tokens=[])])
+    other = Request(q, max_tokens=8, temperature=1.0, seed=4, stop_tokens=[])
+    (want,), = Engine(model, TOK, batch_size=1).generate([other])
+    [(c,), (o,)] = run_checked(Engine(model, TOK, batch_size=2), [Request(p, max_tokens=8, seed=1, stop_tokens=[], **kwargs), other])
+    assert c.status == "truncated" and c.tokens == greedy.tokens and o.tokens == want.tokens
+    assert all(lp <= 0 and lp == lp for lp in c.logprobs)
+    V = 50
+    logits = torch.randn(4, V)
+    for u in (0.0, 0.5, 1 - 2 ** -53):
+        t = sample_tokens(logits, torch.full((4,), kwargs.get("temperature", 1.0)), torch.full((4,), kwargs.get("top_k", V)),
+                          torch.full((4,), kwargs.get("top_p", 1.0)), torch.full((4,), u, dtype=torch.float64))
+        assert t.tolist() == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("field,value", [("temperature", float("nan")), ("temperature", float("inf")), ("top_p", float("nan")),
+                                         ("top_p", float("inf")), ("top_k", float("inf")), ("temperature", "0.5")])
+def test_non_finite_sampling_values_are_refused_naming_the_field(field, value):
+    engine = Engine(tiny(), TOK, batch_size=1)
+    with pytest.raises(ValueError, match=field):
+        engine.submit(Request([1, 2], **{field: value}))
+    assert not engine.pending
+
+
+def test_a_failing_request_ends_alone():
+    # a failure that belongs to one request (here its prefill, then its tool call) ends it with "error";
+    # the requests sharing the engine carry on and get exactly what they get alone
+    model = tiny()
+    good = [Request(p, num_samples=2, max_tokens=10, temperature=0.8, seed=i, stop_tokens=[]) for i, p in enumerate(prompts([4, 8]))]
+    want = Engine(model, TOK, batch_size=4).generate(good)
+    BAD = VOCAB - 1  # no byte: the good prompts never hold it
+    engine = Engine(model, TOK, batch_size=4)
+    forward = engine.model.hidden_states
+
+    def hidden_states(idx, **kw):
+        if idx.size(1) > 1 and (idx == BAD).any():  # prefill only
+            raise RuntimeError("this prompt breaks the model")
+        return forward(idx, **kw)
+
+    engine.model.hidden_states = hidden_states
+    bad = engine.submit(Request([1, BAD], num_samples=3, max_tokens=10))
+    got = run_checked(engine, [good[0]] + [good[1]])  # prefilled in one forward with the bad prompt, then alone
+    assert [c.status for c in bad.completions] == ["error"] * 3 and "breaks the model" in bad.error
+    assert [[c.tokens for c in cs] for cs in got] == [[c.tokens for c in cs] for cs in want]
+    # a tool whose output cannot be tokenized fails its own request only
+    script = {BOS: PY_START, PY_START: ord("2"), ord("2"): ord("+"), ord("+"): ord("3"), ord("3"): PY_END, OUT_END: A_END}
+    engine = Engine(bigram(script), TOK, batch_size=4, tool=lambda expr: "5")
+    engine.tokenizer = type("Tok", (), {"encode": lambda self, text: 1 / 0, "decode": lambda self, ids: TOK.decode(ids)})()
+    calls = engine.submit(Request([BOS], max_tokens=20, temperature=0))
+    plain = run_checked(engine, [Request([BOS], max_tokens=8, temperature=0, use_tools=False)])
+    assert calls.completions[0].status == "error" and "ZeroDivisionError" in calls.error
+    assert plain[0][0].status == "truncated" and len(plain[0][0].tokens) == 8
+
+
+def test_inference_copy_and_load_weights():
+    # the engine samples from its own copy of the weights (fp32 on the CPU: the same numbers), one flat buffer;
+    # the trainer's updates reach it by load_weights(), and share_weights=True samples from the model itself
+    model = tiny()
+    req = Request(prompts([5])[0], max_tokens=10, temperature=0.9, seed=3, stop_tokens=[])
+    engine = Engine(model, TOK, batch_size=2)
+    shared = Engine(model, TOK, batch_size=2, share_weights=True)
+    assert engine.model is not model and shared.model is model
+    assert engine.flat_weights.numel() == model.num_params() and engine.flat_weights.dtype == torch.float32
+    assert all(p.untyped_storage().data_ptr() == engine.flat_weights.untyped_storage().data_ptr() for p in engine.model.parameters())
+    before = engine.generate([req])[0][0]
+    assert before.tokens == shared.generate([req])[0][0].tokens
+    with torch.no_grad():
+        for p in model.parameters():  # an "optimizer step"
+            p.add_(0.05 * torch.randn_like(p))
+    assert engine.generate([req])[0][0].tokens == before.tokens  # still the old weights
+    engine.load_weights(model)
+    after = engine.generate([req])[0][0]
+    assert after.tokens == shared.generate([req])[0][0].tokens != before.tokens
+    torch.testing.assert_close(torch.tensor(after.logprobs), trainer_logprobs(model, req.prompt_ids, after.tokens, 0.9), atol=1e-5, rtol=0)
+    bf16 = Engine(model, TOK, batch_size=2, dtype=torch.bfloat16)
+    assert {p.dtype for p in bf16.model.parameters()} == {torch.bfloat16}
+    with pytest.raises(ValueError, match="share_weights"):
+        Engine(model, TOK, share_weights=True, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="do not match"):
+        engine.load_weights(tiny(n_kv_head=4))
