@@ -11,7 +11,8 @@ that never calls a tool is the very response engine.generate samples; each later
 prompt + response so far (prefill is cheap next to decode) and joins the same continuous batch.
 
 Tool output tokens get loss mask 0 and rollout log-prob 0: the model did not write them, so they are
-neither trained on nor part of any importance ratio. Model tokens keep the engine's log-probs.
+neither trained on nor part of any importance ratio. Model tokens keep the engine's log-probs: log_softmax(logits / T)
+at the request's temperature, in every turn, which is what the trainer computes at the rollout temperature.
 """
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace

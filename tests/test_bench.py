@@ -39,6 +39,19 @@ def test_bench_decode_still_works():
     _, r = bench("decode", "--depth", "2", "--batch", "2", "--prompt-len", "8", "--new-tokens", "4", "--vocab-size", "512",
                  "--threads", "1", "--device-type", "cpu")
     assert r["bench"] == "decode" and r["ms_per_step"] > 0 and r["peak_mem_gb"] > 0
+    # the path chat_rl takes: the engine samples from its own copy of the fp32 model (fp32 on the CPU) and
+    # refreshes it from the model; the weights a step reads are that copy's (matmul weights, 4 bytes each)
+    assert r["engine_weights"] == "float32" and r["weight_refresh_ms"] > 0 and r["requests"] == 2
+    n_embd, vocab = 128, 512
+    assert r["weight_bytes"] == 4 * (2 * 12 * n_embd ** 2 + vocab * n_embd)
+
+
+def test_bench_decode_one_request_on_a_big_engine():
+    lines, r = bench("decode", "--depth", "1", "--head-dim", "32", "--batch", "64", "--requests", "1", "--prompt-len", "8",
+                     "--new-tokens", "6", "--vocab-size", "512", "--threads", "1", "--device-type", "cpu")
+    assert r["batch"] == 64 and r["requests"] == 1
+    assert abs(r["decode_tok_per_s"] - 1 / (r["ms_per_step"] / 1e3)) < 0.01 * r["decode_tok_per_s"]
+    assert any("requests 1" in line for line in lines)
 
 
 RL_TINY = ["rl", "--depth", "1", "--head-dim", "32", "--vocab-size", "512", "--device-type", "cpu", "--threads", "1"]

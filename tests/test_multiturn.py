@@ -98,3 +98,21 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="unknown tool"):
         make_tool("shell")
     assert python_tool("print(6*7)") == "42" and python_tool("1/0").startswith("Error: ZeroDivisionError")
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_every_turn_records_the_trainers_logprobs_at_the_rollout_temperature(temperature):
+    # the model's tokens of every turn (the first decoded from the shared prefill, later ones re-prefilled after a
+    # forced tool output) carry log_softmax(logits / T): the trainer's log-probs at T, so TIS weights are 1
+    model = tool_user_model(TOK, "2+3", A_END, VOCAB, strength=10.0, noise=0.02)
+    engine = Engine(model, TOK, batch_size=4)
+    [cs] = multi_turn_generate(engine, [Request(PROMPT, num_samples=4, max_tokens=40, temperature=temperature, seed=3)], 2,
+                               make_tool("calculator"))
+    assert sum(c.tool_calls for c in cs) >= 2  # responses with a forced tool output and a second turn
+    for c in cs:
+        seq = torch.tensor([PROMPT + c.tokens])
+        with torch.no_grad():
+            lp = model.token_logprobs(seq[:, :-1], seq[:, 1:], temperature=temperature)[0, len(PROMPT) - 1:]
+        mask = torch.tensor(c.mask, dtype=torch.bool)
+        torch.testing.assert_close(torch.tensor(c.logprobs)[mask], lp[mask], atol=1e-5, rtol=0)
+        assert torch.exp(lp[mask] - torch.tensor(c.logprobs)[mask]).sub(1).abs().max() < 1e-5
