@@ -407,19 +407,20 @@ def test_chat_cli_turn_streams_tool_use_and_renders_back():
 
 
 def test_static_shape_decode_equals_eager():
-    # what each CUDA graph records, run eagerly here: every row reads a fixed attention-length bucket (with
-    # stale KV past its position masked out), idle slots decode garbage at position 0
+    # what each CUDA graph records, run eagerly here: the batch is a ladder size, every row reads a fixed
+    # attention-length bucket (with stale KV past its position masked out), idle rows decode garbage at position 0
     model = tiny(seq=256)
-    reqs = [Request(p, num_samples=2, max_tokens=70, temperature=0.7, seed=i, stop_tokens=[])
-            for i, p in enumerate(prompts([3, 50, 100, 20]))]
+    reqs = [Request(p, num_samples=2 if i < 4 else 1, max_tokens=70 + 10 * (i == 4), temperature=0.7, seed=i, stop_tokens=[])
+            for i, p in enumerate(prompts([3, 50, 100, 20, 9]))]
     want = Engine(model, TOK, batch_size=3, max_len=200).generate(reqs)
     engine = Engine(model, TOK, batch_size=3, max_len=200)
-    assert engine.buckets == [64, 128, 200]
-    seen = set()
+    assert engine.buckets == [64, 128, 200] and engine.sizes == [1, 2, 3]
+    seen, sizes = set(), set()
 
     def static_step(size, need):
         L = engine._bucket(need)
         seen.add(L)
+        sizes.add(size)
         engine.cache.static, engine.cache.attend_len = True, L
         try:
             return engine._forward_step(size)
@@ -428,7 +429,7 @@ def test_static_shape_decode_equals_eager():
 
     engine._decode_logits = static_step
     got = engine.generate(reqs)
-    assert seen == {64, 128, 200}
+    assert seen == {64, 128, 200} and {1, 3} <= sizes  # every bucket, the full batch and the smallest rung
     for a, b in zip(want, got):
         assert [c.tokens for c in a] == [c.tokens for c in b]
         for ca, cb in zip(a, b):
