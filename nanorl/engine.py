@@ -784,23 +784,25 @@ class Engine:
 @torch.no_grad()
 def inference_copy(model, dtype):
     """A frozen copy of model for sampling -> (copy, flat): every parameter of the copy is a view of one flat
-    buffer `flat` of dtype, so the whole set of weights is one tensor (one copy, one broadcast). Buffers (the
-    rotary tables) keep their own dtype."""
+    buffer `flat` of dtype, so the whole set of weights is one tensor (one copy, one broadcast). Tied parameters
+    stay tied; buffers (the rotary tables) keep their own dtype."""
     with torch.device("meta"):
         twin = type(model)(model.config)
-    named = dict(model.named_parameters())
-    device = next(iter(named.values())).device
-    flat = torch.empty(sum(p.numel() for p in named.values()), dtype=dtype, device=device)
-    offset = 0
-    for name, p in named.items():
-        view = flat[offset:offset + p.numel()].view(p.shape)
-        offset += p.numel()
-        view.copy_(p.detach())
+    unique = {id(p): p for p in model.parameters()}
+    flat = torch.empty(sum(p.numel() for p in unique.values()), dtype=dtype, device=next(model.parameters()).device)
+    views, offset = {}, 0
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) not in views:
+            view = flat[offset:offset + p.numel()].view(p.shape).copy_(p.detach())
+            views[id(p)], offset = torch.nn.Parameter(view, requires_grad=False), offset + p.numel()
         module, _, attr = name.rpartition(".")
-        setattr(twin.get_submodule(module), attr, torch.nn.Parameter(view, requires_grad=False))
+        setattr(twin.get_submodule(module), attr, views[id(p)])
     for name, b in model.named_buffers():
         module, _, attr = name.rpartition(".")
         twin.get_submodule(module)._buffers[attr] = b.detach().clone()
+    if any(t.is_meta for t in [*twin.parameters(), *twin.buffers()]):
+        raise ValueError(f"{type(model).__name__} has parameters or buffers its own constructor does not make: "
+                         "the engine cannot copy it (pass share_weights=True)")
     return twin.eval(), flat
 
 

@@ -623,3 +623,7 @@ def test_inference_copy_and_load_weights():
         Engine(model, TOK, share_weights=True, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="do not match"):
         engine.load_weights(tiny(n_kv_head=4))
+    tied = tiny()
+    tied.lm_head.weight = tied.transformer.wte.weight  # tied weights stay one tensor in the copy
+    copy = Engine(tied, TOK, batch_size=1).model
+    assert copy.lm_head.weight is copy.transformer.wte.weight and torch.equal(copy.lm_head.weight, tied.lm_head.weight)
