@@ -400,7 +400,9 @@ class Engine:
     @torch.no_grad()
     def step(self):
         """End cancelled samples, refill free slots from the queue (prefill), decode one token in every busy
-        slot. Returns False when there was nothing to do."""
+        slot. Returns False when there was nothing to do. A slot is free the moment its sample ends, so _admit
+        can refill a slot a cancel freed in this same step; nothing marks it free later (a deferred "mark free"
+        once reset such a refilled row to position 0 at every step, and the new request decoded garbage)."""
         with self.step_lock:
             try:
                 if self.cancel_requested:
