@@ -627,3 +627,30 @@ def test_inference_copy_and_load_weights():
     tied.lm_head.weight = tied.transformer.wte.weight  # tied weights stay one tensor in the copy
     copy = Engine(tied, TOK, batch_size=1).model
     assert copy.lm_head.weight is copy.transformer.wte.weight and torch.equal(copy.lm_head.weight, tied.lm_head.weight)
+
+
+def test_random_traffic_keeps_the_invariants_and_every_sample():
+    # requests arriving, ending at their first token, stopping, cancelled mid-way, through 4 slots: the slot
+    # invariants hold after every step, and each sample that was not cancelled equals itself on an idle engine
+    model = tiny()
+    g = torch.Generator().manual_seed(3)
+    rnd = lambda n: int(torch.randint(0, n, (), generator=g))  # noqa: E731
+    reqs = [Request(prompts([1 + rnd(20)], seed=i)[0], num_samples=1 + rnd(3), max_tokens=1 + rnd(12), temperature=rnd(2) * 0.9,
+                    seed=i, stop_tokens=[rnd(256)] if rnd(2) else []) for i in range(14)]
+    engine = Engine(model, TOK, batch_size=4)
+    handles, cancelled = [], set()
+    for i, r in enumerate(reqs):
+        handles.append(engine.submit(r))
+        if i % 5 == 4:
+            handles[i - 1].cancel()
+            cancelled.add(i - 1)
+        engine.step()
+        engine._check_invariants()
+    while engine.step():
+        engine._check_invariants()
+    for i, (r, h) in enumerate(zip(reqs, handles)):
+        if i in cancelled:
+            assert all(c.status in ("aborted", "completed", "truncated") for c in h.completions)
+            continue
+        want = Engine(model, TOK, batch_size=1).generate([r])[0]
+        assert [(c.tokens, c.status) for c in h.completions] == [(c.tokens, c.status) for c in want]
