@@ -27,10 +27,8 @@ The sampling engine: RL rollouts and the chat UI both run on it.
     engine = Engine(model, tokenizer, batch_size=64)
     completions = engine.generate([Request(prompt_ids, num_samples=8, temperature=1.0, seed=0)])
 """
-import ast
 import collections
 import math
-import operator
 import queue
 import threading
 import traceback
@@ -40,10 +38,8 @@ from dataclasses import dataclass
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-try:
-    from nanorl.execution import calculator
-except ImportError:  # execution.py comes from another branch; until it lands, the small fallback below
-    calculator = None
+from nanorl.execution import calculator
+
 
 @dataclass
 class Request:
@@ -72,46 +68,7 @@ class Completion:
     prompt_len: int
 
 
-# --- the calculator tool ------------------------------------------------------------------------
-
-_BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
-_MAX_BITS = 4096  # bigger integers are refused, so no expression can make the calculator crawl
-
-
-def _calculator(expr):
-    """Safe arithmetic: numbers, + - * / // % ** and parentheses, and "word".count("r"). No eval()."""
-    if len(expr) > 1000:
-        raise ValueError("expression too long")
-    return str(_eval(ast.parse(expr.strip(), mode="eval").body))
-
-
-def _eval(node):
-    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-        return node.value
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
-        v = _eval(node.operand)
-        return v if isinstance(node.op, ast.UAdd) else -v
-    if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
-        a, b = _eval(node.left), _eval(node.right)
-        if isinstance(node.op, ast.Pow) and isinstance(a, int) and isinstance(b, int) and abs(a) > 1 \
-                and abs(a).bit_length() * abs(b) > _MAX_BITS:
-            raise ValueError("number too large")
-        r = _BINOPS[type(node.op)](a, b)
-        if isinstance(r, complex) or (isinstance(r, int) and r.bit_length() > _MAX_BITS):
-            raise ValueError("result is not a reasonable real number")
-        return r
-    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "count"
-            and isinstance(node.func.value, ast.Constant) and isinstance(node.func.value.value, str)
-            and len(node.args) == 1 and not node.keywords
-            and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
-        return node.func.value.value.count(node.args[0].value)
-    raise ValueError(f"unsupported expression: {ast.dump(node)[:60]}")
-
-
-if calculator is None:
-    calculator = _calculator
-
+# --- tools ---------------------------------------------------------------------------------------
 
 def run_tool(expr, tool=None, timeout=1.0, max_chars=200):
     """Run tool(expr) -> str in a daemon thread. A failure or a timeout comes back as an error string, never

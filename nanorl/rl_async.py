@@ -65,10 +65,10 @@ def sum_payload_metrics(payloads):
     return m
 
 
-def run(roles, start_step, num_rollouts, model, sample, train, log_step, maybe_eval, save, should_save, stop_after_failure,
+def run(roles, start_step, num_rollouts, model, engine, sample, train, log_step, maybe_eval, save, should_save, stop_after_failure,
         weights_checksum):
     """
-    The async loop of this rank. sample(step, version) -> payload dict (groups, failure, metrics, rollout_s);
+    The async loop of this rank; a sampler refreshes engine's weights after each broadcast. sample(step, version) -> payload dict (groups, failure, metrics, rollout_s);
     train(step, groups, m) -> metrics; log_step(step, m, dt); maybe_eval(step); save(step); should_save(step);
     stop_after_failure(step, n_failed). Returns the seconds this rank spent waiting on the others.
     """
@@ -89,6 +89,7 @@ def run(roles, start_step, num_rollouts, model, sample, train, log_step, maybe_e
             t_wait = time.time()
             for p in model.parameters():
                 dist.broadcast(p.data, src=R, group=roles.wgroup)
+            engine.load_weights(model)  # the engine samples from its own copy
             box = [None]
             dist.broadcast_object_list(box, src=R, group=roles.wgroup)
             wait += time.time() - t_wait

@@ -236,6 +236,7 @@ def bench_rl(args):
         synchronize(device_type)
         t1 = time.perf_counter()
         m = trainer.train_step(step, samples, Timer())
+        engine.load_weights(model)  # as chat_rl: the engine samples from its own copy of the weights
         synchronize(device_type)
         t2 = time.perf_counter()
         gen_tok = sum(s.response_length for s in samples)

@@ -30,7 +30,7 @@ from nanorl import rl, rl_async, rl_trainer, rollout
 from nanorl.checkpoint import build_model, find_last_step, load_checkpoint, load_model, save_checkpoint
 from nanorl.common import Timer, compute_cleanup, compute_init, eta_min, get_base_dir, get_logger, print0
 from nanorl.engine import Engine
-from nanorl.gpt import Critic
+from nanorl.gpt import Critic, attention_backend
 from nanorl.multiturn import TOOLS, make_tool
 from nanorl.optim import MuonAdamW, build_optimizer
 from nanorl.report import load_json, log_json, log_section
@@ -228,6 +228,7 @@ def reward_fn(response, label, metadata):
 worker = rollout.RolloutWorker(args, engine, tokenizer, None if remote_rm else reward_fn,
                                make_tool(args.tool) if args.multi_turn else None, custom_generate)
 buffer = RolloutBuffer(buffer_filter)
+print0(f"attention: {attention_backend(device)}")
 print0(f"RL on {len(train_items)} prompts ({args.prompt_data or args.task}), eval on {len(eval_items)} ({eval_name}), "
        f"{world_size} rank(s), device {device}")
 
@@ -400,6 +401,8 @@ if args.resume:
     random.setstate(extra["py_rng"])
     torch.set_rng_state(extra["torch_rng"])
     start_step = last
+    if engine is not None:
+        engine.load_weights(model)  # the engine's copy was made from the weights before the resume
     old_args = ck_meta.get("rl_args", {})
     diffs = {k: (old_args.get(k), v) for k, v in vars(args).items() if k != "resume" and old_args.get(k) != v}
     if diffs:
@@ -424,8 +427,8 @@ if roles.async_mode:
         samples = [s for g in groups for s in g]
         return {"groups": groups, "failure": failure, "rollout_s": rollout_s,
                 "metrics": rollout_metrics(fstats, samples, rollout_s) if samples else {}}
-    idle_s = rl_async.run(roles, start_step, args.num_rollouts, model, sample, train, log_step, maybe_eval, save, should_save,
-                          stop_after_failure, weights_checksum)
+    idle_s = rl_async.run(roles, start_step, args.num_rollouts, model, engine, sample, train, log_step, maybe_eval, save,
+                          should_save, stop_after_failure, weights_checksum)
 else:
     for step in range(start_step, args.num_rollouts):
         t0 = time.time()
@@ -443,6 +446,9 @@ else:
             buffer.load_state_dict(before[1])
             stop_after_failure(step, int(failed.item()))
         m = train(step, groups, rollout_metrics(fstats, [s for g in groups for s in g], rollout_s))
+        t_sync = time.time()
+        engine.load_weights(model)  # the engine samples from its own (bf16 on GPUs) copy: give it the new weights
+        m["time/weight_sync"] = time.time() - t_sync
         dt = time.time() - t0
         m["perf/idle_frac"] = wait / dt
         idle_s += wait

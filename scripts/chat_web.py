@@ -345,27 +345,29 @@ class _SampleText:
 
 
 @torch.no_grad()
-def top_logprobs(engine, ids, tokens, k):
-    """For each generated token, the k most likely tokens there and their log-probs: [[(id, logprob)] * k] per token.
-    The engine keeps only the sampled token's log-prob, so this is one forward of prompt + reply on the engine's
-    model, run between its steps (under its step lock: on CUDA also never during a graph replay)."""
+def top_logprobs(engine, ids, tokens, k, temperature=1.0):
+    """For each generated token, the k most likely tokens there and their log-probs: [[(id, logprob)] * k] per token,
+    at the request's temperature like the engine's own log-probs (1 when greedy). The engine keeps only the sampled
+    token's log-prob, so this is one forward of prompt + reply on the engine's model, run between its steps (under its
+    step lock: on CUDA also never during a graph replay)."""
     seq = torch.tensor([list(ids) + list(tokens[:-1])], device=engine.device)
     ctx = torch.amp.autocast("cuda", dtype=torch.bfloat16) if engine.device.type == "cuda" else nullcontext()
     with engine.step_lock, ctx:
         h = engine.model.hidden_states(seq)[0, len(ids) - 1:]  # position t predicts token t + 1
         logits = engine.model.logits_from_hidden(h)
-    values, idx = torch.log_softmax(logits.float(), dim=-1).topk(min(k, logits.size(-1)), dim=-1)
+    values, idx = torch.log_softmax(logits.float() / (temperature or 1.0), dim=-1).topk(min(k, logits.size(-1)), dim=-1)
     return [list(zip(i, v)) for i, v in zip(idx.tolist(), values.tolist())]
 
 
-async def logprob_content(engine, tokenizer, ids, tokens, logprobs, k):
-    """OpenAI's logprobs.content for one sample: token, logprob (the engine's, at temperature 1), bytes, top_logprobs."""
+async def logprob_content(engine, tokenizer, ids, tokens, logprobs, k, temperature):
+    """OpenAI's logprobs.content for one sample: token, logprob (the engine's, at the sampling temperature), bytes,
+    top_logprobs."""
     def entry(t, lp):
         b = tokenizer.enc.decode_single_token_bytes(t)
         return {"token": b.decode("utf-8", errors="replace"), "logprob": lp, "bytes": list(b)}
     tops = [[]] * len(tokens)
     if k and tokens:
-        tops = await asyncio.get_running_loop().run_in_executor(None, top_logprobs, engine, ids, tokens, k)
+        tops = await asyncio.get_running_loop().run_in_executor(None, top_logprobs, engine, ids, tokens, k, temperature)
     return [{**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in top]} for t, lp, top in zip(tokens, logprobs, tops)]
 
 
@@ -412,7 +414,7 @@ async def generate(state, ids, settings, stops, parts=False, logprobs=None):
                 if s.done:
                     content = None
                     if logprobs is not None:
-                        content = await logprob_content(replica.engine, tok, ids, s.tokens, s.logprobs, logprobs)
+                        content = await logprob_content(replica.engine, tok, ids, s.tokens, s.logprobs, logprobs, settings["temperature"])
                     yield ("end", ev["sample"], s.finish_reason, content)
             if new_tokens:
                 state["stats"].add_tokens(new_tokens)

@@ -76,10 +76,15 @@ def final_weights(base_dir, tag):
 
 
 def test_first_step_is_exactly_on_policy(base_dir):
-    hist, log = run_rl(base_dir, "--num-rollouts", "2", "--output-tag", "onpolicy")
+    # at a rollout temperature != 1 too: the engine records the log-probs of the distribution it samples from, the
+    # trainer computes them at the same temperature, so TIS weights are 1; and on every step, not only the first:
+    # the engine's own copy of the weights is refreshed after each optimizer step
+    hist, log = run_rl(base_dir, "--num-rollouts", "2", "--output-tag", "onpolicy", "--temperature", "0.7", "--use-tis")
     first = hist["train"][0]
     assert first["train/first_step_ppo_kl"] == 0.0 and first["train/clipfrac"] == 0.0
-    assert first["train/train_rollout_logprob_abs_diff"] < 1e-4  # engine log-probs == trainer log-probs
+    for h in hist["train"]:
+        assert h["train/train_rollout_logprob_abs_diff"] < 1e-4  # engine log-probs == trainer log-probs
+        assert abs(h["train/tis_mean"] - 1.0) < 1e-4 and h["train/tis_clipfrac"] == 0.0
     assert first["rollout/reward_std"] > 0 and first["train/grad_norm"] > 0
     assert "eval/pass@1" in hist["eval"][0] and len(hist["eval"]) == 2  # before the first and after the last
 

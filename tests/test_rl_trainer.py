@@ -106,7 +106,7 @@ def test_gspo_rows_weigh_equally_under_sequence_mean():
         assert torch.allclose(w, p.grad, atol=1e-7, rtol=1e-5)
 
 
-@pytest.mark.parametrize("temperature", [1.0])
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
 def test_sampler_logprobs_are_the_trainers_at_any_temperature(temperature):
     """On-policy, the engine's recorded log-probs are those of the distribution it sampled from, which is what the
     trainer computes at the rollout temperature: TIS weights are all 1 and the mismatch metric is ~0."""
