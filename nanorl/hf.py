@@ -211,7 +211,7 @@ def hf_config(model, tokenizer=None):
         # nanorl's norm uses the dtype's epsilon when norm_eps is 0: write the fp32 value so fp32 logits agree
         "rms_norm_eps": c.norm_eps or torch.finfo(torch.float32).eps,
         "rope_parameters": rope, "tie_word_embeddings": c.tie_embeddings,
-        "attention_bias": False, "torch_dtype": "float32",
+        "attention_bias": False, "dtype": "float32",
     }
     if nanochat:
         out["final_logit_softcapping"] = c.softcap or None
@@ -261,7 +261,7 @@ def export_hf(model, tokenizer, out_dir, dtype=None):
     save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
     cfg = hf_config(model, tokenizer)
     if dtype is not None:
-        cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
+        cfg["dtype"] = str(dtype).removeprefix("torch.")
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
     from nanorl.tokenizer import save_hf_tokenizer

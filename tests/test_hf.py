@@ -216,3 +216,36 @@ def test_errors_name_the_file(tmp_path):
     load_hf_model(str(tmp_path))  # the consistent index loads
     with pytest.raises(FileNotFoundError, match="tokenizer.json is missing"):
         HFTokenizer.load(str(tmp_path))
+
+
+def test_load_model_hf_checkpoint_and_export_script(tmp_path, monkeypatch):
+    """load_model(hf_model=DIR) -> an optimizer step -> a checkpoint that reloads with the model's own tokenizer
+    -> scripts.export_hf writes it back in its architecture (Qwen2, tied embeddings) with equal logits."""
+    import subprocess
+    import sys
+    from nanorl.checkpoint import load_model, save_checkpoint
+    from nanorl.optim import build_optimizer
+    src, base = tmp_path / "qwen", tmp_path / "base"
+    tiny_hf("qwen2", src)
+    tiny_tokenizer(src)
+    monkeypatch.setenv("NANORL_BASE_DIR", str(base))
+    model, tok, meta = load_model("sft", "cpu", phase="train", hf_model=str(src))
+    assert model.training and isinstance(tok, HFTokenizer) and meta["tokenizer_dir"] == str(src)
+    assert model.lm_head.weight is model.transformer.wte.weight  # tied, as Qwen2.5's small sizes
+    opt = build_optimizer(model)
+    ids = torch.tensor([tok.render_conversation(CONVERSATION)[0]])
+    model(ids[:, :-1], ids[:, 1:]).backward()
+    opt.step()
+    assert model.lm_head.weight is model.transformer.wte.weight  # still one tensor after the update
+    save_checkpoint(str(base / "rl_checkpoints" / "qwen"), 1, model.state_dict(), meta={**meta, "step": 1})
+    again, tok2, _ = load_model("rl", "cpu")
+    assert isinstance(tok2, HFTokenizer) and tok2.vocab_size == tok.vocab_size
+    with torch.no_grad():
+        want = model(ids)
+        assert torch.equal(again(ids), want)
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "NANORL_BASE_DIR": str(base)}
+    subprocess.run([sys.executable, "-m", "scripts.export_hf", "-i", "rl", "-o", str(tmp_path / "out")], env=env, check=True)
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
+    assert type(back).__name__ == "Qwen2ForCausalLM" and back.config.tie_word_embeddings
+    with torch.no_grad():
+        assert (back(ids).logits - want).abs().max().item() < 1e-4
