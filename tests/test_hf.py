@@ -98,16 +98,19 @@ def test_import_logits_match_transformers(kind, tmp_path):
     assert all(p.device.type == "cpu" and p.dtype == torch.float32 for p in model.parameters())
 
 
-def test_engine_greedy_and_logprobs_match_transformers(tmp_path):
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_engine_greedy_and_logprobs_match_transformers(kind, tmp_path):
     """nanorl's engine generates what transformers' generate does (greedy), with log-probs equal to the trainer's."""
-    ref = tiny_hf("qwen2", tmp_path)
-    tiny_tokenizer(tmp_path)
+    ref = tiny_hf(kind, tmp_path)
+    tiny_tokenizer(tmp_path, "llama" if kind == "llama" else "qwen")
     model, _ = load_hf_model(str(tmp_path))
     tok = HFTokenizer.load(str(tmp_path))
     prompt = tok.render_for_completion({"messages": [{"role": "user", "content": "What is 12 plus 30?"}]})
     with torch.no_grad():
-        want = ref.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, min_new_tokens=16,
-                            eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        # an explicit attention mask: else generate masks out every prompt token equal to pad_token_id
+        x = torch.tensor([prompt])
+        want = ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=16, do_sample=False,
+                            min_new_tokens=16, eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
     (c,), = Engine(model, tok, batch_size=2).generate([Request(prompt, max_tokens=16, temperature=0, stop_tokens=[])])
     assert c.tokens == want
     seq = torch.tensor([prompt + c.tokens])
