@@ -355,7 +355,7 @@ class HFTokenizer:
         """(ids, mask) with mask 1 on each assistant reply up to and including its end-of-turn token, as
         the template renders it; everything the template adds around it (headers, newlines) is 0."""
         messages = self._messages(conversation)
-        spans, prompt = [], ""
+        spans, rendered = [], []
         for i, msg in enumerate(messages):
             if msg["role"] != "assistant":
                 continue
@@ -367,7 +367,11 @@ class HFTokenizer:
             end = full.find(self.special_map.get("<|assistant_end|>") or "\0", len(prompt))
             end = len(full) if end < 0 else end + len(self.special_map["<|assistant_end|>"])
             spans.append((len(prompt), end))
+            rendered.append(full[:end])
         text = self.apply_template(messages, add_generation_prompt=False)
+        if not all(text.startswith(r) for r in rendered):
+            raise ValueError("the chat template renders an earlier reply differently once the conversation goes on "
+                             "(as Qwen3's drops earlier <think> blocks): train on one reply per conversation")
         enc = self.tok.encode(text, add_special_tokens=False)
         ids = enc.ids
         mask = [int(any(a <= s < b for a, b in spans)) for s, _ in enc.offsets]

@@ -43,8 +43,11 @@ def tiny_tokenizer(directory, family="qwen"):
     tok.save(os.path.join(directory, "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": QWEN_TEMPLATE,
               "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None}
-    if family == "llama":
-        config.update(chat_template=LLAMA_TEMPLATE, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>")
+    if family == "llama":  # the template in chat_template.jinja, where newer transformers save it
+        config.update(bos_token="<|begin_of_text|>", eos_token="<|eot_id|>")
+        del config["chat_template"]
+        with open(os.path.join(directory, "chat_template.jinja"), "w") as f:
+            f.write(LLAMA_TEMPLATE)
     with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
         json.dump(config, f)
     return tok.get_vocab_size()
@@ -140,6 +143,24 @@ def test_chat_template_ids_and_mask(family, tmp_path):
     assert tok.encode_special("<|python_start|>") is None  # no tool tokens: no tool calls
     assert tok.encode("a <|im_end|> b") == ref("a <|im_end|> b", add_special_tokens=False, split_special_tokens=True)["input_ids"]
     assert tok.decode(tok.encode("Hello there, 42!")) == "Hello there, 42!"
+
+
+def test_chat_template_that_rewrites_history_is_refused(tmp_path):
+    """A template that renders an earlier reply differently once another follows (Qwen3 drops old <think>
+    blocks) cannot give a loss mask by prefixes: a clear error, while single replies still render."""
+    tiny_tokenizer(tmp_path)
+    cfg_path = tmp_path / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' and loop.last %}"
+        "<think>\n\n</think>\n\n{% endif %}{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    cfg_path.write_text(json.dumps(cfg))
+    tok = HFTokenizer.load(str(tmp_path))
+    ids, mask = tok.render_conversation({"messages": CONVERSATION["messages"][:2]})
+    assert tok.decode([i for i, m in zip(ids, mask) if m]) == "<think>\n\n</think>\n\nThe answer is 42.<|im_end|>"
+    with pytest.raises(ValueError, match="renders an earlier reply differently"):
+        tok.render_conversation(CONVERSATION)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
