@@ -109,6 +109,10 @@ class Tokenizer:
     def id_to_token(self, i):
         return self.enc.decode([i])
 
+    def decode_token_bytes(self, i):
+        """The bytes of one token (a token may be part of a UTF-8 character)."""
+        return self.enc.decode_single_token_bytes(i)
+
     def token_bytes(self):
         """Bytes per token id (0 for special tokens), for bits-per-byte: a loss that does not depend on the vocab."""
         special = set(self.enc.special_tokens_set)
@@ -246,6 +250,8 @@ class HFTokenizer:
         self.chat_template, self.special_map, self.config = chat_template, special_map, config or {}
         self.bos_token_id = self.encode_special("<|bos|>")
         self.assistant_end = self.special_map.get("<|assistant_end|>")
+        self.added = {t.content for t in tok.get_added_tokens_decoder().values()}
+        self.unicode_to_byte = {c: b for b, c in _bytes_to_unicode().items()}
 
     @classmethod
     def load(cls, directory):
@@ -315,10 +321,20 @@ class HFTokenizer:
     def id_to_token(self, i):
         return self.decode([i])
 
+    def decode_token_bytes(self, i):
+        """The bytes of one token: byte-level BPE tokens map back through the byte alphabet, others decode."""
+        s = self.tok.id_to_token(i)
+        if s is None:
+            return b""
+        if s in self.added:
+            return s.encode("utf-8")
+        if all(c in self.unicode_to_byte for c in s):
+            return bytes(self.unicode_to_byte[c] for c in s)
+        return self.decode([i]).encode("utf-8")
+
     def token_bytes(self):
         special = {t.content for t in self.tok.get_added_tokens_decoder().values() if t.special}
-        return [0 if self.tok.id_to_token(i) in special else len(self.decode([i]).encode("utf-8"))
-                for i in range(self.vocab_size)]
+        return [0 if self.tok.id_to_token(i) in special else len(self.decode_token_bytes(i)) for i in range(self.vocab_size)]
 
     # --- chat ---------------------------------------------------------------------------------
     def apply_template(self, messages, add_generation_prompt):

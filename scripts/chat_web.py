@@ -361,7 +361,7 @@ def top_logprobs(engine, ids, tokens, k):
 async def logprob_content(engine, tokenizer, ids, tokens, logprobs, k):
     """OpenAI's logprobs.content for one sample: token, logprob (the engine's, at temperature 1), bytes, top_logprobs."""
     def entry(t, lp):
-        b = tokenizer.enc.decode_single_token_bytes(t)
+        b = tokenizer.decode_token_bytes(t)
         return {"token": b.decode("utf-8", errors="replace"), "logprob": lp, "bytes": list(b)}
     tops = [[]] * len(tokens)
     if k and tokens:
@@ -525,7 +525,7 @@ def create_app(engines, tokenizer, limits=None):
 
     limits = {**DEFAULT_LIMITS, **(limits or {})}
     # the longest token in bytes: a conversation's bytes / this bounds its tokens from below, without tokenising it
-    limits["token_bytes"] = max(len(tokenizer.enc.decode_single_token_bytes(i)) for i in range(tokenizer.vocab_size))
+    limits["token_bytes"] = max(len(tokenizer.decode_token_bytes(i)) for i in range(tokenizer.vocab_size))
     replicas = [Replica(e, f"{e.device}") for e in engines]
     state = dict(replicas=replicas, tokenizer=tokenizer, limits=limits, lock=threading.Lock(), stats=Stats())
     max_len = min(e.max_len for e in engines)

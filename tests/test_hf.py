@@ -143,6 +143,9 @@ def test_chat_template_ids_and_mask(family, tmp_path):
     assert tok.encode_special("<|python_start|>") is None  # no tool tokens: no tool calls
     assert tok.encode("a <|im_end|> b") == ref("a <|im_end|> b", add_special_tokens=False, split_special_tokens=True)["input_ids"]
     assert tok.decode(tok.encode("Hello there, 42!")) == "Hello there, 42!"
+    ids = tok.encode("Natalia sold clips – half as many ✓")
+    assert b"".join(tok.decode_token_bytes(i) for i in ids) == "Natalia sold clips – half as many ✓".encode()
+    assert tok.decode_token_bytes(tok.encode_special("<|assistant_end|>")) == end.encode()
 
 
 def test_chat_template_that_rewrites_history_is_refused(tmp_path):
