@@ -226,6 +226,9 @@ def test_errors_name_the_file(tmp_path):
     cfg_path.write_text(json.dumps({**cfg, "architectures": ["MixtralForCausalLM"]}))
     with pytest.raises(ValueError, match=r"config.json: architecture MixtralForCausalLM is not supported"):
         load_hf_model(str(tmp_path))
+    cfg_path.write_text(json.dumps({**cfg, "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}))
+    with pytest.raises(ValueError, match=r"config.json: Qwen2ForCausalLM with rope_type yarn is not supported"):
+        load_hf_model(str(tmp_path))  # refused, never silently approximated
     cfg_path.write_text(json.dumps(cfg))
     # a sharded checkpoint whose index names a tensor its shard does not have
     os.rename(tmp_path / "model.safetensors", tmp_path / "model-00001-of-00001.safetensors")
