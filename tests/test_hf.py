@@ -59,11 +59,11 @@ CONVERSATION = {"messages": [
     {"role": "assistant", "content": "I am fine, thanks."}]}
 
 
-def tiny_hf(kind, directory, seed=0, vocab=VOCAB):
+def tiny_hf(kind, directory, seed=0, vocab=VOCAB, context=128):
     """A tiny random HF model saved to `directory`; norms and biases randomised too (their init is trivial)."""
     torch.manual_seed(seed)
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context)
     if kind == "llama":
         cfg = transformers.LlamaConfig(**common, rms_norm_eps=1e-5, rope_parameters={
             "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
