@@ -119,6 +119,12 @@ def build_model(checkpoint_dir, step=None, device="cpu", phase="eval"):
     model_state = {k.removeprefix("_orig_mod."): v for k, v in model_state.items()}
     model.load_state_dict(model_state, strict=True)
     model.train() if phase == "train" else model.eval()
+    if meta.get("tokenizer_dir"):  # trained from an open model: its own tokenizer, whose embedding may have spare rows
+        from nanorl.tokenizer import HFTokenizer
+        tokenizer = HFTokenizer.load(meta["tokenizer_dir"])
+        if tokenizer.vocab_size > config.vocab_size:
+            raise ValueError(f"tokenizer in {meta['tokenizer_dir']} has {tokenizer.vocab_size} tokens, more than the checkpoint in {checkpoint_dir} ({config.vocab_size})")
+        return model, tokenizer, meta
     tokenizer = get_tokenizer()
     if tokenizer.vocab_size != config.vocab_size:
         raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens but the checkpoint in {checkpoint_dir} expects {config.vocab_size}")
@@ -134,8 +140,28 @@ def checkpoint_root(source):
     return os.path.join(get_base_dir(), f"{source}_checkpoints")
 
 
-def load_model(source, device, phase="eval", model_tag=None, step=None):
-    """Load the model of a pipeline stage: <base>/{source}_checkpoints/{model_tag} (default: the newest tag)."""
+def load_hf(directory, device, phase="eval"):
+    """A Hugging Face model directory -> (model, tokenizer, meta). Trained in fp32 (autocast makes bf16
+    matmuls); served in bf16 on CUDA. meta's tokenizer_dir travels into checkpoints saved from it."""
+    from nanorl.hf import load_hf_model
+    from nanorl.tokenizer import HFTokenizer
+    device = torch.device(device)
+    model, _ = load_hf_model(directory, device, dtype=torch.float32 if phase == "train" else None)
+    tokenizer = HFTokenizer.load(directory)
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise ValueError(f"{directory}/tokenizer.json has {tokenizer.vocab_size} tokens, more than the model's {model.config.vocab_size}")
+    model.train() if phase == "train" else model.eval()
+    directory = os.path.abspath(directory)
+    meta = {"model_config": model.config.to_dict(), "model_tag": os.path.basename(directory.rstrip("/")),
+            "hf_model": directory, "tokenizer_dir": directory}
+    return model, tokenizer, meta
+
+
+def load_model(source, device, phase="eval", model_tag=None, step=None, hf_model=None):
+    """Load the model of a pipeline stage: <base>/{source}_checkpoints/{model_tag} (default: the newest tag),
+    or, with hf_model, a Hugging Face model directory (Llama-3, Qwen2/2.5, Qwen3, NanoChat) instead."""
+    if hf_model is not None:
+        return load_hf(hf_model, device, phase)
     root = checkpoint_root(source)
     tags = [t for t in (os.listdir(root) if os.path.isdir(root) else []) if find_last_step(os.path.join(root, t)) is not None]
     if model_tag is None:

@@ -4,6 +4,9 @@ The nanorl GPT: one small, modern decoder-only transformer.
 - rotary position embeddings (no learned positions), QK-norm, grouped-query attention (n_kv_head)
 - ReLU^2 MLP, parameter-free RMSNorm, untied token embedding and unembedding, logit softcap
 - built on the meta device and initialised explicitly by init_weights()
+- a few switches (GPTConfig) load open models into this same class: SwiGLU MLP, RMSNorm with weights,
+  QKV bias, QK-norm with weights (Qwen3) or none (Llama, Qwen2), tied embeddings, rope theta and Llama-3
+  rope scaling, no softcap. The defaults are nanorl's own architecture (see nanorl/hf.py)
 - three attention paths: plain causal; packed rows with document masking (several documents in a row
   attend only within themselves, positions restart per document); and a KV cache for the engine.
   Which kernel runs where (attention_backend() says it in each stage's log):
@@ -32,7 +35,18 @@ class GPTConfig:
     n_head: int = 6
     n_kv_head: int = 6
     n_embd: int = 768
-    softcap: float = 15.0
+    softcap: float = 15.0  # 0: no softcap
+    # architecture switches for imported open models; the defaults are nanorl's own choices
+    head_dim: int = 0  # 0: n_embd // n_head (Qwen3 uses wider heads than n_embd / n_head)
+    mlp: str = "relu2"  # "relu2" (c_fc -> relu^2 -> c_proj) or "swiglu" (silu(c_gate) * c_fc -> c_proj)
+    mlp_hidden: int = 0  # 0: 4 * n_embd
+    norm_weight: bool = False  # RMSNorm with a learned scale (and the embedding is not normed)
+    norm_eps: float = 0.0  # 0: torch's default (the dtype's machine epsilon)
+    attn_bias: bool = False  # biases on the q/k/v projections (Qwen2)
+    qk_norm: bool = True  # normalise q and k per head (with norm_weight: learned, before rotary, as Qwen3)
+    tie_embeddings: bool = False  # lm_head shares the token embedding
+    rope_theta: float = 10000.0
+    rope_scaling: dict = None  # Llama-3.1's {"rope_type": "llama3", "factor", "low_freq_factor", ...}
 
     def to_dict(self):
         return asdict(self)
@@ -57,6 +71,33 @@ def config_from_depth(depth, vocab_size, sequence_len=2048, aspect_ratio=64, hea
 def norm(x):
     # parameter-free RMSNorm: nothing to learn, nothing to decay
     return F.rms_norm(x, (x.size(-1),))
+
+
+class RMSNorm(nn.Module):
+    """norm() with an optional learned scale; without one it has no parameters and adds no state-dict keys."""
+    def __init__(self, dim, config):
+        super().__init__()
+        self.eps = config.norm_eps or None
+        self.weight = nn.Parameter(torch.ones(dim)) if config.norm_weight else None
+
+    def forward(self, x):
+        w = None if self.weight is None else self.weight.to(x.dtype)  # fp32 weights under bf16 autocast
+        return F.rms_norm(x, (x.size(-1),), w, self.eps)
+
+
+def rope_inv_freq(head_dim, theta, scaling=None):
+    """Rotary frequencies; Llama-3.1's scaling slows the low frequencies down for a longer context."""
+    half = head_dim // 2
+    inv_freq = 1.0 / (theta ** (torch.arange(0, half, dtype=torch.float32) / half))
+    if not scaling:
+        return inv_freq
+    factor, lo, hi = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_len / wavelen - lo) / (hi - lo)  # 0 at the long-wavelength end, 1 at the short one
+    mid = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    out = torch.where(wavelen > old_len / lo, inv_freq / factor, inv_freq)  # long waves: scaled
+    return torch.where((wavelen >= old_len / hi) & (wavelen <= old_len / lo), mid, out)
 
 
 def apply_rotary(x, cos, sin):
@@ -234,19 +275,26 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.n_head, self.n_kv_head = config.n_head, config.n_kv_head
-        self.head_dim = config.n_embd // config.n_head
-        self.c_q = nn.Linear(config.n_embd, self.n_head * self.head_dim, bias=False)
-        self.c_k = nn.Linear(config.n_embd, self.n_kv_head * self.head_dim, bias=False)
-        self.c_v = nn.Linear(config.n_embd, self.n_kv_head * self.head_dim, bias=False)
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
+        self.head_dim = config.head_dim or config.n_embd // config.n_head
+        self.c_q = nn.Linear(config.n_embd, self.n_head * self.head_dim, bias=config.attn_bias)
+        self.c_k = nn.Linear(config.n_embd, self.n_kv_head * self.head_dim, bias=config.attn_bias)
+        self.c_v = nn.Linear(config.n_embd, self.n_kv_head * self.head_dim, bias=config.attn_bias)
+        self.c_proj = nn.Linear(self.n_head * self.head_dim, config.n_embd, bias=False)
+        # QK-norm: nanorl's parameter-free one after rotary, or a learned one before rotary (Qwen3)
+        self.qk_norm = config.qk_norm
+        self.q_norm = RMSNorm(self.head_dim, config) if config.qk_norm and config.norm_weight else None
+        self.k_norm = RMSNorm(self.head_dim, config) if config.qk_norm and config.norm_weight else None
 
     def forward(self, x, cos, sin, attn_mask=None, kv_cache=None):
         B, T, C = x.shape
         q = self.c_q(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        q, k = norm(q), norm(k)  # QK-norm keeps attention logits bounded without a temperature to tune
+        if self.qk_norm and self.q_norm is None:
+            q, k = norm(q), norm(k)  # QK-norm keeps attention logits bounded without a temperature to tune
         gqa = self.n_kv_head != self.n_head
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v)
@@ -260,17 +308,23 @@ class CausalSelfAttention(nn.Module):
                 y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=gqa)
             else:
                 y = causal_attend(q, k, v, gqa)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        y = y.transpose(1, 2).contiguous().view(B, T, self.n_head * self.head_dim)
         return self.c_proj(y)
 
 
 class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=False)
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=False)
+        hidden = config.mlp_hidden or 4 * config.n_embd
+        self.swiglu = config.mlp == "swiglu"
+        if self.swiglu:
+            self.c_gate = nn.Linear(config.n_embd, hidden, bias=False)
+        self.c_fc = nn.Linear(config.n_embd, hidden, bias=False)
+        self.c_proj = nn.Linear(hidden, config.n_embd, bias=False)
 
     def forward(self, x):
+        if self.swiglu:
+            return self.c_proj(F.silu(self.c_gate(x)) * self.c_fc(x))
         return self.c_proj(F.relu(self.c_fc(x)).square())
 
 
@@ -279,10 +333,11 @@ class Block(nn.Module):
         super().__init__()
         self.attn = CausalSelfAttention(config, layer_idx)
         self.mlp = MLP(config)
+        self.norm_attn, self.norm_mlp = RMSNorm(config.n_embd, config), RMSNorm(config.n_embd, config)
 
     def forward(self, x, cos, sin, attn_mask=None, kv_cache=None):
-        x = x + self.attn(norm(x), cos, sin, attn_mask, kv_cache)
-        x = x + self.mlp(norm(x))
+        x = x + self.attn(self.norm_attn(x), cos, sin, attn_mask, kv_cache)
+        x = x + self.mlp(self.norm_mlp(x))
         return x
 
 
@@ -293,16 +348,25 @@ class GPT(nn.Module):
             raise ValueError(f"n_embd {config.n_embd} is not divisible by n_head {config.n_head}")
         if config.n_head % config.n_kv_head != 0:
             raise ValueError(f"n_kv_head {config.n_kv_head} must divide n_head {config.n_head}")
+        if config.mlp not in ("relu2", "swiglu"):
+            raise ValueError(f"unknown mlp {config.mlp!r}: 'relu2' or 'swiglu'")
         self.config = config
-        self.head_dim = config.n_embd // config.n_head
+        self.head_dim = config.head_dim or config.n_embd // config.n_head
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
+            norm_f=RMSNorm(config.n_embd, config),
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.tie_weights()
         # rotary tables are buffers (not parameters, not saved): recomputed by init_weights / load
         self.register_buffer("cos", torch.empty(config.sequence_len, self.head_dim // 2), persistent=False)
         self.register_buffer("sin", torch.empty(config.sequence_len, self.head_dim // 2), persistent=False)
+
+    def tie_weights(self):
+        # again after to_empty()/load, which may replace the shared parameter with two separate ones
+        if self.config.tie_embeddings:
+            self.lm_head.weight = self.transformer.wte.weight
 
     @torch.no_grad()
     def init_weights(self):
@@ -313,25 +377,31 @@ class GPT(nn.Module):
         torch.nn.init.normal_(self.lm_head.weight, mean=0.0, std=0.001)
         bound = math.sqrt(3.0 / C)  # uniform with std 1/sqrt(fan_in)
         for block in self.transformer.h:
-            for lin in (block.attn.c_q, block.attn.c_k, block.attn.c_v, block.mlp.c_fc):
-                torch.nn.init.uniform_(lin.weight, -bound, bound)
+            for lin in (block.attn.c_q, block.attn.c_k, block.attn.c_v, block.mlp.c_fc, getattr(block.mlp, "c_gate", None)):
+                if lin is not None:
+                    torch.nn.init.uniform_(lin.weight, -bound, bound)
+                    if lin.bias is not None:
+                        torch.nn.init.zeros_(lin.bias)
             # residual branches start as the identity: outputs projections at zero
             torch.nn.init.zeros_(block.attn.c_proj.weight)
             torch.nn.init.zeros_(block.mlp.c_proj.weight)
+        for m in self.modules():
+            if isinstance(m, RMSNorm) and m.weight is not None:
+                torch.nn.init.ones_(m.weight)
+        self.tie_weights()
         self.init_rotary()
-        if self.transformer.wte.weight.device.type == "cuda":
+        if self.transformer.wte.weight.device.type == "cuda" and not self.config.tie_embeddings:
             # the embedding is only a lookup: keep it in bf16 to halve its memory traffic
             self.transformer.wte.to(dtype=torch.bfloat16)
 
     @torch.no_grad()
-    def init_rotary(self, base=10000.0):
+    def init_rotary(self):
         dev = self.lm_head.weight.device
-        half = self.head_dim // 2
-        inv_freq = 1.0 / (base ** (torch.arange(0, half, dtype=torch.float32, device=dev) / half))
+        inv_freq = rope_inv_freq(self.head_dim, self.config.rope_theta, self.config.rope_scaling).to(dev)
         t = torch.arange(self.config.sequence_len, dtype=torch.float32, device=dev)
         freqs = torch.outer(t, inv_freq)
-        self.cos.copy_(freqs.cos())
-        self.sin.copy_(freqs.sin())
+        self.cos = freqs.cos()  # assigned, not copied into: after a meta-device load the old buffers hold no memory
+        self.sin = freqs.sin()
 
     def num_params(self):
         return sum(p.numel() for p in self.parameters())
@@ -360,18 +430,20 @@ class GPT(nn.Module):
         else:
             pos = torch.arange(T, device=idx.device)[None, :]
         cos, sin = self._rotary(pos)
-        x = norm(self.transformer.wte(idx))
+        x = self.transformer.wte(idx)
+        if not self.config.norm_weight:
+            x = norm(x)  # nanorl norms the embedding; the imported architectures do not
         for block in self.transformer.h:
             x = block(x, cos, sin, attn_mask, kv_cache)
         if kv_cache is not None:
             kv_cache.end(T)
-        return norm(x)
+        return self.transformer.norm_f(x)
 
     def logits_from_hidden(self, h):
         # softcap: smoothly bound logits to +-softcap, computed in fp32
         logits = self.lm_head(h).float()
         c = self.config.softcap
-        return c * torch.tanh(logits / c)
+        return c * torch.tanh(logits / c) if c else logits
 
     def forward(self, idx, targets=None, doc_ids=None, kv_cache=None, loss_reduction="mean"):
         """Logits (B, T, V) when targets is None, else the cross-entropy loss (targets == -1 are ignored)."""

@@ -107,8 +107,9 @@ class MuonAdamW(torch.optim.Optimizer):
 def build_optimizer(model, matrix_lr=0.02, embedding_lr=0.2, unembedding_lr=0.004, weight_decay=0.0,
                     adam_betas=(0.8, 0.95), muon_momentum=0.95):
     """Muon for the blocks' matrices, AdamW for embedding / lm_head / the rest. Every group has initial_lr."""
-    embed = list(model.transformer.wte.parameters())
     head = list(model.lm_head.parameters())
+    # a tied embedding is also the unembedding: it takes the unembedding's (much smaller) LR, and only once
+    embed = [p for p in model.transformer.wte.parameters() if p is not model.lm_head.weight]
     special = {id(p) for p in embed + head}
     matrices = [p for p in model.transformer.h.parameters() if p.ndim == 2]
     others = [p for p in model.parameters() if id(p) not in special and p.ndim != 2]

@@ -141,6 +141,7 @@ def add_train_args(parser, stage, source, init_lr_frac, warmdown_ratio, num_epoc
     a("--source", default=source, choices=["base", "mid", "sft", "rl"], help="checkpoint to start from")
     a("--model-tag", default=None, help="checkpoint subdirectory of the source (default: newest)")
     a("--model-step", type=int, default=None, help="checkpoint step of the source (default: last)")
+    a("--hf-model", default=None, metavar="DIR", help="start from a Hugging Face model directory (Qwen2.5, Qwen3, Llama-3) instead of --source")
     a("--output-tag", default=None, help=f"save under {stage}_checkpoints/<tag> (default: the source's tag)")
     a("--data", default="offline", choices=["offline", "hub"],
       help="offline: the synthetic curriculum (no download); hub: the Hugging Face datasets (or --task-path files)")
@@ -237,7 +238,7 @@ def train(args, stage, hub_mixture, offline_mixture):
     ddp, rank, _, world_size, device = compute_init(args.device_type, seed=args.seed)
     master = rank == 0
     autocast = autocast_ctx(device.type)
-    model, tokenizer, meta = load_model(args.source, device, phase="train", model_tag=args.model_tag, step=args.model_step)
+    model, tokenizer, meta = load_model(args.source, device, phase="train", model_tag=args.model_tag, step=args.model_step, hf_model=args.hf_model)
     T = args.max_seq_len or model.config.sequence_len
     if T > model.config.sequence_len:
         raise SystemExit(f"--max-seq-len {T} exceeds the model's context {model.config.sequence_len}")

@@ -109,6 +109,10 @@ class Tokenizer:
     def id_to_token(self, i):
         return self.enc.decode([i])
 
+    def decode_token_bytes(self, i):
+        """The bytes of one token (a token may be part of a UTF-8 character)."""
+        return self.enc.decode_single_token_bytes(i)
+
     def token_bytes(self):
         """Bytes per token id (0 for special tokens), for bits-per-byte: a loss that does not depend on the vocab."""
         special = set(self.enc.special_tokens_set)
@@ -218,3 +222,243 @@ def get_tokenizer(base_dir=None):
 def get_token_bytes(tokenizer, device="cpu"):
     import torch
     return torch.tensor(tokenizer.token_bytes(), dtype=torch.int32, device=device)
+
+
+# --- open models' tokenizers --------------------------------------------------------------------
+
+# nanorl's names for the tokens the engine, rollouts and scripts ask for, and what each family calls them
+CHAT_FORMATS = {
+    # Qwen (ChatML): <|endoftext|> separates pretraining documents, <|im_end|> ends a turn
+    "<|im_start|>": {"<|bos|>": "<|endoftext|>", "<|assistant_end|>": "<|im_end|>"},
+    # Llama-3: header tokens around each role, <|eot_id|> ends a turn
+    "<|start_header_id|>": {"<|bos|>": "<|begin_of_text|>", "<|assistant_end|>": "<|eot_id|>"},
+}
+
+
+class HFTokenizer:
+    """
+    A model's own tokenizer.json (through the `tokenizers` package) behind the Tokenizer interface, with
+    conversations rendered by the model's chat template (jinja2, as transformers renders it). Special
+    tokens are asked for by nanorl's names and mapped to the family's tokens; names with no counterpart
+    (the tool-call tokens of a model without them) give None, and the engine then never sees a tool call.
+    """
+    def __init__(self, tok, chat_template, special_map, config=None):
+        from tokenizers import Tokenizer as HFTok
+        self.tok = tok  # added tokens in text are special tokens: what a chat template renders
+        self.plain = HFTok.from_str(tok.to_str())  # special-looking text is plain text: what encode() takes
+        self.plain.encode_special_tokens = True
+        self.chat_template, self.special_map, self.config = chat_template, special_map, config or {}
+        self.bos_token_id = self.encode_special("<|bos|>")
+        self.assistant_end = self.special_map.get("<|assistant_end|>")
+        self.added = {t.content for t in tok.get_added_tokens_decoder().values()}
+        self.unicode_to_byte = {c: b for b, c in _bytes_to_unicode().items()}
+
+    @classmethod
+    def load(cls, directory):
+        from tokenizers import Tokenizer as HFTok
+        path = os.path.join(directory, "tokenizer.json")
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"{path} is missing: the model directory needs its tokenizer.json")
+        try:
+            tok = HFTok.from_file(path)
+        except Exception as e:
+            raise ValueError(f"{path} is not a Hugging Face tokenizers file ({type(e).__name__}: {e})") from e
+        config = {}
+        cfg_path = os.path.join(directory, "tokenizer_config.json")
+        if os.path.exists(cfg_path):
+            with open(cfg_path) as f:
+                config = json.load(f)
+        template = config.get("chat_template")
+        jinja_path = os.path.join(directory, "chat_template.jinja")  # where newer transformers save it
+        if os.path.exists(jinja_path):
+            with open(jinja_path) as f:
+                template = f.read()
+        if isinstance(template, list):  # several named templates: the default one
+            template = next(t["template"] for t in template if t.get("name") == "default")
+        special_map = {}
+        for marker, names in CHAT_FORMATS.items():
+            if template and marker in template:
+                special_map.update(names)
+        for name in ("bos_token", "eos_token"):
+            value = config.get(name)
+            value = value.get("content") if isinstance(value, dict) else value
+            if value and name == "bos_token":
+                special_map["<|bos|>"] = value
+            if value and name == "eos_token":
+                special_map.setdefault("<|assistant_end|>", value)
+        special_map.setdefault("<|bos|>", special_map.get("<|assistant_end|>"))
+        return cls(tok, template, special_map, config)
+
+    def save(self, directory):
+        save_hf_tokenizer(self, directory)
+
+    @property
+    def vocab_size(self):
+        return self.tok.get_vocab_size(with_added_tokens=True)
+
+    def encode_special(self, name):
+        """Id of a special token by nanorl's name (or the model's own), None if this tokenizer has no such token."""
+        return self.tok.token_to_id(self.special_map.get(name, name))
+
+    def get_bos_token_id(self):
+        return self.bos_token_id
+
+    def encode(self, text, prepend=None, append=None, num_threads=8):
+        pre = [self.encode_special(prepend) if isinstance(prepend, str) else prepend] if prepend is not None else []
+        post = [self.encode_special(append) if isinstance(append, str) else append] if append is not None else []
+        if isinstance(text, str):
+            return pre + self.plain.encode(text, add_special_tokens=False).ids + post
+        if isinstance(text, list):
+            return [pre + e.ids + post for e in self.plain.encode_batch(text, add_special_tokens=False)]
+        raise TypeError(f"encode takes a str or a list of str, got {type(text).__name__}")
+
+    def __call__(self, *args, **kwargs):
+        return self.encode(*args, **kwargs)
+
+    def decode(self, ids):
+        return self.tok.decode(list(ids), skip_special_tokens=False)
+
+    def id_to_token(self, i):
+        return self.decode([i])
+
+    def decode_token_bytes(self, i):
+        """The bytes of one token: byte-level BPE tokens map back through the byte alphabet, others decode."""
+        s = self.tok.id_to_token(i)
+        if s is None:
+            return b""
+        if s in self.added:
+            return s.encode("utf-8")
+        if all(c in self.unicode_to_byte for c in s):
+            return bytes(self.unicode_to_byte[c] for c in s)
+        return self.decode([i]).encode("utf-8")
+
+    def token_bytes(self):
+        special = {t.content for t in self.tok.get_added_tokens_decoder().values() if t.special}
+        return [0 if self.tok.id_to_token(i) in special else len(self.decode_token_bytes(i)) for i in range(self.vocab_size)]
+
+    # --- chat ---------------------------------------------------------------------------------
+    def apply_template(self, messages, add_generation_prompt):
+        """The chat template's text, rendered the way transformers' apply_chat_template renders it."""
+        if not self.chat_template:
+            raise ValueError("this tokenizer has no chat template (no chat_template in tokenizer_config.json)")
+        import jinja2.sandbox
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                           extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = lambda x, indent=None, separators=None, sort_keys=False: \
+            json.dumps(x, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
+
+        def raise_exception(message):
+            raise ValueError(f"chat template: {message}")
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: __import__("datetime").datetime.now().strftime(fmt)
+        specials = {k: (v.get("content") if isinstance(v, dict) else v) for k, v in self.config.items()
+                    if k.endswith("_token") and isinstance(v, (str, dict))}
+        return env.from_string(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt, tools=None, **specials)
+
+    def _messages(self, conversation):
+        """nanorl conversation -> template messages. Tool parts need tool tokens this tokenizer lacks, so
+        they are written as plain text (a model without tool tokens has no tool calls)."""
+        out = []
+        for msg in validate_conversation(conversation):
+            content = msg["content"]
+            if not isinstance(content, str):
+                content = "".join(p["text"] for p in content)
+            out.append({"role": msg["role"], "content": content})
+        return out
+
+    def render_conversation(self, conversation, max_tokens=None):
+        """(ids, mask) with mask 1 on each assistant reply up to and including its end-of-turn token, as
+        the template renders it; everything the template adds around it (headers, newlines) is 0."""
+        messages = self._messages(conversation)
+        spans, rendered = [], []
+        for i, msg in enumerate(messages):
+            if msg["role"] != "assistant":
+                continue
+            prompt = self.apply_template(messages[:i], add_generation_prompt=True)
+            full = self.apply_template(messages[:i + 1], add_generation_prompt=False)
+            if not full.startswith(prompt):
+                raise ValueError("the chat template renders an earlier turn differently once a reply follows; "
+                                 "cannot tell the reply's tokens apart")
+            end = full.find(self.special_map.get("<|assistant_end|>") or "\0", len(prompt))
+            end = len(full) if end < 0 else end + len(self.special_map["<|assistant_end|>"])
+            spans.append((len(prompt), end))
+            rendered.append(full[:end])
+        text = self.apply_template(messages, add_generation_prompt=False)
+        if not all(text.startswith(r) for r in rendered):
+            raise ValueError("the chat template renders an earlier reply differently once the conversation goes on "
+                             "(as Qwen3's drops earlier <think> blocks): train on one reply per conversation")
+        enc = self.tok.encode(text, add_special_tokens=False)
+        ids = enc.ids
+        mask = [int(any(a <= s < b for a, b in spans)) for s, _ in enc.offsets]
+        if max_tokens is not None:
+            ids, mask = ids[:max_tokens], mask[:max_tokens]
+        return ids, mask
+
+    def render_for_completion(self, conversation):
+        messages = list(conversation["messages"])
+        if messages and messages[-1]["role"] == "assistant":
+            messages = messages[:-1]
+        messages = self._messages({"messages": messages + [{"role": "assistant", "content": ""}]})[:-1]
+        return self.tok.encode(self.apply_template(messages, add_generation_prompt=True), add_special_tokens=False).ids
+
+    def visualize(self, ids, mask):
+        return "".join(f"\033[92m{self.id_to_token(i)}\033[0m" if m else self.id_to_token(i) for i, m in zip(ids, mask))
+
+
+# nanorl's own conversation format as a chat template, for exported nanorl models
+NANORL_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% set ns = namespace(system='') %}"
+    "{% for m in messages %}{% if m['role'] == 'system' %}{% set ns.system = m['content'] + '\n\n' %}"
+    "{% elif m['role'] == 'user' %}<|user_start|>{{ ns.system }}{{ m['content'] }}<|user_end|>{% set ns.system = '' %}"
+    "{% else %}<|assistant_start|>{{ m['content'] }}<|assistant_end|>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant_start|>{% endif %}"
+)
+
+
+def _bytes_to_unicode():
+    # byte-level BPE's printable stand-in for each byte (GPT-2's table, which HF's ByteLevel uses)
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, (chr(c) for c in cs)))
+
+
+def save_hf_tokenizer(tokenizer, directory):
+    """Write tokenizer.json (HF `tokenizers` format) + tokenizer_config.json (with the chat template)."""
+    if isinstance(tokenizer, HFTokenizer):
+        tokenizer.tok.save(os.path.join(directory, "tokenizer.json"))
+        config = dict(tokenizer.config)
+        config["chat_template"] = tokenizer.chat_template
+    else:
+        from tokenizers import Regex, Tokenizer as HFTok, decoders, models, pre_tokenizers
+        b2u = _bytes_to_unicode()
+        ranks = tokenizer.enc._mergeable_ranks
+        vocab = {"".join(b2u[b] for b in tok): r for tok, r in ranks.items()}
+        # tiktoken merges the pair whose result has the lowest rank: list each token's split into two
+        # lower-ranked tokens in rank order, and HF's BPE makes the same merges
+        merges = []
+        for tok, r in sorted(ranks.items(), key=lambda kv: kv[1]):
+            if len(tok) < 2:
+                continue
+            for k in range(1, len(tok)):
+                a, b = tok[:k], tok[k:]
+                if a in ranks and b in ranks and ranks[a] < r and ranks[b] < r:
+                    merges.append(("".join(b2u[x] for x in a), "".join(b2u[x] for x in b)))
+        hf = HFTok(models.BPE(vocab=vocab, merges=merges, ignore_merges=True))
+        hf.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(tokenizer.enc._pat_str), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        hf.decoder = decoders.ByteLevel()
+        hf.add_special_tokens(SPECIAL_TOKENS)
+        assert [hf.token_to_id(t) for t in SPECIAL_TOKENS] == [tokenizer.encode_special(t) for t in SPECIAL_TOKENS]
+        hf.save(os.path.join(directory, "tokenizer.json"))
+        config = {"bos_token": "<|bos|>", "eos_token": "<|assistant_end|>", "pad_token": "<|bos|>",
+                  "chat_template": NANORL_CHAT_TEMPLATE, "tokenizer_class": "PreTrainedTokenizerFast"}
+    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f, indent=2)

@@ -141,6 +141,7 @@ def main():
     parser.add_argument("-a", "--tasks", default="offline", help="comma-separated task names (default: the offline problems)")
     parser.add_argument("-g", "--model-tag", default=None, help="checkpoint subdirectory (default: newest)")
     parser.add_argument("-s", "--model-step", type=int, default=None, help="checkpoint step (default: last)")
+    parser.add_argument("--hf-model", default=None, metavar="DIR", help="evaluate a Hugging Face model directory instead of --source")
     parser.add_argument("--task-path", action="append", default=[], metavar="NAME=PATH", help="local data for a Hub task (repeatable)")
     parser.add_argument("-x", "--max-problems", type=int, default=None, help="evaluate at most this many problems per task")
     parser.add_argument("-n", "--num-samples", type=int, default=1, help="samples per problem (generative tasks)")
@@ -156,7 +157,7 @@ def main():
 
     _, rank, _, world_size, device = compute_init(args.device_type)
     autocast = autocast_ctx(device.type)
-    model, tokenizer, meta = load_model(args.source, device, phase="eval", model_tag=args.model_tag, step=args.model_step)
+    model, tokenizer, meta = load_model(args.source, device, phase="eval", model_tag=args.model_tag, step=args.model_step, hf_model=args.hf_model)
     engine = Engine(model, tokenizer, batch_size=args.batch_size)
     n = args.num_samples
     ks = sorted({int(k) for k in args.pass_k.split(",")}) if args.pass_k else sorted({1, n})

@@ -363,7 +363,7 @@ async def logprob_content(engine, tokenizer, ids, tokens, logprobs, k, temperatu
     """OpenAI's logprobs.content for one sample: token, logprob (the engine's, at the sampling temperature), bytes,
     top_logprobs."""
     def entry(t, lp):
-        b = tokenizer.enc.decode_single_token_bytes(t)
+        b = tokenizer.decode_token_bytes(t)
         return {"token": b.decode("utf-8", errors="replace"), "logprob": lp, "bytes": list(b)}
     tops = [[]] * len(tokens)
     if k and tokens:
@@ -527,7 +527,7 @@ def create_app(engines, tokenizer, limits=None):
 
     limits = {**DEFAULT_LIMITS, **(limits or {})}
     # the longest token in bytes: a conversation's bytes / this bounds its tokens from below, without tokenising it
-    limits["token_bytes"] = max(len(tokenizer.enc.decode_single_token_bytes(i)) for i in range(tokenizer.vocab_size))
+    limits["token_bytes"] = max(len(tokenizer.decode_token_bytes(i)) for i in range(tokenizer.vocab_size))
     replicas = [Replica(e, f"{e.device}") for e in engines]
     state = dict(replicas=replicas, tokenizer=tokenizer, limits=limits, lock=threading.Lock(), stats=Stats())
     max_len = min(e.max_len for e in engines)
@@ -761,6 +761,7 @@ def main():
     parser.add_argument("-i", "--source", type=str, default="sft", choices=["base", "mid", "sft", "rl"], help="which model")
     parser.add_argument("-g", "--model-tag", type=str, default=None, help="model tag; None picks the newest")
     parser.add_argument("-s", "--step", type=bounded(int, 0), default=None, help="checkpoint step; None picks the last")
+    parser.add_argument("--hf-model", type=str, default=None, metavar="DIR", help="serve a Hugging Face model directory instead of --source")
     parser.add_argument("--host", type=str, default="127.0.0.1", help="address to listen on; 0.0.0.0 serves other machines")
     parser.add_argument("-p", "--port", type=bounded(int, 0, 65535), default=8000, help="port to listen on (0: any free one)")
     parser.add_argument("-n", "--num-gpus", type=bounded(int, 1), default=1, help="one engine replica per GPU (CPU: always one)")
@@ -794,7 +795,7 @@ def main():
     engines, tokenizer, meta = [], None, {}
     for dev in devices:
         try:
-            model, tokenizer, meta = load_model(args.source, dev, phase="eval", model_tag=args.model_tag, step=args.step)
+            model, tokenizer, meta = load_model(args.source, dev, phase="eval", model_tag=args.model_tag, step=args.step, hf_model=args.hf_model)
         except (FileNotFoundError, ValueError) as e:
             sys.exit(f"could not load the {args.source} model: {e}")
         engines.append(Engine(model, tokenizer, batch_size=args.batch_size))

@@ -1,0 +1,273 @@
+"""
+Hugging Face checkpoints in and out of nanorl's GPT.
+
+Import: a local directory with config.json + *.safetensors (one file, or shards listed in
+model.safetensors.index.json) of a Llama-3, Qwen2/Qwen2.5, Qwen3 or NanoChat model becomes a GPT with the
+matching config switches. The model is built on the meta device and each shard's tensors are assigned
+straight into it one shard at a time, so loading never holds more than the model plus one shard.
+Export: any GPT back to a directory that transformers' AutoModelForCausalLM loads: nanorl's own
+architecture as NanoChatForCausalLM, imported models in their own architecture.
+
+Rotary: nanorl rotates the pair (x[i], x[i + d/2]) by +angle, as Llama/Qwen do, so their q/k weights load
+unchanged. NanoChatForCausalLM rotates the same pairs by -angle; negating the second half of each q/k head
+turns one into the other (q.k is unchanged because both sides flip, and the parameter-free QK-norm does not
+see the sign), so the conversion flips those rows both ways.
+"""
+import json
+import os
+import re
+
+import torch
+
+from nanorl.gpt import GPT, GPTConfig
+
+ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "NanoChatForCausalLM")
+
+# HF parameter name (per layer, after "model.layers.{i}.") -> nanorl's (after "transformer.h.{i}.")
+LAYER_NAMES = {
+    "self_attn.q_proj": "attn.c_q", "self_attn.k_proj": "attn.c_k", "self_attn.v_proj": "attn.c_v",
+    "self_attn.o_proj": "attn.c_proj", "self_attn.q_norm": "attn.q_norm", "self_attn.k_norm": "attn.k_norm",
+    "mlp.gate_proj": "mlp.c_gate", "mlp.up_proj": "mlp.c_fc", "mlp.down_proj": "mlp.c_proj",
+    "mlp.fc1": "mlp.c_fc", "mlp.fc2": "mlp.c_proj",  # NanoChat's ReLU^2 MLP
+    "input_layernorm": "norm_attn", "post_attention_layernorm": "norm_mlp",
+}
+TOP_NAMES = {"model.embed_tokens": "transformer.wte", "model.norm": "transformer.norm_f", "lm_head": "lm_head"}
+
+
+def read_config(directory):
+    """config.json of a HF model directory, with one-line errors naming the file."""
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"--hf-model {directory}: no such directory")
+    path = os.path.join(directory, "config.json")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} is missing: not a Hugging Face model directory")
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+    arch = (cfg.get("architectures") or ["?"])[0]
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"{path}: architecture {arch} is not supported (supported: {', '.join(ARCHITECTURES)})")
+    return cfg
+
+
+def gpt_config(cfg, path, sequence_len=None):
+    """A HF config dict -> GPTConfig with the switches that reproduce that architecture exactly."""
+    arch = cfg["architectures"][0]
+    nanochat = arch == "NanoChatForCausalLM"
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    theta = float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0)))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    # what this loader cannot reproduce is refused, never silently approximated
+    unsupported = []
+    if rope_type not in ("default", "llama3"):
+        unsupported.append(f"rope_type {rope_type}")
+    if cfg.get("hidden_act", "relu2" if nanochat else "silu") != ("relu2" if nanochat else "silu"):
+        unsupported.append(f"hidden_act {cfg.get('hidden_act')}")
+    if cfg.get("use_sliding_window") or (arch == "LlamaForCausalLM" and cfg.get("sliding_window")):
+        unsupported.append("sliding-window attention")
+    if cfg.get("mlp_bias"):
+        unsupported.append("mlp_bias")
+    if cfg.get("attention_bias") and arch != "Qwen2ForCausalLM":
+        unsupported.append("attention_bias (a bias on o_proj)")
+    if unsupported:
+        raise ValueError(f"{path}: {arch} with {', '.join(unsupported)} is not supported")
+    n_head = cfg["num_attention_heads"]
+    max_pos = cfg.get("max_position_embeddings", 2048)
+    return GPTConfig(
+        # rotary tables and the engine's default KV cache are sized by sequence_len: a 128k-context model
+        # starts at 8k unless the caller asks for more
+        sequence_len=sequence_len or min(max_pos, 8192),
+        vocab_size=cfg["vocab_size"],
+        n_layer=cfg["num_hidden_layers"],
+        n_head=n_head,
+        n_kv_head=cfg.get("num_key_value_heads") or n_head,
+        n_embd=cfg["hidden_size"],
+        softcap=(cfg.get("final_logit_softcapping") or 0.0) if nanochat else 0.0,
+        head_dim=cfg.get("head_dim") or 0,
+        mlp="relu2" if nanochat else "swiglu",
+        mlp_hidden=cfg["intermediate_size"],
+        norm_weight=not nanochat,
+        norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        attn_bias=arch == "Qwen2ForCausalLM",
+        qk_norm=arch in ("Qwen3ForCausalLM", "NanoChatForCausalLM"),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        rope_theta=theta,
+        rope_scaling=rope if rope_type == "llama3" else None,
+    )
+
+
+def flip_rotary_half(w, head_dim):
+    """Negate the second half of each head's rows (q/k projection weight or bias): +angle <-> -angle rotary."""
+    shape = w.shape
+    w = w.reshape(-1, head_dim, *shape[1:]).clone()
+    w[:, head_dim // 2:] *= -1
+    return w.reshape(shape)
+
+
+def nanorl_name(hf_name):
+    """HF parameter name -> nanorl's, or None for a name nanorl has no place for."""
+    m = re.match(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)$", hf_name)
+    if m and m.group(2) in LAYER_NAMES:
+        return f"transformer.h.{m.group(1)}.{LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    m = re.match(r"(.+)\.(weight|bias)$", hf_name)
+    if m and m.group(1) in TOP_NAMES:
+        return f"{TOP_NAMES[m.group(1)]}.{m.group(2)}"
+    return None
+
+
+def shard_files(directory):
+    """The safetensors files of a HF directory, checked against the shard index when there is one."""
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.exists(index):
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ValueError(f"{index} is corrupt ({type(e).__name__}: {e})") from e
+        files = sorted(set(weight_map.values()))
+        for name in files:
+            if not os.path.exists(os.path.join(directory, name)):
+                raise FileNotFoundError(f"{index} lists shard {name}, which is not in {directory}")
+        return [os.path.join(directory, name) for name in files], weight_map
+    single = os.path.join(directory, "model.safetensors")
+    if not os.path.exists(single):
+        raise FileNotFoundError(f"{single} is missing (and there is no model.safetensors.index.json)")
+    return [single], None
+
+
+def load_hf_model(directory, device="cpu", dtype=None, sequence_len=None):
+    """
+    A HF model directory -> (GPT in eval mode, its HF config dict). dtype: default bf16 on CUDA, fp32
+    elsewhere. Tensors go from each shard straight into the meta-built model (assign, no second copy).
+    """
+    from safetensors import safe_open
+    cfg = read_config(directory)
+    config_path = os.path.join(directory, "config.json")
+    config = gpt_config(cfg, config_path, sequence_len)
+    device = torch.device(device)
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    with torch.device("meta"):
+        model = GPT(config)
+    expected = set(model.state_dict())
+    files, weight_map = shard_files(directory)
+    nanochat = cfg["architectures"][0] == "NanoChatForCausalLM"
+    loaded = set()
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            keys = list(f.keys())
+            if weight_map is not None:
+                listed = {k for k, v in weight_map.items() if v == os.path.basename(path)}
+                if set(keys) != listed:
+                    missing, extra = sorted(listed - set(keys)), sorted(set(keys) - listed)
+                    raise ValueError(f"{path} does not match model.safetensors.index.json: "
+                                     f"missing {missing[:3]}, unlisted {extra[:3]}")
+            part = {}
+            for key in keys:
+                name = nanorl_name(key)
+                if name is None or (name == "lm_head.weight" and config.tie_embeddings):
+                    if name is None and not key.endswith("rotary_emb.inv_freq"):
+                        raise ValueError(f"{path}: tensor {key} has no place in a {cfg['architectures'][0]} model")
+                    continue
+                if name not in expected:
+                    raise ValueError(f"{path}: tensor {key} does not fit this config ({config_path})")
+                t = f.get_tensor(key)
+                if nanochat and name.split(".")[-2] in ("c_q", "c_k"):
+                    t = flip_rotary_half(t, model.head_dim)
+                part[name] = t.to(device=device, dtype=dtype)
+            model.load_state_dict(part, strict=False, assign=True)
+            loaded |= set(part)
+    if config.tie_embeddings:
+        loaded.add("lm_head.weight")
+    if loaded != expected:
+        missing = sorted(expected - loaded)
+        raise ValueError(f"{directory}: the safetensors files lack {len(missing)} tensors, e.g. {missing[:3]}")
+    model.tie_weights()
+    model.init_rotary()
+    model.eval()
+    return model, cfg
+
+
+def hf_config(model, tokenizer=None):
+    """config.json for a GPT: its own architecture if imported, else NanoChatForCausalLM."""
+    c = model.config
+    nanochat = not c.norm_weight
+    if nanochat and not (c.mlp == "relu2" and c.qk_norm and not c.attn_bias and c.rope_scaling is None):
+        raise ValueError("this model mixes nanorl's parameter-free norms with imported switches: no HF architecture fits")
+    arch = "NanoChatForCausalLM" if nanochat else "Qwen2ForCausalLM" if c.attn_bias else \
+        "Qwen3ForCausalLM" if c.qk_norm else "LlamaForCausalLM"
+    rope = {"rope_theta": c.rope_theta, "rope_type": "default"}
+    if c.rope_scaling:
+        rope = {**c.rope_scaling, "rope_theta": c.rope_theta, "rope_type": "llama3"}
+    out = {
+        "architectures": [arch],
+        "model_type": {"NanoChatForCausalLM": "nanochat", "Qwen2ForCausalLM": "qwen2",
+                       "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}[arch],
+        "vocab_size": c.vocab_size, "hidden_size": c.n_embd, "intermediate_size": c.mlp_hidden or 4 * c.n_embd,
+        "num_hidden_layers": c.n_layer, "num_attention_heads": c.n_head, "num_key_value_heads": c.n_kv_head,
+        "head_dim": model.head_dim, "max_position_embeddings": c.sequence_len,
+        "hidden_act": "relu2" if nanochat else "silu",
+        # nanorl's norm uses the dtype's epsilon when norm_eps is 0: write the fp32 value so fp32 logits agree
+        "rms_norm_eps": c.norm_eps or torch.finfo(torch.float32).eps,
+        "rope_parameters": rope, "tie_word_embeddings": c.tie_embeddings,
+        "attention_bias": False, "dtype": "float32",
+    }
+    if nanochat:
+        out["final_logit_softcapping"] = c.softcap or None
+    if tokenizer is not None:
+        out["bos_token_id"] = tokenizer.get_bos_token_id()
+        out["eos_token_id"] = tokenizer.encode_special("<|assistant_end|>")
+        out["pad_token_id"] = tokenizer.get_bos_token_id()
+    return out
+
+
+def hf_state_dict(model):
+    """nanorl's state dict under HF names (q/k rows flipped for NanoChat; the tied lm_head left out)."""
+    inverse_layer = {v: k for k, v in LAYER_NAMES.items() if not k.startswith("mlp.fc")}
+    nanochat = not model.config.norm_weight
+    if nanochat:
+        inverse_layer.update({"mlp.c_fc": "mlp.fc1", "mlp.c_proj": "mlp.fc2"})
+    inverse_top = {v: k for k, v in TOP_NAMES.items()}
+    out = {}
+    for name, t in model.state_dict().items():
+        name = name.removeprefix("_orig_mod.")
+        if name == "lm_head.weight" and model.config.tie_embeddings:
+            continue
+        m = re.match(r"transformer\.h\.(\d+)\.(.+)\.(weight|bias)$", name)
+        if m:
+            hf = f"model.layers.{m.group(1)}.{inverse_layer[m.group(2)]}.{m.group(3)}"
+            if nanochat and m.group(2) in ("attn.c_q", "attn.c_k"):
+                t = flip_rotary_half(t, model.head_dim)
+        else:
+            prefix, kind = name.rsplit(".", 1)
+            hf = f"{inverse_top[prefix]}.{kind}"
+        out[hf] = t.detach().to("cpu").contiguous()
+    return out
+
+
+def export_hf(model, tokenizer, out_dir, dtype=None):
+    """Write model + tokenizer as a HF directory: model.safetensors, config.json, tokenizer files.
+    Written to a temp directory first and renamed, so a crash never leaves a half-written export."""
+    from safetensors.torch import save_file
+    tmp = out_dir.rstrip("/") + ".tmp"
+    if os.path.exists(tmp):
+        import shutil
+        shutil.rmtree(tmp)
+    os.makedirs(tmp)
+    state = hf_state_dict(model)
+    if dtype is not None:
+        state = {k: v.to(dtype) for k, v in state.items()}
+    save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+    cfg = hf_config(model, tokenizer)
+    if dtype is not None:
+        cfg["dtype"] = str(dtype).removeprefix("torch.")
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    from nanorl.tokenizer import save_hf_tokenizer
+    save_hf_tokenizer(tokenizer, tmp)
+    if os.path.exists(out_dir):
+        import shutil
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
+    return out_dir

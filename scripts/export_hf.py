@@ -1,0 +1,32 @@
+"""
+Export a nanorl checkpoint as a Hugging Face model directory: model.safetensors + config.json + tokenizer.json
+(HF `tokenizers` format) + tokenizer_config.json with the chat template. transformers then loads it with
+AutoModelForCausalLM.from_pretrained(DIR) and gives the same logits. nanorl's own architecture is written as
+NanoChatForCausalLM; a model imported with --hf-model (and trained further) in its own architecture.
+
+    python -m scripts.export_hf -i rl -o out/my-model
+    python -m scripts.export_hf -i rl --dtype bfloat16 -o out/my-model-bf16
+"""
+import argparse
+import sys
+
+import torch
+
+parser = argparse.ArgumentParser(description="Export a nanorl checkpoint to Hugging Face format")
+parser.add_argument("-i", "--source", default="rl", choices=["base", "mid", "sft", "rl"], help="which checkpoint")
+parser.add_argument("-g", "--model-tag", default=None, help="checkpoint subdirectory (default: newest)")
+parser.add_argument("-s", "--step", type=int, default=None, help="checkpoint step (default: last)")
+parser.add_argument("-o", "--output", required=True, help="directory to write (replaced if it exists)")
+parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of the saved weights")
+args = parser.parse_args()
+
+from nanorl.checkpoint import load_model  # noqa: E402
+from nanorl.hf import export_hf  # noqa: E402
+
+try:
+    model, tokenizer, meta = load_model(args.source, "cpu", phase="eval", model_tag=args.model_tag, step=args.step)
+except (FileNotFoundError, ValueError, RuntimeError) as e:
+    sys.exit(f"could not load the {args.source} checkpoint: {e}")
+model.float()  # the CUDA embedding is kept in bf16; the export's dtype is --dtype's alone
+out = export_hf(model, tokenizer, args.output, dtype=getattr(torch, args.dtype))
+print(f"wrote {args.source} ({meta.get('model_tag')} step {meta.get('step')}) to {out}")

@@ -1,0 +1,308 @@
+"""Hugging Face import/export: tiny random Llama / Qwen2 / Qwen3 / NanoChat models built with transformers."""
+import json
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+pytest.importorskip("tokenizers")
+
+from nanorl.engine import Engine, Request  # noqa: E402
+from nanorl.hf import export_hf, load_hf_model  # noqa: E402
+from nanorl.tokenizer import HFTokenizer  # noqa: E402
+
+VOCAB = 320  # > the tiny tokenizer's size, as Qwen's embedding has spare rows past its tokenizer
+
+# Qwen2.5's template, shortened: a default system message, <|im_start|>role\n...<|im_end|>\n turns
+QWEN_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+LLAMA_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
+CORPUS = ["What is 12 plus 30? The answer is 42.", "Hello there, how are you today?", "I am fine, thanks.",
+          "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May."] * 20
+
+
+def tiny_tokenizer(directory, family="qwen"):
+    """A byte-level BPE trained with `tokenizers` on a few sentences, saved as tokenizer.json + template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] if family == "qwen" else \
+        ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    os.makedirs(directory, exist_ok=True)
+    tok.save(os.path.join(directory, "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": QWEN_TEMPLATE,
+              "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None}
+    if family == "llama":  # the template in chat_template.jinja, where newer transformers save it
+        config.update(bos_token="<|begin_of_text|>", eos_token="<|eot_id|>")
+        del config["chat_template"]
+        with open(os.path.join(directory, "chat_template.jinja"), "w") as f:
+            f.write(LLAMA_TEMPLATE)
+    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f)
+    return tok.get_vocab_size()
+
+CONVERSATION = {"messages": [
+    {"role": "user", "content": "What is 12 plus 30?"},
+    {"role": "assistant", "content": "The answer is 42."},
+    {"role": "user", "content": "Hello there, how are you today?"},
+    {"role": "assistant", "content": "I am fine, thanks."}]}
+
+
+def tiny_hf(kind, directory, seed=0, vocab=VOCAB, context=128):
+    """A tiny random HF model saved to `directory`; norms and biases randomised too (their init is trivial)."""
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context)
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(**common, rms_norm_eps=1e-5, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 16})
+        model = transformers.LlamaForCausalLM(cfg)
+    elif kind == "qwen2":
+        cfg = transformers.Qwen2Config(**common, tie_word_embeddings=True)
+        model = transformers.Qwen2ForCausalLM(cfg)
+    elif kind == "qwen3":
+        cfg = transformers.Qwen3Config(**common, head_dim=32)  # wider heads than hidden/heads, as Qwen3
+        model = transformers.Qwen3ForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.add_(0.3 * torch.randn_like(p))
+    model.save_pretrained(directory)
+    return model.eval()
+
+
+def hf_logits(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_import_logits_match_transformers(kind, tmp_path):
+    ref = tiny_hf(kind, tmp_path)
+    model, _ = load_hf_model(str(tmp_path))
+    ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = model(ids)
+        theirs = ref(ids).logits.float()
+    assert ours.shape == theirs.shape
+    assert (ours - theirs).abs().max().item() < 1e-4
+    assert all(p.device.type == "cpu" and p.dtype == torch.float32 for p in model.parameters())
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_engine_greedy_and_logprobs_match_transformers(kind, tmp_path):
+    """nanorl's engine generates what transformers' generate does (greedy), with log-probs equal to the trainer's."""
+    ref = tiny_hf(kind, tmp_path)
+    tiny_tokenizer(tmp_path, "llama" if kind == "llama" else "qwen")
+    model, _ = load_hf_model(str(tmp_path))
+    tok = HFTokenizer.load(str(tmp_path))
+    prompt = tok.render_for_completion({"messages": [{"role": "user", "content": "What is 12 plus 30?"}]})
+    with torch.no_grad():
+        # an explicit attention mask: else generate masks out every prompt token equal to pad_token_id
+        x = torch.tensor([prompt])
+        want = ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=16, do_sample=False,
+                            min_new_tokens=16, eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    (c,), = Engine(model, tok, batch_size=2).generate([Request(prompt, max_tokens=16, temperature=0, stop_tokens=[])])
+    assert c.tokens == want
+    seq = torch.tensor([prompt + c.tokens])
+    with torch.no_grad():
+        lp = model.token_logprobs(seq[:, :-1], seq[:, 1:])[0, len(prompt) - 1:]
+    torch.testing.assert_close(torch.tensor(c.logprobs), lp, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["qwen", "llama"])
+def test_chat_template_ids_and_mask(family, tmp_path):
+    """render_conversation gives exactly apply_chat_template's ids; the mask covers each reply and its end token."""
+    tiny_tokenizer(tmp_path, family)
+    tok = HFTokenizer.load(str(tmp_path))
+    ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    ids, mask = tok.render_conversation(CONVERSATION)
+    want = ref.apply_chat_template(CONVERSATION["messages"], tokenize=True, return_dict=False)
+    want = want["input_ids"] if isinstance(want, dict) or hasattr(want, "keys") else want
+    assert ids == list(want)
+    end = "<|im_end|>" if family == "qwen" else "<|eot_id|>"
+    trained = [i for i, m in zip(ids, mask) if m]
+    assert tok.decode(trained) == "The answer is 42." + end + "I am fine, thanks." + end
+    prompt = tok.render_for_completion(CONVERSATION)  # the last reply dropped, a new assistant turn opened
+    want = ref.apply_chat_template(CONVERSATION["messages"][:3], tokenize=True, add_generation_prompt=True, return_dict=False)
+    want = want["input_ids"] if hasattr(want, "keys") else want
+    assert prompt == list(want)
+    assert tok.encode_special("<|assistant_end|>") == ref.convert_tokens_to_ids(end)
+    assert tok.encode_special("<|python_start|>") is None  # no tool tokens: no tool calls
+    assert tok.encode("a <|im_end|> b") == ref("a <|im_end|> b", add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    assert tok.decode(tok.encode("Hello there, 42!")) == "Hello there, 42!"
+    ids = tok.encode("Natalia sold clips – half as many ✓")
+    assert b"".join(tok.decode_token_bytes(i) for i in ids) == "Natalia sold clips – half as many ✓".encode()
+    assert tok.decode_token_bytes(tok.encode_special("<|assistant_end|>")) == end.encode()
+
+
+def test_chat_template_that_rewrites_history_is_refused(tmp_path):
+    """A template that renders an earlier reply differently once another follows (Qwen3 drops old <think>
+    blocks) cannot give a loss mask by prefixes: a clear error, while single replies still render."""
+    tiny_tokenizer(tmp_path)
+    cfg_path = tmp_path / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' and loop.last %}"
+        "<think>\n\n</think>\n\n{% endif %}{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    cfg_path.write_text(json.dumps(cfg))
+    tok = HFTokenizer.load(str(tmp_path))
+    ids, mask = tok.render_conversation({"messages": CONVERSATION["messages"][:2]})
+    assert tok.decode([i for i, m in zip(ids, mask) if m]) == "<think>\n\n</think>\n\nThe answer is 42.<|im_end|>"
+    with pytest.raises(ValueError, match="renders an earlier reply differently"):
+        tok.render_conversation(CONVERSATION)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_export_round_trip(kind, tmp_path):
+    """import -> export -> transformers load gives the same logits; -> import again gives the same tensors."""
+    src, out = tmp_path / "src", tmp_path / "out"
+    ref = tiny_hf(kind, src)
+    tiny_tokenizer(src)
+    model, cfg = load_hf_model(str(src))
+    export_hf(model, HFTokenizer.load(str(src)), str(out))
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    assert type(back) is type(ref)
+    ids = torch.randint(0, VOCAB, (1, 30), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(back(ids).logits, ref(ids).logits)
+    again, _ = load_hf_model(str(out))
+    a, b = model.state_dict(), again.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert HFTokenizer.load(str(out)).render_conversation(CONVERSATION) == HFTokenizer.load(str(src)).render_conversation(CONVERSATION)
+
+
+def test_export_nanorl_arch_as_nanochat(tmp_path):
+    """A nanorl-architecture GPT exports as NanoChatForCausalLM with equal logits (rotary sign convention
+    converted), its tokenizer as a real tokenizers file, and imports back to the same tensors."""
+    from nanorl.gpt import GPTConfig, build_model
+    from nanorl.tokenizer import Tokenizer
+    tok = Tokenizer.train(iter(CORPUS), 300)
+    torch.manual_seed(0)
+    model = build_model(GPTConfig(sequence_len=64, vocab_size=tok.vocab_size, n_layer=2, n_head=4, n_kv_head=2, n_embd=64), "cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))  # the zero-init output projections would hide attention/rotary
+    model.eval()
+    export_hf(model, tok, str(tmp_path))
+    with open(tmp_path / "config.json") as f:
+        assert json.load(f)["architectures"] == ["NanoChatForCausalLM"]
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+    ids = torch.randint(0, tok.vocab_size, (1, 40), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ours, theirs = model(ids), back(ids).logits.float()
+    assert (ours - theirs).abs().max().item() < 1e-4
+    assert (ours.argmax(-1) == theirs.argmax(-1)).all()
+    again, _ = load_hf_model(str(tmp_path))
+    a, b = model.state_dict(), again.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a) and a.keys() == b.keys()
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    text = "Natalia sold 48 clips, then half as many."
+    assert hf_tok(text, add_special_tokens=False)["input_ids"] == tok.encode(text)
+    conv = {"messages": CONVERSATION["messages"][:2]}
+    want = hf_tok.apply_chat_template(conv["messages"], tokenize=True, return_dict=False)
+    assert list(want["input_ids"] if hasattr(want, "keys") else want) == tok.render_conversation(conv)[0]
+
+
+def test_errors_name_the_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such directory"):
+        load_hf_model(str(tmp_path / "nope"))
+    tiny_hf("qwen2", tmp_path)
+    cfg_path = tmp_path / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg_path.write_text(json.dumps({**cfg, "architectures": ["MixtralForCausalLM"]}))
+    with pytest.raises(ValueError, match=r"config.json: architecture MixtralForCausalLM is not supported"):
+        load_hf_model(str(tmp_path))
+    cfg_path.write_text(json.dumps({**cfg, "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}))
+    with pytest.raises(ValueError, match=r"config.json: Qwen2ForCausalLM with rope_type yarn is not supported"):
+        load_hf_model(str(tmp_path))  # refused, never silently approximated
+    cfg_path.write_text(json.dumps(cfg))
+    # a sharded checkpoint whose index names a tensor its shard does not have
+    os.rename(tmp_path / "model.safetensors", tmp_path / "model-00001-of-00001.safetensors")
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "model-00001-of-00001.safetensors"), "pt") as f:
+        weight_map = {k: "model-00001-of-00001.safetensors" for k in f.keys()}
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {**weight_map, "model.layers.9.mlp.up_proj.weight": "model-00001-of-00001.safetensors"}}))
+    with pytest.raises(ValueError, match="model-00001-of-00001.safetensors does not match model.safetensors.index.json"):
+        load_hf_model(str(tmp_path))
+    index.write_text(json.dumps({"weight_map": {**weight_map, "lm_head.weight": "model-00002-of-00002.safetensors"}}))
+    with pytest.raises(FileNotFoundError, match="lists shard model-00002-of-00002.safetensors"):
+        load_hf_model(str(tmp_path))
+    index.write_text(json.dumps({"weight_map": weight_map}))
+    load_hf_model(str(tmp_path))  # the consistent index loads
+    with pytest.raises(FileNotFoundError, match="tokenizer.json is missing"):
+        HFTokenizer.load(str(tmp_path))
+
+
+def test_load_model_hf_checkpoint_and_export_script(tmp_path, monkeypatch):
+    """load_model(hf_model=DIR) -> an optimizer step -> a checkpoint that reloads with the model's own tokenizer
+    -> scripts.export_hf writes it back in its architecture (Qwen2, tied embeddings) with equal logits."""
+    import subprocess
+    import sys
+    from nanorl.checkpoint import load_model, save_checkpoint
+    from nanorl.optim import build_optimizer
+    src, base = tmp_path / "qwen", tmp_path / "base"
+    tiny_hf("qwen2", src)
+    tiny_tokenizer(src)
+    monkeypatch.setenv("NANORL_BASE_DIR", str(base))
+    model, tok, meta = load_model("sft", "cpu", phase="train", hf_model=str(src))
+    assert model.training and isinstance(tok, HFTokenizer) and meta["tokenizer_dir"] == str(src)
+    assert model.lm_head.weight is model.transformer.wte.weight  # tied, as Qwen2.5's small sizes
+    opt = build_optimizer(model)
+    ids = torch.tensor([tok.render_conversation(CONVERSATION)[0]])
+    model(ids[:, :-1], ids[:, 1:]).backward()
+    opt.step()
+    assert model.lm_head.weight is model.transformer.wte.weight  # still one tensor after the update
+    save_checkpoint(str(base / "rl_checkpoints" / "qwen"), 1, model.state_dict(), meta={**meta, "step": 1})
+    again, tok2, _ = load_model("rl", "cpu")
+    assert isinstance(tok2, HFTokenizer) and tok2.vocab_size == tok.vocab_size
+    with torch.no_grad():
+        want = model(ids)
+        assert torch.equal(again(ids), want)
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "NANORL_BASE_DIR": str(base)}
+    subprocess.run([sys.executable, "-m", "scripts.export_hf", "-i", "rl", "-o", str(tmp_path / "out")], env=env, check=True)
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
+    assert type(back).__name__ == "Qwen2ForCausalLM" and back.config.tie_word_embeddings
+    with torch.no_grad():
+        assert (back(ids).logits - want).abs().max().item() < 1e-4
+
+
+def test_chat_web_serves_an_open_model(tmp_path):
+    """chat_web's app on a --hf-model load answers a chat request with what transformers' greedy generate
+    writes for the same chat, cut at the model's end-of-turn token."""
+    from fastapi.testclient import TestClient
+    from nanorl.checkpoint import load_model
+    from scripts.chat_web import create_app
+    # no spare embedding rows here: a random model would otherwise write tokens that decode to nothing
+    ref = tiny_hf("qwen2", tmp_path, vocab=tiny_tokenizer(tmp_path))
+    model, tok, meta = load_model("sft", "cpu", hf_model=str(tmp_path))
+    messages = [{"role": "user", "content": "What is 12 plus 30?"}]
+    x = torch.tensor([tok.render_for_completion({"messages": messages})])
+    end = tok.encode_special("<|assistant_end|>")
+    with torch.no_grad():
+        out = ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=12, do_sample=False,
+                           eos_token_id=end, pad_token_id=end)[0, x.size(1):].tolist()
+    want = tok.decode([t for t in out if t != end])
+    assert len(want) > 5  # a real reply to compare, not an immediate end of turn
+    app = create_app([Engine(model, tok, batch_size=2)], tok, dict(max_tokens=64, model=meta["model_tag"]))
+    try:
+        with TestClient(app) as client:
+            r = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 12, "temperature": 0})
+    finally:
+        app.state.shutdown()
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == want
