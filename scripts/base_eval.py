@@ -102,7 +102,7 @@ else:
     summary["CORE"] = f"not run (--eval {args.eval})"
 
 summary["eval time s"] = round(time.time() - t0, 1)
-log_section("Base model evaluation", [summary, *items], rank=rank)
+log_section("Base model evaluation", [summary, *items], rank=rank, config=vars(args))
 metrics = {k: v for k, v in (("val bpb", summary.get("val bpb")), ("CORE", core and core["core"])) if v is not None}
 record_metrics("BASE", metrics, rank=rank)
 compute_cleanup()
