@@ -234,24 +234,26 @@ def main():
     # every number is labelled with its task, its size and greedy/sampled, so no two measurements share a row
     card_names = {"gsm8k": "GSM8K", "arc-easy": "ARC-Easy", "arc-challenge": "ARC-Challenge", "mmlu": "MMLU",
                   "humaneval": "HumanEval", "spellingbee": "SpellingBee", "offline": f"offline levels {args.levels}"}
-    card, rows = {}, []
+    card, rows, greedy = {}, [], n == 1 and temperature == 0
     for name, r in results.items():
         task_name = card_names.get(name, name)
         rows.append({"task": task_name, "graded by": r["grader"], "too long for the context": r["too long for the context"]})
-        if n == 1:
+        if greedy or r["grader"] == "letter logits":  # a letter's logits are read, never sampled: always greedy
             card[eval_label(task_name, "accuracy", r["problems"])] = r["accuracy"]
         else:  # sampled: pass@k rows (RL optimises pass@1, the expected reward), beside the greedy ones
             card.update({eval_label(task_name, k, r["problems"], n, temperature): v for k, v in r.items() if k.startswith("pass@")})
     # ChatCORE is the centred mean over its own tasks: computed only when every one of them ran greedily
-    if n == 1 and temperature == 0 and all(t in results for t in CHATCORE_TASKS):
+    if greedy and all(t in results for t in CHATCORE_TASKS):
         chatcore = sum(results[t]["centered"] for t in CHATCORE_TASKS) / len(CHATCORE_TASKS)
         per_task = "" if args.max_problems is None else f", at most {args.max_problems} problems each"
         card[f"ChatCORE (greedy, {len(CHATCORE_TASKS)} tasks{per_task})"] = chatcore
         print0(f"ChatCORE (centred mean over {', '.join(CHATCORE_TASKS)}): {chatcore:.4f}")
     print0(f"total {time.time() - t_all:.1f}s")
     record_metrics(args.source, card, rank=rank)
-    log_section(f"Chat eval {args.source}" + (" sampled" if n > 1 else ""),
-                [{"source": f"{args.source} ({meta.get('model_tag', args.model_tag)})", "ranks": world_size}, *rows, card,
+    log_section(f"Chat eval {args.source}" + ("" if greedy else " sampled"),
+                [{"source": f"{args.source} ({meta.get('model_tag', args.model_tag)})", "ranks": world_size,
+                  "decoding": "greedy" if greedy else f"sampled, T={temperature:g}, {n} samples per problem"},
+                 *rows, card,
                  *([{f"skipped {k}": v for k, v in skipped.items()}] if skipped else [])], config=vars(args), rank=rank)
     compute_cleanup()
     return results
