@@ -77,9 +77,9 @@ def run_categorical(model, tokenizer, task, indices, batch_size=32, autocast=Non
 class Progress:
     """Running accuracy while problems finish: one line rewritten in place on a terminal, a line every tenth of
     the problems in a log file. Counts this rank's problems."""
-    def __init__(self, name, total, log=print):
+    def __init__(self, name, total, log=print, tty=None):
         self.name, self.total, self.log, self.done, self.right = name, total, log, 0, 0.0
-        self.tty = sys.stdout.isatty()
+        self.tty = sys.stdout.isatty() if tty is None else tty
         self.every = max(1, total // 10)
 
     def add(self, correct_fraction):
@@ -87,7 +87,7 @@ class Progress:
         self.right += correct_fraction
         if self.tty or self.done % self.every == 0 or self.done == self.total:
             line = f"[{self.name}] {self.done}/{self.total} problems, running accuracy {self.right / self.done:.4f}"
-            self.log("\r\033[K" + line if self.tty else line, **({"end": "", "flush": True} if self.tty else {}))
+            self.log("\r\033[K" + line if self.tty else line, **({"end": ""} if self.tty else {}))
             if self.tty and self.done == self.total:
                 self.log("")
 

@@ -44,6 +44,21 @@ def test_pass_at_k_by_hand():
         pass_at_k(2, 1, 3)
 
 
+def test_progress_lines(capsys):
+    from nanorl.common import print0
+    progress = Progress("gsm8k", 20, log=print0, tty=False)  # a log file: a line every tenth of the problems
+    for i in range(20):
+        progress.add(float(i % 2 == 0))
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [f"[gsm8k] {n}/20 problems, running accuracy {(n + 1) // 2 / n:.4f}" for n in range(2, 21, 2)]
+    progress = Progress("gsm8k", 3, log=print0, tty=True)  # a terminal: one line rewritten in place
+    for v in (1.0, 0.0, 0.5):
+        progress.add(v)
+    out = capsys.readouterr().out
+    assert out == "".join(f"\r\033[K[gsm8k] {n}/3 problems, running accuracy {a:.4f}" for n, a in
+                          ((1, 1.0), (2, 0.5), (3, 0.5))) + "\n"
+
+
 def test_centered_mean():
     assert centered(0.25, 0.25) == 0.0 and centered(1.0, 0.25) == 1.0
     assert centered(0.625, 0.25) == pytest.approx(0.5) and centered(0.3, 0.0) == 0.3
