@@ -223,6 +223,6 @@ log_section("Base model training", [{
 if losses:
     log_json("base_train_loss", {"step": list(range(start_step + 1, start_step + 1 + len(losses))), "loss": losses}, rank=rank)
 if min_val < float("inf"):
-    record_metrics("BASE", {"val bpb": min_val}, rank=rank)
+    record_metrics("BASE", {f"val bpb (min during training, {max(1, args.eval_tokens // tokens_per_fwdbwd) * tokens_per_fwdbwd} tokens)": min_val}, rank=rank)
 logger.finish()
 compute_cleanup()
