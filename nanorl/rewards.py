@@ -304,7 +304,8 @@ def make_reward(rm_type="task", task=None, custom_path=None):
     if any(name == "task" for name, _ in parts):
         from tasks.common import Task
         if task is None:
-            raise ValueError(f"--rm-type {rm_type} grades with the task's own grader, but no task was given")
+            raise ValueError(f"--rm-type {rm_type} grades with the task's own grader, but there is no task (prompts from a "
+                             f"file have none): pick --rm-type {' | '.join(GRADERS)} or --custom-rm-path")
         if type(task).evaluate is Task.evaluate:
             raise ValueError(f"{type(task).__name__} has no grader (it is chat data): pick --rm-type "
                              f"{' | '.join(GRADERS)} or --custom-rm-path")

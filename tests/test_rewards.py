@@ -286,7 +286,7 @@ def test_make_reward_types_names_and_errors(tmp_path):
     assert make_reward("custom", custom_path=f"{custom}:rm")[0]("ab", None, None) == 2.0
     for kw, msg in [(dict(rm_type="math", custom_path=f"{custom}:rm"), "both pick the reward"),
                     (dict(rm_type="custom"), "needs --custom-rm-path"), (dict(rm_type="remote"), "remote_rewards"),
-                    (dict(rm_type="task"), "no task was given"), (dict(rm_type="task", task=OfflineChat("test", n=3)),
+                    (dict(rm_type="task"), "there is no task"), (dict(rm_type="task", task=OfflineChat("test", n=3)),
                                                                   "OfflineChat has no grader"),
                     (dict(rm_type="bogus"), "valid: task, math")]:
         with pytest.raises(ValueError, match=msg):
