@@ -23,7 +23,7 @@ def test_tiny_speedrun_end_to_end(tmp_path):
         assert section in text, section
     # every card row names its task, its size and greedy/sampled; the tiny run evaluates one task, so no ChatCORE
     card = text.split("## Report card")[1].split("\n## ")[0]
-    rows = {m[0]: m[1].split(" | ") for m in re.findall(r"^\| (.+?) \| (.+) \|$", card, re.M)[2:]}
+    rows = {m[0]: m[1].split(" | ") for m in re.findall(r"^\| (.+?) \| (.+) \|$", card, re.M) if m[0] != "metric"}
     greedy = "offline levels 1,2 accuracy (greedy, 16 problems)"
     sampled = [f"offline levels 1,2 pass@{k} (T=1, 16 problems x 4 samples)" for k in (1, 4)]
     bpb = ["val bpb (min during training, 4096 tokens)", "val bpb (final model, 4096 tokens)"]
