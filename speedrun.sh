@@ -92,15 +92,16 @@ else
     stage base_train $RUN scripts.base_train -- --depth 20 --n-kv-head 2 --run "$WANDB_RUN"
     stage base_eval  $RUN scripts.base_eval
     stage mid_train  $RUN scripts.mid_train -- --data hub --run "$WANDB_RUN"
-    stage eval_mid   $RUN scripts.chat_eval -- -i mid -a arc-easy,arc-challenge,mmlu,gsm8k,humaneval,offline
+    stage eval_mid   $RUN scripts.chat_eval -- -i mid -a arc-easy,arc-challenge,mmlu,gsm8k,humaneval,spellingbee,offline
     stage chat_sft   $RUN scripts.chat_sft -- --data hub --run "$WANDB_RUN"
-    stage eval_sft   $RUN scripts.chat_eval -- -i sft -a arc-easy,arc-challenge,mmlu,gsm8k,humaneval,offline
+    stage eval_sft   $RUN scripts.chat_eval -- -i sft -a arc-easy,arc-challenge,mmlu,gsm8k,humaneval,spellingbee,offline
     stage chat_rl    $RUN scripts.chat_rl -- --task gsm8k --run "$WANDB_RUN"
-    stage eval_rl    $RUN scripts.chat_eval -- -i rl -a arc-easy,arc-challenge,mmlu,gsm8k,humaneval,offline
+    stage eval_rl    $RUN scripts.chat_eval -- -i rl -a arc-easy,arc-challenge,mmlu,gsm8k,humaneval,spellingbee,offline
 fi
 
 # --- the report -----------------------------------------------------------------------------------
-# total = the stages' own times, so a rerun that skips finished stages still reports the whole pipeline
+# total = the sum of the stages' own times, so a rerun that skips finished stages still reports the whole pipeline;
+# report.md goes where NANORL_REPORT says, its plots beside the stages' sections in $NANORL_BASE_DIR/report/
 STAGE_SECONDS=$(cat "$NANORL_BASE_DIR"/done/* 2>/dev/null | awk '{s += $1} END {print s + 0}')
 $PY -m nanorl.report --out "${NANORL_REPORT:-report.md}" --wall-time "$STAGE_SECONDS"
 echo "== done in $(( ($(date +%s) - T_START) / 60 )) min; see ${NANORL_REPORT:-report.md} =="

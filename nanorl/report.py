@@ -21,11 +21,35 @@ def _fmt(v):
     return str(v)
 
 
-def log_section(name, items, rank=0):
-    """items: a list of dicts (key -> value) and/or markdown strings. Only rank 0 writes."""
+def eval_label(task, metric, problems, samples=1, temperature=0.0):
+    """The name of a measured number: task, metric, how many problems and greedy or sampled, e.g.
+    'offline accuracy (greedy, 200 problems)' or 'offline pass@1 (T=1, 200 problems x 4 samples)'."""
+    if samples == 1 and temperature == 0:
+        return f"{task} {metric} (greedy, {problems} problems)"
+    return f"{task} {metric} (T={temperature:g}, {problems} problems x {samples} samples)"
+
+
+def rl_eval_rows(eval_history, task, problems, samples, temperature):
+    """The RL stage's held-out pass@k before and after training, each row labelled by eval_label:
+    eval_history is a list of {"step", "eval/pass@k": value, ...}; -> a dict for log_section."""
+    if not eval_history:
+        return {}
+    rows = {}
+    for when, e in (("before", eval_history[0]), ("after", eval_history[-1])):
+        for k, v in e.items():
+            if k.startswith("eval/"):
+                rows[f"{eval_label(task, k[5:], problems, samples, temperature)} {when} (step {e['step']})"] = v
+    return rows
+
+
+def log_section(name, items, rank=0, config=None):
+    """items: a list of dicts (key -> value) and/or markdown strings; config: the stage's flags (vars(args)),
+    listed first as its hyperparameters. Only rank 0 writes."""
     if rank != 0:
         return None
     lines = [f"## {name}", f"timestamp: {datetime.datetime.now().strftime('%Y-%m-%d %H:%M:%S')}", ""]
+    if config:
+        lines += ["hyperparameters:"] + [f"- {k}: {_fmt(v)}" for k, v in config.items()] + [""]
     for item in items:
         if isinstance(item, dict):
             lines += [f"- {k}: {_fmt(v)}" for k, v in item.items()]
@@ -74,26 +98,53 @@ def record_metrics(stage, metrics, rank=0):
 
 
 STAGES = ["BASE", "MID", "SFT", "RL"]
-CARD_ROWS = ["val bpb", "CORE", "ARC-Easy", "ARC-Challenge", "MMLU", "GSM8K", "HumanEval", "ChatCORE", "offline", "spellingbee"]
+# the card's row order: rows starting with one of these come in this order, the rest after them
+CARD_ROWS = ["val bpb", "CORE", "ARC-Easy", "ARC-Challenge", "MMLU", "GSM8K", "HumanEval", "SpellingBee", "ChatCORE", "offline"]
+# the stages' sections in pipeline order; a section whose slug starts with one of these goes there
+SECTION_ORDER = ["tokenizer-training", "tokenizer-evaluation", "base-model-training", "base-model-evaluation", "midtraining",
+                 "chat-eval-mid", "chat-sft", "chat-eval-sft", "chat-rl", "chat-eval-rl"]
+
+
+def _order(name, order):
+    """Position of name in order by its longest matching prefix (so 'chat-eval-sft-sampled' follows 'chat-eval-sft')."""
+    hits = [i for i, o in enumerate(order) if name.startswith(o)]
+    return (max(hits, key=lambda i: len(order[i])) if hits else len(order), name)
 
 
 def _environment():
     import platform
     import subprocess
     import torch
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def git(*cmd):
+        try:
+            return subprocess.run(["git", *cmd], capture_output=True, text=True, cwd=repo, timeout=10).stdout.strip()
+        except (OSError, subprocess.TimeoutExpired):
+            return ""
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    dirty = bool(git("status", "--porcelain", "--untracked-files=no")) if commit != "unknown" else None
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).stdout.strip() or "unknown"
-    except OSError:
-        commit = "unknown"
-    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
-    return {"git commit": commit, "GPUs": f"{len(gpus)} x {gpus[0]}" if gpus else "none (CPU run)",
-            "CPU": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores", "python": platform.python_version(),
-            "torch": torch.__version__, "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M")}
+        ram = f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.1f} GiB"
+    except (ValueError, OSError, AttributeError):  # not every OS has these
+        ram = "unknown"
+    env = {"git commit": commit + {True: " (dirty: uncommitted changes)", False: " (clean)", None: ""}[dirty]}
+    if torch.cuda.is_available():
+        props = [torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())]
+        env["GPUs"] = f"{len(props)} x {props[0].name}"
+        env["GPU memory"] = f"{props[0].total_memory / 2**30:.1f} GiB each"
+        env["CUDA"] = torch.version.cuda or "unknown"
+    else:
+        env["GPUs"] = "none (CPU run)"
+    env.update({"CPU": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores", "RAM": ram,
+                "python": platform.python_version(), "torch": torch.__version__,
+                "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M")})
+    return env
 
 
 def _plots(out_dir):
-    """PNG plots referenced from the markdown; matplotlib is imported lazily and its absence is said plainly."""
+    """PNG plots, written next to the sections (report_dir()) and linked relative to out_dir, the report's
+    folder; matplotlib is imported lazily and its absence is said plainly."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -107,9 +158,9 @@ def _plots(out_dir):
         ax.plot(base["step"], base["loss"])
         ax.set(xlabel="step", ylabel="train loss", title="Base model training loss")
         fig.tight_layout()
-        fig.savefig(os.path.join(out_dir, "plot_base_loss.png"), dpi=100)
+        fig.savefig(os.path.join(report_dir(), "plot_base_loss.png"), dpi=100)
         plt.close(fig)
-        lines.append("![base loss](plot_base_loss.png)")
+        lines.append(f"![base loss]({os.path.relpath(os.path.join(report_dir(), 'plot_base_loss.png'), out_dir)})")
     rl = load_json("rl_history")
     if rl and rl.get("train"):
         steps = [h["step"] for h in rl["train"]]
@@ -124,44 +175,38 @@ def _plots(out_dir):
         axes[2].set(xlabel="rollout", ylabel="held-out", title="Eval pass@k")
         axes[2].legend()
         fig.tight_layout()
-        fig.savefig(os.path.join(out_dir, "plot_rl.png"), dpi=100)
+        fig.savefig(os.path.join(report_dir(), "plot_rl.png"), dpi=100)
         plt.close(fig)
-        lines.append("![rl](plot_rl.png)")
+        lines.append(f"![rl]({os.path.relpath(os.path.join(report_dir(), 'plot_rl.png'), out_dir)})")
     return lines
 
 
 def generate(out_path="report.md", wall_time_s=None, gpu_hourly_usd=3.0):
-    """Stitch every stage's section into report.md with the environment, the report card and the plots."""
+    """Stitch report.md: the environment, the report card, every stage's section in pipeline order, time and
+    cost, plots. wall_time_s: the sum of the stages' own times (speedrun.sh passes it)."""
     out_dir = os.path.dirname(os.path.abspath(out_path))
     env = _environment()
     lines = ["# nanorl report", "", "## Environment", ""] + [f"- {k}: {v}" for k, v in env.items()] + [""]
     card = load_json("report_card", {})
-    rows = [r for r in CARD_ROWS if any(r in card.get(s, {}) for s in STAGES)]
-    rows += sorted({r for s in card.values() for r in s} - set(rows))
+    rows = sorted({r for s in card.values() for r in s}, key=lambda r: _order(r, CARD_ROWS))
     lines += ["## Report card", "", "| metric | " + " | ".join(STAGES) + " |", "|---" * (len(STAGES) + 1) + "|"]
     for r in rows:
         vals = [card.get(s, {}).get(r) for s in STAGES]
         lines.append(f"| {r} | " + " | ".join("-" if v is None else f"{v:.4f}" for v in vals) + " |")
     lines.append("")
-    rl = load_json("rl_history")
-    if rl and rl.get("eval"):
-        first, last = rl["eval"][0], rl["eval"][-1]
-        keys = sorted(k for k in first if k.startswith("eval/"))
-        lines += ["## RL: held-out pass@k before and after", "", "| metric | before (step %d) | after (step %d) |" % (first["step"], last["step"]),
-                  "|---|---|---|"] + [f"| {k[5:]} | {first[k]:.4f} | {last.get(k, float('nan')):.4f} |" for k in keys] + [""]
+    files = sorted((f[:-3] for f in os.listdir(report_dir()) if f.endswith(".md")
+                    and os.path.join(report_dir(), f) != os.path.abspath(out_path)), key=lambda f: _order(f, SECTION_ORDER))
+    for name in files:
+        with open(os.path.join(report_dir(), name + ".md")) as f:
+            lines += [f.read(), ""]
     if wall_time_s is not None:
         ngpu = int(env["GPUs"].split(" x ")[0]) if " x " in env["GPUs"] else 0
         cost = f"${ngpu * gpu_hourly_usd * wall_time_s / 3600:.2f} at ${gpu_hourly_usd}/GPU-hour" if ngpu else "$0 (CPU only)"
-        lines += ["## Time and cost", "", f"- total wall time: {wall_time_s / 60:.1f} min", f"- estimated cost: {cost}", ""]
+        lines += ["## Time and cost", "", f"- total wall time: {wall_time_s / 60:.1f} min (the sum of the stages' own times)",
+                  f"- estimated cost: {cost}", ""]
     plots = _plots(out_dir)
     if plots:
         lines += ["## Plots", ""] + plots + [""]
-    order = ["tokenizer-training", "tokenizer-evaluation", "base-model-training", "base-model-evaluation", "midtraining",
-             "chat-eval-mid", "chat-sft", "sft", "chat-eval-sft", "chat-rl", "chat-eval-rl"]
-    files = sorted(f[:-3] for f in os.listdir(report_dir()) if f.endswith(".md"))
-    for name in [o for o in order if o in files] + [f for f in files if f not in order]:
-        with open(os.path.join(report_dir(), name + ".md")) as f:
-            lines += [f.read().replace("\n## ", "\n### ").replace("## ", "## ", 1), ""]
     tmp = out_path + ".tmp"
     with open(tmp, "w") as f:
         f.write("\n".join(lines))
@@ -173,6 +218,6 @@ if __name__ == "__main__":
     import argparse
     parser = argparse.ArgumentParser(description="Write report.md from the stages' sections")
     parser.add_argument("--out", default="report.md")
-    parser.add_argument("--wall-time", type=float, default=None, help="total wall time in seconds")
+    parser.add_argument("--wall-time", type=float, default=None, help="the sum of the stages' own times, in seconds")
     a = parser.parse_args()
     print(f"wrote {generate(a.out, a.wall_time)}")

@@ -1,22 +1,24 @@
 """
-The reward hub: small graders that turn (response text, label) into a number.
+The reward hub: turns (response text, label, metadata) into a number for RL. chat_rl asks for one function:
 
---rm-type picks one: math | mc | exact | f1 | format, or a weighted mix such as "math+format:0.9,0.1",
-which returns a dict of components plus their weighted "total" (every component gets logged).
-A custom reward is a function fn(response, label, metadata) -> float | dict with a "total", loaded with
-load_function("module:fn") or load_function("path/to/file.py:fn"); a remote one is an HTTP endpoint,
-scored in batches with remote_rewards(url, payloads).
+    reward_fn, name = make_reward(rm_type, task=train_task, custom_path=None)
+    value = reward_fn(response, label, {"row": i})     # a float, or a dict of components with a "total"
 
-Every grader returns a number and never looks at anything but its arguments. safe_reward and
-remote_rewards never raise: a broken reward becomes (None, reason), which the RL loop counts and drops,
-because one bad sample must not kill a long run.
+rm_type picks the grader; `name` says which, for the logs and the report card:
+  task    (the default) the task's own grader, Task.reward: exactly the verdict chat_eval reports for it
+  math | boxed | mc | exact | f1 | format    a generic grader that replaces the task's, explicitly
+  a weighted mix such as "math+format:0.9,0.1" or "task+format:0.9,0.1": a dict of components + "total"
+  custom  a function fn(response, label, metadata) -> float | dict with a "total", from custom_path
+          ("module:function" or "path/to/file.py:function")
+A remote reward is an HTTP endpoint, scored in batches with remote_rewards(url, payloads).
+
+Every grader returns a number and looks at nothing but its arguments. safe_reward and remote_rewards never
+raise: a broken reward becomes (None, reason), which the RL loop counts and drops, because one bad sample
+must not kill a long run.
 """
-import importlib
-import importlib.util
 import json
 import math
 import numbers
-import os
 import re
 import string
 import time
@@ -143,6 +145,21 @@ def math_reward(response, label):
     return 1.0 if "%" in answer and _numbers_equal(got / 100, want) else 0.0
 
 
+def boxed_reward(response, label):
+    """1.0 when the last \\boxed{...} of the response equals the label's (or the bare label): as numbers when
+    both are numbers, else as text with spaces ignored. No \\boxed{}, no credit (unlike math, which falls
+    back to #### and the last number)."""
+    got = _last_boxed("" if response is None else str(response))
+    if got is None or label is None:
+        return 0.0
+    want = _last_boxed(str(label))
+    want = str(label) if want is None else want
+    a, b = normalize_number(got), normalize_number(want)
+    if a is not None and b is not None:
+        return 1.0 if _numbers_equal(a, b) else 0.0
+    return 1.0 if "".join(got.split()) == "".join(want.split()) and got.strip() else 0.0
+
+
 _MC_ANSWER_IS = re.compile(r"(?i:answer)(?:\s+(?i:is))?\s*:?\s*(?:(?i:option|choice)\s*)?[(\[]?([A-J])\b")
 _MC_ALONE = re.compile(r"^\s*[(\[]?([A-J])[)\]]?[.:]?\s*$")  # "B", "(B)", "B."
 _MC_LEADING = re.compile(r"^\s*[(\[]?([A-J])[)\].:](?:\s|$)")  # "B) because...", "(C) ..."
@@ -227,17 +244,19 @@ def format_reward(response, label=None):
     return 1.0 if response is not None and _FORMAT.search(str(response)) else 0.0
 
 
-GRADERS = {"math": math_reward, "mc": mc_reward, "exact": exact_match, "f1": f1_reward, "format": format_reward}
+GRADERS = {"math": math_reward, "boxed": boxed_reward, "mc": mc_reward, "exact": exact_match, "f1": f1_reward,
+           "format": format_reward}
+RM_TYPES = ["task", *GRADERS, "custom", "remote"]
 
 
 def parse_rm_type(rm_type):
     """'math' -> [('math', 1.0)]; 'math+format:0.9,0.1' -> [('math', 0.9), ('format', 0.1)];
-    'math+format' weighs every component 1.0."""
+    'math+format' weighs every component 1.0. 'task' may be a component too."""
     names, _, weights = str(rm_type).partition(":")
     names = [n.strip() for n in names.split("+")]
-    bad = [n for n in names if n not in GRADERS]
+    bad = [n for n in names if n not in GRADERS and n != "task"]
     if bad:
-        raise ValueError(f"unknown rm_type component(s) {bad} in {rm_type!r}; valid: {', '.join(GRADERS)} "
+        raise ValueError(f"unknown rm_type component(s) {bad} in {rm_type!r}; valid: {', '.join(RM_TYPES)} "
                          f"(or a weighted mix like math+format:0.9,0.1)")
     try:
         w = [float(x) for x in weights.split(",")] if weights else [1.0] * len(names)
@@ -248,48 +267,67 @@ def parse_rm_type(rm_type):
     return list(zip(names, w))
 
 
-def compute_reward(rm_type, response, label, metadata=None):
-    """A float for a single grader; a dict {component: value, ..., 'total': weighted sum} for a mix.
-    metadata is accepted so built-in and custom rewards share one call signature; graders ignore it."""
+def task_reward(task):
+    """The task's own grader as a reward fn(response, label, metadata): metadata["row"] is the example's index
+    in `task` (the same split and slice the prompt came from), and Task.reward grades against that example."""
+    def reward(response, label, metadata):
+        row = (metadata or {}).get("row")
+        if row is None:
+            raise ValueError("--rm-type task needs metadata['row'], the prompt's index in its task")
+        conversation = task.get_example(row)
+        want = conversation.get("label")
+        if label is not None and want is not None and str(label) != str(want):  # graded against another task/split
+            raise ValueError(f"{type(task).__name__} row {row} has label {want!r}, the sample has {label!r}: "
+                             f"this reward was made for another task or split")
+        return task.reward(conversation, "" if response is None else str(response))
+    return reward
+
+
+def _ignoring_metadata(grader):
+    return lambda response, label, metadata=None: grader(response, label)
+
+
+def make_reward(rm_type="task", task=None, custom_path=None):
+    """-> (fn(response, label, metadata) -> float | dict with a "total", name of the grader). Raises ValueError
+    naming the flags for a combination that cannot work, before any training starts."""
+    rm_type = str(rm_type)
+    if custom_path is not None or rm_type == "custom":
+        if rm_type not in ("task", "custom"):
+            raise ValueError(f"--custom-rm-path and --rm-type {rm_type} both pick the reward: give one of them")
+        if custom_path is None:
+            raise ValueError("--rm-type custom needs --custom-rm-path module:function (or path/to/file.py:function)")
+        from nanorl.rollout import load_function
+        return load_function(custom_path, ["response", "label", "metadata"], "--custom-rm-path"), f"custom:{custom_path}"
+    if rm_type == "remote":
+        raise ValueError("--rm-type remote is scored in batches over HTTP: call remote_rewards(url, payloads)")
     parts = parse_rm_type(rm_type)
-    if len(parts) == 1 and "+" not in str(rm_type) and ":" not in str(rm_type):
-        return GRADERS[parts[0][0]](response, label)
-    out = {name: GRADERS[name](response, label) for name, _ in parts}
-    out["total"] = sum(out[name] * w for name, w in parts)
-    return out
+    if any(name == "task" for name, _ in parts):
+        from tasks.common import Task
+        if task is None:
+            raise ValueError(f"--rm-type {rm_type} grades with the task's own grader, but there is no task (prompts from a "
+                             f"file have none): pick --rm-type {' | '.join(GRADERS)} or --custom-rm-path")
+        if type(task).evaluate is Task.evaluate:
+            raise ValueError(f"{type(task).__name__} has no grader (it is chat data): pick --rm-type "
+                             f"{' | '.join(GRADERS)} or --custom-rm-path")
+    fns = {name: task_reward(task) if name == "task" else _ignoring_metadata(GRADERS[name]) for name, _ in parts}
+    names = [f"task:{type(task).__name__}" if n == "task" else n for n, _ in parts]
+    if len(parts) == 1 and "+" not in rm_type and ":" not in rm_type:
+        return fns[parts[0][0]], names[0]
+
+    def mix(response, label, metadata=None):
+        out = {name: fns[name](response, label, metadata) for name, _ in parts}
+        out["total"] = sum(out[name] * w for name, w in parts)
+        return out
+    return mix, "+".join(names) + ":" + ",".join(f"{w:g}" for _, w in parts)
+
+
+def compute_reward(rm_type, response, label, metadata=None):
+    """One generic grader or mix, called directly: make_reward(rm_type)[0](response, label, metadata)."""
+    return make_reward(rm_type)[0](response, label, metadata)
 
 
 # -----------------------------------------------------------------------------------------------
-# custom reward functions
-
-REWARD_SIGNATURE = "fn(response: str, label, metadata: dict | None) -> float | dict with a 'total'"
-
-
-def load_function(path):
-    """'module:function' or 'path/to/file.py:function' -> the callable, with an error that names the path
-    and the expected signature when it can't be had."""
-    if not isinstance(path, str) or ":" not in path:
-        raise ValueError(f"{path!r}: expected 'module:function' or 'path/to/file.py:function'")
-    mod_name, fn_name = path.rsplit(":", 1)
-    try:
-        if mod_name.endswith(".py") or "/" in mod_name or os.sep in mod_name:
-            if not os.path.isfile(mod_name):
-                raise FileNotFoundError(f"no such file {mod_name!r}")
-            spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(mod_name))[0], mod_name)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(mod_name)
-    except Exception as e:
-        raise ImportError(f"{path!r}: could not import {mod_name!r} ({type(e).__name__}: {e}); "
-                          f"expected a module defining {REWARD_SIGNATURE}") from e
-    if not hasattr(module, fn_name):
-        raise AttributeError(f"{path!r}: {mod_name!r} has no attribute {fn_name!r}; expected {REWARD_SIGNATURE}")
-    fn = getattr(module, fn_name)
-    if not callable(fn):
-        raise TypeError(f"{path!r}: {fn_name!r} is a {type(fn).__name__}, not a function; expected {REWARD_SIGNATURE}")
-    return fn
-
+# checking what a reward function gave back
 
 def _check_reward(value):
     """(float or dict of floats, None) for a finite number or a dict of them with a 'total'; else (None, why)."""

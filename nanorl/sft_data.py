@@ -351,7 +351,7 @@ def train(args, stage, hub_mixture, offline_mixture):
          "padding fraction (rank 0)": loader.padding_fraction(),
          "truncated conversations (rank 0)": f"{s['truncated']} of {s['conversations']}",
          "conversations with nothing to train on (rank 0)": s["no_target"]},
-    ], rank=rank)
+    ], rank=rank, config=vars(args))
     logger.finish()
     compute_cleanup()
     return {"step": step, "val_losses": val_losses, "checkpoint_dir": ckpt_dir, "stats": s}

@@ -183,21 +183,6 @@ def problem_to_conversation(problem, use_tools=False):
             "label": problem["label"]}
 
 
-def grade(problem_or_label, response_text):
-    """True if the response's final number (after the last ####, else the last number) equals the label."""
-    label = problem_or_label["label"] if isinstance(problem_or_label, dict) else str(problem_or_label)
-    if "####" in response_text:
-        nums = re.findall(r"-?\d[\d,]*", response_text.rsplit("####", 1)[1])
-    else:
-        nums = re.findall(r"-?\d[\d,]*", response_text)
-    if not nums:
-        return False
-    try:
-        return int(nums[0 if "####" in response_text else -1].replace(",", "")) == int(label)
-    except ValueError:
-        return False
-
-
 # -----------------------------------------------------------------------------------------------
 # pretraining documents
 

@@ -102,7 +102,13 @@ else:
     summary["CORE"] = f"not run (--eval {args.eval})"
 
 summary["eval time s"] = round(time.time() - t0, 1)
-log_section("Base model evaluation", [summary, *items], rank=rank)
-metrics = {k: v for k, v in (("val bpb", summary.get("val bpb")), ("CORE", core and core["core"])) if v is not None}
+log_section("Base model evaluation", [summary, *items], rank=rank, config=vars(args))
+# card rows name what they measured: base_train's val bpb row is the minimum during training, this one the final model's
+metrics = {}
+if "bpb" in modes:
+    metrics[f"val bpb (final model, {steps * tokens_per_step} tokens)"] = summary["val bpb"]
+if core:
+    per_task = f", at most {args.max_per_task} examples each" if args.max_per_task > 0 else ""
+    metrics[f"CORE ({len(tasks)} tasks{per_task})"] = core["core"]
 record_metrics("BASE", metrics, rank=rank)
 compute_cleanup()

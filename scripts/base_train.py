@@ -219,10 +219,10 @@ for step in range(start_step, num_iterations + 1):
 log_section("Base model training", [{
     "depth": args.depth, "params": nparams, "num_iterations": num_iterations, "total_batch_size": args.total_batch_size,
     "data": describe_source(args.data_dir), "final_train_loss": losses[-1] if losses else float("nan"),
-    "min_val_bpb": min_val, "wall_time_s": round(time.time() - t_start, 1)}], rank=rank)
+    "min_val_bpb": min_val, "wall_time_s": round(time.time() - t_start, 1)}], rank=rank, config=vars(args))
 if losses:
     log_json("base_train_loss", {"step": list(range(start_step + 1, start_step + 1 + len(losses))), "loss": losses}, rank=rank)
 if min_val < float("inf"):
-    record_metrics("BASE", {"val bpb": min_val}, rank=rank)
+    record_metrics("BASE", {f"val bpb (min during training, {max(1, args.eval_tokens // tokens_per_fwdbwd) * tokens_per_fwdbwd} tokens)": min_val}, rank=rank)
 logger.finish()
 compute_cleanup()

@@ -7,8 +7,10 @@ multiple-choice ones by comparing the logits of the answer letters after the pro
     python -m scripts.chat_eval -i rl -a offline --num-samples 8 -k 1,8 --levels 3,4
     torchrun --nproc_per_node=8 -m scripts.chat_eval -i sft -a gsm8k,humaneval,arc-challenge
 
-Reports accuracy, pass@k (the unbiased estimator from n samples per problem) and the ChatCORE-style
-centred mean: each task's accuracy minus its random baseline, over (1 - baseline), averaged.
+Reports accuracy, pass@k (the unbiased estimator from n samples per problem), with running accuracy as
+problems finish, and ChatCORE when all of its tasks ran greedily: each task's accuracy minus its random
+baseline, over (1 - baseline), averaged over tasks.CHATCORE_TASKS. Generative tasks are graded by the
+task's own grader (task.evaluate), the same verdict RL's default reward (--rm-type task) pays.
 """
 import argparse
 import math
@@ -19,7 +21,7 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
-from tasks import RANDOM_BASELINE, get_task
+from tasks import CHATCORE_TASKS, RANDOM_BASELINE, get_task
 
 
 def pass_at_k(n, c, k):
@@ -38,7 +40,7 @@ def centered(accuracy, baseline):
 
 
 @torch.no_grad()
-def run_categorical(model, tokenizer, task, indices, batch_size=32, autocast=None):
+def run_categorical(model, tokenizer, task, indices, batch_size=32, autocast=None, progress=None):
     """One bool per problem: is the reference letter the most likely of the problem's letters right after
     the prompt? Prompts are right-padded into batches; each row reads its own last position.
     None for a prompt longer than the model's context (scored as wrong, and counted)."""
@@ -66,7 +68,28 @@ def run_categorical(model, tokenizer, task, indices, batch_size=32, autocast=Non
             pred = conv["letters"][int(logits[b, letter_ids].argmax())]
             verdicts.append(pred == conv["label"])
         out += [verdicts.pop(0) if f else None for f in fits]
+        for r in out[-len(fits):]:
+            if progress is not None:
+                progress.add(float(bool(r)))
     return out
+
+
+class Progress:
+    """Running accuracy while problems finish: one line rewritten in place on a terminal, a line every tenth of
+    the problems in a log file. Counts this rank's problems."""
+    def __init__(self, name, total, log=print, tty=None):
+        self.name, self.total, self.log, self.done, self.right = name, total, log, 0, 0.0
+        self.tty = sys.stdout.isatty() if tty is None else tty
+        self.every = max(1, total // 10)
+
+    def add(self, correct_fraction):
+        self.done += 1
+        self.right += correct_fraction
+        if self.tty or self.done % self.every == 0 or self.done == self.total:
+            line = f"[{self.name}] {self.done}/{self.total} problems, running accuracy {self.right / self.done:.4f}"
+            self.log("\r\033[K" + line if self.tty else line, **({"end": ""} if self.tty else {}))
+            if self.tty and self.done == self.total:
+                self.log("")
 
 
 def letter_token(tokenizer, letter):
@@ -76,42 +99,47 @@ def letter_token(tokenizer, letter):
     return ids[0]
 
 
-def run_generative(engine, tokenizer, task, indices, num_samples=1, max_tokens=256, temperature=0.0, top_k=None, seed=0):
+def run_generative(engine, tokenizer, task, indices, num_samples=1, max_tokens=256, temperature=0.0, top_k=None, seed=0,
+                   progress=None):
     """Per problem, how many of its num_samples responses grade correct, plus the responses' text.
-    All problems go to the engine in one generate call: it batches and schedules them itself.
+    Every problem is queued in the engine before the first result is awaited, so it batches and schedules them
+    all itself; results are graded (task.evaluate, the task's one grader) as they arrive, in order.
     None for a prompt that leaves the engine no room to answer (scored as wrong, and counted)."""
     from nanorl.engine import Request
     convs = [task.get_example(i) for i in indices]
     prompts = [tokenizer.render_for_completion(c) for c in convs]
     max_len = getattr(engine, "max_len", None)
     fits = [max_len is None or len(p) < max_len for p in prompts]
-    reqs = [Request(prompt_ids=p, num_samples=num_samples, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
-                    seed=seed + i) for p, i, f in zip(prompts, indices, fits) if f]
-    results = iter(engine.generate(reqs))
+    handles = iter([engine.submit(Request(prompt_ids=p, num_samples=num_samples, max_tokens=max_tokens,
+                                          temperature=temperature, top_k=top_k, seed=seed + i))
+                    for p, i, f in zip(prompts, indices, fits) if f])
     drop = {tokenizer.encode_special("<|assistant_end|>"), tokenizer.get_bos_token_id()}
     counts, texts = [], []
     for conv, f in zip(convs, fits):
         if not f:
             counts.append(None)
             texts.append([])
-            continue
-        responses = [tokenizer.decode([t for t in c.tokens if t not in drop]) for c in next(results)]
-        counts.append(sum(bool(task.evaluate(conv, r)) for r in responses))
-        texts.append(responses)
+        else:
+            responses = [tokenizer.decode([t for t in c.tokens if t not in drop]) for c in next(handles).result()]
+            counts.append(sum(bool(task.evaluate(conv, r)) for r in responses))
+            texts.append(responses)
+        if progress is not None:
+            progress.add((counts[-1] or 0) / num_samples)
     return counts, texts
 
 
 def evaluate(task, model, tokenizer, engine, indices, num_samples=1, ks=(1,), max_tokens=256, temperature=0.0,
-             top_k=None, seed=0, batch_size=32, autocast=None):
+             top_k=None, seed=0, batch_size=32, autocast=None, progress=None):
     """Sums over this rank's problems: {"problems", "correct" (mean-per-problem accuracy sum), "pass@k" sums,
     "too_long" (prompts that do not fit the context: wrong)}. Sums, not means, so ranks can all_reduce them."""
     sums = {"problems": float(len(indices))}
     if task.eval_type == "categorical":
-        right = run_categorical(model, tokenizer, task, indices, batch_size, autocast)
+        right = run_categorical(model, tokenizer, task, indices, batch_size, autocast, progress)
         sums["correct"] = float(sum(bool(r) for r in right))
         sums["too_long"] = float(sum(r is None for r in right))
         return sums, None
-    counts, texts = run_generative(engine, tokenizer, task, indices, num_samples, max_tokens, temperature, top_k, seed)
+    counts, texts = run_generative(engine, tokenizer, task, indices, num_samples, max_tokens, temperature, top_k, seed,
+                                   progress)
     sums["too_long"] = float(sum(c is None for c in counts))
     counts = [c or 0 for c in counts]
     sums["correct"] = sum(c / num_samples for c in counts)
@@ -133,7 +161,8 @@ def main():
     from nanorl.checkpoint import load_model
     from nanorl.common import autocast_ctx, compute_cleanup, compute_init, print0
     from nanorl.engine import Engine
-    from nanorl.report import log_section, record_metrics
+    from nanorl.report import eval_label, log_section, record_metrics
+    from nanorl.rewards import make_reward
     from nanorl.sft_data import levels, task_paths
 
     parser = argparse.ArgumentParser(description="Evaluate a chat model on tasks")
@@ -154,6 +183,10 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device-type", default=None, help="cuda | cpu | mps (default: autodetect)")
     args = parser.parse_args(sys.argv[1:] if sys.argv[1:2] != ["--"] else sys.argv[2:])  # torchrun ... -m script -- args
+    if args.max_problems is not None and args.max_problems < 1:
+        parser.error(f"-x/--max-problems must be >= 1, got {args.max_problems} (leave it out to evaluate every problem)")
+    if args.num_samples < 1:
+        parser.error(f"-n/--num-samples must be >= 1, got {args.num_samples}")
 
     _, rank, _, world_size, device = compute_init(args.device_type)
     autocast = autocast_ctx(device.type)
@@ -166,9 +199,9 @@ def main():
     temperature = args.temperature if args.temperature is not None else (0.0 if n == 1 else 1.0)
     paths = task_paths(args)
     results, skipped, t_all = {}, {}, time.time()
-    for name in [t.strip() for t in args.tasks.split(",") if t.strip()]:
-        kw = {"path": paths[name.lower()]} if name.lower() in paths else {}
-        if name.lower() == "offline":
+    for name in [t.strip().lower() for t in args.tasks.split(",") if t.strip()]:
+        kw = {"path": paths[name]} if name in paths else {}
+        if name == "offline":
             kw["levels"] = levels(args)
         try:
             task = get_task(name, "test", **kw)
@@ -176,16 +209,20 @@ def main():
             print0(f"skipping {name}: {e}")
             skipped[name] = str(e).splitlines()[0][:200]
             continue
+        except ValueError as e:  # a malformed data file: its name and row, not a traceback
+            raise SystemExit(f"{name}: {e}")
         N = len(task) if args.max_problems is None else min(len(task), args.max_problems)
         indices = list(range(rank, N, world_size))  # each rank a strided slice
         t0 = time.time()
+        progress = Progress(name, len(indices), print0)
         sums, texts = evaluate(task, model, tokenizer, engine, indices, n, ks, args.max_new_tokens, temperature,
-                               args.top_k, args.seed, args.batch_size, autocast)
+                               args.top_k, args.seed, args.batch_size, autocast, progress)
         sums = all_reduce_sums(sums, device)
         res = {"accuracy": sums["correct"] / max(sums["problems"], 1), "problems": int(sums["problems"]),
                "too long for the context": int(sums["too_long"])}
         res.update({k: v / max(sums["problems"], 1) for k, v in sums.items() if k.startswith("pass@")})
-        res["centered"] = centered(res["accuracy"], RANDOM_BASELINE.get(name.lower(), 0.0))
+        res["centered"] = centered(res["accuracy"], RANDOM_BASELINE.get(name, 0.0))
+        res["grader"] = "letter logits" if task.eval_type == "categorical" else make_reward("task", task=task)[1]
         results[name] = res
         shown = next((t[0] for t in texts or [] if t), None)
         if shown is not None:
@@ -195,20 +232,30 @@ def main():
                + "".join(f", {k} {v:.4f}" for k, v in res.items() if k.startswith("pass@")) + f" ({time.time() - t0:.1f}s)")
     if not results:
         raise SystemExit(f"no task could be evaluated ({', '.join(skipped)}); with no network, use -a offline")
-    chatcore = sum(r["centered"] for r in results.values()) / len(results)
-    print0(f"ChatCORE (centred mean over {len(results)} task(s)): {chatcore:.4f}; total {time.time() - t_all:.1f}s")
-    rows = [{f"{name} {k}": v for k, v in r.items()} for name, r in results.items()]
-    card_names = {"gsm8k": "GSM8K", "arc-easy": "ARC-Easy", "arc-challenge": "ARC-Challenge", "mmlu": "MMLU", "humaneval": "HumanEval"}
-    if n == 1:
-        record_metrics(args.source, {**{card_names.get(name.lower(), name.lower()): r["accuracy"] for name, r in results.items()},
-                                     "ChatCORE": chatcore}, rank=rank)
-    else:  # sampled: own card rows (RL optimises exactly this expected reward), beside the greedy ones
-        record_metrics(args.source, {f"{card_names.get(name.lower(), name.lower())} {k} (T={temperature:g})": v
-                                     for name, r in results.items() for k, v in r.items() if k.startswith("pass@")}, rank=rank)
-    log_section(f"Chat eval {args.source}" + (" sampled" if n > 1 else ""), [{"source": f"{args.source} ({meta.get('model_tag', args.model_tag)})",
-                                              "samples per problem": n, "temperature": temperature, "ranks": world_size},
-                                             *rows, {"ChatCORE": chatcore},
-                                             *([{f"skipped {k}": v for k, v in skipped.items()}] if skipped else [])], rank=rank)
+    # every number is labelled with its task, its size and greedy/sampled, so no two measurements share a row
+    card_names = {"gsm8k": "GSM8K", "arc-easy": "ARC-Easy", "arc-challenge": "ARC-Challenge", "mmlu": "MMLU",
+                  "humaneval": "HumanEval", "spellingbee": "SpellingBee", "offline": f"offline levels {args.levels}"}
+    card, rows, greedy = {}, [], n == 1 and temperature == 0
+    for name, r in results.items():
+        task_name = card_names.get(name, name)
+        rows.append({"task": task_name, "graded by": r["grader"], "too long for the context": r["too long for the context"]})
+        if greedy or r["grader"] == "letter logits":  # a letter's logits are read, never sampled: always greedy
+            card[eval_label(task_name, "accuracy", r["problems"])] = r["accuracy"]
+        else:  # sampled: pass@k rows (RL optimises pass@1, the expected reward), beside the greedy ones
+            card.update({eval_label(task_name, k, r["problems"], n, temperature): v for k, v in r.items() if k.startswith("pass@")})
+    # ChatCORE is the centred mean over its own tasks: computed only when every one of them ran greedily
+    if greedy and all(t in results for t in CHATCORE_TASKS):
+        chatcore = sum(results[t]["centered"] for t in CHATCORE_TASKS) / len(CHATCORE_TASKS)
+        per_task = "" if args.max_problems is None else f", at most {args.max_problems} problems each"
+        card[f"ChatCORE (greedy, {len(CHATCORE_TASKS)} tasks{per_task})"] = chatcore
+        print0(f"ChatCORE (centred mean over {', '.join(CHATCORE_TASKS)}): {chatcore:.4f}")
+    print0(f"total {time.time() - t_all:.1f}s")
+    record_metrics(args.source, card, rank=rank)
+    log_section(f"Chat eval {args.source}" + ("" if greedy else " sampled"),
+                [{"source": f"{args.source} ({meta.get('model_tag', args.model_tag)})", "ranks": world_size,
+                  "decoding": "greedy" if greedy else f"sampled, T={temperature:g}, {n} samples per problem"},
+                 *rows, card,
+                 *([{f"skipped {k}": v for k, v in skipped.items()}] if skipped else [])], config=vars(args), rank=rank)
     compute_cleanup()
     return results
 

@@ -53,4 +53,4 @@ for tname, text in texts.items():
         rows[f"{tname} bytes/token ({ename})"] = round(ratio, 3)
         line += f"{ntok:>16}{ratio:>8.2f}"
     print0(line)
-log_section("Tokenizer evaluation", [rows])
+log_section("Tokenizer evaluation", [rows], config=vars(args))

@@ -53,4 +53,4 @@ print0(f"held-out compression: {nbytes / max(ntok, 1):.2f} bytes/token over {len
 log_section("Tokenizer training", [{
     "source": describe_source(args.data_dir), "vocab_size": tokenizer.vocab_size, "max_chars": args.max_chars,
     "train_time_s": round(train_time, 2), "val_bytes_per_token": round(nbytes / max(ntok, 1), 3),
-}])
+}], config=vars(args))

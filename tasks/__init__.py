@@ -32,6 +32,8 @@ TASKS = {
 
 # the score of random guessing, for ChatCORE's centred mean (generative tasks: 0)
 RANDOM_BASELINE = {"mmlu": 0.25, "arc-easy": 0.25, "arc-challenge": 0.25}
+# ChatCORE is the centred mean over exactly these (nanochat's six); chat_eval reports it only when all of them ran
+CHATCORE_TASKS = ("arc-easy", "arc-challenge", "mmlu", "gsm8k", "humaneval", "spellingbee")
 
 
 def get_task(name, split, **kw):
@@ -41,5 +43,5 @@ def get_task(name, split, **kw):
     return TASKS[key](split=split, **kw)
 
 
-__all__ = ["Task", "TaskMixture", "TaskSequence", "get_task", "TASKS", "RANDOM_BASELINE",
+__all__ = ["Task", "TaskMixture", "TaskSequence", "get_task", "TASKS", "RANDOM_BASELINE", "CHATCORE_TASKS",
            "ARC", "CustomJSON", "GSM8K", "HumanEval", "MMLU", "OfflineChat", "OfflineProblems", "SmolTalk", "SpellingBee"]

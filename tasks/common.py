@@ -40,10 +40,11 @@ class Task:
         return self.example(self.start + i * self.step)
 
     def evaluate(self, conversation, response_text):
+        """The task's one grader: is the response right? chat_eval counts it; RL is rewarded by it (reward)."""
         raise NotImplementedError(f"{type(self).__name__} has no grader (it is chat data, not a benchmark)")
 
     def reward(self, conversation, response_text):
-        # the RL signal: binary correctness unless a task knows better
+        # the RL signal (--rm-type task): the eval's own verdict as a number, so RL trains on what chat_eval reports
         return float(self.evaluate(conversation, response_text))
 
 

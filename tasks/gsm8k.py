@@ -1,14 +1,20 @@
 """
 GSM8K: grade-school math word problems (openai/gsm8k). The worked solutions carry calculator annotations
 `<<48/2=24>>`; each becomes a python tool call ("48/2") and its output ("24"), so SFT teaches the model to
-use the tool exactly where the dataset's authors used a calculator. Graded by the final `#### N` number.
+use the tool exactly where the dataset's authors used a calculator.
+
+Graded as nanochat grades it, and the RL reward is this same verdict: the answer is the number right after
+the last `####` (an optional `$`, thousands commas and trailing punctuation allowed: `#### $1,080.` reads
+1080). It must be the whole number: `#### 18.5` is 18.5, never 18; a response with no `####`, or with a
+word after it, has no answer and is wrong ("The answer is 18." included). The offline curriculum and
+SpellingBee use the same convention: their labels are integers.
 """
 import re
 
-from tasks.common import Task, load_rows
+from tasks.common import Task, load_rows, split_file
 
 ANNOTATION = re.compile(r"<<([^<>]*)>>")
-NUMBER = re.compile(r"-?[\d,]*\.?\d+")
+ANSWER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")  # 18, -3, 1,080, 2.50
 
 
 def answer_to_parts(answer):
@@ -42,20 +48,32 @@ def parts_to_answer(parts):
 
 
 def normalize_number(s):
-    s = s.replace(",", "").strip()
-    try:
-        x = float(s)
-    except ValueError:
-        return s
-    return str(int(x)) if x == int(x) else str(x)
+    """'1,080' -> '1080', '-3.0' -> '-3', '2.50' -> '2.5': exact string arithmetic, so a 400-digit answer
+    is just a long string (float() would overflow)."""
+    sign = "-" if s.startswith("-") else ""
+    whole, _, frac = s.lstrip("-").replace(",", "").partition(".")
+    whole, frac = whole.lstrip("0") or "0", frac.rstrip("0")
+    if whole == "0" and not frac:
+        sign = ""  # -0 is 0
+    return sign + whole + ("." + frac if frac else "")
 
 
 def extract_answer(text):
-    """The number after the last `####`, normalised ('1,080' -> '1080', '18.0' -> '18'); None if absent."""
-    if "####" not in text:
+    """The number right after the last `####`, normalised; None when there is none (see the docstring above)."""
+    if text is None or "####" not in text:
         return None
-    m = NUMBER.search(text.rsplit("####", 1)[1])
-    return normalize_number(m.group(0)) if m else None
+    words = text.rsplit("####", 1)[1].split()
+    if not words:
+        return None
+    word = words[0].lstrip("$").rstrip(".,;:!?")
+    return normalize_number(word) if ANSWER.fullmatch(word) else None
+
+
+def is_correct(response_text, label):
+    """The one verdict for GSM8K-style answers: the response's final answer equals the label (an integer or
+    a number string, read by the same rules)."""
+    pred, want = extract_answer(response_text), extract_answer(f"#### {label}")
+    return pred is not None and pred == want
 
 
 class GSM8K(Task):
@@ -64,6 +82,13 @@ class GSM8K(Task):
         if split not in ("train", "test"):
             raise ValueError(f"GSM8K split must be train or test, got {split!r}")
         self.rows = load_rows("openai/gsm8k", "main", split, path=path, split=split)
+        for i, row in enumerate(self.rows):  # a bad row would be a KeyError (or an ungradable label) mid-run
+            missing = [k for k in ("question", "answer") if not isinstance(row.get(k), str)]
+            if missing or extract_answer(row["answer"]) is None:
+                where = ", ".join(split_file(path, split)) if path else f"openai/gsm8k ({split})"
+                what = f"no {' or '.join(repr(k) for k in missing)}" if missing else "an 'answer' without a final '#### N'"
+                raise ValueError(f"{where}: row {i + 1} has {what} (GSM8K rows need a 'question' and an 'answer' "
+                                 f"ending in '#### N')")
 
     def num_examples(self):
         return len(self.rows)
@@ -75,5 +100,4 @@ class GSM8K(Task):
                 "label": extract_answer(row["answer"])}
 
     def evaluate(self, conversation, response_text):
-        pred = extract_answer(response_text)
-        return pred is not None and pred == conversation["label"]
+        return is_correct(response_text, conversation["label"])

@@ -2,9 +2,11 @@
 The offline curriculum as tasks (nanorl/synthetic.py): verifiable problems (multi-step arithmetic and letter
 counting, levels 1-4, GSM8K's `#### N` format, optional tool calls) and small chat conversations.
 No download: the default of every script when no data is given. Train/test are disjoint by construction.
+Problems are graded by GSM8K's rule (tasks/gsm8k.py): the integer right after the last `####`.
 """
 from nanorl import synthetic
 from tasks.common import Task
+from tasks.gsm8k import is_correct
 
 DEFAULT_SIZE = {"train": 20000, "test": 500}
 
@@ -27,7 +29,7 @@ class OfflineProblems(Task):
         return {**conv, "level": p["level"], "kind": p["kind"]}
 
     def evaluate(self, conversation, response_text):
-        return synthetic.grade(conversation["label"], response_text)
+        return is_correct(response_text, conversation["label"])
 
 
 class OfflineChat(Task):

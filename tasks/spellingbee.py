@@ -9,7 +9,7 @@ import zlib
 
 from nanorl.synthetic import WORDS
 from tasks.common import Task
-from tasks.gsm8k import extract_answer
+from tasks.gsm8k import is_correct
 
 TEMPLATES = ["How many {l} are in {w}?", "How many times does the letter {l} appear in {w}?",
              "Count the number of {l}'s in the word {w}.", "how many {l}'s in {w}", "In the word '{w}', how many '{l}' are there?"]
@@ -59,4 +59,4 @@ class SpellingBee(Task):
                 "label": str(count), "word": word, "letter": letter}
 
     def evaluate(self, conversation, response_text):
-        return extract_answer(response_text) == conversation["label"]
+        return is_correct(response_text, conversation["label"])

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nanorl.tokenizer import SPLIT_PATTERN, Tokenizer
-from scripts.chat_eval import centered, evaluate, letter_token, pass_at_k, run_categorical
+from scripts.chat_eval import Progress, centered, evaluate, letter_token, pass_at_k, run_categorical
 from tasks import Task, TaskMixture
 from tasks.common import render_mc
 from tasks.offline import OfflineProblems
@@ -42,6 +42,21 @@ def test_pass_at_k_by_hand():
     assert pass_at_k(200, 10, 100) == pytest.approx(1 - 0.5 ** 10, abs=2e-3)  # large n does not overflow
     with pytest.raises(ValueError):
         pass_at_k(2, 1, 3)
+
+
+def test_progress_lines(capsys):
+    from nanorl.common import print0
+    progress = Progress("gsm8k", 20, log=print0, tty=False)  # a log file: a line every tenth of the problems
+    for i in range(20):
+        progress.add(float(i % 2 == 0))
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [f"[gsm8k] {n}/20 problems, running accuracy {(n + 1) // 2 / n:.4f}" for n in range(2, 21, 2)]
+    progress = Progress("gsm8k", 3, log=print0, tty=True)  # a terminal: one line rewritten in place
+    for v in (1.0, 0.0, 0.5):
+        progress.add(v)
+    out = capsys.readouterr().out
+    assert out == "".join(f"\r\033[K[gsm8k] {n}/3 problems, running accuracy {a:.4f}" for n, a in
+                          ((1, 1.0), (2, 0.5), (3, 0.5))) + "\n"
 
 
 def test_centered_mean():
@@ -102,7 +117,7 @@ def test_categorical_eval_on_a_model_that_knows_the_answer(tok):
     assert run_categorical(Oracle(), tok, ListTask(convs, "categorical"), [0, 1, 2, 3, 4], batch_size=2) == [True] * 5
 
 
-def test_generative_eval_one_engine_call_and_pass_at_k(tok, monkeypatch):
+def test_generative_eval_batches_grades_and_shows_progress(tok, monkeypatch):
     @dataclass
     class Request:
         prompt_ids: list
@@ -129,35 +144,47 @@ def test_generative_eval_one_engine_call_and_pass_at_k(tok, monkeypatch):
     task = OfflineProblems("test", n=6, levels=(1,))
     end = tok.encode_special("<|assistant_end|>")
 
-    class FakeEngine:
-        calls = 0
+    class Handle:
+        def __init__(self, engine, completions):
+            self.engine, self.completions = engine, completions
 
-        def generate(self, reqs):
-            FakeEngine.calls += 1
-            out = []
-            for j, r in enumerate(reqs):
-                label = int(task.get_example(j)["label"])
-                # problem j: the first j of 4 samples are right (capped at 4)
-                texts = [f"#### {label if s < j else label + 1}" for s in range(r.num_samples)]
-                out.append([Completion(tokens=tok.encode(t) + [end]) for t in texts])
-            return out
-    sums, texts = evaluate(task, None, tok, FakeEngine(), list(range(6)), num_samples=4, ks=(1, 2, 4))
-    assert FakeEngine.calls == 1  # every problem in one generate call
+        def result(self):
+            self.engine.awaited = True
+            return self.completions
+
+    class FakeEngine:
+        def __init__(self):
+            self.submitted, self.awaited = [], False
+
+        def submit(self, r):
+            assert not self.awaited  # every problem is queued before the first result is awaited: one batch
+            j = len(self.submitted)
+            self.submitted.append(r)
+            label = int(task.get_example(j)["label"])
+            # problem j: the first j of 4 samples are right (capped at 4)
+            texts = [f"#### {label if s < j else label + 1}" for s in range(r.num_samples)]
+            return Handle(self, [Completion(tokens=tok.encode(t) + [end]) for t in texts])
+    lines = []
+    progress = Progress("offline", 6, log=lambda line, **kw: lines.append(line))
+    engine = FakeEngine()
+    sums, texts = evaluate(task, None, tok, engine, list(range(6)), num_samples=4, ks=(1, 2, 4), progress=progress)
+    assert len(engine.submitted) == 6 and [r.seed for r in engine.submitted] == list(range(6))
     c = [min(j, 4) for j in range(6)]
     assert sums["correct"] == pytest.approx(sum(x / 4 for x in c))
     for k in (1, 2, 4):
         assert sums[f"pass@{k}"] == pytest.approx(sum(pass_at_k(4, x, k) for x in c))
     assert texts[0][0] == f"#### {int(task.get_example(0)['label']) + 1}"  # <|assistant_end|> dropped
+    # per-problem progress with the running accuracy (mean fraction of right samples so far), by hand
+    running = [sum(x / 4 for x in c[:i + 1]) / (i + 1) for i in range(6)]
+    assert lines == [f"[offline] {i + 1}/6 problems, running accuracy {running[i]:.4f}" for i in range(6)]
     # a prompt that leaves the engine no room is scored wrong and counted, not sent (the engine would raise)
     lengths = [len(tok.render_for_completion(task.get_example(j))) for j in range(6)]
     engine = FakeEngine()
     engine.max_len = sorted(lengths)[3]  # the 3 longest prompts do not fit
-    sent = []
-    engine.generate = lambda reqs: sent.extend(reqs) or [[Completion(tokens=[end])] * r.num_samples for r in reqs]
+    engine.submit = lambda r: engine.submitted.append(r) or Handle(engine, [Completion(tokens=[end])] * r.num_samples)
     sums, _ = evaluate(task, None, tok, engine, list(range(6)), num_samples=2, ks=(1,))
-    assert sums["too_long"] == sum(n >= engine.max_len for n in lengths) and len(sent) == 6 - sums["too_long"]
+    assert sums["too_long"] == sum(n >= engine.max_len for n in lengths) and len(engine.submitted) == 6 - sums["too_long"]
     assert sums["problems"] == 6 and sums["correct"] == 0
-
 
 ROOT = Path(__file__).resolve().parents[1]
 E2E_BASE = ["--depth", "4", "--aspect-ratio", "32", "--head-dim", "32", "--max-seq-len", "256", "--device-batch-size", "16",

@@ -185,6 +185,6 @@ def test_base_eval_script(tmp_path):
     section = (tmp_path / "base" / "report" / "base-model-evaluation.md").read_text()
     assert "- CORE: " in section and "mc_zero (centered)" in section
     card = json.loads((tmp_path / "base" / "report" / "report_card.json").read_text())
-    assert set(card["BASE"]) == {"val bpb", "CORE"}
+    assert set(card["BASE"]) == {"val bpb (final model, 256 tokens)", f"CORE ({len(TASKS)} tasks)"}  # rows say what they measured
     log = run("scripts.base_eval", "--eval", "core,bpb,sample", "--split-tokens", "256", "--bundle-url", f"file://{tmp_path}/missing.zip")
     assert "CORE skipped: no eval bundle" in log and "--bundle-dir" in log and re.search(r"val bpb: \d+\.\d{4}", log)

@@ -7,9 +7,11 @@ import pytest
 from rl_fixture_server import RewardHandler
 from rl_fixture_server import reward_server as serve_rewards
 
-from nanorl.rewards import (compute_reward, exact_match, extract_answer, extract_choice, f1_reward, format_reward,
-                            load_function, math_reward, mc_reward, normalize_number, parse_rm_type, remote_rewards,
-                            safe_reward)
+from nanorl.rewards import (boxed_reward, compute_reward, exact_match, extract_answer, extract_choice, f1_reward,
+                            format_reward, make_reward, math_reward, mc_reward, normalize_number, parse_rm_type,
+                            remote_rewards, safe_reward)
+from tasks import GSM8K as GSM8KTask
+from tasks import ARC, OfflineChat, OfflineProblems, SpellingBee
 
 GSM8K = Path(__file__).resolve().parents[1].parent / "shared/data/gsm8k"
 
@@ -145,7 +147,7 @@ def test_weighted_mix_and_rm_type_errors():
     assert out == {"math": 1.0, "f1": 1.0, "total": 2.0}
     assert compute_reward("math", "#### 5", "5") == 1.0 and compute_reward("mc", "(A)", "A", {"id": 1}) == 1.0
     assert parse_rm_type("math+format:0.9,0.1") == [("math", 0.9), ("format", 0.1)]
-    with pytest.raises(ValueError, match="valid: math, mc, exact, f1, format"):
+    with pytest.raises(ValueError, match="valid: task, math, boxed, mc, exact, f1, format, custom, remote"):
         compute_reward("bogus", "x", "y")
     with pytest.raises(ValueError, match="valid"):
         compute_reward("math+bogus:0.5,0.5", "x", "y")
@@ -157,29 +159,6 @@ def test_weighted_mix_and_rm_type_errors():
 
 # -----------------------------------------------------------------------------------------------
 # custom reward functions
-
-def test_load_function(tmp_path):
-    good = tmp_path / "my_rm.py"
-    good.write_text("def reward(response, label, metadata):\n    return float(response == label)\nNOT_FN = 3\n")
-    fn = load_function(f"{good}:reward")
-    assert fn("a", "a", None) == 1.0
-    assert load_function("math:sqrt")(9.0) == 3.0  # a module on sys.path works too
-
-    with pytest.raises(ImportError, match=r"no_such_module_xyz.*fn\(response: str, label, metadata"):
-        load_function("no_such_module_xyz:reward")
-    with pytest.raises(ImportError, match="no such file"):
-        load_function(f"{tmp_path / 'missing.py'}:reward")
-    broken = tmp_path / "broken.py"
-    broken.write_text("def reward(:\n")
-    with pytest.raises(ImportError, match="SyntaxError"):
-        load_function(f"{broken}:reward")
-    with pytest.raises(AttributeError, match=r"has no attribute 'nope'.*expected fn\(response"):
-        load_function(f"{good}:nope")
-    with pytest.raises(TypeError, match="'NOT_FN' is a int, not a function"):
-        load_function(f"{good}:NOT_FN")
-    with pytest.raises(ValueError, match="module:function"):
-        load_function("no_colon_here")
-
 
 def test_safe_reward():
     def boom(*a):
@@ -223,6 +202,125 @@ def test_gsm8k_reference_answers_grade_correct():
                 assert math_reward(solution, wrong) == 0.0, solution[-80:]
                 counts[split] += 1
     assert counts == {"train": 7473, "test": 1319}
+
+
+# -----------------------------------------------------------------------------------------------
+# one grader per task: the RL reward (--rm-type task, the hub) is the eval's verdict, response for response
+
+TRICKY = ["#### 18", "#### 18.5", "#### 18.0", "#### $18", "#### 18.", "#### 1,8", "#### -18", "The answer is 18.",
+          "18", "\\boxed{18}", "#### 18 apples", "####18", "#### eighteen 18", "#### 18\n#### 19", "#### 19\n#### 18",
+          "#### 3/4", "#### 18%", "", "####", "#### " + "9" * 400, "work 18\n#### 017", "#### +18", "#### 18,000"]
+
+
+def seam_cases(task, n):
+    """(conversation, row, response) over n examples: the reference, off-by-one, and the tricky forms with the
+    example's own label put in place of 18."""
+    for row in range(min(n, len(task))):
+        conv = task.get_example(row)
+        label = conv["label"]
+        ref = conv["messages"][-1]["content"]
+        ref = ref if isinstance(ref, str) else "".join(p["text"] for p in ref)
+        yield conv, row, ref
+        yield conv, row, ref.rsplit("####", 1)[0] + f"#### {int(label) + 1}"
+        for t in TRICKY:
+            yield conv, row, t.replace("18", label)
+
+
+def assert_one_verdict(task, n):
+    reward_fn, name = make_reward("task", task=task)
+    assert name == f"task:{type(task).__name__}"
+    verdicts = []
+    for conv, row, response in seam_cases(task, n):
+        v = float(task.evaluate(conv, response))
+        assert task.reward(conv, response) == v == reward_fn(response, conv["label"], {"row": row}), (row, response)
+        verdicts.append(v)
+    assert 0 < sum(verdicts) < len(verdicts)  # the cases have both right and wrong answers
+
+
+@pytest.mark.skipif(not (GSM8K / "test.jsonl").exists(), reason=f"GSM8K not found at {GSM8K} (../shared/data/gsm8k)")
+def test_gsm8k_reward_is_the_eval_verdict_on_real_rows():
+    assert_one_verdict(GSM8KTask("test", path=str(GSM8K)), 150)
+
+
+def test_offline_and_spellingbee_reward_is_the_eval_verdict():
+    assert_one_verdict(OfflineProblems("test", n=60), 60)
+    assert_one_verdict(SpellingBee("test", size=40), 40)
+
+
+def test_the_three_graders_that_used_to_disagree():
+    task = OfflineProblems("test", n=5)
+    row = 0
+    conv = task.get_example(row)
+    label = conv["label"]
+    reward_fn, _ = make_reward("task", task=task)
+    # a non-integer final answer is wrong: the offline eval used to read the integer prefix ("18" of "18.5")
+    assert not task.evaluate(conv, f"#### {label}.5") and reward_fn(f"#### {label}.5", label, {"row": row}) == 0.0
+    # no ####: wrong for the eval, and now for the default reward too (math_reward, an explicit choice, still pays)
+    assert not task.evaluate(conv, f"The answer is {label}.") and reward_fn(f"The answer is {label}.", label, {"row": row}) == 0.0
+    assert math_reward(f"The answer is {label}.", label) == 1.0
+    # a 400-digit answer is a wrong answer, not an OverflowError that ends chat_eval
+    from tasks.gsm8k import extract_answer as gsm8k_answer
+    assert gsm8k_answer("#### " + "9" * 400) == "9" * 400
+    assert not task.evaluate(conv, "#### " + "9" * 400) and reward_fn("#### " + "9" * 400, label, {"row": row}) == 0.0
+
+
+def test_make_reward_types_names_and_errors(tmp_path):
+    task = OfflineProblems("test", n=5)
+    conv = task.get_example(0)
+    label = conv["label"]
+    for rm_type, name, response, want in [
+        ("math", "math", f"so it is {label}", 1.0), ("boxed", "boxed", f"\\boxed{{{label}}}", 1.0),
+        ("boxed", "boxed", f"#### {label}", 0.0), ("format", "format", "x\n#### 5", 1.0), ("mc", "mc", "(B)", 0.0),
+        ("exact", "exact", f"#### {label}", 1.0), ("f1", "f1", f"{label} {label}x", 2 / 3),
+    ]:
+        fn, got_name = make_reward(rm_type, task=task)
+        assert got_name == name and fn(response, label, {"row": 0}) == pytest.approx(want), rm_type
+    fn, name = make_reward("task+format:0.9,0.1", task=task)
+    assert name == "task:OfflineProblems+format:0.9,0.1"
+    assert fn(f"work\n#### {label}", label, {"row": 0}) == {"task": 1.0, "format": 1.0, "total": pytest.approx(1.0)}
+    assert fn(f"#### {label} apples", label, {"row": 0}) == {"task": 1.0, "format": 0.0, "total": pytest.approx(0.9)}
+    custom = tmp_path / "my_rm.py"
+    custom.write_text("def rm(response, label, metadata):\n    return float(len(response))\n")
+    fn, name = make_reward("task", task=task, custom_path=f"{custom}:rm")  # a custom path replaces the default
+    assert name == f"custom:{custom}:rm" and fn("abc", None, None) == 3.0
+    assert make_reward("custom", custom_path=f"{custom}:rm")[0]("ab", None, None) == 2.0
+    for kw, msg in [(dict(rm_type="math", custom_path=f"{custom}:rm"), "both pick the reward"),
+                    (dict(rm_type="custom"), "needs --custom-rm-path"), (dict(rm_type="remote"), "remote_rewards"),
+                    (dict(rm_type="task"), "there is no task"), (dict(rm_type="task", task=OfflineChat("test", n=3)),
+                                                                  "OfflineChat has no grader"),
+                    (dict(rm_type="bogus"), "valid: task, math")]:
+        with pytest.raises(ValueError, match=msg):
+            make_reward(**kw)
+    # the task grader reads its example by row: a row of another task/split is refused, not graded wrongly
+    fn, _ = make_reward("task", task=task)
+    other = next(i for i in range(1, 5) if task.get_example(i)["label"] != label)
+    assert safe_reward(fn, f"#### {label}", label, {"row": other})[1].startswith("reward raised ValueError")
+    assert safe_reward(fn, f"#### {label}", label, {})[0] is None
+
+
+def test_mc_task_reward_is_its_eval_verdict(tmp_path):
+    rows = [{"question": f"Q{i}?", "choices": {"text": ["w", "x", "y", "z"], "label": list("ABCD")}, "answerKey": "ABCD"[i % 4]}
+            for i in range(8)]
+    (tmp_path / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    task = ARC("ARC-Easy", "test", path=str(tmp_path))
+    reward_fn, name = make_reward("task", task=task)
+    assert name == "task:ARC"
+    verdicts = []
+    for row in range(len(task)):
+        conv = task.get_example(row)
+        for response in ["A", "B", " C", "D.", "(A)", "B) x", "The answer is C", "c", "", "A B"]:
+            v = float(task.evaluate(conv, response))
+            assert task.reward(conv, response) == v == reward_fn(response, conv["label"], {"row": row}), (row, response)
+            verdicts.append(v)
+    assert 0 < sum(verdicts) < len(verdicts)
+
+
+@pytest.mark.parametrize("response,label,want", [
+    ("so \\boxed{\\frac{1}{2}}", "0.5", 1.0), ("\\boxed{x + 1}", "x+1", 1.0), ("\\boxed{x+2}", "x+1", 0.0),
+    ("\\boxed{}", "", 0.0), ("no box 5", "5", 0.0), ("\\boxed{7}", "solution \\boxed{7}", 1.0), ("\\boxed{7}", None, 0.0),
+])
+def test_boxed_reward(response, label, want):
+    assert boxed_reward(response, label) == want
 
 
 # -----------------------------------------------------------------------------------------------

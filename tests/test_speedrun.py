@@ -18,20 +18,24 @@ def test_tiny_speedrun_end_to_end(tmp_path):
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     assert "no CUDA GPU" in out.stdout  # it says up front that this is the tiny offline run
     text = report.read_text()
-    for section in ["## Environment", "## Report card", "## RL: held-out pass@k before and after", "## Time and cost",
-                    "## Plots", "Tokenizer training", "Base model training", "Base model evaluation", "Midtraining", "Chat SFT", "Chat RL"]:
+    for section in ["## Environment", "## Report card", "## Time and cost", "## Plots", "## Tokenizer training",
+                    "## Base model training", "## Base model evaluation", "## Midtraining", "## Chat SFT", "## Chat RL"]:
         assert section in text, section
-    # the offline task has a number for every stage that evaluates it, and BASE has its val bpb
-    row = re.search(r"^\| offline \| (.*) \|$", text, re.M).group(1).split(" | ")
-    assert row[0] == "-" and all(re.fullmatch(r"\d\.\d{4}", v) for v in row[1:]), row
-    assert re.search(r"^\| val bpb \| \d+\.\d{4} \|", text, re.M)
-    # beside greedy accuracy, the sampled pass@1 / pass@4 (temperature 1: what RL optimises) of MID, SFT and RL
-    for k in (1, 4):
-        row = re.search(rf"^\| offline pass@{k} \(T=1\) \| (.*) \|$", text, re.M).group(1).split(" | ")
-        assert row[0] == "-" and all(re.fullmatch(r"\d\.\d{4}", v) for v in row[1:]), row
-    assert re.search(r"^\| pass@1 \| \d\.\d{4} \| \d\.\d{4} \|$", text, re.M)
-    for png in ("plot_base_loss.png", "plot_rl.png"):
-        assert (tmp_path / png).stat().st_size > 1000
+    # every card row names its task, its size and greedy/sampled; the tiny run evaluates one task, so no ChatCORE
+    card = text.split("## Report card")[1].split("\n## ")[0]
+    rows = {m[0]: m[1].split(" | ") for m in re.findall(r"^\| (.+?) \| (.+) \|$", card, re.M) if m[0] != "metric"}
+    greedy = "offline levels 1,2 accuracy (greedy, 16 problems)"
+    sampled = [f"offline levels 1,2 pass@{k} (T=1, 16 problems x 4 samples)" for k in (1, 4)]
+    bpb = ["val bpb (min during training, 4096 tokens)", "val bpb (final model, 4096 tokens)"]
+    assert set(rows) == {*bpb, greedy, *sampled}, rows
+    for row in bpb:
+        assert re.fullmatch(r"\d+\.\d{4}", rows[row][0]) and rows[row][1:] == ["-", "-", "-"], (row, rows[row])
+    for row in (greedy, *sampled):  # MID, SFT and RL each evaluated both ways; BASE is not a chat model
+        assert rows[row][0] == "-" and all(re.fullmatch(r"\d\.\d{4}", v) for v in rows[row][1:]), (row, rows[row])
+    assert "ChatCORE" not in text
+    assert "(the sum of the stages' own times)" in text
+    for png in ("plot_base_loss.png", "plot_rl.png"):  # beside the sections, not loose next to report.md
+        assert (tmp_path / "base" / "report" / png).stat().st_size > 1000 and not (tmp_path / png).exists()
     # a rerun skips every finished stage
     again = subprocess.run(["bash", "speedrun.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and again.stdout.count("already done, skipping") == 13

@@ -7,6 +7,7 @@ import pytest
 
 from nanorl import synthetic
 from nanorl.tokenizer import validate_conversation
+from tasks.gsm8k import is_correct
 
 OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.floordiv}
 
@@ -65,14 +66,8 @@ def test_every_answer_checks_out(split):
         else:
             word, letter = re.search(r"<<'(\w+)'\.count\('(\w)'\)", p["answer"]).groups()
             assert word in p["question"] and int(p["label"]) == word.count(letter)
-        assert synthetic.grade(p, p["answer"])
-        assert not synthetic.grade(p, p["answer"].replace(f"#### {p['label']}", f"#### {int(p['label']) + 1}"))
-
-
-def test_grade_falls_back_to_last_number():
-    assert synthetic.grade("12", "so the answer is 12")
-    assert synthetic.grade("1234", "#### 1,234")
-    assert not synthetic.grade("5", "no number here")
+        assert is_correct(p["answer"], p["label"])  # the task's grader (tasks/gsm8k.py) accepts the worked solution
+        assert not is_correct(p["answer"].replace(f"#### {p['label']}", f"#### {int(p['label']) + 1}"), p["label"])
 
 
 def test_conversations_well_formed_and_tools():

@@ -64,6 +64,27 @@ def test_gsm8k_annotation_round_trip_on_a_made_up_answer():
     assert extract_answer("no marker 12") is None
 
 
+@pytest.mark.parametrize("text,want", [
+    ("#### 18", "18"), ("#### 18.5", "18.5"), ("#### 18.50", "18.5"), ("#### 18.0", "18"), ("#### $1,080.", "1080"),
+    ("#### 007", "7"), ("#### -0", "0"), ("####18", "18"), ("#### 18\nHope it helps: 5", "18"), ("#### 3\n#### 4", "4"),
+    ("The answer is 18.", None), ("#### eighteen", None), ("#### 3/4", None), ("#### 18%", None), ("#### 12,34", None),
+    ("####", None), (None, None), ("#### " + "9" * 400, "9" * 400),  # exact strings: no float, no OverflowError
+])
+def test_gsm8k_answer_convention(text, want):
+    # the number right after the last ####, whole; anything else is no answer (wrong)
+    assert extract_answer(text) == want
+
+
+def test_gsm8k_row_without_an_answer_names_file_and_row(tmp_path):
+    good = {"question": "1+1?", "answer": "1+1 = <<1+1=2>>2\n#### 2"}
+    path = write_jsonl(tmp_path / "test.jsonl", [good, good, {"question": "no answer"}])
+    with pytest.raises(ValueError, match=r"test\.jsonl: row 3 has no 'answer'"):
+        GSM8K("test", path=path)
+    path = write_jsonl(tmp_path / "train.jsonl", [good, {"question": "q", "answer": "no final line"}])
+    with pytest.raises(ValueError, match=r"train\.jsonl: row 2 has an 'answer' without a final '#### N'"):
+        GSM8K("train", path=str(tmp_path))
+
+
 @pytest.mark.skipif(not GSM8K_DIR.is_dir(), reason=f"GSM8K not found at {GSM8K_DIR} (shared test data)")
 @pytest.mark.parametrize("split", ["train", "test"])
 def test_gsm8k_loader_and_grader_on_real_data(split):

@@ -1,0 +1,133 @@
+"""The report card, read back from real stage outputs: a tokenizer trained by tok_train, tiny MID/SFT checkpoints,
+chat_eval run greedily and sampled, then nanorl.report stitching report.md."""
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("report")
+    env = {**os.environ, "NANORL_BASE_DIR": str(d), "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "-m", "scripts.tok_train", "--vocab-size", "600", "--max-chars", "300000"],
+                   cwd=ROOT, env=env, check=True, capture_output=True)
+    import torch
+    from nanorl.checkpoint import save_checkpoint
+    from nanorl.gpt import GPTConfig, build_model
+    from nanorl.tokenizer import get_tokenizer
+    cfg = GPTConfig(sequence_len=256, vocab_size=get_tokenizer(str(d)).vocab_size, n_layer=1, n_head=1, n_kv_head=1, n_embd=32)
+    for seed, source in enumerate(["mid", "sft"]):  # two different untrained models: what matters here is the labels
+        torch.manual_seed(seed)
+        save_checkpoint(str(d / f"{source}_checkpoints" / "t"), 0, build_model(cfg, "cpu").state_dict(),
+                        meta={"model_config": cfg.to_dict()})
+    return d
+
+
+def chat_eval(base_dir, *flags, monkeypatch, capsys):
+    """Run scripts.chat_eval in this process (no interpreter start per run) -> (exit code, stdout, stderr)."""
+    from scripts import chat_eval as script
+    monkeypatch.setenv("NANORL_BASE_DIR", str(base_dir))
+    monkeypatch.setattr(sys, "argv", ["chat_eval", *flags])
+    try:
+        script.main()
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+        if not isinstance(e.code, int):
+            print(e.code, file=sys.stderr)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_report_card_from_stage_outputs_has_no_mislabelled_row(base_dir, tmp_path, monkeypatch, capsys):
+    common = ["-a", "offline", "-x", "6", "-m", "6", "--levels", "1,2"]
+    for flags in (["-i", "mid"], ["-i", "sft"], ["-i", "sft", "-n", "2", "-t", "1.0"], ["-i", "mid", "-t", "0.7"]):
+        code, out, err = chat_eval(base_dir, *flags, *common, monkeypatch=monkeypatch, capsys=capsys)
+        assert code == 0, out[-2000:] + err[-2000:]
+        # per-problem progress with the running accuracy, the last line at 6/6
+        assert re.search(r"^\[offline\] 6/6 problems, running accuracy \d\.\d{4}$", out, re.M), out
+        assert "ChatCORE" not in out  # computed over its own six tasks only, never over the offline one
+    from nanorl import report
+    # the RL stage's rows, as chat_rl writes them with the helper (its own held-out eval: 5 prompts x 4 samples)
+    history = [{"step": 0, "eval/pass@1": 0.25, "eval/pass@4": 0.5}, {"step": 8, "eval/pass@1": 0.5, "eval/pass@4": 0.75}]
+    report.log_section("Chat RL", [{"reward": "task:OfflineProblems"},
+                                   report.rl_eval_rows(history, "offline levels 1,2", 5, 4, 1.0)], config={"num_rollouts": 8})
+    out_path = tmp_path / "out" / "report.md"
+    out_path.parent.mkdir()
+    report.generate(str(out_path), wall_time_s=90)
+    text = out_path.read_text()
+
+    card = json.loads((base_dir / "report" / "report_card.json").read_text())
+    assert set(card) == {"MID", "SFT"}  # each number under the stage that measured it
+    rows = re.findall(r"^\| (.+?) \| (.+) \|$", text.split("## Report card")[1].split("\n## ")[0], re.M)
+    labels = {r[0]: r[1].split(" | ") for r in rows if r[0] not in ("metric",) and not r[0].startswith("---")}
+    greedy = "offline levels 1,2 accuracy (greedy, 6 problems)"
+    sampled = [f"offline levels 1,2 pass@{k} (T=1, 6 problems x 2 samples)" for k in (1, 2)]
+    one_sampled = "offline levels 1,2 pass@1 (T=0.7, 6 problems x 1 samples)"  # one sample at T > 0 is not greedy
+    assert set(labels) == {greedy, *sampled, one_sampled}, labels
+    assert labels[one_sampled][1] != "-" and labels[one_sampled][2] == "-"
+    # greedy: MID and SFT; sampled: only SFT ran it; BASE and RL measured nothing here
+    assert labels[greedy][0] == "-" and labels[greedy][3] == "-" and all(re.fullmatch(r"\d\.\d{4}", v) for v in labels[greedy][1:3])
+    for row in sampled:
+        assert labels[row][:2] == ["-", "-"] and re.fullmatch(r"\d\.\d{4}", labels[row][2]) and labels[row][3] == "-"
+        assert float(labels[row][2]) == pytest.approx(card["SFT"][row], abs=5e-5)
+    assert "ChatCORE" not in text
+    # the RL section's pass@k figures carry their sizes
+    assert "- offline levels 1,2 pass@1 (T=1, 5 problems x 4 samples) before (step 0): 0.25" in text
+    assert "- offline levels 1,2 pass@4 (T=1, 5 problems x 4 samples) after (step 8): 0.75" in text
+    # nanochat's environment header
+    env = text.split("## Environment")[1].split("\n## ")[0]
+    assert re.search(r"- git commit: [0-9a-f]{4,} \((clean|dirty: uncommitted changes)\)", env), env
+    for key in ("- RAM: ", "- torch: ", "- GPUs: ", "- python: "):
+        assert key in env, key
+    # sections in pipeline order, each with its stage's flags
+    heads = re.findall(r"^## (.+)$", text, re.M)
+    order = ["Environment", "Report card", "Tokenizer training", "Chat eval mid", "Chat eval mid sampled", "Chat eval sft",
+             "Chat eval sft sampled",
+             "Chat RL", "Time and cost"]
+    assert [h for h in heads if h in order] == order, heads
+    for section in ("Tokenizer training", "Chat eval mid", "Chat eval sft sampled"):
+        body = text.split(f"## {section}\n")[1].split("\n## ")[0]
+        assert "hyperparameters:" in body, section
+    assert "- max_problems: 6" in text.split("## Chat eval mid\n")[1] and "- num_samples: 2" in text.split("## Chat eval sft sampled\n")[1]
+    assert "- graded by: task:OfflineProblems" in text
+    assert "- total wall time: 1.5 min (the sum of the stages' own times)" in text
+    # plots live beside the sections, not loose next to report.md
+    assert not list(out_path.parent.glob("*.png"))
+    for link in re.findall(r"!\[[^]]*\]\(([^)]+)\)", text):
+        assert (out_path.parent / link).resolve().parent == (base_dir / "report").resolve(), link
+
+
+@pytest.mark.parametrize("flags,msg", [(["-x", "0"], "-x/--max-problems must be >= 1, got 0"),
+                                       (["-x", "-1"], "-x/--max-problems must be >= 1, got -1"),
+                                       (["-n", "0"], "-n/--num-samples must be >= 1")])
+def test_chat_eval_rejects_bad_counts(base_dir, flags, msg, monkeypatch, capsys):
+    code, _, err = chat_eval(base_dir, "-i", "sft", *flags, monkeypatch=monkeypatch, capsys=capsys)
+    assert code == 2 and msg in err, err
+
+
+def test_chat_eval_names_the_bad_gsm8k_row(base_dir, tmp_path, monkeypatch, capsys):
+    rows = [{"question": "1+1?", "answer": "1+1=2\n#### 2"}, {"question": "2+2?"}]
+    (tmp_path / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code, _, err = chat_eval(base_dir, "-i", "sft", "-a", "gsm8k", "--task-path", f"gsm8k={tmp_path}",
+                             monkeypatch=monkeypatch, capsys=capsys)
+    assert code == 1 and err.startswith(f"gsm8k: {tmp_path / 'test.jsonl'}: row 2 has no 'answer'"), err  # one line, no traceback
+
+
+def test_eval_labels_and_section_order():
+    from nanorl.report import SECTION_ORDER, _order, eval_label
+    assert eval_label("GSM8K", "accuracy", 1319) == "GSM8K accuracy (greedy, 1319 problems)"
+    assert eval_label("offline", "pass@4", 200, 4, 1.0) == "offline pass@4 (T=1, 200 problems x 4 samples)"
+    assert eval_label("offline", "pass@1", 200, 1, 0.7) == "offline pass@1 (T=0.7, 200 problems x 1 samples)"
+    names = ["chat-rl", "chat-eval-sft-sampled", "zzz-other", "chat-eval-sft", "midtraining", "tokenizer-training",
+             "chat-eval-mid-sampled", "base-model-training", "chat-sft", "chat-eval-rl"]
+    assert sorted(names, key=lambda n: _order(n, SECTION_ORDER)) == [
+        "tokenizer-training", "base-model-training", "midtraining", "chat-eval-mid-sampled", "chat-sft", "chat-eval-sft",
+        "chat-eval-sft-sampled", "chat-rl", "chat-eval-rl", "zzz-other"]
