@@ -10,6 +10,7 @@ import os
 import random
 import sys
 import time
+from contextlib import nullcontext
 
 import torch
 
@@ -83,6 +84,9 @@ print0(f"{num_iterations} steps x {args.total_batch_size:,} tokens ({grad_accum}
 optimizer = build_optimizer(model, args.matrix_lr, args.embedding_lr, args.unembedding_lr, args.weight_decay)
 train_loader = PretrainLoader(tokenizer, args.device_batch_size, args.max_seq_len, "train", args.data_dir, device, rank, world_size)
 compiled = model if (args.no_compile or device.type != "cuda") else torch.compile(model, dynamic=False)
+if ddp:  # DDP's reducer all-reduces gradient buckets while backward still runs, overlapping communication with compute
+    compiled = torch.nn.parallel.DistributedDataParallel(compiled, device_ids=[device] if device.type == "cuda" else None,
+                                                         gradient_as_bucket_view=True)
 autocast = autocast_ctx(device.type)
 logger = get_logger(args.run, project="nanorl", config=vars(args), master_process=master)
 meta = {"model_config": config.to_dict(), "model_tag": model_tag, "train_args": vars(args), "world_size": world_size}
@@ -122,7 +126,7 @@ def lr_multiplier(it):
 
 
 def save(step):
-    extra = {"loader": train_loader.state_dict(), "py_rng": random.getstate(), "torch_rng": torch.get_rng_state(),
+    extra = {"loader": loader_state, "py_rng": random.getstate(), "torch_rng": torch.get_rng_state(),
              "cuda_rng": torch.cuda.get_rng_state() if device.type == "cuda" else None}
     save_checkpoint(ckpt_dir, step, model.state_dict(), optimizer.state_dict(), {**meta, "step": step}, extra, rank, args.keep_last)
 
@@ -159,6 +163,8 @@ peak = get_peak_flops(torch.cuda.get_device_name(device)) if device.type == "cud
 model.train()
 losses, val_bpb, t_train, min_val = [], None, 0.0, float("inf")
 saved_step = None  # the step of the checkpoint this run wrote last
+loader_state = train_loader.state_dict()  # the loader's position before the batch waiting in (x, y): what a checkpoint resumes from
+x, y = train_loader.next_batch()
 t_start = time.time()
 for step in range(start_step, num_iterations + 1):
     last_step = step == num_iterations
@@ -178,11 +184,16 @@ for step in range(start_step, num_iterations + 1):
     synchronize(device.type)
     t0 = time.time()
     for micro in range(grad_accum):
+        # DDP: all-reduce only after the last micro-step's backward; the earlier ones just accumulate locally
+        with compiled.no_sync() if ddp and micro < grad_accum - 1 else nullcontext():
+            with autocast:
+                loss = compiled(x, targets=y)
+            (loss / grad_accum).backward()
+        # read and tokenize the next batch on the host while the device still works through this backward
+        loader_state = train_loader.state_dict()
         x, y = train_loader.next_batch()
-        with autocast:
-            loss = compiled(x, targets=y)
-        (loss / grad_accum).backward()
-    optimizer.average_gradients()  # under DDP, clip the global gradient, not this rank's share
+    if ddp:
+        optimizer.gradients_averaged()  # DDP averaged them: clipping below sees the global gradient
     if args.grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
     mult = lr_multiplier(step)
