@@ -60,7 +60,8 @@ class MuonAdamW(torch.optim.Optimizer):
         self.gradients_averaged(group)
         if not _distributed() or dist.get_world_size(group) == 1:
             return
-        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        # FSDP2's gradients (DTensor shards) were already reduce-scattered during backward
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None and not isinstance(p.grad, DTensor)]
         by_dtype = {}
         for gr in grads:
             by_dtype.setdefault(gr.dtype, []).append(gr)
@@ -103,7 +104,9 @@ class MuonAdamW(torch.optim.Optimizer):
                     buf = state["momentum_buffer"]
                     buf.lerp_(p.grad, 1 - mom)  # buf = mom * buf + (1 - mom) * g
                     g = p.grad.lerp(buf, mom)  # Nesterov: look ahead along the momentum
-                    looks.append(g.full_tensor() if isinstance(g, DTensor) else g)  # FSDP2: gather the full matrix
+                    if isinstance(g, DTensor):  # FSDP2: gather the full matrix (on the GPU also when shards live on the CPU)
+                        g = g.to(p.device_mesh.device_type).full_tensor()
+                    looks.append(g)
                 # rank r orthogonalises the chunk's r-th matrix; ranks past the chunk's end send a dummy
                 mine = orthogonalize(looks[rank], group["ns_steps"]) if rank < len(chunk) else torch.zeros_like(looks[0])
                 if world == 1:
@@ -113,7 +116,7 @@ class MuonAdamW(torch.optim.Optimizer):
                     dist.all_gather(updates, mine, group=pg)
                 for p, update in zip(chunk, updates):
                     if isinstance(p, DTensor):  # keep this rank's shard of the full update (no communication)
-                        update = distribute_tensor(update, p.device_mesh, p.placements, src_data_rank=None)
+                        update = distribute_tensor(update, p.device_mesh, p.placements, src_data_rank=None).to(p.device)
                     # orthogonal updates have unit singular values; scale so tall matrices get comparable per-element steps
                     scale = max(1.0, p.size(-2) / p.size(-1)) ** 0.5
                     if wd:
