@@ -91,9 +91,10 @@ def save_sharded(checkpoint_dir, step, model, optimizer, meta, extra, rank, keep
     save_checkpoint(checkpoint_dir, step, None, None, {**meta, "sharded": True}, extra, rank, keep_last)
 
 
-def load_sharded(checkpoint_dir, step, model, optimizer):
-    """Load a DCP checkpoint into the sharded model and its optimizer. DCP reshards on load, so the weights and
-    optimizer state load on any number of ranks (the data loader's position is per rank: base_train refuses that)."""
+def load_sharded(checkpoint_dir, step, model, optimizer, rank=0):
+    """Load a DCP checkpoint into the sharded model and its optimizer; return this rank's extra state (None if
+    it has none). DCP reshards on load, so the weights and optimizer state load on any number of ranks (the data
+    loader's position is per rank: base_train refuses another world size for that reason)."""
     path = _dcp_dir(checkpoint_dir, step)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path} is missing: step {step} of {checkpoint_dir} was not saved with --fsdp")
@@ -101,6 +102,8 @@ def load_sharded(checkpoint_dir, step, model, optimizer):
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    extra = os.path.join(checkpoint_dir, f"extra_{step:06d}_rank{rank}.pt")
+    return torch.load(extra, weights_only=False) if os.path.exists(extra) else None
 
 
 def consolidate(checkpoint_dir, step=None):
@@ -117,7 +120,7 @@ def consolidate(checkpoint_dir, step=None):
     model = build_model(GPTConfig(**meta["model_config"]), "cpu")  # fp32 full tensors for DCP to fill
     state = {"model": model.state_dict()}
     dcp.load(state, checkpoint_id=_dcp_dir(checkpoint_dir, step))  # no process group: one process reads all shards
-    save_checkpoint(checkpoint_dir, step, state["model"], None, {**meta, "sharded": False, "consolidated_from": f"dcp_{step:06d}"})
+    save_checkpoint(checkpoint_dir, step, state["model"], None, {**meta, "consolidated": True})
     return step
 
 
