@@ -35,6 +35,8 @@ def shard_model(model, device, activation_checkpointing=False, cpu_offload=False
     activation_checkpointing: recompute each block's activations in backward instead of keeping them.
     cpu_offload: keep the sharded weights, gradients and optimizer state in CPU memory (the optimizer steps on the
     CPU); the largest models only, it costs host-device copies every step."""
+    if cpu_offload and device.type != "cuda":
+        raise ValueError("--cpu-offload moves shards from GPU to CPU memory: it needs --device-type cuda")
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" else MixedPrecisionPolicy()
     kw = dict(mesh=mesh, mp_policy=mp, offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())

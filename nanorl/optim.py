@@ -104,8 +104,10 @@ class MuonAdamW(torch.optim.Optimizer):
                     buf = state["momentum_buffer"]
                     buf.lerp_(p.grad, 1 - mom)  # buf = mom * buf + (1 - mom) * g
                     g = p.grad.lerp(buf, mom)  # Nesterov: look ahead along the momentum
-                    if isinstance(g, DTensor):  # FSDP2: gather the full matrix (on the GPU also when shards live on the CPU)
-                        g = g.to(p.device_mesh.device_type).full_tensor()
+                    if isinstance(g, DTensor):  # FSDP2: gather the full matrix
+                        if g.device.type == "cpu" and p.device_mesh.device_type != "cpu":
+                            g = g.to(p.device_mesh.device_type)  # CPU offload: gather and orthogonalise on the GPU
+                        g = g.full_tensor()
                     looks.append(g)
                 # rank r orthogonalises the chunk's r-th matrix; ranks past the chunk's end send a dummy
                 mine = orthogonalize(looks[rank], group["ns_steps"]) if rank < len(chunk) else torch.zeros_like(looks[0])

@@ -39,9 +39,23 @@ def _fsdp_worker(rank, world, init_file, x, out_path):
 
     from nanorl.fsdp import gather_full_state, local_bytes, shard_model
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    batches = [x[m::ACCUM][rank::world] for m in range(ACCUM)]
     model = shard_model(tiny_model(), torch.device("cpu"))
     opt = build_optimizer(model)
-    train(model, opt, [x[m::ACCUM][rank::world] for m in range(ACCUM)], opt.gradients_averaged)
+    train(model, opt, batches, opt.gradients_averaged)
+    # activation checkpointing recomputes the same activations in backward: the same training, bit for bit
+    ac_model = shard_model(tiny_model(), torch.device("cpu"), activation_checkpointing=True)
+    ac_opt = build_optimizer(ac_model)
+    train(ac_model, ac_opt, batches, ac_opt.gradients_averaged)
+    ac_state = {k: v.full_tensor() for k, v in ac_model.state_dict().items()}
+    saved = {}
+    for name, m in (("plain", model), ("ac", ac_model)):  # ... while keeping far fewer activations for backward
+        saved[name] = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t, n=name: saved[n].append(t.numel()) or t, lambda t: t):
+            loss = m(batches[0], targets=batches[0])
+        loss.backward()  # (backward also reshards what forward left gathered)
+        m.zero_grad(set_to_none=True)
+    assert sum(saved["ac"]) < 0.3 * sum(saved["plain"]), {k: sum(v) for k, v in saved.items()}
     x0 = x[:1]
     for p in model.parameters():  # leave gradients in place to count them (one more backward, no step)
         p.grad = torch.zeros_like(p)
@@ -49,6 +63,7 @@ def _fsdp_worker(rank, world, init_file, x, out_path):
     full = build_model(CFG, "cpu")
     seconds = gather_full_state(model, full)
     logits = model(x0)  # the sharded model's forward, to compare with the gathered copy's
+    assert all(torch.equal(ac_state[k], v) for k, v in full.state_dict().items())
     torch.save({"state": {k: v.clone() for k, v in full.state_dict().items()}, "bytes": sharded_bytes, "seconds": seconds,
                 "logits": logits.detach(), "full_logits": full(x0).detach()}, f"{out_path}.{rank}")
     dist.destroy_process_group()
