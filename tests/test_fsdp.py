@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
 
 from nanorl.checkpoint import build_model as build_from_checkpoint
 from nanorl.checkpoint import delete_step, load_checkpoint
@@ -34,15 +35,21 @@ def train(model, opt, batches, after_backward=None):
         model.zero_grad(set_to_none=True)
 
 
+def full_optimizer_state(model, opt):
+    full = lambda v: v.full_tensor() if isinstance(v, DTensor) else v  # noqa: E731
+    return {name: {k: full(v) for k, v in opt.state[p].items()} for name, p in model.named_parameters()}
+
+
 def _fsdp_worker(rank, world, init_file, x, out_path):
     import torch.distributed as dist
 
-    from nanorl.fsdp import gather_full_state, local_bytes, shard_model
+    from nanorl.fsdp import gather_full_state, local_bytes, save_sharded, shard_model
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     batches = [x[m::ACCUM][rank::world] for m in range(ACCUM)]
     model = shard_model(tiny_model(), torch.device("cpu"))
     opt = build_optimizer(model)
     train(model, opt, batches, opt.gradients_averaged)
+    save_sharded(f"{out_path}.ck", STEPS, model, opt, {"model_config": CFG.to_dict()}, None, rank)
     # activation checkpointing recomputes the same activations in backward: the same training, bit for bit
     ac_model = shard_model(tiny_model(), torch.device("cpu"), activation_checkpointing=True)
     ac_opt = build_optimizer(ac_model)
@@ -69,6 +76,18 @@ def _fsdp_worker(rank, world, init_file, x, out_path):
     dist.destroy_process_group()
 
 
+def _reshard_worker(rank, world, init_file, ckpt_dir, out_path):
+    import torch.distributed as dist
+
+    from nanorl.fsdp import load_sharded, shard_model
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    model = shard_model(tiny_model(), torch.device("cpu"))
+    opt = build_optimizer(model)
+    load_sharded(ckpt_dir, STEPS, model, opt)
+    torch.save({"state": {k: v.full_tensor() for k, v in model.state_dict().items()}, "optim": full_optimizer_state(model, opt)}, out_path)
+    dist.destroy_process_group()
+
+
 def test_fsdp_two_processes_equal_one_unsharded(tmp_path):
     from nanorl.fsdp import local_bytes
     torch.manual_seed(1)
@@ -92,6 +111,16 @@ def test_fsdp_two_processes_equal_one_unsharded(tmp_path):
     replicated = local_bytes(model, opt)
     assert r0["bytes"] + r1["bytes"] == replicated  # nothing duplicated, nothing lost
     assert abs(r0["bytes"] / replicated - 0.5) < 0.05, (r0["bytes"], replicated)
+    # the 2-rank DCP checkpoint loads on 1 rank (DCP reshards): weights and optimizer state = the unsharded run's
+    mp.spawn(_reshard_worker, args=(1, str(tmp_path / "init1"), str(tmp_path / "fsdp.pt.ck"), str(tmp_path / "one.pt")), nprocs=1, join=True)
+    one = torch.load(tmp_path / "one.pt")
+    ref_optim = full_optimizer_state(model, opt)
+    for k, v in one["state"].items():
+        assert torch.equal(v, r0["state"][k]), k
+    for name, state in ref_optim.items():
+        assert state.keys() == one["optim"][name].keys(), name
+        for key, v in state.items():
+            torch.testing.assert_close(one["optim"][name][key], v, atol=2e-5, rtol=1e-4, msg=f"{name} {key}")
 
 
 ROOT = Path(__file__).resolve().parents[1]
