@@ -53,7 +53,8 @@ def shard_model(model, device, activation_checkpointing=False, cpu_offload=False
 
 
 def local_bytes(model, optimizer):
-    """Bytes this rank holds for parameters + gradients + optimizer state, from the tensors' local shards."""
+    """Bytes this rank holds for parameters + gradients + optimizer state, from the tensors' local shards.
+    Count between steps: right after a forward the root and last block still hold their gathered weights."""
     def nbytes(t):
         t = t.to_local() if isinstance(t, DTensor) else t
         return t.numel() * t.element_size()
