@@ -165,3 +165,12 @@ def test_base_train_fsdp_matches_ddp_resumes_and_consolidates(tmp_path, monkeypa
         # Adam's eps=1e-10 turns last-bit differences of near-zero embedding gradients into ~1e-3 steps: wte is looser
         tol = dict(atol=2e-3, rtol=0) if k == "transformer.wte.weight" else dict(atol=2e-6, rtol=1e-4)
         torch.testing.assert_close(v, ref[k], **tol, msg=k)
+
+
+def test_fsdp_flags_are_checked_before_anything_runs(tmp_path):
+    env = {**os.environ, "NANORL_BASE_DIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    for flags, msg in ((["--cpu-offload"], "--activation-checkpointing and --cpu-offload only apply with --fsdp"),
+                       (["--fsdp"], "--fsdp needs torchrun, also on one GPU")):
+        out = subprocess.run([sys.executable, "-m", "scripts.base_train", *TINY, *flags], cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode != 0 and msg in out.stderr, out.stderr[-2000:]
