@@ -8,7 +8,8 @@ Distributed, the gradients must be averaged across ranks before the update. Thre
 - the caller calls average_gradients() itself (one flat all-reduce per dtype; chat_rl does, before clipping);
 - neither: step() calls average_gradients().
 Muon's orthogonalisation (the expensive part) is split across the same ranks: in each group of same-shape
-matrices rank r orthogonalises the r-th, and one all_gather hands every rank all the results.
+matrices rank r orthogonalises the r-th, and one all_gather hands every rank all the results (while the
+next group is being orthogonalised).
 Under FSDP2 the parameters are DTensor shards: AdamW works on the shards as is; Muon gathers each full
 momentum matrix, orthogonalises it on its owner rank as above, and each rank keeps its shard of the update.
 """
@@ -92,6 +93,7 @@ class MuonAdamW(torch.optim.Optimizer):
         for p in group["params"]:
             if p.grad is not None:
                 by_shape.setdefault(tuple(p.shape), []).append(p)
+        pending = None  # the previous chunk, applied once its all_gather is done: this chunk's math overlaps it
         for same in by_shape.values():
             for i in range(0, len(same), world):
                 chunk = same[i:i + world]
@@ -112,18 +114,28 @@ class MuonAdamW(torch.optim.Optimizer):
                 # rank r orthogonalises the chunk's r-th matrix; ranks past the chunk's end send a dummy
                 mine = orthogonalize(looks[rank], group["ns_steps"]) if rank < len(chunk) else torch.zeros_like(looks[0])
                 if world == 1:
-                    updates = [mine]
+                    updates, work = [mine], None
                 else:
                     updates = [torch.empty_like(mine) for _ in range(world)]
-                    dist.all_gather(updates, mine, group=pg)
-                for p, update in zip(chunk, updates):
-                    if isinstance(p, DTensor):  # keep this rank's shard of the full update (no communication)
-                        update = distribute_tensor(update, p.device_mesh, p.placements, src_data_rank=None).to(p.device)
-                    # orthogonal updates have unit singular values; scale so tall matrices get comparable per-element steps
-                    scale = max(1.0, p.size(-2) / p.size(-1)) ** 0.5
-                    if wd:
-                        p.mul_(1 - lr * wd)
-                    p.add_(update, alpha=-lr * scale)
+                    work = dist.all_gather(updates, mine, group=pg, async_op=True)
+                if pending:
+                    self._apply_muon(*pending, lr, wd)
+                pending = (chunk, updates, work)
+        if pending:
+            self._apply_muon(*pending, lr, wd)
+
+    @staticmethod
+    def _apply_muon(chunk, updates, work, lr, wd):
+        if work is not None:
+            work.wait()
+        for p, update in zip(chunk, updates):
+            if isinstance(p, DTensor):  # keep this rank's shard of the full update (no communication)
+                update = distribute_tensor(update, p.device_mesh, p.placements, src_data_rank=None).to(p.device)
+            # orthogonal updates have unit singular values; scale so tall matrices get comparable per-element steps
+            scale = max(1.0, p.size(-2) / p.size(-1)) ** 0.5
+            if wd:
+                p.mul_(1 - lr * wd)
+            p.add_(update, alpha=-lr * scale)
 
     def _adamw(self, group):
         lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
