@@ -70,6 +70,9 @@ def _fsdp_worker(rank, world, init_file, x, out_path):
     full = build_model(CFG, "cpu")
     seconds = gather_full_state(model, full)
     logits = model(x0)  # the sharded model's forward, to compare with the gathered copy's
+    # RL's log-probs run outside forward(): the root's weights must be gathered for them too
+    lp = model.token_logprobs(x0[:, :-1], x0[:, 1:])
+    assert torch.allclose(lp, full.token_logprobs(x0[:, :-1], x0[:, 1:]), atol=1e-6), (lp, full.token_logprobs(x0[:, :-1], x0[:, 1:]))
     assert all(torch.equal(ac_state[k], v) for k, v in full.state_dict().items())
     torch.save({"state": {k: v.clone() for k, v in full.state_dict().items()}, "bytes": sharded_bytes, "seconds": seconds,
                 "logits": logits.detach(), "full_logits": full(x0).detach()}, f"{out_path}.{rank}")
