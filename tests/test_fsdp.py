@@ -43,6 +43,7 @@ def full_optimizer_state(model, opt):
 def _fsdp_worker(rank, world, init_file, x, out_path):
     import torch.distributed as dist
 
+    from nanorl.engine import inference_copy
     from nanorl.fsdp import gather_full_state, local_bytes, save_sharded, shard_model
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     batches = [x[m::ACCUM][rank::world] for m in range(ACCUM)]
@@ -67,8 +68,10 @@ def _fsdp_worker(rank, world, init_file, x, out_path):
     for p in model.parameters():  # leave gradients in place to count them (one more backward, no step)
         p.grad = torch.zeros_like(p)
     sharded_bytes = local_bytes(model, opt)
-    full = build_model(CFG, "cpu")
+    # the RL engine's sampler copy (one flat buffer, as chat_rl builds it); under FSDP it is refreshed by gathering
+    full, flat = inference_copy(tiny_model(), torch.float32)
     seconds = gather_full_state(model, full)
+    assert all(p.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() for p in full.parameters())  # in place
     logits = model(x0)  # the sharded model's forward, to compare with the gathered copy's
     # RL's log-probs run outside forward(): the root's weights must be gathered for them too
     lp = model.token_logprobs(x0[:, :-1], x0[:, 1:])
