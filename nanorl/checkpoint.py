@@ -10,6 +10,7 @@ import glob
 import json
 import os
 import re
+import shutil
 
 import torch
 
@@ -40,7 +41,8 @@ def complete_steps(checkpoint_dir):
     steps = []
     for p in glob.glob(os.path.join(checkpoint_dir, "meta_*.json")):
         m = re.match(r"meta_(\d+)\.json$", os.path.basename(p))
-        if m and os.path.exists(os.path.join(checkpoint_dir, f"model_{int(m.group(1)):06d}.pt")):
+        model = os.path.join(checkpoint_dir, f"model_{int(m.group(1)):06d}.pt") if m else ""
+        if m and (os.path.exists(model) or os.path.isdir(os.path.join(checkpoint_dir, f"dcp_{int(m.group(1)):06d}"))):  # dcp: --fsdp shards
             steps.append(int(m.group(1)))
     return sorted(steps)
 
@@ -61,7 +63,8 @@ def save_checkpoint(checkpoint_dir, step, model_state, optim_state=None, meta=No
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier(group=group)  # every rank's files exist before the step is marked complete
     if rank == 0:
-        _atomic_save(model_state, os.path.join(checkpoint_dir, f"model_{step:06d}.pt"))
+        if model_state is not None:  # None: the model was saved as shards (nanorl.fsdp.save_sharded)
+            _atomic_save(model_state, os.path.join(checkpoint_dir, f"model_{step:06d}.pt"))
         _atomic_json(meta or {}, os.path.join(checkpoint_dir, f"meta_{step:06d}.json"))  # last: marks it complete
         if keep_last:
             for old in complete_steps(checkpoint_dir)[:-keep_last]:
@@ -75,7 +78,7 @@ def delete_step(checkpoint_dir, step):
     if os.path.exists(meta):
         os.remove(meta)
     for p in glob.glob(os.path.join(checkpoint_dir, f"*_{step:06d}*")):
-        os.remove(p)
+        shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
 
 
 def _load(path, device):
@@ -102,6 +105,9 @@ def load_checkpoint(checkpoint_dir, step=None, device="cpu", load_optimizer=Fals
         raise FileNotFoundError(f"checkpoint step {step} is incomplete or missing in {checkpoint_dir} (no {meta_path})")
     except json.JSONDecodeError as e:
         raise RuntimeError(f"checkpoint metadata {meta_path} is corrupt: {e}") from e
+    if meta.get("sharded") and not os.path.exists(os.path.join(checkpoint_dir, f"model_{step:06d}.pt")):
+        raise FileNotFoundError(f"step {step} of {checkpoint_dir} is sharded (saved with --fsdp): run "
+                                f"`python -m nanorl.fsdp consolidate {checkpoint_dir} --step {step}` first, or resume with --fsdp")
     model_state = _load(os.path.join(checkpoint_dir, f"model_{step:06d}.pt"), device)
     optim_state = _load(os.path.join(checkpoint_dir, f"optim_{step:06d}_rank{rank}.pt"), device) if load_optimizer else None
     extra_path = os.path.join(checkpoint_dir, f"extra_{step:06d}_rank{rank}.pt")

@@ -42,9 +42,10 @@ def get_dist_info():
     return False, 0, 0, 1
 
 
-def compute_init(device_type=None, seed=42, timeout_s=None):
+def compute_init(device_type=None, seed=42, timeout_s=None, cpu_collectives=False):
     """Init torch.distributed when launched by torchrun (nccl on CUDA, gloo otherwise), pick the device, seed RNGs.
-    timeout_s: how long a collective waits for a missing rank before failing (torch's default: 10 min)."""
+    timeout_s: how long a collective waits for a missing rank before failing (torch's default: 10 min).
+    cpu_collectives: on CUDA also accept CPU tensors (gloo beside nccl; FSDP's CPU offload needs it)."""
     device_type = device_type or autodetect_device_type()
     if device_type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device-type cuda was asked for but torch sees no CUDA GPU")
@@ -60,7 +61,7 @@ def compute_init(device_type=None, seed=42, timeout_s=None):
         if device_type == "cuda":
             device = torch.device("cuda", local_rank)
             torch.cuda.set_device(device)
-            dist.init_process_group(backend="nccl", device_id=device, **kw)
+            dist.init_process_group(backend="cpu:gloo,cuda:nccl" if cpu_collectives else "nccl", device_id=device, **kw)
         else:
             device = torch.device(device_type)
             dist.init_process_group(backend="gloo", **kw)

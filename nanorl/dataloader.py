@@ -4,9 +4,12 @@ with <|bos|> at a document start (BOS-aligned: no row begins mid-document, so th
 guess a context it cannot see). Rows are filled greedily with whole documents; the document that does not
 fit is cropped to fill the row and its rest is dropped (a small, documented waste of tokens).
 
-DDP: rank r takes documents r, r + world, r + 2*world, ... The state is (documents consumed, epoch):
-a resumed run skips exactly that many documents and continues on the exact next tokens.
+DDP: each rank reads only its share of the text (parquet row groups r, r + world, ...; see iter_documents).
+The state is the number of documents this rank consumed: a resumed run skips exactly that many documents
+and continues on the exact next tokens.
 """
+import itertools
+
 import torch
 
 from nanorl.dataset import iter_documents
@@ -23,19 +26,12 @@ class PretrainLoader:
         self._reset_stream()
 
     def _reset_stream(self):
-        self._stream = iter_documents(self.split, self.data_dir, seed=self.seed)
+        self._stream = iter_documents(self.split, self.data_dir, seed=self.seed, rank=self.rank, world_size=self.world_size)
         self._pending = []  # tokenized documents not yet used
-        self._global_pos = 0  # documents read from the (global) stream so far
 
     def _next_doc(self):
         if not self._pending:
-            texts = []
-            for doc in self._stream:
-                if self._global_pos % self.world_size == self.rank:  # shard by position in the global stream
-                    texts.append(doc)
-                self._global_pos += 1
-                if len(texts) == self.tokenizer_batch:
-                    break
+            texts = list(itertools.islice(self._stream, self.tokenizer_batch))
             if not texts:
                 raise StopIteration
             self._pending = self.tok.encode(texts, prepend=self.tok.get_bos_token_id())[::-1]

@@ -11,6 +11,7 @@ of a directory is the validation split, so `-n 8` gives 7 train shards and 1 val
 import argparse
 import fcntl
 import glob
+import itertools
 import json
 import os
 import socket
@@ -148,9 +149,12 @@ def split_files(files, split):
     return files[:-1] if split == "train" else files[-1:]
 
 
-def iter_file_texts(path):
+def iter_file_texts(path, take=None):
     """Yield the text documents of one file. A file that cannot be opened, or a bad row group / row, is
-    skipped with a warning naming it: one corrupt shard must not kill a long run."""
+    skipped with a warning naming it: one corrupt shard must not kill a long run.
+    take(): asked once per parquet row group / per jsonl or txt document, in order; False skips it (a skipped
+    row group is never read or decoded: that is how each rank reads only its share of the data)."""
+    take = take or (lambda: True)
     try:
         if path.endswith(".parquet"):
             import pyarrow.parquet as pq
@@ -162,6 +166,8 @@ def iter_file_texts(path):
         return
     if path.endswith(".parquet"):
         for rg in range(pf.num_row_groups):
+            if not take():
+                continue
             try:
                 column = pf.read_row_group(rg, columns=["text"]).column("text").to_pylist()
             except Exception as e:  # noqa: BLE001 - a corrupt row group: skip it, keep the run alive
@@ -171,7 +177,7 @@ def iter_file_texts(path):
     elif path.endswith(".jsonl"):
         with f:
             for lineno, line in enumerate(f, 1):
-                if not line.strip():
+                if not line.strip() or not take():
                     continue
                 try:
                     yield json.loads(line)["text"]
@@ -180,28 +186,35 @@ def iter_file_texts(path):
     else:
         with f:
             # documents are separated by blank lines
-            yield from (d.strip() for d in f.read().split("\n\n") if d.strip())
+            yield from (d.strip() for d in f.read().split("\n\n") if d.strip() and take())
 
 
-def iter_documents(split="train", data_dir=None, seed=0):
-    """Text documents for `split`: from data_dir, else from downloaded shards, else the synthetic curriculum."""
+def iter_documents(split="train", data_dir=None, seed=0, rank=0, world_size=1):
+    """Text documents for `split`: from data_dir, else from downloaded shards, else the synthetic curriculum.
+    rank/world_size: this rank's share only, parquet row groups (or jsonl/txt/synthetic documents) number
+    rank, rank + world_size, ... of the whole stream."""
     if data_dir is None and os.path.isdir(default_data_dir()) and glob.glob(os.path.join(default_data_dir(), "*.parquet")):
         data_dir = default_data_dir()
+    units = itertools.count()  # row groups / documents seen so far, over all files and epochs
+
+    def take():
+        return next(units) % world_size == rank
     if data_dir is None:
         from nanorl import synthetic
-        yield from synthetic.pretrain_documents(split, seed=seed)
+        yield from (d for d in synthetic.pretrain_documents(split, seed=seed) if take())
         return
     files = split_files(list_data_files(data_dir), split)
     while True:  # loop over the data forever; callers decide how much they take
         ndocs = 0
         for path in files:
-            for text in iter_file_texts(path):
+            for text in iter_file_texts(path, take):
                 ndocs += 1
                 yield text
         if split != "train":
             return
         if ndocs == 0:  # every file was unreadable or empty: looping again would spin forever
-            raise RuntimeError(f"no readable documents in the {split} files of {data_dir}: {files}")
+            share = f" for rank {rank} of {world_size} (fewer row groups than ranks?)" if world_size > 1 else ""
+            raise RuntimeError(f"no readable documents{share} in the {split} files of {data_dir}: {files}")
 
 
 def describe_source(data_dir=None):

@@ -1,10 +1,21 @@
 """
 One optimizer object for the whole model: Muon for the transformer's 2D matrices, AdamW for the
-embedding, the unembedding and anything else. Under DDP it averages gradients across ranks itself inside
-step(), so scripts never wrap the model in DDP and gradient accumulation needs no no_sync().
+embedding, the unembedding and anything else.
+
+Distributed, the gradients must be averaged across ranks before the update. Three ways, one of them per step:
+- the model is wrapped in DDP or sharded with FSDP2: they average during backward; the caller says so with
+  gradients_averaged();
+- the caller calls average_gradients() itself (one flat all-reduce per dtype; chat_rl does, before clipping);
+- neither: step() calls average_gradients().
+Muon's orthogonalisation (the expensive part) is split across the same ranks: in each group of same-shape
+matrices rank r orthogonalises the r-th, and one all_gather hands every rank all the results (while the
+next group is being orthogonalised).
+Under FSDP2 the parameters are DTensor shards: AdamW works on the shards as is; Muon gathers each full
+momentum matrix, orthogonalises it on its owner rank as above, and each rank keeps its shard of the update.
 """
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 
 @torch.no_grad()
@@ -29,18 +40,29 @@ def orthogonalize(G, steps=5):
     return X.to(G.dtype)
 
 
+def _distributed():
+    return dist.is_available() and dist.is_initialized()
+
+
 class MuonAdamW(torch.optim.Optimizer):
     def __init__(self, param_groups):
         super().__init__(param_groups, defaults={})
+        self._averaged, self._group = False, None
+
+    def gradients_averaged(self, group=None):
+        """The gradients are already the mean over the ranks of `group` (DDP's reducer or FSDP2's reduce-scatter
+        did it during backward): step() must not all-reduce them again, and splits Muon's work over `group`."""
+        self._averaged, self._group = True, group
 
     @torch.no_grad()
     def average_gradients(self, group=None):
         """All-reduce (mean) every gradient across ranks (of `group`, default all), one flat buffer per dtype to keep
         calls few. step() calls it, unless the caller already did (gradient clipping must see the averaged gradients)."""
-        self._averaged = True
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        self.gradients_averaged(group)
+        if not _distributed() or dist.get_world_size(group) == 1:
             return
-        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        # FSDP2's gradients (DTensor shards) were already reduce-scattered during backward
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None and not isinstance(p.grad, DTensor)]
         by_dtype = {}
         for gr in grads:
             by_dtype.setdefault(gr.dtype, []).append(gr)
@@ -54,28 +76,61 @@ class MuonAdamW(torch.optim.Optimizer):
                 off += gr.numel()
 
     @torch.no_grad()
-    def step(self):
-        if not getattr(self, "_averaged", False):
+    def step(self, closure=None):  # closure: unused, torch.distributed.checkpoint passes it
+        if not self._averaged:
             self.average_gradients()
-        self._averaged = False
+        pg, self._averaged, self._group = self._group, False, None
         for group in self.param_groups:
             if group["kind"] == "muon":
-                self._muon(group)
+                self._muon(group, pg)
             else:
                 self._adamw(group)
 
-    def _muon(self, group):
+    def _muon(self, group, pg):
         lr, mom, wd = group["lr"], group["momentum"], group["weight_decay"]
+        world, rank = (dist.get_world_size(pg), dist.get_rank(pg)) if _distributed() else (1, 0)
+        by_shape = {}
         for p in group["params"]:
-            if p.grad is None:
-                continue
-            state = self.state[p]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(p.grad)
-            buf = state["momentum_buffer"]
-            buf.lerp_(p.grad, 1 - mom)  # buf = mom * buf + (1 - mom) * g
-            g = p.grad.lerp(buf, mom)  # Nesterov: look ahead along the momentum
-            update = orthogonalize(g, group["ns_steps"])
+            if p.grad is not None:
+                by_shape.setdefault(tuple(p.shape), []).append(p)
+        pending = None  # the previous chunk, applied once its all_gather is done: this chunk's math overlaps it
+        for same in by_shape.values():
+            for i in range(0, len(same), world):
+                chunk = same[i:i + world]
+                # every rank keeps the (cheap, elementwise) momentum of every matrix it holds, full or shard
+                looks = []
+                for p in chunk:
+                    state = self.state[p]
+                    if "momentum_buffer" not in state:
+                        state["momentum_buffer"] = torch.zeros_like(p.grad)
+                    buf = state["momentum_buffer"]
+                    buf.lerp_(p.grad, 1 - mom)  # buf = mom * buf + (1 - mom) * g
+                    g = p.grad.lerp(buf, mom)  # Nesterov: look ahead along the momentum
+                    if isinstance(g, DTensor):  # FSDP2: gather the full matrix
+                        if g.device.type == "cpu" and p.device_mesh.device_type != "cpu":
+                            g = g.to(p.device_mesh.device_type)  # CPU offload: gather and orthogonalise on the GPU
+                        g = g.full_tensor()
+                    looks.append(g)
+                # rank r orthogonalises the chunk's r-th matrix; ranks past the chunk's end send a dummy
+                mine = orthogonalize(looks[rank], group["ns_steps"]) if rank < len(chunk) else torch.zeros_like(looks[0])
+                if world == 1:
+                    updates, work = [mine], None
+                else:
+                    updates = [torch.empty_like(mine) for _ in range(world)]
+                    work = dist.all_gather(updates, mine, group=pg, async_op=True)
+                if pending:
+                    self._apply_muon(*pending, lr, wd)
+                pending = (chunk, updates, work)
+        if pending:
+            self._apply_muon(*pending, lr, wd)
+
+    @staticmethod
+    def _apply_muon(chunk, updates, work, lr, wd):
+        if work is not None:
+            work.wait()
+        for p, update in zip(chunk, updates):
+            if isinstance(p, DTensor):  # keep this rank's shard of the full update (no communication)
+                update = distribute_tensor(update, p.device_mesh, p.placements, src_data_rank=None).to(p.device)
             # orthogonal updates have unit singular values; scale so tall matrices get comparable per-element steps
             scale = max(1.0, p.size(-2) / p.size(-1)) ** 0.5
             if wd:

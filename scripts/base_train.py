@@ -5,11 +5,13 @@ Pretrain the base model. --depth is the one dial: width, heads, LRs and the toke
     torchrun --standalone --nproc_per_node=8 -m scripts.base_train -- --depth 20
 """
 import argparse
+import json
 import math
 import os
 import random
 import sys
 import time
+from contextlib import nullcontext
 
 import torch
 
@@ -17,6 +19,7 @@ from nanorl.checkpoint import delete_step, find_last_step, load_checkpoint, save
 from nanorl.common import autocast_ctx, compute_cleanup, compute_init, get_base_dir, get_logger, get_peak_flops, print0, synchronize
 from nanorl.dataloader import PretrainLoader
 from nanorl.dataset import describe_source
+from nanorl.fsdp import load_sharded, local_bytes, save_sharded, shard_model
 from nanorl.gpt import attention_backend, build_model, config_from_depth
 from nanorl.loss_eval import evaluate_bpb
 from nanorl.optim import build_optimizer
@@ -54,15 +57,25 @@ parser.add_argument("--no-compile", action="store_true")
 parser.add_argument("--device-type", default=None)
 parser.add_argument("--run", default="dummy", help="wandb run name ('dummy' = off)")
 parser.add_argument("--seed", type=int, default=42)
+parser.add_argument("--fsdp", action="store_true", help="shard params, grads and optimizer state over the ranks (FSDP2; models too big to replicate)")
+parser.add_argument("--activation-checkpointing", action="store_true", help="with --fsdp: recompute block activations in backward")
+parser.add_argument("--cpu-offload", action="store_true", help="with --fsdp: keep the shards and optimizer state in CPU memory")
 args = parser.parse_args(sys.argv[1:] if sys.argv[1:2] != ["--"] else sys.argv[2:])
 # fmt: on
 
-ddp, rank, local_rank, world_size, device = compute_init(args.device_type, seed=args.seed)
+if (args.activation_checkpointing or args.cpu_offload) and not args.fsdp:
+    raise SystemExit("--activation-checkpointing and --cpu-offload only apply with --fsdp")
+# CPU offload clips gradients and steps the optimizer on CPU tensors: those collectives need gloo beside NCCL
+ddp, rank, local_rank, world_size, device = compute_init(args.device_type, seed=args.seed, cpu_collectives=args.cpu_offload)
+if args.fsdp and not ddp:
+    raise SystemExit("--fsdp needs torchrun, also on one GPU: torchrun --standalone --nproc_per_node=1 -m scripts.base_train -- --fsdp ...")
 master = rank == 0
 tokenizer = get_tokenizer()
 token_bytes = get_token_bytes(tokenizer, device)
 config = config_from_depth(args.depth, tokenizer.vocab_size, args.max_seq_len, args.aspect_ratio, args.head_dim, args.n_kv_head)
 model = build_model(config, device)
+if args.fsdp:
+    shard_model(model, device, args.activation_checkpointing, args.cpu_offload)
 nparams = model.num_params()
 flops_per_token = model.estimate_flops()
 tokens_per_fwdbwd = args.device_batch_size * args.max_seq_len * world_size
@@ -83,24 +96,37 @@ print0(f"{num_iterations} steps x {args.total_batch_size:,} tokens ({grad_accum}
 optimizer = build_optimizer(model, args.matrix_lr, args.embedding_lr, args.unembedding_lr, args.weight_decay)
 train_loader = PretrainLoader(tokenizer, args.device_batch_size, args.max_seq_len, "train", args.data_dir, device, rank, world_size)
 compiled = model if (args.no_compile or device.type != "cuda") else torch.compile(model, dynamic=False)
+ddp_wrapped = ddp and not args.fsdp
+if ddp_wrapped:  # DDP's reducer all-reduces gradient buckets while backward still runs, overlapping communication with compute
+    compiled = torch.nn.parallel.DistributedDataParallel(compiled, device_ids=[device] if device.type == "cuda" else None,
+                                                         gradient_as_bucket_view=True)
 autocast = autocast_ctx(device.type)
 logger = get_logger(args.run, project="nanorl", config=vars(args), master_process=master)
 meta = {"model_config": config.to_dict(), "model_tag": model_tag, "train_args": vars(args), "world_size": world_size}
+if args.fsdp:
+    print0(f"FSDP2 over {world_size} ranks: {local_bytes(model, optimizer) / 2**20:,.1f} MiB of parameters on this rank (before gradients and optimizer state)")
 
 start_step = 0
 if args.resume:
     last = find_last_step(ckpt_dir)
     if last is None:
         raise SystemExit(f"--resume: no checkpoint in {ckpt_dir}")
-    _, _, old_meta, _ = load_checkpoint(ckpt_dir, last, "cpu")  # meta first: check before reading per-rank files
+    with open(os.path.join(ckpt_dir, f"meta_{last:06d}.json")) as f:  # meta first: check before reading per-rank files
+        old_meta = json.load(f)
     if old_meta["model_config"] != config.to_dict():
         raise SystemExit(f"--resume: the checkpoint's model config {old_meta['model_config']} differs from this run's {config.to_dict()}")
     if old_meta.get("world_size", 1) != world_size:  # the data order is sharded by rank: it cannot be re-split
         raise SystemExit(f"--resume: step {last} in {ckpt_dir} was written by {old_meta.get('world_size', 1)} rank(s), "
                          f"this run has {world_size}; resume with --nproc_per_node={old_meta.get('world_size', 1)}")
-    model_state, optim_state, _, extra = load_checkpoint(ckpt_dir, last, device, load_optimizer=True, rank=rank)
-    model.load_state_dict(model_state)
-    optimizer.load_state_dict(optim_state)
+    if bool(old_meta.get("sharded")) != args.fsdp:
+        raise SystemExit(f"--resume: step {last} in {ckpt_dir} was saved {'with' if old_meta.get('sharded') else 'without'} --fsdp; "
+                         f"resume {'with' if old_meta.get('sharded') else 'without'} it")
+    if args.fsdp:
+        extra = load_sharded(ckpt_dir, last, model, optimizer, rank)
+    else:
+        model_state, optim_state, _, extra = load_checkpoint(ckpt_dir, last, device, load_optimizer=True, rank=rank)
+        model.load_state_dict(model_state)
+        optimizer.load_state_dict(optim_state)
     train_loader.load_state_dict(extra["loader"])
     random.setstate(extra["py_rng"])
     torch.set_rng_state(extra["torch_rng"])
@@ -122,9 +148,12 @@ def lr_multiplier(it):
 
 
 def save(step):
-    extra = {"loader": train_loader.state_dict(), "py_rng": random.getstate(), "torch_rng": torch.get_rng_state(),
+    extra = {"loader": loader_state, "py_rng": random.getstate(), "torch_rng": torch.get_rng_state(),
              "cuda_rng": torch.cuda.get_rng_state() if device.type == "cuda" else None}
-    save_checkpoint(ckpt_dir, step, model.state_dict(), optimizer.state_dict(), {**meta, "step": step}, extra, rank, args.keep_last)
+    if args.fsdp:  # every rank writes its shards
+        save_sharded(ckpt_dir, step, model, optimizer, {**meta, "step": step}, extra, rank, args.keep_last)
+    else:
+        save_checkpoint(ckpt_dir, step, model.state_dict(), optimizer.state_dict(), {**meta, "step": step}, extra, rank, args.keep_last)
 
 
 def evaluate_val():
@@ -159,6 +188,8 @@ peak = get_peak_flops(torch.cuda.get_device_name(device)) if device.type == "cud
 model.train()
 losses, val_bpb, t_train, min_val = [], None, 0.0, float("inf")
 saved_step = None  # the step of the checkpoint this run wrote last
+loader_state = train_loader.state_dict()  # the loader's position before the batch waiting in (x, y): what a checkpoint resumes from
+x, y = train_loader.next_batch()
 t_start = time.time()
 for step in range(start_step, num_iterations + 1):
     last_step = step == num_iterations
@@ -167,7 +198,7 @@ for step in range(start_step, num_iterations + 1):
         min_val = min(min_val, val_bpb)
         print0(f"step {step:05d} | val bpb {val_bpb:.4f}")
         logger.log({"val/bpb": val_bpb}, step=step)
-    if master and args.sample_every > 0 and (step % args.sample_every == 0 or last_step) and step > 0:
+    if (master or args.fsdp) and args.sample_every > 0 and (step % args.sample_every == 0 or last_step) and step > 0:
         for p in ["The capital of France is", "Alice has 3 apples and", "The word banana is spelled"]:
             print0(f"  sample: {sample(p)!r}")
     if last_step or (args.save_every > 0 and step > start_step and step % args.save_every == 0):
@@ -178,11 +209,17 @@ for step in range(start_step, num_iterations + 1):
     synchronize(device.type)
     t0 = time.time()
     for micro in range(grad_accum):
+        # DDP: all-reduce only after the last micro-step's backward; the earlier ones just accumulate locally.
+        # FSDP reduce-scatters every micro-step, so that gradients stay sharded (memory is why one uses it)
+        with compiled.no_sync() if ddp_wrapped and micro < grad_accum - 1 else nullcontext():
+            with autocast:
+                loss = compiled(x, targets=y)
+            (loss / grad_accum).backward()
+        # read and tokenize the next batch on the host while the device still works through this backward
+        loader_state = train_loader.state_dict()
         x, y = train_loader.next_batch()
-        with autocast:
-            loss = compiled(x, targets=y)
-        (loss / grad_accum).backward()
-    optimizer.average_gradients()  # under DDP, clip the global gradient, not this rank's share
+    if ddp:
+        optimizer.gradients_averaged()  # DDP / FSDP averaged them: clipping below sees the global gradient
     if args.grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
     mult = lr_multiplier(step)

@@ -1,0 +1,137 @@
+"""
+FSDP2 for models larger than one GPU: parameters, gradients and optimizer state sharded across ranks.
+
+With --fsdp every rank holds 1/world of the fp32 weights, of their gradients and of the optimizer state;
+each transformer block's full weights exist only while that block runs (all-gathered in bf16 on CUDA just
+before its forward and again before its backward, freed right after; gradients are reduce-scattered in fp32).
+This is PyTorch's own engine (torch.distributed.fsdp.fully_shard), one call per block plus one for the root.
+The optimizer is the same MuonAdamW: AdamW works on the shards, Muon gathers each full matrix to orthogonalise
+it (split across ranks, see optim.py).
+
+Checkpoints are torch.distributed.checkpoint (DCP) directories, dcp_<step>/ beside the usual meta/extra
+files: every rank writes its own shards. To get the single-file model that chat_eval/chat_web/export load:
+
+    python -m nanorl.fsdp consolidate ~/.cache/nanorl/base_checkpoints/d20 [--step N]
+"""
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.tensor import DTensor
+
+from nanorl.common import synchronize
+
+
+def shard_model(model, device, activation_checkpointing=False, cpu_offload=False):
+    """Shard a GPT in place over all ranks: one FSDP unit per block, the root unit holds embedding and head.
+    CUDA: bf16 compute weights, fp32 gradient reduction, fp32 master shards. CPU: everything fp32 (exact tests).
+    activation_checkpointing: recompute each block's activations in backward instead of keeping them.
+    cpu_offload: keep the sharded weights, gradients and optimizer state in CPU memory (the optimizer steps on the
+    CPU); the largest models only, it costs host-device copies every step."""
+    if cpu_offload and device.type != "cuda":
+        raise ValueError("--cpu-offload moves shards from GPU to CPU memory: it needs --device-type cuda")
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" else MixedPrecisionPolicy()
+    kw = dict(mesh=mesh, mp_policy=mp, offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
+    for block in model.transformer.h:
+        if activation_checkpointing:
+            from torch.distributed._composable import checkpoint  # hooks, not a wrapper: parameter names stay the same
+            checkpoint(block)
+        # the last block's weights are needed again at once by backward: keep them gathered after forward
+        fully_shard(block, reshard_after_forward=block is not model.transformer.h[-1], **kw)
+    fully_shard(model, **kw)
+    # methods that run the model outside forward() (RL's log-probs) must gather the root's weights too
+    register_fsdp_forward_method(model, "token_logprobs")
+    return model
+
+
+def local_bytes(model, optimizer):
+    """Bytes this rank holds for parameters + gradients + optimizer state, from the tensors' local shards.
+    Count between steps: right after a forward the root and last block still hold their gathered weights."""
+    def nbytes(t):
+        t = t.to_local() if isinstance(t, DTensor) else t
+        return t.numel() * t.element_size()
+    total = sum(nbytes(p) + (nbytes(p.grad) if p.grad is not None else 0) for p in model.parameters())
+    return total + sum(nbytes(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))
+
+
+@torch.no_grad()
+def gather_full_state(model, into):
+    """Copy the sharded model's full weights into `into`, an unsharded model of the same config (the sampler's copy,
+    typically bf16): one all-gather per FSDP unit, in the unit's compute dtype (bf16 on CUDA), so at most one
+    block's full weights exist beside `into` at a time. Every rank must call it. Returns the seconds it took."""
+    synchronize(next(into.parameters()).device.type)
+    t0 = time.time()
+    target = dict(into.named_parameters())
+    units = [(f"transformer.h.{i}.", b) for i, b in enumerate(model.transformer.h)] + [("", model)]
+    for prefix, unit in units:
+        unit.unshard()  # the root unit gathers only its own weights (embedding, head): blocks stay sharded
+        for name, p in unit.named_parameters():
+            if not isinstance(p, DTensor):  # gathered by this unit (DTensors still belong to another unit)
+                target[prefix + name].copy_(p)
+        unit.reshard()
+    synchronize(next(into.parameters()).device.type)
+    return time.time() - t0
+
+
+def _dcp_dir(checkpoint_dir, step):
+    return os.path.join(checkpoint_dir, f"dcp_{step:06d}")
+
+
+def save_sharded(checkpoint_dir, step, model, optimizer, meta, extra, rank, keep_last=None):
+    """Every rank writes its shards of model and optimizer (DCP) and its own extra state; meta (written last by
+    rank 0, see checkpoint.save_checkpoint) marks the step complete."""
+    from nanorl.checkpoint import save_checkpoint
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=_dcp_dir(checkpoint_dir, step))
+    save_checkpoint(checkpoint_dir, step, None, None, {**meta, "sharded": True}, extra, rank, keep_last)
+
+
+def load_sharded(checkpoint_dir, step, model, optimizer, rank=0):
+    """Load a DCP checkpoint into the sharded model and its optimizer; return this rank's extra state (None if
+    it has none). DCP reshards on load, so the weights and optimizer state load on any number of ranks (the data
+    loader's position is per rank: base_train refuses another world size for that reason)."""
+    path = _dcp_dir(checkpoint_dir, step)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{path} is missing: step {step} of {checkpoint_dir} was not saved with --fsdp")
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    extra = os.path.join(checkpoint_dir, f"extra_{step:06d}_rank{rank}.pt")
+    return torch.load(extra, weights_only=False) if os.path.exists(extra) else None
+
+
+def consolidate(checkpoint_dir, step=None):
+    """Write the single-file model (model_<step>.pt) of a sharded step, in one process, no GPU needed."""
+    from nanorl.checkpoint import find_last_step, save_checkpoint
+    from nanorl.gpt import GPTConfig, build_model
+    step = find_last_step(checkpoint_dir) if step is None else step
+    if step is None:
+        raise SystemExit(f"no complete checkpoint in {checkpoint_dir}")
+    with open(os.path.join(checkpoint_dir, f"meta_{step:06d}.json")) as f:
+        meta = json.load(f)
+    if not os.path.isdir(_dcp_dir(checkpoint_dir, step)):
+        raise SystemExit(f"step {step} of {checkpoint_dir} is not sharded (no {_dcp_dir(checkpoint_dir, step)}): nothing to consolidate")
+    model = build_model(GPTConfig(**meta["model_config"]), "cpu")  # fp32 full tensors for DCP to fill
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=_dcp_dir(checkpoint_dir, step))  # no process group: one process reads all shards
+    save_checkpoint(checkpoint_dir, step, state["model"], None, {**meta, "consolidated": True})
+    return step
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="FSDP checkpoints: consolidate a sharded (DCP) step into one model file")
+    parser.add_argument("command", choices=["consolidate"])
+    parser.add_argument("checkpoint_dir")
+    parser.add_argument("--step", type=int, default=None, help="default: the latest complete step")
+    a = parser.parse_args()
+    s = consolidate(a.checkpoint_dir, a.step)
+    print(f"wrote {os.path.join(a.checkpoint_dir, f'model_{s:06d}.pt')}")
