@@ -346,7 +346,9 @@ def add_args(parser, tools=("calculator", "python")):
     g.add_argument("--rollout-timeout", type=float, default=1800, help="seconds a rank's rollout (or eval) may take before the run "
                    "saves and exits non-zero, naming what was in flight (0 = no limit)")
     g = parser.add_argument_group("rewards (nanorl/rewards.py)")
-    g.add_argument("--rm-type", default="math", help="math | mc | exact | f1 | format | weighted e.g. math+format:0.9,0.1 | remote (needs --rm-url)")
+    g.add_argument("--rm-type", default=None, help="task (the task's own grader: chat_eval's verdict; the default with --task) | "
+                   "math (the default with --prompt-data) | boxed | mc | exact | f1 | format | weighted e.g. task+format:0.9,0.1 | "
+                   "custom (--custom-rm-path) | remote (--rm-url)")
     g.add_argument("--custom-rm-path", default=None, help="module:function(response, label, metadata) -> float or dict")
     g.add_argument("--rm-url", default=None, help="--rm-type remote: each sample is POSTed here as JSON (README: RL)")
     g.add_argument("--rm-concurrency", type=int, default=32, help="--rm-type remote: requests in flight at once")

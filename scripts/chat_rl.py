@@ -33,8 +33,8 @@ from nanorl.engine import Engine
 from nanorl.gpt import Critic, attention_backend
 from nanorl.multiturn import TOOLS, make_tool
 from nanorl.optim import MuonAdamW, build_optimizer
-from nanorl.report import load_json, log_json, log_section
-from nanorl.rewards import compute_reward, extract_answer, safe_reward
+from nanorl.report import load_json, log_json, log_section, rl_eval_rows
+from nanorl.rewards import extract_answer, make_reward, safe_reward
 from nanorl.rollout import PromptSource, RolloutBuffer, RolloutTimeout, TRUNCATED, fill_rollout, keep_all_groups, load_function
 from tasks import get_task
 
@@ -43,6 +43,8 @@ from tasks import get_task
 parser = argparse.ArgumentParser(description="RL on a chat model (GRPO family)", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
 g = parser.add_argument_group("model and data")
 g.add_argument("--source", default="sft", choices=["base", "mid", "sft", "rl"], help="checkpoint to start from")
+g.add_argument("--hf-model", default=None, metavar="DIR", help="start from a Hugging Face model directory (Qwen2/2.5, Qwen3, "
+               "Llama-3) instead of --source")
 g.add_argument("--model-tag", default=None, help="checkpoint subdirectory (default: newest)")
 g.add_argument("--model-step", "--step", type=int, default=None, help="checkpoint step (default: last)")
 g.add_argument("--task", default="offline", help="RL prompts: offline (the synthetic curriculum) or gsm8k")
@@ -92,15 +94,78 @@ if max(pass_ks) > args.n_samples_per_eval_prompt:
     parser.error(f"--pass-k {args.pass_k} needs --n-samples-per-eval-prompt >= {max(pass_ks)}")
 if args.prompt_data is None and (args.eval_prompt_data or args.apply_chat_template):
     parser.error("--eval-prompt-data and --apply-chat-template only apply with --prompt-data")
+args.custom_rm_path = args.custom_rm_path or None
+args.rm_type = args.rm_type or ("math" if args.prompt_data else "task")  # prompts from a file have no task grader
 group_filter = load_function(args.dynamic_sampling_filter_path, ["group"], "--dynamic-sampling-filter-path") \
     if args.over_sampling_batch_size is not None else keep_all_groups
 buffer_filter = load_function(args.buffer_filter_path, ["buffer", "n"], "--buffer-filter-path")
-custom_rm = load_function(args.custom_rm_path, ["response", "label", "metadata"], "--custom-rm-path") if args.custom_rm_path else None
 custom_generate = load_function(args.custom_generate_function_path, ["args", "engine", "tokenizer", "prompts", "seeds"],
                                 "--custom-generate-function-path") if args.custom_generate_function_path else None
 remote_rm = args.rm_type == "remote"
-if custom_rm is None and not remote_rm:
-    compute_reward(args.rm_type, "#### 1", "1")  # fails now, naming the valid types, if --rm-type is unknown
+# a label is what the generic graders compare with; the task's own grader, a custom or a remote one may not need one
+needs_label = not (remote_rm or args.custom_rm_path or args.rm_type in ("task", "custom"))
+
+
+def task_prompts(task_name, split):
+    """A task's examples as RL prompts (the conversation without its answer, plus the label) and the task itself."""
+    kw = {"path": args.task_path} if args.task_path else {}
+    if task_name == "offline":
+        kw["levels"] = tuple(int(x) for x in args.levels.split(","))
+    task = get_task(task_name, split, **kw)
+    items = []
+    for i in range(len(task)):
+        conv = task.get_example(i)
+        label = conv.get("label")
+        if label is None and conv["messages"][-1]["role"] == "assistant":
+            ref = conv["messages"][-1]["content"]
+            ref = ref if isinstance(ref, str) else "".join(p["text"] for p in ref if p["type"] == "text")
+            label = extract_answer(ref)
+        if label is None and needs_label:
+            raise SystemExit(f"task {task_name!r} ({split}) row {i} has no label, and --rm-type {args.rm_type} needs one")
+        items.append({"conversation": conv, "label": label, "metadata": {"task": task_name, "split": split, "row": i}})
+    return items, task
+
+
+def jsonl_prompts(path, split):
+    """--prompt-data: one JSON object a line; the prompt under --input-key (a string or chat messages), the label under
+    --label-key. A string prompt is a user turn with --apply-chat-template, else raw text fed as is."""
+    items = []
+    with open(path) as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                prompt, label = row[args.input_key], row.get(args.label_key)
+            except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+                raise SystemExit(f"--prompt-data {path} line {i}: expected a JSON object with key {args.input_key!r} ({type(e).__name__}: {e})")
+            if isinstance(prompt, list):
+                item = {"conversation": {"messages": prompt}}
+            elif isinstance(prompt, str):
+                item = {"conversation": {"messages": [{"role": "user", "content": prompt}]}} if args.apply_chat_template else {"text": prompt}
+            else:
+                raise SystemExit(f"--prompt-data {path} line {i}: {args.input_key!r} must be a string or a list of messages")
+            if label is None and needs_label:
+                raise SystemExit(f"--prompt-data {path} line {i} has no {args.label_key!r}, and --rm-type {args.rm_type} needs one")
+            items.append({**item, "label": label, "metadata": {"task": os.path.basename(path), "split": split, "row": i}})
+    return items, None
+
+
+# the prompts and the reward, before any model is built: a bad task, data file or reward flag fails at once
+if args.prompt_data:
+    (train_items, train_task), eval_name = jsonl_prompts(args.prompt_data, "train"), args.eval_prompt_data or args.prompt_data
+    eval_items, eval_task = jsonl_prompts(args.eval_prompt_data, "test") if args.eval_prompt_data else (train_items, None)
+else:
+    (train_items, train_task), eval_name = task_prompts(args.task, "train"), args.eval_task or args.task
+    eval_items, eval_task = task_prompts(eval_name, "test")
+eval_items = eval_items[:args.eval_max_problems]
+reward_fns, rm_name = {}, f"remote:{args.rm_url}"
+if not remote_rm:  # one grader per split: the task's own grader reads the example a prompt came from
+    try:
+        (reward_fns["train"], rm_name), (reward_fns["test"], _) = (make_reward(args.rm_type, t, args.custom_rm_path)
+                                                                  for t in (train_task, eval_task))
+    except ValueError as e:
+        parser.error(str(e))
 
 # -----------------------------------------------------------------------------------------------
 # setup: ranks and their roles, then the batch sizes that depend on them
@@ -129,7 +194,10 @@ if args.over_sampling_batch_size % roles.sworld:
     parser.error(f"--over-sampling-batch-size {args.over_sampling_batch_size} must divide by the number of sampling ranks {roles.sworld}")
 
 # the policy, and what the options add: a frozen reference (KL), a critic (ppo), a teacher (on-policy distillation)
-model, tokenizer, meta = load_model(args.source, device, phase="train", model_tag=args.model_tag, step=args.model_step)
+model, tokenizer, meta = load_model(args.source, device, phase="train", model_tag=args.model_tag, step=args.model_step,
+                                   hf_model=args.hf_model)
+if args.multi_turn and tokenizer.encode_special("<|python_start|>") is None:
+    parser.error(f"--multi-turn: this model's tokenizer has no tool-call tokens ({args.hf_model or args.source})")
 ref_model = copy.deepcopy(model).eval().requires_grad_(False) if (args.use_kl_loss or args.kl_coef > 0) and roles.is_trainer else None
 critic = critic_optimizer = teacher = None
 if args.advantage_estimator == "ppo" and roles.is_trainer:
@@ -157,60 +225,6 @@ ckpt_dir = os.path.join(get_base_dir(), "rl_checkpoints", output_tag)
 logger = get_logger(args.run, project="nanorl-rl", config=vars(args), master_process=master)
 
 
-def task_prompts(task_name, split):
-    """A task's examples as RL prompts: the conversation without its answer, plus the label."""
-    kw = {"path": args.task_path} if args.task_path else {}
-    if task_name == "offline":
-        kw["levels"] = tuple(int(x) for x in args.levels.split(","))
-    task = get_task(task_name, split, **kw)
-    items = []
-    for i in range(len(task)):
-        conv = task.get_example(i)
-        label = conv.get("label")
-        if label is None and conv["messages"][-1]["role"] == "assistant":
-            ref = conv["messages"][-1]["content"]
-            ref = ref if isinstance(ref, str) else "".join(p["text"] for p in ref if p["type"] == "text")
-            label = extract_answer(ref)
-        if label is None and custom_rm is None and not remote_rm:  # a remote grader may not need one
-            raise SystemExit(f"task {task_name!r} ({split}) row {i} has no label, and --rm-type {args.rm_type} needs one")
-        items.append({"conversation": conv, "label": label, "metadata": {"task": task_name, "row": i}})
-    return items
-
-
-def jsonl_prompts(path):
-    """--prompt-data: one JSON object a line; the prompt under --input-key (a string or chat messages), the label under
-    --label-key. A string prompt is a user turn with --apply-chat-template, else raw text fed as is."""
-    items = []
-    with open(path) as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                prompt, label = row[args.input_key], row.get(args.label_key)
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise SystemExit(f"--prompt-data {path} line {i}: expected a JSON object with key {args.input_key!r} ({type(e).__name__}: {e})")
-            if isinstance(prompt, list):
-                item = {"conversation": {"messages": prompt}}
-            elif isinstance(prompt, str):
-                item = {"conversation": {"messages": [{"role": "user", "content": prompt}]}} if args.apply_chat_template else {"text": prompt}
-            else:
-                raise SystemExit(f"--prompt-data {path} line {i}: {args.input_key!r} must be a string or a list of messages")
-            if label is None and custom_rm is None and not remote_rm:
-                raise SystemExit(f"--prompt-data {path} line {i} has no {args.label_key!r}, and --rm-type {args.rm_type} needs one")
-            items.append({**item, "label": label, "metadata": {"task": os.path.basename(path), "row": i}})
-    return items
-
-
-if args.prompt_data:
-    train_items, eval_name = jsonl_prompts(args.prompt_data), args.eval_prompt_data or args.prompt_data
-    eval_items = jsonl_prompts(args.eval_prompt_data) if args.eval_prompt_data else train_items
-    if not args.eval_prompt_data:
-        print0(f"no --eval-prompt-data: the eval reads the first {args.eval_max_problems} training prompts (not held out)")
-else:
-    train_items, eval_name = task_prompts(args.task, "train"), args.eval_task or args.task
-    eval_items = task_prompts(eval_name, "test")
-eval_items = eval_items[:args.eval_max_problems]
 source = PromptSource(train_items, seed=args.seed, rank=roles.srank, world_size=roles.sworld)
 longest_prompt = max(len(rollout.prompt_ids(tokenizer, p)) for p in train_items + eval_items)
 if longest_prompt + 1 > model.config.sequence_len:
@@ -220,9 +234,8 @@ engine = Engine(model, tokenizer, batch_size=args.engine_batch_size,
 
 
 def reward_fn(response, label, metadata):
-    if custom_rm is not None:
-        return safe_reward(custom_rm, response, label, metadata)
-    return safe_reward(compute_reward, args.rm_type, response, label, metadata)
+    """(value, None) or (None, why it failed): the grader of the split the prompt came from."""
+    return safe_reward(reward_fns[metadata["split"]], response, label, metadata)
 
 
 worker = rollout.RolloutWorker(args, engine, tokenizer, None if remote_rm else reward_fn,
@@ -473,14 +486,8 @@ for r in ("both", "sampling", "training"):
 print0(f"idle fraction (time a {device.type.upper()} rank waited on other ranks): " + ", ".join(f"{k} {v:.1%}" for k, v in idle_frac.items()))
 log_json("rl_history", {"train": history, "eval": eval_history, "idle": idle_frac}, rank=rank)
 if master and eval_history:
-    first, last = eval_history[0], eval_history[-1]
-    size = f"{len(eval_items)} prompts x {args.n_samples_per_eval_prompt} samples, T={args.eval_temperature:g}"
-    log_section("Chat RL", [
-        {k: v for k, v in vars(args).items() if k in ("task", "prompt_data", "advantage_estimator", "num_rollouts", "rollout_batch_size",
-                                                     "n_samples_per_prompt", "loss_aggregation", "eps_clip", "kl_loss_coef", "async_mode")},
-        {**{f"before {k} ({eval_name}, {size})": v for k, v in first.items() if k != "step"},
-         **{f"after {k} ({eval_name}, {size})": v for k, v in last.items() if k != "step"},
-         "wall_time_s": round(time.time() - t_start, 1), **idle_frac},
-    ])
+    log_section("Chat RL", [{"reward": rm_name},
+                            rl_eval_rows(eval_history, eval_name, len(eval_items), args.n_samples_per_eval_prompt, args.eval_temperature),
+                            {"wall_time_s": round(time.time() - t_start, 1), **idle_frac}], config=vars(args))
 logger.finish()
 compute_cleanup()
