@@ -278,24 +278,39 @@ def set_rewards(groups, scored, results, on_failure="drop"):
 # -----------------------------------------------------------------------------------------------
 # training batches
 
+def pack_rows(sizes, capacity):
+    """First-fit, largest first: lists of indices whose sizes add up to at most capacity (a larger one alone)."""
+    rows, load = [], []
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        r = next((r for r in range(len(rows)) if load[r] + sizes[i] <= capacity), len(rows))
+        if r == len(rows):
+            rows.append([])
+            load.append(0)
+        rows[r].append(i)
+        load[r] += sizes[i]
+    return rows
+
+
 def pack_micro_batches(samples, max_tokens, row_len):
     """
     Pack samples into rows and rows into micro-batches. A sample takes len(tokens) - 1 positions (its inputs);
-    rows hold whole samples end to end, at most row_len positions each (first-fit, longest samples first, so
-    rows come out nearly full), and a micro-batch is rows of at most max_tokens positions in all (rows x its
-    longest row). A sample longer than row_len gets a row of its own, a row longer than max_tokens a
-    micro-batch of its own. Returns micro-batches as lists of rows, rows as lists of sample indices.
+    rows hold whole samples end to end, at most row_len positions each, and a micro-batch is rows of at most
+    max_tokens positions in all (rows x its longest row). Rows are as few as first-fit makes them, then evened
+    out (the capacity lowered to near the mean, as long as no row is added): a micro-batch runs as long as its
+    longest row, so a short last row would be padded. A sample longer than row_len gets a row of its own, a row
+    longer than max_tokens a micro-batch of its own. Returns micro-batches as lists of rows, rows as lists of
+    sample indices.
     """
     size = [len(s.tokens) - 1 for s in samples]
-    rows, load = [], []
-    for i in sorted(range(len(samples)), key=lambda i: -size[i]):
-        r = next((r for r in range(len(rows)) if load[r] + size[i] <= row_len), None)
-        if r is None:
-            rows.append([])
-            load.append(0)
-            r = len(rows) - 1
-        rows[r].append(i)
-        load[r] += size[i]
+    rows = pack_rows(size, row_len)
+    cap = -(-sum(size) // len(rows))
+    while cap < row_len:
+        even = pack_rows(size, cap)
+        if len(even) <= len(rows):
+            rows = even
+            break
+        cap += max(1, cap // 32)
+    load = [sum(size[i] for i in row) for row in rows]
     batches, cur = [], []
     for r in sorted(range(len(rows)), key=lambda r: -load[r]):  # the first row of a micro-batch is its longest
         if cur and load[cur[0]] * (len(cur) + 1) > max_tokens:

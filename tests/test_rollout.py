@@ -95,8 +95,13 @@ def test_pack_micro_batches_respects_budget():
         lens = [sum(sizes[i] for i in row) for row in mb]
         assert all(n <= 12 or len(row) == 1 for n, row in zip(lens, mb))
         assert max(lens) * len(mb) <= 24 or len(mb) == 1
-    # first-fit over the longest first: 30 | 12 | 10+2 | 7+5 | 3+1; rows of 12 go two to a micro-batch
+    # first-fit over the longest first: 30 | 12 | 10+2 | 7+5 | 3+1 (their mean, 14, is over 12: not evened out);
+    # rows of 12 go two to a micro-batch
     assert batches == [[[5]], [[3], [0, 7]], [[2, 4], [1, 6]]]
+    # 12 + 10 + 7 + 5 + 3 + 2 + 1 = 40 fit 2 rows of 24; evened out: 12+7+1 and 10+5+3+2, not 24+16
+    sizes = [12, 10, 7, 5, 3, 2, 1]
+    samples = [Sample(tokens=[0] * (n + 1)) for n in sizes]
+    assert pack_micro_batches(samples, max_tokens=100, row_len=24) == [[[0, 2, 6], [1, 3, 4, 5]]]
 
 
 def test_collate_packed_round_trips_to_collate():
