@@ -291,7 +291,7 @@ class Trainer:
             for k, v in m.items():
                 sums[k] = sums.get(k, 0.0) + float(v) * mb_tok
         out = {k: v / max(local_tok, 1) for k, v in sums.items()}
-        out["padding_frac"] = 1 - sum(len(s.tokens) - 1 for s in samples) / positions  # of the positions the model ran
+        out["padding_frac"] = 1 - sum(len(s.tokens) - 1 for s in samples) / max(positions, 1)  # of the positions the model ran
         out["grad_norm"] = self.optimizer_step(model, self.optimizer, lr_mult)
         if self.critic is not None:
             out["critic_grad_norm"] = self.optimizer_step(self.critic, self.critic_optimizer, 1.0)

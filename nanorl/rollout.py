@@ -303,7 +303,7 @@ def pack_micro_batches(samples, max_tokens, row_len):
     """
     size = [len(s.tokens) - 1 for s in samples]
     rows = pack_rows(size, row_len)
-    cap = -(-sum(size) // len(rows))
+    cap = -(-sum(size) // max(len(rows), 1))
     while cap < row_len:
         even = pack_rows(size, cap)
         if len(even) <= len(rows):
