@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from nanorl import rl
 from nanorl.common import autocast_ctx
-from nanorl.rollout import TRUNCATED, collate, pack_micro_batches
+from nanorl.rollout import TRUNCATED, collate, collate_packed, pack_micro_batches, unpack
 
 ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gspo", "cispo", "ppo")
 GROUP_ESTIMATORS = ("grpo", "rloo", "gspo", "cispo")  # group-relative advantages from the rewards alone
@@ -21,7 +21,8 @@ def add_args(parser):
     g = parser.add_argument_group("training step (nanorl/rl_trainer.py)")
     g.add_argument("--global-batch-size", type=int, default=None, help="samples per optimizer step (default: the whole rollout)")
     g.add_argument("--num-steps-per-rollout", type=int, default=1, help="optimizer steps per rollout (>1 is off-policy: uses the ratio)")
-    g.add_argument("--max-tokens-per-gpu", type=int, default=8192, help="padded tokens per training micro-batch")
+    g.add_argument("--max-tokens-per-gpu", type=int, default=8192, help="tokens per training micro-batch: samples are packed end to end into rows "
+                   "(at most the model's context each) and rows into micro-batches of this many positions, padding included")
     g.add_argument("--weight-decay", type=float, default=0.0, help="optimizer weight decay")
     g.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm (0 = off)")
     g.add_argument("--warmup-rollouts", type=int, default=0, help="linear LR warmup over this many rollouts")
@@ -112,31 +113,40 @@ class Trainer:
 
     # --- forward passes over samples, micro-batched like the training step -----------------------
 
+    def micro_batches(self, samples, m):
+        """The samples packed into micro-batches (collate_packed), rows no longer than model m's context. The model
+        runs on the packed rows; the loss reads per-sample (B, T) rows, unpacked from its outputs."""
+        a = self.args
+        for rows in pack_micro_batches(samples, a.max_tokens_per_gpu, min(a.max_tokens_per_gpu, m.config.sequence_len)):
+            yield collate_packed(samples, rows, self.device)
+
     def forward_logp(self, m, batch):
-        """Log-probs and entropies at the rollout temperature: the engine records its log-probs at that temperature."""
+        """Log-probs and entropies at the rollout temperature (the engine records its log-probs at that temperature),
+        per sample (B, T)."""
         with self.autocast:
-            logp, ent = m.token_logprobs(batch["inputs"], batch["targets"].clamp(min=0), temperature=self.args.temperature,
-                                         return_entropy=True)
-        return logp.float(), ent.float()
+            logp, ent = m.token_logprobs(batch["packed_inputs"], batch["packed_targets"].clamp(min=0), doc_ids=batch["doc_ids"],
+                                         temperature=self.args.temperature, return_entropy=True)
+        return unpack(logp.float(), batch["unpack"]), unpack(ent.float(), batch["unpack"])
+
+    def forward_values(self, batch):
+        with self.autocast:
+            return unpack(self.critic(batch["packed_inputs"], doc_ids=batch["doc_ids"]).float(), batch["unpack"])
 
     @torch.no_grad()
-    def per_token(self, samples, fn):
-        """fn(batch) -> (B, T) for every micro-batch; the rows, in sample order, on the compute device."""
+    def per_token(self, samples, fn, m):
+        """fn(batch) -> (B, T) for every micro-batch of model m; the rows, in sample order, on the compute device."""
         out = [None] * len(samples)
-        for mb in pack_micro_batches(samples, self.args.max_tokens_per_gpu):
-            res = fn(collate([samples[i] for i in mb], self.device))
-            for j, i in enumerate(mb):
-                out[i] = res[j].float()
+        for batch in self.micro_batches(samples, m):
+            res = fn(batch)
+            for j, i in enumerate(batch["order"]):
+                out[i] = res[j]
         return out
 
     def logp_of(self, m, samples):
-        return self.per_token(samples, lambda batch: self.forward_logp(m, batch)[0])
+        return self.per_token(samples, lambda batch: self.forward_logp(m, batch)[0], m)
 
     def values_of(self, samples):
-        def f(batch):
-            with self.autocast:
-                return self.critic(batch["inputs"])
-        return self.per_token(samples, f)
+        return self.per_token(samples, self.forward_values, self.model)  # the critic is a copy of the policy
 
     # --- rewards and advantages -------------------------------------------------------------------
 
@@ -247,10 +257,10 @@ class Trainer:
         if self.distributed:
             dist.all_reduce(counts, group=self.group)
         global_tok, global_seq = max(counts[0].item(), 1.0), counts[1].item()
-        sums = {}
-        for mb in pack_micro_batches(samples, a.max_tokens_per_gpu):
-            batch = collate([samples[i] for i in mb], device)
-            T, mask = batch["inputs"].size(1), batch["loss_mask"]
+        sums, positions = {}, 0
+        for batch in self.micro_batches(samples, model):
+            mb, T, mask = batch["order"], batch["inputs"].size(1), batch["loss_mask"]
+            positions += batch["packed_inputs"].numel()
             rows = lambda xs: pad_like([xs[i] for i in mb], T)
             logp, ent = self.forward_logp(model, batch)
             old = rows(old_lp) if old_lp is not None else logp.detach()
@@ -271,9 +281,8 @@ class Trainer:
             share = (mb_tok / global_tok) if a.loss_aggregation == "token_mean" else (len(mb) / global_seq)
             (loss * share * self.world).backward()
             if self.critic is not None:
-                with self.autocast:
-                    values = self.critic(batch["inputs"])
-                vf_loss, vm = rl.value_loss(values.float(), rows(old_values), rows(returns), mask, a.value_clip or None,
+                values = self.forward_values(batch)
+                vf_loss, vm = rl.value_loss(values, rows(old_values), rows(returns), mask, a.value_clip or None,
                                             loss_agg=a.loss_aggregation, max_len=a.max_response_len)
                 (vf_loss * share * self.world).backward()
                 m.update(vm, vf_loss=vf_loss.detach())
@@ -282,6 +291,7 @@ class Trainer:
             for k, v in m.items():
                 sums[k] = sums.get(k, 0.0) + float(v) * mb_tok
         out = {k: v / max(local_tok, 1) for k, v in sums.items()}
+        out["padding_frac"] = 1 - sum(len(s.tokens) - 1 for s in samples) / max(positions, 1)  # of the positions the model ran
         out["grad_norm"] = self.optimizer_step(model, self.optimizer, lr_mult)
         if self.critic is not None:
             out["critic_grad_norm"] = self.optimizer_step(self.critic, self.critic_optimizer, 1.0)

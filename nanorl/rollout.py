@@ -278,24 +278,48 @@ def set_rewards(groups, scored, results, on_failure="drop"):
 # -----------------------------------------------------------------------------------------------
 # training batches
 
-def pack_micro_batches(samples, max_tokens):
+def pack_rows(sizes, capacity):
+    """First-fit, largest first: lists of indices whose sizes add up to at most capacity (a larger one alone)."""
+    rows, load = [], []
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        r = next((r for r in range(len(rows)) if load[r] + sizes[i] <= capacity), len(rows))
+        if r == len(rows):
+            rows.append([])
+            load.append(0)
+        rows[r].append(i)
+        load[r] += sizes[i]
+    return rows
+
+
+def pack_micro_batches(samples, max_tokens, row_len):
     """
-    Split samples into micro-batches whose padded size (rows x longest row) stays within max_tokens.
-    Samples are sorted by length first so each micro-batch holds similar lengths and padding stays small
-    (rows are padded, not packed: padded causal attention runs the fast flash kernel on GPUs).
-    A sample longer than max_tokens gets a micro-batch of its own. Returns lists of sample indices.
+    Pack samples into rows and rows into micro-batches. A sample takes len(tokens) - 1 positions (its inputs);
+    rows hold whole samples end to end, at most row_len positions each, and a micro-batch is rows of at most
+    max_tokens positions in all (rows x its longest row). Rows are as few as first-fit makes them, then evened
+    out (the capacity lowered to near the mean, as long as no row is added): a micro-batch runs as long as its
+    longest row, so a short last row would be padded. A sample longer than row_len gets a row of its own, a row
+    longer than max_tokens a micro-batch of its own. Returns micro-batches as lists of rows, rows as lists of
+    sample indices.
     """
-    order = sorted(range(len(samples)), key=lambda i: len(samples[i].tokens))
+    size = [len(s.tokens) - 1 for s in samples]
+    rows = pack_rows(size, row_len)
+    cap = -(-sum(size) // max(len(rows), 1))
+    while cap < row_len:
+        even = pack_rows(size, cap)
+        if len(even) <= len(rows):
+            rows = even
+            break
+        cap += max(1, cap // 32)
+    load = [sum(size[i] for i in row) for row in rows]
     batches, cur = [], []
-    for i in order:
-        longest = max([len(samples[j].tokens) for j in cur] + [len(samples[i].tokens)])
-        if cur and longest * (len(cur) + 1) > max_tokens:
+    for r in sorted(range(len(rows)), key=lambda r: -load[r]):  # the first row of a micro-batch is its longest
+        if cur and load[cur[0]] * (len(cur) + 1) > max_tokens:
             batches.append(cur)
             cur = []
-        cur.append(i)
+        cur.append(r)
     if cur:
         batches.append(cur)
-    return batches
+    return [[rows[r] for r in mb] for mb in batches]
 
 
 def collate(samples, device="cpu", pad_id=0):
@@ -320,6 +344,43 @@ def collate(samples, device="cpu", pad_id=0):
             rollout_logp[b, resp] = torch.tensor(s.rollout_log_probs, dtype=torch.float32)
     return {"inputs": inputs.to(device), "targets": targets.to(device),
             "loss_mask": loss_mask.to(device), "rollout_logp": rollout_logp.to(device)}
+
+
+def collate_packed(samples, rows, device="cpu", pad_id=0):
+    """
+    One micro-batch of rows (lists of sample indices, from pack_micro_batches) -> collate() of its samples, in
+    row order, plus the packed tensors the model runs on: packed_inputs/packed_targets (R, L), the samples of
+    each row end to end and padding after them, and doc_ids numbering the samples of a row (the padding is one
+    more document), so that positions restart and attention stays within each sample. "unpack" (B, T) gives
+    each per-sample position's index into the flattened (R, L) tensors, -1 past the sample's end: unpack()
+    turns the model's packed per-token outputs back into collate()'s per-sample layout.
+    """
+    order = [i for row in rows for i in row]
+    batch = collate([samples[i] for i in order], pad_id=pad_id)
+    sizes = [len(samples[i].tokens) - 1 for i in order]
+    R, L = len(rows), max(sum(len(samples[i].tokens) - 1 for i in row) for row in rows)  # L: the longest row
+    inputs = torch.full((R, L), pad_id, dtype=torch.long)
+    targets = torch.full((R, L), -1, dtype=torch.long)
+    doc_ids = torch.zeros((R, L), dtype=torch.long)
+    index = torch.full(batch["inputs"].shape, -1, dtype=torch.long)
+    b = 0
+    for r, row in enumerate(rows):
+        pos = 0
+        for doc in range(len(row)):
+            n = sizes[b]
+            inputs[r, pos:pos + n] = batch["inputs"][b, :n]
+            targets[r, pos:pos + n] = batch["targets"][b, :n]
+            doc_ids[r, pos:pos + n] = doc
+            index[b, :n] = torch.arange(r * L + pos, r * L + pos + n)
+            pos, b = pos + n, b + 1
+        doc_ids[r, pos:] = len(row)
+    batch.update(packed_inputs=inputs, packed_targets=targets, doc_ids=doc_ids, unpack=index, order=order)
+    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+def unpack(packed, index):
+    """Packed per-token values (R, L) -> per-sample rows (B, T) by collate_packed's index; 0 past a sample's end."""
+    return packed.reshape(-1)[index.clamp(min=0)].masked_fill(index < 0, 0.0)
 
 
 # -----------------------------------------------------------------------------------------------

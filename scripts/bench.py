@@ -309,7 +309,7 @@ def main():
     p.add_argument("--new-tokens", type=int, default=256, help="response tokens, all generated (no stop tokens)")
     p.add_argument("--steps", type=int, default=1, help="timed steps after the warm-up step (their mean is reported)")
     p.add_argument("--engine-batch-size", type=int, default=None, help="engine rows (default: prompts x samples, all at once)")
-    p.add_argument("--max-tokens-per-gpu", type=int, default=8192, help="padded tokens per training micro-batch (chat_rl's flag)")
+    p.add_argument("--max-tokens-per-gpu", type=int, default=8192, help="tokens per packed training micro-batch (chat_rl's flag)")
     p.add_argument("--lr-scale", type=float, default=0.05, help="multiplier on the optimizer LRs (chat_rl's default)")
     model_and_device_args(p)
     p.set_defaults(func=bench_rl)

@@ -1,6 +1,7 @@
 """
 chat_rl's training step (nanorl.rl_trainer.Trainer) in process on a tiny model: the step does not depend on how the
-batch is cut into micro-batches, for every estimator and aggregation; the sampler's log-probs are the trainer's at
+batch is cut into micro-batches, for every estimator and aggregation, and packing samples into rows gives the same
+log-probs, values and update as padding each sample on its own row; the sampler's log-probs are the trainer's at
 any temperature; flag combinations without meaning fail naming both flags.
 """
 import argparse
@@ -12,9 +13,9 @@ import torch
 from nanorl import rl, rl_trainer
 from nanorl.common import Timer
 from nanorl.engine import Engine, Request
-from nanorl.gpt import GPTConfig, build_model
-from nanorl.optim import build_optimizer
-from nanorl.rollout import Sample, collate, extend_sample
+from nanorl.gpt import Critic, GPTConfig, build_model
+from nanorl.optim import MuonAdamW, build_optimizer
+from nanorl.rollout import Sample, collate, collate_packed, extend_sample
 from nanorl.tokenizer import SPLIT_PATTERN, Tokenizer
 
 V = 300
@@ -49,12 +50,45 @@ def make_samples(lengths, n=4, seed=0):
     return out
 
 
-def step_grads(args, samples):
-    """The gradient the training step hands its optimizer (Adam's division by sqrt(v) would blow float noise up)."""
-    model = tiny_model()
-    optimizer, grads = build_optimizer(model), {}
+class PaddedTrainer(rl_trainer.Trainer):
+    """The reference: the scheme before packing, each sample on its own row padded to the micro-batch's longest
+    (sorted by length, rows x longest within --max-tokens-per-gpu), plain causal attention, no document ids."""
+    def micro_batches(self, samples, m):
+        order, mb = sorted(range(len(samples)), key=lambda i: len(samples[i].tokens)), []
+        for i in order + [None]:
+            if mb and (i is None or len(samples[i].tokens) * (len(mb) + 1) > self.args.max_tokens_per_gpu):
+                b = collate([samples[j] for j in mb])
+                B, T = b["inputs"].shape
+                index = torch.arange(B * T).view(B, T)
+                index[torch.arange(T) >= torch.tensor([len(samples[j].tokens) - 1 for j in mb])[:, None]] = -1
+                yield {**b, "packed_inputs": b["inputs"], "packed_targets": b["targets"], "doc_ids": None, "unpack": index,
+                       "order": mb}
+                mb = []
+            mb.append(i)
+
+
+def tiny_critic(model):
+    torch.manual_seed(1)
+    critic = Critic(model)
+    with torch.no_grad():
+        critic.value_head.weight.normal_(0, 0.3)  # V != 0, so the trunk gets a gradient too
+    return critic
+
+
+def step_grads(args, samples, trainer_cls=rl_trainer.Trainer):
+    """The gradient the training step hands its optimizer (Adam's division by sqrt(v) would blow float noise up);
+    with ppo the critic's too."""
+    model, grads = tiny_model(), {}
+    critic = tiny_critic(model) if args.advantage_estimator == "ppo" else None
+    optimizer, critic_optimizer = build_optimizer(model), None
     optimizer.step = lambda: grads.update({k: p.grad.clone() for k, p in model.named_parameters()})
-    m = rl_trainer.Trainer(args, model, optimizer, torch.device("cpu")).train_step(0, copy.deepcopy(samples), Timer())
+    if critic:
+        critic_optimizer = MuonAdamW([dict(params=list(critic.parameters()), kind="adamw", lr=1e-3, initial_lr=1e-3,
+                                           betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)])
+        critic_optimizer.step = lambda: grads.update({"critic." + k: p.grad.clone() for k, p in critic.named_parameters()
+                                                      if p.grad is not None})
+    trainer = trainer_cls(args, model, optimizer, torch.device("cpu"), critic=critic, critic_optimizer=critic_optimizer)
+    m = trainer.train_step(0, copy.deepcopy(samples), Timer())
     return grads, m
 
 
@@ -72,9 +106,54 @@ def test_step_does_not_depend_on_micro_batching(estimator, agg):
         assert torch.allclose(one[k], many[k], atol=1e-7, rtol=1e-5), (k, (one[k] - many[k]).abs().max())
     assert m1["train/grad_norm"] == pytest.approx(m2["train/grad_norm"], rel=1e-5)
     assert m1["train/grad_norm"] > 0
+    # packed rows (document masking) == each sample on its own padded row (plain causal attention)
+    padded, _ = step_grads(trainer_args("--max-tokens-per-gpu", "40", *flags, estimator=estimator), samples, PaddedTrainer)
+    for k in one:
+        assert torch.allclose(one[k], padded[k], atol=1e-7, rtol=1e-5), (k, (one[k] - padded[k]).abs().max())
     # --use-tis is applied by every estimator (the rollout log-probs here are off: the weights are not 1)
     plain, _ = step_grads(trainer_args("--max-tokens-per-gpu", "40", *flags[:2], "--grad-clip", "0", estimator=estimator), samples)
     assert any(not torch.allclose(plain[k], many[k]) for k in plain)
+
+
+def test_ppo_step_packed_equals_padded():
+    """ppo trains a critic too: its values and both gradients are the same packed (one micro-batch or several) as
+    padded. train/padding_frac is the share of the positions the model ran that hold no sample."""
+    samples = make_samples([2, 3, 11, 12, 2, 12, 3, 11])
+    flags = ["--critic-lr", "1e-3", "--grad-clip", "0"]
+    one, m1 = step_grads(trainer_args("--max-tokens-per-gpu", "10000", *flags, estimator="ppo"), samples)
+    many, m2 = step_grads(trainer_args("--max-tokens-per-gpu", "40", *flags, estimator="ppo"), samples)
+    padded, m3 = step_grads(trainer_args("--max-tokens-per-gpu", "10000", *flags, estimator="ppo"), samples, PaddedTrainer)
+    assert any(k.startswith("critic.gpt.") for k in one) and len(one) == len(many) == len(padded)
+    for k in one:
+        for other in (many, padded):
+            assert torch.allclose(one[k], other[k], atol=1e-7, rtol=1e-5), (k, (one[k] - other[k]).abs().max())
+    # by hand: inputs of 4, 6, 13, 15, 4, 15, 5, 14 positions (76) fit 2 rows of the context (64); evened out
+    # (first-fit at capacity 38, 39, 40: 3, 3, 2 rows) they are 15+15+6+4 and 14+13+5+4, one micro-batch of 2 x 40;
+    # padded: 8 rows x 15
+    assert m1["train/padding_frac"] == pytest.approx(1 - 76 / 80)
+    assert m3["train/padding_frac"] == pytest.approx(1 - 76 / 120)
+
+
+def test_packed_forward_equals_each_sample_alone():
+    """Samples of mixed lengths, down to a 1-token response, packed several to a row: the trainer's log-probs,
+    entropies and critic values equal those of each sample run alone, unpadded (fp32)."""
+    samples = make_samples([1, 12, 2, 7, 1, 30, 3, 5, 20, 1, 40, 1])
+    args = trainer_args("--max-tokens-per-gpu", "128", "--critic-lr", "1e-3", estimator="ppo")
+    model = tiny_model()
+    trainer = rl_trainer.Trainer(args, model, None, torch.device("cpu"), critic=tiny_critic(model))
+    batches = list(trainer.micro_batches(samples, model))
+    assert max(len(set(row.tolist())) for b in batches for row in b["doc_ids"]) >= 4  # rows hold several samples
+    assert len(batches) > 1
+    lp, values = trainer.logp_of(model, samples), trainer.values_of(samples)
+    with torch.no_grad():
+        ent = {i: row for b in batches for i, row in zip(b["order"], trainer.forward_logp(model, b)[1])}
+        for i, s in enumerate(samples):
+            b, n = collate([s]), len(s.tokens) - 1
+            want_lp, want_ent = model.token_logprobs(b["inputs"], b["targets"].clamp(min=0), return_entropy=True)
+            want_v = trainer.critic(b["inputs"])
+            for got, want in ((lp[i], want_lp), (ent[i], want_ent), (values[i], want_v)):
+                assert torch.allclose(got[:n], want[0], atol=1e-6, rtol=0), (i, (got[:n] - want[0]).abs().max())
+                assert (got[n:] == 0).all()
 
 
 def test_gspo_rows_weigh_equally_under_sequence_mean():
@@ -89,15 +168,14 @@ def test_gspo_rows_weigh_equally_under_sequence_mean():
     # on-policy the GSPO loss's gradient is that of -1/8 sum_i A_i mean_t logp_i,t: each row weighs 1/8, whatever its length
     model.zero_grad()
     batch = collate(samples)
-    logp, _ = trainer.forward_logp(model, batch)
+    logp = model.token_logprobs(batch["inputs"], batch["targets"].clamp(min=0))
     mask = batch["loss_mask"]
     ref = -(torch.stack(adv)[:, :mask.size(1)] * logp * mask).sum(-1) / mask.sum(-1)
     ref.mean().backward()
     want = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    for mb in [[0, 1, 2, 3], [4, 5, 6, 7]]:  # the trainer's own loss path, two micro-batches of 4 rows
-        sub = [samples[i] for i in mb]
-        b = collate(sub)
+    for mb in [[0, 1, 2, 3], [4, 5, 6, 7]]:  # the trainer's own loss path, two micro-batches of 4 samples, one row each
+        b = collate_packed(samples, [mb])
         lp, _ = trainer.forward_logp(model, b)
         loss, _ = rl.policy_loss(lp, lp.detach(), rl_trainer.pad_like([adv[i] for i in mb], lp.size(1)), b["loss_mask"],
                                  kind="gspo", loss_agg="seq_mean_token_mean")
