@@ -321,11 +321,6 @@ def make_reward(rm_type="task", task=None, custom_path=None):
     return mix, "+".join(names) + ":" + ",".join(f"{w:g}" for _, w in parts)
 
 
-def compute_reward(rm_type, response, label, metadata=None):
-    """One generic grader or mix, called directly: make_reward(rm_type)[0](response, label, metadata)."""
-    return make_reward(rm_type)[0](response, label, metadata)
-
-
 # -----------------------------------------------------------------------------------------------
 # checking what a reward function gave back
 

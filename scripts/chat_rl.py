@@ -155,6 +155,8 @@ def jsonl_prompts(path, split):
 if args.prompt_data:
     (train_items, train_task), eval_name = jsonl_prompts(args.prompt_data, "train"), args.eval_prompt_data or args.prompt_data
     eval_items, eval_task = jsonl_prompts(args.eval_prompt_data, "test") if args.eval_prompt_data else (train_items, None)
+    if not args.eval_prompt_data:
+        print0(f"no --eval-prompt-data: the eval reads the first {args.eval_max_problems} training prompts (not held out)")
 else:
     (train_items, train_task), eval_name = task_prompts(args.task, "train"), args.eval_task or args.task
     eval_items, eval_task = task_prompts(eval_name, "test")
@@ -241,7 +243,7 @@ def reward_fn(response, label, metadata):
 worker = rollout.RolloutWorker(args, engine, tokenizer, None if remote_rm else reward_fn,
                                make_tool(args.tool) if args.multi_turn else None, custom_generate)
 buffer = RolloutBuffer(buffer_filter)
-print0(f"attention: {attention_backend(device)}")
+print0(attention_backend(device))
 print0(f"RL on {len(train_items)} prompts ({args.prompt_data or args.task}), eval on {len(eval_items)} ({eval_name}), "
        f"{world_size} rank(s), device {device}")
 
@@ -332,7 +334,7 @@ def log_step(step, m, dt):
     print0(f"step {step + 1:05d}/{args.num_rollouts} | reward {m['rollout/reward_mean']:.3f} | len {m['rollout/response_len_mean']:.1f} "
            f"| pg {m['train/pg_loss']:+.4f} | clip {m['train/clipfrac']:.3f} | ppo_kl {m['train/ppo_kl']:+.2e} "
            f"| ent {m['train/entropy']:.3f} | gnorm {m['train/grad_norm']:.3f} | lp_diff {m['train/train_rollout_logprob_abs_diff']:.1e} "
-           f"| dropped {int(m.get('rollout/groups_dropped', 0))} | dt {dt:.1f}s (rollout {m.get('time/rollout', 0):.1f}s, "
+           f"| pad {m['train/padding_frac']:.0%} | dropped {int(m.get('rollout/groups_dropped', 0))} | dt {dt:.1f}s (rollout {m.get('time/rollout', 0):.1f}s, "
            f"waiting {m['perf/idle_frac']:.0%}) | eta {eta_min(time.time() - t_start, done):.1f}m"
            + (f" | tools {m['rollout/tool_calls_mean']:.2f} err {m['rollout/tool_errors_mean']:.2f} "
               f"max_turns {m['rollout/max_turns_hit_mean']:.2f}" if args.multi_turn else ""))

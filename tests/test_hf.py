@@ -306,3 +306,28 @@ def test_chat_web_serves_an_open_model(tmp_path):
         app.state.shutdown()
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"] == want
+
+
+def test_chat_rl_on_an_open_model(tmp_path):
+    """chat_rl --hf-model: 3 GRPO steps on a tiny random Qwen2 directory with the offline curriculum, rendered with
+    Qwen's chat template; sampler and trainer agree on-policy, the RL checkpoint keeps the model's tokenizer and
+    exports back to a Qwen2 directory that transformers loads."""
+    import subprocess
+    import sys
+    src, base = tmp_path / "qwen", tmp_path / "base"
+    tiny_hf("qwen2", src, vocab=tiny_tokenizer(src), context=1024)  # offline prompts + Qwen's system turn: ~310 tokens
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "NANORL_BASE_DIR": str(base), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "scripts.chat_rl", "--hf-model", str(src), "--levels", "1", "--num-rollouts", "3",
+           "--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--max-new-tokens", "8", "--eval-max-problems", "2",
+           "--n-samples-per-eval-prompt", "2", "--pass-k", "1", "--engine-batch-size", "8", "--output-tag", "qwen",
+           "--rm-type", "format", "--device-type", "cpu", "--lr-scale", "0.01"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    hist = json.loads((base / "report" / "rl_history.json").read_text())
+    assert [h["step"] for h in hist["train"]] == [1, 2, 3]
+    assert all(h["train/train_rollout_logprob_abs_diff"] < 1e-4 for h in hist["train"])
+    meta = json.loads(next((base / "rl_checkpoints" / "qwen").glob("meta_*.json")).read_text())
+    assert meta["tokenizer_dir"] == str(src)
+    subprocess.run([sys.executable, "-m", "scripts.export_hf", "-i", "rl", "-o", str(tmp_path / "out")], env=env, check=True)
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
+    assert type(back).__name__ == "Qwen2ForCausalLM"

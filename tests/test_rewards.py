@@ -7,7 +7,7 @@ import pytest
 from rl_fixture_server import RewardHandler
 from rl_fixture_server import reward_server as serve_rewards
 
-from nanorl.rewards import (boxed_reward, compute_reward, exact_match, extract_answer, extract_choice, f1_reward,
+from nanorl.rewards import (boxed_reward, exact_match, extract_answer, extract_choice, f1_reward,
                             format_reward, make_reward, math_reward, mc_reward, normalize_number, parse_rm_type,
                             remote_rewards, safe_reward)
 from tasks import GSM8K as GSM8KTask
@@ -139,22 +139,22 @@ def test_format_reward(response, want):
 
 
 def test_weighted_mix_and_rm_type_errors():
-    out = compute_reward("math+format:0.9,0.1", "it is 5", "5")
+    out = make_reward("math+format:0.9,0.1")[0]("it is 5", "5")
     assert out == {"math": 1.0, "format": 0.0, "total": 0.9}
-    out = compute_reward("math+format:0.9,0.1", "so\n#### 5", "5")
+    out = make_reward("math+format:0.9,0.1")[0]("so\n#### 5", "5")
     assert out == {"math": 1.0, "format": 1.0, "total": pytest.approx(1.0)}
-    out = compute_reward("math+f1", "#### 5", "5")  # no weights: each 1.0
+    out = make_reward("math+f1")[0]("#### 5", "5")  # no weights: each 1.0
     assert out == {"math": 1.0, "f1": 1.0, "total": 2.0}
-    assert compute_reward("math", "#### 5", "5") == 1.0 and compute_reward("mc", "(A)", "A", {"id": 1}) == 1.0
+    assert make_reward("math")[0]("#### 5", "5") == 1.0 and make_reward("mc")[0]("(A)", "A", {"id": 1}) == 1.0
     assert parse_rm_type("math+format:0.9,0.1") == [("math", 0.9), ("format", 0.1)]
     with pytest.raises(ValueError, match="valid: task, math, boxed, mc, exact, f1, format, custom, remote"):
-        compute_reward("bogus", "x", "y")
+        make_reward("bogus")[0]("x", "y")
     with pytest.raises(ValueError, match="valid"):
-        compute_reward("math+bogus:0.5,0.5", "x", "y")
+        make_reward("math+bogus:0.5,0.5")[0]("x", "y")
     with pytest.raises(ValueError, match="weights"):
-        compute_reward("math+format:1", "x", "y")
+        make_reward("math+format:1")[0]("x", "y")
     with pytest.raises(ValueError, match="weights must be numbers"):
-        compute_reward("math+format:a,b", "x", "y")
+        make_reward("math+format:a,b")[0]("x", "y")
 
 
 # -----------------------------------------------------------------------------------------------
@@ -181,8 +181,8 @@ def test_safe_reward():
     assert safe_reward(lambda *a: {"a": 1, "total": 0.5}, "x") == ({"a": 1.0, "total": 0.5}, None)
     assert safe_reward(lambda *a: True, "x") == (1.0, None)
     assert safe_reward(lambda r, l: len(r) - len(l), "abc", "a") == (2.0, None)
-    assert safe_reward(compute_reward, "math", "#### 3", "3", None) == (1.0, None)
-    assert safe_reward(compute_reward, "bogus", "#### 3", "3", None)[0] is None
+    assert safe_reward(make_reward("math")[0], "#### 3", "3", None) == (1.0, None)
+    assert safe_reward(lambda *a: make_reward("bogus")[0](*a), "#### 3", "3", None)[0] is None
 
 
 # -----------------------------------------------------------------------------------------------
