@@ -16,10 +16,16 @@ import torch.distributed as dist
 # -----------------------------------------------------------------------------------------------
 # flags: every default shown in --help, every number checked when it is parsed, errors on one line
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: X)" to every flag's help, unless the help already says what its default is."""
+    def _get_help_string(self, action):
+        return action.help if "default" in (action.help or "") else super()._get_help_string(action)
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse with every default in --help, and a bad flag answered with one line (no usage dump), exit 2."""
     def __init__(self, **kwargs):
-        super().__init__(formatter_class=argparse.ArgumentDefaultsHelpFormatter, **kwargs)
+        super().__init__(formatter_class=HelpFormatter, **kwargs)
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")

@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from nanorl.gpt import GPTConfig, build_model
-from nanorl.sft_data import SFTLoader, lr_multiplier, render_example
+from nanorl.sft import lr_multiplier
+from nanorl.sft_data import SFTLoader, render_example
 from nanorl.tokenizer import SPLIT_PATTERN, Tokenizer
 from tasks import OfflineChat, OfflineProblems, Task, TaskMixture
 
