@@ -229,7 +229,8 @@ def wandb_has_credentials():
     if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_MODE"):
         return True
     try:
-        return netrc.netrc().authenticators("api.wandb.ai") is not None
+        path = os.environ.get("NETRC") or os.path.expanduser("~/.netrc")
+        return netrc.netrc(path).authenticators("api.wandb.ai") is not None
     except (OSError, netrc.NetrcParseError):
         return False
 

@@ -137,8 +137,17 @@ def run_base_train(base_dir, *extra):
 
 
 def test_loss_drops_and_kill_resume_is_exact(base_dir):
-    losses, _ = run_base_train(base_dir, "--num-iterations", "40", "--save-every", "20", "--model-tag", "full")
+    tb = base_dir / "tb_full"
+    losses, log = run_base_train(base_dir, "--num-iterations", "40", "--save-every", "20", "--model-tag", "full", "--tensorboard", str(tb))
     assert losses[40] < 0.7 * losses[1]
+    # the TensorBoard event files hold the same per-step losses the log printed (to its 4 decimals)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(tb)).Reload().Scalars("train/loss")
+    assert [e.step for e in events] == list(range(1, 41))
+    assert all(abs(e.value - losses[e.step]) <= 5e-5 for e in events), [(e.step, e.value, losses[e.step]) for e in events]
+    # the ETA: a number from step 1 on (no "nan"), from the pace of recent steps
+    etas = re.findall(r"\| eta (\S+)", log)
+    assert len(etas) == 40 and all(re.fullmatch(r"\d+\.\dm", e) for e in etas) and etas[-1] == "0.0m", etas
     # "kill" the run after step 20 (drop the final checkpoint), then resume: steps 21..40 must match exactly
     ck = base_dir / "base_checkpoints" / "resumed"
     run_base_train(base_dir, "--num-iterations", "40", "--save-every", "20", "--model-tag", "resumed")
@@ -152,6 +161,16 @@ def test_loss_drops_and_kill_resume_is_exact(base_dir):
 def test_bad_batch_flags(base_dir):
     out = base_train(base_dir, "--device-batch-size", "3")
     assert out.returncode != 0 and "--total-batch-size 256 must be a multiple" in out.stderr
+
+
+def test_wandb_without_a_key_stops_before_the_model_is_built(base_dir, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("WANDB_API_KEY", "WANDB_MODE", "NETRC")}
+    env.update(NANORL_BASE_DIR=str(base_dir), OMP_NUM_THREADS="1", HOME=str(tmp_path))  # HOME: no ~/.netrc
+    out = subprocess.run([sys.executable, "-m", "scripts.base_train", *TINY, "--num-iterations", "2", "--run", "myrun"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1 and "model d2" not in out.stdout  # the model line comes after the build: never reached
+    assert out.stderr.splitlines() == ["--run 'myrun' logs to wandb but no wandb API key is set (WANDB_API_KEY or `wandb login`): "
+                                       "set WANDB_MODE=offline to log locally, or use --run dummy"]
 
 
 def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(base_dir):
