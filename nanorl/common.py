@@ -4,6 +4,7 @@ Small shared utilities: flag parsing, distributed init, device and dtype, printi
 import argparse
 import datetime
 import math
+import numbers
 import os
 import time
 from collections import deque
@@ -248,7 +249,7 @@ class Logger:
             self.wandb_run.log(metrics, step=step)
         if self.tb_writer is not None:
             for k, v in metrics.items():
-                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
+                if k != "step" and isinstance(v, numbers.Real) and not isinstance(v, bool):  # numpy scalars too; text is wandb's
                     self.tb_writer.add_scalar(k, v, global_step=step)
 
     def finish(self):
