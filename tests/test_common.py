@@ -132,6 +132,8 @@ def test_every_flag_has_help_and_its_default(script, monkeypatch):
     ("base_train", ["--head-dim", "0"], "argument --head-dim: 0 is out of range: must be an integer >= 1"),
     ("base_train", ["--total-batch-size", "0"], "argument --total-batch-size: 0 is out of range: must be an integer >= 1"),
     ("base_train", ["--total-batch-size", "-256"], "argument --total-batch-size: -256 is out of range: must be an integer >= 1"),
+    ("base_train", ["--depth", "2", "--aspect-ratio", "32", "--head-dim", "48"], "--depth 2 x aspect ratio 32 = model dim 64, "
+     "which is not a multiple of head_dim 48; pick a depth/aspect ratio/head dim that divides"),
     ("chat_sft", ["--device-batch-size", "0"], "argument --device-batch-size: 0 is out of range: must be an integer >= 1"),
     ("chat_sft", ["--device-batch-size", "-2"], "argument --device-batch-size: -2 is out of range: must be an integer >= 1"),
     ("chat_sft", ["--num-epochs", "0"], "argument --num-epochs: 0 is out of range: must be a number > 0"),
