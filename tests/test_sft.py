@@ -212,7 +212,7 @@ def test_lr_multiplier():
 ROOT = Path(__file__).resolve().parents[1]
 # a small base model, trained briefly: SFT has format and arithmetic to teach it, in a minute of CPU
 E2E_BASE = ["--depth", "4", "--aspect-ratio", "32", "--head-dim", "32", "--max-seq-len", "256", "--device-batch-size", "16",
-            "--total-batch-size", "4096", "--num-iterations", "20", "--eval-every", "0", "--sample-every", "0"]
+            "--total-batch-size", "4096", "--num-iterations", "50", "--eval-every", "0", "--sample-every", "0"]
 E2E_SFT = ["--source", "base", "--levels", "1", "--num-examples", "1000", "--num-iterations", "60", "--init-lr-frac", "1.0",
            "--device-batch-size", "16", "--eval-every", "1000", "--eval-tokens", "4096"]
 
