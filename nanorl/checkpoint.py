@@ -43,8 +43,14 @@ def _torch_bytes(obj):
 
 def _safetensors_bytes(state):
     from safetensors.torch import save
-    # safetensors wants contiguous tensors of their own (no views into a shared storage)
-    return save({k: v.detach().contiguous().cpu() for k, v in state.items()})
+    # safetensors wants contiguous tensors of their own: a second name for one storage (tied weights) gets a copy
+    tensors, storages = {}, set()
+    for k, v in state.items():
+        v = v.detach().cpu().contiguous()
+        ptr = v.untyped_storage().data_ptr()
+        tensors[k] = v.clone() if ptr in storages else v
+        storages.add(ptr)
+    return save(tensors)
 
 
 def model_path(checkpoint_dir, step):

@@ -62,6 +62,13 @@ def test_atomic_keep_last_and_corruption(tmp_path):
     assert ms["w"][0] == 2 and os_ == {"o": 2} and meta == {"step": 2} and extra == {"e": 2}
 
 
+def test_tied_weights_save(tmp_path):
+    w = torch.randn(4, 3)
+    save_checkpoint(str(tmp_path), 1, {"wte": w, "lm_head": w, "row": w[1]}, meta={})  # one storage, three names
+    ms = load_checkpoint(str(tmp_path))[0]
+    assert torch.equal(ms["wte"], w) and torch.equal(ms["lm_head"], w) and torch.equal(ms["row"], w[1])
+
+
 def test_old_pt_checkpoints_still_load(tmp_path):
     model = tiny_model(1)
     torch.save(model.state_dict(), tmp_path / "model_000003.pt")  # the layout of earlier versions
