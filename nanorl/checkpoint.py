@@ -1,14 +1,17 @@
 """
 Checkpoints: model, optimizer, data/RNG state and metadata, written atomically.
 
-Layout: <checkpoint_dir>/model_<step>.pt, meta_<step>.json, optim_<step>_rank<r>.pt, extra_<step>_rank<r>.pt.
-Every file is written to a temp name, fsynced, then renamed, and meta_<step>.json is written last: a step
-with no meta file is incomplete and is never picked as "latest", so a crash mid-save leaves the previous
-checkpoint usable.
+Layout: <checkpoint_dir>/model_<step>.safetensors (the weights: loading them runs no code), meta_<step>.json,
+optim_<step>_rank<r>.pt and extra_<step>_rank<r>.pt (tensors and plain Python values only, read with
+torch.load(weights_only=True)). Every file is written to a temp name, fsynced, then renamed, and
+meta_<step>.json is written last: a step with no meta file is incomplete and is never picked as "latest", so
+a crash mid-save leaves the previous checkpoint usable. Checkpoints of older versions (model_<step>.pt) still load.
 """
 import glob
+import io
 import json
 import os
+import pickle
 import re
 import shutil
 
@@ -19,30 +22,56 @@ from nanorl.gpt import GPTConfig
 from nanorl.gpt import build_model as build_gpt
 
 
-def _atomic_save(obj, path):
+def _atomic_write(data, path):
     tmp = path + ".tmp"
     with open(tmp, "wb") as f:
-        torch.save(obj, f)
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
 def _atomic_json(obj, path):
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, default=str)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    _atomic_write(json.dumps(obj, indent=2, default=str).encode(), path)
+
+
+def _torch_bytes(obj):
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _safetensors_bytes(state):
+    from safetensors.torch import save
+    # safetensors wants contiguous tensors of their own: a second name for one storage (tied weights) gets a copy
+    tensors, storages = {}, set()
+    for k, v in state.items():
+        v = v.detach().cpu().contiguous()
+        ptr = v.untyped_storage().data_ptr()
+        tensors[k] = v.clone() if ptr in storages else v
+        storages.add(ptr)
+    return save(tensors)
+
+
+def model_path(checkpoint_dir, step):
+    """The weights file of a step: safetensors, or a model_<step>.pt of an older checkpoint; None if neither exists."""
+    for name in (f"model_{step:06d}.safetensors", f"model_{step:06d}.pt"):
+        path = os.path.join(checkpoint_dir, name)
+        if os.path.exists(path):
+            return path
+    return None
+
+
+def _steps_with_files(checkpoint_dir):
+    names = os.listdir(checkpoint_dir) if os.path.isdir(checkpoint_dir) else []
+    return {int(m.group(1)) for n in names if (m := re.match(r"(?:model|meta|optim|extra|dcp)_(\d+)", n))}
 
 
 def complete_steps(checkpoint_dir):
     steps = []
     for p in glob.glob(os.path.join(checkpoint_dir, "meta_*.json")):
         m = re.match(r"meta_(\d+)\.json$", os.path.basename(p))
-        model = os.path.join(checkpoint_dir, f"model_{int(m.group(1)):06d}.pt") if m else ""
-        if m and (os.path.exists(model) or os.path.isdir(os.path.join(checkpoint_dir, f"dcp_{int(m.group(1)):06d}"))):  # dcp: --fsdp shards
+        if m and (model_path(checkpoint_dir, int(m.group(1))) or os.path.isdir(os.path.join(checkpoint_dir, f"dcp_{int(m.group(1)):06d}"))):  # dcp: --fsdp shards
             steps.append(int(m.group(1)))
     return sorted(steps)
 
@@ -54,20 +83,25 @@ def find_last_step(checkpoint_dir):
 
 def save_checkpoint(checkpoint_dir, step, model_state, optim_state=None, meta=None, extra=None, rank=0, keep_last=None, group=None):
     """Rank 0 writes the model and meta; every rank writes its own optimizer shard and extra state.
+    extra must hold only tensors and plain Python values (dict, list, tuple, str, int, float, bool, None).
     group: the process group of the ranks that save (default all; async RL's training ranks)."""
     os.makedirs(checkpoint_dir, exist_ok=True)
     if optim_state is not None:
-        _atomic_save(optim_state, os.path.join(checkpoint_dir, f"optim_{step:06d}_rank{rank}.pt"))
+        _atomic_write(_torch_bytes(optim_state), os.path.join(checkpoint_dir, f"optim_{step:06d}_rank{rank}.pt"))
     if extra is not None:
-        _atomic_save(extra, os.path.join(checkpoint_dir, f"extra_{step:06d}_rank{rank}.pt"))
+        _atomic_write(_torch_bytes(extra), os.path.join(checkpoint_dir, f"extra_{step:06d}_rank{rank}.pt"))
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier(group=group)  # every rank's files exist before the step is marked complete
     if rank == 0:
         if model_state is not None:  # None: the model was saved as shards (nanorl.fsdp.save_sharded)
-            _atomic_save(model_state, os.path.join(checkpoint_dir, f"model_{step:06d}.pt"))
+            _atomic_write(_safetensors_bytes(model_state), os.path.join(checkpoint_dir, f"model_{step:06d}.safetensors"))
         _atomic_json(meta or {}, os.path.join(checkpoint_dir, f"meta_{step:06d}.json"))  # last: marks it complete
+        complete = complete_steps(checkpoint_dir)
+        # earlier steps with files but no meta: a kill during a save or a deletion left them behind
+        for old in sorted(s for s in _steps_with_files(checkpoint_dir) - set(complete) if s < step):
+            delete_step(checkpoint_dir, old)
         if keep_last:
-            for old in complete_steps(checkpoint_dir)[:-keep_last]:
+            for old in complete[:-keep_last]:
                 delete_step(checkpoint_dir, old)
         print0(f"saved checkpoint step {step} to {checkpoint_dir}")
 
@@ -85,14 +119,21 @@ def _load(path, device):
     if not os.path.exists(path):
         raise FileNotFoundError(f"checkpoint file {path} is missing")
     try:
-        return torch.load(path, map_location=device, weights_only=False)
+        if path.endswith(".safetensors"):
+            from safetensors.torch import load_file
+            return load_file(path, device=str(device))
+        return torch.load(path, map_location=device, weights_only=True)
     except Exception as e:
-        raise RuntimeError(f"checkpoint file {path} is corrupt or truncated ({type(e).__name__}: {e}); "
+        unsafe = isinstance(e, pickle.UnpicklingError) and "weights_only" in str(e)
+        what = "holds Python objects other than tensors and plain values" if unsafe else "is corrupt or truncated"
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise RuntimeError(f"checkpoint file {path} {what} ({type(e).__name__}: {first_line[:200]}); "
                            f"delete that step to fall back to the previous one") from e
 
 
 def load_checkpoint(checkpoint_dir, step=None, device="cpu", load_optimizer=False, rank=0):
-    """(model_state, optim_state, meta, extra) of `step` (default: the latest complete one)."""
+    """(model_state, optim_state, meta, extra) of `step` (default: the latest complete one).
+    load_optimizer=True (resuming) also needs this rank's optimizer and extra-state files."""
     if step is None:
         step = find_last_step(checkpoint_dir)
         if step is None:
@@ -102,28 +143,53 @@ def load_checkpoint(checkpoint_dir, step=None, device="cpu", load_optimizer=Fals
         with open(meta_path) as f:
             meta = json.load(f)
     except FileNotFoundError:
-        raise FileNotFoundError(f"checkpoint step {step} is incomplete or missing in {checkpoint_dir} (no {meta_path})")
+        raise FileNotFoundError(f"checkpoint step {step} is incomplete or missing in {checkpoint_dir} (no {meta_path})") from None
     except json.JSONDecodeError as e:
         raise RuntimeError(f"checkpoint metadata {meta_path} is corrupt: {e}") from e
-    if meta.get("sharded") and not os.path.exists(os.path.join(checkpoint_dir, f"model_{step:06d}.pt")):
+    weights = model_path(checkpoint_dir, step)
+    if meta.get("sharded") and weights is None:
         raise FileNotFoundError(f"step {step} of {checkpoint_dir} is sharded (saved with --fsdp): run "
                                 f"`python -m nanorl.fsdp consolidate {checkpoint_dir} --step {step}` first, or resume with --fsdp")
-    model_state = _load(os.path.join(checkpoint_dir, f"model_{step:06d}.pt"), device)
+    model_state = _load(weights or os.path.join(checkpoint_dir, f"model_{step:06d}.safetensors"), device)
     optim_state = _load(os.path.join(checkpoint_dir, f"optim_{step:06d}_rank{rank}.pt"), device) if load_optimizer else None
     extra_path = os.path.join(checkpoint_dir, f"extra_{step:06d}_rank{rank}.pt")
+    if load_optimizer and not os.path.exists(extra_path):
+        raise FileNotFoundError(f"checkpoint file {extra_path} is missing: step {step} has no data/RNG state to resume from")
     extra = _load(extra_path, "cpu") if os.path.exists(extra_path) else None
     return model_state, optim_state, meta, extra
+
+
+def load_weights(model, state, path):
+    """load_state_dict, but a checkpoint that does not fit the model is one line naming the file and the keys."""
+    # checkpoints written from torch.compile'd models carry an _orig_mod. prefix
+    state = {k.removeprefix("_orig_mod."): v for k, v in state.items()}
+    expected = model.state_dict()
+    missing, unexpected = sorted(expected.keys() - state.keys()), sorted(state.keys() - expected.keys())
+    shapes = [f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}" for k, v in expected.items() if k in state and state[k].shape != v.shape]
+
+    def few(names):
+        return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    problems = [f"missing keys {few(missing)}" if missing else "", f"unexpected keys {few(unexpected)}" if unexpected else "",
+                f"wrong shapes {few(shapes)} (checkpoint vs model)" if shapes else ""]
+    if any(problems):
+        raise ValueError(f"checkpoint file {path} does not fit the model: " + "; ".join(p for p in problems if p))
+    model.load_state_dict(state, strict=True)
 
 
 def build_model(checkpoint_dir, step=None, device="cpu", phase="eval"):
     """Rebuild the GPT from a checkpoint's metadata and weights, plus the tokenizer. -> (model, tokenizer, meta)"""
     from nanorl.tokenizer import get_tokenizer
+    step = find_last_step(checkpoint_dir) if step is None else step
     model_state, _, meta, _ = load_checkpoint(checkpoint_dir, step, device=device)
-    config = GPTConfig(**meta["model_config"])
+    meta_path = os.path.join(checkpoint_dir, f"meta_{step:06d}.json")
+    if not isinstance(meta.get("model_config"), dict):
+        raise ValueError(f"checkpoint metadata {meta_path} has no model_config: it cannot say which model to build")
+    try:
+        config = GPTConfig(**meta["model_config"])
+    except TypeError as e:
+        raise ValueError(f"checkpoint metadata {meta_path} has a model_config this version cannot read ({e})") from None
     model = build_gpt(config, device)
-    # checkpoints written from torch.compile'd models carry an _orig_mod. prefix
-    model_state = {k.removeprefix("_orig_mod."): v for k, v in model_state.items()}
-    model.load_state_dict(model_state, strict=True)
+    load_weights(model, model_state, model_path(checkpoint_dir, step))
     model.train() if phase == "train" else model.eval()
     if meta.get("tokenizer_dir"):  # trained from an open model: its own tokenizer, whose embedding may have spare rows
         from nanorl.tokenizer import HFTokenizer

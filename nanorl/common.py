@@ -1,13 +1,63 @@
 """
-Small shared utilities: distributed init, device and dtype, printing, paths, logging.
+Small shared utilities: flag parsing, distributed init, device and dtype, printing, paths, logging, ETA.
 """
+import argparse
 import datetime
+import math
+import numbers
 import os
 import time
+from collections import deque
 from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
+
+
+# -----------------------------------------------------------------------------------------------
+# flags: every default shown in --help, every number checked when it is parsed, errors on one line
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: X)" to every flag's help, unless the help already says what its default is."""
+    def _get_help_string(self, action):
+        return action.help if "default" in (action.help or "") else super()._get_help_string(action)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with every default in --help, and a bad flag answered with one line (no usage dump), exit 2."""
+    def __init__(self, **kwargs):
+        super().__init__(formatter_class=HelpFormatter, **kwargs)
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def number_in(kind, lo=None, hi=None, lo_open=False):
+    """An argparse `type=`: parses an int or float and keeps it within [lo, hi] ((lo, hi] with lo_open), else
+    argparse names the flag with the allowed range. NaN and infinities never pass."""
+    what = "an integer" if kind is int else "a number"
+    allowed = " and ".join(c for c in ((f"> {lo}" if lo_open else f">= {lo}") if lo is not None else "",
+                                       f"<= {hi}" if hi is not None else "") if c)
+
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not math.isfinite(value) or (lo is not None and (value <= lo if lo_open else value < lo)) \
+                or (hi is not None and value > hi):
+            raise argparse.ArgumentTypeError(f"{text} is out of range: must be {what} {allowed}")
+        return value
+    parse.__name__ = f"{kind.__name__} {allowed}"  # argparse's fallback message uses the name
+    return parse
+
+
+positive_int = number_in(int, 1)
+nonneg_int = number_in(int, 0)
+positive_float = number_in(float, 0, lo_open=True)
+nonneg_float = number_in(float, 0)
+fraction = number_in(float, 0, 1)  # a share of something, 0..1
+int_or_off = number_in(int, -1)  # intervals and limits where -1 (or 0) means "off" / "all"
 
 
 def print0(*args, **kwargs):
@@ -169,29 +219,96 @@ def get_peak_bandwidth(device_name):
     return None
 
 
-class DummyLogger:
-    """Stands in for a wandb run when wandb is off (--run dummy), so scripts call .log() unconditionally."""
-    def log(self, *args, **kwargs):
-        pass
+def add_logging_args(parser):
+    parser.add_argument("--run", default="dummy", help="wandb run name ('dummy' = no wandb)")
+    parser.add_argument("--tensorboard", default=None, metavar="DIR", help="also write TensorBoard event files to DIR")
+
+
+def wandb_has_credentials():
+    """An API key in the environment or in ~/.netrc (where `wandb login` puts it), or a mode that needs none."""
+    import netrc
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_MODE"):
+        return True
+    try:
+        path = os.environ.get("NETRC") or os.path.expanduser("~/.netrc")
+        return netrc.netrc(path).authenticators("api.wandb.ai") is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+class Logger:
+    """Sends each dict of metrics to wandb and/or TensorBoard; with neither it does nothing, so scripts log unconditionally.
+    The x-axis is `step=` when given, else the dict's own "step", else a running count."""
+    def __init__(self, wandb_run=None, tb_writer=None):
+        self.wandb_run, self.tb_writer, self.count = wandb_run, tb_writer, 0
+
+    def log(self, metrics, step=None):
+        step = step if step is not None else metrics.get("step", self.count)
+        self.count += 1
+        if self.wandb_run is not None:
+            self.wandb_run.log(metrics, step=step)
+        if self.tb_writer is not None:
+            for k, v in metrics.items():
+                if k != "step" and isinstance(v, numbers.Real) and not isinstance(v, bool):  # numpy scalars too; text is wandb's
+                    self.tb_writer.add_scalar(k, v, global_step=step)
 
     def finish(self):
-        pass
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+        if self.tb_writer is not None:
+            self.tb_writer.close()
 
 
-def get_logger(run_name, project="nanorl", config=None, master_process=True):
-    # wandb is an optional heavy import: only touched when a real run name is given
-    if run_name == "dummy" or not master_process:
-        return DummyLogger()
-    try:
-        import wandb
-    except ImportError as e:
-        raise RuntimeError(f"--run {run_name!r} asks for wandb logging but wandb is not installed; use --run dummy") from e
-    return wandb.init(project=project, name=run_name, config=config)
+def get_logger(run_name, project="nanorl", config=None, master_process=True, tensorboard_dir=None):
+    """Call it before building the model: a missing wandb key then stops the run at once, on one line.
+    wandb and tensorboard are optional heavy imports, only touched when asked for."""
+    if not master_process:
+        return Logger()
+    wandb_run = tb_writer = None
+    if run_name != "dummy":
+        if not wandb_has_credentials():
+            raise SystemExit(f"--run {run_name!r} logs to wandb but no wandb API key is set (WANDB_API_KEY or `wandb login`): "
+                             f"set WANDB_MODE=offline to log locally, or use --run dummy")
+        try:
+            import wandb
+        except ImportError:
+            raise SystemExit(f"--run {run_name!r} asks for wandb logging but wandb is not installed; use --run dummy") from None
+        wandb_run = wandb.init(project=project, name=run_name, config=config)
+    if tensorboard_dir:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise SystemExit(f"--tensorboard {tensorboard_dir}: the tensorboard package is not installed (pip install tensorboard)") from None
+        tb_writer = SummaryWriter(log_dir=tensorboard_dir)
+    return Logger(wandb_run, tb_writer)
 
 
 def eta_min(elapsed_s, progress):
     """Minutes left, if the rest goes at the pace so far (progress: the fraction done, 0..1)."""
     return elapsed_s * (1 - progress) / progress / 60 if progress > 0 else float("nan")
+
+
+class ETA:
+    """Time left from the pace of the last `window` steps: one slow step does not swing it, a lasting change of
+    pace shows within a window. Steps may advance progress (0..1) unevenly, as SFT's epochs of packed rows do."""
+    def __init__(self, progress=0.0, window=20):
+        self.progress, self.recent = progress, deque(maxlen=window)  # (seconds, progress gained) per step
+
+    def step(self, seconds, progress, timed=True):
+        """Record a step that took `seconds` and left the run at `progress`; timed=False for warm-up steps
+        (compilation), which move progress but would skew the pace."""
+        if timed:
+            self.recent.append((seconds, progress - self.progress))
+        self.progress = progress
+
+    def minutes(self):
+        """None until a step has been timed."""
+        seconds, gained = sum(s for s, _ in self.recent), sum(g for _, g in self.recent)
+        return seconds / gained * (1 - self.progress) / 60 if gained > 0 else None
+
+    def __str__(self):
+        m = self.minutes()
+        return "?" if m is None else f"{m:.1f}m"
 
 
 class Timer:

@@ -106,11 +106,11 @@ def load_sharded(checkpoint_dir, step, model, optimizer, rank=0):
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     extra = os.path.join(checkpoint_dir, f"extra_{step:06d}_rank{rank}.pt")
-    return torch.load(extra, weights_only=False) if os.path.exists(extra) else None
+    return torch.load(extra, weights_only=True) if os.path.exists(extra) else None
 
 
 def consolidate(checkpoint_dir, step=None):
-    """Write the single-file model (model_<step>.pt) of a sharded step, in one process, no GPU needed."""
+    """Write the single-file model (model_<step>.safetensors) of a sharded step, in one process, no GPU needed."""
     from nanorl.checkpoint import find_last_step, save_checkpoint
     from nanorl.gpt import GPTConfig, build_model
     step = find_last_step(checkpoint_dir) if step is None else step
@@ -134,4 +134,4 @@ if __name__ == "__main__":
     parser.add_argument("--step", type=int, default=None, help="default: the latest complete step")
     a = parser.parse_args()
     s = consolidate(a.checkpoint_dir, a.step)
-    print(f"wrote {os.path.join(a.checkpoint_dir, f'model_{s:06d}.pt')}")
+    print(f"wrote {os.path.join(a.checkpoint_dir, f'model_{s:06d}.safetensors')}")

@@ -7,12 +7,11 @@ metric (22 in-context tasks of the DCLM eval bundle; see nanorl/core_eval.py).
     python -m scripts.base_eval --max-per-task 100 --bundle-dir /data/eval_bundle
     torchrun --standalone --nproc_per_node=8 -m scripts.base_eval -- --model-tag d20
 """
-import argparse
 import sys
 import time
 
 from nanorl.checkpoint import load_model
-from nanorl.common import autocast_ctx, compute_cleanup, compute_init, print0
+from nanorl.common import ArgumentParser, autocast_ctx, compute_cleanup, compute_init, int_or_off, nonneg_int, positive_int, print0
 from nanorl.core_eval import EVAL_BUNDLE_URL, evaluate_core, get_bundle, load_tasks
 from nanorl.dataloader import PretrainLoader
 from nanorl.dataset import describe_source
@@ -22,28 +21,26 @@ from nanorl.report import log_section, record_metrics
 from nanorl.tokenizer import get_token_bytes
 
 # fmt: off
-parser = argparse.ArgumentParser(description="Evaluate a base model: bpb, samples, CORE")
+parser = ArgumentParser(description="Evaluate a base model: bpb, samples, CORE")
 parser.add_argument("--eval", default="core,bpb,sample", help="comma-separated: core, bpb, sample")
 parser.add_argument("--model-tag", default=None, help="base checkpoint tag (default: the newest)")
-parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the last)")
-parser.add_argument("--device-batch-size", type=int, default=32, help="rows per bpb forward")
-parser.add_argument("--split-tokens", type=int, default=20 * 524288, help="tokens of each split for bpb")
+parser.add_argument("--model-step", "--step", type=nonneg_int, default=None, help="checkpoint step (default: the last)")
+parser.add_argument("--device-batch-size", type=positive_int, default=32, help="rows per bpb forward")
+parser.add_argument("--split-tokens", type=positive_int, default=20 * 524288, help="tokens of each split for bpb")
 parser.add_argument("--data-dir", default=None, help="text for bpb (default: what the checkpoint was trained on)")
-parser.add_argument("--max-per-task", type=int, default=-1, help="examples per CORE task (-1 = all)")
+parser.add_argument("--max-per-task", type=int_or_off, default=-1, help="examples per CORE task (0 or -1 = all)")
 parser.add_argument("--bundle-dir", default=None, help="an unzipped eval_bundle (default: <base>/eval_bundle, downloaded once)")
 parser.add_argument("--bundle-url", default=EVAL_BUNDLE_URL, help="where eval_bundle.zip is downloaded from")
-parser.add_argument("--device-type", default=None)
+parser.add_argument("--device-type", default=None, choices=["cuda", "cpu", "mps"], help="default: autodetect")
 args = parser.parse_args(sys.argv[1:] if sys.argv[1:2] != ["--"] else sys.argv[2:])
 # fmt: on
 modes = {m.strip() for m in args.eval.split(",") if m.strip()}
 if not modes or modes - {"core", "bpb", "sample"}:
     parser.error(f"--eval {args.eval!r}: pick from core, bpb, sample")
-if args.device_batch_size < 1 or args.split_tokens < 1:
-    parser.error("--device-batch-size and --split-tokens must be >= 1")
 
 ddp, rank, local_rank, world_size, device = compute_init(args.device_type)
 master = rank == 0
-model, tokenizer, meta = load_model("base", device, phase="eval", model_tag=args.model_tag, step=args.step)
+model, tokenizer, meta = load_model("base", device, phase="eval", model_tag=args.model_tag, step=args.model_step)
 seq_len = meta["model_config"]["sequence_len"]
 autocast = autocast_ctx(device.type)
 name = f"{meta['model_tag']} step {meta.get('step')}"

@@ -4,7 +4,6 @@ Pretrain the base model. --depth is the one dial: width, heads, LRs and the toke
     python -m scripts.base_train --depth 4 --max-seq-len 256 --device-batch-size 8 --total-batch-size 4096 --num-iterations 200
     torchrun --standalone --nproc_per_node=8 -m scripts.base_train -- --depth 20
 """
-import argparse
 import json
 import math
 import os
@@ -15,8 +14,10 @@ from contextlib import nullcontext
 
 import torch
 
-from nanorl.checkpoint import delete_step, find_last_step, load_checkpoint, save_checkpoint
-from nanorl.common import autocast_ctx, compute_cleanup, compute_init, get_base_dir, get_logger, get_peak_flops, print0, synchronize
+from nanorl.checkpoint import delete_step, find_last_step, load_checkpoint, load_weights, model_path, save_checkpoint
+from nanorl.common import (ETA, ArgumentParser, add_logging_args, autocast_ctx, compute_cleanup, compute_init, fraction, get_base_dir,
+                           get_logger, get_peak_flops, int_or_off, nonneg_float, nonneg_int, positive_float, positive_int, print0,
+                           synchronize)
 from nanorl.dataloader import PretrainLoader
 from nanorl.dataset import describe_source
 from nanorl.fsdp import load_sharded, local_bytes, save_sharded, shard_model
@@ -27,41 +28,45 @@ from nanorl.report import log_json, log_section, record_metrics
 from nanorl.tokenizer import get_token_bytes, get_tokenizer
 
 # fmt: off
-parser = argparse.ArgumentParser(description="Pretrain a base model")
-parser.add_argument("--depth", type=int, default=20, help="number of layers; width = depth x aspect ratio")
-parser.add_argument("--aspect-ratio", type=int, default=64)
-parser.add_argument("--head-dim", type=int, default=128)
-parser.add_argument("--n-kv-head", type=int, default=None, help="key/value heads (GQA); default = number of heads")
-parser.add_argument("--max-seq-len", type=int, default=2048)
-parser.add_argument("--device-batch-size", type=int, default=32, help="rows per forward/backward on one device")
-parser.add_argument("--total-batch-size", type=int, default=524288, help="tokens per optimizer step, all ranks")
-parser.add_argument("--num-iterations", type=int, default=-1, help="explicit number of steps (overrides the ratio)")
-parser.add_argument("--target-param-data-ratio", type=float, default=20, help="tokens : params (Chinchilla = 20)")
-parser.add_argument("--matrix-lr", type=float, default=0.02)
-parser.add_argument("--embedding-lr", type=float, default=0.2)
-parser.add_argument("--unembedding-lr", type=float, default=0.004)
-parser.add_argument("--weight-decay", type=float, default=0.0)
-parser.add_argument("--warmup-ratio", type=float, default=0.0)
-parser.add_argument("--warmdown-ratio", type=float, default=0.2)
-parser.add_argument("--final-lr-frac", type=float, default=0.0)
-parser.add_argument("--grad-clip", type=float, default=1.0, help="0 = off")
-parser.add_argument("--eval-every", type=int, default=250)
-parser.add_argument("--eval-tokens", type=int, default=10 * 524288)
-parser.add_argument("--sample-every", type=int, default=2000)
-parser.add_argument("--save-every", type=int, default=-1, help="-1 = only at the end")
-parser.add_argument("--keep-last", type=int, default=2)
+parser = ArgumentParser(description="Pretrain a base model")
+parser.add_argument("--depth", type=positive_int, default=20, help="number of layers; width = depth x aspect ratio")
+parser.add_argument("--aspect-ratio", type=positive_int, default=64, help="model width per layer of depth")
+parser.add_argument("--head-dim", type=positive_int, default=128, help="width of one attention head")
+parser.add_argument("--n-kv-head", type=positive_int, default=None, help="key/value heads (GQA); default = number of heads")
+parser.add_argument("--max-seq-len", type=positive_int, default=2048, help="context length: tokens per row")
+parser.add_argument("--device-batch-size", type=positive_int, default=32, help="rows per forward/backward on one device")
+parser.add_argument("--total-batch-size", type=positive_int, default=524288, help="tokens per optimizer step, all ranks")
+parser.add_argument("--num-iterations", type=int_or_off, default=-1, help="explicit number of steps (-1: from --target-param-data-ratio)")
+parser.add_argument("--target-param-data-ratio", type=positive_float, default=20, help="tokens : params (Chinchilla = 20)")
+parser.add_argument("--matrix-lr", type=nonneg_float, default=0.02, help="Muon LR of the transformer's matrices")
+parser.add_argument("--embedding-lr", type=nonneg_float, default=0.2, help="AdamW LR of the token embedding")
+parser.add_argument("--unembedding-lr", type=nonneg_float, default=0.004, help="AdamW LR of the output head")
+parser.add_argument("--weight-decay", type=nonneg_float, default=0.0, help="AdamW weight decay")
+parser.add_argument("--warmup-ratio", type=fraction, default=0.0, help="fraction of steps of linear LR warmup")
+parser.add_argument("--warmdown-ratio", type=fraction, default=0.2, help="fraction of steps of linear LR decay at the end")
+parser.add_argument("--final-lr-frac", type=fraction, default=0.0, help="LR multiplier reached at the last step")
+parser.add_argument("--grad-clip", type=nonneg_float, default=1.0, help="max gradient norm (0 = off)")
+parser.add_argument("--eval-every", "--eval-interval", type=int_or_off, default=250, help="val bpb every N steps (0 or -1 = off)")
+parser.add_argument("--eval-tokens", type=positive_int, default=10 * 524288, help="tokens of val text per eval")
+parser.add_argument("--sample-every", type=int_or_off, default=2000, help="print greedy samples every N steps (0 or -1 = off)")
+parser.add_argument("--save-every", "--save-interval", type=int_or_off, default=-1, help="checkpoint every N steps (0 or -1 = only at the end)")
+parser.add_argument("--keep-last", type=positive_int, default=2, help="keep only the newest N checkpoints")
 parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint of this model tag")
-parser.add_argument("--model-tag", default=None, help="default d<depth>")
-parser.add_argument("--data-dir", default=None)
-parser.add_argument("--no-compile", action="store_true")
-parser.add_argument("--device-type", default=None)
-parser.add_argument("--run", default="dummy", help="wandb run name ('dummy' = off)")
-parser.add_argument("--seed", type=int, default=42)
+parser.add_argument("--model-tag", default=None, help="checkpoint subdirectory (default: d<depth>)")
+parser.add_argument("--data-dir", default=None, help="directory of parquet/jsonl/txt files (default: downloaded shards, else synthetic)")
+parser.add_argument("--no-compile", action="store_true", help="skip torch.compile on CUDA")
+parser.add_argument("--device-type", default=None, choices=["cuda", "cpu", "mps"], help="default: autodetect")
+add_logging_args(parser)
+parser.add_argument("--seed", type=nonneg_int, default=42, help="seed of the weights' RNG")
 parser.add_argument("--fsdp", action="store_true", help="shard params, grads and optimizer state over the ranks (FSDP2; models too big to replicate)")
 parser.add_argument("--activation-checkpointing", action="store_true", help="with --fsdp: recompute block activations in backward")
 parser.add_argument("--cpu-offload", action="store_true", help="with --fsdp: keep the shards and optimizer state in CPU memory")
 args = parser.parse_args(sys.argv[1:] if sys.argv[1:2] != ["--"] else sys.argv[2:])
 # fmt: on
+try:  # the model's shape flags must agree with each other: check them before any work (the vocab size comes later)
+    config_from_depth(args.depth, 1, args.max_seq_len, args.aspect_ratio, args.head_dim, args.n_kv_head)
+except ValueError as e:
+    parser.error(str(e))
 
 if (args.activation_checkpointing or args.cpu_offload) and not args.fsdp:
     raise SystemExit("--activation-checkpointing and --cpu-offload only apply with --fsdp")
@@ -70,6 +75,8 @@ ddp, rank, local_rank, world_size, device = compute_init(args.device_type, seed=
 if args.fsdp and not ddp:
     raise SystemExit("--fsdp needs torchrun, also on one GPU: torchrun --standalone --nproc_per_node=1 -m scripts.base_train -- --fsdp ...")
 master = rank == 0
+# before the model: a wandb run that cannot log stops here, not after the model is built
+logger = get_logger(args.run, project="nanorl", config=vars(args), master_process=master, tensorboard_dir=args.tensorboard)
 tokenizer = get_tokenizer()
 token_bytes = get_token_bytes(tokenizer, device)
 config = config_from_depth(args.depth, tokenizer.vocab_size, args.max_seq_len, args.aspect_ratio, args.head_dim, args.n_kv_head)
@@ -101,7 +108,6 @@ if ddp_wrapped:  # DDP's reducer all-reduces gradient buckets while backward sti
     compiled = torch.nn.parallel.DistributedDataParallel(compiled, device_ids=[device] if device.type == "cuda" else None,
                                                          gradient_as_bucket_view=True)
 autocast = autocast_ctx(device.type)
-logger = get_logger(args.run, project="nanorl", config=vars(args), master_process=master)
 meta = {"model_config": config.to_dict(), "model_tag": model_tag, "train_args": vars(args), "world_size": world_size}
 if args.fsdp:
     print0(f"FSDP2 over {world_size} ranks: {local_bytes(model, optimizer) / 2**20:,.1f} MiB of parameters on this rank (before gradients and optimizer state)")
@@ -125,7 +131,7 @@ if args.resume:
         extra = load_sharded(ckpt_dir, last, model, optimizer, rank)
     else:
         model_state, optim_state, _, extra = load_checkpoint(ckpt_dir, last, device, load_optimizer=True, rank=rank)
-        model.load_state_dict(model_state)
+        load_weights(model, model_state, model_path(ckpt_dir, last))
         optimizer.load_state_dict(optim_state)
     train_loader.load_state_dict(extra["loader"])
     random.setstate(extra["py_rng"])
@@ -188,6 +194,7 @@ peak = get_peak_flops(torch.cuda.get_device_name(device)) if device.type == "cud
 model.train()
 losses, val_bpb, t_train, min_val = [], None, 0.0, float("inf")
 saved_step = None  # the step of the checkpoint this run wrote last
+eta = ETA(start_step / num_iterations)
 loader_state = train_loader.state_dict()  # the loader's position before the batch waiting in (x, y): what a checkpoint resumes from
 x, y = train_loader.next_batch()
 t_start = time.time()
@@ -245,12 +252,12 @@ for step in range(start_step, num_iterations + 1):
     dt = time.time() - t0
     if step > start_step + 2:
         t_train += dt  # the first steps include compilation
+    eta.step(dt, (step + 1) / num_iterations, timed=step > start_step + 2 or device.type != "cuda")  # GPU warm-up/compile steps skew the pace
     losses.append(loss_val)
     tok_s = args.total_batch_size / dt
     mfu = f" | mfu {100 * flops_per_token * tok_s / (peak * world_size):.1f}%" if peak else ""
-    eta = (num_iterations - step - 1) * dt
     print0(f"step {step + 1:05d}/{num_iterations} | loss {loss_val:.4f} | lrm {mult:.2f} | dt {dt * 1000:.0f}ms | "
-           f"tok/s {tok_s:,.0f}{mfu} | eta {eta / 60:.1f}m")
+           f"tok/s {tok_s:,.0f}{mfu} | eta {eta}")
     logger.log({"train/loss": loss_val, "train/lrm": mult, "train/tok_per_s": tok_s}, step=step + 1)
 
 log_section("Base model training", [{

@@ -6,13 +6,14 @@ that decays to zero. Only what the assistant writes is trained on.
     python -m scripts.chat_sft --source base                      # skip midtraining
     torchrun --nproc_per_node=8 -m scripts.chat_sft --data hub --identity-path identity.jsonl
 """
-import argparse
 import sys
 
-from nanorl.sft_data import add_train_args, levels, train
+from nanorl.common import ArgumentParser
+from nanorl.sft import add_train_args, train
+from nanorl.sft_data import levels
 from tasks import ARC, GSM8K, CustomJSON, OfflineChat, OfflineProblems, SmolTalk, SpellingBee, TaskMixture
 
-parser = argparse.ArgumentParser(description="Supervised fine-tuning on packed conversations")
+parser = ArgumentParser(description="Supervised fine-tuning on packed conversations")
 add_train_args(parser, "sft", source="mid", init_lr_frac=0.02, warmdown_ratio=1.0, num_epochs=1)
 args = parser.parse_args(sys.argv[1:] if sys.argv[1:2] != ["--"] else sys.argv[2:])  # torchrun ... -m script -- args
 

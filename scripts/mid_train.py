@@ -6,13 +6,14 @@ later be asked, on a mixture heavier on problems and tool use than SFT's.
     python -m scripts.mid_train --data hub --identity-path identity.jsonl
     torchrun --nproc_per_node=8 -m scripts.mid_train --data hub --device-batch-size 32
 """
-import argparse
 import sys
 
-from nanorl.sft_data import add_train_args, levels, train
+from nanorl.common import ArgumentParser
+from nanorl.sft import add_train_args, train
+from nanorl.sft_data import levels
 from tasks import GSM8K, MMLU, CustomJSON, OfflineChat, OfflineProblems, SmolTalk, SpellingBee, TaskMixture
 
-parser = argparse.ArgumentParser(description="Midtraining on packed conversations")
+parser = ArgumentParser(description="Midtraining on packed conversations")
 add_train_args(parser, "mid", source="base", init_lr_frac=1.0, warmdown_ratio=0.2, num_epochs=1)
 args = parser.parse_args(sys.argv[1:] if sys.argv[1:2] != ["--"] else sys.argv[2:])  # torchrun ... -m script -- args
 

@@ -4,17 +4,16 @@ encodings when tiktoken can load them (it downloads them once; offline, that is 
 
     python -m scripts.tok_eval
 """
-import argparse
 import itertools
 
-from nanorl.common import print0
+from nanorl.common import ArgumentParser, positive_int, print0
 from nanorl.dataset import iter_documents
 from nanorl.report import log_section
 from nanorl.tokenizer import get_tokenizer
 
-parser = argparse.ArgumentParser(description="Evaluate tokenizer compression")
+parser = ArgumentParser(description="Evaluate tokenizer compression")
 parser.add_argument("--data-dir", type=str, default=None, help="directory of parquet/jsonl/txt files (default: downloaded shards, else synthetic)")
-parser.add_argument("--num-docs", type=int, default=200, help="held-out documents to measure on")
+parser.add_argument("--num-docs", type=positive_int, default=200, help="held-out documents to measure on")
 args = parser.parse_args()
 
 code_text = '''def fib(n):

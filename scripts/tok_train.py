@@ -4,19 +4,18 @@ Train the BPE tokenizer.
     python -m scripts.tok_train                       # offline synthetic curriculum (or downloaded shards)
     python -m scripts.tok_train --data-dir DIR --max-chars 2000000000
 """
-import argparse
 import os
 import time
 
-from nanorl.common import get_base_dir, print0
+from nanorl.common import ArgumentParser, get_base_dir, positive_int, print0
 from nanorl.dataset import describe_source, iter_documents
 from nanorl.report import log_section
 from nanorl.tokenizer import Tokenizer
 
-parser = argparse.ArgumentParser(description="Train a BPE tokenizer")
-parser.add_argument("--vocab-size", type=int, default=32768, help="vocabulary size, special tokens included")
-parser.add_argument("--max-chars", type=int, default=2_000_000_000, help="stop after this many characters of text")
-parser.add_argument("--doc-cap", type=int, default=10_000, help="truncate each document to this many characters")
+parser = ArgumentParser(description="Train a BPE tokenizer")
+parser.add_argument("--vocab-size", type=positive_int, default=32768, help="vocabulary size, special tokens included")
+parser.add_argument("--max-chars", type=positive_int, default=2_000_000_000, help="stop after this many characters of text")
+parser.add_argument("--doc-cap", type=positive_int, default=10_000, help="truncate each document to this many characters")
 parser.add_argument("--data-dir", type=str, default=None, help="directory of parquet/jsonl/txt files (default: downloaded shards, else synthetic)")
 parser.add_argument("--out-dir", type=str, default=None, help="where to save (default: <base>/tokenizer)")
 args = parser.parse_args()

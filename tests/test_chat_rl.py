@@ -70,9 +70,8 @@ def run_rl(base_dir, *extra, nproc=1, check=True, env=None, rm=RM):
 
 
 def final_weights(base_dir, tag):
-    from nanorl.checkpoint import find_last_step
-    d = base_dir / "rl_checkpoints" / tag
-    return torch.load(d / f"model_{find_last_step(str(d)):06d}.pt")
+    from nanorl.checkpoint import load_checkpoint
+    return load_checkpoint(str(base_dir / "rl_checkpoints" / tag))[0]
 
 
 def test_first_step_is_exactly_on_policy(base_dir):
@@ -222,7 +221,7 @@ def test_failed_or_hung_rollout_saves_and_exits_nonzero(base_dir, mode, nproc):
     err = out.stdout + out.stderr
     assert f"rank {nproc - 1}: rollout 2 failed" in err and "in flight" in err and "'row':" in err, err[-3000:]
     assert ("RolloutTimeout" if mode == "hang" else "the sandbox crashed") in err
-    assert (base_dir / "rl_checkpoints" / f"fail_{mode}" / "model_000001.pt").exists()
+    assert (base_dir / "rl_checkpoints" / f"fail_{mode}" / "model_000001.safetensors").exists()
 
 
 def test_async_two_processes_trains_and_ships_weights_every_step(base_dir):
@@ -237,7 +236,7 @@ def test_async_two_processes_trains_and_ships_weights_every_step(base_dir):
         assert h["train/grad_norm"] > 0 and h["train/tis_mean"] > 0
     assert [h["rollout/max_staleness"] for h in steps] == [0, 1, 1]
     assert len(hist["eval"]) == 2 and set(hist["idle"]) == {"idle_frac_sampling_ranks", "idle_frac_training_ranks"}
-    assert (base_dir / "rl_checkpoints" / "async" / "model_000003.pt").exists()
+    assert (base_dir / "rl_checkpoints" / "async" / "model_000003.safetensors").exists()
 
 
 def test_tis_without_rollout_logprobs_fails_naming_both_flags(base_dir):

@@ -154,7 +154,7 @@ def test_base_train_fsdp_matches_ddp_resumes_and_consolidates(tmp_path, monkeypa
     # the same data on each rank, fp32: sharded and replicated training differ only in the order of gradient sums
     assert all(abs(fsdp[s] - ddp[s]) <= 2e-4 for s in ddp), (ddp, fsdp)
     ck = tmp_path / "base_checkpoints" / "fsdp"
-    assert (ck / "dcp_000002").is_dir() and not (ck / "model_000002.pt").exists()
+    assert (ck / "dcp_000002").is_dir() and not (ck / "model_000002.safetensors").exists()
     with pytest.raises(FileNotFoundError, match=r"is sharded \(saved with --fsdp\): run `python -m nanorl.fsdp consolidate "):
         load_checkpoint(str(ck), 2)
     # "kill" after step 2: drop step 4, resume on 2 ranks from the DCP shards, the following losses are identical
@@ -163,7 +163,7 @@ def test_base_train_fsdp_matches_ddp_resumes_and_consolidates(tmp_path, monkeypa
     assert "resumed from" in log and resumed == {3: fsdp[3], 4: fsdp[4]}
     # one file for chat_eval/chat_web/export, loaded by the ordinary loader
     out = subprocess.run([sys.executable, "-m", "nanorl.fsdp", "consolidate", str(ck)], cwd=ROOT, env=env, capture_output=True, text=True)
-    assert out.returncode == 0 and "model_000004.pt" in out.stdout, out.stderr[-2000:]
+    assert out.returncode == 0 and "model_000004.safetensors" in out.stdout, out.stderr[-2000:]
     model, _, meta = build_from_checkpoint(str(ck))
     assert meta["step"] == 4 and meta["consolidated"]
     ref = load_checkpoint(str(tmp_path / "base_checkpoints" / "ddp"), 4)[0]

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from nanorl.checkpoint import find_last_step, load_checkpoint, save_checkpoint
+from nanorl.checkpoint import find_last_step, load_checkpoint
 from nanorl.gpt import GPTConfig, build_model
 from nanorl.optim import build_optimizer, orthogonalize
 
@@ -111,22 +111,6 @@ def test_ddp_two_processes_equal_one(tmp_path):
         torch.testing.assert_close(ddp_state[k], v, atol=1e-5, rtol=1e-4)
 
 
-def test_checkpoint_atomic_and_corruption(tmp_path):
-    d = tmp_path / "ck"
-    for step in (1, 2, 3):
-        save_checkpoint(str(d), step, {"w": torch.full((2,), float(step))}, {"o": step}, {"step": step}, {"e": step}, keep_last=2)
-    assert find_last_step(str(d)) == 3 and not (d / "model_000001.pt").exists()
-    # an incomplete save (model written, no meta) is never "latest"
-    torch.save({"w": torch.zeros(2)}, d / "model_000004.pt")
-    assert find_last_step(str(d)) == 3
-    # a truncated model file: a clear error naming it, and the previous step still loads
-    (d / "model_000003.pt").write_bytes(b"garbage")
-    with pytest.raises(RuntimeError, match="model_000003.pt.*corrupt"):
-        load_checkpoint(str(d), 3)
-    ms, os_, meta, extra = load_checkpoint(str(d), 2, load_optimizer=True)
-    assert ms["w"][0] == 2 and os_ == {"o": 2} and meta == {"step": 2} and extra == {"e": 2}
-
-
 @pytest.fixture(scope="module")
 def base_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("nanorl")
@@ -153,8 +137,17 @@ def run_base_train(base_dir, *extra):
 
 
 def test_loss_drops_and_kill_resume_is_exact(base_dir):
-    losses, _ = run_base_train(base_dir, "--num-iterations", "40", "--save-every", "20", "--model-tag", "full")
+    tb = base_dir / "tb_full"
+    losses, log = run_base_train(base_dir, "--num-iterations", "40", "--save-every", "20", "--model-tag", "full", "--tensorboard", str(tb))
     assert losses[40] < 0.7 * losses[1]
+    # the TensorBoard event files hold the same per-step losses the log printed (to its 4 decimals)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(tb)).Reload().Scalars("train/loss")
+    assert [e.step for e in events] == list(range(1, 41))
+    assert all(abs(e.value - losses[e.step]) <= 5e-5 for e in events), [(e.step, e.value, losses[e.step]) for e in events]
+    # the ETA: a number from step 1 on (no "nan"), from the pace of recent steps
+    etas = re.findall(r"\| eta (\S+)", log)
+    assert len(etas) == 40 and all(re.fullmatch(r"\d+\.\dm", e) for e in etas) and etas[-1] == "0.0m", etas
     # "kill" the run after step 20 (drop the final checkpoint), then resume: steps 21..40 must match exactly
     ck = base_dir / "base_checkpoints" / "resumed"
     run_base_train(base_dir, "--num-iterations", "40", "--save-every", "20", "--model-tag", "resumed")
@@ -168,6 +161,16 @@ def test_loss_drops_and_kill_resume_is_exact(base_dir):
 def test_bad_batch_flags(base_dir):
     out = base_train(base_dir, "--device-batch-size", "3")
     assert out.returncode != 0 and "--total-batch-size 256 must be a multiple" in out.stderr
+
+
+def test_wandb_without_a_key_stops_before_the_model_is_built(base_dir, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("WANDB_API_KEY", "WANDB_MODE", "NETRC")}
+    env.update(NANORL_BASE_DIR=str(base_dir), OMP_NUM_THREADS="1", HOME=str(tmp_path))  # HOME: no ~/.netrc
+    out = subprocess.run([sys.executable, "-m", "scripts.base_train", *TINY, "--num-iterations", "2", "--run", "myrun"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1 and "model d2" not in out.stdout  # the model line comes after the build: never reached
+    assert out.stderr.splitlines() == ["--run 'myrun' logs to wandb but no wandb API key is set (WANDB_API_KEY or `wandb login`): "
+                                       "set WANDB_MODE=offline to log locally, or use --run dummy"]
 
 
 def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(base_dir):

@@ -1,8 +1,15 @@
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from nanorl.gpt import GPTConfig, build_model
-from nanorl.sft_data import SFTLoader, lr_multiplier, render_example
+from nanorl.sft import lr_multiplier
+from nanorl.sft_data import SFTLoader, render_example
 from nanorl.tokenizer import SPLIT_PATTERN, Tokenizer
 from tasks import OfflineChat, OfflineProblems, Task, TaskMixture
 
@@ -200,3 +207,36 @@ def test_lr_multiplier():
     assert lr_multiplier(0.9, 0.2) == pytest.approx(0.5) and lr_multiplier(1.0, 0.2) == 0.0
     assert lr_multiplier(0.25, 1.0) == pytest.approx(0.75)  # SFT: linear decay all along
     assert lr_multiplier(0.5, 0.0) == 1.0
+
+
+ROOT = Path(__file__).resolve().parents[1]
+# a small base model, trained briefly: SFT has format and arithmetic to teach it, in a minute of CPU
+E2E_BASE = ["--depth", "4", "--aspect-ratio", "32", "--head-dim", "32", "--max-seq-len", "256", "--device-batch-size", "16",
+            "--total-batch-size", "4096", "--num-iterations", "50", "--eval-every", "0", "--sample-every", "0"]
+E2E_SFT = ["--source", "base", "--levels", "1", "--num-examples", "1000", "--num-iterations", "60", "--init-lr-frac", "1.0",
+           "--device-batch-size", "16", "--eval-every", "1000", "--eval-tokens", "4096"]
+
+
+@pytest.mark.slow
+def test_sft_beats_the_base_model_on_held_out_offline_problems(tmp_path, monkeypatch):
+    """The whole point of SFT, on a CPU: tokenizer -> tiny base model -> SFT on the offline curriculum, then both
+    models answer the same 100 held-out level-1 problems (greedy, through the engine); SFT must be >= 0.2 better."""
+    env = {**os.environ, "NANORL_BASE_DIR": str(tmp_path), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+    for cmd in (["scripts.tok_train", "--vocab-size", "1024", "--max-chars", "300000"],
+                ["scripts.base_train", *E2E_BASE], ["scripts.chat_sft", *E2E_SFT]):
+        out = subprocess.run([sys.executable, "-m", *cmd], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+        assert out.returncode == 0, f"{cmd[0]} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    # SFT's progress line has an ETA from step 1 on (its progress moves unevenly: it is epochs of packed rows)
+    assert re.search(r"step     1 \| .* \| eta \d+\.\dm", out.stdout) and "eta nan" not in out.stdout, out.stdout[-2000:]
+    from nanorl.checkpoint import load_model
+    from nanorl.engine import Engine
+    from scripts.chat_eval import evaluate
+    monkeypatch.setenv("NANORL_BASE_DIR", str(tmp_path))
+    task = OfflineProblems("test", n=100, levels=(1,))
+    acc = {}
+    for source in ("base", "sft"):
+        model, tok, _ = load_model(source, "cpu")
+        sums, _ = evaluate(task, model, tok, Engine(model, tok, batch_size=100), list(range(len(task))), max_tokens=64, temperature=0.0)
+        acc[source] = sums["correct"] / sums["problems"]
+    print(f"held-out level-1 accuracy: base {acc['base']:.2f}, sft {acc['sft']:.2f}")
+    assert acc["sft"] >= acc["base"] + 0.2, acc

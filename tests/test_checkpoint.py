@@ -1,0 +1,119 @@
+import json
+import random
+
+import pytest
+import torch
+
+from nanorl.checkpoint import build_model, delete_step, find_last_step, load_checkpoint, load_weights, save_checkpoint
+from nanorl.gpt import GPTConfig
+from nanorl.gpt import build_model as build_gpt
+
+CFG = GPTConfig(sequence_len=16, vocab_size=40, n_layer=2, n_head=2, n_kv_head=1, n_embd=32)
+
+
+def tiny_model(seed=0):
+    torch.manual_seed(seed)
+    return build_gpt(CFG, "cpu")
+
+
+def test_weights_are_safetensors_and_state_loads_with_weights_only(tmp_path):
+    model = tiny_model()
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randint(0, 40, (2, 16)), targets=torch.randint(0, 40, (2, 16))).backward()
+    opt.step()
+    random.seed(7)
+    extra = {"loader": {"epoch": 1, "pool": [3, 4]}, "py_rng": random.getstate(), "torch_rng": torch.get_rng_state(), "cuda_rng": None}
+    save_checkpoint(str(tmp_path), 5, model.state_dict(), opt.state_dict(), {"model_config": CFG.to_dict(), "step": 5}, extra)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["extra_000005_rank0.pt", "meta_000005.json", "model_000005.safetensors",
+                                                         "optim_000005_rank0.pt"]
+    from safetensors.torch import load_file  # an independent reader: the weights file is plain safetensors
+    raw = load_file(str(tmp_path / "model_000005.safetensors"))
+    assert raw.keys() == model.state_dict().keys() and all(torch.equal(raw[k], v) for k, v in model.state_dict().items())
+    for name in ("optim_000005_rank0.pt", "extra_000005_rank0.pt"):
+        torch.load(tmp_path / name, weights_only=True)  # no arbitrary code to run
+    ms, optim_state, meta, got = load_checkpoint(str(tmp_path), load_optimizer=True)
+    restored = build_gpt(CFG, "cpu")
+    load_weights(restored, ms, "x")
+    assert all(torch.equal(a, b) for a, b in zip(restored.state_dict().values(), model.state_dict().values()))
+    opt2 = torch.optim.AdamW(restored.parameters())
+    opt2.load_state_dict(optim_state)
+    assert torch.equal(opt2.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+    random.seed(0)
+    random.setstate(got["py_rng"])  # python's RNG state survives the plain-types round trip
+    a = random.random()
+    random.seed(7)
+    assert a == random.random() and torch.equal(got["torch_rng"], extra["torch_rng"]) and got["loader"] == extra["loader"]
+    assert meta == {"model_config": CFG.to_dict(), "step": 5}
+
+
+def test_atomic_keep_last_and_corruption(tmp_path):
+    d = tmp_path / "ck"
+    for step in (1, 2, 3):
+        save_checkpoint(str(d), step, {"w": torch.full((2,), float(step))}, {"o": step}, {"step": step}, {"e": step}, keep_last=2)
+    assert find_last_step(str(d)) == 3 and not list(d.glob("*_000001*"))
+    # an incomplete save (weights written, no meta) is never "latest"
+    (d / "model_000004.safetensors").write_bytes((d / "model_000003.safetensors").read_bytes())
+    assert find_last_step(str(d)) == 3
+    # a truncated weights file: a clear error naming it, and the previous step still loads
+    (d / "model_000003.safetensors").write_bytes(b"garbage")
+    with pytest.raises(RuntimeError, match="model_000003.safetensors is corrupt"):
+        load_checkpoint(str(d), 3)
+    ms, os_, meta, extra = load_checkpoint(str(d), 2, load_optimizer=True)
+    assert ms["w"][0] == 2 and os_ == {"o": 2} and meta == {"step": 2} and extra == {"e": 2}
+
+
+def test_tied_weights_save(tmp_path):
+    w = torch.randn(4, 3)
+    save_checkpoint(str(tmp_path), 1, {"wte": w, "lm_head": w, "row": w[1]}, meta={})  # one storage, three names
+    ms = load_checkpoint(str(tmp_path))[0]
+    assert torch.equal(ms["wte"], w) and torch.equal(ms["lm_head"], w) and torch.equal(ms["row"], w[1])
+
+
+def test_old_pt_checkpoints_still_load(tmp_path):
+    model = tiny_model(1)
+    torch.save(model.state_dict(), tmp_path / "model_000003.pt")  # the layout of earlier versions
+    (tmp_path / "meta_000003.json").write_text(json.dumps({"model_config": CFG.to_dict()}))
+    assert find_last_step(str(tmp_path)) == 3
+    restored = build_gpt(CFG, "cpu")
+    load_weights(restored, load_checkpoint(str(tmp_path))[0], "x")
+    assert all(torch.equal(a, b) for a, b in zip(restored.state_dict().values(), model.state_dict().values()))
+
+
+def test_bad_checkpoints_get_one_line_naming_the_file(tmp_path):
+    model = tiny_model()
+    save_checkpoint(str(tmp_path), 1, model.state_dict(), {"o": 1}, {"step": 1})  # no extra state
+    with pytest.raises(FileNotFoundError, match=r"extra_000001_rank0.pt is missing: step 1 has no data/RNG state"):
+        load_checkpoint(str(tmp_path), 1, load_optimizer=True)
+    with pytest.raises(ValueError, match=r"meta_000001.json has no model_config"):
+        build_model(str(tmp_path), 1)
+    # the wrong keys and a wrong shape, named, on one line
+    state = dict(model.state_dict())
+    state["extra.weight"] = state.pop("lm_head.weight")
+    state["transformer.wte.weight"] = torch.zeros(3, 3)
+    with pytest.raises(ValueError) as e:
+        load_weights(tiny_model(), state, "ck/model_000001.safetensors")
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("checkpoint file ck/model_000001.safetensors does not fit the model")
+    assert "missing keys lm_head.weight" in msg and "unexpected keys extra.weight" in msg
+    assert "transformer.wte.weight (3, 3) vs (40, 32)" in msg
+    # extra state holding arbitrary Python objects is refused, not executed
+    torch.save({"config": CFG}, tmp_path / "extra_000001_rank0.pt")  # a dataclass: unpickling it would run code
+    with pytest.raises(RuntimeError, match="extra_000001_rank0.pt holds Python objects other than tensors"):
+        load_checkpoint(str(tmp_path), 1)
+
+
+def test_files_orphaned_by_a_kill_during_deletion_are_cleaned_at_the_next_save(tmp_path):
+    d = str(tmp_path)
+    for step in (1, 2):
+        save_checkpoint(d, step, {"w": torch.zeros(1)}, {"o": step}, {"step": step}, {"e": step})
+    # a kill during delete_step(1): its meta is gone (deleted first), its other files remain
+    (tmp_path / "meta_000001.json").unlink()
+    (tmp_path / "optim_000002_rank0.pt.tmp").write_bytes(b"half")  # and one write of step 2 that never finished
+    (tmp_path / "meta_000002.json").unlink()
+    (tmp_path / "model_000009.safetensors").write_bytes(b"x")  # a later incomplete step: will be overwritten, untouched
+    assert find_last_step(d) is None
+    save_checkpoint(d, 3, {"w": torch.ones(1)}, {"o": 3}, {"step": 3}, {"e": 3})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["extra_000003_rank0.pt", "meta_000003.json", "model_000003.safetensors",
+                                                         "model_000009.safetensors", "optim_000003_rank0.pt"]
+    delete_step(d, 9)
+    assert find_last_step(d) == 3

@@ -1,0 +1,157 @@
+import re
+
+import pytest
+
+from nanorl.common import ETA, ArgumentParser, Logger, fraction, get_logger, int_or_off, number_in, positive_float, positive_int
+
+
+def parse_error(parser, argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        parser.parse_args(argv)
+    err = capsys.readouterr().err
+    return e.value.code, err
+
+
+def test_number_flags_name_the_flag_and_the_range_on_one_line(capsys):
+    p = ArgumentParser(prog="prog")
+    p.add_argument("--batch", type=positive_int, default=4, help="rows")
+    p.add_argument("--temperature", type=positive_float, default=1.0, help="sampling temperature")
+    p.add_argument("--ratio", type=fraction, default=0.2, help="a share")
+    p.add_argument("--every", type=int_or_off, default=-1, help="interval")
+    p.add_argument("--port", type=number_in(int, 1, 65535), default=8000, help="TCP port")
+    assert vars(p.parse_args(["--batch", "3", "--temperature", "0.5", "--ratio", "1", "--every", "-1", "--port", "65535"])) == \
+        {"batch": 3, "temperature": 0.5, "ratio": 1.0, "every": -1, "port": 65535}
+    cases = [(["--batch", "0"], "argument --batch: 0 is out of range: must be an integer >= 1"),
+             (["--batch", "-4"], "argument --batch: -4 is out of range: must be an integer >= 1"),
+             (["--batch", "2.5"], "argument --batch: '2.5' is not an integer"),
+             (["--temperature", "0"], "argument --temperature: 0 is out of range: must be a number > 0"),
+             (["--temperature", "nan"], "argument --temperature: nan is out of range"),
+             (["--temperature", "inf"], "argument --temperature: inf is out of range"),
+             (["--ratio", "1.5"], "argument --ratio: 1.5 is out of range: must be a number >= 0 and <= 1"),
+             (["--every", "-2"], "argument --every: -2 is out of range: must be an integer >= -1"),
+             (["--port", "99999"], "argument --port: 99999 is out of range: must be an integer >= 1 and <= 65535")]
+    for argv, message in cases:
+        code, err = parse_error(p, argv, capsys)
+        assert code == 2 and err == f"prog: error: {message}" + err[len("prog: error: ") + len(message):]
+        assert err.count("\n") == 1 and err.endswith(" (see --help)\n"), err  # one line, no usage dump
+
+
+def test_help_shows_every_default(capsys):
+    p = ArgumentParser(prog="prog")
+    p.add_argument("--batch", type=positive_int, default=4, help="rows")
+    p.add_argument("--tag", default=None, help="checkpoint (default: the newest)")
+    with pytest.raises(SystemExit):
+        p.parse_args(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--batch BATCH rows (default: 4)" in out
+    assert "--tag TAG checkpoint (default: the newest)" in out and "(default: None)" not in out  # said once, in words
+
+
+def test_eta_averages_recent_steps_by_hand():
+    eta = ETA(window=3)
+    assert str(eta) == "?" and eta.minutes() is None  # nothing timed yet: no estimate, not "nan"
+    eta.step(60, 0.1)
+    assert eta.minutes() == pytest.approx(60 / 0.1 * 0.9 / 60)  # 9 minutes left at one minute per 10%
+    for seconds, progress in [(60, 0.2), (60, 0.3), (240, 0.4)]:
+        eta.step(seconds, progress)
+    # the window holds the last 3 steps: 60 + 60 + 240 s for 0.3 of progress -> 1200 s per unit; 0.6 left -> 720 s
+    assert eta.minutes() == pytest.approx(12.0) and str(eta) == "12.0m"
+    # the last step alone would have said 0.6 / 0.1 * 240 s = 24 min: one slow step does not swing it
+    eta.step(1000, 0.5, timed=False)  # a warm-up step moves progress, not the pace
+    assert eta.minutes() == pytest.approx((60 + 60 + 240) / 0.3 * 0.5 / 60)
+    uneven = ETA(progress=0.5, window=2)  # resumed half way; SFT's steps move progress unevenly
+    uneven.step(10, 0.6)
+    uneven.step(30, 0.65)
+    assert uneven.minutes() == pytest.approx(40 / 0.15 * 0.35 / 60)
+
+
+def test_tensorboard_event_files_hold_the_logged_scalars(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    logger = get_logger("dummy", tensorboard_dir=str(tmp_path / "tb"))
+    logger.log({"train/loss": 2.5, "train/lrm": 1.0}, step=1)
+    logger.log({"step": 2, "train/loss": 2.25, "note": "text is skipped"})
+    logger.log({"val/bpb": 1.125})  # no step given: the running count (2: this is the third call)
+    logger.finish()
+    acc = EventAccumulator(str(tmp_path / "tb")).Reload()
+    assert sorted(acc.Tags()["scalars"]) == ["train/loss", "train/lrm", "val/bpb"]
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(1, 2.5), (2, 2.25)]
+    assert [(e.step, e.value) for e in acc.Scalars("val/bpb")] == [(2, 1.125)]
+
+
+def test_wandb_without_a_key_fails_at_once_naming_offline_mode(monkeypatch, tmp_path):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc from `wandb login`
+    monkeypatch.delenv("NETRC", raising=False)
+    with pytest.raises(SystemExit) as e:
+        get_logger("myrun")
+    assert "set WANDB_MODE=offline" in str(e.value) and "--run 'myrun'" in str(e.value) and "\n" not in str(e.value)
+    assert isinstance(get_logger("dummy"), Logger) and isinstance(get_logger("myrun", master_process=False), Logger)
+    (tmp_path / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password abc\n")
+    from nanorl.common import wandb_has_credentials
+    assert wandb_has_credentials()
+
+
+def run_script(module, argv, monkeypatch):
+    """Run a script in this process up to its flag parsing (every argv here stops there): (exit code, stdout, stderr)."""
+    import contextlib
+    import io
+    import runpy
+    import sys
+    monkeypatch.setattr(sys, "argv", [module.split(".")[-1] + ".py", *argv])
+    out, err = io.StringIO(), io.StringIO()
+    with pytest.raises(SystemExit) as e, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        runpy.run_module(module, run_name="__main__")
+    return e.value.code, out.getvalue(), err.getvalue()
+
+
+@pytest.mark.parametrize("script", ["base_train", "mid_train", "chat_sft", "tok_train", "tok_eval", "base_eval"])
+def test_every_flag_has_help_and_its_default(script, monkeypatch):
+    code, out, _ = run_script(f"scripts.{script}", ["--help"], monkeypatch)
+    assert code == 0
+    entries, current = [], None
+    for line in out.split("options:", 1)[1].splitlines():
+        if line.startswith("  -"):
+            current = [line]
+            entries.append(current)
+        elif current is not None and line.strip():
+            current.append(line)
+    entries = [" ".join(" ".join(e).split()) for e in entries if not e[0].startswith("  -h, --help")]
+    usage = out.split("options:", 1)[0]
+    assert {e.split()[0].rstrip(",") for e in entries} == set(re.findall(r"\[(--[\w-]+)", usage))  # every flag has an entry
+    for entry in entries:
+        flag, _, text = entry.partition(" ")
+        assert "default" in text and len(text.split()) >= 3, f"{script} {flag}: {text!r}"
+
+
+@pytest.mark.parametrize("script,argv,message", [
+    ("base_train", ["--device-batch-size", "0"], "argument --device-batch-size: 0 is out of range: must be an integer >= 1"),
+    ("base_train", ["--device-batch-size", "-4"], "argument --device-batch-size: -4 is out of range: must be an integer >= 1"),
+    ("base_train", ["--max-seq-len", "0"], "argument --max-seq-len: 0 is out of range: must be an integer >= 1"),
+    ("base_train", ["--max-seq-len", "-64"], "argument --max-seq-len: -64 is out of range: must be an integer >= 1"),
+    ("base_train", ["--head-dim", "0"], "argument --head-dim: 0 is out of range: must be an integer >= 1"),
+    ("base_train", ["--total-batch-size", "0"], "argument --total-batch-size: 0 is out of range: must be an integer >= 1"),
+    ("base_train", ["--total-batch-size", "-256"], "argument --total-batch-size: -256 is out of range: must be an integer >= 1"),
+    ("base_train", ["--depth", "2", "--aspect-ratio", "32", "--head-dim", "48"], "--depth 2 x aspect ratio 32 = model dim 64, "
+     "which is not a multiple of head_dim 48; pick a depth/aspect ratio/head dim that divides"),
+    ("chat_sft", ["--device-batch-size", "0"], "argument --device-batch-size: 0 is out of range: must be an integer >= 1"),
+    ("chat_sft", ["--device-batch-size", "-2"], "argument --device-batch-size: -2 is out of range: must be an integer >= 1"),
+    ("chat_sft", ["--num-epochs", "0"], "argument --num-epochs: 0 is out of range: must be a number > 0"),
+    ("mid_train", ["--warmdown-ratio", "2"], "argument --warmdown-ratio: 2 is out of range: must be a number >= 0 and <= 1"),
+    ("tok_train", ["--vocab-size", "0"], "argument --vocab-size: 0 is out of range: must be an integer >= 1"),
+    ("tok_eval", ["--num-docs", "-1"], "argument --num-docs: -1 is out of range: must be an integer >= 1"),
+    ("base_eval", ["--split-tokens", "0"], "argument --split-tokens: 0 is out of range: must be an integer >= 1"),
+])
+def test_bad_numbers_stop_the_scripts_with_one_line(script, argv, message, monkeypatch):
+    code, out, err = run_script(f"scripts.{script}", argv, monkeypatch)
+    assert code == 2 and out == "" and err == f"{script}.py: error: {message} (see --help)\n"
+
+
+def test_canonical_flag_names_and_their_aliases(monkeypatch):
+    # the aliases land on the canonical names: a bad value through either says so under the name that was typed
+    _, _, err = run_script("scripts.chat_sft", ["--eval-interval", "0"], monkeypatch)
+    assert "argument --eval-every/--eval-interval: 0 is out of range" in err
+    _, _, err = run_script("scripts.base_eval", ["--step", "-1"], monkeypatch)
+    assert "argument --model-step/--step: -1 is out of range" in err
+    _, _, err = run_script("scripts.base_train", ["--save-interval", "-3"], monkeypatch)
+    assert "argument --save-every/--save-interval: -3 is out of range" in err
