@@ -219,6 +219,17 @@ def get_peak_bandwidth(device_name):
     return None
 
 
+def int_list(text):
+    """An argparse `type=` for a comma-separated list of positive integers, e.g. --pass-k 1,4."""
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text} must hold integers >= 1")
+    return values
+
+
 def add_logging_args(parser):
     parser.add_argument("--run", default="dummy", help="wandb run name ('dummy' = no wandb)")
     parser.add_argument("--tensorboard", default=None, metavar="DIR", help="also write TensorBoard event files to DIR")
@@ -281,11 +292,6 @@ def get_logger(run_name, project="nanorl", config=None, master_process=True, ten
             raise SystemExit(f"--tensorboard {tensorboard_dir}: the tensorboard package is not installed (pip install tensorboard)") from None
         tb_writer = SummaryWriter(log_dir=tensorboard_dir)
     return Logger(wandb_run, tb_writer)
-
-
-def eta_min(elapsed_s, progress):
-    """Minutes left, if the rest goes at the pace so far (progress: the fraction done, 0..1)."""
-    return elapsed_s * (1 - progress) / progress / 60 if progress > 0 else float("nan")
 
 
 class ETA:

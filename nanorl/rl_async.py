@@ -12,12 +12,14 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from nanorl.common import positive_int
+
 
 def add_args(parser):
     g = parser.add_argument_group("async RL (nanorl/rl_async.py)")
     g.add_argument("--async", dest="async_mode", action="store_true", help="one-step-off-policy: sampling ranks generate rollout "
                    "k+1 while training ranks train on rollout k, then get the new weights (one rank: synchronous)")
-    g.add_argument("--rollout-num-gpus", type=int, default=None, help="--async: how many ranks sample (the first ones; default half)")
+    g.add_argument("--rollout-num-gpus", type=positive_int, default=None, help="--async: how many ranks sample (the first ones; default half)")
 
 
 @dataclass

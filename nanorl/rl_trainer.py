@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from nanorl import rl
-from nanorl.common import autocast_ctx
+from nanorl.common import autocast_ctx, fraction, nonneg_float, nonneg_int, number_in, positive_float, positive_int
 from nanorl.rollout import TRUNCATED, collate, collate_packed, pack_micro_batches, unpack
 
 ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gspo", "cispo", "ppo")
@@ -19,38 +19,38 @@ GROUP_ESTIMATORS = ("grpo", "rloo", "gspo", "cispo")  # group-relative advantage
 
 def add_args(parser):
     g = parser.add_argument_group("training step (nanorl/rl_trainer.py)")
-    g.add_argument("--global-batch-size", type=int, default=None, help="samples per optimizer step (default: the whole rollout)")
-    g.add_argument("--num-steps-per-rollout", type=int, default=1, help="optimizer steps per rollout (>1 is off-policy: uses the ratio)")
-    g.add_argument("--max-tokens-per-gpu", type=int, default=8192, help="tokens per training micro-batch: samples are packed end to end into rows "
+    g.add_argument("--global-batch-size", type=positive_int, default=None, help="samples per optimizer step (default: the whole rollout)")
+    g.add_argument("--num-steps-per-rollout", type=positive_int, default=1, help="optimizer steps per rollout (>1 is off-policy: uses the ratio)")
+    g.add_argument("--max-tokens-per-gpu", type=positive_int, default=8192, help="tokens per training micro-batch: samples are packed end to end into rows "
                    "(at most the model's context each) and rows into micro-batches of this many positions, padding included")
-    g.add_argument("--weight-decay", type=float, default=0.0, help="optimizer weight decay")
-    g.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm (0 = off)")
-    g.add_argument("--warmup-rollouts", type=int, default=0, help="linear LR warmup over this many rollouts")
+    g.add_argument("--weight-decay", type=nonneg_float, default=0.0, help="optimizer weight decay")
+    g.add_argument("--grad-clip", type=nonneg_float, default=1.0, help="clip the global gradient norm (0 = off)")
+    g.add_argument("--warmup-rollouts", type=nonneg_int, default=0, help="linear LR warmup over this many rollouts")
     g = parser.add_argument_group("advantages and loss (nanorl/rl_trainer.py, nanorl/rl.py)")
-    g.add_argument("--gamma", type=float, default=1.0, help="discount of reinforce_plus_plus returns and of ppo's GAE")
-    g.add_argument("--lambd", type=float, default=1.0, help="ppo: GAE lambda (1 = Monte Carlo returns minus the critic's baseline)")
-    g.add_argument("--critic-lr", type=float, default=None, help="ppo: AdamW learning rate of the critic (required with ppo)")
-    g.add_argument("--value-clip", type=float, default=0.2, help="ppo: clip the critic's values to within this of the rollout's (0 = off)")
+    g.add_argument("--gamma", type=fraction, default=1.0, help="discount of reinforce_plus_plus returns and of ppo's GAE")
+    g.add_argument("--lambd", type=fraction, default=1.0, help="ppo: GAE lambda (1 = Monte Carlo returns minus the critic's baseline)")
+    g.add_argument("--critic-lr", type=positive_float, default=None, help="ppo: AdamW learning rate of the critic (required with ppo)")
+    g.add_argument("--value-clip", type=nonneg_float, default=0.2, help="ppo: clip the critic's values to within this of the rollout's (0 = off)")
     g.add_argument("--disable-grpo-std-normalization", action="store_true", help="Dr. GRPO: no division by the group std")
     g.add_argument("--normalize-advantages", action="store_true", help="whiten advantages across all training ranks")
-    g.add_argument("--eps-clip", type=float, default=0.2, help="PPO clip range (the lower one with --eps-clip-high)")
-    g.add_argument("--eps-clip-high", type=float, default=None, help="clip-higher (DAPO); default = --eps-clip")
-    g.add_argument("--eps-clip-c", type=float, default=None, help="dual clip constant (> 1) for negative advantages")
-    g.add_argument("--entropy-coef", type=float, default=0.0, help="entropy bonus coefficient")
+    g.add_argument("--eps-clip", type=number_in(float, 0, 1, lo_open=True), default=0.2, help="PPO clip range (the lower one with --eps-clip-high)")
+    g.add_argument("--eps-clip-high", type=positive_float, default=None, help="clip-higher (DAPO); default = --eps-clip")
+    g.add_argument("--eps-clip-c", type=number_in(float, 1, lo_open=True), default=None, help="dual clip constant (> 1) for negative advantages")
+    g.add_argument("--entropy-coef", type=nonneg_float, default=0.0, help="entropy bonus coefficient")
     g.add_argument("--loss-aggregation", default="token_mean", choices=rl.LOSS_AGGS, help="how per-token losses become one number")
-    g.add_argument("--overlong-buffer-len", type=int, default=0, help="DAPO overlong shaping: penalise the last N tokens before the max length")
-    g.add_argument("--overlong-penalty-factor", type=float, default=1.0, help="the overlong penalty at the max length")
+    g.add_argument("--overlong-buffer-len", type=nonneg_int, default=0, help="DAPO overlong shaping: penalise the last N tokens before the max length")
+    g.add_argument("--overlong-penalty-factor", type=nonneg_float, default=1.0, help="the overlong penalty at the max length")
     g.add_argument("--mask-truncated-samples", action="store_true", help="truncated responses are not trained on")
     g.add_argument("--use-kl-loss", action="store_true", help="add a KL(policy || reference) loss")
-    g.add_argument("--kl-loss-coef", type=float, default=0.0, help="weight of the KL loss (needs --use-kl-loss)")
+    g.add_argument("--kl-loss-coef", type=nonneg_float, default=0.0, help="weight of the KL loss (needs --use-kl-loss)")
     g.add_argument("--kl-loss-type", default="low_var_kl", choices=["k1", "k2", "k3", "low_var_kl"], help="KL estimator of the KL loss")
-    g.add_argument("--kl-coef", type=float, default=0.0, help="KL penalty (k1) folded into the reward")
+    g.add_argument("--kl-coef", type=nonneg_float, default=0.0, help="KL penalty (k1) folded into the reward")
     g.add_argument("--use-opd", action="store_true", help="on-policy distillation: a teacher's log-probs pull the advantages")
-    g.add_argument("--opd-kl-coef", type=float, default=1.0, help="OPD: A -= coef * (logp_student - logp_teacher)")
+    g.add_argument("--opd-kl-coef", type=nonneg_float, default=1.0, help="OPD: A -= coef * (logp_student - logp_teacher)")
     g.add_argument("--opd-teacher-load", default=None, help="OPD teacher: a checkpoint directory, or source[:tag] e.g. sft:d8")
     g.add_argument("--use-tis", action="store_true", help="truncated importance weights between trainer (old) and rollout log-probs")
-    g.add_argument("--tis-clip", type=float, default=2.0, help="TIS: upper bound of the weights")
-    g.add_argument("--tis-clip-low", type=float, default=0.0, help="TIS: lower bound of the weights")
+    g.add_argument("--tis-clip", type=positive_float, default=2.0, help="TIS: upper bound of the weights")
+    g.add_argument("--tis-clip-low", type=nonneg_float, default=0.0, help="TIS: lower bound of the weights")
     g.add_argument("--tis-mode", default="truncate", choices=["truncate", "icepop"], help="icepop: weights outside the band are 0")
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, asdict
 
 import torch
 
+from nanorl.common import nonneg_float, nonneg_int, number_in, positive_float, positive_int
 from nanorl.engine import Request
 from nanorl.rewards import remote_rewards
 
@@ -388,23 +389,23 @@ def unpack(packed, index):
 
 def add_args(parser, tools=("calculator", "python")):
     g = parser.add_argument_group("rollout (nanorl/rollout.py)")
-    g.add_argument("--over-sampling-batch-size", type=int, default=None, help="turns on dynamic sampling: prompts generated per "
+    g.add_argument("--over-sampling-batch-size", type=positive_int, default=None, help="turns on dynamic sampling: prompts generated per "
                    "round, groups kept by the filter until the batch is full")
     g.add_argument("--dynamic-sampling-filter-path", default="nanorl.rollout:keep_nonconstant_group",
                    help="module:function(group) -> (keep, reason), used with --over-sampling-batch-size")
-    g.add_argument("--max-sampling-rounds", type=int, default=8, help="dynamic sampling: rounds before the batch is topped up with dropped groups")
+    g.add_argument("--max-sampling-rounds", type=positive_int, default=8, help="dynamic sampling: rounds before the batch is topped up with dropped groups")
     g.add_argument("--buffer-filter-path", default="nanorl.rollout:pop_first", help="module:function(buffer, n) -> (taken, rest) for surplus groups")
     g.add_argument("--partial-rollout", action="store_true", help="with over-sampling: once the batch is full, abort what is still "
                    "generating, keep it with its tokens and continue it in the next rollout (pair with --use-tis)")
-    g.add_argument("--top-k", type=int, default=None, help="rollout top-k (default: off; anything but off makes rollouts off-policy)")
-    g.add_argument("--top-p", type=float, default=None, help="rollout top-p (default: off)")
-    g.add_argument("--engine-batch-size", type=int, default=256, help="engine rows decoded at once")
+    g.add_argument("--top-k", type=positive_int, default=None, help="rollout top-k (default: off; anything but off makes rollouts off-policy)")
+    g.add_argument("--top-p", type=number_in(float, 0, 1, lo_open=True), default=None, help="rollout top-p (default: off)")
+    g.add_argument("--engine-batch-size", type=positive_int, default=256, help="engine rows decoded at once")
     g.add_argument("--custom-generate-function-path", default=None,
                    help="module:function(args, engine, tokenizer, prompts, seeds) -> list of groups (lists) of Sample")
     g.add_argument("--multi-turn", action="store_true", help="run tool calls turn by turn (nanorl/multiturn.py), with per-turn metrics")
-    g.add_argument("--max-turns", type=int, default=None, help="--multi-turn: tool calls per response (default 4); one more ends it as truncated")
+    g.add_argument("--max-turns", type=positive_int, default=None, help="--multi-turn: tool calls per response (default 4); one more ends it as truncated")
     g.add_argument("--tool", default=None, choices=tools, help="--multi-turn: what answers a tool call (default calculator)")
-    g.add_argument("--rollout-timeout", type=float, default=1800, help="seconds a rank's rollout (or eval) may take before the run "
+    g.add_argument("--rollout-timeout", type=nonneg_float, default=1800, help="seconds a rank's rollout (or eval) may take before the run "
                    "saves and exits non-zero, naming what was in flight (0 = no limit)")
     g = parser.add_argument_group("rewards (nanorl/rewards.py)")
     g.add_argument("--rm-type", default=None, help="task (the task's own grader: chat_eval's verdict; the default with --task) | "
@@ -412,9 +413,9 @@ def add_args(parser, tools=("calculator", "python")):
                    "custom (--custom-rm-path) | remote (--rm-url)")
     g.add_argument("--custom-rm-path", default=None, help="module:function(response, label, metadata) -> float or dict")
     g.add_argument("--rm-url", default=None, help="--rm-type remote: each sample is POSTed here as JSON (README: RL)")
-    g.add_argument("--rm-concurrency", type=int, default=32, help="--rm-type remote: requests in flight at once")
-    g.add_argument("--rm-timeout", type=float, default=30.0, help="--rm-type remote: seconds per request attempt")
-    g.add_argument("--rm-retries", type=int, default=3, help="--rm-type remote: retries after a refused/timed-out/5xx call")
+    g.add_argument("--rm-concurrency", type=positive_int, default=32, help="--rm-type remote: requests in flight at once")
+    g.add_argument("--rm-timeout", type=positive_float, default=30.0, help="--rm-type remote: seconds per request attempt")
+    g.add_argument("--rm-retries", type=nonneg_int, default=3, help="--rm-type remote: retries after a refused/timed-out/5xx call")
     g.add_argument("--rm-failure", default="drop", choices=["drop", "zero"],
                    help="a reward that fails (raises, non-number, failed remote call): drop = never trained on, zero = reward 0")
 
@@ -433,8 +434,6 @@ def check_args(args, parser):
         if args.partial_rollout:
             parser.error("--multi-turn and --partial-rollout cannot be combined: partial rollouts park and resume single engine requests")
         args.max_turns = 4 if args.max_turns is None else args.max_turns
-        if args.max_turns < 1:
-            parser.error(f"--max-turns must be >= 1, got {args.max_turns}")
         args.tool = args.tool or "calculator"
     elif args.max_turns is not None or args.tool is not None:
         parser.error("--max-turns and --tool are only used with --multi-turn")
@@ -445,9 +444,6 @@ def check_args(args, parser):
             parser.error(f"--rm-url {args.rm_url!r} must start with http:// or https://")
         if args.custom_rm_path:
             parser.error("--rm-type remote and --custom-rm-path both pick the reward: give one of them")
-        if args.rm_concurrency < 1 or args.rm_timeout <= 0 or args.rm_retries < 0:
-            parser.error(f"--rm-concurrency must be >= 1 (got {args.rm_concurrency}), --rm-timeout > 0 (got {args.rm_timeout}), "
-                         f"--rm-retries >= 0 (got {args.rm_retries})")
     elif args.rm_url:
         parser.error(f"--rm-url is only used with --rm-type remote (got --rm-type {args.rm_type})")
 

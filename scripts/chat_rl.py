@@ -14,7 +14,6 @@ Each of those files also holds its own flags (`--help` lists them by group).
     torchrun --standalone --nproc_per_node=8 -m scripts.chat_rl -- --task gsm8k --rollout-batch-size 64
     python -m scripts.chat_rl --prompt-data my.jsonl --input-key question --label-key answer --rm-type math
 """
-import argparse
 import copy
 import json
 import os
@@ -28,7 +27,8 @@ import torch.distributed as dist
 
 from nanorl import rl, rl_async, rl_trainer, rollout
 from nanorl.checkpoint import build_model, find_last_step, load_checkpoint, load_model, save_checkpoint
-from nanorl.common import Timer, compute_cleanup, compute_init, eta_min, get_base_dir, get_logger, print0
+from nanorl.common import (ETA, ArgumentParser, Timer, add_logging_args, compute_cleanup, compute_init, get_base_dir, get_logger,
+                           int_list, nonneg_float, nonneg_int, positive_float, positive_int, print0)
 from nanorl.engine import Engine
 from nanorl.gpt import Critic, attention_backend
 from nanorl.multiturn import TOOLS, make_tool
@@ -40,13 +40,13 @@ from tasks import get_task
 
 # -----------------------------------------------------------------------------------------------
 # flags: the core ones here; rollout/reward, training-step and async flags next to the code they configure
-parser = argparse.ArgumentParser(description="RL on a chat model (GRPO family)", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+parser = ArgumentParser(description="RL on a chat model (GRPO family)")
 g = parser.add_argument_group("model and data")
 g.add_argument("--source", default="sft", choices=["base", "mid", "sft", "rl"], help="checkpoint to start from")
 g.add_argument("--hf-model", default=None, metavar="DIR", help="start from a Hugging Face model directory (Qwen2/2.5, Qwen3, "
                "Llama-3) instead of --source")
 g.add_argument("--model-tag", default=None, help="checkpoint subdirectory (default: newest)")
-g.add_argument("--model-step", "--step", type=int, default=None, help="checkpoint step (default: last)")
+g.add_argument("--model-step", "--step", type=nonneg_int, default=None, help="checkpoint step (default: last)")
 g.add_argument("--task", default="offline", help="RL prompts: offline (the synthetic curriculum) or gsm8k")
 g.add_argument("--task-path", default=None, help="local jsonl/parquet for the task instead of downloading")
 g.add_argument("--levels", default="1,2,3,4", help="offline task: difficulty levels of the prompts")
@@ -61,26 +61,26 @@ g.add_argument("--apply-chat-template", action="store_true", help="--prompt-data
                "chat template (lists of messages always are); without it a string prompt is fed as raw text")
 g.add_argument("--output-tag", default=None, help="save under rl_checkpoints/<tag> (default: the source's tag)")
 g = parser.add_argument_group("rollouts")
-g.add_argument("--num-rollouts", "--num-rollout", type=int, default=60, help="number of rollouts (= RL steps)")
-g.add_argument("--rollout-batch-size", type=int, default=16, help="prompts per rollout (global)")
-g.add_argument("--n-samples-per-prompt", type=int, default=8, help="group size")
-g.add_argument("--max-new-tokens", "--max-response-len", "--rollout-max-response-len", dest="max_response_len", type=int, default=256,
+g.add_argument("--num-rollouts", "--num-rollout", type=positive_int, default=60, help="number of rollouts (= RL steps)")
+g.add_argument("--rollout-batch-size", type=positive_int, default=16, help="prompts per rollout (global)")
+g.add_argument("--n-samples-per-prompt", type=positive_int, default=8, help="group size")
+g.add_argument("--max-new-tokens", "--max-response-len", "--rollout-max-response-len", dest="max_response_len", type=positive_int, default=256,
                help="max tokens per response")
-g.add_argument("--temperature", "--rollout-temperature", type=float, default=1.0,
+g.add_argument("--temperature", "--rollout-temperature", type=positive_float, default=1.0,
                help="rollout temperature; the engine records log-probs of the distribution it samples from and the trainer "
                     "divides its logits by the same temperature")
 g.add_argument("--advantage-estimator", default="grpo", choices=rl_trainer.ESTIMATORS,
                help="gspo / cispo: GRPO advantages with GSPO's sequence-level ratio or CISPO's clipped-weight loss")
-g.add_argument("--lr-scale", type=float, default=0.05, help="multiplier on the base optimizer LRs (RL wants small steps)")
+g.add_argument("--lr-scale", type=positive_float, default=0.05, help="multiplier on the base optimizer LRs (RL wants small steps)")
 g = parser.add_argument_group("eval, saving, misc")
-g.add_argument("--eval-every", "--eval-interval", type=int, default=10, help="evaluate every N rollouts (and before the first and after the last)")
-g.add_argument("--eval-max-problems", type=int, default=200, help="held-out prompts per eval")
-g.add_argument("--n-samples-per-eval-prompt", type=int, default=4, help="samples per eval prompt (pass@k needs k of them)")
-g.add_argument("--eval-temperature", type=float, default=1.0, help="eval sampling temperature")
-g.add_argument("--pass-k", type=str, default="1,4", help="comma-separated k for pass@k")
-g.add_argument("--save-every", "--save-interval", type=int, default=20, help="save every N rollouts (and after the last)")
+g.add_argument("--eval-every", "--eval-interval", type=positive_int, default=10, help="evaluate every N rollouts (and before the first and after the last)")
+g.add_argument("--eval-max-problems", type=positive_int, default=200, help="held-out prompts per eval")
+g.add_argument("--n-samples-per-eval-prompt", type=positive_int, default=4, help="samples per eval prompt (pass@k needs k of them)")
+g.add_argument("--eval-temperature", type=nonneg_float, default=1.0, help="eval sampling temperature")
+g.add_argument("--pass-k", type=int_list, default="1,4", help="comma-separated k for pass@k")
+g.add_argument("--save-every", "--save-interval", type=positive_int, default=20, help="save every N rollouts (and after the last)")
 g.add_argument("--resume", action="store_true", help="continue from the latest RL checkpoint")
-g.add_argument("--run", default="dummy", help="wandb run name ('dummy' = no wandb)")
+add_logging_args(g)
 g.add_argument("--device-type", default=None, help="cuda | cpu | mps (default: autodetect)")
 g.add_argument("--seed", type=int, default=42, help="seed of the prompt order and of every sample's random stream")
 rollout.add_args(parser, TOOLS)
@@ -89,9 +89,9 @@ rl_async.add_args(parser)
 args = parser.parse_args(sys.argv[1:] if sys.argv[1:2] != ["--"] else sys.argv[2:])
 rollout.check_args(args, parser)
 rl_trainer.check_args(args, parser)
-pass_ks = [int(k) for k in args.pass_k.split(",")]
+pass_ks = args.pass_k
 if max(pass_ks) > args.n_samples_per_eval_prompt:
-    parser.error(f"--pass-k {args.pass_k} needs --n-samples-per-eval-prompt >= {max(pass_ks)}")
+    parser.error(f"--pass-k {','.join(map(str, pass_ks))} needs --n-samples-per-eval-prompt >= {max(pass_ks)}")
 if args.prompt_data is None and (args.eval_prompt_data or args.apply_chat_template):
     parser.error("--eval-prompt-data and --apply-chat-template only apply with --prompt-data")
 args.custom_rm_path = args.custom_rm_path or None
@@ -195,6 +195,9 @@ if args.over_sampling_batch_size is None:
 if args.over_sampling_batch_size % roles.sworld:
     parser.error(f"--over-sampling-batch-size {args.over_sampling_batch_size} must divide by the number of sampling ranks {roles.sworld}")
 
+# logging first: a missing wandb key stops the run before any model is built
+logger = get_logger(args.run, project="nanorl-rl", config=vars(args), master_process=master, tensorboard_dir=args.tensorboard)
+
 # the policy, and what the options add: a frozen reference (KL), a critic (ppo), a teacher (on-policy distillation)
 model, tokenizer, meta = load_model(args.source, device, phase="train", model_tag=args.model_tag, step=args.model_step,
                                    hf_model=args.hf_model)
@@ -224,7 +227,6 @@ trainer = rl_trainer.Trainer(args, model, optimizer, device, ref_model, critic, 
                              world=roles.tworld, distributed=ddp) if roles.is_trainer else None
 output_tag = args.output_tag or meta.get("model_tag") or args.model_tag or "d"
 ckpt_dir = os.path.join(get_base_dir(), "rl_checkpoints", output_tag)
-logger = get_logger(args.run, project="nanorl-rl", config=vars(args), master_process=master)
 
 
 source = PromptSource(train_items, seed=args.seed, rank=roles.srank, world_size=roles.sworld)
@@ -330,12 +332,12 @@ def train(step, groups, m):
 
 
 def log_step(step, m, dt):
-    done = (step + 1 - start_step) / (args.num_rollouts - start_step)
+    eta.step(dt, (step + 1) / args.num_rollouts)
     print0(f"step {step + 1:05d}/{args.num_rollouts} | reward {m['rollout/reward_mean']:.3f} | len {m['rollout/response_len_mean']:.1f} "
            f"| pg {m['train/pg_loss']:+.4f} | clip {m['train/clipfrac']:.3f} | ppo_kl {m['train/ppo_kl']:+.2e} "
            f"| ent {m['train/entropy']:.3f} | gnorm {m['train/grad_norm']:.3f} | lp_diff {m['train/train_rollout_logprob_abs_diff']:.1e} "
            f"| pad {m['train/padding_frac']:.0%} | dropped {int(m.get('rollout/groups_dropped', 0))} | dt {dt:.1f}s (rollout {m.get('time/rollout', 0):.1f}s, "
-           f"waiting {m['perf/idle_frac']:.0%}) | eta {eta_min(time.time() - t_start, done):.1f}m"
+           f"waiting {m['perf/idle_frac']:.0%}) | eta {eta}"
            + (f" | tools {m['rollout/tool_calls_mean']:.2f} err {m['rollout/tool_errors_mean']:.2f} "
               f"max_turns {m['rollout/max_turns_hit_mean']:.2f}" if args.multi_turn else ""))
     history.append({"step": step + 1, **m})
@@ -427,7 +429,7 @@ if args.resume:
 # -----------------------------------------------------------------------------------------------
 # the loop: one rollout, one training step on it
 
-t_start = time.time()
+t_start, eta = time.time(), ETA(start_step / args.num_rollouts)
 # on resume, keep the history of the steps already done so the report's curves stay whole
 prev = load_json("rl_history", {}) if start_step > 0 else {}
 history = [h for h in prev.get("train", []) if h["step"] <= start_step]

@@ -196,17 +196,24 @@ def test_multi_turn_tool_rl(base_dir, tool_model):
     (["--rm-type", "remote", "--rm-url", "127.0.0.1:1", "--custom-rm-path", ""], "must start with http://"),
     (["--rm-url", "http://127.0.0.1:1/r"], "only used with --rm-type remote"),
     (["--max-turns", "3"], "only used with --multi-turn"),
-    (["--multi-turn", "--max-turns", "0"], "--max-turns must be >= 1"),
+    (["--multi-turn", "--max-turns", "0"], "argument --max-turns: 0 is out of range: must be an integer >= 1"),
     # print takes any arguments, so it passes the signature check and the clash is what fails
     (["--multi-turn", "--custom-generate-function-path", "builtins:print"], "--multi-turn and --custom-generate-function-path"),
-    (["--rm-type", "remote", "--rm-url", "http://127.0.0.1:1/r", "--custom-rm-path", "", "--rm-timeout", "0"], "--rm-timeout > 0"),
+    (["--rm-type", "remote", "--rm-url", "http://127.0.0.1:1/r", "--custom-rm-path", "", "--rm-timeout", "0"], "argument --rm-timeout: 0 is out of range: must be a number > 0"),
     (["--multi-turn", "--partial-rollout", "--rollout-batch-size", "4", "--over-sampling-batch-size", "8"], "--multi-turn and --partial-rollout"),
+    # numbers out of range are refused by argparse, naming the flag and the range, before any work
+    (["--rollout-batch-size", "0"], "argument --rollout-batch-size: 0 is out of range: must be an integer >= 1"),
+    (["--n-samples-per-prompt", "0"], "argument --n-samples-per-prompt: 0 is out of range"),
+    (["--pass-k", "0"], "argument --pass-k: 0 must hold integers >= 1"),
+    (["--temperature", "-1"], "argument --temperature/--rollout-temperature: -1 is out of range: must be a number > 0"),
+    (["--temperature", "nan"], "argument --temperature/--rollout-temperature: nan is out of range"),
+    (["--eps-clip-c", "0.5"], "argument --eps-clip-c: 0.5 is out of range: must be a number > 1"),
 ])
 def test_bad_flags_fail_early(base_dir, flags, msg):
     env = {**os.environ, "NANORL_BASE_DIR": str(base_dir)}
     cmd = [sys.executable, "-m", "scripts.chat_rl", "--source", "sft", "--model-tag", "t", "--custom-rm-path", RM, *flags]
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode != 0 and msg in out.stdout + out.stderr, out.stderr[-2000:]
+    assert out.returncode == 2 and msg in out.stderr and "saved checkpoint" not in out.stdout, out.stderr[-2000:]
 
 
 @pytest.mark.parametrize("mode,nproc", [("raise", 1), ("hang", 2)])
