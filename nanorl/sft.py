@@ -53,6 +53,7 @@ def add_train_args(parser, stage, source, init_lr_frac, warmdown_ratio, num_epoc
     a("--seed", type=nonneg_int, default=42, help="seed of the weights' RNG and the data order")
     add_logging_args(parser)
     a("--device-type", default=None, choices=["cuda", "cpu", "mps"], help="default: autodetect")
+    a("--no-compile", action="store_true", help="train eagerly on CUDA (default: torch.compile of the model, one graph: every batch is B x T)")
 
 
 def lr_multiplier(progress, warmdown_ratio, final_frac=0.0):
@@ -97,6 +98,8 @@ def train(args, stage, hub_mixture, offline_mixture):
     print0(f"{stage}: {len(train_task):,} training / {len(val_task):,} held-out conversations ({data_desc}), "
            f"{world_size} rank(s) on {device}, rows of {T} tokens")
     print0(attention_backend(device))  # packed rows: document-masked attention
+    # every training batch is (B, T) with T fixed: one compiled graph on CUDA (flex attention compiles with it)
+    compiled = torch.compile(model, dynamic=False) if device.type == "cuda" and not args.no_compile else model
 
     tokens_per_micro = args.device_batch_size * T * world_size
     total = args.total_batch_size or tokens_per_micro
@@ -170,7 +173,7 @@ def train(args, stage, hub_mixture, offline_mixture):
         loss_sum = torch.zeros((), device=device)
         for x, y, d in batches:
             with autocast:
-                loss = model(x, y, doc_ids=d, loss_reduction="sum")
+                loss = compiled(x, y, doc_ids=d, loss_reduction="sum")
             (loss * world_size / n_tok.clamp(min=1)).backward()
             loss_sum += loss.detach()
         if ddp:
