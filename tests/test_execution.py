@@ -352,6 +352,12 @@ def test_forced_fallback_warns_once_and_runs():
     p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=30)
     assert p.stdout == "guard guard 42\n", p.stderr
     assert p.stderr.count("warning: python sandbox falls back to the in-process guard (NANORL_SANDBOX=guard)") == 1
+    env["NANORL_SANDBOX"], env["PATH"] = "", "/nonexistent"  # no bwrap on PATH: the probe falls back by itself
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=30)
+    assert p.stdout == "guard guard 42\n" and p.stderr.count("(bwrap not found)") == 1, p.stderr
+    env["NANORL_SANDBOX"] = "bwrap"  # ... unless bwrap was asked for
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=30)
+    assert p.returncode != 0 and "NANORL_SANDBOX=bwrap but bubblewrap does not work here: bwrap not found" in p.stderr
     env["NANORL_SANDBOX"] = "chroot"
     p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=30)
     assert p.returncode != 0 and "NANORL_SANDBOX must be 'bwrap' or 'guard'" in p.stderr
