@@ -30,6 +30,7 @@ from nanorl.checkpoint import build_model, find_last_step, load_checkpoint, load
 from nanorl.common import (ETA, ArgumentParser, Timer, add_logging_args, compute_cleanup, compute_init, get_base_dir, get_logger,
                            int_list, nonneg_float, nonneg_int, positive_float, positive_int, print0)
 from nanorl.engine import Engine
+from nanorl.execution import sandbox_mode
 from nanorl.gpt import Critic, attention_backend
 from nanorl.multiturn import TOOLS, make_tool
 from nanorl.optim import MuonAdamW, build_optimizer
@@ -246,6 +247,8 @@ worker = rollout.RolloutWorker(args, engine, tokenizer, None if remote_rm else r
                                make_tool(args.tool) if args.multi_turn else None, custom_generate)
 buffer = RolloutBuffer(buffer_filter)
 print0(attention_backend(device))
+if args.multi_turn and args.tool == "python":  # bwrap: kernel namespaces; guard: the in-process fallback (README: Sandbox)
+    print0(f"python sandbox: {sandbox_mode()}")
 print0(f"RL on {len(train_items)} prompts ({args.prompt_data or args.task}), eval on {len(eval_items)} ({eval_name}), "
        f"{world_size} rank(s), device {device}")
 

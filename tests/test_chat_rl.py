@@ -298,3 +298,12 @@ def test_rollout_timeout_holds_whatever_the_reward_workers_do(base_dir):
     out = "".join(lines)
     assert p.returncode != 0 and "the eval ran past --rollout-timeout 3s" in out, out[-2000:]
     assert took < 3 + 8, took  # 3 s and the exit, far below the 60 s a blocked worker would hold it
+
+
+def test_python_tool_rl_names_its_sandbox(base_dir, tool_model):
+    # with the python tool the log says which sandbox runs the model's code (bubblewrap namespaces, or the guard)
+    hist, log = run_rl(base_dir, "--model-tag", tool_model, "--num-rollouts", "1", "--output-tag", "pytool", "--multi-turn",
+                       "--tool", "python", "--max-turns", "1", "--max-response-len", "16")
+    from nanorl.execution import sandbox_mode
+    assert f"python sandbox: {sandbox_mode()}" in log
+    assert hist["train"][0]["rollout/tool_calls_mean"] > 0
