@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from nanorl.common import autocast_ctx, autodetect_device_type, get_peak_bandwidth, get_peak_flops, synchronize
+from nanorl.common import ArgumentParser, nonneg_float, nonneg_int, positive_float, positive_int, autocast_ctx, autodetect_device_type, get_peak_bandwidth, get_peak_flops, synchronize
 
 
 def peak_memory_gb(device_type):
@@ -272,45 +272,45 @@ def bench_rl(args):
 
 def model_and_device_args(p):
     """The flags every benchmark shares: the random-init model's shape (besides --depth) and where it runs."""
-    p.add_argument("--n-kv-head", type=int, default=None, help="KV heads (default: as many as query heads)")
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--vocab-size", type=int, default=32768)
+    p.add_argument("--n-kv-head", type=positive_int, default=None, help="KV heads (default: as many as query heads)")
+    p.add_argument("--head-dim", type=positive_int, default=128)
+    p.add_argument("--vocab-size", type=positive_int, default=32768)
     p.add_argument("--device-type", type=str, default=None, help="cuda|cpu|mps (default: autodetect)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice; 1 is steadier on a busy machine)")
+    p.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: torch's choice; 1 is steadier on a busy machine)")
 
 
 def main():
-    parser = argparse.ArgumentParser(description="nanorl benchmarks")
+    parser = ArgumentParser(description="nanorl benchmarks")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("decode", help="sampling engine: TTFT, ms/step, tok/s, peak memory, MBU")
-    p.add_argument("--depth", type=int, default=20)
-    p.add_argument("--batch", type=int, default=64, help="engine batch slots")
-    p.add_argument("--requests", type=int, default=None, help="requests in flight, one sample each (default: --batch, all slots busy)")
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--depth", type=positive_int, default=20)
+    p.add_argument("--batch", type=positive_int, default=64, help="engine batch slots")
+    p.add_argument("--requests", type=positive_int, default=None, help="requests in flight, one sample each (default: --batch, all slots busy)")
+    p.add_argument("--prompt-len", type=positive_int, default=128)
+    p.add_argument("--new-tokens", type=positive_int, default=256)
     p.add_argument("--no-cuda-graph", action="store_true", help="decode eagerly on CUDA")
     model_and_device_args(p)
     p.set_defaults(func=bench_decode)
     p = sub.add_parser("train", help="base_train's step on random tokens: tok/s, MFU, peak memory")
-    p.add_argument("--depth", type=int, default=20)
-    p.add_argument("--batch", type=int, default=32, help="rows per step (one micro-batch)")
-    p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--warmup", type=int, default=5, help="untimed steps first (torch.compile, allocator)")
-    p.add_argument("--steps", type=int, default=10, help="timed steps")
-    p.add_argument("--grad-clip", type=float, default=1.0, help="as base_train; 0 = off")
+    p.add_argument("--depth", type=positive_int, default=20)
+    p.add_argument("--batch", type=positive_int, default=32, help="rows per step (one micro-batch)")
+    p.add_argument("--seq-len", type=positive_int, default=2048)
+    p.add_argument("--warmup", type=nonneg_int, default=5, help="untimed steps first (torch.compile, allocator)")
+    p.add_argument("--steps", type=positive_int, default=10, help="timed steps")
+    p.add_argument("--grad-clip", type=nonneg_float, default=1.0, help="as base_train; 0 = off")
     p.add_argument("--no-compile", action="store_true", help="run eagerly on CUDA")
     model_and_device_args(p)
     p.set_defaults(func=bench_train)
     p = sub.add_parser("rl", help="one GRPO step (rollout + train) of chat_rl's GSM8K shape: time split, tok/s, peak memory")
-    p.add_argument("--depth", type=int, default=20)
-    p.add_argument("--prompts", type=int, default=16, help="prompts per rollout")
-    p.add_argument("--samples", type=int, default=16, help="samples per prompt (the group)")
-    p.add_argument("--prompt-len", type=int, default=150, help="prompt tokens (GSM8K questions are ~150)")
-    p.add_argument("--new-tokens", type=int, default=256, help="response tokens, all generated (no stop tokens)")
-    p.add_argument("--steps", type=int, default=1, help="timed steps after the warm-up step (their mean is reported)")
-    p.add_argument("--engine-batch-size", type=int, default=None, help="engine rows (default: prompts x samples, all at once)")
-    p.add_argument("--max-tokens-per-gpu", type=int, default=8192, help="tokens per packed training micro-batch (chat_rl's flag)")
-    p.add_argument("--lr-scale", type=float, default=0.05, help="multiplier on the optimizer LRs (chat_rl's default)")
+    p.add_argument("--depth", type=positive_int, default=20)
+    p.add_argument("--prompts", type=positive_int, default=16, help="prompts per rollout")
+    p.add_argument("--samples", type=positive_int, default=16, help="samples per prompt (the group)")
+    p.add_argument("--prompt-len", type=positive_int, default=150, help="prompt tokens (GSM8K questions are ~150)")
+    p.add_argument("--new-tokens", type=positive_int, default=256, help="response tokens, all generated (no stop tokens)")
+    p.add_argument("--steps", type=positive_int, default=1, help="timed steps after the warm-up step (their mean is reported)")
+    p.add_argument("--engine-batch-size", type=positive_int, default=None, help="engine rows (default: prompts x samples, all at once)")
+    p.add_argument("--max-tokens-per-gpu", type=positive_int, default=8192, help="tokens per packed training micro-batch (chat_rl's flag)")
+    p.add_argument("--lr-scale", type=positive_float, default=0.05, help="multiplier on the optimizer LRs (chat_rl's default)")
     model_and_device_args(p)
     p.set_defaults(func=bench_rl)
     args = parser.parse_args()

@@ -8,11 +8,11 @@ Chat with a checkpoint in the terminal, on the sampling engine (tool calls show 
 At the prompt the arrow keys edit the line and walk the history (readline; kept in $NANORL_BASE_DIR/chat_history),
 Ctrl-C clears the line, and Ctrl-C during a reply stops it.
 """
-import argparse
 import atexit
 import os
 import sys
 
+from nanorl.common import ArgumentParser, number_in
 from nanorl.engine import Engine, Request, TextStream, assistant_parts
 
 
@@ -69,16 +69,15 @@ def line_editing(path):
 
 
 def main():
-    from scripts.chat_web import bounded
-    parser = argparse.ArgumentParser(description="Chat with a nanorl model", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = ArgumentParser(description="Chat with a nanorl model")
     parser.add_argument("-i", "--source", type=str, default="sft", choices=["base", "mid", "sft", "rl"], help="which model")
     parser.add_argument("-g", "--model-tag", type=str, default=None, help="model tag; None picks the largest")
-    parser.add_argument("-s", "--step", type=bounded(int, 0), default=None, help="checkpoint step; None picks the last")
+    parser.add_argument("-s", "--step", type=number_in(int, 0), default=None, help="checkpoint step; None picks the last")
     parser.add_argument("--hf-model", type=str, default=None, metavar="DIR", help="chat with a Hugging Face model directory instead of --source")
     parser.add_argument("-p", "--prompt", type=str, default=None, help="one-shot: answer this and exit")
-    parser.add_argument("-t", "--temperature", type=bounded(float, 0.0, 2.0), default=0.6, help="sampling temperature, 0 = greedy")
-    parser.add_argument("-k", "--top-k", type=bounded(int, 1), default=50, help="sample from the k most likely tokens")
-    parser.add_argument("-m", "--max-tokens", type=bounded(int, 1), default=512, help="the most tokens a reply may have")
+    parser.add_argument("-t", "--temperature", type=number_in(float, 0.0, 2.0), default=0.6, help="sampling temperature, 0 = greedy")
+    parser.add_argument("-k", "--top-k", type=number_in(int, 1), default=50, help="sample from the k most likely tokens")
+    parser.add_argument("-m", "--max-tokens", type=number_in(int, 1), default=512, help="the most tokens a reply may have")
     parser.add_argument("--seed", type=int, default=None, help="sampling seed; None draws one")
     parser.add_argument("--device-type", type=str, default=None, choices=["cuda", "cpu", "mps"], help="None detects the device")
     args = parser.parse_args()

@@ -12,8 +12,6 @@ problems finish, and ChatCORE when all of its tasks ran greedily: each task's ac
 baseline, over (1 - baseline), averaged over tasks.CHATCORE_TASKS. Generative tasks are graded by the
 task's own grader (task.evaluate), the same verdict RL's default reward (--rm-type task) pays.
 """
-import argparse
-import math
 import sys
 import time
 from contextlib import nullcontext
@@ -21,17 +19,9 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
+from nanorl.common import ArgumentParser, int_list, nonneg_float, nonneg_int, positive_int
+from nanorl.rl import pass_at_k
 from tasks import CHATCORE_TASKS, RANDOM_BASELINE, get_task
-
-
-def pass_at_k(n, c, k):
-    """P(at least one of k samples is correct) given c correct of n, unbiased (Chen et al. 2021):
-    1 - C(n-c, k) / C(n, k), as a product so that large n does not overflow."""
-    if k > n:
-        raise ValueError(f"pass@{k} needs at least {k} samples per problem, got {n}")
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
 
 
 def centered(accuracy, baseline):
@@ -165,37 +155,33 @@ def main():
     from nanorl.rewards import make_reward
     from nanorl.sft_data import levels, task_paths
 
-    parser = argparse.ArgumentParser(description="Evaluate a chat model on tasks")
+    parser = ArgumentParser(description="Evaluate a chat model on tasks")
     parser.add_argument("-i", "--source", default="sft", choices=["base", "mid", "sft", "rl"], help="which checkpoint")
     parser.add_argument("-a", "--tasks", default="offline", help="comma-separated task names (default: the offline problems)")
     parser.add_argument("-g", "--model-tag", default=None, help="checkpoint subdirectory (default: newest)")
-    parser.add_argument("-s", "--model-step", type=int, default=None, help="checkpoint step (default: last)")
+    parser.add_argument("-s", "--model-step", "--step", type=nonneg_int, default=None, help="checkpoint step (default: last)")
     parser.add_argument("--hf-model", default=None, metavar="DIR", help="evaluate a Hugging Face model directory instead of --source")
     parser.add_argument("--task-path", action="append", default=[], metavar="NAME=PATH", help="local data for a Hub task (repeatable)")
-    parser.add_argument("-x", "--max-problems", type=int, default=None, help="evaluate at most this many problems per task")
-    parser.add_argument("-n", "--num-samples", type=int, default=1, help="samples per problem (generative tasks)")
-    parser.add_argument("-k", "--pass-k", default=None, help="comma-separated k for pass@k (default: 1 and n)")
-    parser.add_argument("-t", "--temperature", type=float, default=None, help="default: 0 (greedy) for 1 sample, else 1.0")
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("-m", "--max-new-tokens", type=int, default=256)
-    parser.add_argument("-b", "--batch-size", type=int, default=64, help="engine rows / categorical prompts at once")
+    parser.add_argument("-x", "--max-problems", type=positive_int, default=None, help="evaluate at most this many problems per task (default: all)")
+    parser.add_argument("-n", "--num-samples", type=positive_int, default=1, help="samples per problem (generative tasks)")
+    parser.add_argument("-k", "--pass-k", type=int_list, default=None, help="comma-separated k for pass@k (default: 1 and n)")
+    parser.add_argument("-t", "--temperature", type=nonneg_float, default=None, help="default: 0 (greedy) for 1 sample, else 1.0")
+    parser.add_argument("--top-k", type=positive_int, default=None, help="sample from the k most likely tokens (default: all)")
+    parser.add_argument("-m", "--max-new-tokens", "--max-tokens", type=positive_int, default=256, help="the most tokens an answer may have")
+    parser.add_argument("-b", "--batch-size", type=positive_int, default=64, help="engine rows / categorical prompts at once")
     parser.add_argument("--levels", default="1,2,3,4", help="offline task: difficulty levels to evaluate")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=nonneg_int, default=0, help="seed of the sampled answers")
     parser.add_argument("--device-type", default=None, help="cuda | cpu | mps (default: autodetect)")
     args = parser.parse_args(sys.argv[1:] if sys.argv[1:2] != ["--"] else sys.argv[2:])  # torchrun ... -m script -- args
-    if args.max_problems is not None and args.max_problems < 1:
-        parser.error(f"-x/--max-problems must be >= 1, got {args.max_problems} (leave it out to evaluate every problem)")
-    if args.num_samples < 1:
-        parser.error(f"-n/--num-samples must be >= 1, got {args.num_samples}")
 
     _, rank, _, world_size, device = compute_init(args.device_type)
     autocast = autocast_ctx(device.type)
     model, tokenizer, meta = load_model(args.source, device, phase="eval", model_tag=args.model_tag, step=args.model_step, hf_model=args.hf_model)
     engine = Engine(model, tokenizer, batch_size=args.batch_size)
     n = args.num_samples
-    ks = sorted({int(k) for k in args.pass_k.split(",")}) if args.pass_k else sorted({1, n})
-    if ks[-1] > n or ks[0] < 1:
-        raise SystemExit(f"-k {args.pass_k}: each k must be between 1 and --num-samples {n}")
+    ks = sorted(set(args.pass_k)) if args.pass_k else sorted({1, n})
+    if ks[-1] > n:
+        parser.error(f"-k/--pass-k {','.join(map(str, ks))}: each k must be at most -n/--num-samples {n}")
     temperature = args.temperature if args.temperature is not None else (0.0 if n == 1 else 1.0)
     paths = task_paths(args)
     results, skipped, t_all = {}, {}, time.time()

@@ -16,7 +16,6 @@ Endpoints: GET / (the page), GET /ui/info and POST /ui/chat (the page's own stre
 GET /v1/models, GET /v1/models/{id}, GET /health, GET /stats. Every error is an OpenAI error object
 {"error": {"message", "type", "param", "code"}}.
 """
-import argparse
 import asyncio
 import collections
 import json
@@ -31,6 +30,7 @@ from typing import List, Literal, Optional, Union
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from nanorl.common import ArgumentParser, number_in
 from nanorl.engine import Engine, Request, TextStream
 
 UI_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "nanorl", "ui.html")
@@ -741,40 +741,25 @@ def load_test(url, clients, max_tokens, prompt="Tell me a story about a robot.")
     return dict(tokens=tokens, wall=wall, ttft_p50=pct(0.5), ttft_p95=pct(0.95), errors=errors)
 
 
-def bounded(kind, lo, hi=None):
-    """An argparse type: a kind (int/float) in [lo, hi]; out of range is argparse's one-line error, exit 2."""
-    def parse(text):
-        try:
-            v = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}")
-        if not (v >= lo and (hi is None or v <= hi)):
-            raise argparse.ArgumentTypeError(f"{v} is not in [{lo}, {'inf' if hi is None else hi}]")
-        return v
-    parse.__name__ = kind.__name__
-    return parse
-
-
 def main():
-    parser = argparse.ArgumentParser(description="Serve a nanorl model: chat page + OpenAI-compatible API",
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = ArgumentParser(description="Serve a nanorl model: chat page + OpenAI-compatible API")
     parser.add_argument("-i", "--source", type=str, default="sft", choices=["base", "mid", "sft", "rl"], help="which model")
     parser.add_argument("-g", "--model-tag", type=str, default=None, help="model tag; None picks the newest")
-    parser.add_argument("-s", "--step", type=bounded(int, 0), default=None, help="checkpoint step; None picks the last")
+    parser.add_argument("-s", "--step", type=number_in(int, 0), default=None, help="checkpoint step; None picks the last")
     parser.add_argument("--hf-model", type=str, default=None, metavar="DIR", help="serve a Hugging Face model directory instead of --source")
     parser.add_argument("--host", type=str, default="127.0.0.1", help="address to listen on; 0.0.0.0 serves other machines")
-    parser.add_argument("-p", "--port", type=bounded(int, 0, 65535), default=8000, help="port to listen on (0: any free one)")
-    parser.add_argument("-n", "--num-gpus", type=bounded(int, 1), default=1, help="one engine replica per GPU (CPU: always one)")
-    parser.add_argument("-b", "--batch-size", type=bounded(int, 1), default=32, help="engine slots per replica (concurrent samples)")
-    parser.add_argument("-m", "--max-tokens", type=bounded(int, 1), default=512,
-                        help="the most tokens a request may generate (and the default); --load-test: tokens per client")
+    parser.add_argument("-p", "--port", type=number_in(int, 0, 65535), default=8000, help="port to listen on (0: any free one)")
+    parser.add_argument("-n", "--num-gpus", type=number_in(int, 1), default=1, help="one engine replica per GPU (CPU: always one)")
+    parser.add_argument("-b", "--batch-size", type=number_in(int, 1), default=32, help="engine slots per replica (concurrent samples)")
+    parser.add_argument("-m", "--max-tokens", type=number_in(int, 1), default=512,
+                        help="the most tokens a request may generate (and what a request that names none gets); --load-test: tokens per client")
     parser.add_argument("--device-type", type=str, default=None, choices=["cuda", "cpu", "mps"], help="None detects the device")
-    parser.add_argument("--header-timeout", type=bounded(float, 0.01), default=10.0,
+    parser.add_argument("--header-timeout", type=number_in(float, 0.01), default=10.0,
                         help="seconds a client has to send a request's headers before it is disconnected")
-    parser.add_argument("--body-timeout", type=bounded(float, 0.01), default=30.0,
+    parser.add_argument("--body-timeout", type=number_in(float, 0.01), default=30.0,
                         help="seconds a client has to send a request's body (then 408)")
     parser.add_argument("--load-test", type=str, default=None, metavar="URL", help="don't serve: load-test the server at URL")
-    parser.add_argument("--clients", type=bounded(int, 1), default=64, help="--load-test: concurrent streaming clients")
+    parser.add_argument("--clients", type=number_in(int, 1), default=64, help="--load-test: concurrent streaming clients")
     args = parser.parse_args()
     if args.load_test:
         load_test(args.load_test.rstrip("/"), args.clients, args.max_tokens)

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from nanorl.tokenizer import SPLIT_PATTERN, Tokenizer
-from scripts.chat_eval import Progress, centered, evaluate, letter_token, pass_at_k, run_categorical
+from nanorl.rl import pass_at_k
+from scripts.chat_eval import Progress, centered, evaluate, letter_token, run_categorical
 from tasks import Task, TaskMixture
 from tasks.common import render_mc
 from tasks.offline import OfflineProblems
@@ -27,18 +28,6 @@ class ListTask(Task):
 
     def example(self, i):
         return self.conversations[i]
-
-
-def test_pass_at_k_by_hand():
-    assert pass_at_k(5, 2, 1) == pytest.approx(2 / 5)
-    assert pass_at_k(5, 2, 2) == pytest.approx(1 - 3 / 10)  # 1 - C(3,2)/C(5,2)
-    assert pass_at_k(10, 3, 4) == pytest.approx(1 - 35 / 210)  # 1 - C(7,4)/C(10,4)
-    assert pass_at_k(5, 0, 3) == 0.0 and pass_at_k(5, 5, 1) == 1.0
-    assert pass_at_k(5, 4, 2) == 1.0  # fewer wrong samples than k: a right one is always drawn
-    assert pass_at_k(1, 1, 1) == 1.0 and pass_at_k(1, 0, 1) == 0.0
-    assert pass_at_k(200, 10, 100) == pytest.approx(1 - 0.5 ** 10, abs=2e-3)  # large n does not overflow
-    with pytest.raises(ValueError):
-        pass_at_k(2, 1, 3)
 
 
 def test_progress_lines(capsys):

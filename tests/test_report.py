@@ -105,9 +105,9 @@ def test_report_card_from_stage_outputs_has_no_mislabelled_row(base_dir, tmp_pat
         assert (out_path.parent / link).resolve().parent == (base_dir / "report").resolve(), link
 
 
-@pytest.mark.parametrize("flags,msg", [(["-x", "0"], "-x/--max-problems must be >= 1, got 0"),
-                                       (["-x", "-1"], "-x/--max-problems must be >= 1, got -1"),
-                                       (["-n", "0"], "-n/--num-samples must be >= 1")])
+@pytest.mark.parametrize("flags,msg", [(["-x", "0"], "argument -x/--max-problems: 0 is out of range: must be an integer >= 1"),
+                                       (["-x", "-1"], "argument -x/--max-problems: -1 is out of range"),
+                                       (["-n", "0"], "argument -n/--num-samples: 0 is out of range")])
 def test_chat_eval_rejects_bad_counts(base_dir, flags, msg, monkeypatch, capsys):
     code, _, err = chat_eval(base_dir, "-i", "sft", *flags, monkeypatch=monkeypatch, capsys=capsys)
     assert code == 2 and msg in err, err
