@@ -45,3 +45,10 @@ def no_logprob_generate(args, engine, tokenizer, prompts, seeds):
         for s in g:
             s.rollout_log_probs = []
     return groups
+
+
+def eval_broken_reward(response, label, metadata):
+    """Fails on every held-out (eval) prompt, works on the training prompts."""
+    if metadata["split"] == "test":
+        raise RuntimeError("the eval grader is down")
+    return vowel_reward(response, label, metadata)

@@ -307,3 +307,12 @@ def test_python_tool_rl_names_its_sandbox(base_dir, tool_model):
     from nanorl.execution import sandbox_mode
     assert f"python sandbox: {sandbox_mode()}" in log
     assert hist["train"][0]["rollout/tool_calls_mean"] > 0
+
+
+def test_eval_reward_failures_are_not_the_rollouts(base_dir):
+    # the eval's grader fails on every held-out prompt: the eval scores them as failures, but the training rollout's
+    # failure counter only counts the training rollout's own rewards
+    rm = f"{ROOT / 'tests' / 'rl_fixture_reward.py'}:eval_broken_reward"
+    hist, log = run_rl(base_dir, "--num-rollouts", "1", "--output-tag", "evalbroken", rm=rm)
+    assert "rewards failed" in log and hist["eval"][0]["eval/pass@1"] == 0.0
+    assert hist["train"][0]["rollout/reward_failures"] == 0
