@@ -6,11 +6,15 @@ Benchmarks on a random-init model of a given size: print the numbers, then one f
     python -m scripts.bench decode --depth 4 --batch 64 --requests 1 --prompt-len 32 --new-tokens 64 --threads 1  # one user, big engine
     python -m scripts.bench train --depth 20 --batch 32 --seq-len 2048
     python -m scripts.bench train --depth 2 --batch 4 --seq-len 64 --head-dim 64 --vocab-size 4096 --threads 1  # CPU
+    python -m scripts.bench train --depth 20 --batch 32 --seq-len 2048 --fsdp  # one process: FSDP2 over one rank
     python -m scripts.bench rl --depth 20 --prompts 16 --samples 16 --prompt-len 150 --new-tokens 256
     python -m scripts.bench rl --depth 2 --prompts 4 --samples 4 --prompt-len 32 --new-tokens 32 --vocab-size 4096 --threads 1  # CPU
+    python -m scripts.bench hf --arch qwen2 --size 0.5b --batches 1 64 256  # Qwen2.5-0.5B's shape, random weights
+    python -m scripts.bench hf --size tiny --batches 1 2 --prompt-len 8 --new-tokens 8 --rl-prompt-len 8 --rl-new-tokens 8  # CPU
 """
 import argparse
 import json
+import os
 import resource
 import time
 
@@ -39,9 +43,23 @@ def bench_train(args):
         raise SystemExit("--batch, --seq-len and --steps must be >= 1, --warmup >= 0")
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.fsdp:
+        from nanorl.common import compute_init
+        from nanorl.fsdp import gather_full_state, shard_model
+        if "RANK" not in os.environ:  # not under torchrun: a one-process group of its own (FSDP2 needs one)
+            import socket
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        if os.environ["WORLD_SIZE"] != "1":
+            raise SystemExit("bench train --fsdp measures the wrapping's cost on one device: run it as one process")
+        _, _, _, _, device = compute_init(device_type)
     torch.manual_seed(0)
     cfg = config_from_depth(args.depth, args.vocab_size, sequence_len=T, head_dim=args.head_dim, n_kv_head=args.n_kv_head)
     model = build_model(cfg, device)
+    if args.fsdp:  # as base_train --fsdp: sharded (over one rank here), then the same optimizer and compile
+        shard_model(model, device)
     model.train()
     optimizer = build_optimizer(model)
     compile_it = device_type == "cuda" and not args.no_compile
@@ -71,7 +89,7 @@ def bench_train(args):
     peak = get_peak_flops(name) if device_type == "cuda" else None
     flops_per_token = model.estimate_flops()
     print(f"train | {name} | depth {args.depth} ({model.num_params() / 1e6:.1f}M params) | batch {B} x seq {T} = {B * T:,} tokens/step | "
-          f"compiled {'yes' if compile_it else 'no'} | {'bf16 autocast' if device_type == 'cuda' else 'fp32'} | "
+          f"compiled {'yes' if compile_it else 'no'} | fsdp {'yes (1 rank)' if args.fsdp else 'no'} | {'bf16 autocast' if device_type == 'cuda' else 'fp32'} | "
           f"warm-up {args.warmup} steps {warmup_s:.1f}s")
     print(f"{'step':>5} | {'ms':>9} | {'tok/s':>12} | {'loss':>8}")
     times, losses = [], []
@@ -86,13 +104,24 @@ def bench_train(args):
     tok_s = B * T * len(times) / sum(times)
     mfu = flops_per_token * tok_s / peak if peak else None
     peak_mem = peak_memory_gb(device_type)
+    gather_ms = None
+    if args.fsdp:  # RL's sampler refresh under FSDP: the full weights gathered into an unsharded copy (bf16 on CUDA)
+        sampler = build_model(cfg, device).to(torch.bfloat16 if device_type == "cuda" else torch.float32)
+        gathers = [gather_full_state(model, sampler) for _ in range(6)][1:]  # the first call warms up
+        gather_ms = sorted(gathers)[2] * 1e3  # the median
+        del sampler
+        print(f"sampler weight gather (nanorl.fsdp.gather_full_state): {gather_ms:.2f} ms (median of 5)")
     print(f"mean {sum(times) / len(times) * 1e3:.2f} ms/step, {tok_s:,.0f} tok/s, {flops_per_token:.3e} FLOPs/token, "
           f"peak memory {peak_mem:.2f} GB; " + (f"MFU {mfu:.1%}" if mfu is not None else "MFU: n/a (no peak FLOP/s known for this device)"))
     print(json.dumps({"bench": "train", "device": name, "depth": args.depth, "params": model.num_params(), "batch": B, "seq_len": T,
-                      "n_head": cfg.n_head, "n_kv_head": cfg.n_kv_head, "compiled": compile_it, "warmup": args.warmup,
+                      "n_head": cfg.n_head, "n_kv_head": cfg.n_kv_head, "compiled": compile_it, "fsdp": args.fsdp, "warmup": args.warmup,
                       "steps": args.steps, "ms_per_step": round(sum(times) / len(times) * 1e3, 3), "tok_per_s": round(tok_s, 1),
                       "flops_per_token": flops_per_token, "mfu": None if mfu is None else round(mfu, 4),
-                      "peak_mem_gb": round(peak_mem, 3), "loss_first": round(losses[0], 4), "loss_last": round(losses[-1], 4)}))
+                      "peak_mem_gb": round(peak_mem, 3), "loss_first": round(losses[0], 4), "loss_last": round(losses[-1], 4),
+                      "gather_ms": None if gather_ms is None else round(gather_ms, 3)}))
+    if args.fsdp:
+        from nanorl.common import compute_cleanup
+        compute_cleanup()
 
 
 def bench_decode(args):
@@ -178,17 +207,58 @@ def bench_decode(args):
                       "peak_mem_gb": round(peak_mem, 3), "mbu": None if mbu is None else round(mbu, 4)}))
 
 
+def grpo_stepper(model, optimizer, engine, prompts, n, N, max_tokens_per_gpu, device):
+    """chat_rl's GRPO step as a function of the step number: rollout (n samples of each prompt, every response forced
+    to N tokens), a reward, nanorl.rl_trainer.Trainer's training step with chat_rl's defaults for every training flag,
+    and the engine's weights refreshed. Each call returns (rollout seconds, train seconds, generated tokens, trained
+    tokens, mean reward, grad norm)."""
+    from nanorl import rl_trainer
+    from nanorl.common import Timer
+    from nanorl.engine import Request
+    from nanorl.rollout import Sample
+
+    device_type = device.type
+    p = argparse.ArgumentParser()
+    rl_trainer.add_args(p)
+    targs = p.parse_args(["--max-tokens-per-gpu", str(max_tokens_per_gpu)])
+    targs.advantage_estimator, targs.temperature, targs.n_samples_per_prompt, targs.max_response_len = "grpo", 1.0, n, N
+    trainer = rl_trainer.Trainer(targs, model, optimizer, device)
+
+    def rl_step(step):
+        model.eval()
+        synchronize(device_type)
+        t0 = time.perf_counter()
+        # stop_tokens=[]: a random model rarely ends a response, so every response runs to the budget
+        reqs = [Request(p, num_samples=n, max_tokens=N, temperature=1.0, seed=step * len(prompts) + i, stop_tokens=[],
+                        use_tools=False) for i, p in enumerate(prompts)]
+        samples = [Sample(tokens=list(p) + list(c.tokens), response_length=len(c.tokens), loss_mask=list(c.mask),
+                          rollout_log_probs=list(c.logprobs), status=c.status, group_index=gi, index=si, weight_version=step)
+                   for gi, (p, comps) in enumerate(zip(prompts, engine.generate(reqs))) for si, c in enumerate(comps)]
+        # a cheap deterministic reward from the sampled tokens (parity of their sum): about half right, so
+        # every group has a non-zero advantage, as in a useful rollout
+        for s in samples:
+            s.reward = float(sum(s.tokens[s.prompt_length:]) % 2)
+        synchronize(device_type)
+        t1 = time.perf_counter()
+        m = trainer.train_step(step, samples, Timer())
+        engine.load_weights(model)  # as chat_rl: the engine samples from its own copy of the weights
+        synchronize(device_type)
+        t2 = time.perf_counter()
+        gen_tok = sum(s.response_length for s in samples)
+        reward = sum(s.reward for s in samples) / len(samples)
+        return t1 - t0, t2 - t1, gen_tok, sum(len(s.tokens) for s in samples), reward, m["train/grad_norm"]
+
+    return rl_step
+
+
 def bench_rl(args):
     """One GRPO step of chat_rl's shape on a random-init model: rollout (the engine, every response forced to the
     full --new-tokens, the worst case of a GSM8K rollout), rewards, then chat_rl's own training step
     (nanorl.rl_trainer.Trainer: advantages, the loss over micro-batches, one optimizer step), with chat_rl's
     defaults for every training flag. Time split rollout / train, tok/s of each, peak memory."""
-    from nanorl import rl_trainer
-    from nanorl.common import Timer
-    from nanorl.engine import Engine, Request
+    from nanorl.engine import Engine
     from nanorl.gpt import build_model, config_from_depth
     from nanorl.optim import build_optimizer
-    from nanorl.rollout import Sample
     from nanorl.tokenizer import SPLIT_PATTERN, Tokenizer
 
     device_type = args.device_type or autodetect_device_type()
@@ -207,41 +277,10 @@ def bench_rl(args):
     optimizer = build_optimizer(model)
     for g in optimizer.param_groups:
         g["initial_lr"] = g["lr"] = g["initial_lr"] * args.lr_scale
-    # chat_rl's training flags at their defaults, with this benchmark's shape
-    p = argparse.ArgumentParser()
-    rl_trainer.add_args(p)
-    targs = p.parse_args(["--max-tokens-per-gpu", str(args.max_tokens_per_gpu)])
-    targs.advantage_estimator, targs.temperature, targs.n_samples_per_prompt, targs.max_response_len = "grpo", 1.0, n, N
-    trainer = rl_trainer.Trainer(targs, model, optimizer, device)
     tok = Tokenizer.from_ranks({bytes([i]): i for i in range(256)}, SPLIT_PATTERN)  # the engine needs only its specials
     engine = Engine(model, tok, batch_size=args.engine_batch_size or n_prompts * n, max_len=P + N)
-    g = torch.Generator().manual_seed(1)
-    prompts = torch.randint(0, 256, (n_prompts, P), generator=g).tolist()
-
-    def rl_step(step):
-        """Returns (rollout seconds, train seconds, generated tokens, trained tokens, mean reward, grad norm)."""
-        model.eval()
-        synchronize(device_type)
-        t0 = time.perf_counter()
-        # stop_tokens=[]: a random model rarely ends a response, so every response runs to the budget
-        reqs = [Request(p, num_samples=n, max_tokens=N, temperature=1.0, seed=step * n_prompts + i, stop_tokens=[],
-                        use_tools=False) for i, p in enumerate(prompts)]
-        samples = [Sample(tokens=list(p) + list(c.tokens), response_length=len(c.tokens), loss_mask=list(c.mask),
-                          rollout_log_probs=list(c.logprobs), status=c.status, group_index=gi, index=si, weight_version=step)
-                   for gi, (p, comps) in enumerate(zip(prompts, engine.generate(reqs))) for si, c in enumerate(comps)]
-        # a cheap deterministic reward from the sampled tokens (parity of their sum): about half right, so
-        # every group has a non-zero advantage, as in a useful rollout
-        for s in samples:
-            s.reward = float(sum(s.tokens[s.prompt_length:]) % 2)
-        synchronize(device_type)
-        t1 = time.perf_counter()
-        m = trainer.train_step(step, samples, Timer())
-        engine.load_weights(model)  # as chat_rl: the engine samples from its own copy of the weights
-        synchronize(device_type)
-        t2 = time.perf_counter()
-        gen_tok = sum(s.response_length for s in samples)
-        reward = sum(s.reward for s in samples) / len(samples)
-        return t1 - t0, t2 - t1, gen_tok, sum(len(s.tokens) for s in samples), reward, m["train/grad_norm"]
+    prompts = torch.randint(0, 256, (n_prompts, P), generator=torch.Generator().manual_seed(1)).tolist()
+    rl_step = grpo_stepper(model, optimizer, engine, prompts, n, N, args.max_tokens_per_gpu, device)
 
     rl_step(0)  # warm up: kernels, allocator, the optimizer's state
     if device_type == "cuda":
@@ -268,6 +307,154 @@ def bench_rl(args):
                       "rollout_tok_per_s": round(gen_tok / t_roll, 1), "train_tok_per_s": round(train_tok / t_train, 1),
                       "generated_tokens": gen_tok, "trained_tokens": train_tok, "reward_mean": round(reward, 4),
                       "grad_norm": round(runs[-1][5], 6), "peak_mem_gb": round(peak_mem, 3)}))
+
+
+# Qwen2.5-0.5B's shape (its config.json); --size tiny is a CPU-sized model of the same architecture
+HF_SIZES = {"0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                         intermediate_size=4864, vocab_size=151936),
+            "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=96, vocab_size=512)}
+
+
+def save_random_hf(directory, arch, size, context, device, dtype):
+    """A random-weight HF model of Qwen2.5's (or Llama's) shape written with save_pretrained, plus a small
+    byte-level BPE (the `tokenizers` package) whose few hundred tokens sit in the model's full vocabulary, as
+    Qwen's tokenizer leaves spare embedding rows. Nothing is downloaded."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    torch.manual_seed(0)
+    shape = dict(HF_SIZES[size], max_position_embeddings=max(context, 32768 if size == "0.5b" else context))
+    if arch == "qwen2":
+        cfg, cls = transformers.Qwen2Config(**shape, tie_word_embeddings=True, rope_theta=1000000.0, rms_norm_eps=1e-6), transformers.Qwen2ForCausalLM
+    else:
+        cfg, cls = transformers.LlamaConfig(**shape, tie_word_embeddings=False, rms_norm_eps=1e-5), transformers.LlamaForCausalLM
+    if size == "tiny":
+        cfg.initializer_range = 0.3  # far from uniform next-token distributions: greedy tokens vary and ties are rare
+    with torch.device(device):
+        model = cls(cfg).to(dtype)
+    model.save_pretrained(directory)
+    del model
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    text = ["What is 12 plus 30? The answer is 42.", "Natalia sold clips to 48 of her friends in April."] * 10
+    tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
+                                                     initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(os.path.join(directory, "tokenizer.json"))
+    template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+                "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": template, "eos_token": "<|im_end|>",
+                   "pad_token": "<|endoftext|>", "bos_token": None}, f)
+    return tok.get_vocab_size()
+
+
+def bench_hf(args):
+    """A Hugging Face model through nanorl, on random weights of a real model's shape: the --hf-model load (seconds,
+    peak memory), greedy decode through nanorl's Engine vs transformers' generate on the same prompts at each
+    --batches size (tok/s of each, and whether they pick the same tokens), and one GRPO step of chat_rl's trainer."""
+    import tempfile
+
+    import transformers
+
+    from nanorl.checkpoint import load_hf
+    transformers.utils.logging.disable_progress_bar()  # the log's last line stays the JSON
+    from nanorl.engine import Engine, Request
+    from nanorl.optim import build_optimizer
+
+    device_type = args.device_type or autodetect_device_type()
+    device = torch.device(device_type)
+    P, N, batches = args.prompt_len, args.new_tokens, args.batches
+    if args.rl_samples < 2:
+        raise SystemExit(f"--rl-samples must be >= 2 (GRPO normalises by the group's std), got {args.rl_samples}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = torch.bfloat16 if device_type == "cuda" else torch.float32  # what the Hub's checkpoints hold / CPU math
+    name = torch.cuda.get_device_name() if device_type == "cuda" else device_type
+    context = max(P + N, args.rl_prompt_len + args.rl_new_tokens)
+    with tempfile.TemporaryDirectory() as directory:
+        t0 = time.perf_counter()
+        tok_vocab = save_random_hf(directory, args.arch, args.size, context, device, dtype)
+        save_s = time.perf_counter() - t0
+        disk = sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory))
+        if device_type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        synchronize(device_type)
+        t0 = time.perf_counter()
+        model, tokenizer, _ = load_hf(directory, device, phase="train")  # chat_rl --hf-model: fp32 master weights
+        synchronize(device_type)
+        load_s = time.perf_counter() - t0
+        load_mem = peak_memory_gb(device_type)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).to(device).eval()
+    hf.generation_config.eos_token_id = None  # as the engine's stop_tokens=[]: every row runs N tokens
+    hf.generation_config.pad_token_id = 0
+    params = model.num_params()
+    print(f"hf | {name} | {args.arch} {args.size} random weights ({params / 1e6:.1f}M params, {model.config.n_layer} layers, "
+          f"width {model.config.n_embd}, {model.config.n_head} heads / {model.config.n_kv_head} kv, vocab {model.config.vocab_size:,}) | "
+          f"saved {disk / 1e9:.2f} GB in {save_s:.1f}s | --hf-model load {load_s:.2f}s, peak memory {load_mem:.2f} GB")
+
+    g = torch.Generator().manual_seed(1)
+    print(f"greedy decode, prompt {P}, {N} new tokens, end to end (prefill included)")
+    print(f"{'batch':>6} | {'nanorl tok/s':>12} | {'hf tok/s':>10} | {'speed-up':>8} | {'same tokens':>11} | {'rows equal':>10}")
+    decode = []
+    for B in batches:
+        prompts = torch.randint(0, tok_vocab, (B, P), generator=g)
+        engine = Engine(model, tokenizer, batch_size=B, max_len=P + N)  # the engine chat_rl samples with (bf16 on CUDA)
+
+        def run_engine(n_new):
+            reqs = [Request(p, max_tokens=n_new, temperature=0.0, stop_tokens=[], use_tools=False) for p in prompts.tolist()]
+            return [c[0].tokens for c in engine.generate(reqs)]
+
+        def run_hf(n_new):
+            with torch.no_grad():
+                x = prompts.to(device)
+                out = hf.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False)
+            return out[:, P:].tolist()
+
+        row = {"batch": B}
+        for who, fn in (("nanorl", run_engine), ("hf", run_hf)):
+            fn(2)  # warm up: kernels, allocator
+            synchronize(device_type)
+            t0 = time.perf_counter()
+            row[who + "_tokens"] = fn(N)
+            synchronize(device_type)
+            row[who + "_tok_per_s"] = round(B * N / (time.perf_counter() - t0), 1)
+        a, b = row.pop("nanorl_tokens"), row.pop("hf_tokens")
+        # greedy paths fork at the first near-tie and never rejoin: count the tokens before each row's first difference
+        same = sum(next((i for i, (x, y) in enumerate(zip(r, s)) if x != y), N) for r, s in zip(a, b)) / (B * N)
+        row.update(speedup=round(row["nanorl_tok_per_s"] / row["hf_tok_per_s"], 3), same_token_frac=round(same, 4),
+                   rows_equal=sum(r == s for r, s in zip(a, b)), distinct_tokens=len({t for r in a for t in r}))
+        decode.append(row)
+        print(f"{B:>6} | {row['nanorl_tok_per_s']:>12,.0f} | {row['hf_tok_per_s']:>10,.0f} | {row['speedup']:>7.2f}x | "
+              f"{same:>11.1%} | {row['rows_equal']:>4}/{B:<5}")
+        del engine
+    hf = None  # its memory back before training
+    if device_type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+    # one GRPO step of chat_rl's trainer on the loaded model (after an untimed warm-up step)
+    n_prompts, n, RP, RN = args.rl_prompts, args.rl_samples, args.rl_prompt_len, args.rl_new_tokens
+    optimizer = build_optimizer(model)
+    for grp in optimizer.param_groups:
+        grp["initial_lr"] = grp["lr"] = grp["initial_lr"] * 0.05  # chat_rl's default --lr-scale
+    engine = Engine(model, tokenizer, batch_size=n_prompts * n, max_len=RP + RN)
+    rl_prompts = torch.randint(0, tok_vocab, (n_prompts, RP), generator=g).tolist()
+    rl_step = grpo_stepper(model, optimizer, engine, rl_prompts, n, RN, args.max_tokens_per_gpu, device)
+    rl_step(0)
+    t_roll, t_train, gen_tok, train_tok, reward, grad_norm = rl_step(1)
+    rl_mem = peak_memory_gb(device_type)
+    print(f"GRPO step ({n_prompts} prompts x {n} samples, prompt {RP}, {RN} new tokens forced): rollout {t_roll:.2f}s "
+          f"({gen_tok / t_roll:,.0f} tok/s) + train {t_train:.2f}s ({train_tok / t_train:,.0f} tok/s) = {t_roll + t_train:.2f}s; "
+          f"peak memory {rl_mem:.2f} GB")
+    print(json.dumps({"bench": "hf", "device": name, "arch": args.arch, "size": args.size, "params": params,
+                      "vocab_size": model.config.vocab_size, "tokenizer_vocab": tok_vocab, "save_s": round(save_s, 3),
+                      "load_s": round(load_s, 3), "load_peak_mem_gb": round(load_mem, 3), "prompt_len": P, "new_tokens": N,
+                      "decode": decode, "rl_prompts": n_prompts, "rl_samples": n, "rl_rollout_s": round(t_roll, 6),
+                      "rl_train_s": round(t_train, 6), "rl_total_s": round(t_roll + t_train, 6), "rl_generated_tokens": gen_tok,
+                      "rl_trained_tokens": train_tok, "rl_reward_mean": round(reward, 4), "rl_grad_norm": round(grad_norm, 6),
+                      "peak_mem_gb": round(max(load_mem, rl_mem) if device_type == "cuda" else rl_mem, 3)}))
 
 
 def model_and_device_args(p):
@@ -299,6 +486,7 @@ def main():
     p.add_argument("--steps", type=positive_int, default=10, help="timed steps")
     p.add_argument("--grad-clip", type=nonneg_float, default=1.0, help="as base_train; 0 = off")
     p.add_argument("--no-compile", action="store_true", help="run eagerly on CUDA")
+    p.add_argument("--fsdp", action="store_true", help="as base_train --fsdp (FSDP2 over one rank: the wrapping's cost), plus the sampler weight-gather time")
     model_and_device_args(p)
     p.set_defaults(func=bench_train)
     p = sub.add_parser("rl", help="one GRPO step (rollout + train) of chat_rl's GSM8K shape: time split, tok/s, peak memory")
@@ -313,6 +501,20 @@ def main():
     p.add_argument("--lr-scale", type=positive_float, default=0.05, help="multiplier on the optimizer LRs (chat_rl's default)")
     model_and_device_args(p)
     p.set_defaults(func=bench_rl)
+    p = sub.add_parser("hf", help="a Hugging Face model's shape on random weights: --hf-model load, nanorl vs transformers decode, a GRPO step")
+    p.add_argument("--arch", choices=["qwen2", "llama"], default="qwen2", help="transformers architecture (qwen2: Qwen2.5's)")
+    p.add_argument("--size", choices=sorted(HF_SIZES), default="0.5b", help="0.5b: Qwen2.5-0.5B's shape; tiny: a CPU-sized one")
+    p.add_argument("--batches", type=positive_int, nargs="+", default=[1, 64, 256], help="decode batch sizes")
+    p.add_argument("--prompt-len", type=positive_int, default=128)
+    p.add_argument("--new-tokens", type=positive_int, default=128, help="greedy tokens per row, all generated (no stop tokens)")
+    p.add_argument("--rl-prompts", type=positive_int, default=8, help="GRPO step: prompts")
+    p.add_argument("--rl-samples", type=positive_int, default=8, help="GRPO step: samples per prompt")
+    p.add_argument("--rl-prompt-len", type=positive_int, default=150)
+    p.add_argument("--rl-new-tokens", type=positive_int, default=256)
+    p.add_argument("--max-tokens-per-gpu", type=positive_int, default=8192, help="tokens per packed training micro-batch (chat_rl's flag)")
+    p.add_argument("--device-type", type=str, default=None, help="cuda|cpu|mps (default: autodetect)")
+    p.add_argument("--threads", type=positive_int, default=None, help="CPU threads")
+    p.set_defaults(func=bench_hf)
     args = parser.parse_args()
     args.func(args)
 
