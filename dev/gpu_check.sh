@@ -5,8 +5,10 @@
 # On a GPU it runs the tests marked `gpu` (CUDA-graph engine == eager engine, bf16 engine vs trainer log-prob gap,
 # compiled == eager loss, flex == dense-mask gradients, a packed SFT step at d20 shape, a GRPO step at d12, a 2-rank
 # NCCL run when 2 GPUs exist), then bench train d12 and d20, bench decode d20 at batch 1/64/256 (512-token prompts,
-# 256 new tokens, the engine RL samples with), bench rl d20 (16 prompts x 16 samples, 256 new tokens), and writes
-# one markdown table of the figures to OUT.md. Each step's full output is kept in OUT_logs/ next to OUT.md.
+# 256 new tokens, the engine RL samples with), bench rl d20 (16 prompts x 16 samples, 256 new tokens), bench train d20
+# --fsdp (FSDP2 over one rank: its cost against plain d20, and the sampler weight-gather time), bench hf (Qwen2.5-0.5B's
+# shape on random weights: --hf-model load, nanorl vs transformers greedy decode at batch 1/64/256, a GRPO step), and
+# writes one markdown table of the figures to OUT.md. Each step's full output is kept in OUT_logs/ next to OUT.md.
 # The CPU mode runs the same steps at tiny sizes: its figures say the command works, not how fast anything is.
 # Exit status 1 if any step failed (the table still lists every step, failures included). Needs the test
 # dependencies: bash tests/run.sh (or pip install -e ".[dev]") first.
@@ -43,12 +45,19 @@ if [ $MODE = gpu ]; then
         step decode "decode d20 batch $B" $PY -m scripts.bench decode --depth 20 --n-kv-head 2 --batch $B --prompt-len 512 --new-tokens 256
     done
     step rl "rl d20 step (16x16)" $PY -m scripts.bench rl --depth 20 --n-kv-head 2 --prompts 16 --samples 16 --prompt-len 150 --new-tokens 256
+    # FSDP2's wrapping on one GPU (against "train d20" above) and the sampler's weight gather; 3 timed steps, compile dominates
+    step train "train d20 --fsdp" $PY -m scripts.bench train --depth 20 --n-kv-head 2 --batch 32 --seq-len 2048 --warmup 2 --steps 3 --fsdp
+    step hf "hf qwen2 0.5b" $PY -m scripts.bench hf --arch qwen2 --size 0.5b --batches 1 64 256 --prompt-len 128 --new-tokens 128 \
+        --rl-prompts 8 --rl-samples 8 --rl-prompt-len 150 --rl-new-tokens 256
 else
     TINY="--head-dim 64 --vocab-size 4096 --device-type cpu --threads 1"
     step train "train d2" $PY -m scripts.bench train --depth 2 --batch 2 --seq-len 64 --warmup 1 --steps 2 $TINY
     for B in 1 2 4; do
-        step decode "decode d2 batch $B" $PY -m scripts.bench decode --depth 2 --batch $B --prompt-len 16 --new-tokens 8 $TINY
+        step decode "decode d2 batch $B" $PY -m scripts.bench decode --depth 2 --batch $B --prompt-len 16 --new-tokens 32 $TINY
     done
     step rl "rl d2 step (2x2)" $PY -m scripts.bench rl --depth 2 --prompts 2 --samples 2 --prompt-len 16 --new-tokens 8 $TINY
+    step train "train d2 --fsdp" $PY -m scripts.bench train --depth 2 --batch 2 --seq-len 64 --warmup 1 --steps 2 --fsdp $TINY
+    step hf "hf qwen2 tiny" $PY -m scripts.bench hf --arch qwen2 --size tiny --batches 1 2 4 --prompt-len 8 --new-tokens 8 \
+        --rl-prompts 2 --rl-samples 2 --rl-prompt-len 8 --rl-new-tokens 8 --device-type cpu --threads 1
 fi
 $PY dev/gpu_table.py "$LOGS" "$OUT" $MODE $(( $(date +%s) - T0 ))

@@ -30,8 +30,24 @@ def bench_row(kind, label, r, mode):
     if kind == "decode":
         util = "MBU " + f"{r['mbu']:.1%}" if r["mbu"] is not None else None
         return fmt(r["decode_tok_per_s"]), "tok/s", util
+    if kind == "hf":  # the --hf-model load; decode and the GRPO step are extra_rows
+        return fmt(r["load_s"]), "s", None
     # rl: the whole step; its split is in the log
     return fmt(r["total_s"]), "s/step", f"rollout {r['rollout_s']:.2f} s + train {r['train_s']:.2f} s"
+
+
+def extra_rows(kind, label, r):
+    """Rows beyond a benchmark's first: the sampler gather of train --fsdp, and bench hf's decode and GRPO figures."""
+    if kind == "train" and r.get("gather_ms") is not None:
+        return [[f"{label}: sampler weight gather", fmt(r["gather_ms"]), "ms", "", ""]]
+    if kind != "hf":
+        return []
+    rows = [[f"{label}: decode batch {d['batch']}", fmt(d["nanorl_tok_per_s"]), "tok/s",
+             f"transformers {fmt(d['hf_tok_per_s'])} tok/s ({d['speedup']:.2f}x); same greedy tokens {d['same_token_frac']:.0%}", ""]
+            for d in r["decode"]]
+    rows.append([f"{label}: GRPO step ({r['rl_prompts']}x{r['rl_samples']})", fmt(r["rl_total_s"]), "s/step",
+                 f"rollout {r['rl_rollout_s']:.2f} s + train {r['rl_train_s']:.2f} s", fmt(r["peak_mem_gb"])])
+    return rows
 
 
 def main(logdir, out, mode, seconds):
@@ -60,8 +76,12 @@ def main(logdir, out, mode, seconds):
             continue
         r = json.loads(last)
         figure, unit, util = bench_row(kind, label, r, mode)
-        util = "n/a (CPU)" if mode == "cpu" else (util or "n/a (no peak figure for this GPU)")
-        rows.append([label, figure, unit, util, fmt(r["peak_mem_gb"])])
+        if kind == "hf":  # the first row is the load: no utilisation figure, the load's own peak memory
+            rows.append([f"{label}: --hf-model load", figure, unit, "", fmt(r["load_peak_mem_gb"])])
+        else:
+            util = "n/a (CPU)" if mode == "cpu" else (util or "n/a (no peak figure for this GPU)")
+            rows.append([label, figure, unit, util, fmt(r["peak_mem_gb"])])
+        rows += extra_rows(kind, label, r)
     device = torch.cuda.get_device_name() if mode == "gpu" else "CPU mode (no CUDA GPU): tiny sizes"
     lines = [f"# dev/gpu_check.sh: {device}, torch {torch.__version__}, {seconds} s", ""]
     if mode == "cpu":

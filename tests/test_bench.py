@@ -84,3 +84,40 @@ def test_bench_rl_bad_flags():
         out = subprocess.run([sys.executable, "-m", "scripts.bench", *RL_TINY, flag, value], check=False, cwd=ROOT,
                              capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
         assert out.returncode != 0 and message in out.stderr
+
+
+def test_bench_train_fsdp_is_the_same_step():
+    """--fsdp over one rank (no torchrun: the bench makes its own one-process group) trains exactly as the plain step
+    (fp32 on the CPU), and times the sampler's weight gather."""
+    args = ["train", "--depth", "2", "--batch", "2", "--seq-len", "32", "--head-dim", "64", "--vocab-size", "512",
+            "--warmup", "1", "--steps", "2", "--threads", "1", "--device-type", "cpu"]
+    lines, sharded = bench(*args, "--fsdp")
+    _, plain = bench(*args)
+    assert sharded["fsdp"] is True and plain["fsdp"] is False and plain["gather_ms"] is None
+    assert sharded["params"] == plain["params"] and sharded["flops_per_token"] == plain["flops_per_token"]
+    assert abs(sharded["loss_first"] - plain["loss_first"]) < 1e-3 and abs(sharded["loss_last"] - plain["loss_last"]) < 1e-3
+    assert sharded["gather_ms"] > 0 and any("sampler weight gather" in ln for ln in lines)
+
+
+def test_bench_hf_tiny_cpu():
+    """bench hf on the tiny Qwen2 shape: nanorl's engine and transformers' generate pick the same greedy tokens
+    (fp32), the parameter count is the HF model's, the GRPO step's token counts are its shape's."""
+    lines, r = bench("hf", "--arch", "qwen2", "--size", "tiny", "--batches", "1", "3", "--prompt-len", "6", "--new-tokens", "7",
+                     "--rl-prompts", "2", "--rl-samples", "3", "--rl-prompt-len", "5", "--rl-new-tokens", "4",
+                     "--device-type", "cpu", "--threads", "1")
+    assert r["bench"] == "hf" and r["arch"] == "qwen2" and r["vocab_size"] == 512 and r["tokenizer_vocab"] == 300
+    # hidden 64, 2 layers, 4 heads of 16 (2 KV heads), MLP 96, tied embedding; q/k/v biases and RMSNorm weights
+    h, kv, mlp = 64, 2 * 16, 96
+    layer = (h * h + h) + 2 * (h * kv + kv) + h * h + 3 * h * mlp + 2 * h
+    assert r["params"] == 512 * h + 2 * layer + h
+    assert r["load_s"] > 0 and r["load_peak_mem_gb"] > 0 and r["peak_mem_gb"] > 0
+    assert [d["batch"] for d in r["decode"]] == [1, 3]
+    for d in r["decode"]:
+        assert d["same_token_frac"] == 1.0 and d["rows_equal"] == d["batch"], d  # fp32: exactly transformers' greedy
+        assert d["distinct_tokens"] > d["batch"] * 7 // 2  # greedy tokens of a far-from-uniform model vary
+        assert d["nanorl_tok_per_s"] > 0 and d["hf_tok_per_s"] > 0
+        assert abs(d["speedup"] - d["nanorl_tok_per_s"] / d["hf_tok_per_s"]) < 1e-2 * d["speedup"]
+    assert r["rl_generated_tokens"] == 2 * 3 * 4 and r["rl_trained_tokens"] == 2 * 3 * (5 + 4)
+    assert abs(r["rl_total_s"] - (r["rl_rollout_s"] + r["rl_train_s"])) < 2e-4
+    assert r["rl_grad_norm"] > 0 and 0 <= r["rl_reward_mean"] <= 1
+    assert sum(1 for ln in lines if re.match(r"\s+[13] \|", ln)) == 2  # one table row per batch size

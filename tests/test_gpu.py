@@ -196,13 +196,20 @@ def test_gpu_check_cpu_mode(tmp_path):
     header = [c.strip() for c in lines[0].strip("|").split("|")]
     assert header == ["check", "figure", "unit", "MFU / % of bandwidth bound", "peak memory (GB)"]
     rows = {c[0]: c for c in ([x.strip() for x in ln.strip("|").split("|")] for ln in lines[2:])}
-    want = ["train d2", "decode d2 batch 1", "decode d2 batch 2", "decode d2 batch 4", "rl d2 step (2x2)"]
-    assert list(rows)[-len(want):] == want, list(rows)
+    want = ["train d2", "decode d2 batch 1", "decode d2 batch 2", "decode d2 batch 4", "rl d2 step (2x2)", "train d2 --fsdp"]
+    hf = ["hf qwen2 tiny: --hf-model load", "hf qwen2 tiny: decode batch 1", "hf qwen2 tiny: decode batch 2",
+          "hf qwen2 tiny: decode batch 4", "hf qwen2 tiny: GRPO step (2x2)"]
+    assert list(rows)[-len(want) - len(hf) - 1:] == want + ["train d2 --fsdp: sampler weight gather"] + hf, list(rows)
     for name in want:
         row = rows[name]
         assert float(row[1]) > 0 and float(row[4]) > 0, row  # figure and peak memory are numbers
         assert row[3] == "n/a (CPU)", row
     assert rows["train d2"][2] == "tok/s" and rows["rl d2 step (2x2)"][2] == "s/step"
+    assert float(rows["train d2 --fsdp: sampler weight gather"][1]) > 0
+    assert all(float(rows[name][1]) > 0 for name in hf)
+    assert [rows[name][2] for name in hf] == ["s", "tok/s", "tok/s", "tok/s", "s/step"]
+    for name in hf[1:4]:  # nanorl's greedy tokens against transformers' in the same run: all equal in fp32
+        assert re.fullmatch(r"transformers [\d.]+ tok/s \([\d.]+x\); same greedy tokens 100%", rows[name][3]), rows[name]
     # the gpu tests ran (and were skipped here): the table says how many
     assert re.fullmatch(r"0 passed, 0 failed, \d+ skipped", rows["gpu tests"][1]), rows["gpu tests"]
     assert "CPU mode" in text
