@@ -176,7 +176,7 @@ def load_weights(model, state, path):
     model.load_state_dict(state, strict=True)
 
 
-def build_model(checkpoint_dir, step=None, device="cpu", phase="eval"):
+def load_model_dir(checkpoint_dir, step=None, device="cpu", phase="eval"):
     """Rebuild the GPT from a checkpoint's metadata and weights, plus the tokenizer. -> (model, tokenizer, meta)"""
     from nanorl.tokenizer import get_tokenizer
     step = find_last_step(checkpoint_dir) if step is None else step
@@ -242,6 +242,6 @@ def load_model(source, device, phase="eval", model_tag=None, step=None, hf_model
         model_tag = max(tags, key=lambda t: os.path.getmtime(os.path.join(root, t)))
     elif model_tag not in tags:
         raise FileNotFoundError(f"no {source} checkpoint tagged {model_tag!r} in {root}; found: {tags or 'none'}")
-    model, tokenizer, meta = build_model(os.path.join(root, model_tag), step, device, phase)
+    model, tokenizer, meta = load_model_dir(os.path.join(root, model_tag), step, device, phase)
     meta.setdefault("model_tag", model_tag)
     return model, tokenizer, meta

@@ -11,6 +11,7 @@ The flow of one rollout (see scripts/chat_rl.py):
 import importlib
 import importlib.util
 import inspect
+import json
 import os
 import random
 import signal
@@ -21,7 +22,8 @@ import torch
 
 from nanorl.common import nonneg_float, nonneg_int, number_in, positive_float, positive_int
 from nanorl.engine import Request
-from nanorl.rewards import remote_rewards
+from nanorl.rewards import extract_answer, remote_rewards
+from tasks import get_task
 
 COMPLETED, TRUNCATED, ABORTED = "completed", "truncated", "aborted"
 
@@ -95,6 +97,65 @@ class PromptSource:
     def load_state_dict(self, state):
         self.epoch, self.offset, self.seed = state["epoch"], state["offset"], state["seed"]
         self._order = self._make_order()
+
+
+def task_prompts(args, task_name, split, needs_label):
+    """A task's examples as RL prompts (the conversation without its answer, plus the label) and the task itself."""
+    kw = {"path": args.task_path} if args.task_path else {}
+    if task_name == "offline":
+        kw["levels"] = tuple(int(x) for x in args.levels.split(","))
+    task = get_task(task_name, split, **kw)
+    items = []
+    for i in range(len(task)):
+        conv = task.get_example(i)
+        label = conv.get("label")
+        if label is None and conv["messages"][-1]["role"] == "assistant":
+            ref = conv["messages"][-1]["content"]
+            ref = ref if isinstance(ref, str) else "".join(p["text"] for p in ref if p["type"] == "text")
+            label = extract_answer(ref)
+        if label is None and needs_label:
+            raise SystemExit(f"task {task_name!r} ({split}) row {i} has no label, and --rm-type {args.rm_type} needs one")
+        items.append({"conversation": conv, "label": label, "metadata": {"task": task_name, "split": split, "row": i}})
+    return items, task
+
+
+def jsonl_prompts(args, path, split, needs_label):
+    """--prompt-data: one JSON object a line; the prompt under --input-key (a string or chat messages), the label under
+    --label-key. A string prompt is a user turn with --apply-chat-template, else raw text fed as is."""
+    items = []
+    with open(path) as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                prompt, label = row[args.input_key], row.get(args.label_key)
+            except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+                raise SystemExit(f"--prompt-data {path} line {i}: expected a JSON object with key {args.input_key!r} ({type(e).__name__}: {e})")
+            if isinstance(prompt, list):
+                item = {"conversation": {"messages": prompt}}
+            elif isinstance(prompt, str):
+                item = {"conversation": {"messages": [{"role": "user", "content": prompt}]}} if args.apply_chat_template else {"text": prompt}
+            else:
+                raise SystemExit(f"--prompt-data {path} line {i}: {args.input_key!r} must be a string or a list of messages")
+            if label is None and needs_label:
+                raise SystemExit(f"--prompt-data {path} line {i} has no {args.label_key!r}, and --rm-type {args.rm_type} needs one")
+            items.append({**item, "label": label, "metadata": {"task": os.path.basename(path), "split": split, "row": i}})
+    return items, None
+
+
+def load_prompts(args, needs_label):
+    """The RL prompts from --task (its train split; the eval reads --eval-task's or its test split) or from the jsonl
+    files --prompt-data / --eval-prompt-data -> (train items, train task), (eval items, eval task), eval name.
+    A task is None for prompts from a file (no grader of its own)."""
+    if args.prompt_data:
+        train = jsonl_prompts(args, args.prompt_data, "train", needs_label)
+        evals = jsonl_prompts(args, args.eval_prompt_data, "test", needs_label) if args.eval_prompt_data else train
+        name = args.eval_prompt_data or args.prompt_data
+    else:
+        name = args.eval_task or args.task
+        train, evals = task_prompts(args, args.task, "train", needs_label), task_prompts(args, name, "test", needs_label)
+    return train, (evals[0][:args.eval_max_problems], evals[1]), name
 
 
 # -----------------------------------------------------------------------------------------------

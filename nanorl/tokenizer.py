@@ -172,10 +172,6 @@ class Tokenizer:
         ids, _ = self.render_conversation({"messages": messages + [{"role": "assistant", "content": ""}]})
         return ids[:-1]  # keep <|assistant_start|>, drop <|assistant_end|>
 
-    def visualize(self, ids, mask):
-        """Debug view: trained-on tokens in green."""
-        return "".join(f"\033[92m{self.id_to_token(i)}\033[0m" if m else self.id_to_token(i) for i, m in zip(ids, mask))
-
 
 def content_parts(content):
     if isinstance(content, str):
@@ -401,9 +397,6 @@ class HFTokenizer:
             messages = messages[:-1]
         messages = self._messages({"messages": messages + [{"role": "assistant", "content": ""}]})[:-1]
         return self.tok.encode(self.apply_template(messages, add_generation_prompt=True), add_special_tokens=False).ids
-
-    def visualize(self, ids, mask):
-        return "".join(f"\033[92m{self.id_to_token(i)}\033[0m" if m else self.id_to_token(i) for i, m in zip(ids, mask))
 
 
 # nanorl's own conversation format as a chat template, for exported nanorl models

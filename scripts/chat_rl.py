@@ -15,7 +15,6 @@ Each of those files also holds its own flags (`--help` lists them by group).
     python -m scripts.chat_rl --prompt-data my.jsonl --input-key question --label-key answer --rm-type math
 """
 import copy
-import json
 import os
 import random
 import sys
@@ -26,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from nanorl import rl, rl_async, rl_trainer, rollout
-from nanorl.checkpoint import build_model, find_last_step, load_checkpoint, load_model, save_checkpoint
+from nanorl.checkpoint import find_last_step, load_checkpoint, load_model, load_model_dir, save_checkpoint
 from nanorl.common import (ETA, ArgumentParser, Timer, add_logging_args, compute_cleanup, compute_init, get_base_dir, get_logger,
                            int_list, nonneg_float, nonneg_int, positive_float, positive_int, print0)
 from nanorl.engine import Engine
@@ -35,9 +34,8 @@ from nanorl.gpt import Critic, attention_backend
 from nanorl.multiturn import TOOLS, make_tool
 from nanorl.optim import MuonAdamW, build_optimizer
 from nanorl.report import load_json, log_json, log_section, rl_eval_rows
-from nanorl.rewards import extract_answer, make_reward, safe_reward
+from nanorl.rewards import make_reward, safe_reward
 from nanorl.rollout import PromptSource, RolloutBuffer, RolloutTimeout, TRUNCATED, fill_rollout, keep_all_groups, load_function
-from tasks import get_task
 
 # -----------------------------------------------------------------------------------------------
 # flags: the core ones here; rollout/reward, training-step and async flags next to the code they configure
@@ -106,62 +104,10 @@ remote_rm = args.rm_type == "remote"
 # a label is what the generic graders compare with; the task's own grader, a custom or a remote one may not need one
 needs_label = not (remote_rm or args.custom_rm_path or args.rm_type in ("task", "custom"))
 
-
-def task_prompts(task_name, split):
-    """A task's examples as RL prompts (the conversation without its answer, plus the label) and the task itself."""
-    kw = {"path": args.task_path} if args.task_path else {}
-    if task_name == "offline":
-        kw["levels"] = tuple(int(x) for x in args.levels.split(","))
-    task = get_task(task_name, split, **kw)
-    items = []
-    for i in range(len(task)):
-        conv = task.get_example(i)
-        label = conv.get("label")
-        if label is None and conv["messages"][-1]["role"] == "assistant":
-            ref = conv["messages"][-1]["content"]
-            ref = ref if isinstance(ref, str) else "".join(p["text"] for p in ref if p["type"] == "text")
-            label = extract_answer(ref)
-        if label is None and needs_label:
-            raise SystemExit(f"task {task_name!r} ({split}) row {i} has no label, and --rm-type {args.rm_type} needs one")
-        items.append({"conversation": conv, "label": label, "metadata": {"task": task_name, "split": split, "row": i}})
-    return items, task
-
-
-def jsonl_prompts(path, split):
-    """--prompt-data: one JSON object a line; the prompt under --input-key (a string or chat messages), the label under
-    --label-key. A string prompt is a user turn with --apply-chat-template, else raw text fed as is."""
-    items = []
-    with open(path) as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                prompt, label = row[args.input_key], row.get(args.label_key)
-            except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
-                raise SystemExit(f"--prompt-data {path} line {i}: expected a JSON object with key {args.input_key!r} ({type(e).__name__}: {e})")
-            if isinstance(prompt, list):
-                item = {"conversation": {"messages": prompt}}
-            elif isinstance(prompt, str):
-                item = {"conversation": {"messages": [{"role": "user", "content": prompt}]}} if args.apply_chat_template else {"text": prompt}
-            else:
-                raise SystemExit(f"--prompt-data {path} line {i}: {args.input_key!r} must be a string or a list of messages")
-            if label is None and needs_label:
-                raise SystemExit(f"--prompt-data {path} line {i} has no {args.label_key!r}, and --rm-type {args.rm_type} needs one")
-            items.append({**item, "label": label, "metadata": {"task": os.path.basename(path), "split": split, "row": i}})
-    return items, None
-
-
 # the prompts and the reward, before any model is built: a bad task, data file or reward flag fails at once
-if args.prompt_data:
-    (train_items, train_task), eval_name = jsonl_prompts(args.prompt_data, "train"), args.eval_prompt_data or args.prompt_data
-    eval_items, eval_task = jsonl_prompts(args.eval_prompt_data, "test") if args.eval_prompt_data else (train_items, None)
-    if not args.eval_prompt_data:
-        print0(f"no --eval-prompt-data: the eval reads the first {args.eval_max_problems} training prompts (not held out)")
-else:
-    (train_items, train_task), eval_name = task_prompts(args.task, "train"), args.eval_task or args.task
-    eval_items, eval_task = task_prompts(eval_name, "test")
-eval_items = eval_items[:args.eval_max_problems]
+(train_items, train_task), (eval_items, eval_task), eval_name = rollout.load_prompts(args, needs_label)
+if args.prompt_data and not args.eval_prompt_data:
+    print0(f"no --eval-prompt-data: the eval reads the first {args.eval_max_problems} training prompts (not held out)")
 reward_fns, rm_name = {}, f"remote:{args.rm_url}"
 if not remote_rm:  # one grader per split: the task's own grader reads the example a prompt came from
     try:
@@ -213,7 +159,7 @@ if args.advantage_estimator == "ppo" and roles.is_trainer:
 if args.use_opd and roles.is_trainer:
     t = args.opd_teacher_load
     if os.path.isdir(t):
-        teacher, _, _ = build_model(t, device=device)
+        teacher, _, _ = load_model_dir(t, device=device)
     else:
         src, _, tag = t.partition(":")
         teacher, _, _ = load_model(src, device, model_tag=tag or None)

@@ -26,7 +26,7 @@ def server(tmp_path_factory):
     subprocess.run([sys.executable, "-m", "scripts.tok_train", "--vocab-size", "600", "--max-chars", "300000"],
                    cwd=ROOT, env=env, check=True, capture_output=True)
     import torch
-    from nanorl.checkpoint import build_model, checkpoint_root, save_checkpoint
+    from nanorl.checkpoint import checkpoint_root, load_model_dir, save_checkpoint
     from nanorl.engine import Engine
     from nanorl.gpt import GPTConfig, build_model as build_gpt
     from nanorl.tokenizer import get_tokenizer
@@ -43,7 +43,7 @@ def server(tmp_path_factory):
             m.lm_head.weight.normal_(0, 0.2)
         ckpt = checkpoint_root("sft") + "/t"
         save_checkpoint(ckpt, 0, m.state_dict(), meta={"model_config": cfg.to_dict()})
-        model, tokenizer, _ = build_model(ckpt, device="cpu", phase="eval")
+        model, tokenizer, _ = load_model_dir(ckpt, device="cpu", phase="eval")
     finally:
         if old is None:
             del os.environ["NANORL_BASE_DIR"]

@@ -4,7 +4,7 @@ import random
 import pytest
 import torch
 
-from nanorl.checkpoint import build_model, delete_step, find_last_step, load_checkpoint, load_weights, save_checkpoint
+from nanorl.checkpoint import delete_step, find_last_step, load_checkpoint, load_model_dir, load_weights, save_checkpoint
 from nanorl.gpt import GPTConfig
 from nanorl.gpt import build_model as build_gpt
 
@@ -85,7 +85,7 @@ def test_bad_checkpoints_get_one_line_naming_the_file(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"extra_000001_rank0.pt is missing: step 1 has no data/RNG state"):
         load_checkpoint(str(tmp_path), 1, load_optimizer=True)
     with pytest.raises(ValueError, match=r"meta_000001.json has no model_config"):
-        build_model(str(tmp_path), 1)
+        load_model_dir(str(tmp_path), 1)
     # the wrong keys and a wrong shape, named, on one line
     state = dict(model.state_dict())
     state["extra.weight"] = state.pop("lm_head.weight")

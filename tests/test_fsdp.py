@@ -10,7 +10,7 @@ import torch
 import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
-from nanorl.checkpoint import build_model as build_from_checkpoint
+from nanorl.checkpoint import load_model_dir
 from nanorl.checkpoint import delete_step, load_checkpoint
 from nanorl.gpt import GPTConfig, build_model
 from nanorl.optim import build_optimizer
@@ -164,7 +164,7 @@ def test_base_train_fsdp_matches_ddp_resumes_and_consolidates(tmp_path, monkeypa
     # one file for chat_eval/chat_web/export, loaded by the ordinary loader
     out = subprocess.run([sys.executable, "-m", "nanorl.fsdp", "consolidate", str(ck)], cwd=ROOT, env=env, capture_output=True, text=True)
     assert out.returncode == 0 and "model_000004.safetensors" in out.stdout, out.stderr[-2000:]
-    model, _, meta = build_from_checkpoint(str(ck))
+    model, _, meta = load_model_dir(str(ck))
     assert meta["step"] == 4 and meta["consolidated"]
     ref = load_checkpoint(str(tmp_path / "base_checkpoints" / "ddp"), 4)[0]
     for k, v in model.state_dict().items():
