@@ -72,7 +72,7 @@ def main():
     parser = ArgumentParser(description="Chat with a nanorl model")
     parser.add_argument("-i", "--source", type=str, default="sft", choices=["base", "mid", "sft", "rl"], help="which model")
     parser.add_argument("-g", "--model-tag", type=str, default=None, help="model tag; None picks the largest")
-    parser.add_argument("-s", "--step", type=number_in(int, 0), default=None, help="checkpoint step; None picks the last")
+    parser.add_argument("-s", "--model-step", "--step", type=number_in(int, 0), default=None, help="checkpoint step; None picks the last")
     parser.add_argument("--hf-model", type=str, default=None, metavar="DIR", help="chat with a Hugging Face model directory instead of --source")
     parser.add_argument("-p", "--prompt", type=str, default=None, help="one-shot: answer this and exit")
     parser.add_argument("-t", "--temperature", type=number_in(float, 0.0, 2.0), default=0.6, help="sampling temperature, 0 = greedy")
@@ -89,7 +89,7 @@ def main():
         sys.exit(f"chat_cli needs nanorl/checkpoint.py (load_model), which this checkout does not have yet ({e})")
     _, _, _, _, device = compute_init(args.device_type)
     try:
-        model, tokenizer, _ = load_model(args.source, device, phase="eval", model_tag=args.model_tag, step=args.step, hf_model=args.hf_model)
+        model, tokenizer, _ = load_model(args.source, device, phase="eval", model_tag=args.model_tag, step=args.model_step, hf_model=args.hf_model)
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"could not load the {args.source} model: {e}")
     engine = Engine(model, tokenizer, batch_size=1)

@@ -745,7 +745,7 @@ def main():
     parser = ArgumentParser(description="Serve a nanorl model: chat page + OpenAI-compatible API")
     parser.add_argument("-i", "--source", type=str, default="sft", choices=["base", "mid", "sft", "rl"], help="which model")
     parser.add_argument("-g", "--model-tag", type=str, default=None, help="model tag; None picks the newest")
-    parser.add_argument("-s", "--step", type=number_in(int, 0), default=None, help="checkpoint step; None picks the last")
+    parser.add_argument("-s", "--model-step", "--step", type=number_in(int, 0), default=None, help="checkpoint step; None picks the last")
     parser.add_argument("--hf-model", type=str, default=None, metavar="DIR", help="serve a Hugging Face model directory instead of --source")
     parser.add_argument("--host", type=str, default="127.0.0.1", help="address to listen on; 0.0.0.0 serves other machines")
     parser.add_argument("-p", "--port", type=number_in(int, 0, 65535), default=8000, help="port to listen on (0: any free one)")
@@ -780,7 +780,7 @@ def main():
     engines, tokenizer, meta = [], None, {}
     for dev in devices:
         try:
-            model, tokenizer, meta = load_model(args.source, dev, phase="eval", model_tag=args.model_tag, step=args.step, hf_model=args.hf_model)
+            model, tokenizer, meta = load_model(args.source, dev, phase="eval", model_tag=args.model_tag, step=args.model_step, hf_model=args.hf_model)
         except (FileNotFoundError, ValueError) as e:
             sys.exit(f"could not load the {args.source} model: {e}")
         engines.append(Engine(model, tokenizer, batch_size=args.batch_size))

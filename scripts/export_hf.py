@@ -7,15 +7,16 @@ NanoChatForCausalLM; a model imported with --hf-model (and trained further) in i
     python -m scripts.export_hf -i rl -o out/my-model
     python -m scripts.export_hf -i rl --dtype bfloat16 -o out/my-model-bf16
 """
-import argparse
 import sys
 
 import torch
 
-parser = argparse.ArgumentParser(description="Export a nanorl checkpoint to Hugging Face format")
+from nanorl.common import ArgumentParser, nonneg_int
+
+parser = ArgumentParser(description="Export a nanorl checkpoint to Hugging Face format")
 parser.add_argument("-i", "--source", default="rl", choices=["base", "mid", "sft", "rl"], help="which checkpoint")
 parser.add_argument("-g", "--model-tag", default=None, help="checkpoint subdirectory (default: newest)")
-parser.add_argument("-s", "--step", type=int, default=None, help="checkpoint step (default: last)")
+parser.add_argument("-s", "--model-step", "--step", type=nonneg_int, default=None, help="checkpoint step (default: last)")
 parser.add_argument("-o", "--output", required=True, help="directory to write (replaced if it exists)")
 parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of the saved weights")
 args = parser.parse_args()
@@ -24,7 +25,7 @@ from nanorl.checkpoint import load_model  # noqa: E402
 from nanorl.hf import export_hf  # noqa: E402
 
 try:
-    model, tokenizer, meta = load_model(args.source, "cpu", phase="eval", model_tag=args.model_tag, step=args.step)
+    model, tokenizer, meta = load_model(args.source, "cpu", phase="eval", model_tag=args.model_tag, step=args.model_step)
 except (FileNotFoundError, ValueError, RuntimeError) as e:
     sys.exit(f"could not load the {args.source} checkpoint: {e}")
 model.float()  # the CUDA embedding is kept in bf16; the export's dtype is --dtype's alone
