@@ -26,7 +26,22 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 
-from nanorl.common import synchronize
+from nanorl.common import get_dist_info, synchronize
+
+
+def add_args(parser):
+    """The three flags of every training script that can shard."""
+    parser.add_argument("--fsdp", action="store_true", help="shard params, grads and optimizer state over the ranks (FSDP2; models too big to replicate)")
+    parser.add_argument("--activation-checkpointing", action="store_true", help="with --fsdp: recompute block activations in backward")
+    parser.add_argument("--cpu-offload", action="store_true", help="with --fsdp: keep the shards and optimizer state in CPU memory")
+
+
+def check_args(args, script):
+    """Before any work: the two options need --fsdp, and --fsdp needs torchrun (FSDP2 runs on a process group)."""
+    if (args.activation_checkpointing or args.cpu_offload) and not args.fsdp:
+        raise SystemExit("--activation-checkpointing and --cpu-offload only apply with --fsdp")
+    if args.fsdp and not get_dist_info()[0]:
+        raise SystemExit(f"--fsdp needs torchrun, also on one GPU: torchrun --standalone --nproc_per_node=1 -m scripts.{script} -- --fsdp ...")
 
 
 def shard_model(model, device, activation_checkpointing=False, cpu_offload=False):

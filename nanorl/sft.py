@@ -9,7 +9,9 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
+from nanorl import fsdp
 from nanorl.checkpoint import find_last_step, load_checkpoint, load_model, load_weights, model_path, save_checkpoint
 from nanorl.common import (ETA, add_logging_args, autocast_ctx, compute_cleanup, compute_init, fraction, get_base_dir,
                            get_logger, int_or_off, nonneg_float, nonneg_int, positive_float, positive_int, print0)
@@ -54,6 +56,7 @@ def add_train_args(parser, stage, source, init_lr_frac, warmdown_ratio, num_epoc
     add_logging_args(parser)
     a("--device-type", default=None, choices=["cuda", "cpu", "mps"], help="default: autodetect")
     a("--no-compile", action="store_true", help="train eagerly on CUDA (default: torch.compile of the model, one graph: every batch is B x T)")
+    fsdp.add_args(parser)
 
 
 def lr_multiplier(progress, warmdown_ratio, final_frac=0.0):
@@ -70,9 +73,16 @@ def eval_loss(model, loader, max_batches, autocast):
     model.eval()
     dev = model.lm_head.weight.device
     total, count = torch.zeros((), device=dev, dtype=torch.float64), torch.zeros((), device=dev, dtype=torch.float64)
-    for i, (x, y, d) in enumerate(loader):
-        if i >= max_batches:
+    batches = iter(loader)
+    for _ in range(max_batches):
+        batch = next(batches, None)
+        if isinstance(model, FSDPModule):  # each forward gathers weights with the other ranks: stop when any rank runs dry
+            more = torch.tensor(float(batch is not None), device=dev)
+            dist.all_reduce(more, op=dist.ReduceOp.MIN)
+            batch = batch if more.item() else None
+        if batch is None:
             break
+        x, y, d = batch
         with autocast:
             total += model(x, y, doc_ids=d, loss_reduction="sum").double()
         count += (y >= 0).sum()
@@ -85,7 +95,9 @@ def eval_loss(model, loader, max_batches, autocast):
 
 def train(args, stage, hub_mixture, offline_mixture):
     """Load the source checkpoint, train on packed conversations, evaluate, save, write the report section."""
-    ddp, rank, _, world_size, device = compute_init(args.device_type, seed=args.seed)
+    fsdp.check_args(args, {"mid": "mid_train", "sft": "chat_sft"}[stage])
+    # CPU offload steps the optimizer on CPU tensors: those collectives need gloo beside NCCL
+    ddp, rank, _, world_size, device = compute_init(args.device_type, seed=args.seed, cpu_collectives=args.cpu_offload)
     master = rank == 0
     # before the model: a wandb run that cannot log stops here, not after minutes of loading
     logger = get_logger(args.run, project=f"nanorl-{stage}", config=vars(args), master_process=master, tensorboard_dir=args.tensorboard)
@@ -98,6 +110,9 @@ def train(args, stage, hub_mixture, offline_mixture):
     print0(f"{stage}: {len(train_task):,} training / {len(val_task):,} held-out conversations ({data_desc}), "
            f"{world_size} rank(s) on {device}, rows of {T} tokens")
     print0(attention_backend(device))  # packed rows: document-masked attention
+    if args.fsdp:  # after loading the whole model, before the optimizer: it is built on the shards
+        fsdp.shard_model(model, device, args.activation_checkpointing, args.cpu_offload)
+        print0(f"FSDP2 over {world_size} ranks: each holds 1/{world_size} of the parameters, gradients and optimizer state")
     # every training batch is (B, T) with T fixed: one compiled graph on CUDA (flex attention compiles with it)
     compiled = torch.compile(model, dynamic=False) if device.type == "cuda" and not args.no_compile else model
 
@@ -127,17 +142,25 @@ def train(args, stage, hub_mixture, offline_mixture):
         last = find_last_step(ckpt_dir)
         if last is None:
             raise SystemExit(f"--resume: no {stage} checkpoint in {ckpt_dir}")
-        model_state, optim_state, _, extra = load_checkpoint(ckpt_dir, last, device=device, load_optimizer=True, rank=rank)
-        load_weights(model, model_state, model_path(ckpt_dir, last))
-        optimizer.load_state_dict(optim_state)
+        if args.fsdp:  # the DCP shards (a step saved without --fsdp fails here, and a sharded one without it in load_checkpoint)
+            extra = fsdp.load_sharded(ckpt_dir, last, model, optimizer, rank)
+            if extra is None:
+                raise SystemExit(f"--resume: step {last} in {ckpt_dir} has no data position for rank {rank}: resume on as many ranks as saved it")
+        else:
+            model_state, optim_state, _, extra = load_checkpoint(ckpt_dir, last, device=device, load_optimizer=True, rank=rank)
+            load_weights(model, model_state, model_path(ckpt_dir, last))
+            optimizer.load_state_dict(optim_state)
         loader.load_state_dict(extra["loader"])
         step = last
         print0(f"resumed from {ckpt_dir} step {step} (epoch {loader.epoch}, {loader.cursor} conversations in)")
 
     def save(step):
-        save_checkpoint(ckpt_dir, step, model.state_dict(), optimizer.state_dict(),
-                        meta={**meta, "model_tag": output_tag, "step": step, "stage": stage, f"{stage}_args": vars(args)},
-                        extra={"loader": loader.state_dict()}, rank=rank, keep_last=args.keep_last)
+        m = {**meta, "model_tag": output_tag, "step": step, "stage": stage, f"{stage}_args": vars(args), "world_size": world_size}
+        if args.fsdp:  # every rank writes its shards; `python -m nanorl.fsdp consolidate` makes the single file
+            fsdp.save_sharded(ckpt_dir, step, model, optimizer, m, {"loader": loader.state_dict()}, rank, args.keep_last)
+        else:
+            save_checkpoint(ckpt_dir, step, model.state_dict(), optimizer.state_dict(), meta=m,
+                            extra={"loader": loader.state_dict()}, rank=rank, keep_last=args.keep_last)
 
     def get_progress():
         # every rank must agree on the LR and on when to stop: take the furthest rank's progress

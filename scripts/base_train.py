@@ -20,6 +20,7 @@ from nanorl.common import (ETA, ArgumentParser, add_logging_args, autocast_ctx, 
                            synchronize)
 from nanorl.dataloader import PretrainLoader
 from nanorl.dataset import describe_source
+from nanorl import fsdp
 from nanorl.fsdp import load_sharded, local_bytes, save_sharded, shard_model
 from nanorl.gpt import attention_backend, build_model, config_from_depth
 from nanorl.loss_eval import evaluate_bpb
@@ -58,9 +59,7 @@ parser.add_argument("--no-compile", action="store_true", help="skip torch.compil
 parser.add_argument("--device-type", default=None, choices=["cuda", "cpu", "mps"], help="default: autodetect")
 add_logging_args(parser)
 parser.add_argument("--seed", type=nonneg_int, default=42, help="seed of the weights' RNG")
-parser.add_argument("--fsdp", action="store_true", help="shard params, grads and optimizer state over the ranks (FSDP2; models too big to replicate)")
-parser.add_argument("--activation-checkpointing", action="store_true", help="with --fsdp: recompute block activations in backward")
-parser.add_argument("--cpu-offload", action="store_true", help="with --fsdp: keep the shards and optimizer state in CPU memory")
+fsdp.add_args(parser)
 args = parser.parse_args(sys.argv[1:] if sys.argv[1:2] != ["--"] else sys.argv[2:])
 # fmt: on
 try:  # the model's shape flags must agree with each other: check them before any work (the vocab size comes later)
@@ -68,12 +67,9 @@ try:  # the model's shape flags must agree with each other: check them before an
 except ValueError as e:
     parser.error(str(e))
 
-if (args.activation_checkpointing or args.cpu_offload) and not args.fsdp:
-    raise SystemExit("--activation-checkpointing and --cpu-offload only apply with --fsdp")
+fsdp.check_args(args, "base_train")
 # CPU offload clips gradients and steps the optimizer on CPU tensors: those collectives need gloo beside NCCL
 ddp, rank, local_rank, world_size, device = compute_init(args.device_type, seed=args.seed, cpu_collectives=args.cpu_offload)
-if args.fsdp and not ddp:
-    raise SystemExit("--fsdp needs torchrun, also on one GPU: torchrun --standalone --nproc_per_node=1 -m scripts.base_train -- --fsdp ...")
 master = rank == 0
 # before the model: a wandb run that cannot log stops here, not after the model is built
 logger = get_logger(args.run, project="nanorl", config=vars(args), master_process=master, tensorboard_dir=args.tensorboard)
