@@ -8,6 +8,7 @@ The flags of this step live here too (add_args / check_args), next to the code t
 """
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 from nanorl import rl
 from nanorl.common import autocast_ctx, fraction, nonneg_float, nonneg_int, number_in, positive_float, positive_int
@@ -117,8 +118,15 @@ class Trainer:
         """The samples packed into micro-batches (collate_packed), rows no longer than model m's context. The model
         runs on the packed rows; the loss reads per-sample (B, T) rows, unpacked from its outputs."""
         a = self.args
-        for rows in pack_micro_batches(samples, a.max_tokens_per_gpu, min(a.max_tokens_per_gpu, m.config.sequence_len)):
-            yield collate_packed(samples, rows, self.device)
+        batches = [collate_packed(samples, rows, self.device)
+                   for rows in pack_micro_batches(samples, a.max_tokens_per_gpu, min(a.max_tokens_per_gpu, m.config.sequence_len))]
+        if isinstance(m, FSDPModule) and self.distributed:
+            # every forward/backward of a sharded model gathers weights with the other ranks: all must run as many
+            # micro-batches; a rank with fewer repeats its last one as a "dummy" (run, never counted)
+            n = torch.tensor(len(batches), device=self.device)
+            dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self.group)
+            batches += [{**batches[-1], "dummy": True}] * (int(n) - len(batches))
+        return batches
 
     def forward_logp(self, m, batch):
         """Log-probs and entropies at the rollout temperature (the engine records its log-probs at that temperature),
@@ -138,7 +146,7 @@ class Trainer:
         out = [None] * len(samples)
         for batch in self.micro_batches(samples, m):
             res = fn(batch)
-            for j, i in enumerate(batch["order"]):
+            for j, i in enumerate(batch["order"] if not batch.get("dummy") else []):
                 out[i] = res[j]
         return out
 
@@ -259,6 +267,9 @@ class Trainer:
         global_tok, global_seq = max(counts[0].item(), 1.0), counts[1].item()
         sums, positions = {}, 0
         for batch in self.micro_batches(samples, model):
+            if batch.get("dummy"):  # (FSDP) a zero loss through the whole model: its gathers and gradient reductions
+                (self.forward_logp(model, batch)[0].sum() * 0).backward()
+                continue
             mb, T, mask = batch["order"], batch["inputs"].size(1), batch["loss_mask"]
             positions += batch["packed_inputs"].numel()
             rows = lambda xs: pad_like([xs[i] for i in mb], T)

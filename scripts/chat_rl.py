@@ -15,6 +15,7 @@ Each of those files also holds its own flags (`--help` lists them by group).
     python -m scripts.chat_rl --prompt-data my.jsonl --input-key question --label-key answer --rm-type math
 """
 import copy
+import json
 import os
 import random
 import sys
@@ -24,7 +25,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from nanorl import rl, rl_async, rl_trainer, rollout
+from nanorl import fsdp, rl, rl_async, rl_trainer, rollout
 from nanorl.checkpoint import find_last_step, load_checkpoint, load_model, load_model_dir, save_checkpoint
 from nanorl.common import (ETA, ArgumentParser, Timer, add_logging_args, compute_cleanup, compute_init, get_base_dir, get_logger,
                            int_list, nonneg_float, nonneg_int, positive_float, positive_int, print0)
@@ -85,9 +86,18 @@ g.add_argument("--seed", type=int, default=42, help="seed of the prompt order an
 rollout.add_args(parser, TOOLS)
 rl_trainer.add_args(parser)
 rl_async.add_args(parser)
+fsdp.add_args(parser.add_argument_group("sharding (nanorl/fsdp.py)"))
 args = parser.parse_args(sys.argv[1:] if sys.argv[1:2] != ["--"] else sys.argv[2:])
 rollout.check_args(args, parser)
 rl_trainer.check_args(args, parser)
+# --fsdp shards the policy only: the extra models of these options would stay whole on every rank, and --async's
+# trainers ship weights to samplers that hold no shards
+for on, flag in ((args.async_mode, "--async"), (args.advantage_estimator == "ppo", "--advantage-estimator ppo (its critic)"),
+                 (args.use_kl_loss or args.kl_coef > 0, "--use-kl-loss / --kl-coef (their reference model)"),
+                 (args.use_opd, "--use-opd (its teacher)")):
+    if args.fsdp and on:
+        parser.error(f"--fsdp does not work with {flag}: only the policy is sharded")
+fsdp.check_args(args, "chat_rl")
 pass_ks = args.pass_k
 if max(pass_ks) > args.n_samples_per_eval_prompt:
     parser.error(f"--pass-k {','.join(map(str, pass_ks))} needs --n-samples-per-eval-prompt >= {max(pass_ks)}")
@@ -120,7 +130,8 @@ if not remote_rm:  # one grader per split: the task's own grader reads the examp
 # setup: ranks and their roles, then the batch sizes that depend on them
 # collectives give up on a missing rank after a while (a hang in native code, a dead node) rather than block forever
 ddp, rank, local_rank, world_size, device = compute_init(args.device_type, seed=args.seed,
-                                                         timeout_s=2 * args.rollout_timeout + 600 if args.rollout_timeout > 0 else None)
+                                                         timeout_s=2 * args.rollout_timeout + 600 if args.rollout_timeout > 0 else None,
+                                                         cpu_collectives=args.cpu_offload)  # (CPU offload: gloo beside NCCL)
 master = rank == 0
 roles = rl_async.split_ranks(args, parser, rank, world_size)
 n = args.n_samples_per_prompt
@@ -166,6 +177,13 @@ if args.use_opd and roles.is_trainer:
     if teacher.config.vocab_size != model.config.vocab_size:
         parser.error(f"--opd-teacher-load {t}: vocab {teacher.config.vocab_size} differs from the student's {model.config.vocab_size}")
     teacher.requires_grad_(False)
+longest_prompt = max(len(rollout.prompt_ids(tokenizer, p)) for p in train_items + eval_items)
+if longest_prompt + 1 > model.config.sequence_len:
+    raise SystemExit(f"the longest prompt has {longest_prompt} tokens, more than the model's context {model.config.sequence_len}")
+engine = Engine(model, tokenizer, batch_size=args.engine_batch_size,
+                max_len=min(model.config.sequence_len, longest_prompt + args.max_response_len)) if roles.is_sampler else None
+if args.fsdp:  # the engine copied the whole model above; now shard the policy, before the optimizer is built on the shards
+    fsdp.shard_model(model, device, args.activation_checkpointing, args.cpu_offload)
 optimizer = build_optimizer(model, weight_decay=args.weight_decay)
 for pg in optimizer.param_groups:
     pg["initial_lr"] = pg["initial_lr"] * args.lr_scale
@@ -177,11 +195,6 @@ ckpt_dir = os.path.join(get_base_dir(), "rl_checkpoints", output_tag)
 
 
 source = PromptSource(train_items, seed=args.seed, rank=roles.srank, world_size=roles.sworld)
-longest_prompt = max(len(rollout.prompt_ids(tokenizer, p)) for p in train_items + eval_items)
-if longest_prompt + 1 > model.config.sequence_len:
-    raise SystemExit(f"the longest prompt has {longest_prompt} tokens, more than the model's context {model.config.sequence_len}")
-engine = Engine(model, tokenizer, batch_size=args.engine_batch_size,
-                max_len=min(model.config.sequence_len, longest_prompt + args.max_response_len)) if roles.is_sampler else None
 
 
 def reward_fn(response, label, metadata):
@@ -342,9 +355,12 @@ def save(step):
              "torch_rng": torch.get_rng_state()}
     if critic is not None:  # every training rank keeps the same critic (averaged gradients), so each saves it with its extra state
         extra.update(critic=critic.state_dict(), critic_optim=critic_optimizer.state_dict())
-    save_checkpoint(ckpt_dir, step, model.state_dict(), optimizer.state_dict(),
-                    meta={**meta, "model_tag": output_tag, "step": step, "rl_args": vars(args)}, extra=extra,
-                    rank=roles.trank, group=roles.tgroup)
+    ck_meta = {**meta, "model_tag": output_tag, "step": step, "rl_args": vars(args)}
+    if args.fsdp:  # every rank writes its shards (DCP); `python -m nanorl.fsdp consolidate` makes the single file
+        fsdp.save_sharded(ckpt_dir, step, model, optimizer, ck_meta, extra, rank)
+    else:
+        save_checkpoint(ckpt_dir, step, model.state_dict(), optimizer.state_dict(), meta=ck_meta, extra=extra,
+                        rank=roles.trank, group=roles.tgroup)
 
 
 def weights_checksum():
@@ -356,9 +372,14 @@ if args.resume:
     last = find_last_step(ckpt_dir)
     if last is None:
         raise SystemExit(f"--resume: no RL checkpoint in {ckpt_dir}")
-    model_state, optim_state, ck_meta, extra = load_checkpoint(ckpt_dir, last, device=device, load_optimizer=True, rank=rank)
-    model.load_state_dict(model_state)
-    optimizer.load_state_dict(optim_state)
+    if args.fsdp:  # the DCP shards of model and optimizer; meta and this rank's extra state beside them
+        extra = fsdp.load_sharded(ckpt_dir, last, model, optimizer, rank)
+        with open(os.path.join(ckpt_dir, f"meta_{last:06d}.json")) as f:
+            ck_meta = json.load(f)
+    else:
+        model_state, optim_state, ck_meta, extra = load_checkpoint(ckpt_dir, last, device=device, load_optimizer=True, rank=rank)
+        model.load_state_dict(model_state)
+        optimizer.load_state_dict(optim_state)
     source.load_state_dict(extra["source"])
     buffer.load_state_dict(extra["buffer"])
     if critic is not None:
@@ -367,8 +388,10 @@ if args.resume:
     random.setstate(extra["py_rng"])
     torch.set_rng_state(extra["torch_rng"])
     start_step = last
-    if engine is not None:
-        engine.load_weights(model)  # the engine's copy was made from the weights before the resume
+    if args.fsdp:  # the engine's copy was made from the weights before the resume
+        fsdp.gather_full_state(model, engine.model)
+    elif engine is not None:
+        engine.load_weights(model)
     old_args = ck_meta.get("rl_args", {})
     diffs = {k: (old_args.get(k), v) for k, v in vars(args).items() if k != "resume" and old_args.get(k) != v}
     if diffs:
@@ -413,8 +436,11 @@ else:
             stop_after_failure(step, int(failed.item()))
         m = train(step, groups, rollout_metrics(fstats, [s for g in groups for s in g], rollout_s))
         t_sync = time.time()
-        engine.load_weights(model)  # the engine samples from its own (bf16 on GPUs) copy: give it the new weights
-        m["time/weight_sync"] = time.time() - t_sync
+        if args.fsdp:  # every rank gathers the full weights, one block at a time, into its engine's copy
+            m["time/weight_gather"] = fsdp.gather_full_state(model, engine.model)
+        else:
+            engine.load_weights(model)  # the engine samples from its own (bf16 on GPUs) copy: give it the new weights
+            m["time/weight_sync"] = time.time() - t_sync
         dt = time.time() - t0
         m["perf/idle_frac"] = wait / dt
         idle_s += wait

@@ -316,3 +316,37 @@ def test_eval_reward_failures_are_not_the_rollouts(base_dir):
     hist, log = run_rl(base_dir, "--num-rollouts", "1", "--output-tag", "evalbroken", rm=rm)
     assert "rewards failed" in log and hist["eval"][0]["eval/pass@1"] == 0.0
     assert hist["train"][0]["rollout/reward_failures"] == 0
+
+
+@pytest.mark.slow
+def test_fsdp_two_processes_equal_replicated_and_sample_the_trained_weights(base_dir):
+    ref, _ = run_rl(base_dir, "--num-rollouts", "3", "--output-tag", "rep2", nproc=2)
+    sharded, log = run_rl(base_dir, "--num-rollouts", "3", "--save-interval", "2", "--output-tag", "fsdp2", "--fsdp", nproc=2)
+    assert [h["step"] for h in sharded["train"]] == [1, 2, 3]
+    for a, b in zip(ref["train"], sharded["train"]):
+        # fp32 on the CPU: the same samples (rewards, lengths exactly), losses to the order of the gradient sums
+        for k in ("rollout/reward_mean", "rollout/response_len_mean"):
+            assert a[k] == b[k], (k, a[k], b[k])
+        for k in ("train/pg_loss", "train/grad_norm", "train/entropy"):
+            assert abs(a[k] - b[k]) <= 1e-5 + 1e-4 * abs(a[k]), (k, a[k], b[k])
+        # the sampler's weights are the trainer's: gathered from the shards before every rollout after the first
+        assert b["train/train_rollout_logprob_abs_diff"] < 1e-5 and b["time/weight_gather"] > 0
+    assert "time/weight_sync" not in sharded["train"][0]
+    # "kill" after step 2: drop step 3, resume on 2 ranks from the DCP shards of step 2: the same step 3
+    from nanorl.checkpoint import delete_step
+    delete_step(str(base_dir / "rl_checkpoints" / "fsdp2"), 3)
+    resumed, log = run_rl(base_dir, "--num-rollouts", "3", "--save-interval", "2", "--output-tag", "fsdp2", "--fsdp", "--resume", nproc=2)
+    assert "resumed from" in log and [h["step"] for h in resumed["train"]] == [1, 2, 3]
+    for k in ("rollout/reward_mean", "train/pg_loss", "train/grad_norm"):
+        assert resumed["train"][2][k] == sharded["train"][2][k], k
+
+
+@pytest.mark.parametrize("flags,msg", [
+    (["--fsdp", "--use-kl-loss", "--kl-loss-coef", "0.1"], "--fsdp does not work with --use-kl-loss / --kl-coef"),
+    (["--fsdp", "--async"], "--fsdp does not work with --async"),
+    (["--fsdp"], "--fsdp needs torchrun"),
+    (["--cpu-offload"], "--activation-checkpointing and --cpu-offload only apply with --fsdp"),
+])
+def test_fsdp_flags_fail_early(base_dir, flags, msg):
+    out = run_rl(base_dir, *flags, check=False)
+    assert out.returncode != 0 and msg in out.stderr, out.stderr[-2000:]

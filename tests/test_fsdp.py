@@ -227,3 +227,54 @@ def test_chat_sft_fsdp_matches_replicated_resumes_and_consolidates(tmp_path, mon
         # Adam's eps=1e-10 turns last-bit differences of near-zero embedding gradients into ~1e-3 steps: wte is looser
         tol = dict(atol=2e-3, rtol=0) if k == "transformer.wte.weight" else dict(atol=2e-6, rtol=1e-4)
         torch.testing.assert_close(v, replicated[k], **tol, msg=k)
+
+
+def rl_samples():
+    """Rank 0's long responses fill 4 micro-batches per optimizer step, rank 1's short ones 1: unequal on purpose."""
+    from test_rl_trainer import make_samples
+    return make_samples([40] * 8, seed=0), make_samples([4, 5, 6, 7] * 2, seed=1)
+
+
+def rl_step_grads(model, samples, world=1, distributed=False):
+    """The gradients each of chat_rl's optimizer steps hands the optimizer (full tensors; the weights are left as they are)."""
+    from test_rl_trainer import trainer_args
+
+    from nanorl.common import Timer
+    from nanorl.rl_trainer import Trainer
+    grads, opt = [], build_optimizer(model)
+    opt.step = lambda: grads.append({k: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+                                     for k, p in model.named_parameters()})
+    args = trainer_args("--max-tokens-per-gpu", "64", "--num-steps-per-rollout", "2")  # 2 steps: the old log-probs are computed first
+    Trainer(args, model, opt, torch.device("cpu"), world=world, distributed=distributed).train_step(0, samples, Timer())
+    return grads
+
+
+def _rl_worker(rank, world, init_file, out_path):
+    import torch.distributed as dist
+    from test_rl_trainer import tiny_model as rl_model
+
+    from nanorl.fsdp import shard_model
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch.save(rl_step_grads(shard_model(rl_model(), torch.device("cpu")), rl_samples()[rank], world, True), f"{out_path}.{rank}")
+    dist.destroy_process_group()
+
+
+def test_rl_step_on_shards_with_unequal_micro_batches_equals_one_process(tmp_path):
+    from test_rl_trainer import tiny_model as rl_model
+
+    from nanorl.rollout import pack_micro_batches
+    r0, r1 = rl_samples()
+    assert len(pack_micro_batches(r0[:4], 64, 64)) == 4 and len(pack_micro_batches(r1[:4], 64, 64)) == 1
+    # every forward and backward of the sharded model is a collective: rank 1 runs dummy micro-batches (a hang otherwise)
+    mp.spawn(_rl_worker, args=(2, str(tmp_path / "init"), str(tmp_path / "g.pt")), nprocs=2, join=True)
+    sharded = [torch.load(f"{tmp_path / 'g.pt'}.{r}") for r in (0, 1)]
+    # one process on both ranks' samples, in the order the 2 steps cut them: each step = both ranks' first/second group
+    ref = rl_step_grads(rl_model(), r0[:4] + r1[:4] + r0[4:] + r1[4:])
+    assert len(ref) == len(sharded[0]) == 2
+    for step in range(2):
+        assert ref[step]["lm_head.weight"].abs().max() > 0 and ref[step]["transformer.h.1.mlp.c_proj.weight"].abs().max() > 0
+        for k, g in ref[step].items():
+            assert torch.equal(sharded[0][step][k], sharded[1][step][k]), k
+            # fp32: the dummy micro-batches add exact zeros; only the order of the gradient sums differs (the
+            # zero-initialised output projections leave some matrices without a gradient at this first step)
+            torch.testing.assert_close(sharded[0][step][k], g, atol=1e-6, rtol=1e-4, msg=f"step {step} {k}")
