@@ -843,6 +843,7 @@ def test_chat_cli_line_editing(server):
         expect(b"User: ")
         os.write(fd, b"abc")
         expect(b"abc")
+        time.sleep(0.5)  # let readline finish redrawing the line before the signal (a busy machine is slow to)
         os.write(fd, b"\x03")  # Ctrl-C: a fresh prompt, the CLI still running
         expect(b"User: ", 2)
         os.write(fd, b"hello\r")
