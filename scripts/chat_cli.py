@@ -10,6 +10,7 @@ Ctrl-C clears the line, and Ctrl-C during a reply stops it.
 """
 import atexit
 import os
+import signal
 import sys
 
 from nanorl.common import ArgumentParser, number_in
@@ -100,6 +101,8 @@ def main():
         chat_turn(engine, tokenizer, {"messages": [{"role": "user", "content": args.prompt}]}, **settings)
         return
     line_editing(os.path.join(get_base_dir(), "chat_history"))
+    # Ctrl-C clears the line even when we were started with SIGINT ignored (a shell's background job passes that on)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     print(f"nanorl chat ({args.source}). 'clear' starts a new conversation, 'quit' or Ctrl-D leaves, Ctrl-C clears the line.")
     conversation = {"messages": []}
     while True:
