@@ -144,8 +144,8 @@ def consolidate(checkpoint_dir, step=None):
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="FSDP checkpoints: consolidate a sharded (DCP) step into one model file")
-    parser.add_argument("command", choices=["consolidate"])
-    parser.add_argument("checkpoint_dir")
+    parser.add_argument("command", choices=["consolidate"], help="what to do")
+    parser.add_argument("checkpoint_dir", help="a run's checkpoint directory holding dcp_<step>/ folders")
     parser.add_argument("--step", type=int, default=None, help="default: the latest complete step")
     a = parser.parse_args()
     s = consolidate(a.checkpoint_dir, a.step)

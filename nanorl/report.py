@@ -217,7 +217,7 @@ def generate(out_path="report.md", wall_time_s=None, gpu_hourly_usd=3.0):
 if __name__ == "__main__":
     import argparse
     parser = argparse.ArgumentParser(description="Write report.md from the stages' sections")
-    parser.add_argument("--out", default="report.md")
+    parser.add_argument("--out", default="report.md", help="where to write the report")
     parser.add_argument("--wall-time", type=float, default=None, help="the sum of the stages' own times, in seconds")
     a = parser.parse_args()
     print(f"wrote {generate(a.out, a.wall_time)}")
