@@ -175,6 +175,11 @@ def strict_collective_device(device):
 def compute_cleanup():
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+        # A collective's worker thread frees the collective's tensors after the caller has moved on, and needs the
+        # GIL for it. FSDP2's modules hold the process group, so under --fsdp it outlives destroy_process_group and
+        # its worker threads run into interpreter shutdown, where taking the GIL aborts the process ("terminate called
+        # without an active exception"). Release the GIL for a moment so a pending free finishes first.
+        time.sleep(0.2)
 
 
 def autocast_ctx(device_type, dtype="bfloat16"):

@@ -480,9 +480,11 @@ class GPT(nn.Module):
                 lp, ent = chunk_fn(h_c, t_c)
             lps.append(lp)
             ents.append(ent)
-        logp = torch.cat(lps).view(B, T)
+        # new tensors, not views of the concatenation: FSDP2 hooks backward onto what a forward method returns and
+        # warns that an in-place op on a returned view would bypass that hook
+        logp = torch.cat(lps).reshape(B, T).clone()
         if return_entropy:
-            return logp, torch.cat(ents).view(B, T)
+            return logp, torch.cat(ents).reshape(B, T).clone()
         return logp
 
     def new_kv_cache(self, batch_size, max_len, dtype=None):

@@ -1,6 +1,7 @@
 """End-to-end runs of scripts/chat_rl.py on a tiny random-weight model (CPU, fp32)."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -333,7 +334,15 @@ def test_fsdp_two_processes_equal_replicated_and_sample_the_trained_weights(base
         # the sampler's weights are the trainer's: gathered from the shards before every rollout after the first
         assert b["train/train_rollout_logprob_abs_diff"] < 1e-5 and b["time/weight_gather"] > 0
     assert "time/weight_sync" not in sharded["train"][0]
-    # (the sharded checkpoint's resume is tested through chat_sft and base_train in test_fsdp.py, same DCP functions)
+    # "killed" after step 2: drop step 3's files, resume on 2 ranks from the DCP shards of step 2; step 3 is the same
+    # bit for bit, and the processes exit cleanly (gloo's worker threads once aborted a resumed run at exit)
+    ckpt = base_dir / "rl_checkpoints"
+    shutil.copytree(ckpt / "fsdp2", ckpt / "fsdp2_resumed")
+    for f in (ckpt / "fsdp2_resumed").glob("*000003*"):
+        shutil.rmtree(f) if f.is_dir() else f.unlink()
+    resumed, log = run_rl(base_dir, "--num-rollouts", "3", "--save-interval", "2", "--output-tag", "fsdp2_resumed", "--fsdp", "--resume", nproc=2)
+    assert "resumed from" in log and [h["step"] for h in resumed["train"]] == [1, 2, 3]
+    assert resumed["train"][2] == {**sharded["train"][2], **{k: v for k, v in resumed["train"][2].items() if k.startswith(("time/", "perf/"))}}
 
 
 @pytest.mark.parametrize("flags,msg", [
