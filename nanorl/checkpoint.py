@@ -131,6 +131,22 @@ def _load(path, device):
                            f"delete that step to fall back to the previous one") from e
 
 
+def resume_meta(checkpoint_dir, step, world_size, fsdp):
+    """The meta of the step a run resumes from, read before any per-rank file. Refuses another number of ranks (each
+    rank's place in the data order is its own and cannot be re-split) and a --fsdp setting other than the one it was
+    saved with (sharded steps are DCP directories, the others single files)."""
+    with open(os.path.join(checkpoint_dir, f"meta_{step:06d}.json")) as f:
+        meta = json.load(f)
+    saved = meta.get("world_size", world_size)
+    if saved != world_size:
+        raise SystemExit(f"--resume: step {step} in {checkpoint_dir} was written by {saved} rank(s), this run has "
+                         f"{world_size}; resume with --nproc_per_node={saved}")
+    if bool(meta.get("sharded")) != fsdp:
+        was = "with" if meta.get("sharded") else "without"
+        raise SystemExit(f"--resume: step {step} in {checkpoint_dir} was saved {was} --fsdp; resume {was} it")
+    return meta
+
+
 def load_checkpoint(checkpoint_dir, step=None, device="cpu", load_optimizer=False, rank=0):
     """(model_state, optim_state, meta, extra) of `step` (default: the latest complete one).
     load_optimizer=True (resuming) also needs this rank's optimizer and extra-state files."""

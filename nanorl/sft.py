@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from nanorl import fsdp
-from nanorl.checkpoint import find_last_step, load_checkpoint, load_model, load_weights, model_path, save_checkpoint
+from nanorl.checkpoint import find_last_step, load_checkpoint, load_model, load_weights, model_path, resume_meta, save_checkpoint
 from nanorl.common import (ETA, add_logging_args, autocast_ctx, compute_cleanup, compute_init, fraction, get_base_dir,
                            get_logger, int_or_off, nonneg_float, nonneg_int, positive_float, positive_int, print0)
 from nanorl.gpt import attention_backend
@@ -142,10 +142,9 @@ def train(args, stage, hub_mixture, offline_mixture):
         last = find_last_step(ckpt_dir)
         if last is None:
             raise SystemExit(f"--resume: no {stage} checkpoint in {ckpt_dir}")
-        if args.fsdp:  # the DCP shards (a step saved without --fsdp fails here, and a sharded one without it in load_checkpoint)
+        resume_meta(ckpt_dir, last, world_size, args.fsdp)
+        if args.fsdp:  # the DCP shards of model and optimizer, this rank's data position beside them
             extra = fsdp.load_sharded(ckpt_dir, last, model, optimizer, rank)
-            if extra is None:
-                raise SystemExit(f"--resume: step {last} in {ckpt_dir} has no data position for rank {rank}: resume on as many ranks as saved it")
         else:
             model_state, optim_state, _, extra = load_checkpoint(ckpt_dir, last, device=device, load_optimizer=True, rank=rank)
             load_weights(model, model_state, model_path(ckpt_dir, last))
@@ -155,7 +154,8 @@ def train(args, stage, hub_mixture, offline_mixture):
         print0(f"resumed from {ckpt_dir} step {step} (epoch {loader.epoch}, {loader.cursor} conversations in)")
 
     def save(step):
-        m = {**meta, "model_tag": output_tag, "step": step, "stage": stage, f"{stage}_args": vars(args), "world_size": world_size}
+        m = {**meta, "model_tag": output_tag, "step": step, "stage": stage, f"{stage}_args": vars(args), "world_size": world_size,
+             "sharded": bool(args.fsdp)}  # (not the source model's)
         if args.fsdp:  # every rank writes its shards; `python -m nanorl.fsdp consolidate` makes the single file
             fsdp.save_sharded(ckpt_dir, step, model, optimizer, m, {"loader": loader.state_dict()}, rank, args.keep_last)
         else:

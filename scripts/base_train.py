@@ -4,7 +4,6 @@ Pretrain the base model. --depth is the one dial: width, heads, LRs and the toke
     python -m scripts.base_train --depth 4 --max-seq-len 256 --device-batch-size 8 --total-batch-size 4096 --num-iterations 200
     torchrun --standalone --nproc_per_node=8 -m scripts.base_train -- --depth 20
 """
-import json
 import math
 import os
 import random
@@ -14,7 +13,7 @@ from contextlib import nullcontext
 
 import torch
 
-from nanorl.checkpoint import delete_step, find_last_step, load_checkpoint, load_weights, model_path, save_checkpoint
+from nanorl.checkpoint import delete_step, find_last_step, load_checkpoint, load_weights, model_path, resume_meta, save_checkpoint
 from nanorl.common import (ETA, ArgumentParser, add_logging_args, autocast_ctx, compute_cleanup, compute_init, fraction, get_base_dir,
                            get_logger, get_peak_flops, int_or_off, nonneg_float, nonneg_int, positive_float, positive_int, print0,
                            synchronize)
@@ -113,16 +112,9 @@ if args.resume:
     last = find_last_step(ckpt_dir)
     if last is None:
         raise SystemExit(f"--resume: no checkpoint in {ckpt_dir}")
-    with open(os.path.join(ckpt_dir, f"meta_{last:06d}.json")) as f:  # meta first: check before reading per-rank files
-        old_meta = json.load(f)
+    old_meta = resume_meta(ckpt_dir, last, world_size, args.fsdp)
     if old_meta["model_config"] != config.to_dict():
         raise SystemExit(f"--resume: the checkpoint's model config {old_meta['model_config']} differs from this run's {config.to_dict()}")
-    if old_meta.get("world_size", 1) != world_size:  # the data order is sharded by rank: it cannot be re-split
-        raise SystemExit(f"--resume: step {last} in {ckpt_dir} was written by {old_meta.get('world_size', 1)} rank(s), "
-                         f"this run has {world_size}; resume with --nproc_per_node={old_meta.get('world_size', 1)}")
-    if bool(old_meta.get("sharded")) != args.fsdp:
-        raise SystemExit(f"--resume: step {last} in {ckpt_dir} was saved {'with' if old_meta.get('sharded') else 'without'} --fsdp; "
-                         f"resume {'with' if old_meta.get('sharded') else 'without'} it")
     if args.fsdp:
         extra = load_sharded(ckpt_dir, last, model, optimizer, rank)
     else:

@@ -15,7 +15,6 @@ Each of those files also holds its own flags (`--help` lists them by group).
     python -m scripts.chat_rl --prompt-data my.jsonl --input-key question --label-key answer --rm-type math
 """
 import copy
-import json
 import os
 import random
 import sys
@@ -26,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from nanorl import fsdp, rl, rl_async, rl_trainer, rollout
-from nanorl.checkpoint import find_last_step, load_checkpoint, load_model, load_model_dir, save_checkpoint
+from nanorl.checkpoint import find_last_step, load_checkpoint, load_model, load_model_dir, resume_meta, save_checkpoint
 from nanorl.common import (ETA, ArgumentParser, Timer, add_logging_args, compute_cleanup, compute_init, get_base_dir, get_logger,
                            int_list, nonneg_float, nonneg_int, positive_float, positive_int, print0)
 from nanorl.engine import Engine
@@ -355,7 +354,8 @@ def save(step):
              "torch_rng": torch.get_rng_state()}
     if critic is not None:  # every training rank keeps the same critic (averaged gradients), so each saves it with its extra state
         extra.update(critic=critic.state_dict(), critic_optim=critic_optimizer.state_dict())
-    ck_meta = {**meta, "model_tag": output_tag, "step": step, "rl_args": vars(args)}
+    ck_meta = {**meta, "model_tag": output_tag, "step": step, "rl_args": vars(args), "world_size": world_size,
+               "sharded": args.fsdp}  # (not the source model's flags)
     if args.fsdp:  # every rank writes its shards (DCP); `python -m nanorl.fsdp consolidate` makes the single file
         fsdp.save_sharded(ckpt_dir, step, model, optimizer, ck_meta, extra, rank)
     else:
@@ -372,12 +372,11 @@ if args.resume:
     last = find_last_step(ckpt_dir)
     if last is None:
         raise SystemExit(f"--resume: no RL checkpoint in {ckpt_dir}")
+    ck_meta = resume_meta(ckpt_dir, last, world_size, args.fsdp)
     if args.fsdp:  # the DCP shards of model and optimizer; meta and this rank's extra state beside them
         extra = fsdp.load_sharded(ckpt_dir, last, model, optimizer, rank)
-        with open(os.path.join(ckpt_dir, f"meta_{last:06d}.json")) as f:
-            ck_meta = json.load(f)
     else:
-        model_state, optim_state, ck_meta, extra = load_checkpoint(ckpt_dir, last, device=device, load_optimizer=True, rank=rank)
+        model_state, optim_state, _, extra = load_checkpoint(ckpt_dir, last, device=device, load_optimizer=True, rank=rank)
         model.load_state_dict(model_state)
         optimizer.load_state_dict(optim_state)
     source.load_state_dict(extra["source"])

@@ -343,6 +343,9 @@ def test_fsdp_two_processes_equal_replicated_and_sample_the_trained_weights(base
     resumed, log = run_rl(base_dir, "--num-rollouts", "3", "--save-interval", "2", "--output-tag", "fsdp2_resumed", "--fsdp", "--resume", nproc=2)
     assert "resumed from" in log and [h["step"] for h in resumed["train"]] == [1, 2, 3]
     assert resumed["train"][2] == {**sharded["train"][2], **{k: v for k, v in resumed["train"][2].items() if k.startswith(("time/", "perf/"))}}
+    # each rank's place in the prompt order is its own: another number of ranks is refused before anything loads
+    out = run_rl(base_dir, "--num-rollouts", "4", "--output-tag", "fsdp2_resumed", "--resume", check=False)
+    assert out.returncode != 0 and "was written by 2 rank(s), this run has 1; resume with --nproc_per_node=2" in out.stderr, out.stderr[-2000:]
 
 
 @pytest.mark.parametrize("flags,msg", [
