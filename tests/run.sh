@@ -24,6 +24,11 @@ if ! command -v bwrap >/dev/null 2>&1 && [ "$(id -u)" = "0" ] && command -v apt-
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null) \
         || echo "warning: could not install bubblewrap; the sandbox escape tests will be skipped"
 fi
+# torch.compile on the CPU (the compiled-FSDP test) builds its kernels with a C++ compiler
+if ! command -v g++ >/dev/null 2>&1 && [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++ >/dev/null) \
+        || echo "warning: could not install g++; the compiled-FSDP test will be skipped"
+fi
 set +e
 $PY -m pytest -q --durations=15 "$@"
 rc=$?

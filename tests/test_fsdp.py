@@ -1,6 +1,7 @@
 """FSDP2 on the CPU with 2 gloo processes: same training as one unsharded process, 1/world memory, gathered weights."""
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -127,6 +128,35 @@ def test_fsdp_two_processes_equal_one_unsharded(tmp_path):
         assert state.keys() == one["optim"][name].keys(), name
         for key, v in state.items():
             torch.testing.assert_close(one["optim"][name][key], v, atol=2e-5, rtol=1e-4, msg=f"{name} {key}")
+
+
+def _compile_worker(rank, world, init_file, out_path):
+    import torch.distributed as dist
+
+    from nanorl.fsdp import shard_model
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    model = shard_model(tiny_model(), torch.device("cpu"))
+    x = torch.randint(0, 40, (4, 16), generator=torch.Generator().manual_seed(3))
+    loss = torch.compile(model, dynamic=False)(x, targets=x)
+    loss.backward()
+    torch.save({"loss": loss.detach(), "grads": {k: p.grad.full_tensor() for k, p in model.named_parameters()}}, out_path)
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (shutil.which("c++") or shutil.which("g++")), reason="torch.compile on the CPU needs a C++ compiler")
+def test_compiled_sharded_model_equals_eager(tmp_path):
+    # base_train, chat_sft and `bench train --fsdp` compile the sharded model on CUDA: FSDP2's hooks must survive
+    # torch.compile (here inductor on the CPU, one rank as in `bench train --fsdp`) and give the eager loss and grads
+    mp.spawn(_compile_worker, args=(1, str(tmp_path / "init"), str(tmp_path / "c.pt")), nprocs=1, join=True)
+    out = torch.load(tmp_path / "c.pt")
+    model = tiny_model()
+    x = torch.randint(0, 40, (4, 16), generator=torch.Generator().manual_seed(3))
+    loss = model(x, targets=x)
+    loss.backward()
+    torch.testing.assert_close(out["loss"], loss.detach(), atol=1e-5, rtol=1e-5)
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(out["grads"][k], p.grad, atol=1e-5, rtol=1e-4, msg=k)
 
 
 ROOT = Path(__file__).resolve().parents[1]
