@@ -131,10 +131,13 @@ def _load(path, device):
                            f"delete that step to fall back to the previous one") from e
 
 
-def resume_meta(checkpoint_dir, step, world_size, fsdp):
-    """The meta of the step a run resumes from, read before any per-rank file. Refuses another number of ranks (each
-    rank's place in the data order is its own and cannot be re-split) and a --fsdp setting other than the one it was
-    saved with (sharded steps are DCP directories, the others single files)."""
+def resume_point(checkpoint_dir, world_size, fsdp):
+    """(step, meta) of the latest complete step a --resume run continues from, read before any per-rank file.
+    Refuses an empty directory, another number of ranks (each rank's place in the data order is its own and cannot be
+    re-split) and a --fsdp setting other than the one it was saved with (sharded steps are DCP directories)."""
+    step = find_last_step(checkpoint_dir)
+    if step is None:
+        raise SystemExit(f"--resume: no checkpoint in {checkpoint_dir}")
     with open(os.path.join(checkpoint_dir, f"meta_{step:06d}.json")) as f:
         meta = json.load(f)
     saved = meta.get("world_size", world_size)
@@ -144,7 +147,7 @@ def resume_meta(checkpoint_dir, step, world_size, fsdp):
     if bool(meta.get("sharded")) != fsdp:
         was = "with" if meta.get("sharded") else "without"
         raise SystemExit(f"--resume: step {step} in {checkpoint_dir} was saved {was} --fsdp; resume {was} it")
-    return meta
+    return step, meta
 
 
 def load_checkpoint(checkpoint_dir, step=None, device="cpu", load_optimizer=False, rank=0):

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from nanorl import fsdp
-from nanorl.checkpoint import find_last_step, load_checkpoint, load_model, load_weights, model_path, resume_meta, save_checkpoint
+from nanorl.checkpoint import load_checkpoint, load_model, load_weights, model_path, resume_point, save_checkpoint
 from nanorl.common import (ETA, add_logging_args, autocast_ctx, compute_cleanup, compute_init, fraction, get_base_dir,
                            get_logger, int_or_off, nonneg_float, nonneg_int, positive_float, positive_int, print0)
 from nanorl.gpt import attention_backend
@@ -139,10 +139,7 @@ def train(args, stage, hub_mixture, offline_mixture):
     ckpt_dir = os.path.join(get_base_dir(), f"{stage}_checkpoints", output_tag)
     step = 0
     if args.resume:
-        last = find_last_step(ckpt_dir)
-        if last is None:
-            raise SystemExit(f"--resume: no {stage} checkpoint in {ckpt_dir}")
-        resume_meta(ckpt_dir, last, world_size, args.fsdp)
+        last, _ = resume_point(ckpt_dir, world_size, args.fsdp)
         if args.fsdp:  # the DCP shards of model and optimizer, this rank's data position beside them
             extra = fsdp.load_sharded(ckpt_dir, last, model, optimizer, rank)
         else:

@@ -13,7 +13,7 @@ from contextlib import nullcontext
 
 import torch
 
-from nanorl.checkpoint import delete_step, find_last_step, load_checkpoint, load_weights, model_path, resume_meta, save_checkpoint
+from nanorl.checkpoint import delete_step, find_last_step, load_checkpoint, load_weights, model_path, resume_point, save_checkpoint
 from nanorl.common import (ETA, ArgumentParser, add_logging_args, autocast_ctx, compute_cleanup, compute_init, fraction, get_base_dir,
                            get_logger, get_peak_flops, int_or_off, nonneg_float, nonneg_int, positive_float, positive_int, print0,
                            synchronize)
@@ -109,10 +109,7 @@ if args.fsdp:
 
 start_step = 0
 if args.resume:
-    last = find_last_step(ckpt_dir)
-    if last is None:
-        raise SystemExit(f"--resume: no checkpoint in {ckpt_dir}")
-    old_meta = resume_meta(ckpt_dir, last, world_size, args.fsdp)
+    last, old_meta = resume_point(ckpt_dir, world_size, args.fsdp)
     if old_meta["model_config"] != config.to_dict():
         raise SystemExit(f"--resume: the checkpoint's model config {old_meta['model_config']} differs from this run's {config.to_dict()}")
     if args.fsdp:

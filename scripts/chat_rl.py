@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from nanorl import fsdp, rl, rl_async, rl_trainer, rollout
-from nanorl.checkpoint import find_last_step, load_checkpoint, load_model, load_model_dir, resume_meta, save_checkpoint
+from nanorl.checkpoint import load_checkpoint, load_model, load_model_dir, resume_point, save_checkpoint
 from nanorl.common import (ETA, ArgumentParser, Timer, add_logging_args, compute_cleanup, compute_init, get_base_dir, get_logger,
                            int_list, nonneg_float, nonneg_int, positive_float, positive_int, print0)
 from nanorl.engine import Engine
@@ -369,10 +369,7 @@ def weights_checksum():
 
 start_step = 0
 if args.resume:
-    last = find_last_step(ckpt_dir)
-    if last is None:
-        raise SystemExit(f"--resume: no RL checkpoint in {ckpt_dir}")
-    ck_meta = resume_meta(ckpt_dir, last, world_size, args.fsdp)
+    last, ck_meta = resume_point(ckpt_dir, world_size, args.fsdp)
     if args.fsdp:  # the DCP shards of model and optimizer; meta and this rank's extra state beside them
         extra = fsdp.load_sharded(ckpt_dir, last, model, optimizer, rank)
     else:

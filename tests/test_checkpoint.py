@@ -4,7 +4,7 @@ import random
 import pytest
 import torch
 
-from nanorl.checkpoint import delete_step, find_last_step, load_checkpoint, load_model_dir, load_weights, resume_meta, save_checkpoint
+from nanorl.checkpoint import delete_step, find_last_step, load_checkpoint, load_model_dir, load_weights, resume_point, save_checkpoint
 from nanorl.gpt import GPTConfig
 from nanorl.gpt import build_model as build_gpt
 
@@ -119,14 +119,16 @@ def test_files_orphaned_by_a_kill_during_deletion_are_cleaned_at_the_next_save(t
     assert find_last_step(d) == 3
 
 
-def test_resume_meta_refuses_another_world_size_or_fsdp_setting(tmp_path):
+def test_resume_point_refuses_no_step_another_world_size_or_fsdp_setting(tmp_path):
+    with pytest.raises(SystemExit, match=r"--resume: no checkpoint in "):
+        resume_point(str(tmp_path), 2, True)
     save_checkpoint(str(tmp_path), 3, {"w": torch.zeros(2)}, meta={"world_size": 2, "sharded": True, "x": 1})
-    assert resume_meta(str(tmp_path), 3, 2, True)["x"] == 1
+    assert resume_point(str(tmp_path), 2, True) == (3, {"world_size": 2, "sharded": True, "x": 1})
     with pytest.raises(SystemExit, match=r"step 3 in .* was written by 2 rank\(s\), this run has 4; resume with --nproc_per_node=2"):
-        resume_meta(str(tmp_path), 3, 4, True)
+        resume_point(str(tmp_path), 4, True)
     with pytest.raises(SystemExit, match=r"step 3 in .* was saved with --fsdp; resume with it"):
-        resume_meta(str(tmp_path), 3, 2, False)
+        resume_point(str(tmp_path), 2, False)
     save_checkpoint(str(tmp_path), 4, {"w": torch.zeros(2)}, meta={})  # a meta from before these fields: no refusal
-    assert resume_meta(str(tmp_path), 4, 8, False) == {}
+    assert resume_point(str(tmp_path), 8, False) == (4, {})
     with pytest.raises(SystemExit, match="was saved without --fsdp; resume without it"):
-        resume_meta(str(tmp_path), 4, 8, True)
+        resume_point(str(tmp_path), 8, True)
