@@ -73,7 +73,18 @@ def get_base_dir():
     return base
 
 
+DEVICE_TYPES = ("cpu", "cuda", "mps")
+
+
 def autodetect_device_type():
+    """cuda if torch sees a GPU, else mps, else cpu. NANORL_DEVICE_TYPE=cpu|cuda|mps overrides it: the test suite
+    sets cpu for its tests not marked gpu, so that they, and the scripts they launch, run on the CPU (fp32, gloo)
+    also on a GPU machine, where CUDA may already be initialised in the test process."""
+    forced = os.environ.get("NANORL_DEVICE_TYPE")
+    if forced:
+        if forced not in DEVICE_TYPES:
+            raise ValueError(f"NANORL_DEVICE_TYPE={forced!r}: expected one of {', '.join(DEVICE_TYPES)}")
+        return forced
     if torch.cuda.is_available():
         return "cuda"
     if torch.backends.mps.is_available():
