@@ -132,6 +132,21 @@ def compute_init(device_type=None, seed=42, timeout_s=None, cpu_collectives=Fals
     return ddp, rank, local_rank, world_size, device
 
 
+def mean_over_ranks(metrics, device, group=None):
+    """The mean of a {name: number} dict over the ranks of `group` (default: all), the same dict on every rank.
+    Ranks may hold different names (a dynamic-sampling filter's drop reasons, reward components seen on one rank
+    only): one all-reduce of a vector needs the same names in the same order everywhere, else gloo fails on the
+    size and NCCL hangs or mixes metrics. So the union of the names is gathered first, and a name a rank lacks
+    counts as 0 there (all of them are counts or sums that rank did not see)."""
+    world = dist.get_world_size(group)
+    names = [None] * world
+    dist.all_gather_object(names, sorted(metrics), group=group)
+    keys = sorted(set().union(*names))
+    vec = torch.tensor([float(metrics.get(k, 0.0)) for k in keys], dtype=torch.float64, device=device)
+    dist.all_reduce(vec, group=group)
+    return {k: v / world for k, v in zip(keys, vec.tolist())}
+
+
 # torch.distributed's tensor collectives: the ones strict_collective_device checks
 _TENSOR_COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
                        "reduce_scatter_tensor", "all_to_all_single", "all_to_all", "gather", "scatter")
