@@ -4,7 +4,6 @@ import itertools
 import os
 
 
-
 def vowel_reward(response, label, metadata):
     return sum(c in "aeiou" for c in response) / max(len(response), 1)
 

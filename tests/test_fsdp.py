@@ -185,7 +185,8 @@ def _cuda_dtypes_worker(rank, world, init_file, out_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (shutil.which("c++") or shutil.which("g++")), reason="torch.compile on the CPU needs a C++ compiler")
+@pytest.mark.skipif(not (shutil.which("c++") or shutil.which("g++")),
+                    reason="torch.compile on the CPU needs a C++ compiler")
 def test_sharding_with_cuda_dtypes_compiles_and_steps(tmp_path):
     # on CUDA the token embedding is bf16 (init_weights) and the policy gathers bf16 / reduces fp32; FSDP2 asserts one
     # original dtype per unit, and the root unit holds the embedding beside the fp32 head. The same dtypes on the CPU,
