@@ -73,7 +73,18 @@ def get_base_dir():
     return base
 
 
+DEVICE_TYPES = ("cpu", "cuda", "mps")
+
+
 def autodetect_device_type():
+    """cuda if torch sees a GPU, else mps, else cpu. NANORL_DEVICE_TYPE=cpu|cuda|mps overrides it: the test suite
+    sets cpu for its tests not marked gpu, so that they, and the scripts they launch, run on the CPU (fp32, gloo)
+    also on a GPU machine, where CUDA may already be initialised in the test process."""
+    forced = os.environ.get("NANORL_DEVICE_TYPE")
+    if forced:
+        if forced not in DEVICE_TYPES:
+            raise ValueError(f"NANORL_DEVICE_TYPE={forced!r}: expected one of {', '.join(DEVICE_TYPES)}")
+        return forced
     if torch.cuda.is_available():
         return "cuda"
     if torch.backends.mps.is_available():
@@ -119,6 +130,21 @@ def compute_init(device_type=None, seed=42, timeout_s=None, cpu_collectives=Fals
     else:
         device = torch.device(device_type)
     return ddp, rank, local_rank, world_size, device
+
+
+def mean_over_ranks(metrics, device, group=None):
+    """The mean of a {name: number} dict over the ranks of `group` (default: all), the same dict on every rank.
+    Ranks may hold different names (a dynamic-sampling filter's drop reasons, reward components seen on one rank
+    only): one all-reduce of a vector needs the same names in the same order everywhere, else gloo fails on the
+    size and NCCL hangs or mixes metrics. So the union of the names is gathered first, and a name a rank lacks
+    counts as 0 there (all of them are counts or sums that rank did not see)."""
+    world = dist.get_world_size(group)
+    names = [None] * world
+    dist.all_gather_object(names, sorted(metrics), group=group)
+    keys = sorted(set().union(*names))
+    vec = torch.tensor([float(metrics.get(k, 0.0)) for k in keys], dtype=torch.float64, device=device)
+    dist.all_reduce(vec, group=group)
+    return {k: v / world for k, v in zip(keys, vec.tolist())}
 
 
 # torch.distributed's tensor collectives: the ones strict_collective_device checks

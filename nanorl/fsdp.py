@@ -44,16 +44,29 @@ def check_args(args, script):
         raise SystemExit(f"--fsdp needs torchrun, also on one GPU: torchrun --standalone --nproc_per_node=1 -m scripts.{script} -- --fsdp ...")
 
 
-def shard_model(model, device, activation_checkpointing=False, cpu_offload=False):
+def mixed_precision(device_type):
+    """The FSDP2 precision policy of a device. CUDA: weights gathered in bf16 for compute, gradients reduced in
+    fp32. Elsewhere: everything fp32 (exact tests)."""
+    if device_type == "cuda":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def shard_model(model, device, activation_checkpointing=False, cpu_offload=False, mp_policy=None):
     """Shard a GPT in place over all ranks: one FSDP unit per block, the root unit holds embedding and head.
-    CUDA: bf16 compute weights, fp32 gradient reduction, fp32 master shards. CPU: everything fp32 (exact tests).
+    Master shards are fp32; mp_policy (default: mixed_precision(device.type)) sets the compute and reduce dtypes.
     activation_checkpointing: recompute each block's activations in backward instead of keeping them.
     cpu_offload: keep the sharded weights, gradients and optimizer state in CPU memory (the optimizer steps on the
     CPU); the largest models only, it costs host-device copies every step."""
     if cpu_offload and device.type != "cuda":
         raise ValueError("--cpu-offload moves shards from GPU to CPU memory: it needs --device-type cuda")
+    # FSDP2 asserts one original dtype per unit, and on CUDA init_weights (or a load into a model it built) leaves
+    # the token embedding in bf16 beside the fp32 head of the root unit. Cast it back to fp32 rather than give it a
+    # unit of its own: the policy already gathers it in bf16 for the lookup, so the bf16 copy saved nothing here,
+    # the fp32 master costs only 1/world of the embedding per rank, and AdamW then steps it in fp32 like the rest.
+    model.float()
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" else MixedPrecisionPolicy()
+    mp = mixed_precision(device.type) if mp_policy is None else mp_policy
     kw = dict(mesh=mesh, mp_policy=mp, offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
     for block in model.transformer.h:
         if activation_checkpointing:

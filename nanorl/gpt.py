@@ -341,6 +341,12 @@ class Block(nn.Module):
         return x
 
 
+def embedding_dtype(config, device_type):
+    """The dtype init_weights gives the token embedding on a device: bf16 on CUDA unless it is tied to the head.
+    The embedding is only a lookup: bf16 halves its memory traffic. (FSDP casts it back: see fsdp.shard_model.)"""
+    return torch.bfloat16 if device_type == "cuda" and not config.tie_embeddings else torch.float32
+
+
 class GPT(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -390,9 +396,7 @@ class GPT(nn.Module):
                 torch.nn.init.ones_(m.weight)
         self.tie_weights()
         self.init_rotary()
-        if self.transformer.wte.weight.device.type == "cuda" and not self.config.tie_embeddings:
-            # the embedding is only a lookup: keep it in bf16 to halve its memory traffic
-            self.transformer.wte.to(dtype=torch.bfloat16)
+        self.transformer.wte.to(dtype=embedding_dtype(self.config, self.transformer.wte.weight.device.type))
 
     @torch.no_grad()
     def init_rotary(self):

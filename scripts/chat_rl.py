@@ -27,7 +27,7 @@ import torch.distributed as dist
 from nanorl import fsdp, rl, rl_async, rl_trainer, rollout
 from nanorl.checkpoint import load_checkpoint, load_model, load_model_dir, resume_point, save_checkpoint
 from nanorl.common import (ETA, ArgumentParser, Timer, add_logging_args, compute_cleanup, compute_init, get_base_dir, get_logger,
-                           int_list, nonneg_float, nonneg_int, positive_float, positive_int, print0)
+                           int_list, mean_over_ranks, nonneg_float, nonneg_int, positive_float, positive_int, print0)
 from nanorl.engine import Engine
 from nanorl.execution import sandbox_mode
 from nanorl.gpt import Critic, attention_backend
@@ -284,11 +284,8 @@ def train(step, groups, m):
     m["rollout/max_staleness"] = max(step - s.weight_version for s in samples)  # policy versions behind the trainer
     m.update({f"time/{k}": v for k, v in timer.times.items()})
     m["perf/train_tok_per_s"] = sum(len(s.tokens) for s in samples) / max(timer.times.get("train", 1e-9), 1e-9)
-    if ddp:
-        keys = sorted(m)
-        vec = torch.tensor([float(m[k]) for k in keys], dtype=torch.float64, device=device)
-        dist.all_reduce(vec, group=roles.tgroup)
-        m = {k: v / roles.tworld for k, v in zip(keys, vec.tolist())}
+    if ddp:  # the ranks' names may differ (a filter that dropped groups on one rank only): the union is averaged
+        m = mean_over_ranks(m, device, group=roles.tgroup)
     return m
 
 

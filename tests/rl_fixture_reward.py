@@ -1,5 +1,7 @@
 """A reward for RL tests on random-weight models: the fraction of vowels in the response, so rewards
 differ within a group and advantages are not all zero."""
+import itertools
+import os
 
 
 def vowel_reward(response, label, metadata):
@@ -52,3 +54,14 @@ def eval_broken_reward(response, label, metadata):
     if metadata["split"] == "test":
         raise RuntimeError("the eval grader is down")
     return vowel_reward(response, label, metadata)
+
+
+_CALLS = itertools.count()
+
+
+def constant_on_rank1_reward(response, label, metadata):
+    """Rank 1: 1.0 for every response, so the dynamic-sampling filter drops every group there (all correct).
+    Other ranks: a new value on every call, so no group is constant and none is dropped."""
+    if os.environ.get("RANK") == "1":
+        return 1.0
+    return float(next(_CALLS))

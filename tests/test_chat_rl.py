@@ -125,6 +125,23 @@ def test_two_processes_equal_one(base_dir):
     assert n_bad <= 1e-3 * n_all, (n_bad, n_all)
 
 
+def test_dynamic_sampling_when_the_ranks_filters_disagree(base_dir):
+    # rank 1 drops every group, rank 0 none: the ranks hold different metric names (dropped_all_correct) and the
+    # step's metrics are still averaged over both. Per rank and step: 2 groups to fill, 3 prompts a round, 2 rounds.
+    # rank 0: step 1 keeps 3 (1 to the buffer), step 2 takes 1 from the buffer + 3 new; drops nothing.
+    # rank 1: 2 rounds drop 6 groups (all correct), 2 of them fill the batch: dropped 4, unfiltered fill 2.
+    rm = f"{ROOT / 'tests' / 'rl_fixture_reward.py'}:constant_on_rank1_reward"
+    hist, log = run_rl(base_dir, "--num-rollouts", "2", "--output-tag", "filters", "--over-sampling-batch-size", "6",
+                       "--max-sampling-rounds", "2", nproc=2, rm=rm)
+    assert len(hist["train"]) == 2 and log.count("| dropped 2 |") == 2
+    for h, from_buffer in zip(hist["train"], (0 + 0, 1 + 0)):  # (rank 0 + rank 1) / 2
+        want = {"groups_dropped": (0 + 4) / 2, "dropped_all_correct": (0 + 6) / 2, "rounds": (1 + 2) / 2,
+                "groups_unfiltered_fill": (0 + 2) / 2, "groups_generated": (3 + 6) / 2,
+                "groups_from_buffer": from_buffer / 2}
+        assert {k for k in h if k.startswith("rollout/dropped_")} == {"rollout/dropped_all_correct"}
+        assert {k: h[f"rollout/{k}"] for k in want} == want
+
+
 @pytest.mark.parametrize("flags", [
     ["--advantage-estimator", "rloo", "--loss-aggregation", "seq_mean_token_mean", "--use-kl-loss", "--kl-loss-coef", "0.1"],
     ["--advantage-estimator", "reinforce_plus_plus_baseline", "--kl-coef", "0.05", "--loss-aggregation", "seq_mean_token_sum_norm"],

@@ -1,8 +1,15 @@
+import json
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+import torch
 
-from nanorl.common import ETA, ArgumentParser, Logger, fraction, get_logger, int_or_off, number_in, positive_float, positive_int
+from nanorl.common import (ETA, ArgumentParser, Logger, autodetect_device_type, fraction, get_logger, int_or_off,
+                           number_in, positive_float, positive_int)
 
 
 def parse_error(parser, argv, capsys):
@@ -155,3 +162,30 @@ def test_canonical_flag_names_and_their_aliases(monkeypatch):
     assert "argument --model-step/--step: -1 is out of range" in err
     _, _, err = run_script("scripts.base_train", ["--save-interval", "-3"], monkeypatch)
     assert "argument --save-every/--save-interval: -3 is out of range" in err
+
+
+def test_tests_not_marked_gpu_run_on_the_cpu_even_where_torch_sees_a_gpu(monkeypatch):
+    # tests/conftest.py: on a GPU machine the suite's fp32 and 2-rank gloo tests must not pick CUDA
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU machine, as torch reports it
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == ""  # hidden from every process a test starts
+    assert autodetect_device_type() == "cpu"  # in this process, where CUDA may already be initialised
+    # a script launched as the tests launch them (their environment, no --device-type), in a process that sees a GPU
+    argv = ["bench", "train", "--depth", "1", "--batch", "1", "--seq-len", "8", "--head-dim", "64",
+            "--vocab-size", "64", "--warmup", "0", "--steps", "1", "--threads", "1"]
+    code = ("import runpy, sys, torch; torch.cuda.is_available = lambda: True; "
+            f"sys.argv = {argv!r}; runpy.run_module('scripts.bench', run_name='__main__')")
+    out = subprocess.run([sys.executable, "-c", code], check=False, cwd=Path(__file__).resolve().parents[1],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1])["device"] == "cpu"
+    monkeypatch.delenv("NANORL_DEVICE_TYPE")
+    assert autodetect_device_type() == "cuda"  # without the override the fake GPU is taken: the override did it
+    monkeypatch.setenv("NANORL_DEVICE_TYPE", "gpu")
+    with pytest.raises(ValueError, match=r"^NANORL_DEVICE_TYPE='gpu': expected one of cpu, cuda, mps$"):
+        autodetect_device_type()
+
+
+@pytest.mark.gpu
+def test_tests_marked_gpu_keep_the_device_environment(device_env_at_start):
+    # (runs on any machine: it only checks that tests/conftest.py hides nothing from the gpu tests)
+    assert {k: os.environ.get(k) for k in device_env_at_start} == device_env_at_start

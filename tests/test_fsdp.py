@@ -159,6 +159,60 @@ def test_compiled_sharded_model_equals_eager(tmp_path):
         torch.testing.assert_close(out["grads"][k], p.grad, atol=1e-5, rtol=1e-4, msg=k)
 
 
+def _cuda_dtypes_worker(rank, world, init_file, out_path):
+    import torch.distributed as dist
+
+    from nanorl.fsdp import mixed_precision, shard_model
+    from nanorl.gpt import embedding_dtype
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    model = tiny_model()
+    model.transformer.wte.to(dtype=embedding_dtype(CFG, "cuda"))  # what init_weights leaves on CUDA: a bf16 lookup
+    assert model.transformer.wte.weight.dtype == torch.bfloat16
+    shard_model(model, torch.device("cpu"), mp_policy=mixed_precision("cuda"))
+    before = {k: p.full_tensor().clone() for k, p in model.named_parameters()}
+    opt = build_optimizer(model)
+    x = torch.randint(0, 40, (4, 16), generator=torch.Generator().manual_seed(3))
+    loss = torch.compile(model, dynamic=False)(x, targets=x)
+    loss.backward()
+    opt.step()
+    after = {k: (p.dtype, p.full_tensor()) for k, p in model.named_parameters()}
+    seen = []  # the dtype a block computes with: the policy's bf16 gathered weights
+    hook = model.transformer.h[0].register_forward_pre_hook(lambda m, a: seen.append(m.attn.c_q.weight.dtype))
+    model(x, targets=x)
+    hook.remove()
+    torch.save({"loss": loss.detach(), "seen": seen, "before": before, "after": after}, out_path)
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (shutil.which("c++") or shutil.which("g++")),
+                    reason="torch.compile on the CPU needs a C++ compiler")
+def test_sharding_with_cuda_dtypes_compiles_and_steps(tmp_path):
+    # on CUDA the token embedding is bf16 (init_weights) and the policy gathers bf16 / reduces fp32; FSDP2 asserts one
+    # original dtype per unit, and the root unit holds the embedding beside the fp32 head. The same dtypes on the CPU,
+    # through shard_model + compile + one optimizer step, as every --fsdp run on CUDA takes them
+    mp.spawn(_cuda_dtypes_worker, args=(1, str(tmp_path / "init"), str(tmp_path / "c.pt")), nprocs=1, join=True)
+    out = torch.load(tmp_path / "c.pt")
+    assert out["seen"] == [torch.bfloat16]
+    ref = tiny_model()  # the same step unsharded, all fp32
+    init = {k: v.clone() for k, v in ref.state_dict().items()}
+    opt = build_optimizer(ref)
+    x = torch.randint(0, 40, (4, 16), generator=torch.Generator().manual_seed(3))
+    loss = ref(x, targets=x)
+    loss.backward()
+    opt.step()
+    torch.testing.assert_close(out["loss"], loss.detach(), atol=2e-2, rtol=0)  # bf16 compute
+    for k, p in ref.named_parameters():
+        dtype, after = out["after"][k]
+        assert dtype == torch.float32, k  # fp32 master shards, the embedding's included
+        # the step moved the same entries by the same amounts, up to bf16 compute: AdamW's first step is ~lr*sign(g),
+        # so entries whose tiny gradient changes sign in bf16 (< 1% of the embedding) move the other way
+        d, d_ref = after - out["before"][k], p.detach() - init[k]
+        assert torch.equal(d != 0, d_ref != 0), k
+        off = (d - d_ref).abs() > 0.1 * d_ref.abs().max()
+        assert off.float().mean() < (0.01 if k == "transformer.wte.weight" else 1e-9), (k, off.float().mean())
+
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--depth", "2", "--aspect-ratio", "32", "--head-dim", "32", "--max-seq-len", "64", "--device-batch-size", "2",
         "--total-batch-size", "512", "--eval-every", "-1", "--sample-every", "-1", "--num-iterations", "4", "--save-every", "2"]

@@ -1,0 +1,30 @@
+"""
+The tests not marked `gpu` run on the CPU by construction, also on a GPU machine: fp32 bit-exactness checks and
+2-rank gloo runs assume it. For each of them NANORL_DEVICE_TYPE=cpu makes nanorl.common.autodetect_device_type pick
+the CPU (in this process, where CUDA may already be initialised, and in every script or worker a test starts), and
+CUDA_VISIBLE_DEVICES="" hides the GPU from those processes. Tests marked `gpu` see the environment as it was.
+"""
+import os
+
+import pytest
+import torch
+
+HIDE = {"NANORL_DEVICE_TYPE": "cpu", "CUDA_VISIBLE_DEVICES": ""}
+AT_START = {k: os.environ.get(k) for k in HIDE}
+
+# CUDA reads CUDA_VISIBLE_DEVICES once, when this process first asks for a device: ask now, so that a first ask made
+# under a hiding test cannot hide the GPU from the gpu tests that run after it
+torch.cuda.is_available()
+
+
+@pytest.fixture(autouse=True)
+def _cpu_unless_marked_gpu(request, monkeypatch):
+    if request.node.get_closest_marker("gpu") is None:
+        for k, v in HIDE.items():
+            monkeypatch.setenv(k, v)
+
+
+@pytest.fixture
+def device_env_at_start():
+    """NANORL_DEVICE_TYPE and CUDA_VISIBLE_DEVICES as pytest started (None: unset)."""
+    return dict(AT_START)
