@@ -4,14 +4,16 @@ Running model-written code, and the calculator tool.
 execute_code(code) runs untrusted Python in a child process with a wall-clock timeout, rlimits (memory, CPU,
 file size, processes), a fresh temporary working directory (deleted afterwards), a clean environment and
 capped output. The boundary is the kernel's: with bubblewrap (`bwrap`) each run gets its own user, PID,
-network, mount, IPC and UTS namespaces, a read-only root, a private /tmp, no network and no view of the
-calling process, and killing the namespace's init on timeout takes the whole process tree with it.
-Inside, the destructive parts of os/shutil/subprocess/socket are also switched off (like human-eval's
-reliability_guard), so ordinary mistakes get clear PermissionErrors.
+network, mount, IPC and UTS namespaces, an empty read-only root holding only what the interpreter needs
+(its executable, stdlib and site-packages, the system's libraries, a one-user /etc/passwd), a private /tmp,
+no network and no view of the calling process; killing the namespace's init on timeout takes the whole
+process tree with it. Inside, the destructive parts of os/shutil/subprocess/socket are also switched off
+(like human-eval's reliability_guard), so ordinary mistakes get clear PermissionErrors.
 
-Where namespaces are not available (no bwrap, or it fails a probe) only that in-process guard is left: a
-*reliability* guard against accidents (rm -rf, fork bombs, runaway loops), not a security boundary. A
-warning says so once; sandbox_mode() tells which mode is in use.
+Where namespaces are not available (no bwrap, or it fails a probe) model code does not run: sandbox_mode()
+raises SandboxUnavailable, and scripts call require_sandbox() at their start to exit in one line. Only
+NANORL_SANDBOX=guard runs it under the in-process guard alone, a *reliability* guard against accidents
+(rm -rf, fork bombs, runaway loops), not a security boundary; a warning says once what it does not stop.
 
 calculator(expr) is the tool-use path: arithmetic and a few string methods, evaluated from the AST
 (no eval), bounded in size, always returns a string.
