@@ -229,7 +229,7 @@ def _library_dirs():
 
 
 def _interpreter_paths():
-    """What the sandboxed interpreter reads: (directories, files). The executable and every link on the way to it, a
+    """What the sandboxed interpreter reads (directories and files): the executable and every link on the way to it, a
     venv's pyvenv.cfg, its sys.path under the interpreter's prefixes (stdlib, lib-dynload, site-packages; not the
     caller's PYTHONPATH), the system's library directories, and the directories of the files that the interpreter
     maps when it loads its lib-dynload modules and numpy (a pyenv or conda libpython, say)."""
@@ -240,24 +240,23 @@ def _interpreter_paths():
     if "" in roots:
         raise RuntimeError("the interpreter's prefix is /: binding it would show the sandbox the whole machine")
     code_dirs = [sysconfig.get_path(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")]
-    dirs = [p for p in sys.path + site.getsitepackages() + code_dirs
-            if p and os.path.isdir(p) and any(os.path.abspath(p) == r or os.path.abspath(p).startswith(r + "/")
-                                              for r in roots)]
-    files = [sys.executable] + [os.path.join(p, "pyvenv.cfg") for p in prefixes]
-    files = [p for p in files if os.path.exists(p)]
-    dirs += [d for d in _SYSTEM_LIB_DIRS if os.path.lexists(d)] + sorted(_library_dirs())
-    return dirs, files
+    paths = [p for p in sys.path + site.getsitepackages() + code_dirs  # a zipped stdlib on sys.path is a file
+             if p and os.path.exists(p) and any(os.path.abspath(p) == r or os.path.abspath(p).startswith(r + "/")
+                                                for r in roots)]
+    paths += [p for p in [sys.executable] + [os.path.join(p, "pyvenv.cfg") for p in prefixes] if os.path.exists(p)]
+    return paths + [d for d in _SYSTEM_LIB_DIRS if os.path.lexists(d)] + sorted(_library_dirs())
 
 
 def _make_plan():
     """bwrap's path and the mount options every run shares: an empty read-only root with a private /tmp, holding
     only what _interpreter_paths() finds, read-only, and /etc/ld.so.cache."""
     links, binds = {}, set()
-    dirs, files = _interpreter_paths()
-    for p in dirs + files + ["/etc/ld.so.cache"]:
+    for p in _interpreter_paths() + ["/etc/ld.so.cache"]:
         _mirror(p, links, binds)
-    if "/" in binds:
-        raise RuntimeError("the sandbox would bind the whole root filesystem")
+    home = os.path.realpath(os.path.expanduser("~"))
+    for b in binds:  # an interpreter installed straight into one of these would bring all of it along: refuse
+        if b in ("/", "/etc", "/tmp", "/var/tmp") or home == b or home.startswith(b + "/"):
+            raise RuntimeError(f"the interpreter needs {b} mounted, which would show the sandbox the host's files")
     covered = lambda p: any(p.startswith(b + "/") for b in binds if os.path.isdir(b))  # inside another bind already
     opts = ["--tmpfs", "/tmp"]  # first, so an interpreter that lives under /tmp (a CI clone's venv) is bound over it
     for link in sorted(links):

@@ -492,3 +492,16 @@ def test_the_interpreter_has_what_it_needs():
         return
     r = execute_code("import numpy as np; print(int(np.arange(10).sum()), float(np.linalg.norm([3.0, 4.0])))")
     assert r.success and r.stdout == "45 5.0\n", r
+
+
+def test_the_mount_list_never_takes_a_whole_home_tmp_or_etc(monkeypatch):
+    # an interpreter installed straight into one of these would bring all of it into the sandbox: no plan, so the
+    # probe fails and nothing runs (the refusal above)
+    import nanorl.execution as ex
+    for p in (os.path.expanduser("~"), os.path.dirname(os.path.realpath(os.path.expanduser("~"))), "/tmp", "/etc"):
+        monkeypatch.setattr(ex, "_interpreter_paths", lambda p=p: [p])
+        with pytest.raises(RuntimeError, match="which would show the sandbox the host's files"):
+            ex._make_plan()
+    monkeypatch.setattr(ex, "_interpreter_paths", lambda: ["/usr/lib"])
+    opts = ex._make_plan()[1]
+    assert opts[:2] == ["--tmpfs", "/tmp"] and opts[-3:] == ["--ro-bind", "/usr/lib", "/usr/lib"]
