@@ -336,8 +336,8 @@ def _probe_bwrap():
         return "bwrap not found"
     r = execute_code("import os; print(os.getpid())", timeout=10, mode="bwrap")
     if not r.success or r.stdout.strip() != "2":  # pid 2: the first process after bwrap's init in a new PID namespace
-        lines = [l.strip() for l in (r.error, *r.stderr.splitlines(), *r.stdout.splitlines()) if l.strip()]
-        return f"bwrap probe failed: {(lines[-1] if lines else 'no output')[:200]}"
+        why = (r.error or f"printed {r.stdout.strip()!r}, not pid 2").splitlines()[-1]  # r.error: stderr's last line
+        return f"bwrap probe failed: {why[:200]}"
     return None
 
 
