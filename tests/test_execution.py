@@ -504,3 +504,22 @@ def test_the_mount_list_never_takes_a_whole_home_tmp_or_etc(monkeypatch):
     monkeypatch.setattr(ex, "_interpreter_paths", lambda: ["/usr/lib"])
     opts = ex._make_plan()[1]
     assert opts[:2] == ["--tmpfs", "/tmp"] and opts[-3:] == ["--ro-bind", "/usr/lib", "/usr/lib"]
+
+
+@needs_bwrap
+def test_an_interpreter_that_lives_under_tmp(tmp_path):
+    # a CI clone's venv lives under /tmp, which the sandbox replaces with an empty one: the venv is mounted back
+    venv = tmp_path / "clone" / ".venv"
+    if not str(venv).startswith("/tmp/"):
+        pytest.skip("pytest's temporary directory is not under /tmp here")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    script = ("from nanorl.execution import execute_code, sandbox_mode\n"
+              "r = execute_code('import os, sys, json, ssl; print(sys.prefix, sorted(os.listdir(\"/tmp\")))')\n"
+              "print(sandbox_mode(), r.stdout.strip() or r.error)")
+    p = subprocess.run([str(venv / "bin" / "python"), "-c", script], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(ROOT), "NANORL_SANDBOX": ""})
+    assert p.returncode == 0, p.stderr
+    mode, prefix, tmp = p.stdout.strip().split(" ", 2)
+    top = str(venv).split("/")[2]  # /tmp/<top>/...: the way down to the venv, beside the run's own directory
+    assert (mode, prefix) == ("bwrap", str(venv)), p.stdout + p.stderr
+    assert sorted(n for n in ast.literal_eval(tmp) if not n.startswith("nanorl_exec_")) == [top], tmp
