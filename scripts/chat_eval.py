@@ -20,8 +20,9 @@ import torch
 import torch.distributed as dist
 
 from nanorl.common import ArgumentParser, int_list, nonneg_float, nonneg_int, positive_int
+from nanorl.execution import require_sandbox
 from nanorl.rl import pass_at_k
-from tasks import CHATCORE_TASKS, RANDOM_BASELINE, get_task
+from tasks import CHATCORE_TASKS, RANDOM_BASELINE, TASKS, get_task
 
 
 def centered(accuracy, baseline):
@@ -173,6 +174,8 @@ def main():
     parser.add_argument("--seed", type=nonneg_int, default=0, help="seed of the sampled answers")
     parser.add_argument("--device-type", default=None, help="cuda | cpu | mps (default: autodetect)")
     args = parser.parse_args(sys.argv[1:] if sys.argv[1:2] != ["--"] else sys.argv[2:])  # torchrun ... -m script -- args
+    if any(getattr(TASKS.get(t.strip().lower()), "runs_code", False) for t in args.tasks.split(",")):
+        require_sandbox()  # HumanEval runs the model's code: with no sandbox here, stop now in one line
 
     _, rank, _, world_size, device = compute_init(args.device_type)
     autocast = autocast_ctx(device.type)

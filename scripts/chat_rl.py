@@ -29,7 +29,7 @@ from nanorl.checkpoint import load_checkpoint, load_model, load_model_dir, resum
 from nanorl.common import (ETA, ArgumentParser, Timer, add_logging_args, compute_cleanup, compute_init, get_base_dir, get_logger,
                            int_list, mean_over_ranks, nonneg_float, nonneg_int, positive_float, positive_int, print0)
 from nanorl.engine import Engine
-from nanorl.execution import sandbox_mode
+from nanorl.execution import require_sandbox, sandbox_mode
 from nanorl.gpt import Critic, attention_backend
 from nanorl.multiturn import TOOLS, make_tool
 from nanorl.optim import MuonAdamW, build_optimizer
@@ -124,6 +124,8 @@ if not remote_rm:  # one grader per split: the task's own grader reads the examp
                                                                   for t in (train_task, eval_task))
     except ValueError as e:
         parser.error(str(e))
+if (args.multi_turn and args.tool == "python") or any(getattr(t, "runs_code", False) for t in (train_task, eval_task)):
+    require_sandbox()  # model-written code will run: with no sandbox here the run stops now, in one line
 
 # -----------------------------------------------------------------------------------------------
 # setup: ranks and their roles, then the batch sizes that depend on them

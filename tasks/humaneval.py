@@ -29,6 +29,8 @@ def build_program(problem, response_text):
 
 
 class HumanEval(Task):
+    runs_code = True  # graded by running the model's code: scripts check for a sandbox before they start
+
     def __init__(self, split="test", path=None, timeout=5.0, max_memory_mb=512, **kw):
         super().__init__(**kw)
         # HumanEval only has a test split; any split name reads it (it is never trained on)

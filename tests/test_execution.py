@@ -1,15 +1,20 @@
 import ast
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
-import subprocess
-import sys
+from nanorl.execution import GUARD_WARNING, MAX_OUTPUT_BYTES, ExecResult, _probe_bwrap, calculator, execute_code
 
-from nanorl.execution import MAX_OUTPUT_BYTES, ExecResult, calculator, execute_code, sandbox_mode
+ROOT = Path(__file__).resolve().parent.parent
+BWRAP = _probe_bwrap() is None
+if not BWRAP:  # without bubblewrap the default refuses to run model code: the tests that can, run under the guard
+    os.environ.setdefault("NANORL_SANDBOX", "guard")
 
 
 def test_stdout_captured():
@@ -183,14 +188,26 @@ def test_calculator_errors_are_strings(expr):
 # escapes that got out of the in-process guard: under bubblewrap each one must fail to get out.
 # The fallback guard is run against the same probes where that is safe, to show each probe does detect an escape.
 
-needs_bwrap = pytest.mark.skipif(sandbox_mode() != "bwrap", reason="bubblewrap namespaces are not available here")
+needs_bwrap = pytest.mark.skipif(not BWRAP, reason="bubblewrap namespaces are not available here")
 
-# start a detached child that inherits stdout, the way subprocess does it but past the guard (3.11+ signature)
-_SPAWN = ("import _posixsubprocess, os\n"
+# start a detached child that inherits stdout, the way subprocess does it but past the guard (3.11+ signature); the
+# child is this interpreter sleeping (the sandbox has no /bin/sleep), and the code waits until it shows in /proc
+_SPAWN = ("import _posixsubprocess, os, time\n"
           "def spawn(argv, setsid):\n"
           "    r, w = os.pipe()\n"
           "    return _posixsubprocess.fork_exec([a.encode() for a in argv], [argv[0].encode()], True, (), None, None,\n"
-          "        -1, -1, -1, -1, -1, -1, r, w, True, setsid, -1, None, None, -1, -1, None, False)\n")
+          "        -1, -1, -1, -1, -1, -1, r, w, True, setsid, -1, None, None, -1, -1, None, False)\n"
+          "def sleeper(marker):\n"
+          f"    return [{sys.executable!r}, '-c', 'import time; time.sleep(' + marker + ')']\n"
+          "def running(marker, n):\n"
+          "    for _ in range(200):\n"
+          "        seen = 0\n"
+          "        for p in [p for p in os.listdir('/proc') if p.isdigit()]:\n"
+          "            try: seen += marker.encode() in open(f'/proc/{p}/cmdline', 'rb').read()\n"
+          "            except OSError: pass\n"
+          "        if seen >= n: break\n"
+          "        time.sleep(0.01)\n"
+          "    return seen\n")
 
 
 def _processes_with(marker):
@@ -240,7 +257,7 @@ _READ_ENVIRON = ("import os\n"
 
 @pytest.mark.parametrize("mode", ["bwrap", "guard"])
 def test_escape_kill_the_trainer_and_read_its_secrets(mode):
-    if mode == "bwrap" and sandbox_mode() != "bwrap":
+    if mode == "bwrap" and not BWRAP:
         pytest.skip("bubblewrap namespaces are not available here")
     alive, out = _trainer(_KILL_PARENT, mode, "hunter2")
     assert alive == (mode == "bwrap"), out  # the guard lets pidfd_send_signal kill the caller
@@ -250,13 +267,14 @@ def test_escape_kill_the_trainer_and_read_its_secrets(mode):
 
 @pytest.mark.parametrize("mode", ["bwrap", "guard"])
 def test_escape_setsid_child_survives_the_kill(mode):
-    if mode == "bwrap" and sandbox_mode() != "bwrap":
+    if mode == "bwrap" and not BWRAP:
         pytest.skip("bubblewrap namespaces are not available here")
     marker = "31.4159265"
-    code = _SPAWN + f"spawn(['/bin/sleep', '{marker}'], True)\nspawn(['/bin/sleep', '{marker}'], False)\nprint('spawned')"
+    code = _SPAWN + f"spawn(sleeper('{marker}'), True)\nspawn(sleeper('{marker}'), False)\n" \
+                    f"print('spawned', running('{marker}', 2))"
     try:
-        r = execute_code(code, timeout=2, mode=mode)
-        assert r.success and r.stdout == "spawned\n", r
+        r = execute_code(code, timeout=4, mode=mode)
+        assert r.success and r.stdout == "spawned 2\n", r  # both children ran
         deadline = time.monotonic() + 3
         while _processes_with(marker) and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -268,16 +286,16 @@ def test_escape_setsid_child_survives_the_kill(mode):
 
 @pytest.mark.parametrize("mode", ["bwrap", "guard"])
 def test_escape_background_child_holding_stdout(mode):
-    if mode == "bwrap" and sandbox_mode() != "bwrap":
+    if mode == "bwrap" and not BWRAP:
         pytest.skip("bubblewrap namespaces are not available here")
     marker = "27.1828182"
-    code = _SPAWN + f"spawn(['/bin/sleep', '{marker}'], True)\nprint('done')"
+    code = _SPAWN + f"spawn(sleeper('{marker}'), True)\nprint('done', running('{marker}', 1))"
     threads = threading.active_count()
     try:
         t = time.monotonic()
         r = execute_code(code, timeout=5, mode=mode)
         assert time.monotonic() - t < 2.0  # the drain deadline, not the sleeper, ends the read
-        assert r.success and r.stdout == "done\n", r  # the output is kept
+        assert r.success and r.stdout == "done 1\n", r  # the output is kept (and the child ran)
         assert threading.active_count() == threads  # no reader left behind in the caller
         if mode == "bwrap":
             time.sleep(0.3)
@@ -288,7 +306,7 @@ def test_escape_background_child_holding_stdout(mode):
 
 @pytest.mark.parametrize("mode", ["bwrap", "guard"])
 def test_escape_writes_outside_the_workdir(tmp_path, mode):
-    if mode == "bwrap" and sandbox_mode() != "bwrap":
+    if mode == "bwrap" and not BWRAP:
         pytest.skip("bubblewrap namespaces are not available here")
     targets = [tmp_path / f"{i}.txt" for i in range(4)]
     codes = [f"import io; io.FileIO({str(targets[0])!r}, 'w').write(b'x')",
@@ -313,7 +331,7 @@ def test_escape_root_filesystem_is_read_only():
 
 @pytest.mark.parametrize("mode", ["bwrap", "guard"])
 def test_escape_network_past_the_guard(mode):
-    if mode == "bwrap" and sandbox_mode() != "bwrap":
+    if mode == "bwrap" and not BWRAP:
         pytest.skip("bubblewrap namespaces are not available here")
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
@@ -353,19 +371,155 @@ def test_no_view_of_the_host():
         set(names) - interpreter == {n for n in names if n.startswith("nanorl_exec_")}, tmp
 
 
-def test_forced_fallback_warns_once_and_runs():
-    script = ("from nanorl.execution import execute_code, sandbox_mode\n"
-              "print(sandbox_mode(), sandbox_mode(), execute_code('print(6 * 7)').stdout.strip())")
-    env = {**os.environ, "NANORL_SANDBOX": "guard", "PYTHONPATH": os.getcwd()}
-    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=30)
-    assert p.stdout == "guard guard 42\n", p.stderr
-    assert p.stderr.count("warning: python sandbox falls back to the in-process guard (NANORL_SANDBOX=guard)") == 1
-    env["NANORL_SANDBOX"], env["PATH"] = "", "/nonexistent"  # no bwrap on PATH: the probe falls back by itself
-    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=30)
-    assert p.stdout == "guard guard 42\n" and p.stderr.count("(bwrap not found)") == 1, p.stderr
-    env["NANORL_SANDBOX"] = "bwrap"  # ... unless bwrap was asked for
-    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=30)
-    assert p.returncode != 0 and "NANORL_SANDBOX=bwrap but bubblewrap does not work here: bwrap not found" in p.stderr
+# -----------------------------------------------------------------------------------------------
+# no kernel sandbox: model code does not run unless the guard is asked for by name
+
+_MODE_SCRIPT = ("from nanorl.execution import execute_code, sandbox_mode\n"
+                "print(sandbox_mode(), sandbox_mode(), execute_code('print(6 * 7)').stdout.strip())")
+_REFUSAL = ("error: model-written code runs only in the bubblewrap sandbox, which does not work here ({why}): "
+            "install the bubblewrap package (apt-get install bubblewrap), or set NANORL_SANDBOX=guard to run it under "
+            "the weaker in-process guard\n")
+
+
+def _without_bwrap(tmp_path, broken):
+    """An environment whose PATH has no bwrap (broken=False) or a bwrap that fails as it does without user
+    namespaces (broken=True); python still runs (by its full path)."""
+    fake = tmp_path / "fakebin"
+    fake.mkdir(exist_ok=True)
+    if broken:
+        (fake / "bwrap").write_text("#!/bin/sh\necho 'bwrap: No permissions to create new namespace' >&2\nexit 1\n")
+        (fake / "bwrap").chmod(0o755)
+    return {**os.environ, "PATH": str(fake), "PYTHONPATH": str(ROOT), "NANORL_SANDBOX": "",
+            "NANORL_BASE_DIR": str(tmp_path / "base")}
+
+
+@pytest.mark.parametrize("broken,why", [(False, "bwrap not found"),
+                                        (True, "bwrap probe failed: bwrap: No permissions to create new namespace")])
+def test_no_bubblewrap_refuses_in_one_line(tmp_path, broken, why):
+    env = _without_bwrap(tmp_path, broken)
+    script = "from nanorl.execution import require_sandbox\nrequire_sandbox()\nprint('ran')"
+    for want in ("", "bwrap"):  # the default and NANORL_SANDBOX=bwrap: the same refusal
+        env["NANORL_SANDBOX"] = want
+        p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60)
+        assert (p.returncode, p.stdout, p.stderr) == (1, "", _REFUSAL.format(why=why))
+    # execute_code itself does not run the code either (the script's early check is what makes it one line)
+    p = subprocess.run([sys.executable, "-c", _MODE_SCRIPT], capture_output=True, text=True, env=env, timeout=60)
+    assert p.returncode == 1 and p.stdout == "" and p.stderr.rstrip().splitlines()[-1] == \
+        "nanorl.execution.SandboxUnavailable: " + _REFUSAL.format(why=why)[len("error: "):].rstrip()
+
+
+def test_guard_asked_for_by_name_warns_once_and_runs(tmp_path):
+    env = {**_without_bwrap(tmp_path, False), "NANORL_SANDBOX": "guard"}
+    p = subprocess.run([sys.executable, "-c", _MODE_SCRIPT], capture_output=True, text=True, env=env, timeout=60)
+    assert p.stdout == "guard guard 42\n" and p.stderr == GUARD_WARNING + "\n", p.stderr
+    for names in ("read every file", "environment", "kill this process", "outlive", "outside its directory",
+                  "network"):  # the warning names what the guard does not stop
+        assert names in GUARD_WARNING
     env["NANORL_SANDBOX"] = "chroot"
-    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=30)
-    assert p.returncode != 0 and "NANORL_SANDBOX must be 'bwrap' or 'guard'" in p.stderr
+    p = subprocess.run([sys.executable, "-c", "from nanorl.execution import require_sandbox; require_sandbox()"],
+                       capture_output=True, text=True, env=env, timeout=60)
+    assert (p.returncode, p.stderr) == (1, "error: NANORL_SANDBOX must be 'bwrap' or 'guard', got 'chroot'\n")
+
+
+@pytest.mark.parametrize("cmd", [["scripts.chat_eval", "-a", "gsm8k,HumanEval"],
+                                 ["scripts.chat_rl", "--multi-turn", "--tool", "python"]])
+def test_scripts_that_run_model_code_stop_at_their_start(tmp_path, cmd):
+    # no checkpoint exists: the refusal comes before any model is looked for, as one line and no traceback
+    p = subprocess.run([sys.executable, "-m", *cmd], capture_output=True, text=True, env=_without_bwrap(tmp_path, True),
+                       timeout=300, cwd=ROOT)
+    why = "bwrap probe failed: bwrap: No permissions to create new namespace"
+    assert p.returncode == 1 and p.stderr.endswith(_REFUSAL.format(why=why)) and "Traceback" not in p.stderr, p.stderr
+
+
+# -----------------------------------------------------------------------------------------------
+# what the code can see under bubblewrap: the interpreter, the system's libraries, its own directory; no host files
+
+@needs_bwrap
+def test_the_hosts_files_are_not_there(tmp_path):
+    from nanorl.common import get_base_dir
+    secret = f"nanorl-secret-{os.getpid()}"
+    home = Path(os.path.expanduser("~"))
+    planted = [home / f".nanorl_test_netrc_{os.getpid()}",  # ~/.netrc, ~/.ssh, the HF token live here
+               Path(get_base_dir()) / f"nanorl_test_secret_{os.getpid()}"]  # the checkpoints
+    venv = Path(os.path.realpath(sys.prefix))
+    beside_venv = [str(p) for p in sorted(venv.parent.iterdir())[:20] if p.is_file() and p != venv]  # read, not written
+    try:
+        for p in planted:
+            p.write_text(f"machine api.wandb.ai login user password {secret}\n")
+        # the project (a clone may hold the venv it runs), what lies beside the interpreter's prefix, host accounts
+        files = [str(p) for p in planted] + [str(ROOT / "pyproject.toml")] + beside_venv + ["/etc/shadow", "/etc/hosts"]
+        code = ("import os\n"
+                f"for p in {files!r}:\n"
+                "    try: print(p, open(p).read())\n"
+                "    except OSError as e: print(p, type(e).__name__)\n"
+                f"for d in {[str(home), get_base_dir()]!r}:\n"
+                "    try: print(d, os.listdir(d))\n"
+                "    except OSError as e: print(d, type(e).__name__)\n"
+                "print(sorted(os.listdir('/etc')))\n"
+                "print(open('/etc/passwd').read() == f'nobody:x:65534:65534:nobody:{os.getcwd()}:/bin/false\\n')\n"
+                "import pwd; print(pwd.getpwuid(os.getuid()).pw_dir == os.getcwd() == os.environ['HOME'])\n"
+                "print(sorted(os.listdir(os.environ['HOME'])))")
+        r = execute_code(code)
+        assert r.success, r
+        lines = r.stdout.splitlines()
+        assert secret not in r.stdout
+        for line in lines[:len(files)]:
+            assert line.endswith("FileNotFoundError"), line  # not there at all, not merely forbidden
+        for line in lines[len(files):len(files) + 2]:  # the home and checkpoint directories: absent, or only the
+            assert "nanorl_test" not in line, line  # way down to an interpreter that lives there (pyenv in ~)
+        assert lines[-4] == "['group', 'ld.so.cache', 'passwd']"  # of /etc, only what ld.so and pwd read
+        assert lines[-3:] == ["True", "True", "['main.py']"]  # one synthetic user, whose home is the fresh work dir
+    finally:
+        for p in planted:
+            p.unlink(missing_ok=True)
+
+
+@needs_bwrap
+def test_the_interpreter_has_what_it_needs():
+    # the same module path as the host's interpreter started the same way, and its C modules load (their libraries
+    # were found); numpy too where it is installed
+    host = subprocess.run([sys.executable, "-I", "-c", "import sys; print(sys.path)"], capture_output=True, text=True,
+                          env={"PATH": "/usr/bin:/bin"}, timeout=60).stdout
+    code = ("import sys; print(sys.path)\n"
+            "import ssl, sqlite3, decimal, zlib, hashlib, lzma, bz2, json\n"
+            "print(hashlib.sha256(b'x').hexdigest()[:8], decimal.Decimal('1.1') + 1, len(ssl.OPENSSL_VERSION) > 0)")
+    r = execute_code(code)
+    assert r.success and r.stdout == host + "2d711642 2.1 True\n", r
+    try:
+        import numpy  # noqa: F401
+    except ImportError:
+        return
+    r = execute_code("import numpy as np; print(int(np.arange(10).sum()), float(np.linalg.norm([3.0, 4.0])))")
+    assert r.success and r.stdout == "45 5.0\n", r
+
+
+def test_the_mount_list_never_takes_a_whole_home_tmp_or_etc(monkeypatch):
+    # an interpreter installed straight into one of these would bring all of it into the sandbox: no plan, so the
+    # probe fails and nothing runs (the refusal above)
+    import nanorl.execution as ex
+    for p in (os.path.expanduser("~"), os.path.dirname(os.path.realpath(os.path.expanduser("~"))), "/tmp", "/etc"):
+        monkeypatch.setattr(ex, "_interpreter_paths", lambda p=p: [p])
+        with pytest.raises(RuntimeError, match="which would show the sandbox the host's files"):
+            ex._make_plan()
+    monkeypatch.setattr(ex, "_interpreter_paths", lambda: ["/usr/lib"])
+    opts = ex._make_plan()[1]
+    assert opts[:2] == ["--tmpfs", "/tmp"] and opts[-3:] == ["--ro-bind", "/usr/lib", "/usr/lib"]
+
+
+@needs_bwrap
+def test_an_interpreter_that_lives_under_tmp(tmp_path):
+    # a CI clone's venv lives under /tmp, which the sandbox replaces with an empty one: the venv is mounted back
+    venv = tmp_path / "clone" / ".venv"
+    if not str(venv).startswith("/tmp/"):
+        pytest.skip("pytest's temporary directory is not under /tmp here")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    script = ("from nanorl.execution import execute_code, sandbox_mode\n"
+              "r = execute_code('import os, sys, json, ssl; print(sys.prefix, sorted(os.listdir(\"/tmp\")))')\n"
+              "print(sandbox_mode(), r.stdout.strip() or r.error)")
+    p = subprocess.run([str(venv / "bin" / "python"), "-c", script], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(ROOT), "NANORL_SANDBOX": ""})
+    assert p.returncode == 0, p.stderr
+    mode, prefix, tmp = p.stdout.strip().split(" ", 2)
+    top = str(venv).split("/")[2]  # /tmp/<top>/...: the way down to the venv, beside the run's own directory
+    assert (mode, prefix) == ("bwrap", str(venv)), p.stdout + p.stderr
+    assert sorted(n for n in ast.literal_eval(tmp) if not n.startswith("nanorl_exec_")) == [top], tmp
