@@ -148,7 +148,7 @@ def all_reduce_sums(sums, device):
 
 
 def main():
-    from nanorl.checkpoint import load_model
+    from nanorl.checkpoint import add_model_args, load_model_from_args
     from nanorl.common import autocast_ctx, compute_cleanup, compute_init, print0
     from nanorl.engine import Engine
     from nanorl.report import eval_label, log_section, record_metrics
@@ -156,11 +156,8 @@ def main():
     from nanorl.sft_data import levels, task_paths
 
     parser = ArgumentParser(description="Evaluate a chat model on tasks")
-    parser.add_argument("-i", "--source", default="sft", choices=["base", "mid", "sft", "rl"], help="which checkpoint")
+    add_model_args(parser, "sft", short=True)
     parser.add_argument("-a", "--tasks", default="offline", help="comma-separated task names (default: the offline problems)")
-    parser.add_argument("-g", "--model-tag", default=None, help="checkpoint subdirectory (default: newest)")
-    parser.add_argument("-s", "--model-step", "--step", type=nonneg_int, default=None, help="checkpoint step (default: last)")
-    parser.add_argument("--hf-model", default=None, metavar="DIR", help="evaluate a Hugging Face model directory instead of --source")
     parser.add_argument("--task-path", action="append", default=[], metavar="NAME=PATH", help="local data for a Hub task (repeatable)")
     parser.add_argument("-x", "--max-problems", type=positive_int, default=None, help="evaluate at most this many problems per task (default: all)")
     parser.add_argument("-n", "--num-samples", type=positive_int, default=1, help="samples per problem (generative tasks)")
@@ -172,11 +169,11 @@ def main():
     parser.add_argument("--levels", default="1,2,3,4", help="offline task: difficulty levels to evaluate")
     parser.add_argument("--seed", type=nonneg_int, default=0, help="seed of the sampled answers")
     parser.add_argument("--device-type", default=None, help="cuda | cpu | mps (default: autodetect)")
-    args = parser.parse_args(sys.argv[1:] if sys.argv[1:2] != ["--"] else sys.argv[2:])  # torchrun ... -m script -- args
+    args = parser.parse_args()
 
     _, rank, _, world_size, device = compute_init(args.device_type)
     autocast = autocast_ctx(device.type)
-    model, tokenizer, meta = load_model(args.source, device, phase="eval", model_tag=args.model_tag, step=args.model_step, hf_model=args.hf_model)
+    model, tokenizer, meta = load_model_from_args(args, device, phase="eval")
     engine = Engine(model, tokenizer, batch_size=args.batch_size)
     n = args.num_samples
     ks = sorted(set(args.pass_k)) if args.pass_k else sorted({1, n})

@@ -155,3 +155,13 @@ def test_canonical_flag_names_and_their_aliases(monkeypatch):
     assert "argument --model-step/--step: -1 is out of range" in err
     _, _, err = run_script("scripts.base_train", ["--save-interval", "-3"], monkeypatch)
     assert "argument --save-every/--save-interval: -3 is out of range" in err
+
+
+def test_a_leading_double_dash_from_torchrun_is_dropped(monkeypatch):
+    # torchrun --nproc_per_node=8 -m scripts.X -- --flag: the script's argv starts with "--"
+    p = ArgumentParser(prog="prog")
+    p.add_argument("--depth", type=positive_int, default=20, help="layers")
+    monkeypatch.setattr("sys.argv", ["prog", "--", "--depth", "4"])
+    assert p.parse_args().depth == 4
+    assert p.parse_args(["--", "--depth", "3"]).depth == 3 and p.parse_args(["--depth", "2"]).depth == 2
+    assert p.parse_known_args(["--", "--depth", "5", "--other"]) == (p.parse_args(["--depth", "5"]), ["--other"])
