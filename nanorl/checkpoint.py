@@ -372,5 +372,6 @@ def add_model_args(parser, source="sft", short=False, hf_model=True):
 
 
 def load_model_from_args(args, device, phase="eval", source=None):
-    """load_model with the flags of add_model_args -> (model, tokenizer, meta); source: for a script without --source."""
-    return load_model(source or args.source, device, phase, args.model_tag, args.model_step, getattr(args, "hf_model", None))
+    """load_model with the flags of add_model_args -> (model, tokenizer, meta); source: for scripts without --source."""
+    hf_model = getattr(args, "hf_model", None)
+    return load_model(source or args.source, device, phase, args.model_tag, args.model_step, hf_model)

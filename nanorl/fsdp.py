@@ -106,7 +106,8 @@ def consolidate(checkpoint_dir, step=None):
     with open(os.path.join(checkpoint_dir, f"meta_{step:06d}.json")) as f:
         meta = json.load(f)
     if not os.path.isdir(dcp_dir(checkpoint_dir, step)):
-        raise SystemExit(f"step {step} of {checkpoint_dir} is not sharded (no {dcp_dir(checkpoint_dir, step)}): nothing to consolidate")
+        raise SystemExit(f"step {step} of {checkpoint_dir} is not sharded (no {dcp_dir(checkpoint_dir, step)}): "
+                         f"nothing to consolidate")
     model = build_model(GPTConfig(**meta["model_config"]), "cpu")  # fp32 full tensors for DCP to fill
     state = {"model": model.state_dict()}
     dcp.load(state, checkpoint_id=dcp_dir(checkpoint_dir, step))  # no process group: one process reads all shards

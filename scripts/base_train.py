@@ -172,9 +172,8 @@ for step in range(start_step, num_iterations + 1):
         for p in ["The capital of France is", "Alice has 3 apples and", "The word banana is spelled"]:
             print0(f"  sample: {sample(p)!r}")
     if last_step or (args.save_every > 0 and step > start_step and step % args.save_every == 0):
-        # (with --fsdp every rank writes its shards)
-        save(ckpt_dir, step, model, optimizer, {**meta, "step": step}, {"loader": loader_state, **rng_state(device)}, rank,
-             args.keep_last)
+        extra = {"loader": loader_state, **rng_state(device)}  # with --fsdp every rank writes its shards
+        save(ckpt_dir, step, model, optimizer, {**meta, "step": step}, extra, rank, args.keep_last)
         saved_step = step
     if last_step:
         break

@@ -3,9 +3,10 @@ Chat SFT: fine-tune the midtrained model on a small, clean mixture of chat and p
 that decays to zero. Only what the assistant writes is trained on.
 
 This file is also midtraining's loop: scripts/mid_train.py calls train() below with its own mixture and
-defaults. Reading order: the flags, the LR schedule and held-out loss, one optimizer step, then train():
-load the source checkpoint, train on packed conversations (nanorl/sft_data.py) with a token-mean loss over
-the whole step, evaluate, save, resume, write the report section. SFT's data mixture and main() close the file.
+defaults. Reading order: the flags; the LR schedule, the held-out loss and one optimizer step; then train(),
+the stage itself: load the source checkpoint, train on packed conversations (nanorl/sft_data.py) with a
+token-mean loss over the whole step, evaluate, save, resume, write the report section. SFT's data mixture and
+main() close the file.
 
     python -m scripts.chat_sft                                    # offline curriculum, from the mid checkpoint
     python -m scripts.chat_sft --source base                      # skip midtraining
@@ -45,8 +46,10 @@ def add_train_args(parser, stage, source, init_lr_frac, warmdown_ratio, num_epoc
       help="a local jsonl/parquet file or directory for a Hub task, e.g. gsm8k=/data/gsm8k (repeatable)")
     a("--identity-path", default=None, help="jsonl of identity conversations (CustomJSON), mixed in twice")
     a("--num-examples", type=positive_int, default=20000, help="offline curriculum: number of training problems")
-    a("--levels", default="1,2,3,4", help="offline curriculum: difficulty levels of the problems (e.g. 1,2 to start easy)")
-    a("--num-epochs", type=positive_float, default=num_epochs, help="passes over the data (ignored with --num-iterations)")
+    a("--levels", default="1,2,3,4",
+      help="offline curriculum: difficulty levels of the problems (e.g. 1,2 to start easy)")
+    a("--num-epochs", type=positive_float, default=num_epochs,
+      help="passes over the data (ignored with --num-iterations)")
     a("--num-iterations", type=int_or_off, default=-1, help="optimizer steps (-1: as many as --num-epochs takes)")
     a("--device-batch-size", type=positive_int, default=16, help="rows per micro-batch per rank")
     a("--max-seq-len", type=positive_int, default=None, help="row length T (default: the model's context)")
@@ -56,12 +59,15 @@ def add_train_args(parser, stage, source, init_lr_frac, warmdown_ratio, num_epoc
     a("--embedding-lr", type=nonneg_float, default=0.2, help="AdamW LR of the token embedding")
     a("--unembedding-lr", type=nonneg_float, default=0.004, help="AdamW LR of the output head")
     a("--weight-decay", type=nonneg_float, default=0.0, help="AdamW weight decay")
-    a("--init-lr-frac", type=nonneg_float, default=init_lr_frac, help="multiplier on the LRs above (the base model's LRs)")
-    a("--warmdown-ratio", type=fraction, default=warmdown_ratio, help="fraction of training over which the LR decays to 0")
+    a("--init-lr-frac", type=nonneg_float, default=init_lr_frac,
+      help="multiplier on the LRs above (the base model's LRs)")
+    a("--warmdown-ratio", type=fraction, default=warmdown_ratio,
+      help="fraction of training over which the LR decays to 0")
     a("--eval-every", "--eval-interval", type=positive_int, default=100,
       help="eval loss every N steps (and at the start and end)")
     a("--eval-tokens", type=positive_int, default=200_000, help="tokens of held-out conversations per eval")
-    a("--save-every", "--save-interval", type=int_or_off, default=-1, help="checkpoint every N steps (-1: only at the end)")
+    a("--save-every", "--save-interval", type=int_or_off, default=-1,
+      help="checkpoint every N steps (-1: only at the end)")
     a("--keep-last", type=positive_int, default=2, help="keep only the newest N checkpoints of this run")
     a("--resume", action="store_true", help=f"continue from the latest checkpoint in {stage}_checkpoints/<tag>")
     a("--seed", type=nonneg_int, default=42, help="seed of the weights' RNG and the data order")
@@ -92,7 +98,8 @@ def eval_loss(model, loader, max_batches, autocast):
     batches = iter(loader)
     for _ in range(max_batches):
         batch = next(batches, None)
-        if isinstance(model, FSDPModule):  # each forward gathers weights with the other ranks: stop when any rank runs dry
+        # under FSDP each forward gathers weights with the other ranks: all stop when any rank runs dry
+        if isinstance(model, FSDPModule):
             more = torch.tensor(float(batch is not None), device=dev)
             dist.all_reduce(more, op=dist.ReduceOp.MIN)
             batch = batch if more.item() else None
@@ -140,7 +147,8 @@ def shard_and_compile(model, args, device, world_size):
     print0(attention_backend(device))  # packed rows: document-masked attention
     if args.fsdp:
         fsdp.shard_model(model, device, args.activation_checkpointing, args.cpu_offload)
-        print0(f"FSDP2 over {world_size} ranks: each holds 1/{world_size} of the parameters, gradients and optimizer state")
+        print0(f"FSDP2 over {world_size} ranks: each holds 1/{world_size} of the parameters, gradients and "
+               f"optimizer state")
     return torch.compile(model, dynamic=False) if device.type == "cuda" and not args.no_compile else model
 
 
@@ -150,7 +158,8 @@ def batch_plan(device_batch_size, total_batch_size, T, world_size):
     tokens_per_micro = device_batch_size * T * world_size
     total = total_batch_size or tokens_per_micro
     if total % tokens_per_micro:
-        raise SystemExit(f"--total-batch-size {total} is not a multiple of device batch x T x ranks = {tokens_per_micro}")
+        raise SystemExit(f"--total-batch-size {total} is not a multiple of device batch x T x ranks = "
+                         f"{tokens_per_micro}")
     return total, total // tokens_per_micro
 
 
@@ -185,7 +194,8 @@ def train(args, stage, train_task, val_task, data_desc):
     optimizer = build_optimizer(model, matrix_lr=args.matrix_lr, embedding_lr=args.embedding_lr,
                                 unembedding_lr=args.unembedding_lr, weight_decay=args.weight_decay,
                                 lr_scale=args.init_lr_frac)
-    loader = SFTLoader(train_task, tokenizer, args.device_batch_size, T, rank, world_size, seed=args.seed, device=device)
+    loader = SFTLoader(train_task, tokenizer, args.device_batch_size, T, rank, world_size, seed=args.seed,
+                       device=device)
     # a fresh one per eval; pool_size=1 packs in order: best-fit would put the longest conversations first, and an
     # eval that stops after eval_batches would then measure a length-biased subset
     val_loader = partial(SFTLoader, val_task, tokenizer, args.device_batch_size, T, rank, world_size, shuffle=False,
@@ -196,8 +206,9 @@ def train(args, stage, train_task, val_task, data_desc):
     ckpt_dir = os.path.join(get_base_dir(), f"{stage}_checkpoints", output_tag)
 
     def checkpoint(step):  # under --fsdp every rank writes its shards; `python -m nanorl.fsdp consolidate` joins them
-        save(ckpt_dir, step, model, optimizer, {**meta, "model_tag": output_tag, "step": step, "stage": stage,
-             f"{stage}_args": vars(args), "world_size": world_size}, {"loader": loader.state_dict()}, rank, args.keep_last)
+        ck_meta = {**meta, "model_tag": output_tag, "step": step, "stage": stage, f"{stage}_args": vars(args),
+                   "world_size": world_size}  # (not the source model's)
+        save(ckpt_dir, step, model, optimizer, ck_meta, {"loader": loader.state_dict()}, rank, args.keep_last)
 
     step = 0
     if args.resume:  # model and optimizer (or their shards), this rank's data position beside them
@@ -230,8 +241,9 @@ def train(args, stage, train_task, val_task, data_desc):
         progress = agreed_progress(step, loader, args, device)  # after the step: what the ETA and the stop rule see
         eta.step(dt, progress)
         if step % 10 == 0 or step == 1:
-            print0(f"step {step:5d} | loss {step_loss:.4f} (ema {smooth:.4f}) | lrm {lrm:.3f} | progress {progress:.3f} "
-                   f"| {dt * 1000:.0f} ms | padding {loader.padding_fraction():.1%} | eta {eta}")
+            print0(f"step {step:5d} | loss {step_loss:.4f} (ema {smooth:.4f}) | lrm {lrm:.3f} "
+                   f"| progress {progress:.3f} | {dt * 1000:.0f} ms | padding {loader.padding_fraction():.1%} "
+                   f"| eta {eta}")
         logger.log({"step": step, "train/loss": step_loss, "train/lrm": lrm, "train/progress": progress})
         if args.save_every > 0 and step % args.save_every == 0 and not progress >= 1.0:
             checkpoint(step)  # (the last step is saved below, once)
@@ -248,8 +260,8 @@ def report(args, stage, meta, data_desc, train_task, val_task, loader, rank, wor
     """The closing line and the stage's report section."""
     s = loader.stats
     print0(f"done: {step} steps in {train_time:.0f}s, final val loss {val_losses[-1][1]:.4f}, "
-           f"padding {loader.padding_fraction():.1%}, truncated {s['truncated']} of {s['conversations']} conversations; "
-           f"saved to {ckpt_dir}")
+           f"padding {loader.padding_fraction():.1%}, truncated {s['truncated']} of {s['conversations']} "
+           f"conversations; saved to {ckpt_dir}")
     log_section({"mid": "Midtraining", "sft": "Chat SFT"}[stage], [
         {"source": f"{args.source} ({meta.get('model_tag', args.model_tag)})", "data": data_desc,
          "train conversations": len(train_task), "held-out conversations": len(val_task), "ranks": world_size,

@@ -23,8 +23,9 @@ def identity(args):
 
 def offline_mixture(args):
     n = args.num_examples
-    train = TaskMixture([OfflineProblems("train", n=n, levels=levels(args), use_tools=True),  # tool use, the skill mid is for
-                         OfflineProblems("train", n=n, seed=1, levels=levels(args)),  # half with tools, half in plain text
+    # half the problems with tool calls (the skill midtraining is for), half in plain text
+    train = TaskMixture([OfflineProblems("train", n=n, levels=levels(args), use_tools=True),
+                         OfflineProblems("train", n=n, seed=1, levels=levels(args)),
                          SpellingBee("train", size=n // 4),
                          OfflineChat("train", n=n // 2)] + identity(args), seed=args.seed)
     val = TaskMixture([OfflineProblems("test", n=300, levels=levels(args)), OfflineChat("test", n=200)], seed=args.seed)
@@ -36,7 +37,8 @@ def hub_mixture(args, paths):
                          MMLU("train", subset="auxiliary_train", path=paths.get("mmlu-aux")),
                          GSM8K("train", path=paths.get("gsm8k")),
                          SpellingBee("train", size=50_000),
-                         OfflineProblems("train", n=args.num_examples, use_tools=True)] + identity(args), seed=args.seed)
+                         OfflineProblems("train", n=args.num_examples, use_tools=True)] + identity(args),
+                        seed=args.seed)
     val = TaskMixture([SmolTalk("test", path=paths.get("smoltalk"), stop=5000),
                        MMLU("test", path=paths.get("mmlu"), stop=2000),
                        GSM8K("test", path=paths.get("gsm8k"), stop=500)], seed=args.seed)

@@ -143,7 +143,8 @@ def test_save_then_resume_restores_weights_optimizer_extra_and_rngs(tmp_path):
     opt.step()
     random.seed(3)
     torch.manual_seed(3)
-    save(str(tmp_path), 7, model, opt, {"model_config": CFG.to_dict(), "world_size": 1}, {"loader": [1, 2], **rng_state(torch.device("cpu"))})
+    extra = {"loader": [1, 2], **rng_state(torch.device("cpu"))}
+    save(str(tmp_path), 7, model, opt, {"model_config": CFG.to_dict(), "world_size": 1}, extra)
     after = (random.random(), torch.rand(3))  # what the RNGs give right after the save
     assert json.loads((tmp_path / "meta_000007.json").read_text())["sharded"] is False  # what resume_point checks
     fresh = tiny_model(seed=1)
@@ -170,10 +171,11 @@ def test_model_flags_pick_the_checkpoint_that_load_model_reads(tmp_path, monkeyp
     from nanorl.tokenizer import SPLIT_PATTERN, Tokenizer
     monkeypatch.setenv("NANORL_BASE_DIR", str(tmp_path))
     # 31 byte tokens + the 9 specials = the tiny model's vocabulary of 40
-    monkeypatch.setattr("nanorl.tokenizer.get_tokenizer", lambda: Tokenizer.from_ranks({bytes([i]): i for i in range(31)},
-                                                                                        SPLIT_PATTERN))
+    tok = Tokenizer.from_ranks({bytes([i]): i for i in range(31)}, SPLIT_PATTERN)
+    monkeypatch.setattr("nanorl.tokenizer.get_tokenizer", lambda: tok)
     for tag, step, seed in (("a", 1, 1), ("a", 2, 2), ("b", 5, 3)):
-        save_checkpoint(f"{checkpoint_root('mid')}/{tag}", step, tiny_model(seed).state_dict(), meta={"model_config": CFG.to_dict()})
+        save_checkpoint(f"{checkpoint_root('mid')}/{tag}", step, tiny_model(seed).state_dict(),
+                        meta={"model_config": CFG.to_dict()})
     p = ArgumentParser(prog="x")
     add_model_args(p, "mid", short=True)
     args = p.parse_args(["-g", "a", "-s", "1"])
