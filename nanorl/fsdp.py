@@ -27,6 +27,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import DTensor
 
 from nanorl.checkpoint import dcp_dir, find_last_step, save_checkpoint
+# until scripts/chat_rl.py calls checkpoint.save / checkpoint.resume, it reaches these two through this module
+from nanorl.checkpoint import load_sharded, save_sharded  # noqa: F401
 from nanorl.common import get_dist_info, synchronize
 from nanorl.gpt import GPTConfig, build_model
 
