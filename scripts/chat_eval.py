@@ -147,14 +147,8 @@ def all_reduce_sums(sums, device):
     return dict(zip(keys, t.tolist()))
 
 
-def main():
-    from nanorl.checkpoint import add_model_args, load_model_from_args
-    from nanorl.common import autocast_ctx, compute_cleanup, compute_init, print0
-    from nanorl.engine import Engine
-    from nanorl.report import eval_label, log_section, record_metrics
-    from nanorl.rewards import make_reward
-    from nanorl.sft_data import levels, task_paths
-
+def parse_args():
+    from nanorl.checkpoint import add_model_args
     parser = ArgumentParser(description="Evaluate a chat model on tasks")
     add_model_args(parser, "sft", short=True)
     parser.add_argument("-a", "--tasks", default="offline", help="comma-separated task names (default: the offline problems)")
@@ -170,6 +164,21 @@ def main():
     parser.add_argument("--seed", type=nonneg_int, default=0, help="seed of the sampled answers")
     parser.add_argument("--device-type", default=None, help="cuda | cpu | mps (default: autodetect)")
     args = parser.parse_args()
+    ks = sorted(set(args.pass_k or [1]))
+    if ks[-1] > args.num_samples:  # before any model is loaded
+        parser.error(f"-k/--pass-k {','.join(map(str, ks))}: each k must be at most -n/--num-samples {args.num_samples}")
+    return args
+
+
+def main():
+    from nanorl.checkpoint import load_model_from_args
+    from nanorl.common import autocast_ctx, compute_cleanup, compute_init, print0
+    from nanorl.engine import Engine
+    from nanorl.report import eval_label, log_section, record_metrics
+    from nanorl.rewards import make_reward
+    from nanorl.sft_data import levels, task_paths
+
+    args = parse_args()
 
     _, rank, _, world_size, device = compute_init(args.device_type)
     autocast = autocast_ctx(device.type)
@@ -177,8 +186,6 @@ def main():
     engine = Engine(model, tokenizer, batch_size=args.batch_size)
     n = args.num_samples
     ks = sorted(set(args.pass_k)) if args.pass_k else sorted({1, n})
-    if ks[-1] > n:
-        parser.error(f"-k/--pass-k {','.join(map(str, ks))}: each k must be at most -n/--num-samples {n}")
     temperature = args.temperature if args.temperature is not None else (0.0 if n == 1 else 1.0)
     paths = task_paths(args)
     results, skipped, t_all = {}, {}, time.time()
