@@ -6,18 +6,27 @@ optim_<step>_rank<r>.pt and extra_<step>_rank<r>.pt (tensors and plain Python va
 torch.load(weights_only=True)). Every file is written to a temp name, fsynced, then renamed, and
 meta_<step>.json is written last: a step with no meta file is incomplete and is never picked as "latest", so
 a crash mid-save leaves the previous checkpoint usable. Checkpoints of older versions (model_<step>.pt) still load.
+A model sharded with --fsdp (FSDP2) is saved as torch.distributed.checkpoint (DCP) shards, dcp_<step>/, beside the
+meta and extra files; `python -m nanorl.fsdp consolidate` writes its single model file.
+
+The training scripts call save() and resume(), which take either kind of model; the chat tools pick the model they load
+with add_model_args() and load_model_from_args().
 """
 import glob
 import io
 import json
 import os
 import pickle
+import random
 import re
 import shutil
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.fsdp import FSDPModule
 
-from nanorl.common import get_base_dir, print0
+from nanorl.common import get_base_dir, nonneg_int, print0
 from nanorl.gpt import GPTConfig
 from nanorl.gpt import build_model as build_gpt
 
@@ -93,7 +102,7 @@ def save_checkpoint(checkpoint_dir, step, model_state, optim_state=None, meta=No
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier(group=group)  # every rank's files exist before the step is marked complete
     if rank == 0:
-        if model_state is not None:  # None: the model was saved as shards (nanorl.fsdp.save_sharded)
+        if model_state is not None:  # None: the model was saved as shards (save_sharded)
             _atomic_write(_safetensors_bytes(model_state), os.path.join(checkpoint_dir, f"model_{step:06d}.safetensors"))
         _atomic_json(meta or {}, os.path.join(checkpoint_dir, f"meta_{step:06d}.json"))  # last: marks it complete
         complete = complete_steps(checkpoint_dir)
@@ -195,6 +204,85 @@ def load_weights(model, state, path):
     model.load_state_dict(state, strict=True)
 
 
+# -----------------------------------------------------------------------------------------------
+# sharded steps (--fsdp): every rank writes and reads its own shards of model and optimizer
+
+def dcp_dir(checkpoint_dir, step):
+    return os.path.join(checkpoint_dir, f"dcp_{step:06d}")
+
+
+def save_sharded(checkpoint_dir, step, model, optimizer, meta, extra, rank, keep_last=None):
+    """Every rank writes its shards of model and optimizer (DCP) and its own extra state; meta (written last by
+    rank 0, see save_checkpoint) marks the step complete."""
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=dcp_dir(checkpoint_dir, step))
+    save_checkpoint(checkpoint_dir, step, None, None, {**meta, "sharded": True}, extra, rank, keep_last)
+
+
+def load_sharded(checkpoint_dir, step, model, optimizer, rank=0):
+    """Load a DCP checkpoint into the sharded model and its optimizer; return this rank's extra state (None if
+    it has none). DCP reshards on load, so the weights and optimizer state load on any number of ranks (the data
+    loader's position is per rank: resume_point refuses another world size for that reason)."""
+    path = dcp_dir(checkpoint_dir, step)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{path} is missing: step {step} of {checkpoint_dir} was not saved with --fsdp")
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    extra = os.path.join(checkpoint_dir, f"extra_{step:06d}_rank{rank}.pt")
+    return torch.load(extra, weights_only=True) if os.path.exists(extra) else None
+
+
+# -----------------------------------------------------------------------------------------------
+# a training run's state, sharded or not: what base_train, mid/SFT and RL save and --resume from
+
+def save(checkpoint_dir, step, model, optimizer, meta, extra=None, rank=0, keep_last=None, group=None):
+    """Save a training step: weights, optimizer, this rank's extra state (data position, RNGs) and meta (which gains
+    "sharded", checked on resume). An FSDP2-sharded model is written by every rank as DCP shards; any other as one
+    safetensors file by rank 0, each rank adding its optimizer state. group: the ranks that save (default all)."""
+    if isinstance(model, FSDPModule):
+        save_sharded(checkpoint_dir, step, model, optimizer, meta, extra, rank, keep_last)
+    else:
+        save_checkpoint(checkpoint_dir, step, model.state_dict(), optimizer.state_dict(), {**meta, "sharded": False},
+                        extra, rank, keep_last, group)
+
+
+def resume(checkpoint_dir, model, optimizer, rank=0, world_size=1, model_config=None):
+    """--resume: load the latest complete step into model and optimizer (sharded or not, as this run is) ->
+    (step, meta, this rank's extra state). Refuses what resume_point refuses and, given model_config (a dict), a
+    checkpoint of another model shape, before reading any weights."""
+    sharded = isinstance(model, FSDPModule)
+    step, meta = resume_point(checkpoint_dir, world_size, sharded)
+    if model_config is not None and meta.get("model_config") != model_config:
+        raise SystemExit(f"--resume: the checkpoint's model config {meta.get('model_config')} differs from this run's "
+                         f"{model_config}")
+    if sharded:
+        return step, meta, load_sharded(checkpoint_dir, step, model, optimizer, rank)
+    device = next(model.parameters()).device
+    model_state, optim_state, _, extra = load_checkpoint(checkpoint_dir, step, device, load_optimizer=True, rank=rank)
+    load_weights(model, model_state, model_path(checkpoint_dir, step))
+    optimizer.load_state_dict(optim_state)
+    return step, meta, extra
+
+
+def rng_state(device):
+    """Python's and torch's RNG states (and the GPU's on CUDA), for a checkpoint's extra state."""
+    return {"py_rng": random.getstate(), "torch_rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state() if device.type == "cuda" else None}
+
+
+def set_rng_state(extra, device):
+    """Restore what rng_state saved (a checkpoint without a GPU state leaves the GPU's as it is)."""
+    random.setstate(extra["py_rng"])
+    torch.set_rng_state(extra["torch_rng"])
+    if device.type == "cuda" and extra.get("cuda_rng") is not None:
+        torch.cuda.set_rng_state(extra["cuda_rng"])
+
+
+# -----------------------------------------------------------------------------------------------
+# loading a model to evaluate, serve or train further: a stage's checkpoint or a Hugging Face directory
+
 def load_model_dir(checkpoint_dir, step=None, device="cpu", phase="eval"):
     """Rebuild the GPT from a checkpoint's metadata and weights, plus the tokenizer. -> (model, tokenizer, meta)"""
     from nanorl.tokenizer import get_tokenizer
@@ -264,3 +352,26 @@ def load_model(source, device, phase="eval", model_tag=None, step=None, hf_model
     model, tokenizer, meta = load_model_dir(os.path.join(root, model_tag), step, device, phase)
     meta.setdefault("model_tag", model_tag)
     return model, tokenizer, meta
+
+
+def add_model_args(parser, source="sft", short=False, hf_model=True):
+    """The flags that pick the model a script loads, read back by load_model_from_args: --source (the pipeline
+    stage; source=None: the script has no choice), --model-tag, --model-step and --hf-model (hf_model=False: none).
+    short: also -i, -g and -s, as the chat tools take them. parser may be an argument group."""
+    def names(*flags):
+        return [f for f in flags if short or f.startswith("--")]
+    if source is not None:
+        parser.add_argument(*names("-i", "--source"), default=source, choices=SOURCES,
+                            help="the pipeline stage whose checkpoint to load")
+    parser.add_argument(*names("-g", "--model-tag"), default=None, help="checkpoint subdirectory (default: the newest)")
+    parser.add_argument(*names("-s", "--model-step", "--step"), type=nonneg_int, default=None,
+                        help="checkpoint step (default: the last)")
+    if hf_model:
+        parser.add_argument("--hf-model", default=None, metavar="DIR",
+                            help="load a Hugging Face model directory (Llama-3, Qwen2/2.5, Qwen3) instead of --source")
+
+
+def load_model_from_args(args, device, phase="eval", source=None):
+    """load_model with the flags of add_model_args -> (model, tokenizer, meta); source: for scripts without --source."""
+    hf_model = getattr(args, "hf_model", None)
+    return load_model(source or args.source, device, phase, args.model_tag, args.model_step, hf_model)

@@ -6,6 +6,7 @@ import datetime
 import math
 import numbers
 import os
+import sys
 import time
 from collections import deque
 from contextlib import nullcontext
@@ -24,9 +25,14 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse with every default in --help, and a bad flag answered with one line (no usage dump), exit 2."""
+    """argparse with every default in --help, and a bad flag answered with one line (no usage dump), exit 2.
+    A leading `--` is dropped: `torchrun ... -m scripts.X -- --flag` hands the script its flags after one."""
     def __init__(self, **kwargs):
         super().__init__(formatter_class=HelpFormatter, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = sys.argv[1:] if args is None else list(args)
+        return super().parse_known_args(args[1:] if args[:1] == ["--"] else args, namespace)
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")

@@ -9,7 +9,8 @@ The optimizer is the same MuonAdamW: AdamW works on the shards, Muon gathers eac
 it (split across ranks, see optim.py).
 
 Checkpoints are torch.distributed.checkpoint (DCP) directories, dcp_<step>/ beside the usual meta/extra
-files: every rank writes its own shards. To get the single-file model that chat_eval/chat_web/export load:
+files: every rank writes its own shards (checkpoint.save and checkpoint.resume take a sharded model as they take
+any other). To get the single-file model that chat_eval/chat_web/export load:
 
     python -m nanorl.fsdp consolidate ~/.cache/nanorl/base_checkpoints/d20 [--step N]
 """
@@ -21,12 +22,15 @@ import time
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 
+from nanorl.checkpoint import dcp_dir, find_last_step, save_checkpoint
+# until scripts/chat_rl.py calls checkpoint.save / checkpoint.resume, it reaches these two through this module
+from nanorl.checkpoint import load_sharded, save_sharded  # noqa: F401
 from nanorl.common import get_dist_info, synchronize
+from nanorl.gpt import GPTConfig, build_model
 
 
 def add_args(parser):
@@ -109,48 +113,19 @@ def gather_full_state(model, into):
     return time.time() - t0
 
 
-def _dcp_dir(checkpoint_dir, step):
-    return os.path.join(checkpoint_dir, f"dcp_{step:06d}")
-
-
-def save_sharded(checkpoint_dir, step, model, optimizer, meta, extra, rank, keep_last=None):
-    """Every rank writes its shards of model and optimizer (DCP) and its own extra state; meta (written last by
-    rank 0, see checkpoint.save_checkpoint) marks the step complete."""
-    from nanorl.checkpoint import save_checkpoint
-    model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=_dcp_dir(checkpoint_dir, step))
-    save_checkpoint(checkpoint_dir, step, None, None, {**meta, "sharded": True}, extra, rank, keep_last)
-
-
-def load_sharded(checkpoint_dir, step, model, optimizer, rank=0):
-    """Load a DCP checkpoint into the sharded model and its optimizer; return this rank's extra state (None if
-    it has none). DCP reshards on load, so the weights and optimizer state load on any number of ranks (the data
-    loader's position is per rank: base_train refuses another world size for that reason)."""
-    path = _dcp_dir(checkpoint_dir, step)
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"{path} is missing: step {step} of {checkpoint_dir} was not saved with --fsdp")
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    extra = os.path.join(checkpoint_dir, f"extra_{step:06d}_rank{rank}.pt")
-    return torch.load(extra, weights_only=True) if os.path.exists(extra) else None
-
-
 def consolidate(checkpoint_dir, step=None):
     """Write the single-file model (model_<step>.safetensors) of a sharded step, in one process, no GPU needed."""
-    from nanorl.checkpoint import find_last_step, save_checkpoint
-    from nanorl.gpt import GPTConfig, build_model
     step = find_last_step(checkpoint_dir) if step is None else step
     if step is None:
         raise SystemExit(f"no complete checkpoint in {checkpoint_dir}")
     with open(os.path.join(checkpoint_dir, f"meta_{step:06d}.json")) as f:
         meta = json.load(f)
-    if not os.path.isdir(_dcp_dir(checkpoint_dir, step)):
-        raise SystemExit(f"step {step} of {checkpoint_dir} is not sharded (no {_dcp_dir(checkpoint_dir, step)}): nothing to consolidate")
+    if not os.path.isdir(dcp_dir(checkpoint_dir, step)):
+        raise SystemExit(f"step {step} of {checkpoint_dir} is not sharded (no {dcp_dir(checkpoint_dir, step)}): "
+                         f"nothing to consolidate")
     model = build_model(GPTConfig(**meta["model_config"]), "cpu")  # fp32 full tensors for DCP to fill
     state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=_dcp_dir(checkpoint_dir, step))  # no process group: one process reads all shards
+    dcp.load(state, checkpoint_id=dcp_dir(checkpoint_dir, step))  # no process group: one process reads all shards
     save_checkpoint(checkpoint_dir, step, state["model"], None, {**meta, "consolidated": True})
     return step
 

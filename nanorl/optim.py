@@ -160,8 +160,10 @@ class MuonAdamW(torch.optim.Optimizer):
 
 
 def build_optimizer(model, matrix_lr=0.02, embedding_lr=0.2, unembedding_lr=0.004, weight_decay=0.0,
-                    adam_betas=(0.8, 0.95), muon_momentum=0.95):
-    """Muon for the blocks' matrices, AdamW for embedding / lm_head / the rest. Every group has initial_lr."""
+                    adam_betas=(0.8, 0.95), muon_momentum=0.95, lr_scale=1.0):
+    """Muon for the blocks' matrices, AdamW for embedding / lm_head / the rest. Every group has initial_lr, the LR
+    its schedule multiplies. lr_scale multiplies every LR: fine-tuning stages take the pretraining LRs times a factor
+    (SFT's --init-lr-frac, RL's --lr-scale)."""
     head = list(model.lm_head.parameters())
     # a tied embedding is also the unembedding: it takes the unembedding's (much smaller) LR, and only once
     embed = [p for p in model.transformer.wte.parameters() if p is not model.lm_head.weight]
@@ -178,5 +180,5 @@ def build_optimizer(model, matrix_lr=0.02, embedding_lr=0.2, unembedding_lr=0.00
     if others:
         groups.append(dict(params=others, kind="adamw", lr=unembedding_lr * dmodel_scale, betas=adam_betas, eps=1e-10, weight_decay=0.0))
     for g in groups:
-        g["initial_lr"] = g["lr"]
+        g["initial_lr"] = g["lr"] = g["lr"] * lr_scale
     return MuonAdamW([g for g in groups if g["params"]])

@@ -1,5 +1,5 @@
 """
-Conversations -> packed (B, T) training rows for midtraining and SFT (the loop itself is nanorl/sft.py).
+Conversations -> packed (B, T) training rows for midtraining and SFT (the loop itself is in scripts/chat_sft.py).
 
 Each conversation is rendered with its loss mask (only what the assistant wrote is trained on) and
 shifted into (inputs, targets) of its own: a target is -1 wherever the mask is 0, so no document ever
@@ -147,15 +147,16 @@ def task_paths(args):
 
 
 def build_data(args, hub_mixture, offline_mixture):
-    """(train task, val task, description). --data hub that cannot load (no network, no path) says why and
-    falls back to the offline curriculum, so a run without network still does something useful."""
+    """(train task, val task, description) of a stage's mixture: hub_mixture(args, task paths) with --data hub,
+    else offline_mixture(args). --data hub that cannot load (no network, no path) says why and falls back to the
+    offline curriculum, so a run without network still does something useful."""
     if args.data == "hub":
         try:
-            train, val = hub_mixture(task_paths(args))
+            train, val = hub_mixture(args, task_paths(args))
             return train, val, "hub"
         except RuntimeError as e:
             print(f"warning: --data hub could not load its datasets:\n  {e}\nfalling back to the offline curriculum")
-            train, val = offline_mixture()
+            train, val = offline_mixture(args)
             return train, val, f"offline (fallback: {str(e).splitlines()[0][:200]})"
-    train, val = offline_mixture()
+    train, val = offline_mixture(args)
     return train, val, "offline"

@@ -7,11 +7,10 @@ metric (22 in-context tasks of the DCLM eval bundle; see nanorl/core_eval.py).
     python -m scripts.base_eval --max-per-task 100 --bundle-dir /data/eval_bundle
     torchrun --standalone --nproc_per_node=8 -m scripts.base_eval -- --model-tag d20
 """
-import sys
 import time
 
-from nanorl.checkpoint import load_model
-from nanorl.common import ArgumentParser, autocast_ctx, compute_cleanup, compute_init, int_or_off, nonneg_int, positive_int, print0
+from nanorl.checkpoint import add_model_args, load_model_from_args
+from nanorl.common import ArgumentParser, autocast_ctx, compute_cleanup, compute_init, int_or_off, positive_int, print0
 from nanorl.core_eval import EVAL_BUNDLE_URL, evaluate_core, get_bundle, load_tasks
 from nanorl.dataloader import PretrainLoader
 from nanorl.dataset import describe_source
@@ -23,8 +22,7 @@ from nanorl.tokenizer import get_token_bytes
 # fmt: off
 parser = ArgumentParser(description="Evaluate a base model: bpb, samples, CORE")
 parser.add_argument("--eval", default="core,bpb,sample", help="comma-separated: core, bpb, sample")
-parser.add_argument("--model-tag", default=None, help="base checkpoint tag (default: the newest)")
-parser.add_argument("--model-step", "--step", type=nonneg_int, default=None, help="checkpoint step (default: the last)")
+add_model_args(parser, source=None, hf_model=False)  # base checkpoints only: --model-tag, --model-step
 parser.add_argument("--device-batch-size", type=positive_int, default=32, help="rows per bpb forward")
 parser.add_argument("--split-tokens", type=positive_int, default=20 * 524288, help="tokens of each split for bpb")
 parser.add_argument("--data-dir", default=None, help="text for bpb (default: what the checkpoint was trained on)")
@@ -32,7 +30,7 @@ parser.add_argument("--max-per-task", type=int_or_off, default=-1, help="example
 parser.add_argument("--bundle-dir", default=None, help="an unzipped eval_bundle (default: <base>/eval_bundle, downloaded once)")
 parser.add_argument("--bundle-url", default=EVAL_BUNDLE_URL, help="where eval_bundle.zip is downloaded from")
 parser.add_argument("--device-type", default=None, choices=["cuda", "cpu", "mps"], help="default: autodetect")
-args = parser.parse_args(sys.argv[1:] if sys.argv[1:2] != ["--"] else sys.argv[2:])
+args = parser.parse_args()
 # fmt: on
 modes = {m.strip() for m in args.eval.split(",") if m.strip()}
 if not modes or modes - {"core", "bpb", "sample"}:
@@ -40,7 +38,7 @@ if not modes or modes - {"core", "bpb", "sample"}:
 
 ddp, rank, local_rank, world_size, device = compute_init(args.device_type)
 master = rank == 0
-model, tokenizer, meta = load_model("base", device, phase="eval", model_tag=args.model_tag, step=args.model_step)
+model, tokenizer, meta = load_model_from_args(args, device, phase="eval", source="base")
 seq_len = meta["model_config"]["sequence_len"]
 autocast = autocast_ctx(device.type)
 name = f"{meta['model_tag']} step {meta.get('step')}"

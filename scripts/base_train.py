@@ -6,21 +6,19 @@ Pretrain the base model. --depth is the one dial: width, heads, LRs and the toke
 """
 import math
 import os
-import random
-import sys
 import time
 from contextlib import nullcontext
 
 import torch
 
-from nanorl.checkpoint import delete_step, find_last_step, load_checkpoint, load_weights, model_path, resume_point, save_checkpoint
+from nanorl.checkpoint import delete_step, find_last_step, resume, rng_state, save, set_rng_state
 from nanorl.common import (ETA, ArgumentParser, add_logging_args, autocast_ctx, compute_cleanup, compute_init, fraction, get_base_dir,
                            get_logger, get_peak_flops, int_or_off, nonneg_float, nonneg_int, positive_float, positive_int, print0,
                            synchronize)
 from nanorl.dataloader import PretrainLoader
 from nanorl.dataset import describe_source
 from nanorl import fsdp
-from nanorl.fsdp import load_sharded, local_bytes, save_sharded, shard_model
+from nanorl.fsdp import local_bytes, shard_model
 from nanorl.gpt import attention_backend, build_model, config_from_depth
 from nanorl.loss_eval import evaluate_bpb
 from nanorl.optim import build_optimizer
@@ -59,7 +57,7 @@ parser.add_argument("--device-type", default=None, choices=["cuda", "cpu", "mps"
 add_logging_args(parser)
 parser.add_argument("--seed", type=nonneg_int, default=42, help="seed of the weights' RNG")
 fsdp.add_args(parser)
-args = parser.parse_args(sys.argv[1:] if sys.argv[1:2] != ["--"] else sys.argv[2:])
+args = parser.parse_args()
 # fmt: on
 try:  # the model's shape flags must agree with each other: check them before any work (the vocab size comes later)
     config_from_depth(args.depth, 1, args.max_seq_len, args.aspect_ratio, args.head_dim, args.n_kv_head)
@@ -109,22 +107,11 @@ if args.fsdp:
 
 start_step = 0
 if args.resume:
-    last, old_meta = resume_point(ckpt_dir, world_size, args.fsdp)
-    if old_meta["model_config"] != config.to_dict():
-        raise SystemExit(f"--resume: the checkpoint's model config {old_meta['model_config']} differs from this run's {config.to_dict()}")
-    if args.fsdp:
-        extra = load_sharded(ckpt_dir, last, model, optimizer, rank)
-    else:
-        model_state, optim_state, _, extra = load_checkpoint(ckpt_dir, last, device, load_optimizer=True, rank=rank)
-        load_weights(model, model_state, model_path(ckpt_dir, last))
-        optimizer.load_state_dict(optim_state)
+    # model and optimizer (or, with --fsdp, their shards); this rank's data position and RNGs beside them
+    start_step, _, extra = resume(ckpt_dir, model, optimizer, rank, world_size, model_config=config.to_dict())
     train_loader.load_state_dict(extra["loader"])
-    random.setstate(extra["py_rng"])
-    torch.set_rng_state(extra["torch_rng"])
-    if device.type == "cuda" and extra.get("cuda_rng") is not None:
-        torch.cuda.set_rng_state(extra["cuda_rng"])
-    start_step = last
-    print0(f"resumed from {ckpt_dir} at step {last}")
+    set_rng_state(extra, device)
+    print0(f"resumed from {ckpt_dir} at step {start_step}")
 
 
 def lr_multiplier(it):
@@ -136,15 +123,6 @@ def lr_multiplier(it):
         return 1.0
     frac = (num_iterations - it) / max(warmdown, 1)
     return frac + (1 - frac) * args.final_lr_frac
-
-
-def save(step):
-    extra = {"loader": loader_state, "py_rng": random.getstate(), "torch_rng": torch.get_rng_state(),
-             "cuda_rng": torch.cuda.get_rng_state() if device.type == "cuda" else None}
-    if args.fsdp:  # every rank writes its shards
-        save_sharded(ckpt_dir, step, model, optimizer, {**meta, "step": step}, extra, rank, args.keep_last)
-    else:
-        save_checkpoint(ckpt_dir, step, model.state_dict(), optimizer.state_dict(), {**meta, "step": step}, extra, rank, args.keep_last)
 
 
 def evaluate_val():
@@ -194,7 +172,8 @@ for step in range(start_step, num_iterations + 1):
         for p in ["The capital of France is", "Alice has 3 apples and", "The word banana is spelled"]:
             print0(f"  sample: {sample(p)!r}")
     if last_step or (args.save_every > 0 and step > start_step and step % args.save_every == 0):
-        save(step)
+        extra = {"loader": loader_state, **rng_state(device)}  # with --fsdp every rank writes its shards
+        save(ckpt_dir, step, model, optimizer, {**meta, "step": step}, extra, rank, args.keep_last)
         saved_step = step
     if last_step:
         break

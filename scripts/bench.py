@@ -274,9 +274,7 @@ def bench_rl(args):
     cfg = config_from_depth(args.depth, args.vocab_size, sequence_len=P + N, head_dim=args.head_dim, n_kv_head=args.n_kv_head)
     # like chat_rl: fp32 master weights, bf16 autocast on CUDA for both the engine and the trainer
     model = build_model(cfg, device)
-    optimizer = build_optimizer(model)
-    for g in optimizer.param_groups:
-        g["initial_lr"] = g["lr"] = g["initial_lr"] * args.lr_scale
+    optimizer = build_optimizer(model, lr_scale=args.lr_scale)
     tok = Tokenizer.from_ranks({bytes([i]): i for i in range(256)}, SPLIT_PATTERN)  # the engine needs only its specials
     engine = Engine(model, tok, batch_size=args.engine_batch_size or n_prompts * n, max_len=P + N)
     prompts = torch.randint(0, 256, (n_prompts, P), generator=torch.Generator().manual_seed(1)).tolist()
@@ -436,9 +434,7 @@ def bench_hf(args):
 
     # one GRPO step of chat_rl's trainer on the loaded model (after an untimed warm-up step)
     n_prompts, n, RP, RN = args.rl_prompts, args.rl_samples, args.rl_prompt_len, args.rl_new_tokens
-    optimizer = build_optimizer(model)
-    for grp in optimizer.param_groups:
-        grp["initial_lr"] = grp["lr"] = grp["initial_lr"] * 0.05  # chat_rl's default --lr-scale
+    optimizer = build_optimizer(model, lr_scale=0.05)  # chat_rl's default --lr-scale
     engine = Engine(model, tokenizer, batch_size=n_prompts * n, max_len=RP + RN)
     rl_prompts = torch.randint(0, tok_vocab, (n_prompts, RP), generator=g).tolist()
     rl_step = grpo_stepper(model, optimizer, engine, rl_prompts, n, RN, args.max_tokens_per_gpu, device)

@@ -148,20 +148,11 @@ def all_reduce_sums(sums, device):
     return dict(zip(keys, t.tolist()))
 
 
-def main():
-    from nanorl.checkpoint import load_model
-    from nanorl.common import autocast_ctx, compute_cleanup, compute_init, print0
-    from nanorl.engine import Engine
-    from nanorl.report import eval_label, log_section, record_metrics
-    from nanorl.rewards import make_reward
-    from nanorl.sft_data import levels, task_paths
-
+def parse_args():
+    from nanorl.checkpoint import add_model_args
     parser = ArgumentParser(description="Evaluate a chat model on tasks")
-    parser.add_argument("-i", "--source", default="sft", choices=["base", "mid", "sft", "rl"], help="which checkpoint")
+    add_model_args(parser, "sft", short=True)
     parser.add_argument("-a", "--tasks", default="offline", help="comma-separated task names (default: the offline problems)")
-    parser.add_argument("-g", "--model-tag", default=None, help="checkpoint subdirectory (default: newest)")
-    parser.add_argument("-s", "--model-step", "--step", type=nonneg_int, default=None, help="checkpoint step (default: last)")
-    parser.add_argument("--hf-model", default=None, metavar="DIR", help="evaluate a Hugging Face model directory instead of --source")
     parser.add_argument("--task-path", action="append", default=[], metavar="NAME=PATH", help="local data for a Hub task (repeatable)")
     parser.add_argument("-x", "--max-problems", type=positive_int, default=None, help="evaluate at most this many problems per task (default: all)")
     parser.add_argument("-n", "--num-samples", type=positive_int, default=1, help="samples per problem (generative tasks)")
@@ -173,18 +164,31 @@ def main():
     parser.add_argument("--levels", default="1,2,3,4", help="offline task: difficulty levels to evaluate")
     parser.add_argument("--seed", type=nonneg_int, default=0, help="seed of the sampled answers")
     parser.add_argument("--device-type", default=None, help="cuda | cpu | mps (default: autodetect)")
-    args = parser.parse_args(sys.argv[1:] if sys.argv[1:2] != ["--"] else sys.argv[2:])  # torchrun ... -m script -- args
+    args = parser.parse_args()
+    ks = sorted(set(args.pass_k or [1]))
+    if ks[-1] > args.num_samples:  # before any model is loaded
+        parser.error(f"-k/--pass-k {','.join(map(str, ks))}: each k must be at most -n/--num-samples {args.num_samples}")
     if any(getattr(TASKS.get(t.strip().lower()), "runs_code", False) for t in args.tasks.split(",")):
         require_sandbox()  # HumanEval runs the model's code: with no sandbox here, stop now in one line
+    return args
+
+
+def main():
+    from nanorl.checkpoint import load_model_from_args
+    from nanorl.common import autocast_ctx, compute_cleanup, compute_init, print0
+    from nanorl.engine import Engine
+    from nanorl.report import eval_label, log_section, record_metrics
+    from nanorl.rewards import make_reward
+    from nanorl.sft_data import levels, task_paths
+
+    args = parse_args()
 
     _, rank, _, world_size, device = compute_init(args.device_type)
     autocast = autocast_ctx(device.type)
-    model, tokenizer, meta = load_model(args.source, device, phase="eval", model_tag=args.model_tag, step=args.model_step, hf_model=args.hf_model)
+    model, tokenizer, meta = load_model_from_args(args, device, phase="eval")
     engine = Engine(model, tokenizer, batch_size=args.batch_size)
     n = args.num_samples
     ks = sorted(set(args.pass_k)) if args.pass_k else sorted({1, n})
-    if ks[-1] > n:
-        parser.error(f"-k/--pass-k {','.join(map(str, ks))}: each k must be at most -n/--num-samples {n}")
     temperature = args.temperature if args.temperature is not None else (0.0 if n == 1 else 1.0)
     paths = task_paths(args)
     results, skipped, t_all = {}, {}, time.time()

@@ -2,46 +2,314 @@
 Chat SFT: fine-tune the midtrained model on a small, clean mixture of chat and problems, with a low LR
 that decays to zero. Only what the assistant writes is trained on.
 
+This file is also midtraining's loop: scripts/mid_train.py calls train() below with its own mixture and
+defaults. Reading order: the flags; the LR schedule, the held-out loss and one optimizer step; then train(),
+the stage itself: load the source checkpoint, train on packed conversations (nanorl/sft_data.py) with a
+token-mean loss over the whole step, evaluate, save, resume, write the report section. SFT's data mixture and
+main() close the file.
+
     python -m scripts.chat_sft                                    # offline curriculum, from the mid checkpoint
     python -m scripts.chat_sft --source base                      # skip midtraining
     torchrun --nproc_per_node=8 -m scripts.chat_sft --data hub --identity-path identity.jsonl
 """
-import sys
+import os
+import time
+from functools import partial
 
-from nanorl.common import ArgumentParser
-from nanorl.sft import add_train_args, train
-from nanorl.sft_data import levels
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+
+from nanorl import fsdp
+from nanorl.checkpoint import add_model_args, load_model_from_args, resume, save
+from nanorl.common import (ETA, ArgumentParser, add_logging_args, autocast_ctx, compute_cleanup, compute_init, fraction,
+                           get_base_dir, get_logger, int_or_off, nonneg_float, nonneg_int, positive_float, positive_int,
+                           print0)
+from nanorl.gpt import attention_backend
+from nanorl.optim import build_optimizer
+from nanorl.report import log_section
+from nanorl.sft_data import SFTLoader, build_data, levels
 from tasks import ARC, GSM8K, CustomJSON, OfflineChat, OfflineProblems, SmolTalk, SpellingBee, TaskMixture
 
-parser = ArgumentParser(description="Supervised fine-tuning on packed conversations")
-add_train_args(parser, "sft", source="mid", init_lr_frac=0.02, warmdown_ratio=1.0, num_epochs=1)
-args = parser.parse_args(sys.argv[1:] if sys.argv[1:2] != ["--"] else sys.argv[2:])  # torchrun ... -m script -- args
+# -----------------------------------------------------------------------------------------------
+# flags: the same for both stages, with each stage's defaults
 
 
-def identity():
+def add_train_args(parser, stage, source, init_lr_frac, warmdown_ratio, num_epochs):
+    """The flags of chat_sft and mid_train; `stage` is "mid" or "sft", the rest are that stage's defaults."""
+    a = parser.add_argument
+    add_model_args(parser, source)
+    a("--output-tag", default=None, help=f"save under {stage}_checkpoints/<tag> (default: the source's tag)")
+    a("--data", default="offline", choices=["offline", "hub"],
+      help="offline: the synthetic curriculum (no download); hub: the Hugging Face datasets (or --task-path files)")
+    a("--task-path", action="append", default=[], metavar="NAME=PATH",
+      help="a local jsonl/parquet file or directory for a Hub task, e.g. gsm8k=/data/gsm8k (repeatable)")
+    a("--identity-path", default=None, help="jsonl of identity conversations (CustomJSON), mixed in twice")
+    a("--num-examples", type=positive_int, default=20000, help="offline curriculum: number of training problems")
+    a("--levels", default="1,2,3,4",
+      help="offline curriculum: difficulty levels of the problems (e.g. 1,2 to start easy)")
+    a("--num-epochs", type=positive_float, default=num_epochs,
+      help="passes over the data (ignored with --num-iterations)")
+    a("--num-iterations", type=int_or_off, default=-1, help="optimizer steps (-1: as many as --num-epochs takes)")
+    a("--device-batch-size", type=positive_int, default=16, help="rows per micro-batch per rank")
+    a("--max-seq-len", type=positive_int, default=None, help="row length T (default: the model's context)")
+    a("--total-batch-size", type=positive_int, default=None,
+      help="tokens per optimizer step, all ranks (default: one micro-batch per rank)")
+    a("--matrix-lr", type=nonneg_float, default=0.02, help="Muon LR of the transformer's matrices")
+    a("--embedding-lr", type=nonneg_float, default=0.2, help="AdamW LR of the token embedding")
+    a("--unembedding-lr", type=nonneg_float, default=0.004, help="AdamW LR of the output head")
+    a("--weight-decay", type=nonneg_float, default=0.0, help="AdamW weight decay")
+    a("--init-lr-frac", type=nonneg_float, default=init_lr_frac,
+      help="multiplier on the LRs above (the base model's LRs)")
+    a("--warmdown-ratio", type=fraction, default=warmdown_ratio,
+      help="fraction of training over which the LR decays to 0")
+    a("--eval-every", "--eval-interval", type=positive_int, default=100,
+      help="eval loss every N steps (and at the start and end)")
+    a("--eval-tokens", type=positive_int, default=200_000, help="tokens of held-out conversations per eval")
+    a("--save-every", "--save-interval", type=int_or_off, default=-1,
+      help="checkpoint every N steps (-1: only at the end)")
+    a("--keep-last", type=positive_int, default=2, help="keep only the newest N checkpoints of this run")
+    a("--resume", action="store_true", help=f"continue from the latest checkpoint in {stage}_checkpoints/<tag>")
+    a("--seed", type=nonneg_int, default=42, help="seed of the weights' RNG and the data order")
+    add_logging_args(parser)
+    a("--device-type", default=None, choices=["cuda", "cpu", "mps"], help="default: autodetect")
+    a("--no-compile", action="store_true",
+      help="train eagerly on CUDA (default: torch.compile of the model, one graph: every batch is B x T)")
+    fsdp.add_args(parser)
+
+
+# -----------------------------------------------------------------------------------------------
+# the LR schedule, the held-out loss, one optimizer step
+
+def lr_multiplier(progress, warmdown_ratio, final_frac=0.0):
+    """Constant, then a linear decay to final_frac over the last warmdown_ratio of training (1.0: decay all along)."""
+    if warmdown_ratio <= 0 or progress < 1 - warmdown_ratio:
+        return 1.0
+    left = max(0.0, 1.0 - progress) / warmdown_ratio
+    return final_frac + (1.0 - final_frac) * left
+
+
+@torch.no_grad()
+def eval_loss(model, loader, max_batches, autocast):
+    """Token-mean loss over held-out batches, summed over every rank first."""
+    model.eval()
+    dev = model.lm_head.weight.device
+    total, count = torch.zeros((), device=dev, dtype=torch.float64), torch.zeros((), device=dev, dtype=torch.float64)
+    batches = iter(loader)
+    for _ in range(max_batches):
+        batch = next(batches, None)
+        # under FSDP each forward gathers weights with the other ranks: all stop when any rank runs dry
+        if isinstance(model, FSDPModule):
+            more = torch.tensor(float(batch is not None), device=dev)
+            dist.all_reduce(more, op=dist.ReduceOp.MIN)
+            batch = batch if more.item() else None
+        if batch is None:
+            break
+        x, y, d = batch
+        with autocast:
+            total += model(x, y, doc_ids=d, loss_reduction="sum").double()
+        count += (y >= 0).sum()
+    if dist.is_initialized():
+        dist.all_reduce(total)
+        dist.all_reduce(count)
+    model.train()
+    return (total / count.clamp(min=1)).item()
+
+
+def train_step(model, optimizer, batches, autocast, world_size):
+    """One optimizer step over the grad-accumulation micro-batches -> the step's token-mean loss over all ranks.
+    Each micro-batch's summed loss is divided by the step's token count on all ranks (times world size, since the
+    optimizer averages gradients across ranks): every target token of the step weighs the same."""
+    device = batches[0][0].device
+    n_tok = torch.tensor(float(sum(int((y >= 0).sum()) for _, y, _ in batches)), device=device)
+    if dist.is_initialized():
+        dist.all_reduce(n_tok)
+    loss_sum = torch.zeros((), device=device)
+    for x, y, d in batches:
+        with autocast:
+            loss = model(x, y, doc_ids=d, loss_reduction="sum")
+        (loss * world_size / n_tok.clamp(min=1)).backward()
+        loss_sum += loss.detach()
+    if dist.is_initialized():
+        dist.all_reduce(loss_sum)  # the logged loss is the whole step's, not rank 0's share
+    step_loss = (loss_sum / n_tok.clamp(min=1)).item()
+    optimizer.step()
+    model.zero_grad(set_to_none=True)
+    return step_loss
+
+
+# -----------------------------------------------------------------------------------------------
+# the stage: load the source model, train on packed conversations, evaluate, save, report
+
+def shard_and_compile(model, args, device, world_size):
+    """--fsdp: shard the loaded model in place, before the optimizer is built on the shards. -> what the training
+    steps call: every batch is (B, T) with T fixed, one compiled graph on CUDA (flex attention compiles with it)."""
+    print0(attention_backend(device))  # packed rows: document-masked attention
+    if args.fsdp:
+        fsdp.shard_model(model, device, args.activation_checkpointing, args.cpu_offload)
+        print0(f"FSDP2 over {world_size} ranks: each holds 1/{world_size} of the parameters, gradients and "
+               f"optimizer state")
+    return torch.compile(model, dynamic=False) if device.type == "cuda" and not args.no_compile else model
+
+
+def batch_plan(device_batch_size, total_batch_size, T, world_size):
+    """(tokens per optimizer step, micro-batches per step): one micro-batch of device_batch_size rows of T tokens per
+    rank, accumulated until the step holds total_batch_size tokens (default: one micro-batch)."""
+    tokens_per_micro = device_batch_size * T * world_size
+    total = total_batch_size or tokens_per_micro
+    if total % tokens_per_micro:
+        raise SystemExit(f"--total-batch-size {total} is not a multiple of device batch x T x ranks = "
+                         f"{tokens_per_micro}")
+    return total, total // tokens_per_micro
+
+
+def agreed_progress(step, loader, args, device):
+    """Training progress 0..1 by steps or epochs. Every rank must agree on the LR and on when to stop: all take the
+    furthest rank's progress."""
+    p = step / args.num_iterations if args.num_iterations > 0 else loader.progress / args.num_epochs
+    if dist.is_initialized():
+        t = torch.tensor(p, dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        p = t.item()
+    return p
+
+
+def train(args, stage, train_task, val_task, data_desc):
+    """Midtraining or SFT (stage "mid" or "sft") on these conversations; every rank calls it.
+    -> {"step", "val_losses", "checkpoint_dir", "stats"}"""
+    # CPU offload steps the optimizer on CPU tensors: those collectives need gloo beside NCCL
+    _, rank, _, world_size, device = compute_init(args.device_type, seed=args.seed, cpu_collectives=args.cpu_offload)
+    # before the model: a wandb run that cannot log stops here, not after minutes of loading
+    logger = get_logger(args.run, project=f"nanorl-{stage}", config=vars(args), master_process=rank == 0,
+                        tensorboard_dir=args.tensorboard)
+    autocast = autocast_ctx(device.type)
+    model, tokenizer, meta = load_model_from_args(args, device, phase="train")
+    T = args.max_seq_len or model.config.sequence_len
+    if T > model.config.sequence_len:
+        raise SystemExit(f"--max-seq-len {T} exceeds the model's context {model.config.sequence_len}")
+    print0(f"{stage}: {len(train_task):,} training / {len(val_task):,} held-out conversations ({data_desc}), "
+           f"{world_size} rank(s) on {device}, rows of {T} tokens")
+    compiled = shard_and_compile(model, args, device, world_size)
+    total, grad_accum = batch_plan(args.device_batch_size, args.total_batch_size, T, world_size)
+    optimizer = build_optimizer(model, matrix_lr=args.matrix_lr, embedding_lr=args.embedding_lr,
+                                unembedding_lr=args.unembedding_lr, weight_decay=args.weight_decay,
+                                lr_scale=args.init_lr_frac)
+    loader = SFTLoader(train_task, tokenizer, args.device_batch_size, T, rank, world_size, seed=args.seed,
+                       device=device)
+    # a fresh one per eval; pool_size=1 packs in order: best-fit would put the longest conversations first, and an
+    # eval that stops after eval_batches would then measure a length-biased subset
+    val_loader = partial(SFTLoader, val_task, tokenizer, args.device_batch_size, T, rank, world_size, shuffle=False,
+                         epochs=1, pool_size=1, device=device)
+    eval_batches = max(1, args.eval_tokens // (total // grad_accum))
+
+    output_tag = args.output_tag or meta.get("model_tag") or args.model_tag or "d"
+    ckpt_dir = os.path.join(get_base_dir(), f"{stage}_checkpoints", output_tag)
+
+    def checkpoint(step):  # under --fsdp every rank writes its shards; `python -m nanorl.fsdp consolidate` joins them
+        ck_meta = {**meta, "model_tag": output_tag, "step": step, "stage": stage, f"{stage}_args": vars(args),
+                   "world_size": world_size}  # (not the source model's)
+        save(ckpt_dir, step, model, optimizer, ck_meta, {"loader": loader.state_dict()}, rank, args.keep_last)
+
+    step = 0
+    if args.resume:  # model and optimizer (or their shards), this rank's data position beside them
+        step, _, extra = resume(ckpt_dir, model, optimizer, rank, world_size)
+        loader.load_state_dict(extra["loader"])
+        print0(f"resumed from {ckpt_dir} step {step} (epoch {loader.epoch}, {loader.cursor} conversations in)")
+
+    val_losses, t0, train_time, smooth = [], time.time(), 0.0, None
+    progress = agreed_progress(step, loader, args, device)
+    eta = ETA(progress)
+    while True:
+        last_step = progress >= 1.0
+        if step % args.eval_every == 0 or last_step:
+            vl = eval_loss(model, val_loader(), eval_batches, autocast)
+            val_losses.append((step, vl))
+            print0(f"step {step:5d} | val loss {vl:.4f}")
+            logger.log({"step": step, "val/loss": vl})
+        if last_step:
+            break
+        lrm = lr_multiplier(progress, args.warmdown_ratio)
+        for g in optimizer.param_groups:
+            g["lr"] = g["initial_lr"] * lrm
+        t_step = time.time()
+        batches = [loader.next_batch() for _ in range(grad_accum)]  # an endless loader never returns None
+        step_loss = train_step(compiled, optimizer, batches, autocast, world_size)
+        step += 1
+        dt = time.time() - t_step
+        train_time += dt
+        smooth = step_loss if smooth is None else 0.9 * smooth + 0.1 * step_loss
+        progress = agreed_progress(step, loader, args, device)  # after the step: what the ETA and the stop rule see
+        eta.step(dt, progress)
+        if step % 10 == 0 or step == 1:
+            print0(f"step {step:5d} | loss {step_loss:.4f} (ema {smooth:.4f}) | lrm {lrm:.3f} "
+                   f"| progress {progress:.3f} | {dt * 1000:.0f} ms | padding {loader.padding_fraction():.1%} "
+                   f"| eta {eta}")
+        logger.log({"step": step, "train/loss": step_loss, "train/lrm": lrm, "train/progress": progress})
+        if args.save_every > 0 and step % args.save_every == 0 and not progress >= 1.0:
+            checkpoint(step)  # (the last step is saved below, once)
+    checkpoint(step)
+    report(args, stage, meta, data_desc, train_task, val_task, loader, rank, world_size, T, total, grad_accum, step,
+           train_time, time.time() - t0, val_losses, ckpt_dir)
+    logger.finish()
+    compute_cleanup()
+    return {"step": step, "val_losses": val_losses, "checkpoint_dir": ckpt_dir, "stats": loader.stats}
+
+
+def report(args, stage, meta, data_desc, train_task, val_task, loader, rank, world_size, T, total, grad_accum, step,
+           train_time, wall_time, val_losses, ckpt_dir):
+    """The closing line and the stage's report section."""
+    s = loader.stats
+    print0(f"done: {step} steps in {train_time:.0f}s, final val loss {val_losses[-1][1]:.4f}, "
+           f"padding {loader.padding_fraction():.1%}, truncated {s['truncated']} of {s['conversations']} "
+           f"conversations; saved to {ckpt_dir}")
+    log_section({"mid": "Midtraining", "sft": "Chat SFT"}[stage], [
+        {"source": f"{args.source} ({meta.get('model_tag', args.model_tag)})", "data": data_desc,
+         "train conversations": len(train_task), "held-out conversations": len(val_task), "ranks": world_size,
+         "row length": T, "tokens per step": total, "grad accumulation": grad_accum, "init lr frac": args.init_lr_frac},
+        {"steps": step, "train time (s)": round(train_time, 1), "wall time (s)": round(wall_time, 1),
+         "val loss (start)": val_losses[0][1], "val loss (end)": val_losses[-1][1],
+         "padding fraction (rank 0)": loader.padding_fraction(),
+         "truncated conversations (rank 0)": f"{s['truncated']} of {s['conversations']}",
+         "conversations with nothing to train on (rank 0)": s["no_target"]},
+    ], rank=rank, config=vars(args))
+
+
+# -----------------------------------------------------------------------------------------------
+# SFT's data: a small, clean mixture
+
+def identity(args):
     return [CustomJSON(path=args.identity_path)] if args.identity_path else []
 
 
-def offline_mixture():
+def offline_mixture(args):
     n = args.num_examples
     train = TaskMixture([OfflineChat("train", n=n // 2), OfflineProblems("train", n=n, seed=2, levels=levels(args)),
-                         SpellingBee("train", size=n // 10)] + identity(), seed=args.seed)
+                         SpellingBee("train", size=n // 10)] + identity(args), seed=args.seed)
     val = TaskMixture([OfflineProblems("test", n=300, levels=levels(args)), OfflineChat("test", n=200)], seed=args.seed)
     return train, val
 
 
-def hub_mixture(paths):
+def hub_mixture(args, paths):
     # nanochat's SFT mixture (~23K conversations), plus the offline problems
     train = TaskMixture([ARC("ARC-Easy", "train", path=paths.get("arc-easy")),
                          ARC("ARC-Challenge", "train", path=paths.get("arc-challenge")),
                          GSM8K("train", path=paths.get("gsm8k")),
                          SmolTalk("train", path=paths.get("smoltalk"), stop=10_000),
                          SpellingBee("train", size=600),
-                         OfflineProblems("train", n=min(args.num_examples, 5000), seed=2)] + identity(), seed=args.seed)
+                         OfflineProblems("train", n=min(args.num_examples, 5000), seed=2)] + identity(args),
+                        seed=args.seed)
     val = TaskMixture([SmolTalk("test", path=paths.get("smoltalk"), stop=2000),
                        GSM8K("test", path=paths.get("gsm8k"), stop=500)], seed=args.seed)
     return train, val
 
 
+def main():
+    parser = ArgumentParser(description="Supervised fine-tuning on packed conversations")
+    add_train_args(parser, "sft", source="mid", init_lr_frac=0.02, warmdown_ratio=1.0, num_epochs=1)
+    args = parser.parse_args()
+    fsdp.check_args(args, "chat_sft")
+    train(args, "sft", *build_data(args, hub_mixture, offline_mixture))
+
+
 if __name__ == "__main__":
-    train(args, "sft", hub_mixture, offline_mixture)
+    main()

@@ -11,21 +11,18 @@ import sys
 
 import torch
 
-from nanorl.common import ArgumentParser, nonneg_int
+from nanorl.checkpoint import add_model_args, load_model_from_args
+from nanorl.common import ArgumentParser
+from nanorl.hf import export_hf
 
 parser = ArgumentParser(description="Export a nanorl checkpoint to Hugging Face format")
-parser.add_argument("-i", "--source", default="rl", choices=["base", "mid", "sft", "rl"], help="which checkpoint")
-parser.add_argument("-g", "--model-tag", default=None, help="checkpoint subdirectory (default: newest)")
-parser.add_argument("-s", "--model-step", "--step", type=nonneg_int, default=None, help="checkpoint step (default: last)")
+add_model_args(parser, "rl", short=True, hf_model=False)
 parser.add_argument("-o", "--output", required=True, help="directory to write (replaced if it exists)")
 parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of the saved weights")
 args = parser.parse_args()
 
-from nanorl.checkpoint import load_model  # noqa: E402
-from nanorl.hf import export_hf  # noqa: E402
-
 try:
-    model, tokenizer, meta = load_model(args.source, "cpu", phase="eval", model_tag=args.model_tag, step=args.model_step)
+    model, tokenizer, meta = load_model_from_args(args, "cpu", phase="eval")
 except (FileNotFoundError, ValueError, RuntimeError) as e:
     sys.exit(f"could not load the {args.source} checkpoint: {e}")
 model.float()  # the CUDA embedding is kept in bf16; the export's dtype is --dtype's alone

@@ -178,3 +178,15 @@ def test_offline_test_split_is_held_out_from_the_sft_mixture():
     test = OfflineProblems("test", n=300, levels=(1,))
     train_q = {train.get_example(i)["messages"][0]["content"] for i in range(len(train))}
     assert not any(test.get_example(i)["messages"][0]["content"] in train_q for i in range(len(test)))
+
+
+def test_a_pass_k_above_the_sample_count_stops_before_any_model_loads(tmp_path, monkeypatch, capsys):
+    from scripts.chat_eval import parse_args
+    monkeypatch.setenv("NANORL_BASE_DIR", str(tmp_path))  # no checkpoint anywhere: the flags alone must fail
+    monkeypatch.setattr(sys, "argv", ["chat_eval.py", "-i", "rl", "-n", "2", "-k", "4,1"])
+    with pytest.raises(SystemExit) as e:
+        parse_args()
+    assert e.value.code == 2 and "-k/--pass-k 1,4: each k must be at most -n/--num-samples 2" in capsys.readouterr().err
+    monkeypatch.setattr(sys, "argv", ["chat_eval.py", "--", "-s", "3", "-n", "4", "-k", "4"])  # torchrun's "--" too
+    args = parse_args()
+    assert (args.source, args.model_step, args.num_samples, args.pass_k) == ("sft", 3, 4, [4])

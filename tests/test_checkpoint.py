@@ -132,3 +132,59 @@ def test_resume_point_refuses_no_step_another_world_size_or_fsdp_setting(tmp_pat
     assert resume_point(str(tmp_path), 8, False) == (4, {})
     with pytest.raises(SystemExit, match="was saved without --fsdp; resume without it"):
         resume_point(str(tmp_path), 8, True)
+
+
+def test_save_then_resume_restores_weights_optimizer_extra_and_rngs(tmp_path):
+    from nanorl.checkpoint import resume, rng_state, save, set_rng_state
+    from nanorl.optim import build_optimizer
+    model = tiny_model()
+    opt = build_optimizer(model)
+    model(torch.randint(0, 40, (2, 16)), targets=torch.randint(0, 40, (2, 16))).backward()
+    opt.step()
+    random.seed(3)
+    torch.manual_seed(3)
+    extra = {"loader": [1, 2], **rng_state(torch.device("cpu"))}
+    save(str(tmp_path), 7, model, opt, {"model_config": CFG.to_dict(), "world_size": 1}, extra)
+    after = (random.random(), torch.rand(3))  # what the RNGs give right after the save
+    assert json.loads((tmp_path / "meta_000007.json").read_text())["sharded"] is False  # what resume_point checks
+    fresh = tiny_model(seed=1)
+    opt2 = build_optimizer(fresh)
+    step, meta, extra = resume(str(tmp_path), fresh, opt2)
+    assert step == 7 and meta["world_size"] == 1 and extra["loader"] == [1, 2]
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
+    for s1, s2 in zip(opt.state.values(), opt2.state.values()):
+        assert s1.keys() == s2.keys() and all(torch.equal(s1[k], s2[k]) for k in s1 if torch.is_tensor(s1[k]))
+    set_rng_state(extra, torch.device("cpu"))
+    assert random.random() == after[0] and torch.equal(torch.rand(3), after[1])
+    with pytest.raises(SystemExit, match=r"--resume: no checkpoint in "):  # resume_point's refusals
+        resume(str(tmp_path / "none"), fresh, opt2)
+    with pytest.raises(SystemExit, match=r"this run has 2; resume with --nproc_per_node=1"):
+        resume(str(tmp_path), fresh, opt2, world_size=2)
+    other = {**CFG.to_dict(), "n_layer": 3}
+    with pytest.raises(SystemExit, match=r"--resume: the checkpoint's model config .* differs from this run's"):
+        resume(str(tmp_path), fresh, opt2, model_config=other)
+
+
+def test_model_flags_pick_the_checkpoint_that_load_model_reads(tmp_path, monkeypatch):
+    from nanorl.checkpoint import add_model_args, checkpoint_root, load_model_from_args
+    from nanorl.common import ArgumentParser
+    from nanorl.tokenizer import SPLIT_PATTERN, Tokenizer
+    monkeypatch.setenv("NANORL_BASE_DIR", str(tmp_path))
+    # 31 byte tokens + the 9 specials = the tiny model's vocabulary of 40
+    tok = Tokenizer.from_ranks({bytes([i]): i for i in range(31)}, SPLIT_PATTERN)
+    monkeypatch.setattr("nanorl.tokenizer.get_tokenizer", lambda: tok)
+    for tag, step, seed in (("a", 1, 1), ("a", 2, 2), ("b", 5, 3)):
+        save_checkpoint(f"{checkpoint_root('mid')}/{tag}", step, tiny_model(seed).state_dict(),
+                        meta={"model_config": CFG.to_dict()})
+    p = ArgumentParser(prog="x")
+    add_model_args(p, "mid", short=True)
+    args = p.parse_args(["-g", "a", "-s", "1"])
+    assert (args.source, args.model_tag, args.model_step, args.hf_model) == ("mid", "a", 1, None)
+    model, _, meta = load_model_from_args(args, "cpu")
+    assert meta["model_tag"] == "a" and all(torch.equal(u, v) for u, v in zip(model.state_dict().values(),
+                                                                               tiny_model(1).state_dict().values()))
+    p = ArgumentParser(prog="x")
+    add_model_args(p, source=None, hf_model=False)  # base_eval's: no --source, no --hf-model, no short flags
+    args = p.parse_args(["--model-tag", "b", "--step", "5"])
+    assert vars(args) == {"model_tag": "b", "model_step": 5}
+    assert load_model_from_args(args, "cpu", source="mid")[2]["model_tag"] == "b"

@@ -189,3 +189,13 @@ def test_tests_not_marked_gpu_run_on_the_cpu_even_where_torch_sees_a_gpu(monkeyp
 def test_tests_marked_gpu_keep_the_device_environment(device_env_at_start):
     # (runs on any machine: it only checks that tests/conftest.py hides nothing from the gpu tests)
     assert {k: os.environ.get(k) for k in device_env_at_start} == device_env_at_start
+
+
+def test_a_leading_double_dash_from_torchrun_is_dropped(monkeypatch):
+    # torchrun --nproc_per_node=8 -m scripts.X -- --flag: the script's argv starts with "--"
+    p = ArgumentParser(prog="prog")
+    p.add_argument("--depth", type=positive_int, default=20, help="layers")
+    monkeypatch.setattr("sys.argv", ["prog", "--", "--depth", "4"])
+    assert p.parse_args().depth == 4
+    assert p.parse_args(["--", "--depth", "3"]).depth == 3 and p.parse_args(["--depth", "2"]).depth == 2
+    assert p.parse_known_args(["--", "--depth", "5", "--other"]) == (p.parse_args(["--depth", "5"]), ["--other"])

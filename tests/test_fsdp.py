@@ -45,13 +45,14 @@ def _fsdp_worker(rank, world, init_file, x, out_path):
     import torch.distributed as dist
 
     from nanorl.engine import inference_copy
-    from nanorl.fsdp import gather_full_state, local_bytes, save_sharded, shard_model
+    from nanorl.checkpoint import save
+    from nanorl.fsdp import gather_full_state, local_bytes, shard_model
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     batches = [x[m::ACCUM][rank::world] for m in range(ACCUM)]
     model = shard_model(tiny_model(), torch.device("cpu"))
     opt = build_optimizer(model)
     train(model, opt, batches, opt.gradients_averaged)
-    save_sharded(f"{out_path}.ck", STEPS, model, opt, {"model_config": CFG.to_dict()}, None, rank)
+    save(f"{out_path}.ck", STEPS, model, opt, {"model_config": CFG.to_dict()}, None, rank)  # sharded: DCP, every rank
     # activation checkpointing recomputes the same activations in backward: the same training, bit for bit
     ac_model = shard_model(tiny_model(), torch.device("cpu"), activation_checkpointing=True)
     ac_opt = build_optimizer(ac_model)
@@ -86,7 +87,8 @@ def _fsdp_worker(rank, world, init_file, x, out_path):
 def _reshard_worker(rank, world, init_file, ckpt_dir, out_path):
     import torch.distributed as dist
 
-    from nanorl.fsdp import load_sharded, shard_model
+    from nanorl.checkpoint import load_sharded
+    from nanorl.fsdp import shard_model
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     model = shard_model(tiny_model(), torch.device("cpu"))
     opt = build_optimizer(model)

@@ -85,3 +85,10 @@ def test_each_rank_reads_only_its_share_of_the_text(tmp_path, monkeypatch):
     # decodes a row group that is not its own
     assert r0 == ["doc 0", "doc 1", "doc 4", "doc 5", "doc 8", "doc 9"] and sorted(r0 + r1, key=docs.index) == docs
     assert len(read) == 6
+
+
+def test_lr_scale_multiplies_every_groups_lr_and_initial_lr():
+    base, scaled = build_optimizer(tiny_model()), build_optimizer(tiny_model(), lr_scale=0.05)
+    assert len(base.param_groups) == len(scaled.param_groups) >= 3
+    for b, s in zip(base.param_groups, scaled.param_groups):
+        assert s["lr"] == s["initial_lr"] == b["initial_lr"] * 0.05 and b["lr"] == b["initial_lr"]

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from nanorl.gpt import GPTConfig, build_model
-from nanorl.sft import lr_multiplier
 from nanorl.sft_data import SFTLoader, render_example
 from nanorl.tokenizer import SPLIT_PATTERN, Tokenizer
+from scripts.chat_sft import lr_multiplier
 from tasks import OfflineChat, OfflineProblems, Task, TaskMixture
 
 
