@@ -30,6 +30,7 @@ def server(tmp_path_factory):
     from nanorl.engine import Engine
     from nanorl.gpt import GPTConfig, build_model as build_gpt
     from nanorl.tokenizer import get_tokenizer
+    from nanorl.openai_api import ServeConfig
     from scripts.chat_web import create_app
 
     old = os.environ.get("NANORL_BASE_DIR")
@@ -50,7 +51,7 @@ def server(tmp_path_factory):
         else:
             os.environ["NANORL_BASE_DIR"] = old
     engine = Engine(model, tokenizer, batch_size=8)
-    app = create_app([engine], tokenizer, dict(max_tokens=64, model="tiny"))
+    app = create_app([engine], tokenizer, ServeConfig(max_tokens=64, model="tiny"))
     with serve(app) as url:
         yield dict(url=url, engine=engine, app=app, model=model, tokenizer=tokenizer, base_dir=d)
 
@@ -157,7 +158,7 @@ def test_page_stream_and_index(server):
 
 def test_tool_parts_are_typed(server):
     # force a tool call through the parts renderer directly: <|python_start|>2+3<|python_end|><|output_start|>5<|output_end|>
-    from scripts.chat_web import _SampleText
+    from nanorl.serving import SampleText as _SampleText
     tok = server["tokenizer"]
     sp = tok.encode_special
     s = _SampleText(tok, [], parts=True)
@@ -284,10 +285,10 @@ def test_malformed_requests_get_openai_errors(server):
 
 def test_base_model_prompt(server):
     # a base model gets the last message as plain text after <|bos|>, no chat tokens
-    from scripts.chat_web import DEFAULT_LIMITS, ChatRequest, prepare
+    from nanorl.openai_api import ChatRequest, ServeConfig, prepare
     tok = server["tokenizer"]
     body = json.dumps({"messages": user("The sky is"), "max_tokens": 5}).encode()
-    req, ids, settings, dropped = prepare(body, ChatRequest, tok, {**DEFAULT_LIMITS, "base": True}, 256)
+    req, ids, settings, dropped = prepare(body, ChatRequest, tok, ServeConfig(base=True), 256)
     assert ids == tok.encode("The sky is", prepend="<|bos|>") and settings["max_tokens"] == 5 and dropped == 0
     assert req.stop is None and not req.stream
 
@@ -306,6 +307,20 @@ def test_health_models_stats(server):
     st = httpx.get(server["url"] + "/stats").json()
     assert st["requests_served"] >= 1 and st["tokens_generated"] >= 1 and st["tokens_per_s"] > 0
     assert st["queue_length"] == 0 and st["replicas"][0]["batch_size"] == 8 and "busy_slots" in st["replicas"][0]
+
+
+def test_bench_serve_load_test(server, capsys):
+    """`bench serve`: 6 streaming clients at once; the tokens it reports are what /stats counted for them (each
+    client's completion_tokens), and every client saw a first token."""
+    from scripts.bench import bench_serve, load_test
+    r = load_test(server["url"], 6, 5)
+    assert r["errors"] == [] and 6 <= r["tokens"] <= 30 and r["wall"] > 0
+    assert 0 < r["ttft_p50"] <= r["ttft_p95"] <= r["wall"]
+    bench_serve(type("Args", (), dict(url=server["url"] + "/", clients=2, max_tokens=3))())
+    lines = capsys.readouterr().out.strip().splitlines()
+    out = json.loads(lines[-1])
+    assert out["bench"] == "serve" and out["clients"] == 2 and out["errors"] == 0 and 2 <= out["tokens"] <= 6
+    assert lines[0].startswith(f"2 clients x max_tokens=3: {out['tokens']} tokens in ")
 
 
 # --- concurrency and disconnects ----------------------------------------------------------------
@@ -341,7 +356,7 @@ def test_twenty_concurrent_clients(server):
 
 
 def test_disconnect_frees_the_slot(server):
-    engine, stats = server["engine"], server["app"].state.nanorl["stats"]
+    engine, stats = server["engine"], server["app"].state.nanorl.stats
     cancelled = stats.cancelled
     body = json.dumps({"messages": user(), "max_tokens": 64, "stream": True}).encode()
     port = int(server["url"].rsplit(":", 1)[1])
@@ -365,10 +380,11 @@ def test_disconnect_frees_the_slot(server):
 def test_replicas_share_the_load(server):
     """--num-gpus N makes N engines; a request goes to the one with the fewest samples in flight."""
     from nanorl.engine import Engine
+    from nanorl.openai_api import ServeConfig
     from scripts.chat_web import create_app
     engines = [Engine(server["model"], server["tokenizer"], batch_size=4) for _ in range(2)]
-    app = create_app(engines, server["tokenizer"], dict(max_tokens=64))
-    replicas = app.state.nanorl["replicas"]
+    app = create_app(engines, server["tokenizer"], ServeConfig(max_tokens=64))
+    replicas = app.state.nanorl.replicas
     with serve(app) as url:
         def client(i):
             httpx.post(url + "/v1/chat/completions", json={"messages": user(), "max_tokens": 32, "seed": i}, timeout=60)
@@ -490,7 +506,7 @@ def test_browser_chat(server, tmp_path):
         assert text, "no streamed assistant text appeared"
         assert "Error" not in text
         # Stop: freeze the engine so the reply cannot finish first, send, click Stop; the server must cancel it
-        engine, stats = server["engine"], server["app"].state.nanorl["stats"]
+        engine, stats = server["engine"], server["app"].state.nanorl.stats
         cancelled = stats.cancelled
         with engine.step_lock:
             cdp.eval("document.getElementById('input').value = 'Another one'")
@@ -640,9 +656,10 @@ def _read_until_closed(s, limit):
 def test_slow_clients_are_cut_off(server):
     """A client that trickles its headers or its body gets a 408 and is disconnected at the deadline (1 s here)."""
     from nanorl.engine import Engine
+    from nanorl.openai_api import ServeConfig
     from scripts.chat_web import create_app
-    app = create_app([Engine(server["model"], server["tokenizer"], batch_size=2)], server["tokenizer"],
-                     dict(max_tokens=8, body_timeout=1.0))
+    engine = Engine(server["model"], server["tokenizer"], batch_size=2)
+    app = create_app([engine], server["tokenizer"], ServeConfig(max_tokens=8, body_timeout=1.0))
     with serve(app, header_timeout=1.0) as url:
         port = _port(url)
         idle = socket.create_connection(("127.0.0.1", port))  # connects and says nothing
@@ -683,6 +700,18 @@ def test_slow_clients_are_cut_off(server):
         # a prompt client on a 1 s deadline is not affected
         r = httpx.post(url + "/v1/chat/completions", json={"messages": user(), "max_tokens": 4}, timeout=10)
         assert r.status_code == 200
+        # nor is one the server takes longer than the deadline to answer (the deadline is off while the app has it),
+        # and its kept-alive connection is timed again afterwards
+        with httpx.Client(timeout=10) as c:
+            with engine.step_lock:
+                slow = threading.Thread(target=lambda: results.append(
+                    c.post(url + "/v1/chat/completions", json={"messages": user(), "max_tokens": 4})))
+                results = []
+                slow.start()
+                time.sleep(1.6)
+            slow.join(10)
+            assert results[0].status_code == 200 and results[0].json()["choices"][0]["message"]["role"] == "assistant"
+            assert c.get(url + "/health").status_code == 200  # the same connection, kept alive
 
 
 class SlowTokenizer:
@@ -702,9 +731,10 @@ class SlowTokenizer:
 
 def test_tokenising_does_not_block_the_server(server):
     from nanorl.engine import Engine
+    from nanorl.openai_api import ServeConfig
     from scripts.chat_web import create_app
     slow = SlowTokenizer(server["tokenizer"])
-    app = create_app([Engine(server["model"], server["tokenizer"], batch_size=4)], slow, dict(max_tokens=4))
+    app = create_app([Engine(server["model"], server["tokenizer"], batch_size=4)], slow, ServeConfig(max_tokens=4))
     with serve(app) as url:
         done = []
         threads = [threading.Thread(target=lambda: done.append(httpx.post(
@@ -802,7 +832,8 @@ def test_cli_flags(monkeypatch, capsys):
     code, out, _ = run("--help")
     assert code == 0 and "-p PORT, --port PORT" in out and "(default: 8000)" in out and "(default: 10.0)" in out
     helps = out.split("options:")[1].split("\n  -")[1:]  # one entry per flag: its names, then its help text
-    assert len(helps) >= 14 and all("(default: " in h for h in helps[1:]), helps  # [0] is -h itself
+    # 13: the load tester's --load-test and --clients moved to `bench serve`
+    assert len(helps) >= 13 and all("(default: " in h for h in helps[1:]), helps  # [0] is -h itself
     for args, flag in [(("--port", "99999"), "-p/--port"), (("-p", "-1"), "-p/--port"), (("-b", "0"), "-b/--batch-size"),
                        (("-m", "0"), "-m/--max-tokens"), (("--header-timeout", "0"), "--header-timeout"),
                        (("-n", "x"), "-n/--num-gpus")]:

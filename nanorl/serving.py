@@ -1,0 +1,349 @@
+"""
+What a server needs around the sampling engine: engine replicas stepped by their own threads, a request's token
+stream turned into text (stop strings, tool parts) and log-probs, the serving counters, and the guards that keep
+slow clients from holding connections. No routes here: scripts/chat_web.py has them.
+"""
+import asyncio
+import collections
+import json
+import queue
+import threading
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import torch
+from fastapi.responses import JSONResponse
+
+from nanorl.engine import Request, TextStream
+from nanorl.openai_api import BadRequest, ServeConfig, error_body
+
+
+class EngineError(RuntimeError):
+    """The engine ended this request with status "error" (other requests go on)."""
+
+
+class Replica:
+    """One engine with its serving thread, and how many samples the server has in flight on it."""
+
+    def __init__(self, engine, name):
+        self.engine, self.name, self.in_flight, self.served = engine, name, 0, 0
+        self.thread = threading.Thread(target=engine.serve_forever, daemon=True, name=f"engine-{name}")
+        self.thread.start()
+
+
+class Stats:
+    WINDOW = 10.0  # seconds of recent tokens behind the current tok/s
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.start = time.time()
+        self.requests, self.tokens, self.errors, self.cancelled = 0, 0, 0, 0
+        self.recent = collections.deque()  # (time, tokens) of the last WINDOW seconds
+
+    def add_tokens(self, n):
+        now = time.time()
+        with self.lock:
+            self.tokens += n
+            self.recent.append((now, n))
+
+    def tokens_per_s(self):
+        now = time.time()
+        with self.lock:
+            while self.recent and self.recent[0][0] < now - self.WINDOW:
+                self.recent.popleft()
+            span = min(self.WINDOW, now - self.start)
+            return sum(n for _, n in self.recent) / max(span, 1e-3)
+
+
+@dataclass
+class ServerState:
+    """Everything a request handler reads: app.state.nanorl."""
+
+    replicas: list
+    tokenizer: object
+    config: ServeConfig
+    max_len: int  # the context every replica can hold
+    page: str = ""  # the chat page's HTML, read once (no file I/O on the event loop)
+    lock: threading.Lock = field(default_factory=threading.Lock)  # guards the replicas' in_flight counts
+    stats: Stats = field(default_factory=Stats)
+
+
+# --- a sample's tokens as text ---------------------------------------------------------------------------------------
+
+
+class SampleText:
+    """Turns one sample's tokens into text deltas: tool use as <<expr=result>> (parts=False) or as
+    (kind, text) pieces with kind text|python|python_output (parts=True, for the page); stop strings.
+    Keeps the tokens and log-probs it was given (up to the one that completed a stop string)."""
+
+    def __init__(self, tokenizer, stops, parts):
+        self.ts, self.stops, self.parts = TextStream(tokenizer), stops, parts
+        sp = tokenizer.encode_special
+        self.kinds = {
+            sp("<|python_start|>"): "python",
+            sp("<|python_end|>"): "text",
+            sp("<|output_start|>"): "python_output",
+            sp("<|output_end|>"): "text",
+        }
+        self.kind, self.text, self.sent = "text", "", 0
+        self.hold = max((len(s) for s in stops), default=1) - 1  # a stop string may still be forming
+        self.done, self.finish_reason = False, None
+        self.tokens, self.logprobs, self.count = [], [], 0  # count: every token generated, a stop token too
+
+    def push(self, token, logprob=0.0):
+        self.count += 1
+        self.tokens.append(token)
+        self.logprobs.append(logprob)
+        if self.parts and token in self.kinds:
+            out = [(self.kind, self.ts.flush())]
+            self.kind = self.kinds[token]
+            return [p for p in out if p[1]]
+        return self._add(self.ts.push(token), final=False)
+
+    def end(self, status):
+        out = self._add(self.ts.flush(), final=True)
+        self.done, self.finish_reason = True, "length" if status == "truncated" else "stop"
+        if status == "completed":  # the engine's stop token (<|assistant_end|>) is no part of the reply
+            self.tokens, self.logprobs = self.tokens[:-1], self.logprobs[:-1]
+        return out
+
+    def _add(self, text, final):
+        if not self.stops:
+            return [(self.kind, text)] if text else []
+        self.text += text
+        # search from where a stop could start that was not complete before
+        found = (self.text.find(s, max(0, self.sent - len(s))) for s in self.stops)
+        cut = min((i for i in found if i >= 0), default=-1)
+        if cut >= 0:
+            out, self.sent = self.text[self.sent : cut], cut
+            self.done, self.finish_reason = True, "stop"
+            return [(self.kind, out)] if out else []
+        upto = len(self.text) if final else max(self.sent, len(self.text) - self.hold)
+        out, self.sent = self.text[self.sent : upto], upto
+        return [(self.kind, out)] if out else []
+
+
+@torch.no_grad()
+def top_logprobs(engine, ids, tokens, k, temperature=1.0):
+    """For each generated token, the k most likely tokens there and their log-probs: [[(id, logprob)] * k] per token,
+    at the request's temperature like the engine's own log-probs (1 when greedy). The engine keeps only the sampled
+    token's log-prob, so this is one forward of prompt + reply on the engine's model, run between its steps (under its
+    step lock: on CUDA also never during a graph replay)."""
+    seq = torch.tensor([list(ids) + list(tokens[:-1])], device=engine.device)
+    ctx = torch.amp.autocast("cuda", dtype=torch.bfloat16) if engine.device.type == "cuda" else nullcontext()
+    with engine.step_lock, ctx:
+        h = engine.model.hidden_states(seq)[0, len(ids) - 1 :]  # position t predicts token t + 1
+        logits = engine.model.logits_from_hidden(h)
+    logp = torch.log_softmax(logits.float() / (temperature or 1.0), dim=-1)
+    values, idx = logp.topk(min(k, logits.size(-1)), dim=-1)
+    return [list(zip(i, v)) for i, v in zip(idx.tolist(), values.tolist())]
+
+
+async def logprob_content(engine, tokenizer, ids, tokens, logprobs, k, temperature):
+    """OpenAI's logprobs.content for one sample: token, logprob (the engine's, at the sampling temperature), bytes,
+    top_logprobs."""
+
+    def entry(t, lp):
+        b = tokenizer.decode_token_bytes(t)
+        return {"token": b.decode("utf-8", errors="replace"), "logprob": lp, "bytes": list(b)}
+
+    tops = [[]] * len(tokens)
+    if k and tokens:
+        loop = asyncio.get_running_loop()
+        tops = await loop.run_in_executor(None, top_logprobs, engine, ids, tokens, k, temperature)
+    return [
+        {**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in top]}
+        for t, lp, top in zip(tokens, logprobs, tops)
+    ]
+
+
+# --- a request on the engines ----------------------------------------------------------------------------------------
+
+
+def _pick_replica(state, num_samples):
+    with state.lock:
+        replica = min(state.replicas, key=lambda r: r.in_flight)  # ties: the first, so one GPU alone stays warm
+        replica.in_flight += num_samples
+        replica.served += 1
+    return replica
+
+
+def _drain(handle):
+    """The events the engine has put on this handle's queue so far."""
+    events = []
+    while True:
+        try:
+            events.append(handle.events.get_nowait())
+        except queue.Empty:
+            return events
+
+
+async def generate(state, ids, settings, stops, parts=False, logprobs=None):
+    """Submit to the least-loaded replica and yield ("delta", sample, kind, text), ("end", sample, finish_reason,
+    logprobs.content or None) and last ("usage", completion tokens of all samples). logprobs: None, or how many
+    alternatives each token gets (0: the sampled token's log-prob only). Polls the handle's queue from the event
+    loop; leaving early (a disconnect, an error) cancels the request. EngineError: the engine failed this request."""
+    tok = state.tokenizer
+    req = Request(list(ids), stop_tokens=[tok.get_bos_token_id()] if state.config.base else None, **settings)
+    replica = _pick_replica(state, req.num_samples)
+    samples = [SampleText(tok, stops, parts) for _ in range(req.num_samples)]
+    handle = None
+    try:
+        try:
+            handle = replica.engine.submit(req, stream=True)
+        except ValueError as e:  # what the engine refuses that the validation above let through
+            raise BadRequest(str(e))
+        while True:
+            events, new_tokens = _drain(handle), 0
+            for ev in events:
+                s = samples[ev["sample"]]
+                if s.done:  # ended by a stop string: its remaining tokens are dropped
+                    continue
+                if "token" in ev:
+                    new_tokens += 1
+                    out = s.push(ev["token"], ev["logprob"])
+                elif ev["status"] == "error":
+                    raise EngineError("the engine failed while generating this request")
+                else:
+                    out = s.end(ev["status"])
+                for kind, text in out:
+                    yield ("delta", ev["sample"], kind, text)
+                if s.done:
+                    content = None
+                    if logprobs is not None:
+                        content = await logprob_content(
+                            replica.engine, tok, ids, s.tokens, s.logprobs, logprobs, settings["temperature"]
+                        )
+                    yield ("end", ev["sample"], s.finish_reason, content)
+            if new_tokens:
+                state.stats.add_tokens(new_tokens)
+            if all(s.done for s in samples):
+                yield ("usage", sum(s.count for s in samples))
+                break
+            if not events:
+                await asyncio.sleep(0.005)
+    finally:
+        if handle is not None and not handle.done:
+            handle.cancel()  # a disconnect, an error or a stop string: free the slots now
+            if not all(s.done for s in samples):
+                state.stats.cancelled += 1  # the client went away (or it failed) mid-generation
+        with state.lock:
+            replica.in_flight -= req.num_samples
+
+
+# --- slow clients ----------------------------------------------------------------------------------------------------
+# uvicorn closes a kept-alive connection that stays silent after a response (its timeout_keep_alive), but it has no
+# deadline for a request's headers or body: a client that connects and says nothing, or trickles its bytes, holds a
+# connection (and, for a body, a task) forever, and no uvicorn setting bounds that. So: HeaderDeadline times each
+# connection from when it opens (or its last response ends) until its next request reaches the app, and BodyGuard
+# bounds the time and size of each body and tells the connection's HeaderDeadline when a request begins and ends.
+
+
+class HeaderDeadline(asyncio.Protocol):
+    """One connection: uvicorn's h11 protocol inside (reached only through asyncio's Protocol interface), and a timer
+    that answers 408 and closes the connection if the next request's headers are not all in within `timeout` s.
+    `open` maps (client, server) addresses, as an ASGI scope names them, to the connection's deadline."""
+
+    def __init__(self, timeout, open, **uvicorn_args):
+        from uvicorn.protocols.http.h11_impl import H11Protocol  # what uvicorn's http="h11" would build
+
+        self.inner, self.timeout, self.open = H11Protocol(**uvicorn_args), timeout, open
+        self.transport, self.timer, self.key = None, None, None
+        body = error_body(f"the request headers did not arrive within {timeout:g}s", code="request_timeout")
+        self.reply = json.dumps(body).encode()
+
+    def connection_made(self, transport):
+        self.transport = transport
+        peer, own = transport.get_extra_info("peername"), transport.get_extra_info("sockname")
+        if isinstance(peer, tuple) and isinstance(own, tuple):
+            self.key = (peer[0], peer[1], own[0], own[1])
+            self.open[self.key] = self
+        self.arm()
+        self.inner.connection_made(transport)
+
+    def data_received(self, data):
+        self.inner.data_received(data)
+
+    def eof_received(self):
+        return self.inner.eof_received()
+
+    def pause_writing(self):
+        self.inner.pause_writing()
+
+    def resume_writing(self):
+        self.inner.resume_writing()
+
+    def connection_lost(self, exc):
+        self.disarm()
+        self.open.pop(self.key, None)
+        self.inner.connection_lost(exc)
+
+    def arm(self):
+        """Between requests: the next one's headers must arrive in time."""
+        self.disarm()
+        if not self.transport.is_closing():
+            self.timer = asyncio.get_running_loop().call_later(self.timeout, self.too_slow)
+
+    def disarm(self):
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def too_slow(self):
+        self.timer = None
+        if not self.transport.is_closing():
+            head = b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
+            self.transport.write(head + b"content-length: %d\r\n\r\n" % len(self.reply) + self.reply)
+            self.transport.close()
+
+
+class BodyGuard:
+    """ASGI middleware: read each request's whole body within `timeout` seconds and at most max_bytes, else answer
+    408 / 413 and close, so a client that trickles its body cannot hold a connection and a task forever. The app
+    then reads the buffered body (and later receive() calls, e.g. a disconnect, come from the connection). While the
+    app has the request, the connection's header deadline (if it has one: see HeaderDeadline) is off."""
+
+    def __init__(self, app, timeout, max_bytes, open):
+        self.app, self.timeout, self.max_bytes, self.open = app, timeout, max_bytes, open
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        client, server = scope.get("client") or ("", 0), scope.get("server") or ("", 0)
+        conn = self.open.get((*client, *server))
+        if conn is not None:
+            conn.disarm()
+        try:
+            await self._call(scope, receive, send)
+        finally:
+            if conn is not None:
+                conn.arm()
+
+    def _refuse(self, status, message, code):
+        return JSONResponse(error_body(message, code=code), status, headers={"connection": "close"})
+
+    async def _call(self, scope, receive, send):
+        loop = asyncio.get_running_loop()
+        deadline, chunks, size = loop.time() + self.timeout, [], 0
+        while True:
+            try:
+                msg = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                late = f"the request body did not arrive within {self.timeout:g}s"
+                return await self._refuse(408, late, "request_timeout")(scope, receive, send)
+            if msg["type"] == "http.disconnect":
+                return
+            chunks.append(msg.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                reply = self._refuse(413, f"the request body is over {self.max_bytes} bytes", "request_too_large")
+                return await reply(scope, receive, send)
+            if not msg.get("more_body", False):
+                break
+        body = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replay():
+            return body.pop() if body else await receive()
+
+        await self.app(scope, replay, send)
