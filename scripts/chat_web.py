@@ -18,9 +18,11 @@ GET /v1/models, GET /v1/models/{id}, GET /health, GET /stats. Every error is an 
 the engine side (replicas, text streams, slow-client guards) in nanorl/serving.py.
 """
 import dataclasses
+import errno
 import functools
 import json
 import os
+import socket
 import sys
 import time
 import uuid
@@ -342,16 +344,37 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
+def bind(host, port):
+    """The listening socket, bound before anything else: a taken port is one line at once, not uvicorn's errno line
+    after the model has loaded and "serving at" was printed."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except socket.gaierror as e:
+        sys.exit(f"--host {host}: {e.strerror}")
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a port in TIME_WAIT can be reused
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            sys.exit(f"port {port} is in use on {host}: stop the server there or pick another --port")
+        sys.exit(f"cannot listen on {host}:{port}: {e.strerror}")
+    return sock
+
+
 def main():
     args = parse_args()
+    sock = bind(args.host, args.port)
     engines, tokenizer, meta, devices = load_engines(args)
     name = f"nanorl-{args.source}-{meta.get('model_tag', 'model')}"
     config = ServeConfig(max_tokens=args.max_tokens, model=name, base=args.source == "base",
                          body_timeout=args.body_timeout)
     app = create_app(engines, tokenizer, config)
-    print(f"serving {name} on {len(engines)} replica(s) ({', '.join(map(str, devices))}) at "
-          f"http://{args.host}:{args.port} (OpenAI API: http://{args.host}:{args.port}/v1)")
-    uvicorn.Server(server_config(app, args.host, args.port, args.header_timeout)).run()
+    url = f"http://{args.host}:{sock.getsockname()[1]}"  # --port 0: the port the system picked
+    print(f"serving {name} on {len(engines)} replica(s) ({', '.join(map(str, devices))}) at {url} "
+          f"(OpenAI API: {url}/v1)", flush=True)
+    uvicorn.Server(server_config(app, args.host, args.port, args.header_timeout)).run(sockets=[sock])
 
 
 if __name__ == "__main__":

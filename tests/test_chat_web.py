@@ -841,6 +841,38 @@ def test_cli_flags(monkeypatch, capsys):
         assert code == 2 and err.splitlines()[-1].startswith(f"chat_web: error: argument {flag}:"), err
 
 
+def test_port_in_use_is_one_line_and_port_0_is_reported(server):
+    """chat_web binds before it loads the model: a taken port ends in one line naming it, at once; --port 0 prints
+    the port the system picked, and the server answers there."""
+    env = {**os.environ, "NANORL_BASE_DIR": str(server["base_dir"]), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "scripts.chat_web", "-i", "sft", "--device-type", "cpu", "-b", "2", "-m", "8"]
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run(cmd + ["-p", str(port)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and out.stdout == "", out
+    assert out.stderr == f"port {port} is in use on 127.0.0.1: stop the server there or pick another --port\n"
+    proc = subprocess.Popen(cmd + ["-p", "0"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("serving nanorl-sft-t on 1 replica(s) (cpu) at http://127.0.0.1:"), line
+        url = line.split(" at ")[1].split()[0]
+        assert not url.endswith(":0")
+        t0 = time.time()
+        while True:
+            try:
+                assert httpx.get(url + "/health", timeout=5).json()["status"] == "ok"
+                break
+            except httpx.ConnectError:  # printed just before uvicorn starts listening
+                assert time.time() - t0 < 30 and proc.poll() is None
+                time.sleep(0.1)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
 # --- chat_cli in a terminal -------------------------------------------------------------------------
 
 def test_chat_cli_line_editing(server):
