@@ -33,6 +33,7 @@ class BadRequest(Exception):
 
     def __init__(self, message, param=None, code=None, status=400):
         super().__init__(message)
+        code = code or ("invalid_value" if param else "invalid_request")  # every error object has a code
         self.message, self.param, self.code, self.status = message, param, code, status
 
 
@@ -54,9 +55,24 @@ class Part(_Body):
     text: str
 
 
+TEXT_PARTS = ("text", "python", "python_output")
+
+
 class Message(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, List[Part]]
+    name: Optional[str] = Field(None, min_length=1, max_length=64)  # accepted as OpenAI does; the chat format has
+    # no speaker names, so it does not change the prompt
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, v):
+        for j, part in enumerate(v if isinstance(v, list) else []):
+            kind = part.get("type", "text") if isinstance(part, dict) else "text"
+            if kind not in TEXT_PARTS:
+                raise ValueError(f"part {j} has type {kind!r}: this model reads text only "
+                                 f"(a text part is {{'type': 'text', 'text': ...}})")
+        return v
 
     @model_validator(mode="after")
     def _check(self):
@@ -80,9 +96,16 @@ class PageRequest(_Body):
     messages: List[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: Optional[int] = Field(None, ge=1)
     temperature: Optional[float] = Field(None, ge=0, le=2, allow_inf_nan=False)  # 0 = greedy
-    top_k: Optional[int] = Field(None, ge=1)
+    top_k: Optional[int] = Field(None, ge=-1)  # -1: no top-k (as vLLM)
     top_p: Optional[float] = Field(None, gt=0, le=1, allow_inf_nan=False)
     seed: Optional[int] = Field(None, ge=-(2**62), le=2**62)
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v):
+        if v == 0:
+            raise ValueError("top_k is a number of tokens >= 1, or -1 for no top-k")
+        return v
 
 
 class StreamOptions(_Body):
@@ -134,13 +157,23 @@ def validation_error(e):
 
 
 def chat_messages(req):
-    """Validated messages -> the tokenizer's conversation messages ('developer' is OpenAI's newer 'system')."""
+    """Validated messages -> the tokenizer's conversation messages: 'developer' is OpenAI's newer 'system', and
+    consecutive messages of one role become one, their contents joined by a blank line (as OpenAI and vLLM accept
+    them; the chat format alternates user and assistant)."""
     out = []
     for m in req.messages:
-        content = m.content
+        role, content = "system" if m.role == "developer" else m.role, m.content
         if isinstance(content, list):  # assistant turns keep their tool parts; other roles' parts join into text
-            content = [p.model_dump() for p in content] if m.role == "assistant" else "".join(p.text for p in content)
-        out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+            content = [p.model_dump() for p in content] if role == "assistant" else "".join(p.text for p in content)
+        if out and out[-1]["role"] == role:
+            prev = out[-1]["content"]
+            if isinstance(prev, str) and isinstance(content, str):
+                out[-1]["content"] = prev + "\n\n" + content
+            else:
+                as_parts = lambda c: [{"type": "text", "text": c}] if isinstance(c, str) else c  # noqa: E731
+                out[-1]["content"] = as_parts(prev) + [{"type": "text", "text": "\n\n"}] + as_parts(content)
+        else:
+            out.append({"role": role, "content": content})
     return out
 
 
@@ -223,6 +256,24 @@ def render_prompt(tokenizer, messages, max_len, base=False, room=None, token_byt
 # --- a request, start to finish -------------------------------------------------------------------------------------
 
 
+def lone_surrogate(body):
+    """Where in a parsed JSON body a string holds a lone surrogate (JSON's "\\ud800" escape parses to one, and no
+    UTF-8 encoder takes it): (dotted path, character index), or None."""
+    stack = [((), body)]
+    while stack:
+        path, x = stack.pop()
+        if isinstance(x, dict):
+            stack += [(path + (k,), k) for k in x] + [(path + (k,), v) for k, v in x.items()]
+        elif isinstance(x, list):
+            stack += [(path + (i,), v) for i, v in enumerate(x)]
+        elif isinstance(x, str):
+            try:
+                x.encode("utf-8")
+            except UnicodeEncodeError as e:  # the path may hold a surrogate too (in a key): show it escaped
+                return ".".join(map(str, path)).encode("utf-8", "backslashreplace").decode(), e.start
+    return None
+
+
 def parse_body(raw, schema):
     """Raw body bytes -> a validated `schema` instance. Raises BadRequest."""
     try:
@@ -233,6 +284,10 @@ def parse_body(raw, schema):
         raise BadRequest(f"malformed JSON: {e}", code="invalid_json")
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
+    bad = lone_surrogate(body)
+    if bad is not None:
+        raise BadRequest(f"'{bad[0]}': character {bad[1]} is a lone surrogate (a \\u escape of half a UTF-16 pair), "
+                         f"not text", bad[0].split(".")[0] or None, "invalid_unicode")
     try:
         return schema.model_validate(body)
     except ValidationError as e:
@@ -283,7 +338,7 @@ def prepare(raw, schema, tokenizer, config, max_len, fit=False):
     settings = dict(
         max_tokens=min(max_tokens, max_len - len(ids)),  # ending at the context edge is finish_reason "length"
         temperature=req.temperature if req.temperature is not None else (1.0 if api else 0.6),
-        top_k=req.top_k if req.top_k is not None or api else 50,
+        top_k=None if req.top_k == -1 else req.top_k if req.top_k is not None or api else 50,
         top_p=req.top_p,
         num_samples=(req.n or 1) if api else 1,
         seed=req.seed,

@@ -67,7 +67,7 @@ async def on_http_error(request, e):
     hint = ""
     if e.status_code == 404 and request.url.path.rstrip("/").endswith(("/chat/completions", "/models")):
         hint = ": the OpenAI API is under /v1 (a client's base_url ends in /v1)"
-    code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+    code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "http_error")
     return error(e.status_code, f"{e.detail}: {request.method} {request.url.path}{hint}", code=code, headers=e.headers)
 
 
@@ -77,7 +77,7 @@ async def on_invalid(request, e):
 
 
 async def on_crash(request, e):
-    return error(500, f"internal error: {type(e).__name__}: {e}")
+    return error(500, f"internal error: {type(e).__name__}: {e}", code="internal_error")
 
 
 def failure(st, e):
@@ -85,8 +85,9 @@ def failure(st, e):
     st.stats.errors += 1
     if isinstance(e, BadRequest):
         return error_body(e.message, param=e.param, code=e.code)
-    message = str(e) if isinstance(e, EngineError) else f"internal error: {type(e).__name__}: {e}"
-    return error_body(message, "server_error")
+    if isinstance(e, EngineError):
+        return error_body(str(e), "server_error", code="engine_error")
+    return error_body(f"internal error: {type(e).__name__}: {e}", "server_error", code="internal_error")
 
 
 # --- helpers ----------------------------------------------------------------------------------------------------------
@@ -237,7 +238,7 @@ async def _chat_whole(st, ids, settings, stops, logprobs, head):
                 tokens = ev[1]
     except EngineError as e:
         st.stats.errors += 1
-        return error(500, str(e))
+        return error(500, str(e), code="engine_error")
     st.stats.requests += 1
     choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]}, "logprobs": lps[i],
                 "finish_reason": finish[i]} for i in range(n)]

@@ -204,7 +204,10 @@ MALFORMED = [
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages.0.content"),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "python", "text": "1+1"}]}]}, 400, "parts must have type 'text'"),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "hi"}]}, 400, "expected 'user'"),
-    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}] * 2}, 400, "expected 'assistant'"),
+    # consecutive messages of one role are merged (as OpenAI accepts them), so a system message between two user
+    # messages is what breaks the user/assistant alternation
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}, {"role": "system", "content": "x"},
+                                                   {"role": "user", "content": "hi"}]}, 400, "expected 'assistant'"),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": 7}]}, 400, "messages.0.content"),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages.0.content"),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "system", "content": "be nice"}]}, 400, "last message must be from the user"),
@@ -271,7 +274,8 @@ def test_malformed_requests_get_openai_errors(server):
         r = httpx.request(method, server["url"] + path, timeout=30, **kw)
         err = r.json().get("error") if r.headers.get("content-type") == "application/json" else None
         if not (r.status_code == status and isinstance(err, dict) and set(err) == {"message", "type", "param", "code"}
-                and fragment in err["message"] and err["type"] == "invalid_request_error"):
+                and fragment in err["message"] and err["type"] == "invalid_request_error"
+                and isinstance(err["code"], str) and err["code"]):  # every error names a code
             wrong.append((method, path, str(body)[:80], r.status_code, r.text[:300]))
     print(f"{len(MALFORMED)} malformed requests tried, {len(MALFORMED) - len(wrong)} got their 4xx with an OpenAI error")
     assert not wrong, wrong
@@ -636,6 +640,55 @@ def test_openai_client(server):
         client.chat.completions.create(model="tiny", messages=user() + [{"role": "tool", "content": "5"}])
 
 
+def test_openai_client_habits(server):
+    """What OpenAI and vLLM accept, through the real `openai` client: messages[].name, consecutive messages of one
+    role, content as a list of text parts, top_k -1; an image part is a 400 naming the part; a lone surrogate is a
+    400, not a 500."""
+    import openai
+    client = openai.OpenAI(base_url=server["url"] + "/v1", api_key="none", max_retries=0, timeout=30)
+
+    def chat(messages, **kw):
+        r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0, **kw)
+        return r.choices[0].message.content, r.usage.prompt_tokens
+
+    plain = chat([{"role": "user", "content": "hello"}])
+    # a speaker name: accepted; nanorl's chat format has no place for it, so the prompt is the same
+    assert chat([{"role": "user", "content": "hello", "name": "ada"}]) == plain
+    # text parts join into the text
+    assert chat([{"role": "user", "content": [{"type": "text", "text": "hel"}, {"type": "text", "text": "lo"}]}]) == plain
+    # consecutive messages of one role become one, joined by a blank line (system and developer are one role)
+    merged = chat([{"role": "system", "content": "Be brief."}, {"role": "developer", "content": "Be kind."},
+                   {"role": "user", "content": "hi"}, {"role": "user", "content": "there"}])
+    assert merged == chat([{"role": "system", "content": "Be brief.\n\nBe kind."}, {"role": "user", "content": "hi\n\nthere"}])
+    tok = server["tokenizer"]
+    want = tok.render_for_completion({"messages": [{"role": "system", "content": "Be brief.\n\nBe kind."},
+                                                   {"role": "user", "content": "hi\n\nthere"}]})
+    assert merged[1] == len(want)
+    two = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "assistant", "content": "c"},
+           {"role": "user", "content": "d"}]
+    assert chat(two) == chat([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b\n\nc"},
+                              {"role": "user", "content": "d"}])
+    # top_k -1 is "no top-k": the same sample as sending none
+    sample = lambda **kw: client.chat.completions.create(model="tiny", messages=user(), max_tokens=12, temperature=1.0,
+                                                         seed=5, **kw).choices[0].message.content
+    assert sample(extra_body={"top_k": -1}) == sample()
+    with pytest.raises(openai.BadRequestError, match="top_k") as e:
+        sample(extra_body={"top_k": 0})
+    assert e.value.body["code"] == "invalid_value"
+    # an image part: a 400 naming the part
+    with pytest.raises(openai.BadRequestError, match="part 1 has type 'image_url': this model reads text only") as e:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": [
+            {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "data:,"}}]}])
+    assert e.value.body["param"] == "messages" and e.value.body["code"] == "invalid_value"
+    # a lone surrogate, in a content or in a key: 400 naming where (the client's own JSON encoder cannot send one)
+    url = server["url"] + "/v1/chat/completions"
+    for body, where in [('{"messages": [{"role": "user", "content": "hi \\ud800"}]}', "'messages.0.content': character 3"),
+                        ('{"messages": [{"role": "user", "content": "hi"}], "\\udc00x": 1}', "'\\udc00x': character 0")]:
+        r = httpx.post(url, content=body, headers={"content-type": "application/json"}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_unicode", r.text
+        assert r.json()["error"]["message"].startswith(where + " is a lone surrogate"), r.text
+
+
 # --- hardening: slow clients, big conversations, a failing request --------------------------------
 
 def _port(url):
@@ -791,9 +844,10 @@ def test_an_engine_failure_ends_only_its_request(server):
         t.join(30)
     assert results["bad"].status_code == 500
     assert results["bad"].json()["error"] == {"message": "the engine failed while generating this request",
-                                             "type": "server_error", "param": None, "code": None}
+                                             "type": "server_error", "param": None, "code": "engine_error"}
     assert results["good"].status_code == 200 and results["good"].json()["choices"][0]["finish_reason"] in ("stop", "length")
     assert json.loads(results["bad_stream"][-2])["error"]["type"] == "server_error" and results["bad_stream"][-1] == "[DONE]"
+    assert json.loads(results["bad_stream"][-2])["error"]["code"] == "engine_error"
     assert wait_idle(engine)
     again = httpx.post(url, json={"messages": user("two"), "max_tokens": 8, "seed": 3}, timeout=30)
     assert again.json()["choices"] == results["good"].json()["choices"]
