@@ -156,7 +156,11 @@ async def model(request: HTTPRequest, model_id: str):
 @router.get("/ui/info")
 async def ui_info(request: HTTPRequest):
     st = state(request)
-    return {"model": st.config.model, "context_length": st.max_len, "max_tokens": st.config.max_tokens}
+    # the page reserves its max_tokens beside the conversation (leaving out the oldest turns to make room): by default
+    # a quarter of the context, so that a small model keeps its history (a 256-token one asked for 512 would keep none)
+    default = min(st.config.max_tokens, max(1, st.max_len // 4))
+    return {"model": st.config.model, "context_length": st.max_len, "max_tokens": st.config.max_tokens,
+            "default_max_tokens": default}
 
 
 @router.post("/ui/chat")

@@ -466,7 +466,9 @@ class CDP:
         return self.call("Runtime.evaluate", expression=expr, returnByValue=True)["result"].get("value")
 
 
-def test_browser_chat(server, tmp_path):
+@contextlib.contextmanager
+def browser_page(url, tmp_path, model):
+    """Headless Chromium on the page at url, once it has loaded and shows the model's name: a CDP client to it."""
     chromium = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
     if chromium is None:
         pytest.skip("no chromium on PATH (tests/run.sh installs Debian's chromium when run as root)")
@@ -474,7 +476,7 @@ def test_browser_chat(server, tmp_path):
     proc = subprocess.Popen([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                              "--disable-component-update", "--no-first-run", "--disable-dev-shm-usage",
                              f"--user-data-dir={profile}", "--remote-debugging-port=0", "--window-size=420,800",
-                             server["url"] + "/"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             url + "/"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         t0 = time.time()
         while not (profile / "DevToolsActivePort").exists() or len((profile / "DevToolsActivePort").read_text().split()) < 2:
@@ -483,7 +485,7 @@ def test_browser_chat(server, tmp_path):
         port = (profile / "DevToolsActivePort").read_text().split()[0]
         while True:  # the page target appears once the tab is created
             targets = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=10).read())
-            pages = [t for t in targets if t["type"] == "page" and t["url"].startswith(server["url"])]
+            pages = [t for t in targets if t["type"] == "page" and t["url"].startswith(url)]
             if pages:
                 break
             assert time.time() - t0 < 30, targets
@@ -492,10 +494,35 @@ def test_browser_chat(server, tmp_path):
         while cdp.eval("document.readyState") != "complete" or not cdp.eval("!!document.getElementById('send')"):
             assert time.time() - t0 < 30
             time.sleep(0.1)
-        while "tiny" not in (cdp.eval("document.getElementById('model').textContent") or ""):  # the checkpoint's name
+        while model not in (cdp.eval("document.getElementById('model').textContent") or ""):  # the checkpoint's name
             assert time.time() - t0 < 30
             time.sleep(0.05)
-        assert cdp.eval("document.getElementById('maxtokens').value") == "64"  # the server's limit
+        yield cdp
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def page_send(cdp, text, timeout=40):
+    """Type text into the page, send it and wait until the reply has finished streaming: the reply's text."""
+    n = cdp.eval("document.querySelectorAll('.msg.assistant').length")
+    cdp.eval(f"document.getElementById('input').value = {json.dumps(text)}")
+    cdp.eval("document.getElementById('send').click()")
+    t0 = time.time()
+    while cdp.eval("document.querySelectorAll('.msg.assistant').length") == n \
+            or cdp.eval("!!document.querySelector('.msg.assistant.streaming')"):
+        assert time.time() - t0 < timeout, "the reply did not finish"
+        time.sleep(0.05)
+    return cdp.eval("[...document.querySelectorAll('.msg.assistant')].pop().textContent")
+
+
+def test_browser_chat(server, tmp_path):
+    with browser_page(server["url"], tmp_path, "tiny") as cdp:
+        t0 = time.time()
+        assert cdp.eval("document.getElementById('maxtokens').value") == "64"  # the server's limit (a quarter of 256)
         cdp.eval("document.getElementById('temperature').value = '1.0'")
         cdp.eval("document.getElementById('input').value = 'Hello there'")
         cdp.eval("document.getElementById('send').click()")
@@ -544,12 +571,37 @@ def test_browser_chat(server, tmp_path):
         out = Path(os.environ.get("NANORL_SCREENSHOT_DIR", tmp_path))
         out.mkdir(parents=True, exist_ok=True)
         (out / "chat_web.png").write_bytes(shot)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+
+
+def test_browser_keeps_history_on_a_small_context(server, tmp_path):
+    """A server allowing replies of 512 tokens on a 256-token model (the speedrun's): the page's default max_tokens
+    reserves a quarter of the context, so short turns keep their history (no notice, nothing greyed out); when turns
+    really no longer fit, one notice counts all that was left out."""
+    from nanorl.engine import Engine
+    from nanorl.openai_api import ServeConfig
+    from scripts.chat_web import create_app
+    app = create_app([Engine(server["model"], server["tokenizer"], batch_size=2)], server["tokenizer"],
+                     ServeConfig(max_tokens=512, model="small"))
+    with serve(app) as url, browser_page(url, tmp_path, "small") as cdp:
+        assert cdp.eval("document.getElementById('maxtokens').value") == "64"
+        assert cdp.eval("document.getElementById('maxtokens').max") == "512"
+        cdp.eval("document.getElementById('temperature').value = '0'")
+        for text in ("Hi", "What did I ask you first?"):
+            page_send(cdp, text)
+        conv = json.loads(cdp.eval("JSON.stringify(conversation)"))
+        assert len(conv) == 4 and conv[0]["content"] == "Hi"  # the second request carried the first turn
+        assert cdp.eval("document.querySelectorAll('.notice, .msg.dropped').length") == 0
+        # (the random model's replies re-tokenise longer than they were generated: a third turn might not fit)
+        assert len(server["tokenizer"].render_for_completion({"messages": conv[:3]})) + 64 <= 256
+        # long turns: the oldest go, twice, and one notice counts them all
+        for i in range(2):
+            turns = json.dumps([{"role": r, "content": f"{r} {i} " + "word " * 40} for r in ("user", "assistant")] * 2)
+            cdp.eval(f"{turns}.forEach(m => {{ conversation.push(m); bubbles.push(bubble(m.role, m.content)); }})")
+            page_send(cdp, f"And now {i}?")
+        dropped = cdp.eval("document.querySelectorAll('.msg.dropped').length")
+        assert dropped >= 4 and cdp.eval("document.querySelectorAll('.notice').length") == 1
+        assert cdp.eval("conversation.length") == 4 + 2 * 6 - dropped  # each round: 4 long, a question, a reply
+        assert cdp.eval("document.querySelector('.notice').textContent").startswith(f"{dropped} earliest messages")
 
 
 # --- the official openai client -------------------------------------------------------------------
