@@ -14,6 +14,8 @@ MAX_MESSAGE_CHARS = 8000  # per message
 MAX_N = 8  # samples per request
 MAX_STOPS = 4  # stop strings per request, as OpenAI
 MAX_TOP_LOGPROBS = 20  # as OpenAI
+MAX_PROMPT_CHARS = MAX_MESSAGES * MAX_MESSAGE_CHARS  # /v1/completions and /tokenize: as much as a conversation
+DEFAULT_COMPLETION_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI and vLLM
 
 
 @dataclass
@@ -26,6 +28,7 @@ class ServeConfig:
     body_timeout: float = 30.0  # seconds a client has to send a request's body, once its headers are in
     max_body_bytes: int = 64 << 20  # 500 messages of 8000 characters, even with every character \u-escaped, fit
     token_bytes: Optional[int] = None  # the longest token in bytes (create_app measures it): see render_prompt
+    api_key: Optional[str] = None  # if set, the API and the page's stream need "Authorization: Bearer <api_key>"
 
 
 class BadRequest(Exception):
@@ -48,6 +51,25 @@ def error_body(message, kind="invalid_request_error", param=None, code=None):
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
+
+
+def _check_stop(cls, v):
+    stops = [v] if isinstance(v, str) else v or []
+    if len(stops) > MAX_STOPS or not all(stops):
+        raise ValueError(f"stop is a non-empty string or a list of up to {MAX_STOPS} of them")
+    return v
+
+
+def _check_penalty(cls, v):
+    if v:
+        raise ValueError("penalties are not implemented: only 0 (no penalty) is accepted")
+    return v
+
+
+def _check_top_k(cls, v):
+    if v == 0:
+        raise ValueError("top_k is a number of tokens >= 1, or -1 for no top-k")
+    return v
 
 
 class Part(_Body):
@@ -100,12 +122,7 @@ class PageRequest(_Body):
     top_p: Optional[float] = Field(None, gt=0, le=1, allow_inf_nan=False)
     seed: Optional[int] = Field(None, ge=-(2**62), le=2**62)
 
-    @field_validator("top_k")
-    @classmethod
-    def _top_k(cls, v):
-        if v == 0:
-            raise ValueError("top_k is a number of tokens >= 1, or -1 for no top-k")
-        return v
+    _top_k = field_validator("top_k")(_check_top_k)
 
 
 class StreamOptions(_Body):
@@ -127,20 +144,47 @@ class ChatRequest(PageRequest):
     frequency_penalty: Optional[float] = None
     user: Optional[str] = None  # an end-user id for OpenAI's abuse monitoring; it never changes what is generated
 
-    @field_validator("stop")
-    @classmethod
-    def _stops(cls, v):
-        stops = [v] if isinstance(v, str) else v or []
-        if len(stops) > MAX_STOPS or not all(stops):
-            raise ValueError(f"stop is a non-empty string or a list of up to {MAX_STOPS} of them")
-        return v
+    _stop = field_validator("stop")(_check_stop)
+    _penalty = field_validator("presence_penalty", "frequency_penalty")(_check_penalty)
 
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, v):
-        if v:
-            raise ValueError("penalties are not implemented: only 0 (no penalty) is accepted")
-        return v
+
+class CompletionRequest(_Body):
+    """POST /v1/completions: text in, its continuation out (the natural endpoint for a base model). One prompt per
+    request: a string or token ids (a list of one of them too, as clients batch)."""
+
+    model: Optional[str] = None
+    prompt: Union[str, List[int], List[str], List[List[int]]]
+    max_tokens: Optional[int] = Field(None, ge=1)  # None: DEFAULT_COMPLETION_TOKENS
+    temperature: Optional[float] = Field(None, ge=0, le=2, allow_inf_nan=False)
+    top_k: Optional[int] = Field(None, ge=-1)
+    top_p: Optional[float] = Field(None, gt=0, le=1, allow_inf_nan=False)
+    seed: Optional[int] = Field(None, ge=-(2**62), le=2**62)
+    n: Optional[int] = Field(None, ge=1, le=MAX_N)
+    stop: Union[str, List[str], None] = None
+    stream: Optional[bool] = None
+    stream_options: Optional[StreamOptions] = None
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # the legacy API's: alternatives per token
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    user: Optional[str] = None
+
+    _stop = field_validator("stop")(_check_stop)
+    _penalty = field_validator("presence_penalty", "frequency_penalty")(_check_penalty)
+    _top_k = field_validator("top_k")(_check_top_k)
+
+
+class TokenizeRequest(_Body):
+    """POST /tokenize: a prompt as /v1/completions reads it, or messages as /v1/chat/completions renders them."""
+
+    model: Optional[str] = None
+    prompt: Optional[str] = Field(None, max_length=MAX_PROMPT_CHARS)
+    messages: Optional[List[Message]] = Field(None, min_length=1, max_length=MAX_MESSAGES)
+    add_special_tokens: bool = True  # prompt: start with <|bos|>, as /v1/completions does
+
+
+class DetokenizeRequest(_Body):
+    model: Optional[str] = None
+    tokens: List[int]
 
 
 def validation_error(e):
@@ -237,13 +281,14 @@ def render_prompt(tokenizer, messages, max_len, base=False, room=None, token_byt
     """Messages -> (prompt ids, how many of the oldest messages were left out). room=None: nothing is left out;
     else the fewest oldest user/assistant pairs are (a leading system message stays) so that the prompt leaves
     room tokens to generate, or as many as there are with only the last message kept. token_bytes, the longest
-    token's bytes, bounds the tokens from below without tokenising: a huge conversation is refused (or cut) at once."""
+    token's bytes, bounds the tokens from below without tokenising: a huge conversation is refused (or cut) at once.
+    max_len=None: no context to fit (tokenize)."""
     if base:  # a base model never saw chat tokens: it continues the last message's text
         ids, dropped = tokenizer.encode(_text(messages[-1]["content"]), prepend="<|bos|>"), 0
     else:
-        least = _least_pairs(messages, max_len, room, token_bytes) if token_bytes else 0
+        least = _least_pairs(messages, max_len, room, token_bytes) if token_bytes and max_len else 0
         ids, dropped = _render_chat(tokenizer, messages, max_len, room, least)
-    if len(ids) >= max_len:
+    if max_len is not None and len(ids) >= max_len:
         raise BadRequest(
             f"the conversation is {len(ids)} tokens, over the context of {max_len} "
             f"(it needs room for at least one generated token)",
@@ -319,7 +364,81 @@ def requested_max_tokens(req, config):
     return config.max_tokens if max_tokens is None else max_tokens
 
 
-def prepare(raw, schema, tokenizer, config, max_len, fit=False):
+def stop_strings(req):
+    return [req.stop] if isinstance(req.stop, str) else req.stop or []
+
+
+def check_ids(ids, tokenizer, param):
+    bad = next((i for i, t in enumerate(ids) if not 0 <= t < tokenizer.vocab_size), None)
+    if bad is not None:
+        raise BadRequest(f"'{param}': token {ids[bad]} at {bad} is not in the vocabulary "
+                         f"(0..{tokenizer.vocab_size - 1})", param)
+
+
+def prompt_ids(prompt, tokenizer, config, max_len, bos=True):
+    """A completion's prompt (text, or token ids kept as they are) -> ids, refused if it leaves no room to generate.
+    Text too long for the context is refused by its size alone (config.token_bytes), before tokenising."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise BadRequest(f"send one prompt per request (got {len(prompt)})", "prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if len(prompt) > MAX_PROMPT_CHARS:
+            raise BadRequest(f"the prompt is {len(prompt)} characters > {MAX_PROMPT_CHARS}", "prompt")
+        size = len(prompt.encode())
+        if config.token_bytes and size / config.token_bytes >= max_len:
+            raise BadRequest(f"the prompt is at least {-(-size // config.token_bytes)} tokens, over the context of "
+                             f"{max_len}", "prompt", "context_length_exceeded")
+        ids = tokenizer.encode(prompt, prepend="<|bos|>" if bos else None)
+    else:
+        ids = list(prompt)
+        check_ids(ids, tokenizer, "prompt")
+    if len(ids) >= max_len:
+        raise BadRequest(f"the prompt is {len(ids)} tokens, over the context of {max_len} (it needs room for at "
+                         f"least one generated token)", "prompt", "context_length_exceeded")
+    if not ids:
+        raise BadRequest("the prompt has no tokens", "prompt")
+    return ids
+
+
+def prepare_completion(raw, tokenizer, config, max_len):
+    """Raw /v1/completions body -> (validated request, prompt ids, engine settings). The text continues as a
+    document does: it ends at the next <|bos|> (or at max_tokens)."""
+    req = parse_body(raw, CompletionRequest)
+    check_model(req.model, config)
+    if req.stream_options is not None and not req.stream:
+        raise BadRequest("stream_options is only allowed with stream: true", "stream_options")
+    if req.max_tokens is not None and req.max_tokens > config.max_tokens:
+        raise BadRequest(f"'max_tokens' must be <= {config.max_tokens} (this server's --max-tokens), "
+                         f"got {req.max_tokens}", "max_tokens")
+    max_tokens = req.max_tokens or min(DEFAULT_COMPLETION_TOKENS, config.max_tokens)
+    ids = prompt_ids(req.prompt, tokenizer, config, max_len)
+    settings = dict(max_tokens=min(max_tokens, max_len - len(ids)), temperature=1.0 if req.temperature is None
+                    else req.temperature, top_k=None if req.top_k == -1 else req.top_k, top_p=req.top_p,
+                    num_samples=req.n or 1, seed=req.seed, stop_tokens=[tokenizer.get_bos_token_id()])
+    return req, ids, settings
+
+
+def tokenize(raw, tokenizer, config, max_len):
+    """Raw /tokenize body -> the prompt ids the completions or chat endpoint would generate from (not refused for
+    their length: counting tokens is what it is for)."""
+    req = parse_body(raw, TokenizeRequest)
+    check_model(req.model, config)
+    if (req.prompt is None) == (req.messages is None):
+        raise BadRequest("send either 'prompt' or 'messages'", "prompt")
+    if req.prompt is not None:
+        return tokenizer.encode(req.prompt, prepend="<|bos|>" if req.add_special_tokens else None)
+    return render_prompt(tokenizer, chat_messages(req), None, config.base)[0]
+
+
+def detokenize(raw, tokenizer, config):
+    req = parse_body(raw, DetokenizeRequest)
+    check_model(req.model, config)
+    check_ids(req.tokens, tokenizer, "tokens")
+    return tokenizer.decode(req.tokens)
+
+
+def prepare(raw, tokenizer, config, max_len, schema=ChatRequest, fit=False):
     """Raw body bytes -> (validated request, prompt ids, engine settings, messages left out). Raises BadRequest.
     For a big conversation this is seconds of CPU (JSON, validation, tokenising): the handlers run it in a worker
     thread. fit=True (the page) leaves out the oldest turns that do not fit beside max_tokens."""
@@ -342,5 +461,6 @@ def prepare(raw, schema, tokenizer, config, max_len, fit=False):
         top_p=req.top_p,
         num_samples=(req.n or 1) if api else 1,
         seed=req.seed,
+        stop_tokens=[tokenizer.get_bos_token_id()] if config.base else None,  # None: the end of the assistant's turn
     )
     return req, ids, settings, dropped

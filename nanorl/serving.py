@@ -6,11 +6,14 @@ slow clients from holding connections. No routes here: scripts/chat_web.py has t
 import asyncio
 import collections
 import json
+import logging
 import queue
 import threading
 import time
+import uuid
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 from fastapi.responses import JSONResponse
@@ -32,6 +35,19 @@ class Replica:
         self.thread.start()
 
 
+class Histogram:
+    """A Prometheus histogram: how many observations fell at or below each bound, their count and sum."""
+
+    def __init__(self, bounds):
+        self.bounds, self.counts, self.count, self.sum = bounds, [0] * len(bounds), 0, 0.0
+
+    def observe(self, x):
+        self.count, self.sum = self.count + 1, self.sum + x
+        for i, b in enumerate(self.bounds):
+            if x <= b:
+                self.counts[i] += 1
+
+
 class Stats:
     WINDOW = 10.0  # seconds of recent tokens behind the current tok/s
 
@@ -40,6 +56,10 @@ class Stats:
         self.start = time.time()
         self.requests, self.tokens, self.errors, self.cancelled = 0, 0, 0, 0
         self.recent = collections.deque()  # (time, tokens) of the last WINDOW seconds
+        self.prompt_tokens = 0
+        self.answered = collections.Counter()  # (route, status) -> HTTP requests answered
+        self.ttft = Histogram([0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30])  # seconds to the first token
+        self.duration = Histogram([0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120])  # seconds per request
 
     def add_tokens(self, n):
         now = time.time()
@@ -54,6 +74,27 @@ class Stats:
                 self.recent.popleft()
             span = min(self.WINDOW, now - self.start)
             return sum(n for _, n in self.recent) / max(span, 1e-3)
+
+
+@dataclass
+class Trace:
+    """One HTTP request, for its log line and the metrics; handlers fill in the tokens (request.state.trace)."""
+
+    method: str
+    path: str
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
+    start: float = field(default_factory=time.perf_counter)
+    status: int = 500  # until a response starts
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    ttft: Optional[float] = None  # seconds from the request's arrival to its first generated token
+    error: Optional[str] = None  # an error after a stream began (its status stays 200)
+
+    def line(self, took):
+        tokens = f" in={self.prompt_tokens} out={self.completion_tokens}" if self.prompt_tokens else ""
+        ttft = f" ttft={self.ttft:.3f}s" if self.ttft is not None else ""
+        error = f" error: {self.error}" if self.error else ""
+        return f"{self.id} {self.method} {self.path} {self.status}{tokens}{ttft} {took:.3f}s{error}"
 
 
 @dataclass
@@ -179,13 +220,17 @@ def _drain(handle):
             return events
 
 
-async def generate(state, ids, settings, stops, parts=False, logprobs=None):
+async def generate(state, ids, settings, stops, parts=False, logprobs=None, trace=None):
     """Submit to the least-loaded replica and yield ("delta", sample, kind, text), ("end", sample, finish_reason,
     logprobs.content or None) and last ("usage", completion tokens of all samples). logprobs: None, or how many
     alternatives each token gets (0: the sampled token's log-prob only). Polls the handle's queue from the event
-    loop; leaving early (a disconnect, an error) cancels the request. EngineError: the engine failed this request."""
+    loop; leaving early (a disconnect, an error) cancels the request. EngineError: the engine failed this request.
+    trace: gets the prompt and completion tokens and the time to the first token."""
     tok = state.tokenizer
-    req = Request(list(ids), stop_tokens=[tok.get_bos_token_id()] if state.config.base else None, **settings)
+    if trace is not None:
+        trace.prompt_tokens = len(ids)
+        state.stats.prompt_tokens += len(ids)
+    req = Request(list(ids), **settings)
     replica = _pick_replica(state, req.num_samples)
     samples = [SampleText(tok, stops, parts) for _ in range(req.num_samples)]
     handle = None
@@ -218,7 +263,12 @@ async def generate(state, ids, settings, stops, parts=False, logprobs=None):
                     yield ("end", ev["sample"], s.finish_reason, content)
             if new_tokens:
                 state.stats.add_tokens(new_tokens)
+                if trace is not None and trace.ttft is None:
+                    trace.ttft = time.perf_counter() - trace.start
+                    state.stats.ttft.observe(trace.ttft)
             if all(s.done for s in samples):
+                if trace is not None:
+                    trace.completion_tokens = sum(s.count for s in samples)
                 yield ("usage", sum(s.count for s in samples))
                 break
             if not events:
@@ -230,6 +280,71 @@ async def generate(state, ids, settings, stops, parts=False, logprobs=None):
                 state.stats.cancelled += 1  # the client went away (or it failed) mid-generation
         with state.lock:
             replica.in_flight -= req.num_samples
+
+
+# --- a trace of every request: one log line, the metrics ------------------------------------------------------------
+
+log = logging.getLogger("nanorl.serve")
+
+
+class RequestLog:
+    """ASGI middleware: gives each request a Trace (request.state.trace, its id in the x-request-id header), and
+    when its response has ended logs one line (id, method, path, status, tokens in/out, time to first token, time)
+    and counts it in the stats by route and status."""
+
+    def __init__(self, app, stats):
+        self.app, self.stats = app, stats
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        trace = Trace(scope["method"], scope["path"])
+        scope.setdefault("state", {})["trace"] = trace
+
+        async def send_traced(msg):
+            if msg["type"] == "http.response.start":
+                trace.status = msg["status"]
+                msg = {**msg, "headers": [*msg.get("headers", []), (b"x-request-id", trace.id.encode())]}
+            await send(msg)
+
+        try:
+            await self.app(scope, receive, send_traced)
+        finally:
+            took = time.perf_counter() - trace.start
+            route = getattr(scope.get("route"), "path", "other")  # the route's template: no label per unknown path
+            self.stats.answered[(route, trace.status)] += 1
+            self.stats.duration.observe(took)
+            log.info(trace.line(took))
+
+
+def prometheus_text(state):
+    """The serving counters in Prometheus' text format (version 0.0.4)."""
+    st, out = state.stats, []
+
+    def metric(name, kind, help, samples):
+        out.extend([f"# HELP nanorl_{name} {help}", f"# TYPE nanorl_{name} {kind}"])
+        out.extend(f"nanorl_{name}{labels} {value}" for labels, value in samples)
+
+    def histogram(name, help, h):
+        buckets = [(f'{{le="{b}"}}', c) for b, c in zip(h.bounds, h.counts)] + [('{le="+Inf"}', h.count)]
+        metric(name, "histogram", help, [])
+        out.extend(f"nanorl_{name}_bucket{labels} {c}" for labels, c in buckets)
+        out.extend([f"nanorl_{name}_sum {h.sum}", f"nanorl_{name}_count {h.count}"])
+
+    answered = sorted(st.answered.items())
+    metric("http_requests_total", "counter", "HTTP requests answered, by route and status.",
+           [(f'{{route="{r}",status="{s}"}}', n) for (r, s), n in answered])
+    metric("prompt_tokens_total", "counter", "Prompt tokens of the generation requests.", [("", st.prompt_tokens)])
+    metric("generation_tokens_total", "counter", "Tokens generated.", [("", st.tokens)])
+    metric("requests_cancelled_total", "counter", "Generations cut short by a disconnect or an error.",
+           [("", st.cancelled)])
+    metric("samples_running", "gauge", "Samples in flight on the engines.",
+           [("", sum(r.in_flight for r in state.replicas))])
+    metric("queue_length", "gauge", "Requests waiting for an engine slot.",
+           [("", sum(len(r.engine.pending) for r in state.replicas))])
+    histogram("time_to_first_token_seconds", "Seconds from a request's arrival to its first generated token.", st.ttft)
+    histogram("request_duration_seconds", "Seconds from a request's arrival to the end of its response.", st.duration)
+    return "\n".join(out) + "\n"
 
 
 # --- slow clients ----------------------------------------------------------------------------------------------------

@@ -12,39 +12,70 @@ block: JSON parsing, validation and tokenisation run in a worker thread, and the
 polled from the event loop, so 64 streaming clients need no 64 threads. A client that goes away mid-stream
 cancels its handle, which frees its slots at the engine's next step.
 
-Endpoints: GET / (the page), GET /ui/info and POST /ui/chat (the page's own stream), POST /v1/chat/completions,
-GET /v1/models, GET /v1/models/{id}, GET /health, GET /stats. Every error is an OpenAI error object
-{"error": {"message", "type", "param", "code"}}. The request bodies and prompt fitting are in nanorl/openai_api.py,
-the engine side (replicas, text streams, slow-client guards) in nanorl/serving.py.
+Endpoints: GET / (the page), GET /ui/info and POST /ui/chat (the page's own stream); the OpenAI API: POST
+/v1/chat/completions, POST /v1/completions (text continuation, for a base model), GET /v1/models, GET /v1/models/{id};
+POST /tokenize and /detokenize (as vLLM's); GET /health, /stats, /metrics (Prometheus text), /version. With
+--api-key, the API, /tokenize, /detokenize and the page's stream need "Authorization: Bearer KEY". Every error is an
+OpenAI error object {"error": {"message", "type", "param", "code"}}; every request logs one line (id, status, tokens
+in/out, time). The request bodies and prompt fitting are in nanorl/openai_api.py, the engine side (replicas, text
+streams, metrics, slow-client guards) in nanorl/serving.py.
 """
 import dataclasses
 import errno
 import functools
+import hmac
+import importlib.metadata
 import json
+import logging
 import os
 import socket
 import sys
 import time
-import uuid
 
 import torch
 import uvicorn
-from fastapi import APIRouter, FastAPI
+from fastapi import APIRouter, Depends, FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
+from nanorl import openai_api
 from nanorl.checkpoint import load_model
 from nanorl.common import ArgumentParser, autodetect_device_type, number_in
 from nanorl.engine import Engine
-from nanorl.openai_api import BadRequest, ChatRequest, PageRequest, ServeConfig, error_body, prepare, validation_error
-from nanorl.serving import BodyGuard, EngineError, HeaderDeadline, Replica, ServerState, generate
+from nanorl.openai_api import (
+    BadRequest,
+    ChatRequest,
+    PageRequest,
+    ServeConfig,
+    check_model,
+    error_body,
+    prepare,
+    prepare_completion,
+    stop_strings,
+    validation_error,
+)
+from nanorl.serving import (
+    BodyGuard,
+    EngineError,
+    HeaderDeadline,
+    Replica,
+    RequestLog,
+    ServerState,
+    generate,
+    prometheus_text,
+)
 
 UI_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "nanorl", "ui.html")
 
-router = APIRouter()
+try:
+    VERSION = importlib.metadata.version("nanorl")
+except importlib.metadata.PackageNotFoundError:  # run from a clone that was not pip-installed
+    VERSION = "unknown"
+
+router = APIRouter()  # the page and the server's own endpoints, open to all
 
 
 def state(request) -> ServerState:
@@ -80,9 +111,15 @@ async def on_crash(request, e):
     return error(500, f"internal error: {type(e).__name__}: {e}", code="internal_error")
 
 
-def failure(st, e):
+async def on_engine_error(request, e):
+    state(request).stats.errors += 1
+    return error(500, str(e), code="engine_error")
+
+
+def failure(st, e, trace):
     """An error after the stream began: this request's error event (other requests go on)."""
     st.stats.errors += 1
+    trace.error = f"{type(e).__name__}: {e}"
     if isinstance(e, BadRequest):
         return error_body(e.message, param=e.param, code=e.code)
     if isinstance(e, EngineError):
@@ -93,9 +130,22 @@ def failure(st, e):
 # --- helpers ----------------------------------------------------------------------------------------------------------
 
 
-async def parse(request, schema, fit=False):
+async def require_api_key(request: HTTPRequest):
+    """With --api-key, the API and the page's stream need "Authorization: Bearer <key>" (as OpenAI's)."""
+    key = state(request).config.api_key
+    sent = request.headers.get("authorization", "").encode()
+    if key and not hmac.compare_digest(sent, f"Bearer {key}".encode()):
+        raise BadRequest("a missing or wrong API key: send the header 'Authorization: Bearer <key>' with the key "
+                         "chat_web was started with (--api-key)", code="invalid_api_key", status=401)
+
+
+api = APIRouter(dependencies=[Depends(require_api_key)])  # the routes an API key guards
+
+
+async def in_thread(request, fn, *args):
+    """fn(raw body, tokenizer, config, *args) in a worker thread: parsing and tokenising never block the loop."""
     st = state(request)
-    return await run_in_threadpool(prepare, await request.body(), schema, st.tokenizer, st.config, st.max_len, fit)
+    return await run_in_threadpool(fn, await request.body(), st.tokenizer, st.config, *args)
 
 
 def sse(obj):
@@ -139,18 +189,37 @@ async def stats(request: HTTPRequest):
             "uptime_s": round(time.time() - s.start, 1), "replicas": per}
 
 
-@router.get("/v1/models")
+@router.get("/metrics")
+async def metrics(request: HTTPRequest):
+    return PlainTextResponse(prometheus_text(state(request)), media_type="text/plain; version=0.0.4")
+
+
+@router.get("/version")
+async def version(request: HTTPRequest):
+    return {"version": VERSION, "model": state(request).config.model, "torch": torch.__version__}
+
+
+@api.get("/v1/models")
 async def models(request: HTTPRequest):
     return {"object": "list", "data": [model_card(state(request))]}
 
 
-@router.get("/v1/models/{model_id:path}")
+@api.get("/v1/models/{model_id:path}")
 async def model(request: HTTPRequest, model_id: str):
     st = state(request)
-    if model_id != st.config.model:
-        raise BadRequest(f"the model '{model_id}' does not exist: this server serves '{st.config.model}'",
-                         "model", "model_not_found", 404)
+    check_model(model_id, st.config)
     return model_card(st)
+
+
+@api.post("/tokenize")
+async def tokenize(request: HTTPRequest):
+    ids = await in_thread(request, openai_api.tokenize, state(request).max_len)
+    return {"tokens": ids, "count": len(ids), "max_model_len": state(request).max_len}
+
+
+@api.post("/detokenize")
+async def detokenize(request: HTTPRequest):
+    return {"prompt": await in_thread(request, openai_api.detokenize)}
 
 
 @router.get("/ui/info")
@@ -160,105 +229,138 @@ async def ui_info(request: HTTPRequest):
     # a quarter of the context, so that a small model keeps its history (a 256-token one asked for 512 would keep none)
     default = min(st.config.max_tokens, max(1, st.max_len // 4))
     return {"model": st.config.model, "context_length": st.max_len, "max_tokens": st.config.max_tokens,
-            "default_max_tokens": default}
+            "default_max_tokens": default, "api_key": st.config.api_key is not None}
 
 
-@router.post("/ui/chat")
+@api.post("/ui/chat")
 async def ui_chat(request: HTTPRequest):
     """The page's stream: data: {"prompt_tokens", "dropped", "context"} first (dropped: how many of the oldest
     messages did not fit), then {"token": text, "type": text|python|python_output} and {"finish_reason"}, then
     [DONE]."""
-    st = state(request)
-    _, ids, settings, dropped = await parse(request, PageRequest, fit=True)
+    st, trace = state(request), request.state.trace
+    _, ids, settings, dropped = await in_thread(request, prepare, st.max_len, PageRequest, True)
 
     async def events():
         yield sse({"prompt_tokens": len(ids), "dropped": dropped, "context": st.max_len})
         try:
-            async for ev in generate(st, ids, settings, [], parts=True):
+            async for ev in generate(st, ids, settings, [], parts=True, trace=trace):
                 if ev[0] == "delta":
                     yield sse({"token": ev[3], "type": ev[2]})
                 elif ev[0] == "end":
                     yield sse({"finish_reason": ev[2]})
             st.stats.requests += 1
         except Exception as e:
-            yield sse({"error": failure(st, e)["error"]["message"]})
+            yield sse({"error": failure(st, e, trace)["error"]["message"]})
         yield "data: [DONE]\n\n"
 
     return event_stream(events())
 
 
-# --- the OpenAI chat API ----------------------------------------------------------------------------------------------
+# --- the OpenAI API: chat and text completions ------------------------------------------------------------------------
 
 
 def _usage(prompt, completion):
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _logprobs(content):
+def _chat_logprobs(content):
     return None if content is None else {"content": content, "refusal": None}
 
 
-def _chat_stream(st, req, ids, settings, stops, logprobs, head):
-    """stream: true -> the chunks: each sample's role, its text deltas, its finish_reason (with its log-probs), and
-    with stream_options.include_usage a last chunk with the usage and no choices."""
-    with_usage = req.stream_options is not None and req.stream_options.include_usage
+def _text_logprobs(content):
+    """logprobs.content -> the legacy completions API's logprobs: tokens, token_logprobs, top_logprobs (token ->
+    logprob), text_offset (where each token starts in the sample's text)."""
+    if content is None:
+        return None
+    starts = [0]
+    for e in content[:-1]:
+        starts.append(starts[-1] + len(e["token"]))
+    return {"tokens": [e["token"] for e in content], "token_logprobs": [e["logprob"] for e in content],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in content],
+            "text_offset": starts}
+
+
+def openai_stream(st, trace, events, head, with_usage, delta, end, opening=()):
+    """stream: true -> SSE chunks: `opening` choices, a choice delta(sample, text) per text piece, end(sample,
+    finish_reason, logprobs.content) as each sample ends, with include_usage a last chunk of usage and no choices,
+    then [DONE]. events: the generate() stream of this request."""
 
     def chunk(choices, **extra):
-        return sse({**head, "object": "chat.completion.chunk", "choices": choices,
-                    **({"usage": None} if with_usage else {}), **extra})
+        return sse({**head, "choices": choices, **({"usage": None} if with_usage else {}), **extra})
 
-    async def events():
-        for i in range(settings["num_samples"]):
-            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None}])
+    async def chunks():
+        for choice in opening:
+            yield chunk([choice])
         try:
-            async for ev in generate(st, ids, settings, stops, logprobs=logprobs):
+            async for ev in events:
                 if ev[0] == "delta":
-                    yield chunk([{"index": ev[1], "delta": {"content": ev[3]}, "logprobs": None,
-                                  "finish_reason": None}])
+                    yield chunk([delta(ev[1], ev[3])])
                 elif ev[0] == "end":  # a sample's log-probs come with its finish_reason, all at once
-                    yield chunk([{"index": ev[1], "delta": {}, "logprobs": _logprobs(ev[3]), "finish_reason": ev[2]}])
+                    yield chunk([end(ev[1], ev[2], ev[3])])
                 elif with_usage:
-                    yield chunk([], usage=_usage(len(ids), ev[1]))
+                    yield chunk([], usage=_usage(trace.prompt_tokens, ev[1]))
             st.stats.requests += 1
         except Exception as e:
-            yield sse(failure(st, e))
+            yield sse(failure(st, e, trace))
         yield "data: [DONE]\n\n"
 
-    return event_stream(events())
+    return event_stream(chunks())
 
 
-async def _chat_whole(st, ids, settings, stops, logprobs, head):
-    """stream: false -> one chat.completion with every sample."""
-    n = settings["num_samples"]
-    texts, finish, lps, tokens = [""] * n, [None] * n, [None] * n, 0
-    try:
-        async for ev in generate(st, ids, settings, stops, logprobs=logprobs):
-            if ev[0] == "delta":
-                texts[ev[1]] += ev[3]
-            elif ev[0] == "end":
-                finish[ev[1]], lps[ev[1]] = ev[2], _logprobs(ev[3])
-            else:
-                tokens = ev[1]
-    except EngineError as e:
-        st.stats.errors += 1
-        return error(500, str(e), code="engine_error")
+async def collect(st, events, n):
+    """stream: false -> each sample's text, finish_reason and logprobs.content, and the completion tokens."""
+    texts, finish, contents, tokens = [""] * n, [None] * n, [None] * n, 0
+    async for ev in events:
+        if ev[0] == "delta":
+            texts[ev[1]] += ev[3]
+        elif ev[0] == "end":
+            finish[ev[1]], contents[ev[1]] = ev[2], ev[3]
+        else:
+            tokens = ev[1]
     st.stats.requests += 1
-    choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]}, "logprobs": lps[i],
-                "finish_reason": finish[i]} for i in range(n)]
+    return texts, finish, contents, tokens
+
+
+@api.post("/v1/chat/completions")
+async def chat_completions(request: HTTPRequest):
+    st, trace = state(request), request.state.trace
+    req, ids, settings, _ = await in_thread(request, prepare, st.max_len, ChatRequest)
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    events = generate(st, ids, settings, stop_strings(req), logprobs=logprobs, trace=trace)
+    head = {"id": f"chatcmpl-{trace.id}", "created": int(time.time()), "model": st.config.model}
+    n = settings["num_samples"]
+    if req.stream:
+        return openai_stream(
+            st, trace, events, {**head, "object": "chat.completion.chunk"},
+            req.stream_options is not None and req.stream_options.include_usage,
+            delta=lambda i, text: {"index": i, "delta": {"content": text}, "logprobs": None, "finish_reason": None},
+            end=lambda i, why, lp: {"index": i, "delta": {}, "logprobs": _chat_logprobs(lp), "finish_reason": why},
+            opening=[{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None} for i in range(n)])
+    texts, finish, contents, tokens = await collect(st, events, n)
+    choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]},
+                "logprobs": _chat_logprobs(contents[i]), "finish_reason": finish[i]} for i in range(n)]
     return {**head, "object": "chat.completion", "choices": choices, "usage": _usage(len(ids), tokens)}
 
 
-@router.post("/v1/chat/completions")
-async def chat_completions(request: HTTPRequest):
-    st = state(request)
-    req, ids, settings, _ = await parse(request, ChatRequest)
-    stops = [req.stop] if isinstance(req.stop, str) else req.stop or []
-    logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    head = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": st.config.model}
+@api.post("/v1/completions")
+async def completions(request: HTTPRequest):
+    """Text in, its continuation out, as a document goes on (the base model's endpoint; a chat model's too)."""
+    st, trace = state(request), request.state.trace
+    req, ids, settings = await in_thread(request, prepare_completion, st.max_len)
+    events = generate(st, ids, settings, stop_strings(req), logprobs=req.logprobs, trace=trace)
+    head = {"id": f"cmpl-{trace.id}", "object": "text_completion", "created": int(time.time()),
+            "model": st.config.model}
     if req.stream:
-        return _chat_stream(st, req, ids, settings, stops, logprobs, head)
-    return await _chat_whole(st, ids, settings, stops, logprobs, head)
+        return openai_stream(
+            st, trace, events, head, req.stream_options is not None and req.stream_options.include_usage,
+            delta=lambda i, text: {"index": i, "text": text, "logprobs": None, "finish_reason": None},
+            end=lambda i, why, lp: {"index": i, "text": "", "logprobs": _text_logprobs(lp), "finish_reason": why})
+    n = settings["num_samples"]
+    texts, finish, contents, tokens = await collect(st, events, n)
+    choices = [{"index": i, "text": texts[i], "logprobs": _text_logprobs(contents[i]), "finish_reason": finish[i]}
+               for i in range(n)]
+    return {**head, "choices": choices, "usage": _usage(len(ids), tokens)}
 
 
 # --- the app and its server -------------------------------------------------------------------------------------------
@@ -278,11 +380,14 @@ def create_app(engines, tokenizer, config=None):
     app.state.connections = {}  # the open connections' header deadlines (server_config), for BodyGuard
     app.add_middleware(BodyGuard, timeout=config.body_timeout, max_bytes=config.max_body_bytes,
                        open=app.state.connections)
+    app.add_middleware(RequestLog, stats=app.state.nanorl.stats)  # outermost: it sees BodyGuard's refusals too
     app.add_exception_handler(BadRequest, on_bad_request)
+    app.add_exception_handler(EngineError, on_engine_error)
     app.add_exception_handler(HTTPException, on_http_error)
     app.add_exception_handler(RequestValidationError, on_invalid)
     app.add_exception_handler(Exception, on_crash)
     app.include_router(router)
+    app.include_router(api)
 
     def shutdown():
         for r in replicas:
@@ -346,6 +451,8 @@ def parse_args(argv=None):
                         help="seconds a client has to send a request's headers before it is disconnected")
     parser.add_argument("--body-timeout", type=number_in(float, 0.01), default=30.0,
                         help="seconds a client has to send a request's body (then 408)")
+    parser.add_argument("--api-key", type=str, default=os.environ.get("NANORL_API_KEY"),
+                        help="if set, the API and the page need 'Authorization: Bearer KEY' (default: $NANORL_API_KEY)")
     return parser.parse_args(argv)
 
 
@@ -374,7 +481,8 @@ def main():
     engines, tokenizer, meta, devices = load_engines(args)
     name = f"nanorl-{args.source}-{meta.get('model_tag', 'model')}"
     config = ServeConfig(max_tokens=args.max_tokens, model=name, base=args.source == "base",
-                         body_timeout=args.body_timeout)
+                         body_timeout=args.body_timeout, api_key=args.api_key or None)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")  # one line per request (RequestLog)
     app = create_app(engines, tokenizer, config)
     url = f"http://{args.host}:{sock.getsockname()[1]}"  # --port 0: the port the system picked
     print(f"serving {name} on {len(engines)} replica(s) ({', '.join(map(str, devices))}) at {url} "

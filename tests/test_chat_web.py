@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import threading
+import re
 import time
 import urllib.request
 from pathlib import Path
@@ -292,7 +293,7 @@ def test_base_model_prompt(server):
     from nanorl.openai_api import ChatRequest, ServeConfig, prepare
     tok = server["tokenizer"]
     body = json.dumps({"messages": user("The sky is"), "max_tokens": 5}).encode()
-    req, ids, settings, dropped = prepare(body, ChatRequest, tok, ServeConfig(base=True), 256)
+    req, ids, settings, dropped = prepare(body, tok, ServeConfig(base=True), 256, ChatRequest)
     assert ids == tok.encode("The sky is", prepend="<|bos|>") and settings["max_tokens"] == 5 and dropped == 0
     assert req.stop is None and not req.stream
 
@@ -523,6 +524,7 @@ def test_browser_chat(server, tmp_path):
     with browser_page(server["url"], tmp_path, "tiny") as cdp:
         t0 = time.time()
         assert cdp.eval("document.getElementById('maxtokens').value") == "64"  # the server's limit (a quarter of 256)
+        assert cdp.eval("document.getElementById('keylabel').offsetParent") is None  # no --api-key: no key field
         cdp.eval("document.getElementById('temperature').value = '1.0'")
         cdp.eval("document.getElementById('input').value = 'Hello there'")
         cdp.eval("document.getElementById('send').click()")
@@ -741,6 +743,187 @@ def test_openai_client_habits(server):
         assert r.json()["error"]["message"].startswith(where + " is a lone surrogate"), r.text
 
 
+def greedy_ids(model, ids, n, stop):
+    """The model's own greedy continuation of ids, n tokens or up to stop: the reference the engine must match."""
+    import torch
+    out = []
+    with torch.no_grad():
+        for _ in range(n):
+            t = int(model(torch.tensor([ids + out]))[0, -1].argmax())
+            if t == stop:
+                break
+            out.append(t)
+    return out
+
+
+def test_text_completions(server):
+    """/v1/completions through the real `openai` client: a document's continuation (from <|bos|>, up to the next),
+    greedy = the model's own argmax tokens; token-id prompts, streaming with usage, n, stop, legacy logprobs."""
+    import openai
+    import torch
+    client = openai.OpenAI(base_url=server["url"] + "/v1", api_key="none", max_retries=0, timeout=30)
+    tok, model = server["tokenizer"], server["model"]
+    ids = tok.encode("The sky is", prepend="<|bos|>")
+    ref = greedy_ids(model, ids, 10, tok.get_bos_token_id())
+    from nanorl.tokenizer import SPECIAL_TOKENS
+    assert len(ref) == 10 and all(t < tok.vocab_size - len(SPECIAL_TOKENS) for t in ref)  # no special tokens
+    r = client.completions.create(model="tiny", prompt="The sky is", max_tokens=10, temperature=0)
+    assert r.object == "text_completion" and r.id.startswith("cmpl-") and r.model == "tiny"
+    assert r.choices[0].text == tok.decode(ref) and r.choices[0].finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), 10)
+    assert client.completions.create(model="tiny", prompt=ids, max_tokens=10, temperature=0).choices[0].text == \
+        r.choices[0].text  # token ids are taken as they are
+    assert client.completions.create(model="tiny", prompt=[ids], max_tokens=10, temperature=0).choices[0].text == \
+        r.choices[0].text
+    d = client.completions.create(model="tiny", prompt="The sky is", temperature=0)  # OpenAI's default: 16 tokens
+    assert d.usage.completion_tokens == 16 and d.choices[0].text.startswith(r.choices[0].text)
+    # streaming, with the usage chunk last
+    chunks = list(client.completions.create(model="tiny", prompt="The sky is", max_tokens=10, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    # n samples with a seed, reproducible; a stop string
+    two = client.completions.create(model="tiny", prompt="Hi", max_tokens=6, n=2, seed=3)
+    assert [c.index for c in two.choices] == [0, 1]
+    assert [c.text for c in client.completions.create(model="tiny", prompt="Hi", max_tokens=6, n=2, seed=3).choices] \
+        == [c.text for c in two.choices]
+    text = r.choices[0].text
+    cut = client.completions.create(model="tiny", prompt="The sky is", max_tokens=10, temperature=0, stop=text[3:5])
+    assert cut.choices[0].text == text[:text.find(text[3:5])] and cut.choices[0].finish_reason == "stop"
+    # the legacy API's logprobs against a forward of the model
+    lp = client.completions.create(model="tiny", prompt="The sky is", max_tokens=4, temperature=0, logprobs=2)
+    got = lp.choices[0].logprobs
+    with torch.no_grad():
+        want = torch.log_softmax(model(torch.tensor([ids + ref[:4]]))[0, len(ids) - 1:-1].float(), -1)
+    assert "".join(got.tokens) == lp.choices[0].text and got.text_offset[0] == 0
+    assert got.text_offset == [sum(len(t) for t in got.tokens[:i]) for i in range(4)]
+    for t, row in enumerate(want):
+        assert abs(got.token_logprobs[t] - row[ref[t]].item()) < 1e-4
+        top = row.topk(2)
+        assert list(got.top_logprobs[t].values()) == pytest.approx(top.values.tolist(), abs=1e-4)
+    # what it refuses, each with its own error
+    for kw, cls, fragment in [(dict(prompt=["a", "b"]), openai.BadRequestError, "one prompt per request (got 2)"),
+                              (dict(prompt=[1, 10**6]), openai.BadRequestError, "token 1000000 at 1 is not in"),
+                              (dict(prompt="hi", max_tokens=65), openai.BadRequestError, "'max_tokens' must be <= 64"),
+                              (dict(prompt="word " * 1500), openai.BadRequestError, "over the context of 256"),
+                              (dict(prompt="hi", echo=True), openai.BadRequestError, "unsupported parameter 'echo'"),
+                              (dict(prompt="hi", model="gpt-4o"), openai.NotFoundError, "does not exist")]:
+        with pytest.raises(cls, match=re.escape(fragment)) as e:
+            client.completions.create(**{"model": "tiny", **kw})
+        assert e.value.body["code"]
+
+
+def test_tokenize_detokenize(server):
+    url, tok = server["url"], server["tokenizer"]
+    ids = tok.encode("The sky is", prepend="<|bos|>")
+    assert httpx.post(url + "/tokenize", json={"prompt": "The sky is"}).json() == \
+        {"tokens": ids, "count": len(ids), "max_model_len": 256}
+    assert httpx.post(url + "/tokenize", json={"prompt": "The sky is", "add_special_tokens": False}).json()["tokens"] \
+        == ids[1:]
+    # messages: the prompt the chat endpoint generates from (its usage.prompt_tokens), even over the context
+    conv = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    got = httpx.post(url + "/tokenize", json={"messages": conv}).json()
+    assert got["tokens"] == tok.render_for_completion({"messages": conv})
+    chat = httpx.post(url + "/v1/chat/completions", json={"messages": conv, "max_tokens": 2}).json()
+    assert chat["usage"]["prompt_tokens"] == got["count"]
+    assert httpx.post(url + "/tokenize", json={"prompt": "word " * 1500}).json()["count"] > 256
+    assert httpx.post(url + "/detokenize", json={"tokens": ids[1:]}).json() == {"prompt": "The sky is"}
+    for path, body, fragment in [("/tokenize", {}, "either 'prompt' or 'messages'"),
+                                 ("/tokenize", {"prompt": "a", "messages": conv}, "either 'prompt' or 'messages'"),
+                                 ("/detokenize", {"tokens": [5, -1]}, "'tokens': token -1 at 1 is not in"),
+                                 ("/detokenize", {"tokens": "abc"}, "'tokens'")]:
+        r = httpx.post(url + path, json=body)
+        assert r.status_code == 400 and fragment in r.json()["error"]["message"] and r.json()["error"]["code"], r.text
+
+
+def test_metrics_version_and_a_log_line_per_request(server, caplog):
+    """/metrics in Prometheus' text format (read by prometheus_client's own parser) counts what was served; every
+    request logs one line with its id (the x-request-id header), status, tokens in/out and time."""
+    import logging
+    from prometheus_client.parser import text_string_to_metric_families
+    from nanorl.engine import Engine
+    from nanorl.openai_api import ServeConfig
+    from scripts.chat_web import create_app
+    caplog.set_level(logging.INFO, logger="nanorl.serve")
+    app = create_app([Engine(server["model"], server["tokenizer"], batch_size=2)], server["tokenizer"],
+                     ServeConfig(max_tokens=16, model="m"))
+    with serve(app) as url:
+        chat = httpx.post(url + "/v1/chat/completions", json={"messages": user(), "max_tokens": 5}, timeout=30)
+        body = {"messages": user("x"), "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", url + "/v1/chat/completions", timeout=30, json=body) as r:
+            streamed = json.loads(sse_data(r.read().decode())[-2])["usage"]
+        text = httpx.post(url + "/v1/completions", json={"prompt": "The", "max_tokens": 3}, timeout=30)
+        bad = httpx.post(url + "/v1/chat/completions", json={"messages": []}, timeout=30)
+        missing = httpx.get(url + "/nope")
+        version = httpx.get(url + "/version").json()
+        r = httpx.get(url + "/metrics")
+    assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for fam in text_string_to_metric_families(r.text) for s in fam.samples}
+    route = lambda path, status: ("nanorl_http_requests_total", (("route", path), ("status", status)))  # noqa: E731
+    assert samples[route("/v1/chat/completions", "200")] == 2 and samples[route("/v1/chat/completions", "400")] == 1
+    assert samples[route("/v1/completions", "200")] == 1 and samples[route("other", "404")] == 1
+    assert samples[route("/version", "200")] == 1
+    usages = [chat.json()["usage"], streamed, text.json()["usage"]]
+    assert samples[("nanorl_prompt_tokens_total", ())] == sum(u["prompt_tokens"] for u in usages)
+    assert samples[("nanorl_generation_tokens_total", ())] == sum(u["completion_tokens"] for u in usages)
+    assert samples[("nanorl_queue_length", ())] == 0 and samples[("nanorl_samples_running", ())] == 0
+    ttft = {dict(k[1])["le"]: v for k, v in samples.items() if k[0] == "nanorl_time_to_first_token_seconds_bucket"}
+    assert ttft["+Inf"] == 3 == samples[("nanorl_time_to_first_token_seconds_count", ())]
+    counts = list(ttft.values())
+    assert counts == sorted(counts) and samples[("nanorl_time_to_first_token_seconds_sum", ())] > 0
+    assert samples[("nanorl_request_duration_seconds_count", ())] == 6  # all but /metrics itself
+    assert version["version"] == "0.1.0" and version["model"] == "m"
+    # one log line per request: id, method, path, status, tokens in/out, time to first token, time
+    lines = [rec.getMessage() for rec in caplog.records if rec.name == "nanorl.serve"]
+    assert len(lines) == 7, lines
+    rid = chat.headers["x-request-id"]
+    assert chat.json()["id"] == f"chatcmpl-{rid}"
+    line = next(x for x in lines if x.startswith(rid))
+    u = chat.json()["usage"]
+    assert re.fullmatch(rf"{rid} POST /v1/chat/completions 200 in={u['prompt_tokens']} "
+                        rf"out={u['completion_tokens']} ttft=\d+\.\d{{3}}s \d+\.\d{{3}}s", line), line
+    assert any(x.startswith(bad.headers["x-request-id"] + " POST /v1/chat/completions 400 ") for x in lines)
+    assert any(x.startswith(missing.headers["x-request-id"] + " GET /nope 404 ") for x in lines)
+
+
+def test_api_key(server, tmp_path):
+    """--api-key: the API and the page's stream need the bearer key; the page, /health, /metrics and /version
+    do not. The page shows a key field and sends what is typed there."""
+    import openai
+    from nanorl.engine import Engine
+    from nanorl.openai_api import ServeConfig
+    from scripts.chat_web import create_app
+    app = create_app([Engine(server["model"], server["tokenizer"], batch_size=2)], server["tokenizer"],
+                     ServeConfig(max_tokens=8, model="k", api_key="sekret"))
+    with serve(app) as url:
+        with pytest.raises(openai.AuthenticationError, match="API key") as e:
+            openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
+        assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+        client = openai.OpenAI(base_url=url + "/v1", api_key="sekret", max_retries=0, timeout=30)
+        assert [m.id for m in client.models.list()] == ["k"]
+        assert client.chat.completions.create(model="k", messages=user(), max_tokens=2).choices[0].message.role \
+            == "assistant"
+        assert client.completions.create(model="k", prompt="a", max_tokens=2).usage.completion_tokens >= 1
+        for path in ("/ui/chat", "/tokenize", "/detokenize", "/v1/chat/completions"):
+            r = httpx.post(url + path, json={"messages": user()})
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (path, r.text)
+        ok = httpx.post(url + "/ui/chat", json={"messages": user(), "max_tokens": 2},
+                        headers={"Authorization": "Bearer sekret"}, timeout=30)
+        assert ok.status_code == 200 and sse_data(ok.text)[-1] == "[DONE]"
+        for path in ("/", "/health", "/metrics", "/version"):
+            assert httpx.get(url + path).status_code == 200, path
+        assert httpx.get(url + "/ui/info").json()["api_key"] is True
+        with browser_page(url, tmp_path, "k") as cdp:
+            assert cdp.eval("document.getElementById('keylabel').offsetParent !== null")  # shown
+            page_send(cdp, "hi")
+            assert "API key" in cdp.eval("document.querySelector('.msg.assistant .error').textContent")
+            cdp.eval("document.getElementById('apikey').value = 'sekret'")
+            reply = page_send(cdp, "hi again")
+            assert reply and "Error" not in reply and cdp.eval("conversation.length") == 2
+    assert httpx.get(server["url"] + "/ui/info").json()["api_key"] is False
+
+
 # --- hardening: slow clients, big conversations, a failing request --------------------------------
 
 def _port(url):
@@ -938,8 +1121,7 @@ def test_cli_flags(monkeypatch, capsys):
     code, out, _ = run("--help")
     assert code == 0 and "-p PORT, --port PORT" in out and "(default: 8000)" in out and "(default: 10.0)" in out
     helps = out.split("options:")[1].split("\n  -")[1:]  # one entry per flag: its names, then its help text
-    # 13: the load tester's --load-test and --clients moved to `bench serve`
-    assert len(helps) >= 13 and all("(default: " in h for h in helps[1:]), helps  # [0] is -h itself
+    assert len(helps) >= 14 and all("(default: " in h for h in helps[1:]), helps  # [0] is -h itself
     for args, flag in [(("--port", "99999"), "-p/--port"), (("-p", "-1"), "-p/--port"), (("-b", "0"), "-b/--batch-size"),
                        (("-m", "0"), "-m/--max-tokens"), (("--header-timeout", "0"), "--header-timeout"),
                        (("-n", "x"), "-n/--num-gpus")]:
