@@ -3,6 +3,7 @@ The OpenAI chat API as this server speaks it: the request bodies (pydantic), the
 validated request into prompt ids and engine settings, leaving out the oldest turns when the page's conversation
 no longer fits the context. No HTTP here: scripts/chat_web.py routes requests to these functions.
 """
+
 import json
 from dataclasses import dataclass
 from typing import List, Literal, Optional, Union
@@ -44,7 +45,7 @@ def error_body(message, kind="invalid_request_error", param=None, code=None):
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-# --- request bodies -------------------------------------------------------------------------------------------------
+# --- request bodies ---------------------------------------------------------------------------------------------------
 # pydantic checks every field's type and range; strict: "0.5" is not a number and true is not 1; extra="forbid":
 # a field this server does not implement is a 400 naming it, never silently ignored.
 
@@ -92,8 +93,10 @@ class Message(_Body):
         for j, part in enumerate(v if isinstance(v, list) else []):
             kind = part.get("type", "text") if isinstance(part, dict) else "text"
             if kind not in TEXT_PARTS:
-                raise ValueError(f"part {j} has type {kind!r}: this model reads text only "
-                                 f"(a text part is {{'type': 'text', 'text': ...}})")
+                raise ValueError(
+                    f"part {j} has type {kind!r}: this model reads text only "
+                    f"(a text part is {{'type': 'text', 'text': ...}})"
+                )
         return v
 
     @model_validator(mode="after")
@@ -221,7 +224,7 @@ def chat_messages(req):
     return out
 
 
-# --- prompt fitting -------------------------------------------------------------------------------------------------
+# --- prompt fitting ---------------------------------------------------------------------------------------------------
 
 
 def _text(content):
@@ -298,7 +301,7 @@ def render_prompt(tokenizer, messages, max_len, base=False, room=None, token_byt
     return ids, dropped
 
 
-# --- a request, start to finish -------------------------------------------------------------------------------------
+# --- a request, start to finish ---------------------------------------------------------------------------------------
 
 
 def lone_surrogate(body):
@@ -331,8 +334,11 @@ def parse_body(raw, schema):
         raise BadRequest("the request body must be a JSON object")
     bad = lone_surrogate(body)
     if bad is not None:
-        raise BadRequest(f"'{bad[0]}': character {bad[1]} is a lone surrogate (a \\u escape of half a UTF-16 pair), "
-                         f"not text", bad[0].split(".")[0] or None, "invalid_unicode")
+        raise BadRequest(
+            f"'{bad[0]}': character {bad[1]} is a lone surrogate (a \\u escape of half a UTF-16 pair), not text",
+            bad[0].split(".")[0] or None,
+            "invalid_unicode",
+        )
     try:
         return schema.model_validate(body)
     except ValidationError as e:
@@ -371,8 +377,9 @@ def stop_strings(req):
 def check_ids(ids, tokenizer, param):
     bad = next((i for i, t in enumerate(ids) if not 0 <= t < tokenizer.vocab_size), None)
     if bad is not None:
-        raise BadRequest(f"'{param}': token {ids[bad]} at {bad} is not in the vocabulary "
-                         f"(0..{tokenizer.vocab_size - 1})", param)
+        raise BadRequest(
+            f"'{param}': token {ids[bad]} at {bad} is not in the vocabulary (0..{tokenizer.vocab_size - 1})", param
+        )
 
 
 def prompt_ids(prompt, tokenizer, config, max_len, bos=True):
@@ -387,15 +394,22 @@ def prompt_ids(prompt, tokenizer, config, max_len, bos=True):
             raise BadRequest(f"the prompt is {len(prompt)} characters > {MAX_PROMPT_CHARS}", "prompt")
         size = len(prompt.encode())
         if config.token_bytes and size / config.token_bytes >= max_len:
-            raise BadRequest(f"the prompt is at least {-(-size // config.token_bytes)} tokens, over the context of "
-                             f"{max_len}", "prompt", "context_length_exceeded")
+            raise BadRequest(
+                f"the prompt is at least {-(-size // config.token_bytes)} tokens, over the context of {max_len}",
+                "prompt",
+                "context_length_exceeded",
+            )
         ids = tokenizer.encode(prompt, prepend="<|bos|>" if bos else None)
     else:
         ids = list(prompt)
         check_ids(ids, tokenizer, "prompt")
     if len(ids) >= max_len:
-        raise BadRequest(f"the prompt is {len(ids)} tokens, over the context of {max_len} (it needs room for at "
-                         f"least one generated token)", "prompt", "context_length_exceeded")
+        raise BadRequest(
+            f"the prompt is {len(ids)} tokens, over the context of {max_len} (it needs room for at "
+            f"least one generated token)",
+            "prompt",
+            "context_length_exceeded",
+        )
     if not ids:
         raise BadRequest("the prompt has no tokens", "prompt")
     return ids
@@ -409,13 +423,21 @@ def prepare_completion(raw, tokenizer, config, max_len):
     if req.stream_options is not None and not req.stream:
         raise BadRequest("stream_options is only allowed with stream: true", "stream_options")
     if req.max_tokens is not None and req.max_tokens > config.max_tokens:
-        raise BadRequest(f"'max_tokens' must be <= {config.max_tokens} (this server's --max-tokens), "
-                         f"got {req.max_tokens}", "max_tokens")
+        raise BadRequest(
+            f"'max_tokens' must be <= {config.max_tokens} (this server's --max-tokens), got {req.max_tokens}",
+            "max_tokens",
+        )
     max_tokens = req.max_tokens or min(DEFAULT_COMPLETION_TOKENS, config.max_tokens)
     ids = prompt_ids(req.prompt, tokenizer, config, max_len)
-    settings = dict(max_tokens=min(max_tokens, max_len - len(ids)), temperature=1.0 if req.temperature is None
-                    else req.temperature, top_k=None if req.top_k == -1 else req.top_k, top_p=req.top_p,
-                    num_samples=req.n or 1, seed=req.seed, stop_tokens=[tokenizer.get_bos_token_id()])
+    settings = dict(
+        max_tokens=min(max_tokens, max_len - len(ids)),
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_k=None if req.top_k == -1 else req.top_k,
+        top_p=req.top_p,
+        num_samples=req.n or 1,
+        seed=req.seed,
+        stop_tokens=[tokenizer.get_bos_token_id()],
+    )
     return req, ids, settings
 
 

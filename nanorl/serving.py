@@ -1,12 +1,12 @@
 """
 What a server needs around the sampling engine: engine replicas stepped by their own threads, a request's token
-stream turned into text (stop strings, tool parts) and log-probs, the serving counters, and the guards that keep
-slow clients from holding connections. No routes here: scripts/chat_web.py has them.
+stream turned into text (stop strings, tool parts), log-probs and OpenAI's response chunks, and the serving counters
+with their Prometheus text. No routes here (scripts/chat_web.py) and no HTTP middleware (nanorl/middleware.py).
 """
+
 import asyncio
 import collections
 import json
-import logging
 import queue
 import threading
 import time
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
-from fastapi.responses import JSONResponse
+from fastapi.responses import StreamingResponse
 
 from nanorl.engine import Request, TextStream
 from nanorl.openai_api import BadRequest, ServeConfig, error_body
@@ -110,7 +110,7 @@ class ServerState:
     stats: Stats = field(default_factory=Stats)
 
 
-# --- a sample's tokens as text ---------------------------------------------------------------------------------------
+# --- a sample's tokens as text ----------------------------------------------------------------------------------------
 
 
 class SampleText:
@@ -199,7 +199,7 @@ async def logprob_content(engine, tokenizer, ids, tokens, logprobs, k, temperatu
     ]
 
 
-# --- a request on the engines ----------------------------------------------------------------------------------------
+# --- a request on the engines -----------------------------------------------------------------------------------------
 
 
 def _pick_replica(state, num_samples):
@@ -282,39 +282,7 @@ async def generate(state, ids, settings, stops, parts=False, logprobs=None, trac
             replica.in_flight -= req.num_samples
 
 
-# --- a trace of every request: one log line, the metrics ------------------------------------------------------------
-
-log = logging.getLogger("nanorl.serve")
-
-
-class RequestLog:
-    """ASGI middleware: gives each request a Trace (request.state.trace, its id in the x-request-id header), and
-    when its response has ended logs one line (id, method, path, status, tokens in/out, time to first token, time)
-    and counts it in the stats by route and status."""
-
-    def __init__(self, app, stats):
-        self.app, self.stats = app, stats
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        trace = Trace(scope["method"], scope["path"])
-        scope.setdefault("state", {})["trace"] = trace
-
-        async def send_traced(msg):
-            if msg["type"] == "http.response.start":
-                trace.status = msg["status"]
-                msg = {**msg, "headers": [*msg.get("headers", []), (b"x-request-id", trace.id.encode())]}
-            await send(msg)
-
-        try:
-            await self.app(scope, receive, send_traced)
-        finally:
-            took = time.perf_counter() - trace.start
-            route = getattr(scope.get("route"), "path", "other")  # the route's template: no label per unknown path
-            self.stats.answered[(route, trace.status)] += 1
-            self.stats.duration.observe(took)
-            log.info(trace.line(took))
+# --- the metrics in Prometheus' text format ---------------------------------------------------------------------------
 
 
 def prometheus_text(state):
@@ -332,133 +300,119 @@ def prometheus_text(state):
         out.extend([f"nanorl_{name}_sum {h.sum}", f"nanorl_{name}_count {h.count}"])
 
     answered = sorted(st.answered.items())
-    metric("http_requests_total", "counter", "HTTP requests answered, by route and status.",
-           [(f'{{route="{r}",status="{s}"}}', n) for (r, s), n in answered])
+    metric(
+        "http_requests_total",
+        "counter",
+        "HTTP requests answered, by route and status.",
+        [(f'{{route="{r}",status="{s}"}}', n) for (r, s), n in answered],
+    )
     metric("prompt_tokens_total", "counter", "Prompt tokens of the generation requests.", [("", st.prompt_tokens)])
     metric("generation_tokens_total", "counter", "Tokens generated.", [("", st.tokens)])
-    metric("requests_cancelled_total", "counter", "Generations cut short by a disconnect or an error.",
-           [("", st.cancelled)])
-    metric("samples_running", "gauge", "Samples in flight on the engines.",
-           [("", sum(r.in_flight for r in state.replicas))])
-    metric("queue_length", "gauge", "Requests waiting for an engine slot.",
-           [("", sum(len(r.engine.pending) for r in state.replicas))])
+    metric(
+        "requests_cancelled_total",
+        "counter",
+        "Generations cut short by a disconnect or an error.",
+        [("", st.cancelled)],
+    )
+    metric(
+        "samples_running",
+        "gauge",
+        "Samples in flight on the engines.",
+        [("", sum(r.in_flight for r in state.replicas))],
+    )
+    metric(
+        "queue_length",
+        "gauge",
+        "Requests waiting for an engine slot.",
+        [("", sum(len(r.engine.pending) for r in state.replicas))],
+    )
     histogram("time_to_first_token_seconds", "Seconds from a request's arrival to its first generated token.", st.ttft)
     histogram("request_duration_seconds", "Seconds from a request's arrival to the end of its response.", st.duration)
     return "\n".join(out) + "\n"
 
 
-# --- slow clients ----------------------------------------------------------------------------------------------------
-# uvicorn closes a kept-alive connection that stays silent after a response (its timeout_keep_alive), but it has no
-# deadline for a request's headers or body: a client that connects and says nothing, or trickles its bytes, holds a
-# connection (and, for a body, a task) forever, and no uvicorn setting bounds that. So: HeaderDeadline times each
-# connection from when it opens (or its last response ends) until its next request reaches the app, and BodyGuard
-# bounds the time and size of each body and tells the connection's HeaderDeadline when a request begins and ends.
+# --- OpenAI responses from a request's events -------------------------------------------------------------------------
 
 
-class HeaderDeadline(asyncio.Protocol):
-    """One connection: uvicorn's h11 protocol inside (reached only through asyncio's Protocol interface), and a timer
-    that answers 408 and closes the connection if the next request's headers are not all in within `timeout` s.
-    `open` maps (client, server) addresses, as an ASGI scope names them, to the connection's deadline."""
-
-    def __init__(self, timeout, open, **uvicorn_args):
-        from uvicorn.protocols.http.h11_impl import H11Protocol  # what uvicorn's http="h11" would build
-
-        self.inner, self.timeout, self.open = H11Protocol(**uvicorn_args), timeout, open
-        self.transport, self.timer, self.key = None, None, None
-        body = error_body(f"the request headers did not arrive within {timeout:g}s", code="request_timeout")
-        self.reply = json.dumps(body).encode()
-
-    def connection_made(self, transport):
-        self.transport = transport
-        peer, own = transport.get_extra_info("peername"), transport.get_extra_info("sockname")
-        if isinstance(peer, tuple) and isinstance(own, tuple):
-            self.key = (peer[0], peer[1], own[0], own[1])
-            self.open[self.key] = self
-        self.arm()
-        self.inner.connection_made(transport)
-
-    def data_received(self, data):
-        self.inner.data_received(data)
-
-    def eof_received(self):
-        return self.inner.eof_received()
-
-    def pause_writing(self):
-        self.inner.pause_writing()
-
-    def resume_writing(self):
-        self.inner.resume_writing()
-
-    def connection_lost(self, exc):
-        self.disarm()
-        self.open.pop(self.key, None)
-        self.inner.connection_lost(exc)
-
-    def arm(self):
-        """Between requests: the next one's headers must arrive in time."""
-        self.disarm()
-        if not self.transport.is_closing():
-            self.timer = asyncio.get_running_loop().call_later(self.timeout, self.too_slow)
-
-    def disarm(self):
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-
-    def too_slow(self):
-        self.timer = None
-        if not self.transport.is_closing():
-            head = b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
-            self.transport.write(head + b"content-length: %d\r\n\r\n" % len(self.reply) + self.reply)
-            self.transport.close()
+def sse(obj):
+    return f"data: {json.dumps(obj)}\n\n"
 
 
-class BodyGuard:
-    """ASGI middleware: read each request's whole body within `timeout` seconds and at most max_bytes, else answer
-    408 / 413 and close, so a client that trickles its body cannot hold a connection and a task forever. The app
-    then reads the buffered body (and later receive() calls, e.g. a disconnect, come from the connection). While the
-    app has the request, the connection's header deadline (if it has one: see HeaderDeadline) is off."""
+def event_stream(events):
+    return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    def __init__(self, app, timeout, max_bytes, open):
-        self.app, self.timeout, self.max_bytes, self.open = app, timeout, max_bytes, open
 
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        client, server = scope.get("client") or ("", 0), scope.get("server") or ("", 0)
-        conn = self.open.get((*client, *server))
-        if conn is not None:
-            conn.disarm()
+def failure(st, e, trace):
+    """An error after the stream began: this request's error event (other requests go on)."""
+    st.stats.errors += 1
+    trace.error = f"{type(e).__name__}: {e}"
+    if isinstance(e, BadRequest):
+        return error_body(e.message, param=e.param, code=e.code)
+    if isinstance(e, EngineError):
+        return error_body(str(e), "server_error", code="engine_error")
+    return error_body(f"internal error: {type(e).__name__}: {e}", "server_error", code="internal_error")
+
+
+def usage(prompt, completion):
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def chat_logprobs(content):
+    return None if content is None else {"content": content, "refusal": None}
+
+
+def text_logprobs(content):
+    """logprobs.content -> the legacy completions API's logprobs: tokens, token_logprobs, top_logprobs (token ->
+    logprob), text_offset (where each token starts in the sample's text)."""
+    if content is None:
+        return None
+    starts = [0]
+    for e in content[:-1]:
+        starts.append(starts[-1] + len(e["token"]))
+    return {
+        "tokens": [e["token"] for e in content],
+        "token_logprobs": [e["logprob"] for e in content],
+        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in content],
+        "text_offset": starts,
+    }
+
+
+def openai_stream(st, trace, events, head, with_usage, delta, end, opening=()):
+    """stream: true -> SSE chunks: `opening` choices, a choice delta(sample, text) per text piece, end(sample,
+    finish_reason, logprobs.content) as each sample ends, with include_usage a last chunk of usage and no choices,
+    then [DONE]. events: the generate() stream of this request."""
+
+    def chunk(choices, **extra):
+        return sse({**head, "choices": choices, **({"usage": None} if with_usage else {}), **extra})
+
+    async def chunks():
+        for choice in opening:
+            yield chunk([choice])
         try:
-            await self._call(scope, receive, send)
-        finally:
-            if conn is not None:
-                conn.arm()
+            async for ev in events:
+                if ev[0] == "delta":
+                    yield chunk([delta(ev[1], ev[3])])
+                elif ev[0] == "end":  # a sample's log-probs come with its finish_reason, all at once
+                    yield chunk([end(ev[1], ev[2], ev[3])])
+                elif with_usage:
+                    yield chunk([], usage=usage(trace.prompt_tokens, ev[1]))
+            st.stats.requests += 1
+        except Exception as e:
+            yield sse(failure(st, e, trace))
+        yield "data: [DONE]\n\n"
 
-    def _refuse(self, status, message, code):
-        return JSONResponse(error_body(message, code=code), status, headers={"connection": "close"})
+    return event_stream(chunks())
 
-    async def _call(self, scope, receive, send):
-        loop = asyncio.get_running_loop()
-        deadline, chunks, size = loop.time() + self.timeout, [], 0
-        while True:
-            try:
-                msg = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
-            except asyncio.TimeoutError:
-                late = f"the request body did not arrive within {self.timeout:g}s"
-                return await self._refuse(408, late, "request_timeout")(scope, receive, send)
-            if msg["type"] == "http.disconnect":
-                return
-            chunks.append(msg.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_bytes:
-                reply = self._refuse(413, f"the request body is over {self.max_bytes} bytes", "request_too_large")
-                return await reply(scope, receive, send)
-            if not msg.get("more_body", False):
-                break
-        body = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
 
-        async def replay():
-            return body.pop() if body else await receive()
-
-        await self.app(scope, replay, send)
+async def collect(st, events, n):
+    """stream: false -> each sample's text, finish_reason and logprobs.content, and the completion tokens."""
+    texts, finish, contents, tokens = [""] * n, [None] * n, [None] * n, 0
+    async for ev in events:
+        if ev[0] == "delta":
+            texts[ev[1]] += ev[3]
+        elif ev[0] == "end":
+            finish[ev[1]], contents[ev[1]] = ev[2], ev[3]
+        else:
+            tokens = ev[1]
+    st.stats.requests += 1
+    return texts, finish, contents, tokens

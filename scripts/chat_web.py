@@ -20,12 +20,12 @@ OpenAI error object {"error": {"message", "type", "param", "code"}}; every reque
 in/out, time). The request bodies and prompt fitting are in nanorl/openai_api.py, the engine side (replicas, text
 streams, metrics, slow-client guards) in nanorl/serving.py.
 """
+
 import dataclasses
 import errno
 import functools
 import hmac
 import importlib.metadata
-import json
 import logging
 import os
 import socket
@@ -37,7 +37,7 @@ import uvicorn
 from fastapi import APIRouter, Depends, FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
@@ -45,6 +45,7 @@ from nanorl import openai_api
 from nanorl.checkpoint import load_model
 from nanorl.common import ArgumentParser, autodetect_device_type, number_in
 from nanorl.engine import Engine
+from nanorl.middleware import BodyGuard, HeaderDeadline, RequestLog
 from nanorl.openai_api import (
     BadRequest,
     ChatRequest,
@@ -58,14 +59,19 @@ from nanorl.openai_api import (
     validation_error,
 )
 from nanorl.serving import (
-    BodyGuard,
     EngineError,
-    HeaderDeadline,
     Replica,
-    RequestLog,
     ServerState,
+    chat_logprobs,
+    collect,
+    event_stream,
+    failure,
     generate,
+    openai_stream,
     prometheus_text,
+    sse,
+    text_logprobs,
+    usage,
 )
 
 UI_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "nanorl", "ui.html")
@@ -116,17 +122,6 @@ async def on_engine_error(request, e):
     return error(500, str(e), code="engine_error")
 
 
-def failure(st, e, trace):
-    """An error after the stream began: this request's error event (other requests go on)."""
-    st.stats.errors += 1
-    trace.error = f"{type(e).__name__}: {e}"
-    if isinstance(e, BadRequest):
-        return error_body(e.message, param=e.param, code=e.code)
-    if isinstance(e, EngineError):
-        return error_body(str(e), "server_error", code="engine_error")
-    return error_body(f"internal error: {type(e).__name__}: {e}", "server_error", code="internal_error")
-
-
 # --- helpers ----------------------------------------------------------------------------------------------------------
 
 
@@ -135,8 +130,12 @@ async def require_api_key(request: HTTPRequest):
     key = state(request).config.api_key
     sent = request.headers.get("authorization", "").encode()
     if key and not hmac.compare_digest(sent, f"Bearer {key}".encode()):
-        raise BadRequest("a missing or wrong API key: send the header 'Authorization: Bearer <key>' with the key "
-                         "chat_web was started with (--api-key)", code="invalid_api_key", status=401)
+        raise BadRequest(
+            "a missing or wrong API key: send the header 'Authorization: Bearer <key>' with the key "
+            "chat_web was started with (--api-key)",
+            code="invalid_api_key",
+            status=401,
+        )
 
 
 api = APIRouter(dependencies=[Depends(require_api_key)])  # the routes an API key guards
@@ -148,17 +147,14 @@ async def in_thread(request, fn, *args):
     return await run_in_threadpool(fn, await request.body(), st.tokenizer, st.config, *args)
 
 
-def sse(obj):
-    return f"data: {json.dumps(obj)}\n\n"
-
-
-def event_stream(events):
-    return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-
 def model_card(st):
-    return {"id": st.config.model, "object": "model", "created": int(st.stats.start), "owned_by": "nanorl",
-            "context_length": st.max_len}
+    return {
+        "id": st.config.model,
+        "object": "model",
+        "created": int(st.stats.start),
+        "owned_by": "nanorl",
+        "context_length": st.max_len,
+    }
 
 
 # --- the page and the server's own endpoints --------------------------------------------------------------------------
@@ -180,13 +176,29 @@ async def health(request: HTTPRequest):
 @router.get("/stats")
 async def stats(request: HTTPRequest):
     st = state(request)
-    per = [{"replica": i, "device": r.name, "in_flight_samples": r.in_flight, "requests": r.served,
-            "busy_slots": sum(s is not None for s in r.engine.slots), "batch_size": r.engine.batch_size,
-            "queued": len(r.engine.pending)} for i, r in enumerate(st.replicas)]
+    per = [
+        {
+            "replica": i,
+            "device": r.name,
+            "in_flight_samples": r.in_flight,
+            "requests": r.served,
+            "busy_slots": sum(s is not None for s in r.engine.slots),
+            "batch_size": r.engine.batch_size,
+            "queued": len(r.engine.pending),
+        }
+        for i, r in enumerate(st.replicas)
+    ]
     s = st.stats
-    return {"requests_served": s.requests, "errors": s.errors, "cancelled": s.cancelled, "tokens_generated": s.tokens,
-            "tokens_per_s": round(s.tokens_per_s(), 2), "queue_length": sum(p["queued"] for p in per),
-            "uptime_s": round(time.time() - s.start, 1), "replicas": per}
+    return {
+        "requests_served": s.requests,
+        "errors": s.errors,
+        "cancelled": s.cancelled,
+        "tokens_generated": s.tokens,
+        "tokens_per_s": round(s.tokens_per_s(), 2),
+        "queue_length": sum(p["queued"] for p in per),
+        "uptime_s": round(time.time() - s.start, 1),
+        "replicas": per,
+    }
 
 
 @router.get("/metrics")
@@ -228,8 +240,13 @@ async def ui_info(request: HTTPRequest):
     # the page reserves its max_tokens beside the conversation (leaving out the oldest turns to make room): by default
     # a quarter of the context, so that a small model keeps its history (a 256-token one asked for 512 would keep none)
     default = min(st.config.max_tokens, max(1, st.max_len // 4))
-    return {"model": st.config.model, "context_length": st.max_len, "max_tokens": st.config.max_tokens,
-            "default_max_tokens": default, "api_key": st.config.api_key is not None}
+    return {
+        "model": st.config.model,
+        "context_length": st.max_len,
+        "max_tokens": st.config.max_tokens,
+        "default_max_tokens": default,
+        "api_key": st.config.api_key is not None,
+    }
 
 
 @api.post("/ui/chat")
@@ -259,68 +276,6 @@ async def ui_chat(request: HTTPRequest):
 # --- the OpenAI API: chat and text completions ------------------------------------------------------------------------
 
 
-def _usage(prompt, completion):
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-def _chat_logprobs(content):
-    return None if content is None else {"content": content, "refusal": None}
-
-
-def _text_logprobs(content):
-    """logprobs.content -> the legacy completions API's logprobs: tokens, token_logprobs, top_logprobs (token ->
-    logprob), text_offset (where each token starts in the sample's text)."""
-    if content is None:
-        return None
-    starts = [0]
-    for e in content[:-1]:
-        starts.append(starts[-1] + len(e["token"]))
-    return {"tokens": [e["token"] for e in content], "token_logprobs": [e["logprob"] for e in content],
-            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in content],
-            "text_offset": starts}
-
-
-def openai_stream(st, trace, events, head, with_usage, delta, end, opening=()):
-    """stream: true -> SSE chunks: `opening` choices, a choice delta(sample, text) per text piece, end(sample,
-    finish_reason, logprobs.content) as each sample ends, with include_usage a last chunk of usage and no choices,
-    then [DONE]. events: the generate() stream of this request."""
-
-    def chunk(choices, **extra):
-        return sse({**head, "choices": choices, **({"usage": None} if with_usage else {}), **extra})
-
-    async def chunks():
-        for choice in opening:
-            yield chunk([choice])
-        try:
-            async for ev in events:
-                if ev[0] == "delta":
-                    yield chunk([delta(ev[1], ev[3])])
-                elif ev[0] == "end":  # a sample's log-probs come with its finish_reason, all at once
-                    yield chunk([end(ev[1], ev[2], ev[3])])
-                elif with_usage:
-                    yield chunk([], usage=_usage(trace.prompt_tokens, ev[1]))
-            st.stats.requests += 1
-        except Exception as e:
-            yield sse(failure(st, e, trace))
-        yield "data: [DONE]\n\n"
-
-    return event_stream(chunks())
-
-
-async def collect(st, events, n):
-    """stream: false -> each sample's text, finish_reason and logprobs.content, and the completion tokens."""
-    texts, finish, contents, tokens = [""] * n, [None] * n, [None] * n, 0
-    async for ev in events:
-        if ev[0] == "delta":
-            texts[ev[1]] += ev[3]
-        elif ev[0] == "end":
-            finish[ev[1]], contents[ev[1]] = ev[2], ev[3]
-        else:
-            tokens = ev[1]
-    st.stats.requests += 1
-    return texts, finish, contents, tokens
-
-
 @api.post("/v1/chat/completions")
 async def chat_completions(request: HTTPRequest):
     st, trace = state(request), request.state.trace
@@ -331,16 +286,29 @@ async def chat_completions(request: HTTPRequest):
     n = settings["num_samples"]
     if req.stream:
         return openai_stream(
-            st, trace, events, {**head, "object": "chat.completion.chunk"},
+            st,
+            trace,
+            events,
+            {**head, "object": "chat.completion.chunk"},
             req.stream_options is not None and req.stream_options.include_usage,
             delta=lambda i, text: {"index": i, "delta": {"content": text}, "logprobs": None, "finish_reason": None},
-            end=lambda i, why, lp: {"index": i, "delta": {}, "logprobs": _chat_logprobs(lp), "finish_reason": why},
-            opening=[{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                      "finish_reason": None} for i in range(n)])
+            end=lambda i, why, lp: {"index": i, "delta": {}, "logprobs": chat_logprobs(lp), "finish_reason": why},
+            opening=[
+                {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                for i in range(n)
+            ],
+        )
     texts, finish, contents, tokens = await collect(st, events, n)
-    choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]},
-                "logprobs": _chat_logprobs(contents[i]), "finish_reason": finish[i]} for i in range(n)]
-    return {**head, "object": "chat.completion", "choices": choices, "usage": _usage(len(ids), tokens)}
+    choices = [
+        {
+            "index": i,
+            "message": {"role": "assistant", "content": texts[i]},
+            "logprobs": chat_logprobs(contents[i]),
+            "finish_reason": finish[i],
+        }
+        for i in range(n)
+    ]
+    return {**head, "object": "chat.completion", "choices": choices, "usage": usage(len(ids), tokens)}
 
 
 @api.post("/v1/completions")
@@ -349,18 +317,29 @@ async def completions(request: HTTPRequest):
     st, trace = state(request), request.state.trace
     req, ids, settings = await in_thread(request, prepare_completion, st.max_len)
     events = generate(st, ids, settings, stop_strings(req), logprobs=req.logprobs, trace=trace)
-    head = {"id": f"cmpl-{trace.id}", "object": "text_completion", "created": int(time.time()),
-            "model": st.config.model}
+    head = {
+        "id": f"cmpl-{trace.id}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": st.config.model,
+    }
     if req.stream:
         return openai_stream(
-            st, trace, events, head, req.stream_options is not None and req.stream_options.include_usage,
+            st,
+            trace,
+            events,
+            head,
+            req.stream_options is not None and req.stream_options.include_usage,
             delta=lambda i, text: {"index": i, "text": text, "logprobs": None, "finish_reason": None},
-            end=lambda i, why, lp: {"index": i, "text": "", "logprobs": _text_logprobs(lp), "finish_reason": why})
+            end=lambda i, why, lp: {"index": i, "text": "", "logprobs": text_logprobs(lp), "finish_reason": why},
+        )
     n = settings["num_samples"]
     texts, finish, contents, tokens = await collect(st, events, n)
-    choices = [{"index": i, "text": texts[i], "logprobs": _text_logprobs(contents[i]), "finish_reason": finish[i]}
-               for i in range(n)]
-    return {**head, "choices": choices, "usage": _usage(len(ids), tokens)}
+    choices = [
+        {"index": i, "text": texts[i], "logprobs": text_logprobs(contents[i]), "finish_reason": finish[i]}
+        for i in range(n)
+    ]
+    return {**head, "choices": choices, "usage": usage(len(ids), tokens)}
 
 
 # --- the app and its server -------------------------------------------------------------------------------------------
@@ -378,8 +357,9 @@ def create_app(engines, tokenizer, config=None):
     app = FastAPI(title="nanorl", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.nanorl = ServerState(replicas, tokenizer, config, min(e.max_len for e in engines), page)
     app.state.connections = {}  # the open connections' header deadlines (server_config), for BodyGuard
-    app.add_middleware(BodyGuard, timeout=config.body_timeout, max_bytes=config.max_body_bytes,
-                       open=app.state.connections)
+    app.add_middleware(
+        BodyGuard, timeout=config.body_timeout, max_bytes=config.max_body_bytes, open=app.state.connections
+    )
     app.add_middleware(RequestLog, stats=app.state.nanorl.stats)  # outermost: it sees BodyGuard's refusals too
     app.add_exception_handler(BadRequest, on_bad_request)
     app.add_exception_handler(EngineError, on_engine_error)
@@ -418,8 +398,9 @@ def load_engines(args):
     engines, tokenizer, meta = [], None, {}
     for dev in devices:
         try:
-            model, tokenizer, meta = load_model(args.source, dev, phase="eval", model_tag=args.model_tag,
-                                                step=args.model_step, hf_model=args.hf_model)
+            model, tokenizer, meta = load_model(
+                args.source, dev, phase="eval", model_tag=args.model_tag, step=args.model_step, hf_model=args.hf_model
+            )
         except (FileNotFoundError, ValueError) as e:
             sys.exit(f"could not load the {args.source} model: {e}")
         engines.append(Engine(model, tokenizer, batch_size=args.batch_size))
@@ -428,31 +409,65 @@ def load_engines(args):
 
 def parse_args(argv=None):
     parser = ArgumentParser(description="Serve a nanorl model: chat page + OpenAI-compatible API")
-    parser.add_argument("-i", "--source", type=str, default="sft", choices=["base", "mid", "sft", "rl"],
-                        help="which model")
+    parser.add_argument(
+        "-i", "--source", type=str, default="sft", choices=["base", "mid", "sft", "rl"], help="which model"
+    )
     parser.add_argument("-g", "--model-tag", type=str, default=None, help="model tag; None picks the newest")
-    parser.add_argument("-s", "--model-step", "--step", type=number_in(int, 0), default=None,
-                        help="checkpoint step; None picks the last")
-    parser.add_argument("--hf-model", type=str, default=None, metavar="DIR",
-                        help="serve a Hugging Face model directory instead of --source")
-    parser.add_argument("--host", type=str, default="127.0.0.1",
-                        help="address to listen on; 0.0.0.0 serves other machines")
-    parser.add_argument("-p", "--port", type=number_in(int, 0, 65535), default=8000,
-                        help="port to listen on (0: any free one)")
-    parser.add_argument("-n", "--num-gpus", type=number_in(int, 1), default=1,
-                        help="one engine replica per GPU (CPU: always one)")
-    parser.add_argument("-b", "--batch-size", type=number_in(int, 1), default=32,
-                        help="engine slots per replica (concurrent samples)")
-    parser.add_argument("-m", "--max-tokens", type=number_in(int, 1), default=512,
-                        help="the most tokens a request may generate (and what a request that names none gets)")
-    parser.add_argument("--device-type", type=str, default=None, choices=["cuda", "cpu", "mps"],
-                        help="None detects the device")
-    parser.add_argument("--header-timeout", type=number_in(float, 0.01), default=10.0,
-                        help="seconds a client has to send a request's headers before it is disconnected")
-    parser.add_argument("--body-timeout", type=number_in(float, 0.01), default=30.0,
-                        help="seconds a client has to send a request's body (then 408)")
-    parser.add_argument("--api-key", type=str, default=os.environ.get("NANORL_API_KEY"),
-                        help="if set, the API and the page need 'Authorization: Bearer KEY' (default: $NANORL_API_KEY)")
+    parser.add_argument(
+        "-s",
+        "--model-step",
+        "--step",
+        type=number_in(int, 0),
+        default=None,
+        help="checkpoint step; None picks the last",
+    )
+    parser.add_argument(
+        "--hf-model",
+        type=str,
+        default=None,
+        metavar="DIR",
+        help="serve a Hugging Face model directory instead of --source",
+    )
+    parser.add_argument(
+        "--host", type=str, default="127.0.0.1", help="address to listen on; 0.0.0.0 serves other machines"
+    )
+    parser.add_argument(
+        "-p", "--port", type=number_in(int, 0, 65535), default=8000, help="port to listen on (0: any free one)"
+    )
+    parser.add_argument(
+        "-n", "--num-gpus", type=number_in(int, 1), default=1, help="one engine replica per GPU (CPU: always one)"
+    )
+    parser.add_argument(
+        "-b", "--batch-size", type=number_in(int, 1), default=32, help="engine slots per replica (concurrent samples)"
+    )
+    parser.add_argument(
+        "-m",
+        "--max-tokens",
+        type=number_in(int, 1),
+        default=512,
+        help="the most tokens a request may generate (and what a request that names none gets)",
+    )
+    parser.add_argument(
+        "--device-type", type=str, default=None, choices=["cuda", "cpu", "mps"], help="None detects the device"
+    )
+    parser.add_argument(
+        "--header-timeout",
+        type=number_in(float, 0.01),
+        default=10.0,
+        help="seconds a client has to send a request's headers before it is disconnected",
+    )
+    parser.add_argument(
+        "--body-timeout",
+        type=number_in(float, 0.01),
+        default=30.0,
+        help="seconds a client has to send a request's body (then 408)",
+    )
+    parser.add_argument(
+        "--api-key",
+        type=str,
+        default=os.environ.get("NANORL_API_KEY"),
+        help="if set, the API and the page need 'Authorization: Bearer KEY' (default: $NANORL_API_KEY)",
+    )
     return parser.parse_args(argv)
 
 
@@ -480,13 +495,20 @@ def main():
     sock = bind(args.host, args.port)
     engines, tokenizer, meta, devices = load_engines(args)
     name = f"nanorl-{args.source}-{meta.get('model_tag', 'model')}"
-    config = ServeConfig(max_tokens=args.max_tokens, model=name, base=args.source == "base",
-                         body_timeout=args.body_timeout, api_key=args.api_key or None)
+    config = ServeConfig(
+        max_tokens=args.max_tokens,
+        model=name,
+        base=args.source == "base",
+        body_timeout=args.body_timeout,
+        api_key=args.api_key or None,
+    )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")  # one line per request (RequestLog)
     app = create_app(engines, tokenizer, config)
     url = f"http://{args.host}:{sock.getsockname()[1]}"  # --port 0: the port the system picked
-    print(f"serving {name} on {len(engines)} replica(s) ({', '.join(map(str, devices))}) at {url} "
-          f"(OpenAI API: {url}/v1)", flush=True)
+    print(
+        f"serving {name} on {len(engines)} replica(s) ({', '.join(map(str, devices))}) at {url} (OpenAI API: {url}/v1)",
+        flush=True,
+    )
     uvicorn.Server(server_config(app, args.host, args.port, args.header_timeout)).run(sockets=[sock])
 
 
