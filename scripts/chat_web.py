@@ -465,8 +465,9 @@ def parse_args(argv=None):
     parser.add_argument(
         "--api-key",
         type=str,
-        default=os.environ.get("NANORL_API_KEY"),
-        help="if set, the API and the page need 'Authorization: Bearer KEY' (default: $NANORL_API_KEY)",
+        default=None,
+        help="if set, the API and the page need 'Authorization: Bearer KEY'; $NANORL_API_KEY also sets it (and keeps "
+        "it out of the process list)",
     )
     return parser.parse_args(argv)
 
@@ -500,7 +501,7 @@ def main():
         model=name,
         base=args.source == "base",
         body_timeout=args.body_timeout,
-        api_key=args.api_key or None,
+        api_key=args.api_key or os.environ.get("NANORL_API_KEY") or None,
     )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")  # one line per request (RequestLog)
     app = create_app(engines, tokenizer, config)

@@ -1131,7 +1131,7 @@ def test_cli_flags(monkeypatch, capsys):
 
 def test_port_in_use_is_one_line_and_port_0_is_reported(server):
     """chat_web binds before it loads the model: a taken port ends in one line naming it, at once; --port 0 prints
-    the port the system picked, and the server answers there."""
+    the port the system picked, and the server answers there (with the API key $NANORL_API_KEY gave it)."""
     env = {**os.environ, "NANORL_BASE_DIR": str(server["base_dir"]), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "scripts.chat_web", "-i", "sft", "--device-type", "cpu", "-b", "2", "-m", "8"]
     with socket.socket() as taken:
@@ -1141,8 +1141,8 @@ def test_port_in_use_is_one_line_and_port_0_is_reported(server):
         out = subprocess.run(cmd + ["-p", str(port)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and out.stdout == "", out
     assert out.stderr == f"port {port} is in use on 127.0.0.1: stop the server there or pick another --port\n"
-    proc = subprocess.Popen(cmd + ["-p", "0"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(cmd + ["-p", "0"], cwd=ROOT, env={**env, "NANORL_API_KEY": "k3y"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
         assert line.startswith("serving nanorl-sft-t on 1 replica(s) (cpu) at http://127.0.0.1:"), line
@@ -1156,6 +1156,9 @@ def test_port_in_use_is_one_line_and_port_0_is_reported(server):
             except httpx.ConnectError:  # printed just before uvicorn starts listening
                 assert time.time() - t0 < 30 and proc.poll() is None
                 time.sleep(0.1)
+        assert httpx.get(url + "/v1/models", timeout=5).status_code == 401
+        key = {"Authorization": "Bearer k3y"}
+        assert httpx.get(url + "/v1/models", headers=key, timeout=5).json()["data"][0]["id"] == "nanorl-sft-t"
     finally:
         proc.terminate()
         proc.wait(30)
