@@ -267,8 +267,6 @@ async def generate(state, ids, settings, stops, parts=False, logprobs=None, trac
                     trace.ttft = time.perf_counter() - trace.start
                     state.stats.ttft.observe(trace.ttft)
             if all(s.done for s in samples):
-                if trace is not None:
-                    trace.completion_tokens = sum(s.count for s in samples)
                 yield ("usage", sum(s.count for s in samples))
                 break
             if not events:
@@ -278,6 +276,10 @@ async def generate(state, ids, settings, stops, parts=False, logprobs=None, trac
             handle.cancel()  # a disconnect, an error or a stop string: free the slots now
             if not all(s.done for s in samples):
                 state.stats.cancelled += 1  # the client went away (or it failed) mid-generation
+                if trace is not None and trace.error is None:
+                    trace.error = "cancelled before the end (the client went away)"
+        if trace is not None:
+            trace.completion_tokens = sum(s.count for s in samples)
         with state.lock:
             replica.in_flight -= req.num_samples
 

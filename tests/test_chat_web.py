@@ -360,7 +360,9 @@ def test_twenty_concurrent_clients(server):
     assert wait_idle(engine)
 
 
-def test_disconnect_frees_the_slot(server):
+def test_disconnect_frees_the_slot(server, caplog):
+    import logging
+    caplog.set_level(logging.INFO, logger="nanorl.serve")
     engine, stats = server["engine"], server["app"].state.nanorl.stats
     cancelled = stats.cancelled
     body = json.dumps({"messages": user(), "max_tokens": 64, "stream": True}).encode()
@@ -380,6 +382,9 @@ def test_disconnect_frees_the_slot(server):
             assert time.time() - t0 < 10, "the server did not notice the disconnect"
             time.sleep(0.01)
     assert wait_idle(engine), "the disconnected request still holds a slot"
+    while not any("cancelled before the end (the client went away)" in r.getMessage() for r in caplog.records):
+        assert time.time() - t0 < 15, "the request's log line does not say it was cut short"
+        time.sleep(0.05)
 
 
 def test_replicas_share_the_load(server):
