@@ -382,7 +382,7 @@ def check_ids(ids, tokenizer, param):
         )
 
 
-def prompt_ids(prompt, tokenizer, config, max_len, bos=True):
+def prompt_ids(prompt, tokenizer, config, max_len):
     """A completion's prompt (text, or token ids kept as they are) -> ids, refused if it leaves no room to generate.
     Text too long for the context is refused by its size alone (config.token_bytes), before tokenising."""
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
@@ -399,7 +399,7 @@ def prompt_ids(prompt, tokenizer, config, max_len, bos=True):
                 "prompt",
                 "context_length_exceeded",
             )
-        ids = tokenizer.encode(prompt, prepend="<|bos|>" if bos else None)
+        ids = tokenizer.encode(prompt, prepend="<|bos|>")  # a document starts with it
     else:
         ids = list(prompt)
         check_ids(ids, tokenizer, "prompt")

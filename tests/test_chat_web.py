@@ -892,6 +892,15 @@ def test_metrics_version_and_a_log_line_per_request(server, caplog):
     assert any(x.startswith(missing.headers["x-request-id"] + " GET /nope 404 ") for x in lines)
 
 
+def test_histogram_counts_by_hand():
+    from nanorl.serving import Histogram
+    h = Histogram([0.01, 0.1, 1])
+    for x in (0.005, 0.01, 0.03, 0.3, 50):
+        h.observe(x)
+    # cumulative, as Prometheus' buckets are: <= 0.01: 2, <= 0.1: 3, <= 1: 4; +Inf is the count
+    assert h.counts == [2, 3, 4] and h.count == 5 and h.sum == pytest.approx(50.345)
+
+
 def test_api_key(server, tmp_path):
     """--api-key: the API and the page's stream need the bearer key; the page, /health, /metrics and /version
     do not. The page shows a key field and sends what is typed there."""
