@@ -11,11 +11,13 @@ Benchmarks on a random-init model of a given size: print the numbers, then one f
     python -m scripts.bench rl --depth 2 --prompts 4 --samples 4 --prompt-len 32 --new-tokens 32 --vocab-size 4096 --threads 1  # CPU
     python -m scripts.bench hf --arch qwen2 --size 0.5b --batches 1 64 256  # Qwen2.5-0.5B's shape, random weights
     python -m scripts.bench hf --size tiny --batches 1 2 --prompt-len 8 --new-tokens 8 --rl-prompt-len 8 --rl-new-tokens 8  # CPU
+    python -m scripts.bench serve http://127.0.0.1:8000 --clients 64 --max-tokens 128  # a running chat_web server
 """
 import argparse
 import json
 import os
 import resource
+import threading
 import time
 
 import torch
@@ -453,6 +455,63 @@ def bench_hf(args):
                       "peak_mem_gb": round(max(load_mem, rl_mem) if device_type == "cuda" else rl_mem, 3)}))
 
 
+def load_test(url, clients, max_tokens, prompt="Tell me a story about a robot."):
+    """Hit a running chat_web server with `clients` concurrent streaming requests (one each) and measure aggregate
+    tokens/s (from /stats: the tokens the engine generated, not text chunks) and time to first token p50/p95."""
+    import httpx  # a dev dependency: only this benchmark needs it
+
+    ttft, errors = [], []
+    before = httpx.get(url + "/stats").json()["tokens_generated"]
+    barrier = threading.Barrier(clients)
+    # one shared client, made up front: a new httpx client per request builds an SSL context (~tens of ms of
+    # CPU each), which would be counted as time to first token
+    http = httpx.Client(timeout=600, limits=httpx.Limits(max_connections=clients, max_keepalive_connections=clients))
+
+    def client(i):
+        body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "stream": True, "seed": i}
+        barrier.wait()  # all start together, as a burst of users would
+        t0 = time.perf_counter()
+        try:
+            with http.stream("POST", url + "/v1/chat/completions", json=body) as r:
+                first = None
+                for line in r.iter_lines():
+                    text = line.startswith("data: {") and '"content": "' in line and '"content": ""' not in line
+                    if first is None and text:
+                        first = time.perf_counter() - t0
+                ttft.append(first if first is not None else time.perf_counter() - t0)
+        except Exception as e:
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    http.close()
+    tokens = httpx.get(url + "/stats").json()["tokens_generated"] - before
+    ttft.sort()
+    pct = lambda q: ttft[min(len(ttft) - 1, int(q * len(ttft)))] if ttft else float("nan")  # noqa: E731
+    return dict(tokens=tokens, wall=wall, ttft_p50=pct(0.5), ttft_p95=pct(0.95), errors=errors)
+
+
+def bench_serve(args):
+    """Load-test a running chat_web server (python -m scripts.chat_web ...): tok/s and time to first token."""
+    url = args.url.rstrip("/")
+    r = load_test(url, args.clients, args.max_tokens)
+    print(f"{args.clients} clients x max_tokens={args.max_tokens}: {r['tokens']} tokens in {r['wall']:.2f}s = "
+          f"{r['tokens'] / r['wall']:.1f} tok/s aggregate, TTFT p50 {r['ttft_p50'] * 1000:.0f} ms, "
+          f"p95 {r['ttft_p95'] * 1000:.0f} ms, {len(r['errors'])} errors")
+    for e in r["errors"][:3]:
+        print(f"  error: {e}")
+    print(json.dumps({"bench": "serve", "url": url, "clients": args.clients, "max_tokens": args.max_tokens,
+                      "tokens": r["tokens"], "wall_s": round(r["wall"], 6),
+                      "tok_per_s": round(r["tokens"] / r["wall"], 2),
+                      "ttft_p50_s": round(r["ttft_p50"], 6), "ttft_p95_s": round(r["ttft_p95"], 6),
+                      "errors": len(r["errors"])}))
+
+
 def model_and_device_args(p):
     """The flags every benchmark shares: the random-init model's shape (besides --depth) and where it runs."""
     p.add_argument("--n-kv-head", type=positive_int, default=None, help="KV heads (default: as many as query heads)")
@@ -511,6 +570,11 @@ def main():
     p.add_argument("--device-type", type=str, default=None, help="cuda|cpu|mps (default: autodetect)")
     p.add_argument("--threads", type=positive_int, default=None, help="CPU threads")
     p.set_defaults(func=bench_hf)
+    p = sub.add_parser("serve", help="load-test a running chat_web server: aggregate tok/s, time to first token")
+    p.add_argument("url", type=str, help="the server, e.g. http://127.0.0.1:8000")
+    p.add_argument("--clients", type=positive_int, default=64, help="concurrent streaming clients, one request each")
+    p.add_argument("--max-tokens", type=positive_int, default=128, help="max_tokens of each request")
+    p.set_defaults(func=bench_serve)
     args = parser.parse_args()
     args.func(args)
 

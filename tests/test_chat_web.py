@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import threading
+import re
 import time
 import urllib.request
 from pathlib import Path
@@ -30,6 +31,7 @@ def server(tmp_path_factory):
     from nanorl.engine import Engine
     from nanorl.gpt import GPTConfig, build_model as build_gpt
     from nanorl.tokenizer import get_tokenizer
+    from nanorl.openai_api import ServeConfig
     from scripts.chat_web import create_app
 
     old = os.environ.get("NANORL_BASE_DIR")
@@ -50,7 +52,7 @@ def server(tmp_path_factory):
         else:
             os.environ["NANORL_BASE_DIR"] = old
     engine = Engine(model, tokenizer, batch_size=8)
-    app = create_app([engine], tokenizer, dict(max_tokens=64, model="tiny"))
+    app = create_app([engine], tokenizer, ServeConfig(max_tokens=64, model="tiny"))
     with serve(app) as url:
         yield dict(url=url, engine=engine, app=app, model=model, tokenizer=tokenizer, base_dir=d)
 
@@ -157,7 +159,7 @@ def test_page_stream_and_index(server):
 
 def test_tool_parts_are_typed(server):
     # force a tool call through the parts renderer directly: <|python_start|>2+3<|python_end|><|output_start|>5<|output_end|>
-    from scripts.chat_web import _SampleText
+    from nanorl.serving import SampleText as _SampleText
     tok = server["tokenizer"]
     sp = tok.encode_special
     s = _SampleText(tok, [], parts=True)
@@ -203,7 +205,10 @@ MALFORMED = [
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages.0.content"),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "python", "text": "1+1"}]}]}, 400, "parts must have type 'text'"),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "hi"}]}, 400, "expected 'user'"),
-    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}] * 2}, 400, "expected 'assistant'"),
+    # consecutive messages of one role are merged (as OpenAI accepts them), so a system message between two user
+    # messages is what breaks the user/assistant alternation
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}, {"role": "system", "content": "x"},
+                                                   {"role": "user", "content": "hi"}]}, 400, "expected 'assistant'"),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": 7}]}, 400, "messages.0.content"),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages.0.content"),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "system", "content": "be nice"}]}, 400, "last message must be from the user"),
@@ -270,7 +275,8 @@ def test_malformed_requests_get_openai_errors(server):
         r = httpx.request(method, server["url"] + path, timeout=30, **kw)
         err = r.json().get("error") if r.headers.get("content-type") == "application/json" else None
         if not (r.status_code == status and isinstance(err, dict) and set(err) == {"message", "type", "param", "code"}
-                and fragment in err["message"] and err["type"] == "invalid_request_error"):
+                and fragment in err["message"] and err["type"] == "invalid_request_error"
+                and isinstance(err["code"], str) and err["code"]):  # every error names a code
             wrong.append((method, path, str(body)[:80], r.status_code, r.text[:300]))
     print(f"{len(MALFORMED)} malformed requests tried, {len(MALFORMED) - len(wrong)} got their 4xx with an OpenAI error")
     assert not wrong, wrong
@@ -284,10 +290,10 @@ def test_malformed_requests_get_openai_errors(server):
 
 def test_base_model_prompt(server):
     # a base model gets the last message as plain text after <|bos|>, no chat tokens
-    from scripts.chat_web import DEFAULT_LIMITS, ChatRequest, prepare
+    from nanorl.openai_api import ChatRequest, ServeConfig, prepare
     tok = server["tokenizer"]
     body = json.dumps({"messages": user("The sky is"), "max_tokens": 5}).encode()
-    req, ids, settings, dropped = prepare(body, ChatRequest, tok, {**DEFAULT_LIMITS, "base": True}, 256)
+    req, ids, settings, dropped = prepare(body, tok, ServeConfig(base=True), 256, ChatRequest)
     assert ids == tok.encode("The sky is", prepend="<|bos|>") and settings["max_tokens"] == 5 and dropped == 0
     assert req.stop is None and not req.stream
 
@@ -306,6 +312,20 @@ def test_health_models_stats(server):
     st = httpx.get(server["url"] + "/stats").json()
     assert st["requests_served"] >= 1 and st["tokens_generated"] >= 1 and st["tokens_per_s"] > 0
     assert st["queue_length"] == 0 and st["replicas"][0]["batch_size"] == 8 and "busy_slots" in st["replicas"][0]
+
+
+def test_bench_serve_load_test(server, capsys):
+    """`bench serve`: 6 streaming clients at once; the tokens it reports are what /stats counted for them (each
+    client's completion_tokens), and every client saw a first token."""
+    from scripts.bench import bench_serve, load_test
+    r = load_test(server["url"], 6, 5)
+    assert r["errors"] == [] and 6 <= r["tokens"] <= 30 and r["wall"] > 0
+    assert 0 < r["ttft_p50"] <= r["ttft_p95"] <= r["wall"]
+    bench_serve(type("Args", (), dict(url=server["url"] + "/", clients=2, max_tokens=3))())
+    lines = capsys.readouterr().out.strip().splitlines()
+    out = json.loads(lines[-1])
+    assert out["bench"] == "serve" and out["clients"] == 2 and out["errors"] == 0 and 2 <= out["tokens"] <= 6
+    assert lines[0].startswith(f"2 clients x max_tokens=3: {out['tokens']} tokens in ")
 
 
 # --- concurrency and disconnects ----------------------------------------------------------------
@@ -340,8 +360,10 @@ def test_twenty_concurrent_clients(server):
     assert wait_idle(engine)
 
 
-def test_disconnect_frees_the_slot(server):
-    engine, stats = server["engine"], server["app"].state.nanorl["stats"]
+def test_disconnect_frees_the_slot(server, caplog):
+    import logging
+    caplog.set_level(logging.INFO, logger="nanorl.serve")
+    engine, stats = server["engine"], server["app"].state.nanorl.stats
     cancelled = stats.cancelled
     body = json.dumps({"messages": user(), "max_tokens": 64, "stream": True}).encode()
     port = int(server["url"].rsplit(":", 1)[1])
@@ -360,15 +382,19 @@ def test_disconnect_frees_the_slot(server):
             assert time.time() - t0 < 10, "the server did not notice the disconnect"
             time.sleep(0.01)
     assert wait_idle(engine), "the disconnected request still holds a slot"
+    while not any("cancelled before the end (the client went away)" in r.getMessage() for r in caplog.records):
+        assert time.time() - t0 < 15, "the request's log line does not say it was cut short"
+        time.sleep(0.05)
 
 
 def test_replicas_share_the_load(server):
     """--num-gpus N makes N engines; a request goes to the one with the fewest samples in flight."""
     from nanorl.engine import Engine
+    from nanorl.openai_api import ServeConfig
     from scripts.chat_web import create_app
     engines = [Engine(server["model"], server["tokenizer"], batch_size=4) for _ in range(2)]
-    app = create_app(engines, server["tokenizer"], dict(max_tokens=64))
-    replicas = app.state.nanorl["replicas"]
+    app = create_app(engines, server["tokenizer"], ServeConfig(max_tokens=64))
+    replicas = app.state.nanorl.replicas
     with serve(app) as url:
         def client(i):
             httpx.post(url + "/v1/chat/completions", json={"messages": user(), "max_tokens": 32, "seed": i}, timeout=60)
@@ -446,7 +472,9 @@ class CDP:
         return self.call("Runtime.evaluate", expression=expr, returnByValue=True)["result"].get("value")
 
 
-def test_browser_chat(server, tmp_path):
+@contextlib.contextmanager
+def browser_page(url, tmp_path, model):
+    """Headless Chromium on the page at url, once it has loaded and shows the model's name: a CDP client to it."""
     chromium = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
     if chromium is None:
         pytest.skip("no chromium on PATH (tests/run.sh installs Debian's chromium when run as root)")
@@ -454,7 +482,7 @@ def test_browser_chat(server, tmp_path):
     proc = subprocess.Popen([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                              "--disable-component-update", "--no-first-run", "--disable-dev-shm-usage",
                              f"--user-data-dir={profile}", "--remote-debugging-port=0", "--window-size=420,800",
-                             server["url"] + "/"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             url + "/"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         t0 = time.time()
         while not (profile / "DevToolsActivePort").exists() or len((profile / "DevToolsActivePort").read_text().split()) < 2:
@@ -463,7 +491,7 @@ def test_browser_chat(server, tmp_path):
         port = (profile / "DevToolsActivePort").read_text().split()[0]
         while True:  # the page target appears once the tab is created
             targets = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=10).read())
-            pages = [t for t in targets if t["type"] == "page" and t["url"].startswith(server["url"])]
+            pages = [t for t in targets if t["type"] == "page" and t["url"].startswith(url)]
             if pages:
                 break
             assert time.time() - t0 < 30, targets
@@ -472,10 +500,36 @@ def test_browser_chat(server, tmp_path):
         while cdp.eval("document.readyState") != "complete" or not cdp.eval("!!document.getElementById('send')"):
             assert time.time() - t0 < 30
             time.sleep(0.1)
-        while "tiny" not in (cdp.eval("document.getElementById('model').textContent") or ""):  # the checkpoint's name
+        while model not in (cdp.eval("document.getElementById('model').textContent") or ""):  # the checkpoint's name
             assert time.time() - t0 < 30
             time.sleep(0.05)
-        assert cdp.eval("document.getElementById('maxtokens').value") == "64"  # the server's limit
+        yield cdp
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def page_send(cdp, text, timeout=40):
+    """Type text into the page, send it and wait until the reply has finished streaming: the reply's text."""
+    n = cdp.eval("document.querySelectorAll('.msg.assistant').length")
+    cdp.eval(f"document.getElementById('input').value = {json.dumps(text)}")
+    cdp.eval("document.getElementById('send').click()")
+    t0 = time.time()
+    while cdp.eval("document.querySelectorAll('.msg.assistant').length") == n \
+            or cdp.eval("!!document.querySelector('.msg.assistant.streaming')"):
+        assert time.time() - t0 < timeout, "the reply did not finish"
+        time.sleep(0.05)
+    return cdp.eval("[...document.querySelectorAll('.msg.assistant')].pop().textContent")
+
+
+def test_browser_chat(server, tmp_path):
+    with browser_page(server["url"], tmp_path, "tiny") as cdp:
+        t0 = time.time()
+        assert cdp.eval("document.getElementById('maxtokens').value") == "64"  # the server's limit (a quarter of 256)
+        assert cdp.eval("document.getElementById('keylabel').offsetParent") is None  # no --api-key: no key field
         cdp.eval("document.getElementById('temperature').value = '1.0'")
         cdp.eval("document.getElementById('input').value = 'Hello there'")
         cdp.eval("document.getElementById('send').click()")
@@ -490,7 +544,7 @@ def test_browser_chat(server, tmp_path):
         assert text, "no streamed assistant text appeared"
         assert "Error" not in text
         # Stop: freeze the engine so the reply cannot finish first, send, click Stop; the server must cancel it
-        engine, stats = server["engine"], server["app"].state.nanorl["stats"]
+        engine, stats = server["engine"], server["app"].state.nanorl.stats
         cancelled = stats.cancelled
         with engine.step_lock:
             cdp.eval("document.getElementById('input').value = 'Another one'")
@@ -524,12 +578,37 @@ def test_browser_chat(server, tmp_path):
         out = Path(os.environ.get("NANORL_SCREENSHOT_DIR", tmp_path))
         out.mkdir(parents=True, exist_ok=True)
         (out / "chat_web.png").write_bytes(shot)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+
+
+def test_browser_keeps_history_on_a_small_context(server, tmp_path):
+    """A server allowing replies of 512 tokens on a 256-token model (the speedrun's): the page's default max_tokens
+    reserves a quarter of the context, so short turns keep their history (no notice, nothing greyed out); when turns
+    really no longer fit, one notice counts all that was left out."""
+    from nanorl.engine import Engine
+    from nanorl.openai_api import ServeConfig
+    from scripts.chat_web import create_app
+    app = create_app([Engine(server["model"], server["tokenizer"], batch_size=2)], server["tokenizer"],
+                     ServeConfig(max_tokens=512, model="small"))
+    with serve(app) as url, browser_page(url, tmp_path, "small") as cdp:
+        assert cdp.eval("document.getElementById('maxtokens').value") == "64"
+        assert cdp.eval("document.getElementById('maxtokens').max") == "512"
+        cdp.eval("document.getElementById('temperature').value = '0'")
+        for text in ("Hi", "What did I ask you first?"):
+            page_send(cdp, text)
+        conv = json.loads(cdp.eval("JSON.stringify(conversation)"))
+        assert len(conv) == 4 and conv[0]["content"] == "Hi"  # the second request carried the first turn
+        assert cdp.eval("document.querySelectorAll('.notice, .msg.dropped').length") == 0
+        # (the random model's replies re-tokenise longer than they were generated: a third turn might not fit)
+        assert len(server["tokenizer"].render_for_completion({"messages": conv[:3]})) + 64 <= 256
+        # long turns: the oldest go, twice, and one notice counts them all
+        for i in range(2):
+            turns = json.dumps([{"role": r, "content": f"{r} {i} " + "word " * 40} for r in ("user", "assistant")] * 2)
+            cdp.eval(f"{turns}.forEach(m => {{ conversation.push(m); bubbles.push(bubble(m.role, m.content)); }})")
+            page_send(cdp, f"And now {i}?")
+        dropped = cdp.eval("document.querySelectorAll('.msg.dropped').length")
+        assert dropped >= 4 and cdp.eval("document.querySelectorAll('.notice').length") == 1
+        assert cdp.eval("conversation.length") == 4 + 2 * 6 - dropped  # each round: 4 long, a question, a reply
+        assert cdp.eval("document.querySelector('.notice').textContent").startswith(f"{dropped} earliest messages")
 
 
 # --- the official openai client -------------------------------------------------------------------
@@ -620,6 +699,245 @@ def test_openai_client(server):
         client.chat.completions.create(model="tiny", messages=user() + [{"role": "tool", "content": "5"}])
 
 
+def test_openai_client_habits(server):
+    """What OpenAI and vLLM accept, through the real `openai` client: messages[].name, consecutive messages of one
+    role, content as a list of text parts, top_k -1; an image part is a 400 naming the part; a lone surrogate is a
+    400, not a 500."""
+    import openai
+    client = openai.OpenAI(base_url=server["url"] + "/v1", api_key="none", max_retries=0, timeout=30)
+
+    def chat(messages, **kw):
+        r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0, **kw)
+        return r.choices[0].message.content, r.usage.prompt_tokens
+
+    plain = chat([{"role": "user", "content": "hello"}])
+    # a speaker name: accepted; nanorl's chat format has no place for it, so the prompt is the same
+    assert chat([{"role": "user", "content": "hello", "name": "ada"}]) == plain
+    # text parts join into the text
+    assert chat([{"role": "user", "content": [{"type": "text", "text": "hel"}, {"type": "text", "text": "lo"}]}]) == plain
+    # consecutive messages of one role become one, joined by a blank line (system and developer are one role)
+    merged = chat([{"role": "system", "content": "Be brief."}, {"role": "developer", "content": "Be kind."},
+                   {"role": "user", "content": "hi"}, {"role": "user", "content": "there"}])
+    assert merged == chat([{"role": "system", "content": "Be brief.\n\nBe kind."}, {"role": "user", "content": "hi\n\nthere"}])
+    tok = server["tokenizer"]
+    want = tok.render_for_completion({"messages": [{"role": "system", "content": "Be brief.\n\nBe kind."},
+                                                   {"role": "user", "content": "hi\n\nthere"}]})
+    assert merged[1] == len(want)
+    two = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "assistant", "content": "c"},
+           {"role": "user", "content": "d"}]
+    assert chat(two) == chat([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b\n\nc"},
+                              {"role": "user", "content": "d"}])
+    # top_k -1 is "no top-k": the same sample as sending none
+    sample = lambda **kw: client.chat.completions.create(model="tiny", messages=user(), max_tokens=12, temperature=1.0,
+                                                         seed=5, **kw).choices[0].message.content
+    assert sample(extra_body={"top_k": -1}) == sample()
+    with pytest.raises(openai.BadRequestError, match="top_k") as e:
+        sample(extra_body={"top_k": 0})
+    assert e.value.body["code"] == "invalid_value"
+    # an image part: a 400 naming the part
+    with pytest.raises(openai.BadRequestError, match="part 1 has type 'image_url': this model reads text only") as e:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": [
+            {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "data:,"}}]}])
+    assert e.value.body["param"] == "messages" and e.value.body["code"] == "invalid_value"
+    # a lone surrogate, in a content or in a key: 400 naming where (the client's own JSON encoder cannot send one)
+    url = server["url"] + "/v1/chat/completions"
+    for body, where in [('{"messages": [{"role": "user", "content": "hi \\ud800"}]}', "'messages.0.content': character 3"),
+                        ('{"messages": [{"role": "user", "content": "hi"}], "\\udc00x": 1}', "'\\udc00x': character 0")]:
+        r = httpx.post(url, content=body, headers={"content-type": "application/json"}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_unicode", r.text
+        assert r.json()["error"]["message"].startswith(where + " is a lone surrogate"), r.text
+
+
+def greedy_ids(model, ids, n, stop):
+    """The model's own greedy continuation of ids, n tokens or up to stop: the reference the engine must match."""
+    import torch
+    out = []
+    with torch.no_grad():
+        for _ in range(n):
+            t = int(model(torch.tensor([ids + out]))[0, -1].argmax())
+            if t == stop:
+                break
+            out.append(t)
+    return out
+
+
+def test_text_completions(server):
+    """/v1/completions through the real `openai` client: a document's continuation (from <|bos|>, up to the next),
+    greedy = the model's own argmax tokens; token-id prompts, streaming with usage, n, stop, legacy logprobs."""
+    import openai
+    import torch
+    client = openai.OpenAI(base_url=server["url"] + "/v1", api_key="none", max_retries=0, timeout=30)
+    tok, model = server["tokenizer"], server["model"]
+    ids = tok.encode("The sky is", prepend="<|bos|>")
+    ref = greedy_ids(model, ids, 10, tok.get_bos_token_id())
+    from nanorl.tokenizer import SPECIAL_TOKENS
+    assert len(ref) == 10 and all(t < tok.vocab_size - len(SPECIAL_TOKENS) for t in ref)  # no special tokens
+    r = client.completions.create(model="tiny", prompt="The sky is", max_tokens=10, temperature=0)
+    assert r.object == "text_completion" and r.id.startswith("cmpl-") and r.model == "tiny"
+    assert r.choices[0].text == tok.decode(ref) and r.choices[0].finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), 10)
+    assert client.completions.create(model="tiny", prompt=ids, max_tokens=10, temperature=0).choices[0].text == \
+        r.choices[0].text  # token ids are taken as they are
+    assert client.completions.create(model="tiny", prompt=[ids], max_tokens=10, temperature=0).choices[0].text == \
+        r.choices[0].text
+    d = client.completions.create(model="tiny", prompt="The sky is", temperature=0)  # OpenAI's default: 16 tokens
+    assert d.usage.completion_tokens == 16 and d.choices[0].text.startswith(r.choices[0].text)
+    # streaming, with the usage chunk last
+    chunks = list(client.completions.create(model="tiny", prompt="The sky is", max_tokens=10, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    # n samples with a seed, reproducible; a stop string
+    two = client.completions.create(model="tiny", prompt="Hi", max_tokens=6, n=2, seed=3)
+    assert [c.index for c in two.choices] == [0, 1]
+    assert [c.text for c in client.completions.create(model="tiny", prompt="Hi", max_tokens=6, n=2, seed=3).choices] \
+        == [c.text for c in two.choices]
+    text = r.choices[0].text
+    cut = client.completions.create(model="tiny", prompt="The sky is", max_tokens=10, temperature=0, stop=text[3:5])
+    assert cut.choices[0].text == text[:text.find(text[3:5])] and cut.choices[0].finish_reason == "stop"
+    # the legacy API's logprobs against a forward of the model
+    lp = client.completions.create(model="tiny", prompt="The sky is", max_tokens=4, temperature=0, logprobs=2)
+    got = lp.choices[0].logprobs
+    with torch.no_grad():
+        want = torch.log_softmax(model(torch.tensor([ids + ref[:4]]))[0, len(ids) - 1:-1].float(), -1)
+    assert "".join(got.tokens) == lp.choices[0].text and got.text_offset[0] == 0
+    assert got.text_offset == [sum(len(t) for t in got.tokens[:i]) for i in range(4)]
+    for t, row in enumerate(want):
+        assert abs(got.token_logprobs[t] - row[ref[t]].item()) < 1e-4
+        top = row.topk(2)
+        assert list(got.top_logprobs[t].values()) == pytest.approx(top.values.tolist(), abs=1e-4)
+    # what it refuses, each with its own error
+    for kw, cls, fragment in [(dict(prompt=["a", "b"]), openai.BadRequestError, "one prompt per request (got 2)"),
+                              (dict(prompt=[1, 10**6]), openai.BadRequestError, "token 1000000 at 1 is not in"),
+                              (dict(prompt="hi", max_tokens=65), openai.BadRequestError, "'max_tokens' must be <= 64"),
+                              (dict(prompt="word " * 1500), openai.BadRequestError, "over the context of 256"),
+                              (dict(prompt="hi", echo=True), openai.BadRequestError, "unsupported parameter 'echo'"),
+                              (dict(prompt="hi", model="gpt-4o"), openai.NotFoundError, "does not exist")]:
+        with pytest.raises(cls, match=re.escape(fragment)) as e:
+            client.completions.create(**{"model": "tiny", **kw})
+        assert e.value.body["code"]
+
+
+def test_tokenize_detokenize(server):
+    url, tok = server["url"], server["tokenizer"]
+    ids = tok.encode("The sky is", prepend="<|bos|>")
+    assert httpx.post(url + "/tokenize", json={"prompt": "The sky is"}).json() == \
+        {"tokens": ids, "count": len(ids), "max_model_len": 256}
+    assert httpx.post(url + "/tokenize", json={"prompt": "The sky is", "add_special_tokens": False}).json()["tokens"] \
+        == ids[1:]
+    # messages: the prompt the chat endpoint generates from (its usage.prompt_tokens), even over the context
+    conv = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    got = httpx.post(url + "/tokenize", json={"messages": conv}).json()
+    assert got["tokens"] == tok.render_for_completion({"messages": conv})
+    chat = httpx.post(url + "/v1/chat/completions", json={"messages": conv, "max_tokens": 2}).json()
+    assert chat["usage"]["prompt_tokens"] == got["count"]
+    assert httpx.post(url + "/tokenize", json={"prompt": "word " * 1500}).json()["count"] > 256
+    assert httpx.post(url + "/detokenize", json={"tokens": ids[1:]}).json() == {"prompt": "The sky is"}
+    for path, body, fragment in [("/tokenize", {}, "either 'prompt' or 'messages'"),
+                                 ("/tokenize", {"prompt": "a", "messages": conv}, "either 'prompt' or 'messages'"),
+                                 ("/detokenize", {"tokens": [5, -1]}, "'tokens': token -1 at 1 is not in"),
+                                 ("/detokenize", {"tokens": "abc"}, "'tokens'")]:
+        r = httpx.post(url + path, json=body)
+        assert r.status_code == 400 and fragment in r.json()["error"]["message"] and r.json()["error"]["code"], r.text
+
+
+def test_metrics_version_and_a_log_line_per_request(server, caplog):
+    """/metrics in Prometheus' text format (read by prometheus_client's own parser) counts what was served; every
+    request logs one line with its id (the x-request-id header), status, tokens in/out and time."""
+    import logging
+    from prometheus_client.parser import text_string_to_metric_families
+    from nanorl.engine import Engine
+    from nanorl.openai_api import ServeConfig
+    from scripts.chat_web import create_app
+    caplog.set_level(logging.INFO, logger="nanorl.serve")
+    app = create_app([Engine(server["model"], server["tokenizer"], batch_size=2)], server["tokenizer"],
+                     ServeConfig(max_tokens=16, model="m"))
+    with serve(app) as url:
+        chat = httpx.post(url + "/v1/chat/completions", json={"messages": user(), "max_tokens": 5}, timeout=30)
+        body = {"messages": user("x"), "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", url + "/v1/chat/completions", timeout=30, json=body) as r:
+            streamed = json.loads(sse_data(r.read().decode())[-2])["usage"]
+        text = httpx.post(url + "/v1/completions", json={"prompt": "The", "max_tokens": 3}, timeout=30)
+        bad = httpx.post(url + "/v1/chat/completions", json={"messages": []}, timeout=30)
+        missing = httpx.get(url + "/nope")
+        version = httpx.get(url + "/version").json()
+        r = httpx.get(url + "/metrics")
+    assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for fam in text_string_to_metric_families(r.text) for s in fam.samples}
+    route = lambda path, status: ("nanorl_http_requests_total", (("route", path), ("status", status)))  # noqa: E731
+    assert samples[route("/v1/chat/completions", "200")] == 2 and samples[route("/v1/chat/completions", "400")] == 1
+    assert samples[route("/v1/completions", "200")] == 1 and samples[route("other", "404")] == 1
+    assert samples[route("/version", "200")] == 1
+    usages = [chat.json()["usage"], streamed, text.json()["usage"]]
+    assert samples[("nanorl_prompt_tokens_total", ())] == sum(u["prompt_tokens"] for u in usages)
+    assert samples[("nanorl_generation_tokens_total", ())] == sum(u["completion_tokens"] for u in usages)
+    assert samples[("nanorl_queue_length", ())] == 0 and samples[("nanorl_samples_running", ())] == 0
+    ttft = {dict(k[1])["le"]: v for k, v in samples.items() if k[0] == "nanorl_time_to_first_token_seconds_bucket"}
+    assert ttft["+Inf"] == 3 == samples[("nanorl_time_to_first_token_seconds_count", ())]
+    counts = list(ttft.values())
+    assert counts == sorted(counts) and samples[("nanorl_time_to_first_token_seconds_sum", ())] > 0
+    assert samples[("nanorl_request_duration_seconds_count", ())] == 6  # all but /metrics itself
+    assert version["version"] == "0.1.0" and version["model"] == "m"
+    # one log line per request: id, method, path, status, tokens in/out, time to first token, time
+    lines = [rec.getMessage() for rec in caplog.records if rec.name == "nanorl.serve"]
+    assert len(lines) == 7, lines
+    rid = chat.headers["x-request-id"]
+    assert chat.json()["id"] == f"chatcmpl-{rid}"
+    line = next(x for x in lines if x.startswith(rid))
+    u = chat.json()["usage"]
+    assert re.fullmatch(rf"{rid} POST /v1/chat/completions 200 in={u['prompt_tokens']} "
+                        rf"out={u['completion_tokens']} ttft=\d+\.\d{{3}}s \d+\.\d{{3}}s", line), line
+    assert any(x.startswith(bad.headers["x-request-id"] + " POST /v1/chat/completions 400 ") for x in lines)
+    assert any(x.startswith(missing.headers["x-request-id"] + " GET /nope 404 ") for x in lines)
+
+
+def test_histogram_counts_by_hand():
+    from nanorl.serving import Histogram
+    h = Histogram([0.01, 0.1, 1])
+    for x in (0.005, 0.01, 0.03, 0.3, 50):
+        h.observe(x)
+    # cumulative, as Prometheus' buckets are: <= 0.01: 2, <= 0.1: 3, <= 1: 4; +Inf is the count
+    assert h.counts == [2, 3, 4] and h.count == 5 and h.sum == pytest.approx(50.345)
+
+
+def test_api_key(server, tmp_path):
+    """--api-key: the API and the page's stream need the bearer key; the page, /health, /metrics and /version
+    do not. The page shows a key field and sends what is typed there."""
+    import openai
+    from nanorl.engine import Engine
+    from nanorl.openai_api import ServeConfig
+    from scripts.chat_web import create_app
+    app = create_app([Engine(server["model"], server["tokenizer"], batch_size=2)], server["tokenizer"],
+                     ServeConfig(max_tokens=8, model="k", api_key="sekret"))
+    with serve(app) as url:
+        with pytest.raises(openai.AuthenticationError, match="API key") as e:
+            openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
+        assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+        client = openai.OpenAI(base_url=url + "/v1", api_key="sekret", max_retries=0, timeout=30)
+        assert [m.id for m in client.models.list()] == ["k"]
+        assert client.chat.completions.create(model="k", messages=user(), max_tokens=2).choices[0].message.role \
+            == "assistant"
+        assert client.completions.create(model="k", prompt="a", max_tokens=2).usage.completion_tokens >= 1
+        for path in ("/ui/chat", "/tokenize", "/detokenize", "/v1/chat/completions"):
+            r = httpx.post(url + path, json={"messages": user()})
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (path, r.text)
+        ok = httpx.post(url + "/ui/chat", json={"messages": user(), "max_tokens": 2},
+                        headers={"Authorization": "Bearer sekret"}, timeout=30)
+        assert ok.status_code == 200 and sse_data(ok.text)[-1] == "[DONE]"
+        for path in ("/", "/health", "/metrics", "/version"):
+            assert httpx.get(url + path).status_code == 200, path
+        assert httpx.get(url + "/ui/info").json()["api_key"] is True
+        with browser_page(url, tmp_path, "k") as cdp:
+            assert cdp.eval("document.getElementById('keylabel').offsetParent !== null")  # shown
+            page_send(cdp, "hi")
+            assert "API key" in cdp.eval("document.querySelector('.msg.assistant .error').textContent")
+            cdp.eval("document.getElementById('apikey').value = 'sekret'")
+            reply = page_send(cdp, "hi again")
+            assert reply and "Error" not in reply and cdp.eval("conversation.length") == 2
+    assert httpx.get(server["url"] + "/ui/info").json()["api_key"] is False
+
+
 # --- hardening: slow clients, big conversations, a failing request --------------------------------
 
 def _port(url):
@@ -640,9 +958,10 @@ def _read_until_closed(s, limit):
 def test_slow_clients_are_cut_off(server):
     """A client that trickles its headers or its body gets a 408 and is disconnected at the deadline (1 s here)."""
     from nanorl.engine import Engine
+    from nanorl.openai_api import ServeConfig
     from scripts.chat_web import create_app
-    app = create_app([Engine(server["model"], server["tokenizer"], batch_size=2)], server["tokenizer"],
-                     dict(max_tokens=8, body_timeout=1.0))
+    engine = Engine(server["model"], server["tokenizer"], batch_size=2)
+    app = create_app([engine], server["tokenizer"], ServeConfig(max_tokens=8, body_timeout=1.0))
     with serve(app, header_timeout=1.0) as url:
         port = _port(url)
         idle = socket.create_connection(("127.0.0.1", port))  # connects and says nothing
@@ -683,6 +1002,18 @@ def test_slow_clients_are_cut_off(server):
         # a prompt client on a 1 s deadline is not affected
         r = httpx.post(url + "/v1/chat/completions", json={"messages": user(), "max_tokens": 4}, timeout=10)
         assert r.status_code == 200
+        # nor is one the server takes longer than the deadline to answer (the deadline is off while the app has it),
+        # and its kept-alive connection is timed again afterwards
+        with httpx.Client(timeout=10) as c:
+            with engine.step_lock:
+                slow = threading.Thread(target=lambda: results.append(
+                    c.post(url + "/v1/chat/completions", json={"messages": user(), "max_tokens": 4})))
+                results = []
+                slow.start()
+                time.sleep(1.6)
+            slow.join(10)
+            assert results[0].status_code == 200 and results[0].json()["choices"][0]["message"]["role"] == "assistant"
+            assert c.get(url + "/health").status_code == 200  # the same connection, kept alive
 
 
 class SlowTokenizer:
@@ -702,23 +1033,28 @@ class SlowTokenizer:
 
 def test_tokenising_does_not_block_the_server(server):
     from nanorl.engine import Engine
+    from nanorl.openai_api import ServeConfig
     from scripts.chat_web import create_app
     slow = SlowTokenizer(server["tokenizer"])
-    app = create_app([Engine(server["model"], server["tokenizer"], batch_size=4)], slow, dict(max_tokens=4))
+    app = create_app([Engine(server["model"], server["tokenizer"], batch_size=4)], slow, ServeConfig(max_tokens=4))
     with serve(app) as url:
         done = []
-        threads = [threading.Thread(target=lambda: done.append(httpx.post(
-            url + "/v1/chat/completions", json={"messages": user(), "max_tokens": 2}, timeout=30).status_code)) for _ in range(4)]
+        # clients made up front: a new httpx client builds an SSL context (~0.1 s of CPU, in this process), which
+        # would be counted as the server's latency
+        posts, polls = httpx.Client(timeout=30), httpx.Client(timeout=5)
+        threads = [threading.Thread(target=lambda: done.append(posts.post(
+            url + "/v1/chat/completions", json={"messages": user(), "max_tokens": 2}).status_code)) for _ in range(4)]
         for t in threads:
             t.start()
         time.sleep(0.1)
         worst = 0.0
         while any(t.is_alive() for t in threads):
             t0 = time.perf_counter()
-            assert httpx.get(url + "/health", timeout=5).status_code == 200
+            assert polls.get(url + "/health").status_code == 200
             worst = max(worst, time.perf_counter() - t0)
             time.sleep(0.05)
         assert done == [200] * 4
+        print(f"/health took at most {worst * 1000:.0f} ms while 4 conversations were tokenised")
         assert worst < 0.25, f"/health took {worst:.2f}s while conversations were being tokenised"
         # a conversation far over the context is refused from its size alone, before the (slow) tokenizer runs
         huge = [{"role": r, "content": "x" * 8000} for _ in range(50) for r in ("user", "assistant")] + user()
@@ -761,9 +1097,10 @@ def test_an_engine_failure_ends_only_its_request(server):
         t.join(30)
     assert results["bad"].status_code == 500
     assert results["bad"].json()["error"] == {"message": "the engine failed while generating this request",
-                                             "type": "server_error", "param": None, "code": None}
+                                             "type": "server_error", "param": None, "code": "engine_error"}
     assert results["good"].status_code == 200 and results["good"].json()["choices"][0]["finish_reason"] in ("stop", "length")
     assert json.loads(results["bad_stream"][-2])["error"]["type"] == "server_error" and results["bad_stream"][-1] == "[DONE]"
+    assert json.loads(results["bad_stream"][-2])["error"]["code"] == "engine_error"
     assert wait_idle(engine)
     again = httpx.post(url, json={"messages": user("two"), "max_tokens": 8, "seed": 3}, timeout=30)
     assert again.json()["choices"] == results["good"].json()["choices"]
@@ -808,6 +1145,41 @@ def test_cli_flags(monkeypatch, capsys):
                        (("-n", "x"), "-n/--num-gpus")]:
         code, _, err = run(*args)
         assert code == 2 and err.splitlines()[-1].startswith(f"chat_web: error: argument {flag}:"), err
+
+
+def test_port_in_use_is_one_line_and_port_0_is_reported(server):
+    """chat_web binds before it loads the model: a taken port ends in one line naming it, at once; --port 0 prints
+    the port the system picked, and the server answers there (with the API key $NANORL_API_KEY gave it)."""
+    env = {**os.environ, "NANORL_BASE_DIR": str(server["base_dir"]), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "scripts.chat_web", "-i", "sft", "--device-type", "cpu", "-b", "2", "-m", "8"]
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run(cmd + ["-p", str(port)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and out.stdout == "", out
+    assert out.stderr == f"port {port} is in use on 127.0.0.1: stop the server there or pick another --port\n"
+    proc = subprocess.Popen(cmd + ["-p", "0"], cwd=ROOT, env={**env, "NANORL_API_KEY": "k3y"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("serving nanorl-sft-t on 1 replica(s) (cpu) at http://127.0.0.1:"), line
+        url = line.split(" at ")[1].split()[0]
+        assert not url.endswith(":0")
+        t0 = time.time()
+        while True:
+            try:
+                assert httpx.get(url + "/health", timeout=5).json()["status"] == "ok"
+                break
+            except httpx.ConnectError:  # printed just before uvicorn starts listening
+                assert time.time() - t0 < 30 and proc.poll() is None
+                time.sleep(0.1)
+        assert httpx.get(url + "/v1/models", timeout=5).status_code == 401
+        key = {"Authorization": "Bearer k3y"}
+        assert httpx.get(url + "/v1/models", headers=key, timeout=5).json()["data"][0]["id"] == "nanorl-sft-t"
+    finally:
+        proc.terminate()
+        proc.wait(30)
 
 
 # --- chat_cli in a terminal -------------------------------------------------------------------------

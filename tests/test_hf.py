@@ -286,6 +286,7 @@ def test_chat_web_serves_an_open_model(tmp_path):
     writes for the same chat, cut at the model's end-of-turn token."""
     from fastapi.testclient import TestClient
     from nanorl.checkpoint import load_model
+    from nanorl.openai_api import ServeConfig
     from scripts.chat_web import create_app
     # no spare embedding rows here: a random model would otherwise write tokens that decode to nothing
     ref = tiny_hf("qwen2", tmp_path, vocab=tiny_tokenizer(tmp_path))
@@ -298,7 +299,7 @@ def test_chat_web_serves_an_open_model(tmp_path):
                            eos_token_id=end, pad_token_id=end)[0, x.size(1):].tolist()
     want = tok.decode([t for t in out if t != end])
     assert len(want) > 5  # a real reply to compare, not an immediate end of turn
-    app = create_app([Engine(model, tok, batch_size=2)], tok, dict(max_tokens=64, model=meta["model_tag"]))
+    app = create_app([Engine(model, tok, batch_size=2)], tok, ServeConfig(max_tokens=64, model=meta["model_tag"]))
     try:
         with TestClient(app) as client:
             r = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 12, "temperature": 0})
