@@ -13,7 +13,8 @@ from contextlib import nullcontext
 
 import torch
 
-from nanorl.checkpoint import delete_step, find_last_step, load_checkpoint, load_weights, model_path, resume_point, save_checkpoint
+from nanorl.checkpoint import (delete_step, find_last_step, load_checkpoint, load_weights, model_config, model_path, resume_point,
+                               save_checkpoint)
 from nanorl.common import (ETA, ArgumentParser, add_logging_args, autocast_ctx, compute_cleanup, compute_init, fraction, get_base_dir,
                            get_logger, get_peak_flops, int_or_off, nonneg_float, nonneg_int, positive_float, positive_int, print0,
                            synchronize)
@@ -110,7 +111,7 @@ if args.fsdp:
 start_step = 0
 if args.resume:
     last, old_meta = resume_point(ckpt_dir, world_size, args.fsdp)
-    if old_meta["model_config"] != config.to_dict():
+    if model_config(old_meta, os.path.join(ckpt_dir, f"meta_{last:06d}.json")).to_dict() != config.to_dict():
         raise SystemExit(f"--resume: the checkpoint's model config {old_meta['model_config']} differs from this run's {config.to_dict()}")
     if args.fsdp:
         extra = load_sharded(ckpt_dir, last, model, optimizer, rank)
