@@ -7,7 +7,7 @@ import torch
 
 from nanorl.tokenizer import SPLIT_PATTERN, Tokenizer
 from nanorl.rl import pass_at_k
-from scripts.chat_eval import Progress, centered, evaluate, letter_token, run_categorical
+from scripts.chat_eval import Progress, centered, evaluate, letter_token, run_categorical, run_header
 from tasks import Task, TaskMixture
 from tasks.common import render_mc
 from tasks.offline import OfflineProblems
@@ -178,3 +178,16 @@ def test_offline_test_split_is_held_out_from_the_sft_mixture():
     test = OfflineProblems("test", n=300, levels=(1,))
     train_q = {train.get_example(i)["messages"][0]["content"] for i in range(len(train))}
     assert not any(test.get_example(i)["messages"][0]["content"] in train_q for i in range(len(test)))
+
+
+def test_run_header_names_the_model_tasks_levels_decoding_and_length():
+    args = types.SimpleNamespace(hf_model=None, source="rl", levels="1,2,3,4", top_k=None, num_samples=1,
+                                 max_problems=None, max_new_tokens=256)
+    meta = {"model_tag": "d20", "step": 1400}
+    assert run_header(args, meta, ["offline", "gsm8k"], 0.0) == (
+        "evaluating rl checkpoint d20 step 1400 on offline (levels 1,2,3,4), gsm8k (all problems): greedy, "
+        "1 sample per problem, at most 256 new tokens")
+    args.hf_model, args.top_k, args.num_samples, args.max_problems = "/m/qwen", 50, 8, 100
+    assert run_header(args, {}, ["gsm8k"], 1.0) == (
+        "evaluating Hugging Face model /m/qwen on gsm8k (at most 100 problems per task): temperature 1, top-k 50, "
+        "8 samples per problem, at most 256 new tokens")
