@@ -16,7 +16,7 @@ import sys
 
 class UserError(Exception):
     """Input the user can fix; the message is one line naming the flag, file or row at fault."""
-    every_rank = False  # under torchrun rank 0 speaks for all; True where each rank's own file is at fault
+    every_rank = False  # under torchrun rank 0 speaks for its node; True where each rank's own file is at fault
 
 
 class BadValue(UserError, ValueError):
@@ -37,16 +37,16 @@ def _prog():
 
 
 def excepthook(kind, value, tb, fallback=None):
-    """One line for a UserError (rank 0 only under torchrun, unless each rank's message is its own); anything
-    else, or NANORL_DEBUG=1, goes to `fallback` (the hook that was there before: the full traceback)."""
+    """One line for a UserError; anything else, or NANORL_DEBUG=1, goes to `fallback` (the hook that was there
+    before: the full traceback). Under torchrun every rank meets the same bad input, so the first rank of each node
+    speaks (another node may lack a file this one has) and the others stay quiet, unless the fault is in the rank's
+    own file (its optimizer or extra state)."""
     fallback = fallback or sys.__excepthook__
     if not issubclass(kind, UserError) or os.environ.get("NANORL_DEBUG", "") not in ("", "0"):
         return fallback(kind, value, tb)
-    rank = int(os.environ.get("RANK", 0) or 0)
-    if rank == 0:
-        print(f"{_prog()}error: {value}", file=sys.stderr, flush=True)
-    elif value.every_rank:
-        print(f"[rank {rank}] {_prog()}error: {value}", file=sys.stderr, flush=True)
+    rank, local_rank = int(os.environ.get("RANK", 0) or 0), int(os.environ.get("LOCAL_RANK", 0) or 0)
+    if rank == 0 or local_rank == 0 or value.every_rank:
+        print(f"{f'[rank {rank}] ' if rank else ''}{_prog()}error: {value}", file=sys.stderr, flush=True)
 
 
 def install_excepthook():

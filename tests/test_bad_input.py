@@ -250,15 +250,19 @@ def test_hook_prints_one_line_on_rank_zero_and_falls_back_otherwise(monkeypatch,
     monkeypatch.delenv("NANORL_DEBUG", raising=False)
     msg = "checkpoint file c/extra_000001_rank1.pt is missing"
     err = MissingFile(msg)
-    for rank, every_rank, want in [("0", False, f"chat_eval.py: error: {msg}\n"),
-                                   ("1", False, ""),  # rank 0 says the same
-                                   ("1", True, f"[rank 1] chat_eval.py: error: {msg}\n")]:
+    for rank, local_rank, every_rank, want in [
+            ("0", "0", False, f"chat_eval.py: error: {msg}\n"),
+            ("1", "1", False, ""),  # rank 0 says the same
+            ("1", "1", True, f"[rank 1] chat_eval.py: error: {msg}\n"),  # its own file
+            ("8", "0", False, f"[rank 8] chat_eval.py: error: {msg}\n")]:  # the first rank of another node
         monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
         err.every_rank = every_rank
         excepthook(MissingFile, err, None, fallback)
         assert capsys.readouterr().err == want
     assert fallback_calls == []
     monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
     excepthook(ZeroDivisionError, ZeroDivisionError("x"), None, fallback)  # a bug: its traceback
     monkeypatch.setenv("NANORL_DEBUG", "1")
     excepthook(MissingFile, err, None, fallback)  # asked for: the traceback of bad input too
