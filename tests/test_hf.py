@@ -284,6 +284,7 @@ def test_export_keeps_the_declared_context_every_eos_id_pad_and_generation_confi
     checkpoint and exported by scripts.export_hf: transformers reads back the source's values, not the import's."""
     import runpy
     import sys
+
     from nanorl.checkpoint import load_model, save_checkpoint
     src, base, out = tmp_path / "src", tmp_path / "base", tmp_path / "out"
     tiny_hf("llama", src)
