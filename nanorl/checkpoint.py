@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.fsdp import FSDPModule
 
 from nanorl.common import get_base_dir, nonneg_int, print0
+from nanorl.errors import BadValue, MissingFile, Unreadable, read_json_object
 from nanorl.gpt import GPTConfig
 from nanorl.gpt import build_model as build_gpt
 
@@ -126,7 +127,7 @@ def delete_step(checkpoint_dir, step):
 
 def _load(path, device):
     if not os.path.exists(path):
-        raise FileNotFoundError(f"checkpoint file {path} is missing")
+        raise MissingFile(f"checkpoint file {path} is missing")
     try:
         if path.endswith(".safetensors"):
             from safetensors.torch import load_file
@@ -136,8 +137,28 @@ def _load(path, device):
         unsafe = isinstance(e, pickle.UnpicklingError) and "weights_only" in str(e)
         what = "holds Python objects other than tensors and plain values" if unsafe else "is corrupt or truncated"
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise RuntimeError(f"checkpoint file {path} {what} ({type(e).__name__}: {first_line[:200]}); "
-                           f"delete that step to fall back to the previous one") from e
+        err = Unreadable(f"checkpoint file {path} {what} ({type(e).__name__}: {first_line[:200]}); "
+                         f"delete that step to fall back to the previous one")
+        err.every_rank = "_rank" in os.path.basename(path)  # optimizer/extra state: each rank reads its own
+        raise err from e
+
+
+def read_meta(checkpoint_dir, step):
+    """meta_<step>.json as a dict; a missing, garbled or non-object file is one line naming it."""
+    path = os.path.join(checkpoint_dir, f"meta_{step:06d}.json")
+    if not os.path.exists(path):
+        raise MissingFile(f"checkpoint step {step} is incomplete or missing in {checkpoint_dir} (no {path})")
+    return read_json_object(path, "checkpoint metadata")
+
+
+def model_config(meta, meta_path):
+    """The GPTConfig a checkpoint's metadata describes; missing or unreadable is one line naming the file."""
+    if not isinstance(meta.get("model_config"), dict):
+        raise BadValue(f"checkpoint metadata {meta_path} has no model_config: it cannot say which model to build")
+    try:
+        return GPTConfig(**meta["model_config"])
+    except TypeError as e:
+        raise BadValue(f"checkpoint metadata {meta_path} has a model_config this version cannot read ({e})") from None
 
 
 def resume_point(checkpoint_dir, world_size, fsdp):
@@ -147,8 +168,7 @@ def resume_point(checkpoint_dir, world_size, fsdp):
     step = find_last_step(checkpoint_dir)
     if step is None:
         raise SystemExit(f"--resume: no checkpoint in {checkpoint_dir}")
-    with open(os.path.join(checkpoint_dir, f"meta_{step:06d}.json")) as f:
-        meta = json.load(f)
+    meta = read_meta(checkpoint_dir, step)
     saved = meta.get("world_size", world_size)
     if saved != world_size:
         raise SystemExit(f"--resume: step {step} in {checkpoint_dir} was written by {saved} rank(s), this run has "
@@ -165,24 +185,19 @@ def load_checkpoint(checkpoint_dir, step=None, device="cpu", load_optimizer=Fals
     if step is None:
         step = find_last_step(checkpoint_dir)
         if step is None:
-            raise FileNotFoundError(f"no complete checkpoint in {checkpoint_dir}")
-    meta_path = os.path.join(checkpoint_dir, f"meta_{step:06d}.json")
-    try:
-        with open(meta_path) as f:
-            meta = json.load(f)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"checkpoint step {step} is incomplete or missing in {checkpoint_dir} (no {meta_path})") from None
-    except json.JSONDecodeError as e:
-        raise RuntimeError(f"checkpoint metadata {meta_path} is corrupt: {e}") from e
+            raise MissingFile(f"no complete checkpoint in {checkpoint_dir}")
+    meta = read_meta(checkpoint_dir, step)
     weights = model_path(checkpoint_dir, step)
     if meta.get("sharded") and weights is None:
-        raise FileNotFoundError(f"step {step} of {checkpoint_dir} is sharded (saved with --fsdp): run "
+        raise MissingFile(f"step {step} of {checkpoint_dir} is sharded (saved with --fsdp): run "
                                 f"`python -m nanorl.fsdp consolidate {checkpoint_dir} --step {step}` first, or resume with --fsdp")
     model_state = _load(weights or os.path.join(checkpoint_dir, f"model_{step:06d}.safetensors"), device)
     optim_state = _load(os.path.join(checkpoint_dir, f"optim_{step:06d}_rank{rank}.pt"), device) if load_optimizer else None
     extra_path = os.path.join(checkpoint_dir, f"extra_{step:06d}_rank{rank}.pt")
     if load_optimizer and not os.path.exists(extra_path):
-        raise FileNotFoundError(f"checkpoint file {extra_path} is missing: step {step} has no data/RNG state to resume from")
+        err = MissingFile(f"checkpoint file {extra_path} is missing: step {step} has no data/RNG state to resume from")
+        err.every_rank = True
+        raise err
     extra = _load(extra_path, "cpu") if os.path.exists(extra_path) else None
     return model_state, optim_state, meta, extra
 
@@ -200,7 +215,7 @@ def load_weights(model, state, path):
     problems = [f"missing keys {few(missing)}" if missing else "", f"unexpected keys {few(unexpected)}" if unexpected else "",
                 f"wrong shapes {few(shapes)} (checkpoint vs model)" if shapes else ""]
     if any(problems):
-        raise ValueError(f"checkpoint file {path} does not fit the model: " + "; ".join(p for p in problems if p))
+        raise BadValue(f"checkpoint file {path} does not fit the model: " + "; ".join(p for p in problems if p))
     model.load_state_dict(state, strict=True)
 
 
@@ -254,9 +269,10 @@ def resume(checkpoint_dir, model, optimizer, rank=0, world_size=1, model_config=
     checkpoint of another model shape, before reading any weights."""
     sharded = isinstance(model, FSDPModule)
     step, meta = resume_point(checkpoint_dir, world_size, sharded)
-    if model_config is not None and meta.get("model_config") != model_config:
-        raise SystemExit(f"--resume: the checkpoint's model config {meta.get('model_config')} differs from this run's "
-                         f"{model_config}")
+    if model_config is not None:
+        saved = globals()["model_config"](meta, os.path.join(checkpoint_dir, f"meta_{step:06d}.json")).to_dict()
+        if saved != model_config:
+            raise SystemExit(f"--resume: the checkpoint's model config {saved} differs from this run's {model_config}")
     if sharded:
         return step, meta, load_sharded(checkpoint_dir, step, model, optimizer, rank)
     device = next(model.parameters()).device
@@ -288,13 +304,7 @@ def load_model_dir(checkpoint_dir, step=None, device="cpu", phase="eval"):
     from nanorl.tokenizer import get_tokenizer
     step = find_last_step(checkpoint_dir) if step is None else step
     model_state, _, meta, _ = load_checkpoint(checkpoint_dir, step, device=device)
-    meta_path = os.path.join(checkpoint_dir, f"meta_{step:06d}.json")
-    if not isinstance(meta.get("model_config"), dict):
-        raise ValueError(f"checkpoint metadata {meta_path} has no model_config: it cannot say which model to build")
-    try:
-        config = GPTConfig(**meta["model_config"])
-    except TypeError as e:
-        raise ValueError(f"checkpoint metadata {meta_path} has a model_config this version cannot read ({e})") from None
+    config = model_config(meta, os.path.join(checkpoint_dir, f"meta_{step:06d}.json"))
     model = build_gpt(config, device)
     load_weights(model, model_state, model_path(checkpoint_dir, step))
     model.train() if phase == "train" else model.eval()
@@ -302,11 +312,11 @@ def load_model_dir(checkpoint_dir, step=None, device="cpu", phase="eval"):
         from nanorl.tokenizer import HFTokenizer
         tokenizer = HFTokenizer.load(meta["tokenizer_dir"])
         if tokenizer.vocab_size > config.vocab_size:
-            raise ValueError(f"tokenizer in {meta['tokenizer_dir']} has {tokenizer.vocab_size} tokens, more than the checkpoint in {checkpoint_dir} ({config.vocab_size})")
+            raise BadValue(f"tokenizer in {meta['tokenizer_dir']} has {tokenizer.vocab_size} tokens, more than the checkpoint in {checkpoint_dir} ({config.vocab_size})")
         return model, tokenizer, meta
     tokenizer = get_tokenizer()
     if tokenizer.vocab_size != config.vocab_size:
-        raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens but the checkpoint in {checkpoint_dir} expects {config.vocab_size}")
+        raise BadValue(f"tokenizer has {tokenizer.vocab_size} tokens but the checkpoint in {checkpoint_dir} expects {config.vocab_size}")
     return model, tokenizer, meta
 
 
@@ -321,18 +331,20 @@ def checkpoint_root(source):
 
 def load_hf(directory, device, phase="eval"):
     """A Hugging Face model directory -> (model, tokenizer, meta). Trained in fp32 (autocast makes bf16
-    matmuls); served in bf16 on CUDA. meta's tokenizer_dir travels into checkpoints saved from it."""
-    from nanorl.hf import load_hf_model
+    matmuls); served in bf16 on CUDA. meta's tokenizer_dir and source configs travel into checkpoints saved from it."""
+    from nanorl.hf import load_hf_model, read_generation_config
     from nanorl.tokenizer import HFTokenizer
     device = torch.device(device)
-    model, _ = load_hf_model(directory, device, dtype=torch.float32 if phase == "train" else None)
+    model, hf_cfg = load_hf_model(directory, device, dtype=torch.float32 if phase == "train" else None)
     tokenizer = HFTokenizer.load(directory)
     if tokenizer.vocab_size > model.config.vocab_size:
-        raise ValueError(f"{directory}/tokenizer.json has {tokenizer.vocab_size} tokens, more than the model's {model.config.vocab_size}")
+        raise BadValue(f"{directory}/tokenizer.json has {tokenizer.vocab_size} tokens, more than the model's {model.config.vocab_size}")
     model.train() if phase == "train" else model.eval()
     directory = os.path.abspath(directory)
     meta = {"model_config": model.config.to_dict(), "model_tag": os.path.basename(directory.rstrip("/")),
-            "hf_model": directory, "tokenizer_dir": directory}
+            "hf_model": directory, "tokenizer_dir": directory,
+            # what an export writes back: the declared context, every eos id, the pad token, sampling defaults
+            "hf_config": hf_cfg, "hf_generation_config": read_generation_config(directory)}
     return model, tokenizer, meta
 
 
@@ -345,10 +357,10 @@ def load_model(source, device, phase="eval", model_tag=None, step=None, hf_model
     tags = [t for t in (os.listdir(root) if os.path.isdir(root) else []) if find_last_step(os.path.join(root, t)) is not None]
     if model_tag is None:
         if not tags:
-            raise FileNotFoundError(f"no {source} checkpoint in {root}: run the {source} stage first")
+            raise MissingFile(f"no {source} checkpoint in {root}: run the {source} stage first")
         model_tag = max(tags, key=lambda t: os.path.getmtime(os.path.join(root, t)))
     elif model_tag not in tags:
-        raise FileNotFoundError(f"no {source} checkpoint tagged {model_tag!r} in {root}; found: {tags or 'none'}")
+        raise MissingFile(f"no {source} checkpoint tagged {model_tag!r} in {root}; found: {tags or 'none'}")
     model, tokenizer, meta = load_model_dir(os.path.join(root, model_tag), step, device, phase)
     meta.setdefault("model_tag", model_tag)
     return model, tokenizer, meta

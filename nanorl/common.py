@@ -14,6 +14,8 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
+from nanorl.errors import BadValue
+
 
 # -----------------------------------------------------------------------------------------------
 # flags: every default shown in --help, every number checked when it is parsed, errors on one line
@@ -115,7 +117,7 @@ def compute_init(device_type=None, seed=42, timeout_s=None, cpu_collectives=Fals
     cpu_collectives: on CUDA also accept CPU tensors (gloo beside nccl; FSDP's CPU offload needs it)."""
     device_type = device_type or autodetect_device_type()
     if device_type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("--device-type cuda was asked for but torch sees no CUDA GPU")
+        raise BadValue("--device-type cuda was asked for but torch sees no CUDA GPU")
     torch.manual_seed(seed)
     if device_type == "cuda":
         torch.cuda.manual_seed(seed)

@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 from nanorl.common import get_base_dir, print0
+from nanorl.errors import MissingFile, Unreadable
 
 TEXT_EXTS = (".parquet", ".jsonl", ".txt")
 BASE_URL = "https://huggingface.co/datasets/karpathy/fineweb-edu-100b-shuffle/resolve/main"
@@ -135,10 +136,10 @@ def download_shards(indices, data_dir=None, base_url=BASE_URL, workers=4, opener
 
 def list_data_files(data_dir):
     if not os.path.isdir(data_dir):
-        raise FileNotFoundError(f"--data-dir {data_dir} does not exist or is not a directory")
+        raise MissingFile(f"--data-dir {data_dir} does not exist or is not a directory")
     files = sorted(f for f in glob.glob(os.path.join(data_dir, "**", "*"), recursive=True) if f.endswith(TEXT_EXTS))
     if not files:
-        raise FileNotFoundError(f"--data-dir {data_dir} has no {'/'.join(TEXT_EXTS)} files")
+        raise MissingFile(f"--data-dir {data_dir} has no {'/'.join(TEXT_EXTS)} files")
     return files
 
 
@@ -214,7 +215,7 @@ def iter_documents(split="train", data_dir=None, seed=0, rank=0, world_size=1):
             return
         if ndocs == 0:  # every file was unreadable or empty: looping again would spin forever
             share = f" for rank {rank} of {world_size} (fewer row groups than ranks?)" if world_size > 1 else ""
-            raise RuntimeError(f"no readable documents{share} in the {split} files of {data_dir}: {files}")
+            raise Unreadable(f"no readable documents{share} in the {split} files of {data_dir}: {files}")
 
 
 def describe_source(data_dir=None):

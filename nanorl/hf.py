@@ -19,9 +19,12 @@ import re
 
 import torch
 
+from nanorl.errors import BadValue, MissingFile, Unreadable, read_json_object
 from nanorl.gpt import GPT, GPTConfig
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "NanoChatForCausalLM")
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+               "nanochat": "NanoChatForCausalLM"}  # config.json's model_type -> the architecture it names
 
 # HF parameter name (per layer, after "model.layers.{i}.") -> nanorl's (after "transformer.h.{i}.")
 LAYER_NAMES = {
@@ -34,22 +37,48 @@ LAYER_NAMES = {
 TOP_NAMES = {"model.embed_tokens": "transformer.wte", "model.norm": "transformer.norm_f", "lm_head": "lm_head"}
 
 
+def architecture(cfg, path):
+    """The architecture config.json names in `architectures[0]` or `model_type` (either is enough); one that is not
+    supported, or the two naming different ones, is refused in one line naming the file."""
+    listed = cfg.get("architectures")
+    arch = listed[0] if isinstance(listed, list) and listed else None
+    model_type = cfg.get("model_type")
+    if arch is None and model_type is None:
+        raise BadValue(f"{path} names no architecture (neither 'architectures' nor 'model_type')")
+    if arch is None and model_type not in MODEL_TYPES:
+        raise BadValue(f"{path}: model_type {model_type!r} is not supported (supported: {', '.join(MODEL_TYPES)})")
+    arch = arch or MODEL_TYPES[model_type]
+    if arch not in ARCHITECTURES:
+        raise BadValue(f"{path}: architecture {arch} is not supported (supported: {', '.join(ARCHITECTURES)})")
+    if model_type is not None and MODEL_TYPES.get(model_type) != arch:
+        raise BadValue(f"{path}: architectures[0] {arch} contradicts model_type {model_type!r} "
+                       f"(a {arch} has model_type {next(t for t, a in MODEL_TYPES.items() if a == arch)!r})")
+    return arch
+
+
+CONFIG_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
 def read_config(directory):
-    """config.json of a HF model directory, with one-line errors naming the file."""
+    """config.json of a HF model directory, with one-line errors naming the file. Its architecture is resolved
+    (from `architectures[0]` or `model_type`) into `architectures`, where the rest of this module reads it."""
     if not os.path.isdir(directory):
-        raise FileNotFoundError(f"--hf-model {directory}: no such directory")
+        raise MissingFile(f"--hf-model {directory}: no such directory")
     path = os.path.join(directory, "config.json")
     if not os.path.exists(path):
-        raise FileNotFoundError(f"{path} is missing: not a Hugging Face model directory")
-    try:
-        with open(path) as f:
-            cfg = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from e
-    arch = (cfg.get("architectures") or ["?"])[0]
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"{path}: architecture {arch} is not supported (supported: {', '.join(ARCHITECTURES)})")
+        raise MissingFile(f"{path} is missing: not a Hugging Face model directory")
+    cfg = read_json_object(path, "model config")
+    cfg["architectures"] = [architecture(cfg, path)]
+    missing = [k for k in CONFIG_KEYS if not isinstance(cfg.get(k), int)]
+    if missing:
+        raise BadValue(f"{path} lacks {', '.join(missing)} (or they are not integers): it cannot say which model to build")
     return cfg
+
+
+def read_generation_config(directory):
+    """generation_config.json of a HF model directory ({} when there is none)."""
+    path = os.path.join(directory, "generation_config.json")
+    return read_json_object(path, "generation config") if os.path.exists(path) else {}
 
 
 def gpt_config(cfg, path, sequence_len=None):
@@ -72,7 +101,7 @@ def gpt_config(cfg, path, sequence_len=None):
     if cfg.get("attention_bias") and arch != "Qwen2ForCausalLM":
         unsupported.append("attention_bias (a bias on o_proj)")
     if unsupported:
-        raise ValueError(f"{path}: {arch} with {', '.join(unsupported)} is not supported")
+        raise BadValue(f"{path}: {arch} with {', '.join(unsupported)} is not supported")
     n_head = cfg["num_attention_heads"]
     max_pos = cfg.get("max_position_embeddings", 2048)
     return GPTConfig(
@@ -121,19 +150,17 @@ def shard_files(directory):
     """The safetensors files of a HF directory, checked against the shard index when there is one."""
     index = os.path.join(directory, "model.safetensors.index.json")
     if os.path.exists(index):
-        try:
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise ValueError(f"{index} is corrupt ({type(e).__name__}: {e})") from e
+        weight_map = read_json_object(index, "shard index").get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise Unreadable(f"shard index {index} is corrupt: it has no 'weight_map' object")
         files = sorted(set(weight_map.values()))
         for name in files:
             if not os.path.exists(os.path.join(directory, name)):
-                raise FileNotFoundError(f"{index} lists shard {name}, which is not in {directory}")
+                raise MissingFile(f"{index} lists shard {name}, which is not in {directory}")
         return [os.path.join(directory, name) for name in files], weight_map
     single = os.path.join(directory, "model.safetensors")
     if not os.path.exists(single):
-        raise FileNotFoundError(f"{single} is missing (and there is no model.safetensors.index.json)")
+        raise MissingFile(f"{single} is missing (and there is no model.safetensors.index.json)")
     return [single], None
 
 
@@ -155,23 +182,27 @@ def load_hf_model(directory, device="cpu", dtype=None, sequence_len=None):
     nanochat = cfg["architectures"][0] == "NanoChatForCausalLM"
     loaded = set()
     for path in files:
-        with safe_open(path, framework="pt", device="cpu") as f:
+        try:  # a truncated or empty file fails here, on its header
+            shard = safe_open(path, framework="pt", device="cpu")
+        except Exception as e:  # noqa: BLE001 - safetensors' own error class, or an OSError
+            raise Unreadable(f"{path} is corrupt or truncated ({type(e).__name__}: {str(e).strip()[:200]})") from e
+        with shard as f:
             keys = list(f.keys())
             if weight_map is not None:
                 listed = {k for k, v in weight_map.items() if v == os.path.basename(path)}
                 if set(keys) != listed:
                     missing, extra = sorted(listed - set(keys)), sorted(set(keys) - listed)
-                    raise ValueError(f"{path} does not match model.safetensors.index.json: "
+                    raise BadValue(f"{path} does not match model.safetensors.index.json: "
                                      f"missing {missing[:3]}, unlisted {extra[:3]}")
             part = {}
             for key in keys:
                 name = nanorl_name(key)
                 if name is None or (name == "lm_head.weight" and config.tie_embeddings):
                     if name is None and not key.endswith("rotary_emb.inv_freq"):
-                        raise ValueError(f"{path}: tensor {key} has no place in a {cfg['architectures'][0]} model")
+                        raise BadValue(f"{path}: tensor {key} has no place in a {cfg['architectures'][0]} model")
                     continue
                 if name not in expected:
-                    raise ValueError(f"{path}: tensor {key} does not fit this config ({config_path})")
+                    raise BadValue(f"{path}: tensor {key} does not fit this config ({config_path})")
                 t = f.get_tensor(key)
                 if nanochat and name.split(".")[-2] in ("c_q", "c_k"):
                     t = flip_rotary_half(t, model.head_dim)
@@ -182,15 +213,42 @@ def load_hf_model(directory, device="cpu", dtype=None, sequence_len=None):
         loaded.add("lm_head.weight")
     if loaded != expected:
         missing = sorted(expected - loaded)
-        raise ValueError(f"{directory}: the safetensors files lack {len(missing)} tensors, e.g. {missing[:3]}")
+        raise BadValue(f"{directory}: the safetensors files lack {len(missing)} tensors, e.g. {missing[:3]}")
     model.tie_weights()
     model.init_rotary()
     model.eval()
     return model, cfg
 
 
-def hf_config(model, tokenizer=None):
-    """config.json for a GPT: its own architecture if imported, else NanoChatForCausalLM."""
+def token_ids(tokenizer, source=None):
+    """bos/eos/pad ids of an export: the source model's own where it declared them (every id of an eos list, its
+    pad token), else the tokenizer's (padding with bos); the tokenizer's end of a reply is always among the eos ids,
+    so a model chat-trained from a base model stops where it learned to."""
+    ids = {}
+    if tokenizer is not None:
+        ids = {"bos_token_id": tokenizer.get_bos_token_id(), "eos_token_id": tokenizer.encode_special("<|assistant_end|>"),
+               "pad_token_id": tokenizer.get_bos_token_id()}
+    ids.update({k: v for k, v in (source or {}).items() if k in ("bos_token_id", "eos_token_id", "pad_token_id")
+                and v is not None})
+    end = tokenizer.encode_special("<|assistant_end|>") if tokenizer is not None else None
+    eos = ids.get("eos_token_id")
+    if isinstance(eos, list) and end is not None and end not in eos:
+        ids["eos_token_id"] = eos + [end]
+    elif isinstance(eos, int) and end is not None and eos != end:
+        ids["eos_token_id"] = [eos, end]
+    return ids
+
+
+def generation_config(tokenizer, source_config=None, source_generation=None):
+    """generation_config.json: the source model's settings (sampling defaults included) with the token ids above."""
+    gen = {k: v for k, v in (source_generation or {}).items() if k not in ("transformers_version", "_from_model_config")}
+    return {**gen, **token_ids(tokenizer, {**(source_config or {}), **gen})}
+
+
+def hf_config(model, tokenizer=None, source=None):
+    """config.json for a GPT: its own architecture if imported, else NanoChatForCausalLM. source: the config.json
+    it was imported from, whose declared context and special token ids the export keeps (the import caps the
+    context it computes rotary tables for at 8,192; the model itself still has its declared one)."""
     c = model.config
     nanochat = not c.norm_weight
     if nanochat and not (c.mlp == "relu2" and c.qk_norm and not c.attn_bias and c.rope_scaling is None):
@@ -206,7 +264,8 @@ def hf_config(model, tokenizer=None):
                        "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}[arch],
         "vocab_size": c.vocab_size, "hidden_size": c.n_embd, "intermediate_size": c.mlp_hidden or 4 * c.n_embd,
         "num_hidden_layers": c.n_layer, "num_attention_heads": c.n_head, "num_key_value_heads": c.n_kv_head,
-        "head_dim": model.head_dim, "max_position_embeddings": c.sequence_len,
+        "head_dim": model.head_dim,
+        "max_position_embeddings": max(c.sequence_len, (source or {}).get("max_position_embeddings") or 0),
         "hidden_act": "relu2" if nanochat else "silu",
         # nanorl's norm uses the dtype's epsilon when norm_eps is 0: write the fp32 value so fp32 logits agree
         "rms_norm_eps": c.norm_eps or torch.finfo(torch.float32).eps,
@@ -215,10 +274,7 @@ def hf_config(model, tokenizer=None):
     }
     if nanochat:
         out["final_logit_softcapping"] = c.softcap or None
-    if tokenizer is not None:
-        out["bos_token_id"] = tokenizer.get_bos_token_id()
-        out["eos_token_id"] = tokenizer.encode_special("<|assistant_end|>")
-        out["pad_token_id"] = tokenizer.get_bos_token_id()
+    out.update(token_ids(tokenizer, source))
     return out
 
 
@@ -246,8 +302,10 @@ def hf_state_dict(model):
     return out
 
 
-def export_hf(model, tokenizer, out_dir, dtype=None):
-    """Write model + tokenizer as a HF directory: model.safetensors, config.json, tokenizer files.
+def export_hf(model, tokenizer, out_dir, dtype=None, source_config=None, source_generation=None):
+    """Write model + tokenizer as a HF directory: model.safetensors, config.json, generation_config.json, tokenizer
+    files. source_config / source_generation: the config.json and generation_config.json of the model it was
+    imported from (a checkpoint's meta keeps them), whose context, eos/pad ids and sampling defaults are kept.
     Written to a temp directory first and renamed, so a crash never leaves a half-written export."""
     from safetensors.torch import save_file
     tmp = out_dir.rstrip("/") + ".tmp"
@@ -259,11 +317,13 @@ def export_hf(model, tokenizer, out_dir, dtype=None):
     if dtype is not None:
         state = {k: v.to(dtype) for k, v in state.items()}
     save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-    cfg = hf_config(model, tokenizer)
+    cfg = hf_config(model, tokenizer, source_config)
     if dtype is not None:
         cfg["dtype"] = str(dtype).removeprefix("torch.")
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
+    with open(os.path.join(tmp, "generation_config.json"), "w") as f:
+        json.dump(generation_config(tokenizer, source_config, source_generation), f, indent=2)
     from nanorl.tokenizer import save_hf_tokenizer
     save_hf_tokenizer(tokenizer, tmp)
     if os.path.exists(out_dir):

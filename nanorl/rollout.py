@@ -22,6 +22,7 @@ import torch
 
 from nanorl.common import nonneg_float, nonneg_int, number_in, positive_float, positive_int
 from nanorl.engine import Request
+from nanorl.errors import MissingFile
 from nanorl.rewards import extract_answer, remote_rewards
 from tasks import get_task
 
@@ -123,6 +124,8 @@ def jsonl_prompts(args, path, split, needs_label):
     """--prompt-data: one JSON object a line; the prompt under --input-key (a string or chat messages), the label under
     --label-key. A string prompt is a user turn with --apply-chat-template, else raw text fed as is."""
     items = []
+    if not os.path.isfile(path):
+        raise MissingFile(f"{path} does not exist")
     with open(path) as f:
         for i, line in enumerate(f, 1):
             if not line.strip():

@@ -8,9 +8,12 @@ It lets the whole pipeline run with no downloads. The vocabulary is small on pur
 model trained for minutes on a CPU learns it; the problems get hard enough at levels 3-4 that RL has room.
 Train and test are disjoint: a problem's split is decided by a stable hash of its question text.
 """
+import argparse
 import hashlib
 import random
 import re
+
+from nanorl.errors import BadValue
 
 NAMES = ("Alice Bob Carol Dave Emma Frank Grace Henry Ivy Jack Kate Leo Mia Noah Olga Paul Quinn Rosa Sam Tara "
          "Uma Victor Wendy Xavier Yara Zack").split()
@@ -127,10 +130,25 @@ def _count_problem(rng, level):
             "split_key": f"{word}|{letter}"}
 
 
+LEVELS = (1, 2, 3, 4)
+
+
+def levels_flag(text):
+    """An argparse `type=` for --levels: comma-separated levels of the curriculum, e.g. 1,2. Checked here, where
+    argparse names the flag; the text itself is returned, as the scripts split it where they use it."""
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of levels (e.g. 1,2)") from None
+    if not values or any(v not in LEVELS for v in values):
+        raise argparse.ArgumentTypeError(f"{text} is out of range: the levels are {', '.join(map(str, LEVELS))}")
+    return text
+
+
 def make_problem(rng, level, kind=None):
     """One verifiable problem dict: question, answer (ends with `#### N`), label, kind, level."""
-    if level not in (1, 2, 3, 4):
-        raise ValueError(f"level must be 1..4, got {level}")
+    if level not in LEVELS:
+        raise BadValue(f"level must be 1..4, got {level} (--levels)")
     kind = kind or rng.choice(["arith", "count"])
     if kind == "arith":
         return _arith_problem(rng, level)

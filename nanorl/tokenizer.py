@@ -6,6 +6,8 @@ import base64
 import json
 import os
 
+from nanorl.errors import BadValue, MissingFile, read_json_object
+
 SPECIAL_TOKENS = [
     "<|bos|>",  # every document starts with it
     "<|user_start|>", "<|user_end|>",
@@ -40,7 +42,7 @@ class Tokenizer:
         import rustbpe  # only needed to train, not to use
         n_merged = vocab_size - len(SPECIAL_TOKENS)
         if n_merged < 256:
-            raise ValueError(f"--vocab-size {vocab_size} is too small: need >= {256 + len(SPECIAL_TOKENS)} (256 bytes + special tokens)")
+            raise BadValue(f"--vocab-size {vocab_size} is too small: need >= {256 + len(SPECIAL_TOKENS)} (256 bytes + special tokens)")
         tok = rustbpe.Tokenizer()
         tok.train_from_iterator(text_iterator, n_merged, pattern=SPLIT_PATTERN)
         ranks = {bytes(k): v for k, v in tok.get_mergeable_ranks()}
@@ -50,18 +52,18 @@ class Tokenizer:
     def load(cls, directory):
         path = os.path.join(directory, TOKENIZER_FILE)
         if not os.path.exists(path):
-            raise FileNotFoundError(f"no tokenizer at {path}: train one first with `python -m scripts.tok_train`")
+            raise MissingFile(f"no tokenizer at {path}: train one first with `python -m scripts.tok_train`")
         try:
             with open(path) as f:
                 data = json.load(f)
             ranks = {base64.b64decode(k): int(v) for k, v in data["mergeable_ranks"]}
             pattern = data["pattern"]
         except (json.JSONDecodeError, KeyError, ValueError, TypeError) as e:
-            raise ValueError(f"tokenizer file {path} is corrupt ({type(e).__name__}: {e}); retrain it with `python -m scripts.tok_train`") from e
+            raise BadValue(f"tokenizer file {path} is corrupt ({type(e).__name__}: {e}); retrain it with `python -m scripts.tok_train`") from e
         if data.get("special_tokens", SPECIAL_TOKENS) != SPECIAL_TOKENS:
-            raise ValueError(f"tokenizer file {path} has different special tokens than this version of nanorl")
+            raise BadValue(f"tokenizer file {path} has different special tokens than this version of nanorl")
         if sorted(ranks.values()) != list(range(len(ranks))):
-            raise ValueError(f"tokenizer file {path} is corrupt: its token ranks are not 0..{len(ranks) - 1}")
+            raise BadValue(f"tokenizer file {path} is corrupt: its token ranks are not 0..{len(ranks) - 1}")
         return cls.from_ranks(ranks, pattern)
 
     def save(self, directory):
@@ -254,16 +256,15 @@ class HFTokenizer:
         from tokenizers import Tokenizer as HFTok
         path = os.path.join(directory, "tokenizer.json")
         if not os.path.exists(path):
-            raise FileNotFoundError(f"{path} is missing: the model directory needs its tokenizer.json")
+            raise MissingFile(f"{path} is missing: the model directory needs its tokenizer.json")
         try:
             tok = HFTok.from_file(path)
         except Exception as e:
-            raise ValueError(f"{path} is not a Hugging Face tokenizers file ({type(e).__name__}: {e})") from e
+            raise BadValue(f"{path} is not a Hugging Face tokenizers file ({type(e).__name__}: {e})") from e
         config = {}
         cfg_path = os.path.join(directory, "tokenizer_config.json")
         if os.path.exists(cfg_path):
-            with open(cfg_path) as f:
-                config = json.load(f)
+            config = read_json_object(cfg_path, "tokenizer config")
         template = config.get("chat_template")
         jinja_path = os.path.join(directory, "chat_template.jinja")  # where newer transformers save it
         if os.path.exists(jinja_path):

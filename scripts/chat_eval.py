@@ -22,6 +22,7 @@ import torch.distributed as dist
 from nanorl.common import ArgumentParser, int_list, nonneg_float, nonneg_int, positive_int
 from nanorl.execution import require_sandbox
 from nanorl.rl import pass_at_k
+from nanorl.synthetic import levels_flag
 from tasks import CHATCORE_TASKS, RANDOM_BASELINE, TASKS, get_task
 
 
@@ -139,6 +140,20 @@ def evaluate(task, model, tokenizer, engine, indices, num_samples=1, ks=(1,), ma
     return sums, texts
 
 
+def run_header(args, meta, task_names, temperature):
+    """The line printed before the first problem: which model (source, tag, step), which tasks (the offline
+    problems' levels), how answers are decoded, and how long they may be."""
+    model = f"Hugging Face model {args.hf_model}" if args.hf_model else \
+        f"{args.source} checkpoint {meta.get('model_tag')} step {meta.get('step')}"
+    tasks = ", ".join(f"offline (levels {args.levels})" if t == "offline" else t for t in task_names)
+    decoding = "greedy" if temperature == 0 else f"temperature {temperature:g}"
+    decoding += f", top-k {args.top_k}" if args.top_k and temperature > 0 else ""
+    samples = f"{args.num_samples} sample{'s' if args.num_samples > 1 else ''} per problem"
+    problems = "all problems" if args.max_problems is None else f"at most {args.max_problems} problems per task"
+    return (f"evaluating {model} on {tasks} ({problems}): {decoding}, {samples}, "
+            f"at most {args.max_new_tokens} new tokens")
+
+
 def all_reduce_sums(sums, device):
     if not (dist.is_available() and dist.is_initialized()):
         return sums
@@ -161,7 +176,7 @@ def parse_args():
     parser.add_argument("--top-k", type=positive_int, default=None, help="sample from the k most likely tokens (default: all)")
     parser.add_argument("-m", "--max-new-tokens", "--max-tokens", type=positive_int, default=256, help="the most tokens an answer may have")
     parser.add_argument("-b", "--batch-size", type=positive_int, default=64, help="engine rows / categorical prompts at once")
-    parser.add_argument("--levels", default="1,2,3,4", help="offline task: difficulty levels to evaluate")
+    parser.add_argument("--levels", type=levels_flag, default="1,2,3,4", help="offline task: difficulty levels to evaluate")
     parser.add_argument("--seed", type=nonneg_int, default=0, help="seed of the sampled answers")
     parser.add_argument("--device-type", default=None, help="cuda | cpu | mps (default: autodetect)")
     args = parser.parse_args()
@@ -192,7 +207,9 @@ def main():
     temperature = args.temperature if args.temperature is not None else (0.0 if n == 1 else 1.0)
     paths = task_paths(args)
     results, skipped, t_all = {}, {}, time.time()
-    for name in [t.strip().lower() for t in args.tasks.split(",") if t.strip()]:
+    names = [t.strip().lower() for t in args.tasks.split(",") if t.strip()]
+    print0(run_header(args, meta, names, temperature))
+    for name in names:
         kw = {"path": paths[name]} if name in paths else {}
         if name == "offline":
             kw["levels"] = levels(args)

@@ -36,6 +36,7 @@ from nanorl.optim import MuonAdamW, build_optimizer
 from nanorl.report import load_json, log_json, log_section, rl_eval_rows
 from nanorl.rewards import make_reward, safe_reward
 from nanorl.rollout import PromptSource, RolloutBuffer, RolloutTimeout, TRUNCATED, fill_rollout, keep_all_groups, load_function
+from nanorl.synthetic import levels_flag
 
 # -----------------------------------------------------------------------------------------------
 # flags: the core ones here; rollout/reward, training-step and async flags next to the code they configure
@@ -48,7 +49,7 @@ g.add_argument("--model-tag", default=None, help="checkpoint subdirectory (defau
 g.add_argument("--model-step", "--step", type=nonneg_int, default=None, help="checkpoint step (default: last)")
 g.add_argument("--task", default="offline", help="RL prompts: offline (the synthetic curriculum) or gsm8k")
 g.add_argument("--task-path", default=None, help="local jsonl/parquet for the task instead of downloading")
-g.add_argument("--levels", default="1,2,3,4", help="offline task: difficulty levels of the prompts")
+g.add_argument("--levels", type=levels_flag, default="1,2,3,4", help="offline task: difficulty levels of the prompts")
 g.add_argument("--eval-task", default=None, help="held-out task (default: the test split of --task)")
 g.add_argument("--prompt-data", default=None, help="a jsonl of prompts to RL on instead of --task (slime's flag): one object a "
                "line with --input-key and --label-key")

@@ -29,6 +29,7 @@ from nanorl.gpt import attention_backend
 from nanorl.optim import build_optimizer
 from nanorl.report import log_section
 from nanorl.sft_data import SFTLoader, build_data, levels
+from nanorl.synthetic import levels_flag
 from tasks import ARC, GSM8K, CustomJSON, OfflineChat, OfflineProblems, SmolTalk, SpellingBee, TaskMixture
 
 # -----------------------------------------------------------------------------------------------
@@ -46,7 +47,7 @@ def add_train_args(parser, stage, source, init_lr_frac, warmdown_ratio, num_epoc
       help="a local jsonl/parquet file or directory for a Hub task, e.g. gsm8k=/data/gsm8k (repeatable)")
     a("--identity-path", default=None, help="jsonl of identity conversations (CustomJSON), mixed in twice")
     a("--num-examples", type=positive_int, default=20000, help="offline curriculum: number of training problems")
-    a("--levels", default="1,2,3,4",
+    a("--levels", type=levels_flag, default="1,2,3,4",
       help="offline curriculum: difficulty levels of the problems (e.g. 1,2 to start easy)")
     a("--num-epochs", type=positive_float, default=num_epochs,
       help="passes over the data (ignored with --num-iterations)")

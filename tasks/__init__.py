@@ -5,6 +5,7 @@ Tasks: datasets rendered as conversations, and their graders.
     task = get_task("gsm8k", "test", path="gsm8k/")   # a local jsonl/parquet instead of the Hub
     conv = task.get_example(0); task.evaluate(conv, "... #### 18")
 """
+from nanorl.errors import BadValue
 from tasks.arc import ARC
 from tasks.common import Task, TaskMixture, TaskSequence
 from tasks.customjson import CustomJSON
@@ -39,7 +40,7 @@ CHATCORE_TASKS = ("arc-easy", "arc-challenge", "mmlu", "gsm8k", "humaneval", "sp
 def get_task(name, split, **kw):
     key = name.lower()
     if key not in TASKS:
-        raise ValueError(f"unknown task {name!r}; valid tasks: {', '.join(TASKS)}")
+        raise BadValue(f"unknown task {name!r}; valid tasks: {', '.join(TASKS)}")
     return TASKS[key](split=split, **kw)
 
 

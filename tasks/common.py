@@ -11,6 +11,7 @@ import os
 import random
 import socket
 
+from nanorl.errors import MissingFile, Unreadable
 from nanorl.tokenizer import validate_conversation
 
 
@@ -128,6 +129,8 @@ class BadRows:
 def read_jsonl(path, bad=None):
     """Rows of a jsonl file; a line that is not JSON is skipped and counted in `bad` (blank lines are ignored).
     Yields (line_number, row)."""
+    if not os.path.isfile(path):
+        raise MissingFile(f"{path} does not exist")
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -149,12 +152,12 @@ def split_file(path, split):
     if os.path.isfile(path):
         return [path]
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"{path} does not exist")
+        raise MissingFile(f"{path} does not exist")
     names = sorted(os.listdir(path))
     found = [os.path.join(path, n) for n in names
              if n.endswith((".jsonl", ".parquet")) and (n.split(".")[0] == split or n.startswith(split + "-"))]
     if not found:
-        raise FileNotFoundError(f"no {split}.jsonl or {split}.parquet in {path} (it has: {', '.join(names) or 'nothing'})")
+        raise MissingFile(f"no {split}.jsonl or {split}.parquet in {path} (it has: {', '.join(names) or 'nothing'})")
     return found
 
 
@@ -194,14 +197,14 @@ def load_rows(hf_name, hf_config, hf_split, path=None, split=None, flag="--task-
     try:
         import datasets
     except ImportError as e:
-        raise RuntimeError(f"the `datasets` package is not installed: {how}") from e
+        raise Unreadable(f"the `datasets` package is not installed: {how}") from e
     if offline:  # in case datasets was imported before the environment variable was set
         import huggingface_hub.constants
         datasets.config.HF_HUB_OFFLINE = huggingface_hub.constants.HF_HUB_OFFLINE = True
     try:
         ds = datasets.load_dataset(hf_name, hf_config, split=hf_split)
     except Exception as e:  # no network and no cache shows up as ConnectionError, ValueError, FileNotFoundError...
-        raise RuntimeError(f"could not load {hf_name} ({hf_config}, {hf_split}): {type(e).__name__}: {e}\n"
+        raise Unreadable(f"could not load {hf_name} ({hf_config}, {hf_split}): {type(e).__name__}: {e}\n"
                            f"no network? {how}") from e
     return [dict(row) for row in ds]
 

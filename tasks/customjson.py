@@ -4,6 +4,7 @@ Each line is a conversation: {"messages": [{"role": "user", "content": ...}, ...
 Lines that are not JSON, or whose roles do not alternate, are skipped and counted, and the first bad
 line number is reported: one typo should not kill a run, but it should not go unnoticed either.
 """
+from nanorl.errors import BadValue
 from tasks.common import BadRows, Task, clean_conversations, read_jsonl
 
 
@@ -22,7 +23,7 @@ class CustomJSON(Task):
         if bad_json.count:
             print(f"warning: skipped {bad_json.count} line(s) of {path} that are not JSON; first at line {bad_json.first_line}")
         if not self.conversations:
-            raise ValueError(f"{path} has no valid conversations ({self.skipped} bad line(s), first at line {self.first_bad_line})")
+            raise BadValue(f"{path} has no valid conversations ({self.skipped} bad line(s), first at line {self.first_bad_line})")
 
     def num_examples(self):
         return len(self.conversations)

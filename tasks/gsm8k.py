@@ -11,6 +11,7 @@ SpellingBee use the same convention: their labels are integers.
 """
 import re
 
+from nanorl.errors import BadValue
 from tasks.common import Task, load_rows, split_file
 
 ANNOTATION = re.compile(r"<<([^<>]*)>>")
@@ -87,7 +88,7 @@ class GSM8K(Task):
             if missing or extract_answer(row["answer"]) is None:
                 where = ", ".join(split_file(path, split)) if path else f"openai/gsm8k ({split})"
                 what = f"no {' or '.join(repr(k) for k in missing)}" if missing else "an 'answer' without a final '#### N'"
-                raise ValueError(f"{where}: row {i + 1} has {what} (GSM8K rows need a 'question' and an 'answer' "
+                raise BadValue(f"{where}: row {i + 1} has {what} (GSM8K rows need a 'question' and an 'answer' "
                                  f"ending in '#### N')")
 
     def num_examples(self):

@@ -7,7 +7,7 @@ import torch
 
 from nanorl.tokenizer import SPLIT_PATTERN, Tokenizer
 from nanorl.rl import pass_at_k
-from scripts.chat_eval import Progress, centered, evaluate, letter_token, run_categorical
+from scripts.chat_eval import Progress, centered, evaluate, letter_token, run_categorical, run_header
 from tasks import Task, TaskMixture
 from tasks.common import render_mc
 from tasks.offline import OfflineProblems
@@ -190,3 +190,16 @@ def test_a_pass_k_above_the_sample_count_stops_before_any_model_loads(tmp_path, 
     monkeypatch.setattr(sys, "argv", ["chat_eval.py", "--", "-s", "3", "-n", "4", "-k", "4"])  # torchrun's "--" too
     args = parse_args()
     assert (args.source, args.model_step, args.num_samples, args.pass_k) == ("sft", 3, 4, [4])
+
+
+def test_run_header_names_the_model_tasks_levels_decoding_and_length():
+    args = types.SimpleNamespace(hf_model=None, source="rl", levels="1,2,3,4", top_k=None, num_samples=1,
+                                 max_problems=None, max_new_tokens=256)
+    meta = {"model_tag": "d20", "step": 1400}
+    assert run_header(args, meta, ["offline", "gsm8k"], 0.0) == (
+        "evaluating rl checkpoint d20 step 1400 on offline (levels 1,2,3,4), gsm8k (all problems): greedy, "
+        "1 sample per problem, at most 256 new tokens")
+    args.hf_model, args.top_k, args.num_samples, args.max_problems = "/m/qwen", 50, 8, 100
+    assert run_header(args, {}, ["gsm8k"], 1.0) == (
+        "evaluating Hugging Face model /m/qwen on gsm8k (at most 100 problems per task): temperature 1, top-k 50, "
+        "8 samples per problem, at most 256 new tokens")

@@ -199,7 +199,11 @@ def test_export_nanorl_arch_as_nanochat(tmp_path):
     model.eval()
     export_hf(model, tok, str(tmp_path))
     with open(tmp_path / "config.json") as f:
-        assert json.load(f)["architectures"] == ["NanoChatForCausalLM"]
+        cfg = json.load(f)
+    assert cfg["architectures"] == ["NanoChatForCausalLM"] and cfg["max_position_embeddings"] == 64
+    with open(tmp_path / "generation_config.json") as f:  # a reply ends at <|assistant_end|>; padding is <|bos|>
+        assert json.load(f) == {"bos_token_id": tok.get_bos_token_id(), "pad_token_id": tok.get_bos_token_id(),
+                                "eos_token_id": tok.encode_special("<|assistant_end|>")}
     back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
     ids = torch.randint(0, tok.vocab_size, (1, 40), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
@@ -246,6 +250,67 @@ def test_errors_name_the_file(tmp_path):
     load_hf_model(str(tmp_path))  # the consistent index loads
     with pytest.raises(FileNotFoundError, match="tokenizer.json is missing"):
         HFTokenizer.load(str(tmp_path))
+
+
+def test_architecture_from_architectures_or_model_type(tmp_path):
+    """Either key names the architecture; a contradiction between them, neither, or an unknown one is one line
+    naming config.json; a truncated weights file is one line naming it."""
+    tiny_hf("qwen2", tmp_path)
+    cfg_path = tmp_path / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    bare = {k: v for k, v in cfg.items() if k not in ("architectures", "model_type")}
+    cfg_path.write_text(json.dumps({**bare, "model_type": "qwen2"}))
+    model, got = load_hf_model(str(tmp_path))
+    assert got["architectures"] == ["Qwen2ForCausalLM"] and model.config.attn_bias  # Qwen2's q/k/v biases
+    cases = [({**cfg, "model_type": "llama"}, f"{cfg_path}: architectures[0] Qwen2ForCausalLM contradicts model_type "
+                                              "'llama' (a Qwen2ForCausalLM has model_type 'qwen2')"),
+             (bare, f"{cfg_path} names no architecture (neither 'architectures' nor 'model_type')"),
+             ({**bare, "model_type": "gpt2"},
+              f"{cfg_path}: model_type 'gpt2' is not supported (supported: llama, qwen2, qwen3, nanochat)")]
+    for bad, message in cases:
+        cfg_path.write_text(json.dumps(bad))
+        with pytest.raises(ValueError) as e:
+            load_hf_model(str(tmp_path))
+        assert str(e.value) == message
+    cfg_path.write_text(json.dumps(cfg))
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:len(weights.read_bytes()) // 2])
+    with pytest.raises(RuntimeError, match=f"^{weights} is corrupt or truncated \\(SafetensorError: "):
+        load_hf_model(str(tmp_path))
+
+
+def test_export_keeps_the_declared_context_every_eos_id_pad_and_generation_config(tmp_path, monkeypatch):
+    """A Llama-3.1-style model (128k context, two end tokens, a pad token, sampling defaults) imported, saved as a
+    checkpoint and exported by scripts.export_hf: transformers reads back the source's values, not the import's."""
+    import runpy
+    import sys
+
+    from nanorl.checkpoint import load_model, save_checkpoint
+    src, base, out = tmp_path / "src", tmp_path / "base", tmp_path / "out"
+    tiny_hf("llama", src)
+    tiny_tokenizer(src, "llama")  # <|begin_of_text|> 0 ... <|eot_id|> 3
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 131072, "eos_token_id": [0, 3],
+                                                 "pad_token_id": 2}))
+    generation = {"bos_token_id": 0, "eos_token_id": [0, 3], "do_sample": True, "temperature": 0.6, "top_p": 0.9,
+                  "transformers_version": "5"}
+    (src / "generation_config.json").write_text(json.dumps(generation))
+    monkeypatch.setenv("NANORL_BASE_DIR", str(base))
+    model, _, meta = load_model("sft", "cpu", hf_model=str(src))
+    assert model.config.sequence_len == 8192  # the rotary tables the import builds: capped
+    save_checkpoint(str(base / "rl_checkpoints" / "llama"), 1, model.state_dict(), meta={**meta, "step": 1})
+    monkeypatch.setattr(sys, "argv", ["export_hf.py", "-i", "rl", "-o", str(out)])
+    runpy.run_module("scripts.export_hf", run_name="__main__")
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    assert back.config.max_position_embeddings == 131072
+    assert back.config.eos_token_id == [0, 3] and back.config.pad_token_id == 2
+    assert back.config.bos_token_id == cfg["bos_token_id"]  # (LlamaConfig's default, 1: the source's word is kept)
+    gen = back.generation_config
+    assert (gen.eos_token_id, gen.pad_token_id, gen.do_sample, gen.temperature, gen.top_p) == \
+        ([0, 3], 2, True, 0.6, 0.9)
+    ids = torch.randint(0, VOCAB, (1, 20), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert (back(ids).logits - model(ids)).abs().max().item() < 1e-4
 
 
 def test_load_model_hf_checkpoint_and_export_script(tmp_path, monkeypatch):
