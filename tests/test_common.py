@@ -2,7 +2,8 @@ import re
 
 import pytest
 
-from nanorl.common import ETA, ArgumentParser, Logger, fraction, get_logger, int_or_off, number_in, positive_float, positive_int
+from nanorl.common import (ETA, ArgumentParser, Logger, fraction, get_logger, int_or_off, load_function, number_in,
+                           positive_float, positive_int)
 
 
 def parse_error(parser, argv, capsys):
@@ -155,3 +156,17 @@ def test_canonical_flag_names_and_their_aliases(monkeypatch):
     assert "argument --model-step/--step: -1 is out of range" in err
     _, _, err = run_script("scripts.base_train", ["--save-interval", "-3"], monkeypatch)
     assert "argument --save-every/--save-interval: -3 is out of range" in err
+
+
+def test_load_function_errors(tmp_path):
+    f = tmp_path / "myrm.py"
+    f.write_text("def rm(a, b):\n    return 1.0\n")
+    assert load_function(f"{f}:rm", ["response", "label"], "--custom-rm-path")("x", "y") == 1.0
+    with pytest.raises(ValueError, match="--custom-rm-path.*could not import"):
+        load_function("no_such_module_xyz:rm", ["response", "label"], "--custom-rm-path")
+    with pytest.raises(ValueError, match="no function 'nope'"):
+        load_function(f"{f}:nope", ["response", "label"], "--custom-rm-path")
+    with pytest.raises(ValueError, match="wrong signature"):
+        load_function(f"{f}:rm", ["a", "b", "c"], "--custom-rm-path")
+    with pytest.raises(ValueError, match="module:function"):
+        load_function("justaname", ["a"], "--x")
