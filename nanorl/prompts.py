@@ -10,6 +10,20 @@ import random
 from nanorl.rewards import extract_answer
 
 
+def add_args(group):
+    """The flags of prompts from a file (slime's names), for the script's "model and data" group."""
+    group.add_argument("--prompt-data", default=None, help="a jsonl of prompts to RL on instead of --task (slime's "
+                       "flag): one object a line with --input-key and --label-key")
+    group.add_argument("--eval-prompt-data", default=None, help="a jsonl of held-out prompts for --prompt-data "
+                       "(default: none held out: the eval then reads the first training prompts, and says so)")
+    group.add_argument("--input-key", default="prompt",
+                       help="--prompt-data: the prompt's key (a string or a list of chat messages)")
+    group.add_argument("--label-key", default="label", help="--prompt-data: the label's key")
+    group.add_argument("--apply-chat-template", action="store_true", help="--prompt-data: render string prompts as a "
+                       "user turn of the chat template (lists of messages always are); without it a string prompt is "
+                       "fed as raw text")
+
+
 def task_prompts(task, name, split, require_label=None):
     """A task's examples as RL prompts: the conversation without its answer, plus the label (the task's own, else the
     final answer of its reference reply). require_label: what needs a label (e.g. "--rm-type math"), or None."""

@@ -14,7 +14,7 @@ A remote reward is an HTTP endpoint, scored in batches (nanorl/remote_rewards.py
 
 Every grader returns a number and looks at nothing but its arguments. safe_reward and remote_rewards never
 raise: a broken reward becomes (None, reason), which set_rewards counts and drops, because one bad sample
-must not kill a long run. The reward flags (add_args, RewardConfig) live at the end of this file.
+must not kill a long run. The reward flags (add_args, config_from_args -> RewardConfig) live at the end of this file.
 """
 import math
 import numbers
@@ -403,14 +403,6 @@ class RewardConfig:
     rm_retries: int = 3
     rm_failure: str = "drop"
 
-    @classmethod
-    def from_args(cls, args, default_rm_type):
-        """default_rm_type: the grader when --rm-type is not given (the script's choice: prompts from a file have
-        no task grader)."""
-        return cls(rm_type=args.rm_type or default_rm_type, custom_rm_path=args.custom_rm_path or None,
-                   rm_url=args.rm_url, rm_concurrency=args.rm_concurrency, rm_timeout=args.rm_timeout,
-                   rm_retries=args.rm_retries, rm_failure=args.rm_failure)
-
     @property
     def remote(self):
         return self.rm_type == "remote"
@@ -439,8 +431,9 @@ def add_args(parser):
                         "zero = reward 0")
 
 
-def check_args(args, parser):
-    """The remote reward's flags, checked before any work."""
+def config_from_args(args, parser, default_rm_type):
+    """The RewardConfig of the reward flags, after checking the remote reward's. default_rm_type: the grader when
+    --rm-type is not given (the script's choice: prompts from a file have no task grader)."""
     if args.rm_type == "remote":
         if not args.rm_url:
             parser.error("--rm-type remote needs --rm-url (the reward server's address, e.g. "
@@ -451,3 +444,6 @@ def check_args(args, parser):
             parser.error("--rm-type remote and --custom-rm-path both pick the reward: give one of them")
     elif args.rm_url:
         parser.error(f"--rm-url is only used with --rm-type remote (got --rm-type {args.rm_type})")
+    return RewardConfig(rm_type=args.rm_type or default_rm_type, custom_rm_path=args.custom_rm_path or None,
+                        rm_url=args.rm_url, rm_concurrency=args.rm_concurrency, rm_timeout=args.rm_timeout,
+                        rm_retries=args.rm_retries, rm_failure=args.rm_failure)

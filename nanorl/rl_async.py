@@ -39,6 +39,10 @@ class Roles:
     tgroup: object = None
     wgroup: object = None  # the samplers + the first trainer: the weights travel in it
 
+    @property
+    def world(self):
+        return self.sworld + self.tworld if self.async_mode else self.sworld
+
 
 def split_ranks(args, parser, rank, world_size):
     """The Roles of this rank from --async and --rollout-num-gpus. --async on one rank falls back to synchronous RL
@@ -65,7 +69,7 @@ def split_ranks(args, parser, rank, world_size):
 def exchange_rollouts(roles, payload):
     """Every rank's rollout payload to every rank (a trainer sends None) -> the samplers' payloads, in rank order.
     A payload is a dict: groups, failure (None or what went wrong), metrics, rollout_s."""
-    gathered = [None] * (roles.sworld + roles.tworld)
+    gathered = [None] * roles.world
     dist.all_gather_object(gathered, payload)
     return [p for p in gathered if p is not None]
 
@@ -95,3 +99,19 @@ def receive_weights(model, engine, roles):
     box = [None]
     dist.broadcast_object_list(box, src=roles.R, group=roles.wgroup)
     return box[0]
+
+
+def idle_fractions(roles, idle_s, elapsed_s, distributed):
+    """The share of its time each kind of rank ("both" when synchronous, else "sampling" and "training") waited on
+    the others, over all ranks of that kind: {"idle_frac_<kind>_ranks": fraction}. Collective when distributed."""
+    role = "both" if not roles.async_mode else "sampling" if roles.is_sampler else "training"
+    busy = [(role, idle_s, elapsed_s)]
+    if distributed:
+        busy = [None] * roles.world
+        dist.all_gather_object(busy, (role, idle_s, elapsed_s))
+    out = {}
+    for r in ("both", "sampling", "training"):
+        rows = [(w, t) for rr, w, t in busy if rr == r]
+        if rows:
+            out[f"idle_frac_{r}_ranks"] = round(sum(w for w, _ in rows) / sum(t for _, t in rows), 3)
+    return out

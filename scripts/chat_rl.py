@@ -51,15 +51,7 @@ g.add_argument("--task", default="offline", help="RL prompts: offline (the synth
 g.add_argument("--task-path", default=None, help="local jsonl/parquet for the task instead of downloading")
 g.add_argument("--levels", default="1,2,3,4", help="offline task: difficulty levels of the prompts")
 g.add_argument("--eval-task", default=None, help="held-out task (default: the test split of --task)")
-g.add_argument("--prompt-data", default=None, help="a jsonl of prompts to RL on instead of --task (slime's flag): one "
-               "object a line with --input-key and --label-key")
-g.add_argument("--eval-prompt-data", default=None, help="a jsonl of held-out prompts for --prompt-data (default: none "
-               "held out: the eval then reads the first training prompts, and says so)")
-g.add_argument("--input-key", default="prompt",
-               help="--prompt-data: the prompt's key (a string or a list of chat messages)")
-g.add_argument("--label-key", default="label", help="--prompt-data: the label's key")
-g.add_argument("--apply-chat-template", action="store_true", help="--prompt-data: render string prompts as a user turn "
-               "of the chat template (lists of messages always are); without it a string prompt is fed as raw text")
+prompts.add_args(g)  # --prompt-data and its keys
 g.add_argument("--output-tag", default=None, help="save under rl_checkpoints/<tag> (default: the source's tag)")
 g = parser.add_argument_group("rollouts")
 g.add_argument("--num-rollouts", "--num-rollout", type=positive_int, default=60, help="number of rollouts (= RL steps)")
@@ -96,8 +88,7 @@ args = parser.parse_args(sys.argv[1:] if sys.argv[1:2] != ["--"] else sys.argv[2
 # -----------------------------------------------------------------------------------------------
 # configs: each part's flags checked and turned into its config once, here; the flags themselves stay as given
 rollout_cfg = rollout.config_from_args(args, parser)
-rewards.check_args(args, parser)
-reward_cfg = rewards.RewardConfig.from_args(args, default_rm_type="math" if args.prompt_data else "task")
+reward_cfg = rewards.config_from_args(args, parser, default_rm_type="math" if args.prompt_data else "task")
 trainer_cfg = rl_trainer.config_from_args(args, parser)
 # --fsdp shards the policy only: the extra models of these options would stay whole on every rank, and --async's
 # trainers ship weights to samplers that hold no shards
@@ -522,17 +513,7 @@ else:
 
 # -----------------------------------------------------------------------------------------------
 # report: time each role spent waiting on the others, pass@k before and after
-role = "both" if not roles.async_mode else "sampling" if roles.is_sampler else "training"
-busy = [None] * world_size
-if ddp:
-    dist.all_gather_object(busy, (role, idle_s, time.time() - t_start))
-else:
-    busy = [(role, idle_s, time.time() - t_start)]
-idle_frac = {}
-for r in ("both", "sampling", "training"):
-    rows = [(w, t) for rr, w, t in busy if rr == r]
-    if rows:
-        idle_frac[f"idle_frac_{r}_ranks"] = round(sum(w for w, _ in rows) / sum(t for _, t in rows), 3)
+idle_frac = rl_async.idle_fractions(roles, idle_s, time.time() - t_start, ddp)
 print0(f"idle fraction (time a {device.type.upper()} rank waited on other ranks): "
        + ", ".join(f"{k} {v:.1%}" for k, v in idle_frac.items()))
 log_json("rl_history", {"train": history, "eval": eval_history, "idle": idle_frac}, rank=rank)

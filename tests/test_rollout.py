@@ -1,9 +1,6 @@
 """Dynamic sampling: the group filter, filling a rollout from the buffer and new rounds, the buffer's state."""
 import random
 
-import pytest
-import torch
-
 from nanorl.rollout import RolloutBuffer, fill_rollout, keep_nonconstant_group
 from nanorl.samples import Sample
 
