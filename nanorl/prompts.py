@@ -65,7 +65,8 @@ def jsonl_prompts(path, split, input_key="prompt", label_key="label", apply_chat
                 raise SystemExit(f"--prompt-data {path} line {i}: {input_key!r} must be a string or a list of messages")
             if label is None and require_label:
                 raise SystemExit(f"--prompt-data {path} line {i} has no {label_key!r}, and {require_label} needs one")
-            items.append({**item, "label": label, "metadata": {"task": os.path.basename(path), "split": split, "row": i}})
+            metadata = {"task": os.path.basename(path), "split": split, "row": i}
+            items.append({**item, "label": label, "metadata": metadata})
     return items
 
 

@@ -294,7 +294,8 @@ def make_reward(rm_type="task", task=None, custom_path=None):
             raise ValueError(f"--custom-rm-path and --rm-type {rm_type} both pick the reward: give one of them")
         if custom_path is None:
             raise ValueError("--rm-type custom needs --custom-rm-path module:function (or path/to/file.py:function)")
-        return load_function(custom_path, ["response", "label", "metadata"], "--custom-rm-path"), f"custom:{custom_path}"
+        fn = load_function(custom_path, ["response", "label", "metadata"], "--custom-rm-path")
+        return fn, f"custom:{custom_path}"
     if rm_type == "remote":
         raise ValueError("--rm-type remote is scored in batches over HTTP: call remote_rewards(url, payloads)")
     parts = parse_rm_type(rm_type)

@@ -75,7 +75,8 @@ def exchange_rollouts(roles, payload):
 
 
 def sum_payload_metrics(payloads):
-    """The samplers' rollout metrics as one: counts add up over the sampling ranks, perf figures are the slowest one's."""
+    """The samplers' rollout metrics as one: counts add up over the sampling ranks, perf figures are the slowest
+    one's."""
     m = {}
     for p in payloads:
         for k, v in p["metrics"].items():

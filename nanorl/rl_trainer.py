@@ -74,7 +74,8 @@ def add_args(parser):
                    help="tokens per training micro-batch: samples are packed end to end into rows (at most the "
                         "model's context each) and rows into micro-batches of this many positions, padding included")
     g.add_argument("--weight-decay", type=nonneg_float, default=0.0, help="optimizer weight decay")
-    g.add_argument("--grad-clip", type=nonneg_float, default=c.grad_clip, help="clip the global gradient norm (0 = off)")
+    g.add_argument("--grad-clip", type=nonneg_float, default=c.grad_clip,
+                   help="clip the global gradient norm (0 = off)")
     g.add_argument("--warmup-rollouts", type=nonneg_int, default=c.warmup_rollouts,
                    help="linear LR warmup over this many rollouts")
     g = parser.add_argument_group("advantages and loss (nanorl/rl_trainer.py, nanorl/rl.py)")
@@ -88,11 +89,13 @@ def add_args(parser):
                    help="ppo: AdamW learning rate of the critic (required with ppo)")
     g.add_argument("--value-clip", type=nonneg_float, default=c.value_clip,
                    help="ppo: clip the critic's values to within this of the rollout's (0 = off)")
-    g.add_argument("--disable-grpo-std-normalization", action="store_true", help="Dr. GRPO: no division by the group std")
+    g.add_argument("--disable-grpo-std-normalization", action="store_true",
+                   help="Dr. GRPO: no division by the group std")
     g.add_argument("--normalize-advantages", action="store_true", help="whiten advantages across all training ranks")
     g.add_argument("--eps-clip", type=number_in(float, 0, 1, lo_open=True), default=c.eps_clip,
                    help="PPO clip range (the lower one with --eps-clip-high)")
-    g.add_argument("--eps-clip-high", type=positive_float, default=None, help="clip-higher (DAPO); default = --eps-clip")
+    g.add_argument("--eps-clip-high", type=positive_float, default=None,
+                   help="clip-higher (DAPO); default = --eps-clip")
     g.add_argument("--eps-clip-c", type=number_in(float, 1, lo_open=True), default=None,
                    help="dual clip constant (> 1) for negative advantages")
     g.add_argument("--entropy-coef", type=nonneg_float, default=c.entropy_coef, help="entropy bonus coefficient")
@@ -288,8 +291,8 @@ class Trainer:
         a = self.cfg
         other = next((s for s in samples if s.temperature is not None and s.temperature != a.temperature), None)
         if other is not None:  # the log-prob ratios would compare two different distributions
-            raise ValueError(f"a sample ({other.metadata}) was sampled at temperature {other.temperature:g}, but the trainer "
-                             f"computes log-probs at {a.temperature:g}: give the trainer the rollout's temperature")
+            raise ValueError(f"a sample ({other.metadata}) was sampled at temperature {other.temperature:g}, but the "
+                             f"trainer computes log-probs at {a.temperature:g}: give it the rollout's temperature")
         bad = next((s for s in samples if len(s.rollout_log_probs) != s.response_length), None)
         if a.use_tis and bad is not None:  # TIS compares against the sampler's log-probs: without them it is garbage
             raise SystemExit(f"--use-tis needs the rollout's log-probs, but a sample ({bad.metadata}) has {len(bad.rollout_log_probs)} for "

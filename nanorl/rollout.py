@@ -53,7 +53,8 @@ def add_args(parser):
                    "--use-tis)")
     g.add_argument("--top-k", type=positive_int, default=None,
                    help="rollout top-k (default: off; anything but off makes rollouts off-policy)")
-    g.add_argument("--top-p", type=number_in(float, 0, 1, lo_open=True), default=None, help="rollout top-p (default: off)")
+    g.add_argument("--top-p", type=number_in(float, 0, 1, lo_open=True), default=None,
+                   help="rollout top-p (default: off)")
     g.add_argument("--engine-batch-size", type=positive_int, default=256, help="engine rows decoded at once")
     g.add_argument("--custom-generate-function-path", default=None, help="module:function(config, engine, tokenizer, "
                    "prompts, seeds) -> list of groups (lists) of Sample; config is the RolloutConfig")
@@ -154,7 +155,8 @@ def fill_rollout(target_groups, buffer, make_groups, group_filter, max_rounds=8,
     round is closed, which aborts and parks what is still generating.
     Returns (groups, stats) where stats counts what was dropped and why.
     """
-    stats = {"groups_generated": 0, "groups_from_buffer": 0, "groups_dropped": 0, "rounds": 0, "groups_unfiltered_fill": 0}
+    stats = {"groups_generated": 0, "groups_from_buffer": 0, "groups_dropped": 0, "rounds": 0,
+             "groups_unfiltered_fill": 0}
     kept, dropped = [], []
     for g in buffer.pop(target_groups):
         stats["groups_from_buffer"] += 1
@@ -240,8 +242,8 @@ class RolloutWorker:
     def new_group(self, p, prompt_ids, seed, num_samples, weight_version, temperature):
         """Empty samples of one prompt, to be extended by the engine's completions."""
         return [Sample(prompt=p.get("conversation", p.get("text")), tokens=list(prompt_ids), label=p["label"],
-                       status=ABORTED, weight_version=weight_version, index=si, metadata={**p["metadata"], "seed": seed},
-                       temperature=temperature)
+                       status=ABORTED, weight_version=weight_version, index=si,
+                       metadata={**p["metadata"], "seed": seed}, temperature=temperature)
                 for si in range(num_samples)]
 
     def generate(self, prompts, seeds, temperature, num_samples, weight_version):
@@ -273,7 +275,8 @@ class RolloutWorker:
         """
         c, n, engine = self.cfg, self.cfg.n_samples_per_prompt, self.engine
         jobs = []  # (group, {sample index: (handle, completion index)})
-        self.inflight["generating"] = [s.metadata for g in buffer.partial for s in g[:1]] + [p["metadata"] for p in prompts]
+        parked = [s.metadata for g in buffer.partial for s in g[:1]]
+        self.inflight["generating"] = parked + [p["metadata"] for p in prompts]
         for group in buffer.take_partial():
             handles = {}
             for s in group:
@@ -287,7 +290,8 @@ class RolloutWorker:
         for p, seed in zip(prompts, seeds):
             ids = prompt_ids(self.tokenizer, p)
             h = engine.submit(self.request(ids, seed, n, c.temperature))
-            jobs.append((self.new_group(p, ids, seed, n, weight_version, c.temperature), {si: (h, si) for si in range(n)}))
+            group = self.new_group(p, ids, seed, n, weight_version, c.temperature)
+            jobs.append((group, {si: (h, si) for si in range(n)}))
         try:
             while jobs:
                 engine.step()
@@ -349,7 +353,8 @@ class RolloutWorker:
                   "perf/rollout_tok_per_s": sum(s.response_length for s in samples) / max(rollout_s, 1e-9)})
         components = [k for k in next((s.reward for s in samples if isinstance(s.reward, dict)), {}) if k != "total"]
         for k in components:
-            m[f"rollout/reward_{k}"] = sum(s.reward.get(k, 0.0) for s in samples if isinstance(s.reward, dict)) / len(samples)
+            total = sum(s.reward.get(k, 0.0) for s in samples if isinstance(s.reward, dict))
+            m[f"rollout/reward_{k}"] = total / len(samples)
         if self.cfg.partial_rollout:
             m["rollout/partial_parked_groups"] = len(buffer.partial)
             m["rollout/partial_resumed_samples"] = sum(s.metadata.get("resumed", 0) > 0 for s in samples)

@@ -107,8 +107,9 @@ over_sampling = args.over_sampling_batch_size or args.rollout_batch_size  # prom
 group_filter = load_function(args.dynamic_sampling_filter_path, ["group"], "--dynamic-sampling-filter-path") \
     if args.over_sampling_batch_size is not None else rollout.keep_all_groups
 buffer_filter = load_function(args.buffer_filter_path, ["buffer", "n"], "--buffer-filter-path")
-custom_generate = load_function(args.custom_generate_function_path, ["config", "engine", "tokenizer", "prompts", "seeds"],
-                                "--custom-generate-function-path") if args.custom_generate_function_path else None
+custom_generate = load_function(args.custom_generate_function_path, ["config", "engine", "tokenizer", "prompts",
+                                                                     "seeds"], "--custom-generate-function-path") \
+    if args.custom_generate_function_path else None
 
 # -----------------------------------------------------------------------------------------------
 # the prompts and the reward, before any model is built: a bad task, data file or reward flag fails at once
@@ -135,10 +136,12 @@ if args.prompt_data:
     train_items, train_task = file_prompts(args.prompt_data, "train")
     eval_items, eval_task = file_prompts(eval_name, "test") if args.eval_prompt_data else (train_items, None)
     if not args.eval_prompt_data:
-        print0(f"no --eval-prompt-data: the eval reads the first {args.eval_max_problems} training prompts (not held out)")
+        print0(f"no --eval-prompt-data: the eval reads the first {args.eval_max_problems} training prompts "
+               f"(not held out)")
 else:
     eval_name = args.eval_task or args.task
-    (train_items, train_task), (eval_items, eval_task) = task_prompts(args.task, "train"), task_prompts(eval_name, "test")
+    train_items, train_task = task_prompts(args.task, "train")
+    eval_items, eval_task = task_prompts(eval_name, "test")
 eval_items = eval_items[:args.eval_max_problems]
 reward_fns, rm_name = {}, f"remote:{reward_cfg.rm_url}"
 if not reward_cfg.remote:  # one grader per split: the task's own grader reads the example a prompt came from
@@ -208,7 +211,7 @@ if longest_prompt + 1 > model.config.sequence_len:
 engine = Engine(model, tokenizer, batch_size=args.engine_batch_size,
                 max_len=min(model.config.sequence_len, longest_prompt + args.max_response_len)) \
     if roles.is_sampler else None
-if args.fsdp:  # the engine copied the whole model above; now shard the policy, before the optimizer is built on the shards
+if args.fsdp:  # the engine copied the whole model above; now shard the policy, before the optimizer is built on it
     fsdp.shard_model(model, device, args.activation_checkpointing, args.cpu_offload)
 optimizer = build_optimizer(model, weight_decay=args.weight_decay)
 for pg in optimizer.param_groups:
@@ -301,7 +304,8 @@ def train(step, groups, m):
 def log_step(step, m, dt):
     eta.step(dt, (step + 1) / args.num_rollouts)
     print0(f"step {step + 1:05d}/{args.num_rollouts} | reward {m['rollout/reward_mean']:.3f} "
-           f"| len {m['rollout/response_len_mean']:.1f} | pg {m['train/pg_loss']:+.4f} | clip {m['train/clipfrac']:.3f} "
+           f"| len {m['rollout/response_len_mean']:.1f} | pg {m['train/pg_loss']:+.4f} "
+           f"| clip {m['train/clipfrac']:.3f} "
            f"| ppo_kl {m['train/ppo_kl']:+.2e} | ent {m['train/entropy']:.3f} | gnorm {m['train/grad_norm']:.3f} "
            f"| lp_diff {m['train/train_rollout_logprob_abs_diff']:.1e} | pad {m['train/padding_frac']:.0%} "
            f"| dropped {int(m.get('rollout/groups_dropped', 0))} | dt {dt:.1f}s "
@@ -360,7 +364,7 @@ def should_save(step):
 def save(step):
     extra = {"source": source.state_dict(), "buffer": buffer.state_dict(), "py_rng": random.getstate(),
              "torch_rng": torch.get_rng_state()}
-    if critic is not None:  # every training rank keeps the same critic (averaged gradients): each saves it with its extra
+    if critic is not None:  # every training rank keeps the same critic (averaged gradients): each saves it
         extra.update(critic=critic.state_dict(), critic_optim=critic_optimizer.state_dict())
     ck_meta = {**meta, "model_tag": output_tag, "step": step, "rl_args": vars(args), "world_size": world_size,
                "sharded": args.fsdp}  # (not the source model's flags)
