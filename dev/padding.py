@@ -1,7 +1,7 @@
 """
 Padding fraction of RL training micro-batches (padded positions / all positions the model runs): each sample on
 its own row, padded to its micro-batch's longest (the scheme before packing), against samples packed end to end
-into rows (nanorl.rollout.pack_micro_batches, what the trainer runs). Rollouts are drawn at random with real
+into rows (nanorl.samples.pack_micro_batches, what the trainer runs). Rollouts are drawn at random with real
 prompt lengths:
   offline  offline-curriculum prompts; every sample of a group as long as the task's reference answer (capped at
            --max-response-len): a trained model's stand-in
@@ -14,7 +14,7 @@ import argparse
 import json
 import random
 
-from nanorl.rollout import Sample, pack_micro_batches
+from nanorl.samples import Sample, pack_micro_batches
 from nanorl.tokenizer import Tokenizer
 
 

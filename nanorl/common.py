@@ -1,8 +1,12 @@
 """
-Small shared utilities: flag parsing, distributed init, device and dtype, printing, paths, logging, ETA.
+Small shared utilities: flag parsing, distributed init, device and dtype, printing, paths, logging, ETA, and
+loading a user's plugin function named on the command line.
 """
 import argparse
 import datetime
+import importlib
+import importlib.util
+import inspect
 import math
 import numbers
 import os
@@ -373,3 +377,33 @@ class Timer:
                 synchronize(device_type)
                 timer.times[name] = timer.times.get(name, 0.0) + time.time() - self.t0
         return _Ctx()
+
+
+# -----------------------------------------------------------------------------------------------
+# plugins: a user function named on the command line as "module:function" or "path/to/file.py:function"
+
+def load_function(path, expected_params, flag):
+    """Import a user function and check its signature before any GPU work starts; errors name the flag."""
+    if ":" not in path:
+        raise ValueError(f"{flag} {path!r}: expected 'module:function' or 'file.py:function'")
+    mod_name, fn_name = path.rsplit(":", 1)
+    try:
+        if mod_name.endswith(".py") or os.path.sep in mod_name:
+            spec = importlib.util.spec_from_file_location(os.path.basename(mod_name)[:-3], mod_name)
+            if spec is None:
+                raise ImportError(f"no such file {mod_name}")
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(mod_name)
+    except Exception as e:
+        raise ValueError(f"{flag} {path!r}: could not import {mod_name!r} ({type(e).__name__}: {e})") from e
+    fn = getattr(module, fn_name, None)
+    expected = f"{fn_name}({', '.join(expected_params)})"
+    if not callable(fn):
+        raise ValueError(f"{flag} {path!r}: {mod_name!r} has no function {fn_name!r}; expected {expected}")
+    try:
+        inspect.signature(fn).bind(*expected_params)
+    except TypeError as e:
+        raise ValueError(f"{flag} {path!r}: wrong signature {inspect.signature(fn)}; expected {expected}") from e
+    return fn

@@ -10,25 +10,20 @@ rm_type picks the grader; `name` says which, for the logs and the report card:
   a weighted mix such as "math+format:0.9,0.1" or "task+format:0.9,0.1": a dict of components + "total"
   custom  a function fn(response, label, metadata) -> float | dict with a "total", from custom_path
           ("module:function" or "path/to/file.py:function")
-A remote reward is an HTTP endpoint, scored in batches with remote_rewards(url, payloads).
+A remote reward is an HTTP endpoint, scored in batches (nanorl/remote_rewards.py).
 
 Every grader returns a number and looks at nothing but its arguments. safe_reward and remote_rewards never
-raise: a broken reward becomes (None, reason), which the RL loop counts and drops, because one bad sample
-must not kill a long run.
+raise: a broken reward becomes (None, reason), which set_rewards counts and drops, because one bad sample
+must not kill a long run. The reward flags (add_args, config_from_args -> RewardConfig) live at the end of this file.
 """
-import http.client
-import json
 import math
 import numbers
 import re
-import socket
 import string
-import threading
-import time
-import urllib.error
-import urllib.request
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from nanorl.common import load_function, nonneg_int, positive_float, positive_int
 
 # -----------------------------------------------------------------------------------------------
 # extracting the final answer
@@ -299,17 +294,16 @@ def make_reward(rm_type="task", task=None, custom_path=None):
             raise ValueError(f"--custom-rm-path and --rm-type {rm_type} both pick the reward: give one of them")
         if custom_path is None:
             raise ValueError("--rm-type custom needs --custom-rm-path module:function (or path/to/file.py:function)")
-        from nanorl.rollout import load_function
-        return load_function(custom_path, ["response", "label", "metadata"], "--custom-rm-path"), f"custom:{custom_path}"
+        fn = load_function(custom_path, ["response", "label", "metadata"], "--custom-rm-path")
+        return fn, f"custom:{custom_path}"
     if rm_type == "remote":
         raise ValueError("--rm-type remote is scored in batches over HTTP: call remote_rewards(url, payloads)")
     parts = parse_rm_type(rm_type)
     if any(name == "task" for name, _ in parts):
-        from tasks.common import Task
         if task is None:
             raise ValueError(f"--rm-type {rm_type} grades with the task's own grader, but there is no task (prompts from a "
                              f"file have none): pick --rm-type {' | '.join(GRADERS)} or --custom-rm-path")
-        if type(task).evaluate is Task.evaluate:
+        if not task.has_grader:
             raise ValueError(f"{type(task).__name__} has no grader (it is chat data): pick --rm-type "
                              f"{' | '.join(GRADERS)} or --custom-rm-path")
     fns = {name: task_reward(task) if name == "task" else _ignoring_metadata(GRADERS[name]) for name, _ in parts}
@@ -327,7 +321,7 @@ def make_reward(rm_type="task", task=None, custom_path=None):
 # -----------------------------------------------------------------------------------------------
 # checking what a reward function gave back
 
-def _check_reward(value):
+def check_reward(value):
     """(float or dict of floats, None) for a finite number or a dict of them with a 'total'; else (None, why)."""
     def number(v):
         if isinstance(v, (str, bytes)) or not isinstance(v, numbers.Real) and not hasattr(v, "__float__"):
@@ -358,129 +352,99 @@ def safe_reward(fn, *args):
     except (Exception, SystemExit) as e:  # a reward calling exit() must not end training either
         return None, f"reward raised {type(e).__name__}: {e}"
     try:
-        return _check_reward(value)
+        return check_reward(value)
     except Exception as e:  # a weird object whose __repr__/__float__ blows up
         return None, f"reward returned an unusable {type(value).__name__}: {type(e).__name__}"
 
 
 # -----------------------------------------------------------------------------------------------
-# remote rewards: POST {payload} -> {"reward": number} or {"reward": {component: number, "total": ...}}
+# bookkeeping: the (value, error) pairs of a rollout onto its samples
 
-class _Retryable(Exception):
-    pass
-
-
-class _DeadlineHandler(urllib.request.HTTPHandler, urllib.request.HTTPSHandler):
-    """Makes urllib's connections known, so a timer can cut them at the attempt's deadline: a socket
-    timeout alone bounds each read, and a server trickling a byte at a time would never hit it."""
-
-    def __init__(self, deadline):
-        urllib.request.HTTPHandler.__init__(self)
-        urllib.request.HTTPSHandler.__init__(self)
-        self.deadline, self.socks, self.expired = deadline, [], False
-
-    def _connection(self, cls, host, **kwargs):
-        kwargs["timeout"] = max(0.001, self.deadline - time.monotonic())  # connecting counts too
-        conn = cls(host, **kwargs)
-        connect = conn.connect
-
-        def connect_and_track():  # keep the socket: urllib drops conn.sock once the headers are in
-            connect()
-            self.socks.append(conn.sock)
-            if self.expired:
-                self.expire()
-        conn.connect = connect_and_track
-        return conn
-
-    def http_open(self, req):
-        return self.do_open(lambda host, **kw: self._connection(http.client.HTTPConnection, host, **kw), req)
-
-    def https_open(self, req):
-        return self.do_open(lambda host, **kw: self._connection(http.client.HTTPSConnection, host, **kw), req,
-                            context=self._context)
-
-    def expire(self):
-        self.expired = True
-        for sock in self.socks:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)  # wakes the blocked read with EOF or an error
-            except OSError:
-                pass
+def set_rewards(groups, scored, results, on_failure="drop"):
+    """
+    Give the samples `scored` (drawn from `groups`) their rewards from `results`, a (value, error) pair each.
+    A failed reward (value None) is never trained on with on_failure="drop": its loss mask is zeroed and it
+    takes the mean reward of its group's good samples, so its advantage is 0 and the others' baseline is not
+    biased. With on_failure="zero" it is an ordinary sample with reward 0.0. Returns the failed samples;
+    each carries its error in metadata["reward_error"].
+    """
+    if on_failure not in ("drop", "zero"):
+        raise ValueError(f"on_failure must be 'drop' or 'zero', got {on_failure!r}")
+    failed = []
+    for s, (value, err) in zip(scored, results, strict=True):
+        if value is None:
+            failed.append(s)
+            s.metadata["reward_error"] = err
+            if on_failure == "zero":
+                value = 0.0
+            else:
+                s.loss_mask = [0] * s.response_length
+        s.reward = value
+    for group in groups:
+        valid = [s.scalar_reward() for s in group if s.reward is not None]
+        fill = sum(valid) / len(valid) if valid else 0.0
+        for s in group:
+            if s.reward is None:
+                s.reward = fill
+    return failed
 
 
-def _post_once(url, body, timeout):
-    """One POST that ends within `timeout` seconds whatever the server does; the parsed reward, or raise
-    _Retryable (worth another try) / ValueError (not)."""
-    req = urllib.request.Request(url, data=body, method="POST", headers={"Content-Type": "application/json"})
-    handler = _DeadlineHandler(time.monotonic() + timeout)
-    timer = threading.Timer(timeout, handler.expire)
-    timer.daemon = True
-    timer.start()
-    try:
-        with urllib.request.build_opener(handler).open(req, timeout=timeout) as resp:
-            raw = resp.read()
-        if handler.expired:  # the cut may look like a short, complete answer
-            raise TimeoutError
-    except urllib.error.HTTPError as e:
-        if e.code >= 500 or e.code == 429:
-            raise _Retryable(f"HTTP {e.code}") from None
-        raise ValueError(f"HTTP {e.code}") from None
-    except Exception as e:  # refused, reset, cut at the deadline, RemoteDisconnected, IncompleteRead, ...
-        if handler.expired or isinstance(e, TimeoutError):
-            raise _Retryable(f"timed out after {timeout:g}s") from None
-        reason = getattr(e, "reason", e)
-        raise _Retryable(f"{type(reason).__name__}: {reason}") from None
-    finally:
-        timer.cancel()
-    try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        raise ValueError(f"malformed JSON response: {raw[:80]!r}") from None
-    if not isinstance(data, dict) or "reward" not in data:
-        raise ValueError(f"response has no 'reward' key: {raw[:80]!r}")
-    reward = data["reward"]
-    value, err = _check_reward(reward)
-    if err is not None:
-        raise ValueError(err)
-    return value
+# -----------------------------------------------------------------------------------------------
+# the reward flags, and the config the rollout worker takes from them
+
+@dataclass
+class RewardConfig:
+    """How a rollout is scored: make_reward(rm_type, task, custom_rm_path), or a remote server when rm_type is
+    "remote"; what a failed reward becomes (rm_failure)."""
+    rm_type: str = "task"
+    custom_rm_path: str | None = None
+    rm_url: str | None = None
+    rm_concurrency: int = 32
+    rm_timeout: float = 30.0
+    rm_retries: int = 3
+    rm_failure: str = "drop"
+
+    @property
+    def remote(self):
+        return self.rm_type == "remote"
+
+    @property
+    def needs_label(self):
+        """The generic graders compare with a label; the task's own grader, a custom or a remote one may not."""
+        return not (self.remote or self.custom_rm_path or self.rm_type in ("task", "custom"))
 
 
-def _post_with_retries(url, payload, timeout, retries, backoff):
-    try:
-        body = json.dumps(payload).encode()
-    except (TypeError, ValueError) as e:
-        return None, f"payload is not JSON-serializable: {e}"
-    err = None
-    for attempt in range(retries + 1):
-        if attempt:
-            time.sleep(backoff * 2 ** (attempt - 1))  # 0.5, 1, 2, ... so a restarting server gets room
-        try:
-            return _post_once(url, body, timeout), None
-        except _Retryable as e:
-            err = str(e)
-        except Exception as e:  # a bad answer will not get better by asking again
-            return None, str(e)
-    return None, f"gave up after {retries + 1} attempts: {err}"
+def add_args(parser):
+    g = parser.add_argument_group("rewards (nanorl/rewards.py)")
+    g.add_argument("--rm-type", default=None, help="task (the task's own grader: chat_eval's verdict; the default with "
+                   "--task) | math (the default with --prompt-data) | boxed | mc | exact | f1 | format | weighted e.g. "
+                   "task+format:0.9,0.1 | custom (--custom-rm-path) | remote (--rm-url)")
+    g.add_argument("--custom-rm-path", default=None, help="module:function(response, label, metadata) -> float or dict")
+    g.add_argument("--rm-url", default=None, help="--rm-type remote: each sample is POSTed here as JSON (README: RL)")
+    g.add_argument("--rm-concurrency", type=positive_int, default=RewardConfig.rm_concurrency,
+                   help="--rm-type remote: requests in flight at once")
+    g.add_argument("--rm-timeout", type=positive_float, default=RewardConfig.rm_timeout,
+                   help="--rm-type remote: seconds per request attempt")
+    g.add_argument("--rm-retries", type=nonneg_int, default=RewardConfig.rm_retries,
+                   help="--rm-type remote: retries after a refused/timed-out/5xx call")
+    g.add_argument("--rm-failure", default=RewardConfig.rm_failure, choices=["drop", "zero"],
+                   help="a reward that fails (raises, non-number, failed remote call): drop = never trained on, "
+                        "zero = reward 0")
 
 
-def remote_rewards(url, payloads, concurrency=8, timeout=10.0, retries=3, backoff=0.5):
-    """POST each payload (a dict) as JSON to url, `concurrency` at a time; a list in payload order of
-    (value, None) or (None, reason). Connection errors, 5xx/429 and timeouts are retried with exponential
-    backoff; malformed answers are not. Never raises."""
-    payloads = list(payloads)
-    if not payloads:
-        return []
-    pool = ThreadPoolExecutor(max_workers=max(1, min(concurrency, len(payloads))))
-    try:
-        futures = [pool.submit(_post_with_retries, url, p, timeout, retries, backoff) for p in payloads]
-        results = []
-        for f in futures:
-            try:
-                results.append(f.result())
-            except Exception as e:  # belt and braces: _post_with_retries already catches everything
-                results.append((None, f"{type(e).__name__}: {e}"))
-        return results
-    finally:
-        # never wait here for workers still blocked in a call: when --rollout-timeout interrupts this function the
-        # rollout must end now, not when the last socket gives up
-        pool.shutdown(wait=False, cancel_futures=True)
+def config_from_args(args, parser, default_rm_type):
+    """The RewardConfig of the reward flags, after checking the remote reward's. default_rm_type: the grader when
+    --rm-type is not given (the script's choice: prompts from a file have no task grader)."""
+    if args.rm_type == "remote":
+        if not args.rm_url:
+            parser.error("--rm-type remote needs --rm-url (the reward server's address, e.g. "
+                         "http://127.0.0.1:8000/reward)")
+        if not args.rm_url.startswith(("http://", "https://")):
+            parser.error(f"--rm-url {args.rm_url!r} must start with http:// or https://")
+        if args.custom_rm_path:
+            parser.error("--rm-type remote and --custom-rm-path both pick the reward: give one of them")
+    elif args.rm_url:
+        parser.error(f"--rm-url is only used with --rm-type remote (got --rm-type {args.rm_type})")
+    return RewardConfig(rm_type=args.rm_type or default_rm_type, custom_rm_path=args.custom_rm_path or None,
+                        rm_url=args.rm_url, rm_concurrency=args.rm_concurrency, rm_timeout=args.rm_timeout,
+                        rm_retries=args.rm_retries, rm_failure=args.rm_failure)

@@ -13,6 +13,8 @@ Conventions
 - Metrics are detached 0-dim tensors (no GPU sync here; call float() when logging).
 """
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
@@ -461,3 +463,64 @@ def pass_at_k(n, c, k):
     for i in range(n - c + 1, n + 1):
         all_fail *= 1.0 - k / i
     return 1.0 - all_fail
+
+
+# -----------------------------------------------------------------------------
+# the estimators: --advantage-estimator name -> advantage function and policy-loss kind
+# Each function takes the rollout's rewards (B,) and mask (B, T) plus keyword inputs, reads the ones it needs
+# and returns (advantages (B, T), the critic's returns (B, T) or None):
+#   group_size, kl (B, T) k1 per token or None (off), kl_coef, std_normalize, gamma, lambd, values (B, T) or
+#   None (the critic's, ppo), distributed (whiten over every training rank: False, True or a process group)
+
+
+def group_estimate(rewards, mask, *, group_size, kl, kl_coef, std_normalize, **_):
+    """GRPO's advantages (also GSPO's and CISPO's): a KL penalty comes off each reward, summed over the sequence."""
+    if kl is not None:
+        rewards = rewards - kl_coef * kl.sum(-1)
+    return grpo_advantages(rewards, mask, group_size, std_normalize=std_normalize), None
+
+
+def rloo_estimate(rewards, mask, *, group_size, kl, kl_coef, **_):
+    """RLOO's advantages, the KL penalty off each reward as in group_estimate."""
+    if kl is not None:
+        rewards = rewards - kl_coef * kl.sum(-1)
+    return rloo_advantages(rewards, mask, group_size), None
+
+
+def reinforce_pp_estimate(rewards, mask, *, kl, kl_coef, gamma, distributed, **_):
+    return reinforce_pp_returns(rewards, mask, kl=kl, kl_coef=kl_coef, gamma=gamma, distributed=distributed), None
+
+
+def reinforce_pp_baseline_estimate(rewards, mask, *, group_size, kl, kl_coef, distributed, **_):
+    adv = reinforce_pp_baseline_advantages(rewards, mask, group_size, kl=kl, kl_coef=kl_coef, distributed=distributed)
+    return adv, None
+
+
+def gae_estimate(rewards, mask, *, kl, kl_coef, values, gamma, lambd, **_):
+    """PPO: the reward on the last response token, the KL penalty on every token, then GAE against the critic."""
+    token_rewards = _last_token_rewards(rewards, mask)
+    if kl is not None:
+        token_rewards = token_rewards - kl_coef * kl
+    return gae_advantages(token_rewards, values, mask, gamma, lambd)
+
+
+@dataclass(frozen=True)
+class Estimator:
+    """One row of the table: the advantage function, the policy loss kind (policy_loss), the settings it reads
+    beyond rewards and KL ("std_normalize", "gamma", "lambd", "critic"), and whether its advantages come out
+    whitened already."""
+    advantages: object
+    loss: str = "ppo_clip"
+    uses: tuple = ()
+    whitened: bool = False
+
+
+ESTIMATORS = {
+    "grpo": Estimator(group_estimate, uses=("std_normalize",)),
+    "rloo": Estimator(rloo_estimate),
+    "reinforce_plus_plus": Estimator(reinforce_pp_estimate, uses=("gamma",), whitened=True),
+    "reinforce_plus_plus_baseline": Estimator(reinforce_pp_baseline_estimate, whitened=True),
+    "gspo": Estimator(group_estimate, loss="gspo", uses=("std_normalize",)),
+    "cispo": Estimator(group_estimate, loss="cispo", uses=("std_normalize",)),
+    "ppo": Estimator(gae_estimate, uses=("gamma", "lambd", "critic")),
+}

@@ -4,99 +4,186 @@ optimizer steps. One loss path serves every estimator: the per-token policy loss
 then importance weights, aggregation, entropy and KL, all in nanorl.rl.policy_loss. Used by scripts/chat_rl.py
 (synchronous and --async) and by `bench rl`, so the benchmark times exactly the step that trains.
 
-The flags of this step live here too (add_args / check_args), next to the code they configure.
+The Trainer takes a TrainerConfig; its flags live here too (add_args, config_from_args), next to the code they
+configure. Outside chat_rl build the config directly: TrainerConfig(n_samples_per_prompt=4, max_response_len=64).
 """
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from nanorl import rl
 from nanorl.common import autocast_ctx, fraction, nonneg_float, nonneg_int, number_in, positive_float, positive_int
-from nanorl.rollout import TRUNCATED, collate, collate_packed, pack_micro_batches, unpack
+from nanorl.samples import TRUNCATED, collate, collate_packed, pack_micro_batches, pad_like, unpack
 
-ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gspo", "cispo", "ppo")
-GROUP_ESTIMATORS = ("grpo", "rloo", "gspo", "cispo")  # group-relative advantages from the rewards alone
+@dataclass
+class TrainerConfig:
+    """What one training step reads. The defaults are chat_rl's flag defaults."""
+    advantage_estimator: str = "grpo"  # a row of rl.ESTIMATORS: the advantage function and the policy loss
+    n_samples_per_prompt: int = 8  # the group size: groups are consecutive samples
+    temperature: float = 1.0  # the rollout's: the trainer's log-probs are log_softmax(logits / temperature)
+    max_response_len: int = 256
+    num_steps_per_rollout: int = 1
+    max_tokens_per_gpu: int = 8192
+    grad_clip: float = 1.0  # 0 = off
+    warmup_rollouts: int = 0
+    gamma: float = 1.0
+    lambd: float = 1.0
+    value_clip: float = 0.2  # 0 = off
+    disable_grpo_std_normalization: bool = False
+    normalize_advantages: bool = False
+    eps_clip: float = 0.2
+    eps_clip_high: float | None = None
+    eps_clip_c: float | None = None
+    entropy_coef: float = 0.0
+    loss_aggregation: str = "token_mean"
+    overlong_buffer_len: int = 0
+    overlong_penalty_factor: float = 1.0
+    mask_truncated_samples: bool = False
+    kl_loss_coef: float = 0.0  # the KL loss (0 = off)
+    kl_loss_type: str = "low_var_kl"
+    kl_coef: float = 0.0  # the KL penalty in the reward (0 = off)
+    opd_kl_coef: float = 1.0  # on-policy distillation, when the Trainer has a teacher
+    use_tis: bool = False
+    tis_clip: float = 2.0
+    tis_clip_low: float = 0.0
+    tis_mode: str = "truncate"
+
+    @property
+    def estimator(self):
+        return rl.ESTIMATORS[self.advantage_estimator]
+
+    @property
+    def needs_critic(self):
+        return "critic" in self.estimator.uses
+
+    @property
+    def needs_reference(self):
+        return self.kl_loss_coef > 0 or self.kl_coef > 0
 
 
 def add_args(parser):
+    c = TrainerConfig
     g = parser.add_argument_group("training step (nanorl/rl_trainer.py)")
-    g.add_argument("--global-batch-size", type=positive_int, default=None, help="samples per optimizer step (default: the whole rollout)")
-    g.add_argument("--num-steps-per-rollout", type=positive_int, default=1, help="optimizer steps per rollout (>1 is off-policy: uses the ratio)")
-    g.add_argument("--max-tokens-per-gpu", type=positive_int, default=8192, help="tokens per training micro-batch: samples are packed end to end into rows "
-                   "(at most the model's context each) and rows into micro-batches of this many positions, padding included")
+    g.add_argument("--global-batch-size", type=positive_int, default=None,
+                   help="samples per optimizer step (default: the whole rollout)")
+    g.add_argument("--num-steps-per-rollout", type=positive_int, default=c.num_steps_per_rollout,
+                   help="optimizer steps per rollout (>1 is off-policy: uses the ratio)")
+    g.add_argument("--max-tokens-per-gpu", type=positive_int, default=c.max_tokens_per_gpu,
+                   help="tokens per training micro-batch: samples are packed end to end into rows (at most the "
+                        "model's context each) and rows into micro-batches of this many positions, padding included")
     g.add_argument("--weight-decay", type=nonneg_float, default=0.0, help="optimizer weight decay")
-    g.add_argument("--grad-clip", type=nonneg_float, default=1.0, help="clip the global gradient norm (0 = off)")
-    g.add_argument("--warmup-rollouts", type=nonneg_int, default=0, help="linear LR warmup over this many rollouts")
+    g.add_argument("--grad-clip", type=nonneg_float, default=c.grad_clip,
+                   help="clip the global gradient norm (0 = off)")
+    g.add_argument("--warmup-rollouts", type=nonneg_int, default=c.warmup_rollouts,
+                   help="linear LR warmup over this many rollouts")
     g = parser.add_argument_group("advantages and loss (nanorl/rl_trainer.py, nanorl/rl.py)")
-    g.add_argument("--gamma", type=fraction, default=1.0, help="discount of reinforce_plus_plus returns and of ppo's GAE")
-    g.add_argument("--lambd", type=fraction, default=1.0, help="ppo: GAE lambda (1 = Monte Carlo returns minus the critic's baseline)")
-    g.add_argument("--critic-lr", type=positive_float, default=None, help="ppo: AdamW learning rate of the critic (required with ppo)")
-    g.add_argument("--value-clip", type=nonneg_float, default=0.2, help="ppo: clip the critic's values to within this of the rollout's (0 = off)")
-    g.add_argument("--disable-grpo-std-normalization", action="store_true", help="Dr. GRPO: no division by the group std")
+    g.add_argument("--advantage-estimator", default=c.advantage_estimator, choices=list(rl.ESTIMATORS),
+                   help="gspo / cispo: GRPO advantages with GSPO's sequence-level ratio or CISPO's clipped-weight loss")
+    g.add_argument("--gamma", type=fraction, default=c.gamma,
+                   help="discount of reinforce_plus_plus returns and of ppo's GAE")
+    g.add_argument("--lambd", type=fraction, default=c.lambd,
+                   help="ppo: GAE lambda (1 = Monte Carlo returns minus the critic's baseline)")
+    g.add_argument("--critic-lr", type=positive_float, default=None,
+                   help="ppo: AdamW learning rate of the critic (required with ppo)")
+    g.add_argument("--value-clip", type=nonneg_float, default=c.value_clip,
+                   help="ppo: clip the critic's values to within this of the rollout's (0 = off)")
+    g.add_argument("--disable-grpo-std-normalization", action="store_true",
+                   help="Dr. GRPO: no division by the group std")
     g.add_argument("--normalize-advantages", action="store_true", help="whiten advantages across all training ranks")
-    g.add_argument("--eps-clip", type=number_in(float, 0, 1, lo_open=True), default=0.2, help="PPO clip range (the lower one with --eps-clip-high)")
-    g.add_argument("--eps-clip-high", type=positive_float, default=None, help="clip-higher (DAPO); default = --eps-clip")
-    g.add_argument("--eps-clip-c", type=number_in(float, 1, lo_open=True), default=None, help="dual clip constant (> 1) for negative advantages")
-    g.add_argument("--entropy-coef", type=nonneg_float, default=0.0, help="entropy bonus coefficient")
-    g.add_argument("--loss-aggregation", default="token_mean", choices=rl.LOSS_AGGS, help="how per-token losses become one number")
-    g.add_argument("--overlong-buffer-len", type=nonneg_int, default=0, help="DAPO overlong shaping: penalise the last N tokens before the max length")
-    g.add_argument("--overlong-penalty-factor", type=nonneg_float, default=1.0, help="the overlong penalty at the max length")
+    g.add_argument("--eps-clip", type=number_in(float, 0, 1, lo_open=True), default=c.eps_clip,
+                   help="PPO clip range (the lower one with --eps-clip-high)")
+    g.add_argument("--eps-clip-high", type=positive_float, default=None,
+                   help="clip-higher (DAPO); default = --eps-clip")
+    g.add_argument("--eps-clip-c", type=number_in(float, 1, lo_open=True), default=None,
+                   help="dual clip constant (> 1) for negative advantages")
+    g.add_argument("--entropy-coef", type=nonneg_float, default=c.entropy_coef, help="entropy bonus coefficient")
+    g.add_argument("--loss-aggregation", default=c.loss_aggregation, choices=rl.LOSS_AGGS,
+                   help="how per-token losses become one number")
+    g.add_argument("--overlong-buffer-len", type=nonneg_int, default=c.overlong_buffer_len,
+                   help="DAPO overlong shaping: penalise the last N tokens before the max length")
+    g.add_argument("--overlong-penalty-factor", type=nonneg_float, default=c.overlong_penalty_factor,
+                   help="the overlong penalty at the max length")
     g.add_argument("--mask-truncated-samples", action="store_true", help="truncated responses are not trained on")
     g.add_argument("--use-kl-loss", action="store_true", help="add a KL(policy || reference) loss")
-    g.add_argument("--kl-loss-coef", type=nonneg_float, default=0.0, help="weight of the KL loss (needs --use-kl-loss)")
-    g.add_argument("--kl-loss-type", default="low_var_kl", choices=["k1", "k2", "k3", "low_var_kl"], help="KL estimator of the KL loss")
-    g.add_argument("--kl-coef", type=nonneg_float, default=0.0, help="KL penalty (k1) folded into the reward")
-    g.add_argument("--use-opd", action="store_true", help="on-policy distillation: a teacher's log-probs pull the advantages")
-    g.add_argument("--opd-kl-coef", type=nonneg_float, default=1.0, help="OPD: A -= coef * (logp_student - logp_teacher)")
-    g.add_argument("--opd-teacher-load", default=None, help="OPD teacher: a checkpoint directory, or source[:tag] e.g. sft:d8")
-    g.add_argument("--use-tis", action="store_true", help="truncated importance weights between trainer (old) and rollout log-probs")
-    g.add_argument("--tis-clip", type=positive_float, default=2.0, help="TIS: upper bound of the weights")
-    g.add_argument("--tis-clip-low", type=nonneg_float, default=0.0, help="TIS: lower bound of the weights")
-    g.add_argument("--tis-mode", default="truncate", choices=["truncate", "icepop"], help="icepop: weights outside the band are 0")
+    g.add_argument("--kl-loss-coef", type=nonneg_float, default=c.kl_loss_coef,
+                   help="weight of the KL loss (needs --use-kl-loss)")
+    g.add_argument("--kl-loss-type", default=c.kl_loss_type, choices=["k1", "k2", "k3", "low_var_kl"],
+                   help="KL estimator of the KL loss")
+    g.add_argument("--kl-coef", type=nonneg_float, default=c.kl_coef, help="KL penalty (k1) folded into the reward")
+    g.add_argument("--use-opd", action="store_true",
+                   help="on-policy distillation: a teacher's log-probs pull the advantages")
+    g.add_argument("--opd-kl-coef", type=nonneg_float, default=c.opd_kl_coef,
+                   help="OPD: A -= coef * (logp_student - logp_teacher)")
+    g.add_argument("--opd-teacher-load", default=None,
+                   help="OPD teacher: a checkpoint directory, or source[:tag] e.g. sft:d8")
+    g.add_argument("--use-tis", action="store_true",
+                   help="truncated importance weights between trainer (old) and rollout log-probs")
+    g.add_argument("--tis-clip", type=positive_float, default=c.tis_clip, help="TIS: upper bound of the weights")
+    g.add_argument("--tis-clip-low", type=nonneg_float, default=c.tis_clip_low, help="TIS: lower bound of the weights")
+    g.add_argument("--tis-mode", default=c.tis_mode, choices=["truncate", "icepop"],
+                   help="icepop: weights outside the band are 0")
 
 
-def check_args(args, parser):
-    """Flag combinations that have no meaning fail here, before any work, naming both flags."""
-    est = args.advantage_estimator
-
-    def unused(flag, value, default, needs):
-        if value != default:
-            parser.error(f"{flag} {value} has no effect {needs}")
-    if est == "ppo" and not (args.critic_lr or 0) > 0:
-        parser.error("--advantage-estimator ppo needs a critic: give --critic-lr (e.g. 1e-4)")
-    if args.critic_lr is not None and est != "ppo":
-        parser.error(f"--critic-lr is only used by --advantage-estimator ppo, not {est}")
-    unused("--lambd", args.lambd, 1.0, f"with --advantage-estimator {est} (only ppo's GAE uses it)") if est != "ppo" else None
-    if est not in ("ppo", "reinforce_plus_plus"):
-        unused("--gamma", args.gamma, 1.0, f"with --advantage-estimator {est} (reinforce_plus_plus and ppo discount)")
-    if est != "grpo" and est not in ("gspo", "cispo") and args.disable_grpo_std_normalization:
-        parser.error(f"--disable-grpo-std-normalization has no effect with --advantage-estimator {est} (grpo, gspo, cispo)")
-    if args.normalize_advantages and est.startswith("reinforce_plus_plus"):
-        parser.error(f"--normalize-advantages with --advantage-estimator {est}: its advantages are already whitened")
-    if args.eps_clip_c is not None and est == "cispo":
-        parser.error("--eps-clip-c (dual clip) has no meaning with --advantage-estimator cispo: its weights are already clipped")
-    if args.eps_clip_c is not None and args.eps_clip_c <= 1:
-        parser.error(f"--eps-clip-c must be > 1 (dual clip), got {args.eps_clip_c}")
+def config_from_args(args, parser):
+    """The TrainerConfig of the flags (and of chat_rl's --n-samples-per-prompt, --temperature, --max-response-len),
+    after checking that they agree: a combination without meaning fails here, before any work, naming both flags."""
+    cfg = TrainerConfig(
+        advantage_estimator=args.advantage_estimator, n_samples_per_prompt=args.n_samples_per_prompt,
+        temperature=args.temperature, max_response_len=args.max_response_len,
+        num_steps_per_rollout=args.num_steps_per_rollout, max_tokens_per_gpu=args.max_tokens_per_gpu,
+        grad_clip=args.grad_clip, warmup_rollouts=args.warmup_rollouts, gamma=args.gamma, lambd=args.lambd,
+        value_clip=args.value_clip, disable_grpo_std_normalization=args.disable_grpo_std_normalization,
+        normalize_advantages=args.normalize_advantages, eps_clip=args.eps_clip, eps_clip_high=args.eps_clip_high,
+        eps_clip_c=args.eps_clip_c, entropy_coef=args.entropy_coef, loss_aggregation=args.loss_aggregation,
+        overlong_buffer_len=args.overlong_buffer_len, overlong_penalty_factor=args.overlong_penalty_factor,
+        mask_truncated_samples=args.mask_truncated_samples, kl_loss_coef=args.kl_loss_coef if args.use_kl_loss else 0.0,
+        kl_loss_type=args.kl_loss_type, kl_coef=args.kl_coef, opd_kl_coef=args.opd_kl_coef, use_tis=args.use_tis,
+        tis_clip=args.tis_clip, tis_clip_low=args.tis_clip_low, tis_mode=args.tis_mode)
+    check_estimator_flags(cfg, args, parser)
     if args.use_kl_loss != (args.kl_loss_coef > 0):
         parser.error("--use-kl-loss and --kl-loss-coef go together: give both (a positive coefficient) or neither")
     if args.use_opd != (args.opd_teacher_load is not None):
         parser.error("--use-opd and --opd-teacher-load go together: give both or neither")
     if not args.use_opd:
-        unused("--opd-kl-coef", args.opd_kl_coef, 1.0, "without --use-opd")
-    if not args.use_tis:
-        for flag, v, d in (("--tis-clip", args.tis_clip, 2.0), ("--tis-clip-low", args.tis_clip_low, 0.0), ("--tis-mode", args.tis_mode, "truncate")):
-            unused(flag, v, d, "without --use-tis")
-    if args.overlong_buffer_len == 0:
-        unused("--overlong-penalty-factor", args.overlong_penalty_factor, 1.0, "without --overlong-buffer-len")
+        unused(parser, "--opd-kl-coef", cfg.opd_kl_coef, TrainerConfig.opd_kl_coef, "without --use-opd")
+    if not cfg.use_tis:
+        for flag, field in (("--tis-clip", "tis_clip"), ("--tis-clip-low", "tis_clip_low"), ("--tis-mode", "tis_mode")):
+            unused(parser, flag, getattr(cfg, field), getattr(TrainerConfig, field), "without --use-tis")
+    if cfg.overlong_buffer_len == 0:
+        unused(parser, "--overlong-penalty-factor", cfg.overlong_penalty_factor, TrainerConfig.overlong_penalty_factor,
+               "without --overlong-buffer-len")
+    return cfg
 
 
-def policy_loss_kind(estimator):
-    return {"gspo": "gspo", "cispo": "cispo"}.get(estimator, "ppo_clip")
+def unused(parser, flag, value, default, why):
+    if value != default:
+        parser.error(f"{flag} {value} has no effect {why}")
 
 
-def pad_like(rows, T):
-    """Per-sample 1-D tensors -> (B, T), cut or zero-padded on the right."""
-    return torch.stack([torch.nn.functional.pad(r[:T], (0, T - min(len(r), T))) for r in rows])
+def check_estimator_flags(cfg, args, parser):
+    """The flags one estimator reads and another ignores, by the table's `uses` (rl.ESTIMATORS)."""
+    name, est = cfg.advantage_estimator, cfg.estimator
+    users = {k: ", ".join(n for n, e in rl.ESTIMATORS.items() if k in e.uses) for k in ("critic", "gamma", "lambd")}
+    if "critic" in est.uses and not (args.critic_lr or 0) > 0:
+        parser.error(f"--advantage-estimator {name} needs a critic: give --critic-lr (e.g. 1e-4)")
+    if args.critic_lr is not None and "critic" not in est.uses:
+        parser.error(f"--critic-lr is only used by --advantage-estimator {users['critic']}, not {name}")
+    if "lambd" not in est.uses:
+        unused(parser, "--lambd", cfg.lambd, TrainerConfig.lambd, f"with --advantage-estimator {name} "
+               f"(only {users['lambd']} uses it)")
+    if "gamma" not in est.uses:
+        unused(parser, "--gamma", cfg.gamma, TrainerConfig.gamma, f"with --advantage-estimator {name} "
+               f"(it discounts the returns of {users['gamma']} only)")
+    if cfg.disable_grpo_std_normalization and "std_normalize" not in est.uses:
+        parser.error(f"--disable-grpo-std-normalization has no effect with --advantage-estimator {name} "
+                     f"({', '.join(n for n, e in rl.ESTIMATORS.items() if 'std_normalize' in e.uses)})")
+    if cfg.normalize_advantages and est.whitened:
+        parser.error(f"--normalize-advantages with --advantage-estimator {name}: its advantages are already whitened")
+    if cfg.eps_clip_c is not None and est.loss == "cispo":
+        parser.error(f"--eps-clip-c (dual clip) has no meaning with --advantage-estimator {name}: "
+                     f"its weights are already clipped")
 
 
 class Trainer:
@@ -105,9 +192,9 @@ class Trainer:
     reference (KL), the critic (ppo) and the teacher (OPD) when those are on, and the process group the
     training ranks average over (None: all ranks; only --async gives the trainers a group of their own).
     """
-    def __init__(self, args, model, optimizer, device, ref_model=None, critic=None, critic_optimizer=None, teacher=None,
+    def __init__(self, cfg, model, optimizer, device, ref_model=None, critic=None, critic_optimizer=None, teacher=None,
                  group=None, world=1, distributed=False):
-        self.args, self.model, self.optimizer, self.device = args, model, optimizer, device
+        self.cfg, self.model, self.optimizer, self.device = cfg, model, optimizer, device
         self.ref_model, self.critic, self.critic_optimizer, self.teacher = ref_model, critic, critic_optimizer, teacher
         self.group, self.world, self.distributed = group, world, distributed
         self.autocast = autocast_ctx(device.type)
@@ -117,9 +204,9 @@ class Trainer:
     def micro_batches(self, samples, m):
         """The samples packed into micro-batches (collate_packed), rows no longer than model m's context. The model
         runs on the packed rows; the loss reads per-sample (B, T) rows, unpacked from its outputs."""
-        a = self.args
+        max_tokens = self.cfg.max_tokens_per_gpu
         batches = [collate_packed(samples, rows, self.device)
-                   for rows in pack_micro_batches(samples, a.max_tokens_per_gpu, min(a.max_tokens_per_gpu, m.config.sequence_len))]
+                   for rows in pack_micro_batches(samples, max_tokens, min(max_tokens, m.config.sequence_len))]
         if isinstance(m, FSDPModule) and self.distributed:
             # every forward/backward of a sharded model gathers weights with the other ranks: all must run as many
             # micro-batches; a rank with fewer repeats its last one as a "dummy" (run, never counted)
@@ -133,7 +220,7 @@ class Trainer:
         per sample (B, T)."""
         with self.autocast:
             logp, ent = m.token_logprobs(batch["packed_inputs"], batch["packed_targets"].clamp(min=0), doc_ids=batch["doc_ids"],
-                                         temperature=self.args.temperature, return_entropy=True)
+                                         temperature=self.cfg.temperature, return_entropy=True)
         return unpack(logp.float(), batch["unpack"]), unpack(ent.float(), batch["unpack"])
 
     def forward_values(self, batch):
@@ -160,7 +247,7 @@ class Trainer:
 
     def shape_rewards(self, samples):
         """DAPO overlong penalty and truncated-sample masking, on the samples in place."""
-        a = self.args
+        a = self.cfg
         if a.overlong_buffer_len > 0:
             lens = torch.tensor([s.response_length for s in samples], dtype=torch.float32)
             pen = rl.overlong_penalty(lens, a.max_response_len, a.overlong_buffer_len, a.overlong_penalty_factor)
@@ -174,10 +261,10 @@ class Trainer:
     def compute_advantages(self, samples, old_lp, ref_lp, old_values):
         """
         Per-sample per-token advantages (list of 1-D tensors on the compute device, aligned like collate()) by
-        --advantage-estimator, and for ppo the critic's targets (returns); None otherwise. Built on the compute
-        device: the whitening all-reduces them, and NCCL takes only CUDA tensors.
+        the estimator's row of rl.ESTIMATORS, and for ppo the critic's targets (returns); None otherwise. Built on
+        the compute device: the whitening all-reduces them, and NCCL takes only CUDA tensors.
         """
-        a, n = self.args, self.args.n_samples_per_prompt
+        a = self.cfg
         mask = collate(samples, self.device)["loss_mask"]
         T = mask.size(1)
         rewards = torch.tensor([s.scalar_reward() for s in samples], dtype=torch.float32, device=self.device)
@@ -185,22 +272,10 @@ class Trainer:
         kl = None
         if ref_lp is not None and a.kl_coef > 0:
             kl = rl.kl_estimate(pad_like(old_lp, T), pad_like(ref_lp, T), "k1") * mask
-        est, returns = a.advantage_estimator, None
-        if est in GROUP_ESTIMATORS and kl is not None:
-            rewards = rewards - a.kl_coef * kl.sum(-1)  # sequence-level KL penalty in the reward
-        if est in ("grpo", "gspo", "cispo"):
-            adv = rl.grpo_advantages(rewards, mask, n, std_normalize=not a.disable_grpo_std_normalization)
-        elif est == "rloo":
-            adv = rl.rloo_advantages(rewards, mask, n)
-        elif est == "reinforce_plus_plus":
-            adv = rl.reinforce_pp_returns(rewards, mask, kl=kl, kl_coef=a.kl_coef, gamma=a.gamma, distributed=dist_group)
-        elif est == "reinforce_plus_plus_baseline":
-            adv = rl.reinforce_pp_baseline_advantages(rewards, mask, n, kl=kl, kl_coef=a.kl_coef, distributed=dist_group)
-        else:  # ppo: the reward on the last response token, the KL penalty on every token, then GAE against the critic
-            token_rewards = rl._last_token_rewards(rewards, mask)
-            if kl is not None:
-                token_rewards = token_rewards - a.kl_coef * kl
-            adv, returns = rl.gae_advantages(token_rewards, pad_like(old_values, T), mask, a.gamma, a.lambd)
+        adv, returns = a.estimator.advantages(
+            rewards, mask, group_size=a.n_samples_per_prompt, kl=kl, kl_coef=a.kl_coef,
+            std_normalize=not a.disable_grpo_std_normalization, gamma=a.gamma, lambd=a.lambd,
+            values=pad_like(old_values, T) if old_values is not None else None, distributed=dist_group)
         if a.normalize_advantages:
             adv = rl.masked_whiten(adv, mask, distributed=dist_group) * mask
         if self.teacher is not None:  # on-policy distillation: tokens the teacher likes more get pushed up
@@ -213,7 +288,11 @@ class Trainer:
 
     def train_step(self, step, samples, timer):
         """Shape rewards, compute advantages, take --num-steps-per-rollout optimizer steps -> metrics (this rank's)."""
-        a = self.args
+        a = self.cfg
+        other = next((s for s in samples if s.temperature is not None and s.temperature != a.temperature), None)
+        if other is not None:  # the log-prob ratios would compare two different distributions
+            raise ValueError(f"a sample ({other.metadata}) was sampled at temperature {other.temperature:g}, but the "
+                             f"trainer computes log-probs at {a.temperature:g}: give it the rollout's temperature")
         bad = next((s for s in samples if len(s.rollout_log_probs) != s.response_length), None)
         if a.use_tis and bad is not None:  # TIS compares against the sampler's log-probs: without them it is garbage
             raise SystemExit(f"--use-tis needs the rollout's log-probs, but a sample ({bad.metadata}) has {len(bad.rollout_log_probs)} for "
@@ -258,7 +337,7 @@ class Trainer:
     def train_minibatch(self, samples, adv, old_lp, ref_lp, lr_mult, returns=None, old_values=None):
         """One optimizer step over `samples` (this rank's share of the global batch); with ppo, one critic step too.
         old_lp None = on-policy: the ratio's denominator is this very forward, detached."""
-        a, model, device = self.args, self.model, self.device
+        a, model, device = self.cfg, self.model, self.device
         model.train()
         local_tok = sum(sum(s.loss_mask) for s in samples)
         counts = torch.tensor([local_tok, len(samples)], dtype=torch.float64, device=device)
@@ -278,11 +357,11 @@ class Trainer:
             tis = None
             if a.use_tis:
                 tis, tis_metrics = rl.tis_weights(old, batch["rollout_logp"], mask, a.tis_clip, a.tis_clip_low, a.tis_mode)
-            loss, m = rl.policy_loss(logp, old, rows(adv), mask, kind=policy_loss_kind(a.advantage_estimator),
+            loss, m = rl.policy_loss(logp, old, rows(adv), mask, kind=a.estimator.loss,
                                      eps_clip=a.eps_clip, eps_clip_high=a.eps_clip_high, eps_clip_c=a.eps_clip_c,
                                      loss_agg=a.loss_aggregation, max_len=a.max_response_len, tis_weights=tis,
                                      entropy=ent, entropy_coef=a.entropy_coef, ref_logp=rows(ref_lp) if ref_lp else None,
-                                     kl_type=a.kl_loss_type, kl_coef=a.kl_loss_coef if a.use_kl_loss else 0.0)
+                                     kl_type=a.kl_loss_type, kl_coef=a.kl_loss_coef)
             if tis is not None:
                 m.update(tis_metrics)
             # each micro-batch's loss is re-weighted to its share of the global batch, by the aggregation's own unit
@@ -312,8 +391,8 @@ class Trainer:
         """Average gradients over the training ranks, clip the global norm, step -> the norm before clipping."""
         optimizer.average_gradients(self.group)
         params = [p for p in module.parameters() if p.grad is not None]
-        if self.args.grad_clip > 0:
-            norm = torch.nn.utils.clip_grad_norm_(params, self.args.grad_clip)
+        if self.cfg.grad_clip > 0:
+            norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
         else:
             norm = torch.sqrt(sum((p.grad.float() ** 2).sum() for p in params))
         for g in optimizer.param_groups:

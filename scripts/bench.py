@@ -13,7 +13,6 @@ Benchmarks on a random-init model of a given size: print the numbers, then one f
     python -m scripts.bench hf --size tiny --batches 1 2 --prompt-len 8 --new-tokens 8 --rl-prompt-len 8 --rl-new-tokens 8  # CPU
     python -m scripts.bench serve http://127.0.0.1:8000 --clients 64 --max-tokens 128  # a running chat_web server
 """
-import argparse
 import json
 import os
 import resource
@@ -214,17 +213,14 @@ def grpo_stepper(model, optimizer, engine, prompts, n, N, max_tokens_per_gpu, de
     to N tokens), a reward, nanorl.rl_trainer.Trainer's training step with chat_rl's defaults for every training flag,
     and the engine's weights refreshed. Each call returns (rollout seconds, train seconds, generated tokens, trained
     tokens, mean reward, grad norm)."""
-    from nanorl import rl_trainer
     from nanorl.common import Timer
     from nanorl.engine import Request
-    from nanorl.rollout import Sample
+    from nanorl.rl_trainer import Trainer, TrainerConfig
+    from nanorl.samples import Sample
 
     device_type = device.type
-    p = argparse.ArgumentParser()
-    rl_trainer.add_args(p)
-    targs = p.parse_args(["--max-tokens-per-gpu", str(max_tokens_per_gpu)])
-    targs.advantage_estimator, targs.temperature, targs.n_samples_per_prompt, targs.max_response_len = "grpo", 1.0, n, N
-    trainer = rl_trainer.Trainer(targs, model, optimizer, device)
+    cfg = TrainerConfig(n_samples_per_prompt=n, max_response_len=N, max_tokens_per_gpu=max_tokens_per_gpu)
+    trainer = Trainer(cfg, model, optimizer, device)
 
     def rl_step(step):
         model.eval()
@@ -234,7 +230,8 @@ def grpo_stepper(model, optimizer, engine, prompts, n, N, max_tokens_per_gpu, de
         reqs = [Request(p, num_samples=n, max_tokens=N, temperature=1.0, seed=step * len(prompts) + i, stop_tokens=[],
                         use_tools=False) for i, p in enumerate(prompts)]
         samples = [Sample(tokens=list(p) + list(c.tokens), response_length=len(c.tokens), loss_mask=list(c.mask),
-                          rollout_log_probs=list(c.logprobs), status=c.status, group_index=gi, index=si, weight_version=step)
+                          rollout_log_probs=list(c.logprobs), status=c.status, group_index=gi, index=si, weight_version=step,
+                          temperature=1.0)
                    for gi, (p, comps) in enumerate(zip(prompts, engine.generate(reqs))) for si, c in enumerate(comps)]
         # a cheap deterministic reward from the sampled tokens (parity of their sum): about half right, so
         # every group has a non-zero advantage, as in a useful rollout

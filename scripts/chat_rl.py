@@ -4,11 +4,13 @@ Reinforcement learning on a chat model: the GRPO family and friends.
 One step = one rollout: sample n responses for each of a batch of prompts with our own engine, score them
 with the reward hub, compute advantages, then take --num-steps-per-rollout optimizer steps over the samples
 (the first is exactly on-policy). This file reads top to bottom:
-  flags -> setup (model, reference, critic, teacher, prompts, engine) -> rollout -> train step
-  -> metrics -> eval / save / resume -> the loop -> report
-The parts live where their names say: generating and scoring samples in nanorl/rollout.py, advantages and
-the one loss path in nanorl/rl_trainer.py (math in nanorl/rl.py), the --async roles in nanorl/rl_async.py.
-Each of those files also holds its own flags (`--help` lists them by group).
+  flags -> configs -> prompts and rewards -> setup (ranks, models, engine) -> rollout -> train step -> eval,
+  save, resume -> the --async loops -> the loop -> report
+The parts live where their names say: prompts in nanorl/prompts.py, generating and scoring samples in
+nanorl/rollout.py (the Sample record and its tensor layout in nanorl/samples.py), graders in nanorl/rewards.py,
+advantages and the one loss path in nanorl/rl_trainer.py (the math and the estimator table in nanorl/rl.py), the
+--async roles in nanorl/rl_async.py. Each of those files holds its own flags and config (`--help` lists them by
+group).
 
     python -m scripts.chat_rl                                   # offline curriculum, CPU-sized defaults
     torchrun --standalone --nproc_per_node=8 -m scripts.chat_rl -- --task gsm8k --rollout-batch-size 64
@@ -24,105 +26,129 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from nanorl import fsdp, rl, rl_async, rl_trainer, rollout
+from nanorl import fsdp, prompts, rewards, rl, rl_async, rl_trainer, rollout
 from nanorl.checkpoint import load_checkpoint, load_model, load_model_dir, resume_point, save_checkpoint
-from nanorl.common import (ETA, ArgumentParser, Timer, add_logging_args, compute_cleanup, compute_init, get_base_dir, get_logger,
-                           int_list, mean_over_ranks, nonneg_float, nonneg_int, positive_float, positive_int, print0)
+from nanorl.common import (ETA, ArgumentParser, Timer, add_logging_args, compute_cleanup, compute_init, get_base_dir,
+                           get_logger, int_list, load_function, mean_over_ranks, nonneg_float, nonneg_int, positive_float,
+                           positive_int, print0)
 from nanorl.engine import Engine
 from nanorl.execution import require_sandbox, sandbox_mode
 from nanorl.gpt import Critic, attention_backend
-from nanorl.multiturn import TOOLS, make_tool
 from nanorl.optim import MuonAdamW, build_optimizer
 from nanorl.report import load_json, log_json, log_section, rl_eval_rows
-from nanorl.rewards import make_reward, safe_reward
-from nanorl.rollout import PromptSource, RolloutBuffer, RolloutTimeout, TRUNCATED, fill_rollout, keep_all_groups, load_function
 from nanorl.synthetic import levels_flag
+from tasks import get_task
 
 # -----------------------------------------------------------------------------------------------
-# flags: the core ones here; rollout/reward, training-step and async flags next to the code they configure
+# flags: the core ones here; rollout, reward, training-step and async flags next to the code they configure
 parser = ArgumentParser(description="RL on a chat model (GRPO family)")
 g = parser.add_argument_group("model and data")
 g.add_argument("--source", default="sft", choices=["base", "mid", "sft", "rl"], help="checkpoint to start from")
-g.add_argument("--hf-model", default=None, metavar="DIR", help="start from a Hugging Face model directory (Qwen2/2.5, Qwen3, "
-               "Llama-3) instead of --source")
+g.add_argument("--hf-model", default=None, metavar="DIR", help="start from a Hugging Face model directory (Qwen2/2.5, "
+               "Qwen3, Llama-3) instead of --source")
 g.add_argument("--model-tag", default=None, help="checkpoint subdirectory (default: newest)")
 g.add_argument("--model-step", "--step", type=nonneg_int, default=None, help="checkpoint step (default: last)")
 g.add_argument("--task", default="offline", help="RL prompts: offline (the synthetic curriculum) or gsm8k")
 g.add_argument("--task-path", default=None, help="local jsonl/parquet for the task instead of downloading")
 g.add_argument("--levels", type=levels_flag, default="1,2,3,4", help="offline task: difficulty levels of the prompts")
 g.add_argument("--eval-task", default=None, help="held-out task (default: the test split of --task)")
-g.add_argument("--prompt-data", default=None, help="a jsonl of prompts to RL on instead of --task (slime's flag): one object a "
-               "line with --input-key and --label-key")
-g.add_argument("--eval-prompt-data", default=None, help="a jsonl of held-out prompts for --prompt-data (default: none held "
-               "out: the eval then reads the first training prompts, and says so)")
-g.add_argument("--input-key", default="prompt", help="--prompt-data: the prompt's key (a string or a list of chat messages)")
-g.add_argument("--label-key", default="label", help="--prompt-data: the label's key")
-g.add_argument("--apply-chat-template", action="store_true", help="--prompt-data: render string prompts as a user turn of the "
-               "chat template (lists of messages always are); without it a string prompt is fed as raw text")
+prompts.add_args(g)  # --prompt-data and its keys
 g.add_argument("--output-tag", default=None, help="save under rl_checkpoints/<tag> (default: the source's tag)")
 g = parser.add_argument_group("rollouts")
 g.add_argument("--num-rollouts", "--num-rollout", type=positive_int, default=60, help="number of rollouts (= RL steps)")
 g.add_argument("--rollout-batch-size", type=positive_int, default=16, help="prompts per rollout (global)")
 g.add_argument("--n-samples-per-prompt", type=positive_int, default=8, help="group size")
-g.add_argument("--max-new-tokens", "--max-response-len", "--rollout-max-response-len", dest="max_response_len", type=positive_int, default=256,
-               help="max tokens per response")
+g.add_argument("--max-new-tokens", "--max-response-len", "--rollout-max-response-len", dest="max_response_len",
+               type=positive_int, default=256, help="max tokens per response")
 g.add_argument("--temperature", "--rollout-temperature", type=positive_float, default=1.0,
-               help="rollout temperature; the engine records log-probs of the distribution it samples from and the trainer "
-                    "divides its logits by the same temperature")
-g.add_argument("--advantage-estimator", default="grpo", choices=rl_trainer.ESTIMATORS,
-               help="gspo / cispo: GRPO advantages with GSPO's sequence-level ratio or CISPO's clipped-weight loss")
-g.add_argument("--lr-scale", type=positive_float, default=0.05, help="multiplier on the base optimizer LRs (RL wants small steps)")
+               help="rollout temperature; the engine records log-probs of the distribution it samples from and the "
+                    "trainer divides its logits by the same temperature")
+g.add_argument("--lr-scale", type=positive_float, default=0.05,
+               help="multiplier on the base optimizer LRs (RL wants small steps)")
 g = parser.add_argument_group("eval, saving, misc")
-g.add_argument("--eval-every", "--eval-interval", type=positive_int, default=10, help="evaluate every N rollouts (and before the first and after the last)")
+g.add_argument("--eval-every", "--eval-interval", type=positive_int, default=10,
+               help="evaluate every N rollouts (and before the first and after the last)")
 g.add_argument("--eval-max-problems", type=positive_int, default=200, help="held-out prompts per eval")
-g.add_argument("--n-samples-per-eval-prompt", type=positive_int, default=4, help="samples per eval prompt (pass@k needs k of them)")
+g.add_argument("--n-samples-per-eval-prompt", type=positive_int, default=4,
+               help="samples per eval prompt (pass@k needs k of them)")
 g.add_argument("--eval-temperature", type=nonneg_float, default=1.0, help="eval sampling temperature")
 g.add_argument("--pass-k", type=int_list, default="1,4", help="comma-separated k for pass@k")
-g.add_argument("--save-every", "--save-interval", type=positive_int, default=20, help="save every N rollouts (and after the last)")
+g.add_argument("--save-every", "--save-interval", type=positive_int, default=20,
+               help="save every N rollouts (and after the last)")
 g.add_argument("--resume", action="store_true", help="continue from the latest RL checkpoint")
 add_logging_args(g)
 g.add_argument("--device-type", default=None, help="cuda | cpu | mps (default: autodetect)")
 g.add_argument("--seed", type=int, default=42, help="seed of the prompt order and of every sample's random stream")
-rollout.add_args(parser, TOOLS)
+rollout.add_args(parser)
+rewards.add_args(parser)
 rl_trainer.add_args(parser)
 rl_async.add_args(parser)
 fsdp.add_args(parser.add_argument_group("sharding (nanorl/fsdp.py)"))
 args = parser.parse_args(sys.argv[1:] if sys.argv[1:2] != ["--"] else sys.argv[2:])
-rollout.check_args(args, parser)
-rl_trainer.check_args(args, parser)
+
+# -----------------------------------------------------------------------------------------------
+# configs: each part's flags checked and turned into its config once, here; the flags themselves stay as given
+rollout_cfg = rollout.config_from_args(args, parser)
+reward_cfg = rewards.config_from_args(args, parser, default_rm_type="math" if args.prompt_data else "task")
+trainer_cfg = rl_trainer.config_from_args(args, parser)
 # --fsdp shards the policy only: the extra models of these options would stay whole on every rank, and --async's
 # trainers ship weights to samplers that hold no shards
-for on, flag in ((args.async_mode, "--async"), (args.advantage_estimator == "ppo", "--advantage-estimator ppo (its critic)"),
-                 (args.use_kl_loss or args.kl_coef > 0, "--use-kl-loss / --kl-coef (their reference model)"),
+for on, flag in ((args.async_mode, "--async"), (trainer_cfg.needs_critic, "--advantage-estimator ppo (its critic)"),
+                 (trainer_cfg.needs_reference, "--use-kl-loss / --kl-coef (their reference model)"),
                  (args.use_opd, "--use-opd (its teacher)")):
     if args.fsdp and on:
         parser.error(f"--fsdp does not work with {flag}: only the policy is sharded")
 fsdp.check_args(args, "chat_rl")
-pass_ks = args.pass_k
+pass_ks, n = args.pass_k, args.n_samples_per_prompt
 if max(pass_ks) > args.n_samples_per_eval_prompt:
     parser.error(f"--pass-k {','.join(map(str, pass_ks))} needs --n-samples-per-eval-prompt >= {max(pass_ks)}")
 if args.prompt_data is None and (args.eval_prompt_data or args.apply_chat_template):
     parser.error("--eval-prompt-data and --apply-chat-template only apply with --prompt-data")
-args.custom_rm_path = args.custom_rm_path or None
-args.rm_type = args.rm_type or ("math" if args.prompt_data else "task")  # prompts from a file have no task grader
+over_sampling = args.over_sampling_batch_size or args.rollout_batch_size  # prompts sampled per round
 group_filter = load_function(args.dynamic_sampling_filter_path, ["group"], "--dynamic-sampling-filter-path") \
-    if args.over_sampling_batch_size is not None else keep_all_groups
+    if args.over_sampling_batch_size is not None else rollout.keep_all_groups
 buffer_filter = load_function(args.buffer_filter_path, ["buffer", "n"], "--buffer-filter-path")
-custom_generate = load_function(args.custom_generate_function_path, ["args", "engine", "tokenizer", "prompts", "seeds"],
-                                "--custom-generate-function-path") if args.custom_generate_function_path else None
-remote_rm = args.rm_type == "remote"
-# a label is what the generic graders compare with; the task's own grader, a custom or a remote one may not need one
-needs_label = not (remote_rm or args.custom_rm_path or args.rm_type in ("task", "custom"))
+custom_generate = load_function(args.custom_generate_function_path, ["config", "engine", "tokenizer", "prompts",
+                                                                     "seeds"], "--custom-generate-function-path") \
+    if args.custom_generate_function_path else None
 
+# -----------------------------------------------------------------------------------------------
 # the prompts and the reward, before any model is built: a bad task, data file or reward flag fails at once
-(train_items, train_task), (eval_items, eval_task), eval_name = rollout.load_prompts(args, needs_label)
-if args.prompt_data and not args.eval_prompt_data:
-    print0(f"no --eval-prompt-data: the eval reads the first {args.eval_max_problems} training prompts (not held out)")
-reward_fns, rm_name = {}, f"remote:{args.rm_url}"
-if not remote_rm:  # one grader per split: the task's own grader reads the example a prompt came from
+label_needed = f"--rm-type {reward_cfg.rm_type}" if reward_cfg.needs_label else None
+
+
+def task_prompts(name, split):
+    """A task's examples as prompts, and the task (its own grader scores them with --rm-type task)."""
+    kw = {"path": args.task_path} if args.task_path else {}
+    if name == "offline":
+        kw["levels"] = tuple(int(x) for x in args.levels.split(","))
+    task = get_task(name, split, **kw)
+    return prompts.task_prompts(task, name, split, label_needed), task
+
+
+def file_prompts(path, split):
+    """--prompt-data / --eval-prompt-data: prompts from a jsonl, and no task (no grader of their own)."""
+    return prompts.jsonl_prompts(path, split, args.input_key, args.label_key, args.apply_chat_template,
+                                 label_needed), None
+
+
+if args.prompt_data:
+    eval_name = args.eval_prompt_data or args.prompt_data
+    train_items, train_task = file_prompts(args.prompt_data, "train")
+    eval_items, eval_task = file_prompts(eval_name, "test") if args.eval_prompt_data else (train_items, None)
+    if not args.eval_prompt_data:
+        print0(f"no --eval-prompt-data: the eval reads the first {args.eval_max_problems} training prompts "
+               f"(not held out)")
+else:
+    eval_name = args.eval_task or args.task
+    train_items, train_task = task_prompts(args.task, "train")
+    eval_items, eval_task = task_prompts(eval_name, "test")
+eval_items = eval_items[:args.eval_max_problems]
+reward_fns, rm_name = {}, f"remote:{reward_cfg.rm_url}"
+if not reward_cfg.remote:  # one grader per split: the task's own grader reads the example a prompt came from
     try:
-        (reward_fns["train"], rm_name), (reward_fns["test"], _) = (make_reward(args.rm_type, t, args.custom_rm_path)
-                                                                  for t in (train_task, eval_task))
+        (reward_fns["train"], rm_name), (reward_fns["test"], _) = (
+            rewards.make_reward(reward_cfg.rm_type, t, reward_cfg.custom_rm_path) for t in (train_task, eval_task))
     except ValueError as e:
         parser.error(str(e))
 if (args.multi_turn and args.tool == "python") or any(getattr(t, "runs_code", False) for t in (train_task, eval_task)):
@@ -131,44 +157,45 @@ if (args.multi_turn and args.tool == "python") or any(getattr(t, "runs_code", Fa
 # -----------------------------------------------------------------------------------------------
 # setup: ranks and their roles, then the batch sizes that depend on them
 # collectives give up on a missing rank after a while (a hang in native code, a dead node) rather than block forever
-ddp, rank, local_rank, world_size, device = compute_init(args.device_type, seed=args.seed,
-                                                         timeout_s=2 * args.rollout_timeout + 600 if args.rollout_timeout > 0 else None,
-                                                         cpu_collectives=args.cpu_offload)  # (CPU offload: gloo beside NCCL)
+ddp, rank, local_rank, world_size, device = compute_init(
+    args.device_type, seed=args.seed, timeout_s=2 * args.rollout_timeout + 600 if args.rollout_timeout > 0 else None,
+    cpu_collectives=args.cpu_offload)  # (CPU offload: gloo beside NCCL)
 master = rank == 0
 roles = rl_async.split_ranks(args, parser, rank, world_size)
-n = args.n_samples_per_prompt
-rollout_samples = args.rollout_batch_size * n
-if args.global_batch_size is None:
-    if rollout_samples % args.num_steps_per_rollout:
-        parser.error(f"--rollout-batch-size x --n-samples-per-prompt = {rollout_samples} does not divide by --num-steps-per-rollout {args.num_steps_per_rollout}")
-    args.global_batch_size = rollout_samples // args.num_steps_per_rollout
-if args.global_batch_size * args.num_steps_per_rollout != rollout_samples:
-    parser.error(f"--global-batch-size {args.global_batch_size} x --num-steps-per-rollout {args.num_steps_per_rollout} "
-                 f"must equal --rollout-batch-size x --n-samples-per-prompt = {rollout_samples}")
+rollout_samples, steps = args.rollout_batch_size * n, args.num_steps_per_rollout
+if args.global_batch_size is None and rollout_samples % steps:
+    parser.error(f"--rollout-batch-size x --n-samples-per-prompt = {rollout_samples} does not divide by "
+                 f"--num-steps-per-rollout {steps}")
+global_batch = args.global_batch_size or rollout_samples // steps  # samples per optimizer step
+if global_batch * steps != rollout_samples:
+    parser.error(f"--global-batch-size {global_batch} x --num-steps-per-rollout {steps} must equal "
+                 f"--rollout-batch-size x --n-samples-per-prompt = {rollout_samples}")
 for what, k in (("sampling ranks", roles.sworld), ("training ranks", roles.tworld)):
     if args.rollout_batch_size % k:
         parser.error(f"--rollout-batch-size {args.rollout_batch_size} must divide by the number of {what} {k}")
-if args.global_batch_size % (roles.tworld * n):
-    parser.error(f"--global-batch-size {args.global_batch_size} must be a multiple of training ranks x --n-samples-per-prompt = {roles.tworld * n}")
-if args.over_sampling_batch_size is None:
-    args.over_sampling_batch_size = args.rollout_batch_size
-if args.over_sampling_batch_size % roles.sworld:
-    parser.error(f"--over-sampling-batch-size {args.over_sampling_batch_size} must divide by the number of sampling ranks {roles.sworld}")
+if global_batch % (roles.tworld * n):
+    parser.error(f"--global-batch-size {global_batch} must be a multiple of training ranks x --n-samples-per-prompt "
+                 f"= {roles.tworld * n}")
+if over_sampling % roles.sworld:
+    parser.error(f"--over-sampling-batch-size {over_sampling} must divide by the number of sampling ranks "
+                 f"{roles.sworld}")
 
 # logging first: a missing wandb key stops the run before any model is built
-logger = get_logger(args.run, project="nanorl-rl", config=vars(args), master_process=master, tensorboard_dir=args.tensorboard)
+logger = get_logger(args.run, project="nanorl-rl", config=vars(args), master_process=master,
+                    tensorboard_dir=args.tensorboard)
 
 # the policy, and what the options add: a frozen reference (KL), a critic (ppo), a teacher (on-policy distillation)
 model, tokenizer, meta = load_model(args.source, device, phase="train", model_tag=args.model_tag, step=args.model_step,
                                    hf_model=args.hf_model)
-if args.multi_turn and tokenizer.encode_special("<|python_start|>") is None:
+if rollout_cfg.multi_turn and tokenizer.encode_special("<|python_start|>") is None:
     parser.error(f"--multi-turn: this model's tokenizer has no tool-call tokens ({args.hf_model or args.source})")
-ref_model = copy.deepcopy(model).eval().requires_grad_(False) if (args.use_kl_loss or args.kl_coef > 0) and roles.is_trainer else None
+ref_model = copy.deepcopy(model).eval().requires_grad_(False) \
+    if trainer_cfg.needs_reference and roles.is_trainer else None
 critic = critic_optimizer = teacher = None
-if args.advantage_estimator == "ppo" and roles.is_trainer:
+if trainer_cfg.needs_critic and roles.is_trainer:
     critic = Critic(model).to(device)
-    critic_optimizer = MuonAdamW([dict(params=list(critic.parameters()), kind="adamw", lr=args.critic_lr, initial_lr=args.critic_lr,
-                                       betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)])
+    critic_optimizer = MuonAdamW([dict(params=list(critic.parameters()), kind="adamw", lr=args.critic_lr,
+                                       initial_lr=args.critic_lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)])
 if args.use_opd and roles.is_trainer:
     t = args.opd_teacher_load
     if os.path.isdir(t):
@@ -177,38 +204,40 @@ if args.use_opd and roles.is_trainer:
         src, _, tag = t.partition(":")
         teacher, _, _ = load_model(src, device, model_tag=tag or None)
     if teacher.config.vocab_size != model.config.vocab_size:
-        parser.error(f"--opd-teacher-load {t}: vocab {teacher.config.vocab_size} differs from the student's {model.config.vocab_size}")
+        parser.error(f"--opd-teacher-load {t}: vocab {teacher.config.vocab_size} differs from the student's "
+                     f"{model.config.vocab_size}")
     teacher.requires_grad_(False)
-longest_prompt = max(len(rollout.prompt_ids(tokenizer, p)) for p in train_items + eval_items)
+longest_prompt = max(len(prompts.prompt_ids(tokenizer, p)) for p in train_items + eval_items)
 if longest_prompt + 1 > model.config.sequence_len:
-    raise SystemExit(f"the longest prompt has {longest_prompt} tokens, more than the model's context {model.config.sequence_len}")
+    raise SystemExit(f"the longest prompt has {longest_prompt} tokens, more than the model's context "
+                     f"{model.config.sequence_len}")
 engine = Engine(model, tokenizer, batch_size=args.engine_batch_size,
-                max_len=min(model.config.sequence_len, longest_prompt + args.max_response_len)) if roles.is_sampler else None
-if args.fsdp:  # the engine copied the whole model above; now shard the policy, before the optimizer is built on the shards
+                max_len=min(model.config.sequence_len, longest_prompt + args.max_response_len)) \
+    if roles.is_sampler else None
+if args.fsdp:  # the engine copied the whole model above; now shard the policy, before the optimizer is built on it
     fsdp.shard_model(model, device, args.activation_checkpointing, args.cpu_offload)
 optimizer = build_optimizer(model, weight_decay=args.weight_decay)
 for pg in optimizer.param_groups:
     pg["initial_lr"] = pg["initial_lr"] * args.lr_scale
     pg["lr"] = pg["initial_lr"]
-trainer = rl_trainer.Trainer(args, model, optimizer, device, ref_model, critic, critic_optimizer, teacher, group=roles.tgroup,
-                             world=roles.tworld, distributed=ddp) if roles.is_trainer else None
+trainer = rl_trainer.Trainer(trainer_cfg, model, optimizer, device, ref_model, critic, critic_optimizer, teacher,
+                             group=roles.tgroup, world=roles.tworld, distributed=ddp) if roles.is_trainer else None
 output_tag = args.output_tag or meta.get("model_tag") or args.model_tag or "d"
 ckpt_dir = os.path.join(get_base_dir(), "rl_checkpoints", output_tag)
 
-
-source = PromptSource(train_items, seed=args.seed, rank=roles.srank, world_size=roles.sworld)
+source = prompts.PromptSource(train_items, seed=args.seed, rank=roles.srank, world_size=roles.sworld)
 
 
 def reward_fn(response, label, metadata):
     """(value, None) or (None, why it failed): the grader of the split the prompt came from."""
-    return safe_reward(reward_fns[metadata["split"]], response, label, metadata)
+    return rewards.safe_reward(reward_fns[metadata["split"]], response, label, metadata)
 
 
-worker = rollout.RolloutWorker(args, engine, tokenizer, None if remote_rm else reward_fn,
-                               make_tool(args.tool) if args.multi_turn else None, custom_generate)
-buffer = RolloutBuffer(buffer_filter)
+worker = rollout.RolloutWorker(rollout_cfg, engine, tokenizer, None if reward_cfg.remote else reward_fn, reward_cfg,
+                               custom_generate)
+buffer = rollout.RolloutBuffer(buffer_filter)
 print0(attention_backend(device))
-if args.multi_turn and args.tool == "python":  # bwrap: kernel namespaces; guard: the in-process fallback (README: Sandbox)
+if rollout_cfg.multi_turn and rollout_cfg.tool == "python":  # bwrap: kernel namespaces; guard: the in-process fallback
     print0(f"python sandbox: {sandbox_mode()}")
 print0(f"RL on {len(train_items)} prompts ({args.prompt_data or args.task}), eval on {len(eval_items)} ({eval_name}), "
        f"{world_size} rank(s), device {device}")
@@ -219,21 +248,23 @@ print0(f"RL on {len(train_items)} prompts ({args.prompt_data or args.task}), eva
 
 def do_rollout(step, version):
     """This rank's share of rollout step+1, sampled by policy `version` -> (groups, filter stats, failure, seconds).
-    A failure or a hang past --rollout-timeout is caught and described (failure), never left to block the other ranks."""
+    A failure or a hang past --rollout-timeout is caught and described (failure), never left to block the other
+    ranks."""
     def make_groups():  # dynamic sampling: over-sample prompts until the batch holds enough useful groups
-        prompts = source.get(args.over_sampling_batch_size // roles.sworld)
+        batch = source.get(over_sampling // roles.sworld)
         seeds = [args.seed * 1_000_003 + epoch * 10_000_019 + pos for epoch, pos in source.last_keys]
-        if args.partial_rollout:
-            return worker.stream(prompts, seeds, version, buffer)
-        return worker.score(worker.generate(prompts, seeds, args.temperature, n, version))
+        if rollout_cfg.partial_rollout:
+            return worker.stream(batch, seeds, version, buffer)
+        return worker.score(worker.generate(batch, seeds, rollout_cfg.temperature, n, version))
 
     model.eval()
     groups, fstats, failure, t0 = [], {}, None, time.time()
     try:
         with rollout.deadline(args.rollout_timeout):
-            groups, fstats = fill_rollout(args.rollout_batch_size // roles.sworld, buffer, make_groups, group_filter,
-                                          args.max_sampling_rounds, stop_when_full=args.partial_rollout)
-    except (Exception, RolloutTimeout) as e:
+            groups, fstats = rollout.fill_rollout(args.rollout_batch_size // roles.sworld, buffer, make_groups,
+                                                  group_filter, args.max_sampling_rounds,
+                                                  stop_when_full=rollout_cfg.partial_rollout)
+    except (Exception, rollout.RolloutTimeout) as e:
         traceback.print_exc()
         what = worker.inflight.get("scoring") or {"prompts": worker.inflight.get("generating")}
         failure = f"rank {rank}: rollout {step + 1} failed: {type(e).__name__}: {e}\n  in flight: {what}"
@@ -254,29 +285,7 @@ def stop_after_failure(step, n_failed):
 
 
 # -----------------------------------------------------------------------------------------------
-# metrics of one step: the rollout's, the trainer's, averaged over the training ranks
-
-def rollout_metrics(fstats, samples, rollout_s):
-    m = {f"rollout/{k}": v for k, v in fstats.items()}
-    rewards = [s.scalar_reward() for s in samples]
-    m.update({"rollout/reward_mean": sum(rewards) / len(rewards),
-              "rollout/reward_std": float(torch.tensor(rewards).std()) if len(rewards) > 1 else 0.0,
-              "rollout/response_len_mean": sum(s.response_length for s in samples) / len(samples),
-              "rollout/truncated_frac": sum(s.status == TRUNCATED for s in samples) / len(samples),
-              "rollout/reward_failures": worker.reward_failures,
-              "time/rollout": rollout_s,
-              "perf/rollout_tok_per_s": sum(s.response_length for s in samples) / max(rollout_s, 1e-9)})
-    comps = [k for k in next((s.reward for s in samples if isinstance(s.reward, dict)), {}) if k != "total"]
-    for c in comps:
-        m[f"rollout/reward_{c}"] = sum(s.reward.get(c, 0.0) for s in samples if isinstance(s.reward, dict)) / len(samples)
-    if args.partial_rollout:
-        m["rollout/partial_parked_groups"] = len(buffer.partial)
-        m["rollout/partial_resumed_samples"] = sum(s.metadata.get("resumed", 0) > 0 for s in samples)
-    if args.multi_turn:  # per response: tool calls, calls that errored, and whether it ran into --max-turns
-        for k in ("tool_calls", "tool_errors", "max_turns_hit"):
-            m[f"rollout/{k}_mean"] = sum(s.metadata.get(k, 0) for s in samples) / len(samples)
-    return m
-
+# the training step on a rollout, and the step's log line
 
 def train(step, groups, m):
     """The training step on this rank's groups; m (the rollout's metrics) gains the trainer's, then everything is
@@ -294,13 +303,15 @@ def train(step, groups, m):
 
 def log_step(step, m, dt):
     eta.step(dt, (step + 1) / args.num_rollouts)
-    print0(f"step {step + 1:05d}/{args.num_rollouts} | reward {m['rollout/reward_mean']:.3f} | len {m['rollout/response_len_mean']:.1f} "
-           f"| pg {m['train/pg_loss']:+.4f} | clip {m['train/clipfrac']:.3f} | ppo_kl {m['train/ppo_kl']:+.2e} "
-           f"| ent {m['train/entropy']:.3f} | gnorm {m['train/grad_norm']:.3f} | lp_diff {m['train/train_rollout_logprob_abs_diff']:.1e} "
-           f"| pad {m['train/padding_frac']:.0%} | dropped {int(m.get('rollout/groups_dropped', 0))} | dt {dt:.1f}s (rollout {m.get('time/rollout', 0):.1f}s, "
-           f"waiting {m['perf/idle_frac']:.0%}) | eta {eta}"
+    print0(f"step {step + 1:05d}/{args.num_rollouts} | reward {m['rollout/reward_mean']:.3f} "
+           f"| len {m['rollout/response_len_mean']:.1f} | pg {m['train/pg_loss']:+.4f} "
+           f"| clip {m['train/clipfrac']:.3f} "
+           f"| ppo_kl {m['train/ppo_kl']:+.2e} | ent {m['train/entropy']:.3f} | gnorm {m['train/grad_norm']:.3f} "
+           f"| lp_diff {m['train/train_rollout_logprob_abs_diff']:.1e} | pad {m['train/padding_frac']:.0%} "
+           f"| dropped {int(m.get('rollout/groups_dropped', 0))} | dt {dt:.1f}s "
+           f"(rollout {m.get('time/rollout', 0):.1f}s, waiting {m['perf/idle_frac']:.0%}) | eta {eta}"
            + (f" | tools {m['rollout/tool_calls_mean']:.2f} err {m['rollout/tool_errors_mean']:.2f} "
-              f"max_turns {m['rollout/max_turns_hit_mean']:.2f}" if args.multi_turn else ""))
+              f"max_turns {m['rollout/max_turns_hit_mean']:.2f}" if rollout_cfg.multi_turn else ""))
     history.append({"step": step + 1, **m})
     logger.log(m, step=step + 1)
     log_json("rl_history", {"train": history, "eval": eval_history}, rank=rank)
@@ -322,9 +333,10 @@ def evaluate(step):
             groups = worker.score(groups, count_failures=False)
         correct = [[s.scalar_reward() >= 0.5 for s in g] for g in groups]
         sums = [sum(rl.pass_at_k(len(c), sum(c), k) for c in correct) for k in pass_ks] + [len(correct)]
-    except (Exception, RolloutTimeout) as e:
+    except (Exception, rollout.RolloutTimeout) as e:
         traceback.print_exc()
-        print(f"rank {rank}: the eval at step {step} failed: {type(e).__name__}: {e}\n  in flight: {worker.inflight}", file=sys.stderr, flush=True)
+        print(f"rank {rank}: the eval at step {step} failed: {type(e).__name__}: {e}\n  in flight: {worker.inflight}",
+              file=sys.stderr, flush=True)
         failed = 1.0
     worker.inflight.clear()
     vec = torch.tensor(sums + [failed], dtype=torch.float64, device=device)
@@ -333,8 +345,8 @@ def evaluate(step):
     if vec[-1].item():
         stop_after_failure(step, int(vec[-1].item()))
     out = {f"eval/pass@{k}": (vec[i] / max(vec[-2], 1)).item() for i, k in enumerate(pass_ks)}
-    print0(f"step {step:05d} | eval on {int(vec[-2])} prompts x {args.n_samples_per_eval_prompt} samples (T={args.eval_temperature:g}) | "
-           + " | ".join(f"{k} {v:.4f}" for k, v in out.items()))
+    print0(f"step {step:05d} | eval on {int(vec[-2])} prompts x {args.n_samples_per_eval_prompt} samples "
+           f"(T={args.eval_temperature:g}) | " + " | ".join(f"{k} {v:.4f}" for k, v in out.items()))
     return out
 
 
@@ -352,7 +364,7 @@ def should_save(step):
 def save(step):
     extra = {"source": source.state_dict(), "buffer": buffer.state_dict(), "py_rng": random.getstate(),
              "torch_rng": torch.get_rng_state()}
-    if critic is not None:  # every training rank keeps the same critic (averaged gradients), so each saves it with its extra state
+    if critic is not None:  # every training rank keeps the same critic (averaged gradients): each saves it
         extra.update(critic=critic.state_dict(), critic_optim=critic_optimizer.state_dict())
     ck_meta = {**meta, "model_tag": output_tag, "step": step, "rl_args": vars(args), "world_size": world_size,
                "sharded": args.fsdp}  # (not the source model's flags)
@@ -373,7 +385,8 @@ if args.resume:
     if args.fsdp:  # the DCP shards of model and optimizer; meta and this rank's extra state beside them
         extra = fsdp.load_sharded(ckpt_dir, last, model, optimizer, rank)
     else:
-        model_state, optim_state, _, extra = load_checkpoint(ckpt_dir, last, device=device, load_optimizer=True, rank=rank)
+        model_state, optim_state, _, extra = load_checkpoint(ckpt_dir, last, device=device, load_optimizer=True,
+                                                             rank=rank)
         model.load_state_dict(model_state)
         optimizer.load_state_dict(optim_state)
     source.load_state_dict(extra["source"])
@@ -391,11 +404,74 @@ if args.resume:
     old_args = ck_meta.get("rl_args", {})
     diffs = {k: (old_args.get(k), v) for k, v in vars(args).items() if k != "resume" and old_args.get(k) != v}
     if diffs:
-        print0("warning: resuming with changed RL flags: " + ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in diffs.items()))
+        print0("warning: resuming with changed RL flags: "
+               + ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in diffs.items()))
     print0(f"resumed from {ckpt_dir} step {last}")
 
 # -----------------------------------------------------------------------------------------------
-# the loop: one rollout, one training step on it
+# --async: the samplers' and the trainers' loops, side by side (nanorl/rl_async.py: what travels between them)
+
+def sampler_loop():
+    """A sampling rank: hand rollout k to the trainers, sample rollout k+1 with the weights it has (one version
+    behind) while they train, then take their new weights. Returns the seconds it waited on the trainers."""
+    idle, version = 0.0, start_step
+    payload = sample_payload(start_step, version)
+    for step in range(start_step, args.num_rollouts):
+        t0 = time.time()
+        failures = [p["failure"] for p in rl_async.exchange_rollouts(roles, payload) if p["failure"]]
+        wait = time.time() - t0
+        if failures:
+            stop_after_failure(step, len(failures))
+        if step + 1 < args.num_rollouts:
+            payload = sample_payload(step + 1, version)
+        t_wait = time.time()
+        version, m = rl_async.receive_weights(model, engine, roles)
+        wait += time.time() - t_wait
+        m["async/sampler_weight_version"] = version
+        m["async/sampler_weight_checksum"] = weights_checksum()
+        dt = time.time() - t0
+        m["perf/idle_frac_sampler"] = m["perf/idle_frac"] = wait / dt
+        idle += wait
+        if roles.srank == 0:
+            log_step(step, m, dt)
+        maybe_eval(step)
+    return idle
+
+
+def sample_payload(step, version):
+    """This sampler's share of rollout step+1, as it travels to the trainers."""
+    groups, fstats, failure, rollout_s = do_rollout(step, version)
+    samples = [s for g in groups for s in g]
+    return {"groups": groups, "failure": failure, "rollout_s": rollout_s,
+            "metrics": worker.metrics(fstats, samples, rollout_s, buffer) if samples else {}}
+
+
+def trainer_loop():
+    """A training rank: train on rollout k while the samplers sample k+1; the first trainer sends the new weights.
+    Returns the seconds it waited on the samplers."""
+    idle, version = 0.0, start_step
+    for step in range(start_step, args.num_rollouts):
+        t0 = time.time()
+        payloads = rl_async.exchange_rollouts(roles, None)
+        wait = time.time() - t0
+        failures = [p["failure"] for p in payloads if p["failure"]]
+        if failures:
+            stop_after_failure(step, len(failures))
+        groups = [g for p in payloads for g in p["groups"]][roles.trank::roles.tworld]
+        m = train(step, groups, rl_async.sum_payload_metrics(payloads))
+        version += 1
+        m["async/trainer_weight_checksum"] = weights_checksum()
+        m["perf/idle_frac_trainer"] = wait / (time.time() - t0)
+        idle += wait
+        if roles.trank == 0:
+            rl_async.send_weights(model, roles, version, m)
+        if should_save(step + 1):
+            save(step + 1)
+    return idle
+
+
+# -----------------------------------------------------------------------------------------------
+# the loop: one rollout, one training step on it, the engine's weights refreshed
 
 t_start, eta = time.time(), ETA(start_step / args.num_rollouts)
 # on resume, keep the history of the steps already done so the report's curves stay whole
@@ -407,13 +483,7 @@ if start_step == 0 and roles.is_sampler:
 idle_s = 0.0  # seconds this rank spent waiting on other ranks instead of computing
 
 if roles.async_mode:
-    def sample(step, version):
-        groups, fstats, failure, rollout_s = do_rollout(step, version)
-        samples = [s for g in groups for s in g]
-        return {"groups": groups, "failure": failure, "rollout_s": rollout_s,
-                "metrics": rollout_metrics(fstats, samples, rollout_s) if samples else {}}
-    idle_s = rl_async.run(roles, start_step, args.num_rollouts, model, engine, sample, train, log_step, maybe_eval, save,
-                          should_save, stop_after_failure, weights_checksum)
+    idle_s = sampler_loop() if roles.is_sampler else trainer_loop()
 else:
     for step in range(start_step, args.num_rollouts):
         t0 = time.time()
@@ -430,7 +500,7 @@ else:
             source.load_state_dict(before[0])
             buffer.load_state_dict(before[1])
             stop_after_failure(step, int(failed.item()))
-        m = train(step, groups, rollout_metrics(fstats, [s for g in groups for s in g], rollout_s))
+        m = train(step, groups, worker.metrics(fstats, [s for g in groups for s in g], rollout_s, buffer))
         t_sync = time.time()
         if args.fsdp:  # every rank gathers the full weights, one block at a time, into its engine's copy
             m["time/weight_gather"] = fsdp.gather_full_state(model, engine.model)
@@ -447,22 +517,14 @@ else:
 
 # -----------------------------------------------------------------------------------------------
 # report: time each role spent waiting on the others, pass@k before and after
-role = "both" if not roles.async_mode else "sampling" if roles.is_sampler else "training"
-busy = [None] * world_size
-if ddp:
-    dist.all_gather_object(busy, (role, idle_s, time.time() - t_start))
-else:
-    busy = [(role, idle_s, time.time() - t_start)]
-idle_frac = {}
-for r in ("both", "sampling", "training"):
-    rows = [(w, t) for rr, w, t in busy if rr == r]
-    if rows:
-        idle_frac[f"idle_frac_{r}_ranks"] = round(sum(w for w, _ in rows) / sum(t for _, t in rows), 3)
-print0(f"idle fraction (time a {device.type.upper()} rank waited on other ranks): " + ", ".join(f"{k} {v:.1%}" for k, v in idle_frac.items()))
+idle_frac = rl_async.idle_fractions(roles, idle_s, time.time() - t_start, ddp)
+print0(f"idle fraction (time a {device.type.upper()} rank waited on other ranks): "
+       + ", ".join(f"{k} {v:.1%}" for k, v in idle_frac.items()))
 log_json("rl_history", {"train": history, "eval": eval_history, "idle": idle_frac}, rank=rank)
 if master and eval_history:
     log_section("Chat RL", [{"reward": rm_name},
-                            rl_eval_rows(eval_history, eval_name, len(eval_items), args.n_samples_per_eval_prompt, args.eval_temperature),
+                            rl_eval_rows(eval_history, eval_name, len(eval_items), args.n_samples_per_eval_prompt,
+                                         args.eval_temperature),
                             {"wall_time_s": round(time.time() - t_start, 1), **idle_frac}], config=vars(args))
 logger.finish()
 compute_cleanup()

@@ -44,6 +44,11 @@ class Task:
         """The task's one grader: is the response right? chat_eval counts it; RL is rewarded by it (reward)."""
         raise NotImplementedError(f"{type(self).__name__} has no grader (it is chat data, not a benchmark)")
 
+    @property
+    def has_grader(self):
+        """Whether this task grades responses (evaluate is its own); chat data has none."""
+        return type(self).evaluate is not Task.evaluate
+
     def reward(self, conversation, response_text):
         # the RL signal (--rm-type task): the eval's own verdict as a number, so RL trains on what chat_eval reports
         return float(self.evaluate(conversation, response_text))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nanorl.common import (ETA, ArgumentParser, Logger, autodetect_device_type, fraction, get_logger, int_or_off,
-                           number_in, positive_float, positive_int)
+                           load_function, number_in, positive_float, positive_int)
 
 
 def parse_error(parser, argv, capsys):
@@ -199,3 +199,17 @@ def test_a_leading_double_dash_from_torchrun_is_dropped(monkeypatch):
     assert p.parse_args().depth == 4
     assert p.parse_args(["--", "--depth", "3"]).depth == 3 and p.parse_args(["--depth", "2"]).depth == 2
     assert p.parse_known_args(["--", "--depth", "5", "--other"]) == (p.parse_args(["--depth", "5"]), ["--other"])
+
+
+def test_load_function_errors(tmp_path):
+    f = tmp_path / "myrm.py"
+    f.write_text("def rm(a, b):\n    return 1.0\n")
+    assert load_function(f"{f}:rm", ["response", "label"], "--custom-rm-path")("x", "y") == 1.0
+    with pytest.raises(ValueError, match="--custom-rm-path.*could not import"):
+        load_function("no_such_module_xyz:rm", ["response", "label"], "--custom-rm-path")
+    with pytest.raises(ValueError, match="no function 'nope'"):
+        load_function(f"{f}:nope", ["response", "label"], "--custom-rm-path")
+    with pytest.raises(ValueError, match="wrong signature"):
+        load_function(f"{f}:rm", ["a", "b", "c"], "--custom-rm-path")
+    with pytest.raises(ValueError, match="module:function"):
+        load_function("justaname", ["a"], "--x")

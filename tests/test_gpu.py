@@ -3,7 +3,6 @@ GPU readiness. Tests marked `gpu` need a CUDA GPU and are skipped without one; `
 them and puts the figures they print (lines starting "gpu_check ") in its table. The others run on the CPU: the
 tensor devices of the collectives (nanorl.common.strict_collective_device) and the CPU mode of dev/gpu_check.sh.
 """
-import argparse
 import json
 import math
 import os
@@ -21,7 +20,7 @@ from nanorl import gpt, rl, rl_trainer
 from nanorl.common import autocast_ctx, strict_collective_device
 from nanorl.gpt import GPT, GPTConfig, build_model, config_from_depth
 from nanorl.optim import build_optimizer
-from nanorl.rollout import Sample, collate
+from nanorl.samples import Sample, collate
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -62,16 +61,14 @@ def _advantages(samples, device):
 
 
 # the estimators whose advantages are all-reduced (whitened over every training rank)
-WHITENED = [("grpo", ["--normalize-advantages"]), ("reinforce_plus_plus", []), ("reinforce_plus_plus_baseline", [])]
+WHITENED = [("grpo", {"normalize_advantages": True}), ("reinforce_plus_plus", {}), ("reinforce_plus_plus_baseline", {})]
 
 
-def _trainer_advantages(rank, device, est, flags):
+def _trainer_advantages(rank, device, est, options):
     """chat_rl's own advantage code, rl_trainer.Trainer.compute_advantages, with a KL penalty in the reward."""
-    p = argparse.ArgumentParser()
-    rl_trainer.add_args(p)
-    a = p.parse_args(flags + ["--kl-coef", "0.1"])
-    a.advantage_estimator, a.temperature, a.n_samples_per_prompt, a.max_response_len = est, 1.0, 2, 8
-    trainer = rl_trainer.Trainer(a, None, None, torch.device(device), distributed=True)
+    cfg = rl_trainer.TrainerConfig(advantage_estimator=est, n_samples_per_prompt=2, max_response_len=8, kl_coef=0.1,
+                                   **options)
+    trainer = rl_trainer.Trainer(cfg, None, None, torch.device(device), distributed=True)
     samples = _rollout(rank)
     lp = [torch.zeros(len(s.tokens) - 1, device=device) for s in samples]  # old/ref log-probs, as the trainer holds them
     return trainer.compute_advantages(samples, lp, lp, None)

@@ -5,8 +5,9 @@ import time
 
 import pytest
 
-from nanorl.rewards import remote_rewards
-from nanorl.rollout import Sample, set_rewards
+from nanorl.remote_rewards import remote_rewards
+from nanorl.rewards import set_rewards
+from nanorl.samples import Sample
 
 
 @pytest.fixture

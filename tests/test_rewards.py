@@ -7,9 +7,11 @@ import pytest
 from rl_fixture_server import RewardHandler
 from rl_fixture_server import reward_server as serve_rewards
 
+from nanorl.remote_rewards import remote_rewards
 from nanorl.rewards import (boxed_reward, exact_match, extract_answer, extract_choice, f1_reward,
                             format_reward, make_reward, math_reward, mc_reward, normalize_number, parse_rm_type,
-                            remote_rewards, safe_reward)
+                            safe_reward, set_rewards)
+from nanorl.samples import Sample
 from tasks import GSM8K as GSM8KTask
 from tasks import ARC, OfflineChat, OfflineProblems, SpellingBee
 
@@ -392,7 +394,6 @@ def test_remote_rewards_connection_refused():
 def test_remote_scoring_path_of_the_rl_loop(reward_server):
     # what chat_rl does with a rollout: one batched call, then set_rewards; /mixed answers by response length:
     # 0 mod 5 -> HTTP 500, 1 -> hangs past the timeout, 2 -> malformed JSON, 3 and 4 -> the vowel fraction
-    from nanorl.rollout import Sample, set_rewards
     texts = ["ab" * k + "c" * (k % 2) for k in range(10)]
     samples = [Sample(tokens=[0] * (len(t) + 2), response_length=len(t) + 1, loss_mask=[1] * (len(t) + 1),
                       metadata={"row": i}) for i, t in enumerate(texts)]
@@ -411,3 +412,30 @@ def test_remote_scoring_path_of_the_rl_loop(reward_server):
             assert s.reward == sum(c in "aeiou" for c in t) / len(t) and sum(s.loss_mask) == s.response_length
         else:
             assert want in why and sum(s.loss_mask) == 0
+
+
+def _unscored(n):
+    return [Sample(tokens=[1, 2, 3, 4], response_length=2, loss_mask=[1, 1], index=i) for i in range(n)]
+
+
+@pytest.mark.parametrize("mode", ["drop", "zero"])
+def test_set_rewards_failure_policy(mode):
+    groups = [_unscored(3), [Sample(tokens=[1, 2, 3], response_length=1, loss_mask=[1], reward=0.7)] + _unscored(1)]
+    scored = [s for g in groups for s in g if s.reward is None]  # the pre-scored sample keeps its reward
+    failed = set_rewards(groups, scored, [(1.0, None), (None, "HTTP 500"), (0.0, None), (None, "timed out")], mode)
+    assert failed == [groups[0][1], groups[1][1]]
+    assert [s.metadata["reward_error"] for s in failed] == ["HTTP 500", "timed out"]
+    if mode == "drop":  # never trained on, and the group mean (advantage 0) as its reward
+        assert [s.reward for s in groups[0]] == [1.0, 0.5, 0.0] and [s.reward for s in groups[1]] == [0.7, 0.7]
+        assert [s.loss_mask for s in groups[0]] == [[1, 1], [0, 0], [1, 1]] and groups[1][1].loss_mask == [0, 0]
+    else:  # an ordinary sample with reward 0
+        assert [s.reward for s in groups[0]] == [1.0, 0.0, 0.0] and [s.reward for s in groups[1]] == [0.7, 0.0]
+        assert all(s.loss_mask == [1] * s.response_length for g in groups for s in g)
+
+
+def test_set_rewards_bad_input():
+    g = _unscored(2)
+    with pytest.raises(ValueError):  # one result per scored sample, no silent misalignment
+        set_rewards([g], g, [(1.0, None)])
+    with pytest.raises(ValueError, match="on_failure"):
+        set_rewards([g], g, [(1.0, None)] * 2, "skip")

@@ -529,3 +529,24 @@ def test_pass_at_k_brute_force():
     assert 0.0 < rl.pass_at_k(1000, 1, 1) < 1.0  # large n: no binomial overflow
     with pytest.raises(ValueError):
         rl.pass_at_k(3, 1, 4)
+
+
+def test_estimator_table_rows():
+    """Each row of rl.ESTIMATORS: the advantage function behind --advantage-estimator, by hand for GRPO with a KL
+    penalty; every row gives zeros off the mask and critic returns exactly when it uses a critic."""
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.5])
+    mask = torch.tensor([[0, 1, 1], [0, 1, 0], [1, 1, 1], [0, 0, 1]], dtype=torch.float32)
+    kl = 0.5 * mask  # summed per row: 1.0, 0.5, 1.5, 0.5
+    inputs = dict(group_size=2, kl=kl, kl_coef=0.2, std_normalize=False, gamma=1.0, lambd=1.0,
+                  values=torch.zeros(4, 3), distributed=False)
+    # Dr. GRPO on the penalised rewards [0.8, -0.1, 0.2, 0.4]: group means 0.35 and 0.3
+    adv, returns = rl.ESTIMATORS["grpo"].advantages(rewards, mask, **inputs)
+    assert torch.allclose(adv, torch.tensor([0.45, -0.45, -0.1, 0.1])[:, None] * mask) and returns is None
+    # RLOO: n/(n-1) = 2 times the same
+    adv, _ = rl.ESTIMATORS["rloo"].advantages(rewards, mask, **inputs)
+    assert torch.allclose(adv, torch.tensor([0.9, -0.9, -0.2, 0.2])[:, None] * mask)
+    for name, est in rl.ESTIMATORS.items():
+        adv, returns = est.advantages(rewards, mask, **inputs)
+        assert adv.shape == mask.shape and (adv[mask == 0] == 0).all(), name
+        assert (returns is not None) == ("critic" in est.uses), name
+    assert {n: e.loss for n, e in rl.ESTIMATORS.items() if e.loss != "ppo_clip"} == {"gspo": "gspo", "cispo": "cispo"}

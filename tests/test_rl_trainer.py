@@ -15,7 +15,9 @@ from nanorl.common import Timer
 from nanorl.engine import Engine, Request
 from nanorl.gpt import Critic, GPTConfig, build_model
 from nanorl.optim import MuonAdamW, build_optimizer
-from nanorl.rollout import Sample, collate, collate_packed, extend_sample
+from nanorl.rewards import RewardConfig
+from nanorl.rollout import RolloutConfig, RolloutWorker
+from nanorl.samples import Sample, collate, collate_packed, extend_sample, pad_like
 from nanorl.tokenizer import SPLIT_PATTERN, Tokenizer
 
 V = 300
@@ -29,13 +31,16 @@ def tiny_model(seed=0):
     return m
 
 
-def trainer_args(*flags, estimator="grpo", n=4, max_len=12):
+def trainer_config(estimator="grpo", n=4, max_len=12, **kw):
+    return rl_trainer.TrainerConfig(advantage_estimator=estimator, n_samples_per_prompt=n, max_response_len=max_len, **kw)
+
+
+def parse_trainer_flags(*flags, estimator="grpo"):
+    """chat_rl's training flags through its parser and checks -> the TrainerConfig."""
     p = argparse.ArgumentParser()
     rl_trainer.add_args(p)
-    a = p.parse_args(list(flags))
-    a.advantage_estimator, a.temperature, a.n_samples_per_prompt, a.max_response_len = estimator, 1.0, n, max_len
-    rl_trainer.check_args(a, p)
-    return a
+    p.set_defaults(n_samples_per_prompt=4, temperature=1.0, max_response_len=12)  # chat_rl's own flags
+    return rl_trainer.config_from_args(p.parse_args([*flags, "--advantage-estimator", estimator]), p)
 
 
 def make_samples(lengths, n=4, seed=0):
@@ -56,7 +61,7 @@ class PaddedTrainer(rl_trainer.Trainer):
     def micro_batches(self, samples, m):
         order, mb = sorted(range(len(samples)), key=lambda i: len(samples[i].tokens)), []
         for i in order + [None]:
-            if mb and (i is None or len(samples[i].tokens) * (len(mb) + 1) > self.args.max_tokens_per_gpu):
+            if mb and (i is None or len(samples[i].tokens) * (len(mb) + 1) > self.cfg.max_tokens_per_gpu):
                 b = collate([samples[j] for j in mb])
                 B, T = b["inputs"].shape
                 index = torch.arange(B * T).view(B, T)
@@ -79,7 +84,7 @@ def step_grads(args, samples, trainer_cls=rl_trainer.Trainer):
     """The gradient the training step hands its optimizer (Adam's division by sqrt(v) would blow float noise up);
     with ppo the critic's too."""
     model, grads = tiny_model(), {}
-    critic = tiny_critic(model) if args.advantage_estimator == "ppo" else None
+    critic = tiny_critic(model) if args.needs_critic else None
     optimizer, critic_optimizer = build_optimizer(model), None
     optimizer.step = lambda: grads.update({k: p.grad.clone() for k, p in model.named_parameters()})
     if critic:
@@ -98,20 +103,20 @@ def test_step_does_not_depend_on_micro_batching(estimator, agg):
     """4 short + 4 long samples in one micro-batch or several (--max-tokens-per-gpu): the same update, for every
     estimator and aggregation (GSPO used to weigh micro-batches by token share whatever the aggregation)."""
     samples = make_samples([2, 3, 11, 12, 2, 12, 3, 11])
-    flags = ["--loss-aggregation", agg, "--use-tis", "--grad-clip", "0"]
-    one, m1 = step_grads(trainer_args("--max-tokens-per-gpu", "10000", *flags, estimator=estimator), samples)
-    many, m2 = step_grads(trainer_args("--max-tokens-per-gpu", "40", *flags, estimator=estimator), samples)
+    kw = dict(estimator=estimator, loss_aggregation=agg, use_tis=True, grad_clip=0)
+    one, m1 = step_grads(trainer_config(max_tokens_per_gpu=10000, **kw), samples)
+    many, m2 = step_grads(trainer_config(max_tokens_per_gpu=40, **kw), samples)
     assert len(one) == len(many) > 0
     for k in one:
         assert torch.allclose(one[k], many[k], atol=1e-7, rtol=1e-5), (k, (one[k] - many[k]).abs().max())
     assert m1["train/grad_norm"] == pytest.approx(m2["train/grad_norm"], rel=1e-5)
     assert m1["train/grad_norm"] > 0
     # packed rows (document masking) == each sample on its own padded row (plain causal attention)
-    padded, _ = step_grads(trainer_args("--max-tokens-per-gpu", "40", *flags, estimator=estimator), samples, PaddedTrainer)
+    padded, _ = step_grads(trainer_config(max_tokens_per_gpu=40, **kw), samples, PaddedTrainer)
     for k in one:
         assert torch.allclose(one[k], padded[k], atol=1e-7, rtol=1e-5), (k, (one[k] - padded[k]).abs().max())
     # --use-tis is applied by every estimator (the rollout log-probs here are off: the weights are not 1)
-    plain, _ = step_grads(trainer_args("--max-tokens-per-gpu", "40", *flags[:2], "--grad-clip", "0", estimator=estimator), samples)
+    plain, _ = step_grads(trainer_config(max_tokens_per_gpu=40, **{**kw, "use_tis": False}), samples)
     assert any(not torch.allclose(plain[k], many[k]) for k in plain)
 
 
@@ -119,10 +124,9 @@ def test_ppo_step_packed_equals_padded():
     """ppo trains a critic too: its values and both gradients are the same packed (one micro-batch or several) as
     padded. train/padding_frac is the share of the positions the model ran that hold no sample."""
     samples = make_samples([2, 3, 11, 12, 2, 12, 3, 11])
-    flags = ["--critic-lr", "1e-3", "--grad-clip", "0"]
-    one, m1 = step_grads(trainer_args("--max-tokens-per-gpu", "10000", *flags, estimator="ppo"), samples)
-    many, m2 = step_grads(trainer_args("--max-tokens-per-gpu", "40", *flags, estimator="ppo"), samples)
-    padded, m3 = step_grads(trainer_args("--max-tokens-per-gpu", "10000", *flags, estimator="ppo"), samples, PaddedTrainer)
+    one, m1 = step_grads(trainer_config("ppo", max_tokens_per_gpu=10000, grad_clip=0), samples)
+    many, m2 = step_grads(trainer_config("ppo", max_tokens_per_gpu=40, grad_clip=0), samples)
+    padded, m3 = step_grads(trainer_config("ppo", max_tokens_per_gpu=10000, grad_clip=0), samples, PaddedTrainer)
     assert any(k.startswith("critic.gpt.") for k in one) and len(one) == len(many) == len(padded)
     for k in one:
         for other in (many, padded):
@@ -138,7 +142,7 @@ def test_packed_forward_equals_each_sample_alone():
     """Samples of mixed lengths, down to a 1-token response, packed several to a row: the trainer's log-probs,
     entropies and critic values equal those of each sample run alone, unpadded (fp32)."""
     samples = make_samples([1, 12, 2, 7, 1, 30, 3, 5, 20, 1, 40, 1])
-    args = trainer_args("--max-tokens-per-gpu", "128", "--critic-lr", "1e-3", estimator="ppo")
+    args = trainer_config("ppo", max_tokens_per_gpu=128)
     model = tiny_model()
     trainer = rl_trainer.Trainer(args, model, None, torch.device("cpu"), critic=tiny_critic(model))
     batches = list(trainer.micro_batches(samples, model))
@@ -160,8 +164,7 @@ def test_gspo_rows_weigh_equally_under_sequence_mean():
     """The issue's case: 8 samples, 4 short + 4 long, in two micro-batches: with seq_mean_token_mean each row's
     gradient weight is 1/8 whatever its length, i.e. the loss is the plain mean of the rows' token means."""
     samples = make_samples([2, 2, 2, 2, 12, 12, 12, 12])
-    args = trainer_args("--loss-aggregation", "seq_mean_token_mean", "--max-tokens-per-gpu", "40", "--grad-clip", "0",
-                        estimator="gspo")
+    args = trainer_config("gspo", loss_aggregation="seq_mean_token_mean", max_tokens_per_gpu=40, grad_clip=0)
     model = tiny_model()
     trainer = rl_trainer.Trainer(args, model, build_optimizer(model), torch.device("cpu"))
     adv, _ = trainer.compute_advantages(samples, None, None, None)
@@ -177,7 +180,7 @@ def test_gspo_rows_weigh_equally_under_sequence_mean():
     for mb in [[0, 1, 2, 3], [4, 5, 6, 7]]:  # the trainer's own loss path, two micro-batches of 4 samples, one row each
         b = collate_packed(samples, [mb])
         lp, _ = trainer.forward_logp(model, b)
-        loss, _ = rl.policy_loss(lp, lp.detach(), rl_trainer.pad_like([adv[i] for i in mb], lp.size(1)), b["loss_mask"],
+        loss, _ = rl.policy_loss(lp, lp.detach(), pad_like([adv[i] for i in mb], lp.size(1)), b["loss_mask"],
                                  kind="gspo", loss_agg="seq_mean_token_mean")
         (loss * len(mb) / 8).backward()
     for w, p in zip(want, model.parameters()):
@@ -194,8 +197,7 @@ def test_sampler_logprobs_are_the_trainers_at_any_temperature(temperature):
     prompt = [tok.get_bos_token_id(), 5, 6, 7]
     comps = engine.generate([Request(prompt, num_samples=4, max_tokens=20, temperature=temperature, seed=1, stop_tokens=[])])[0]
     samples = [extend_sample(Sample(tokens=list(prompt), reward=float(i % 2), index=i), c) for i, c in enumerate(comps)]
-    args = trainer_args("--use-tis", n=4, max_len=20)
-    args.temperature = temperature
+    args = trainer_config(use_tis=True, max_len=20, temperature=temperature)
     trainer = rl_trainer.Trainer(args, model, build_optimizer(model), torch.device("cpu"))
     lp = trainer.logp_of(model, samples)
     for s, row in zip(samples, lp):
@@ -217,11 +219,32 @@ def test_sampler_logprobs_are_the_trainers_at_any_temperature(temperature):
 ])
 def test_meaningless_flag_combinations_fail_naming_both(flags, msg, capsys):
     with pytest.raises(SystemExit) as e:
-        trainer_args(*flags, estimator="cispo")
+        parse_trainer_flags(*flags, estimator="cispo")
     assert e.value.code == 2 and msg in capsys.readouterr().err
 
 
 def test_normalize_advantages_refused_for_reinforce_pp(capsys):
     with pytest.raises(SystemExit):
-        trainer_args("--normalize-advantages", estimator="reinforce_plus_plus")
+        parse_trainer_flags("--normalize-advantages", estimator="reinforce_plus_plus")
     assert "already whitened" in capsys.readouterr().err
+
+
+def test_samples_carry_their_temperature_and_the_trainer_checks_it():
+    """The worker records the temperature each sample was drawn at; a trainer at another temperature refuses the
+    samples (its log-prob ratios would compare two distributions), one at the same temperature trains on-policy."""
+    model = tiny_model(3)
+    tok = Tokenizer.from_ranks({bytes([i]): i for i in range(256)}, SPLIT_PATTERN)
+    engine = Engine(model, tok, batch_size=8, max_len=40)
+    worker = RolloutWorker(RolloutConfig(n_samples_per_prompt=2, temperature=0.7, max_response_len=8), engine, tok,
+                           None, RewardConfig())
+    items = [{"text": t, "label": None, "metadata": {"row": i}} for i, t in enumerate(["ab", "cde"])]
+    samples = [s for g in worker.generate(items, [1, 2], 0.7, 2, 0) for s in g]
+    assert [s.temperature for s in samples] == [0.7] * 4
+    for i, s in enumerate(samples):  # (the tiny model's vocabulary is larger than the tokenizer's: no text to grade)
+        s.reward = float(i % 2)
+    with pytest.raises(ValueError, match="sampled at temperature 0.7, but the trainer computes log-probs at 1"):
+        rl_trainer.Trainer(trainer_config(n=2, max_len=8), model, build_optimizer(model), torch.device("cpu")).train_step(
+            0, copy.deepcopy(samples), Timer())
+    trainer = rl_trainer.Trainer(trainer_config(n=2, max_len=8, temperature=0.7), model, build_optimizer(model),
+                                 torch.device("cpu"))
+    assert trainer.train_step(0, samples, Timer())["train/train_rollout_logprob_abs_diff"] < 1e-5

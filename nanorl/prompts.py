@@ -1,0 +1,122 @@
+"""
+RL prompts: items of {"conversation" or "text", "label", "metadata"} from a task object (the script builds it
+from tasks/ and passes it in) or from a jsonl file (--prompt-data), the tokens a response starts from, and the
+PromptSource that deals them out, reshuffled every epoch, each rank its own shard.
+"""
+import json
+import os
+import random
+
+from nanorl.errors import MissingFile
+from nanorl.rewards import extract_answer
+
+
+def add_args(group):
+    """The flags of prompts from a file (slime's names), for the script's "model and data" group."""
+    group.add_argument("--prompt-data", default=None, help="a jsonl of prompts to RL on instead of --task (slime's "
+                       "flag): one object a line with --input-key and --label-key")
+    group.add_argument("--eval-prompt-data", default=None, help="a jsonl of held-out prompts for --prompt-data "
+                       "(default: none held out: the eval then reads the first training prompts, and says so)")
+    group.add_argument("--input-key", default="prompt",
+                       help="--prompt-data: the prompt's key (a string or a list of chat messages)")
+    group.add_argument("--label-key", default="label", help="--prompt-data: the label's key")
+    group.add_argument("--apply-chat-template", action="store_true", help="--prompt-data: render string prompts as a "
+                       "user turn of the chat template (lists of messages always are); without it a string prompt is "
+                       "fed as raw text")
+
+
+def task_prompts(task, name, split, require_label=None):
+    """A task's examples as RL prompts: the conversation without its answer, plus the label (the task's own, else the
+    final answer of its reference reply). require_label: what needs a label (e.g. "--rm-type math"), or None."""
+    items = []
+    for i in range(len(task)):
+        conv = task.get_example(i)
+        label = conv.get("label")
+        if label is None and conv["messages"][-1]["role"] == "assistant":
+            ref = conv["messages"][-1]["content"]
+            ref = ref if isinstance(ref, str) else "".join(p["text"] for p in ref if p["type"] == "text")
+            label = extract_answer(ref)
+        if label is None and require_label:
+            raise SystemExit(f"task {name!r} ({split}) row {i} has no label, and {require_label} needs one")
+        items.append({"conversation": conv, "label": label, "metadata": {"task": name, "split": split, "row": i}})
+    return items
+
+
+def jsonl_prompts(path, split, input_key="prompt", label_key="label", apply_chat_template=False, require_label=None):
+    """--prompt-data: one JSON object a line; the prompt under input_key (a string or chat messages), the label under
+    label_key. A string prompt is a user turn with apply_chat_template, else raw text fed as is."""
+    items = []
+    if not os.path.isfile(path):
+        raise MissingFile(f"{path} does not exist")
+    with open(path) as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                prompt, label = row[input_key], row.get(label_key)
+            except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+                raise SystemExit(f"--prompt-data {path} line {i}: expected a JSON object with key {input_key!r} "
+                                 f"({type(e).__name__}: {e})")
+            if isinstance(prompt, list):
+                item = {"conversation": {"messages": prompt}}
+            elif isinstance(prompt, str) and apply_chat_template:
+                item = {"conversation": {"messages": [{"role": "user", "content": prompt}]}}
+            elif isinstance(prompt, str):
+                item = {"text": prompt}
+            else:
+                raise SystemExit(f"--prompt-data {path} line {i}: {input_key!r} must be a string or a list of messages")
+            if label is None and require_label:
+                raise SystemExit(f"--prompt-data {path} line {i} has no {label_key!r}, and {require_label} needs one")
+            metadata = {"task": os.path.basename(path), "split": split, "row": i}
+            items.append({**item, "label": label, "metadata": metadata})
+    return items
+
+
+def prompt_ids(tokenizer, item):
+    """The tokens a prompt item starts the response from: a conversation rendered up to the assistant's turn, or
+    raw text (--prompt-data without --apply-chat-template) after <|bos|>."""
+    if "text" in item:
+        return [tokenizer.get_bos_token_id()] + tokenizer.encode(item["text"])
+    return tokenizer.render_for_completion(item["conversation"])
+
+
+class PromptSource:
+    """
+    Prompts (conversation, label, metadata) from a task, reshuffled every epoch with a seed; each DDP
+    rank walks its own strided shard. state_dict() makes a resumed run continue on the exact next prompt.
+    """
+    def __init__(self, items, seed=0, rank=0, world_size=1, shuffle=True):
+        if not items:
+            raise ValueError("the prompt source is empty: the RL task gave no prompts")
+        self.items = items
+        self.seed, self.rank, self.world_size, self.shuffle = seed, rank, world_size, shuffle
+        self.epoch, self.offset = 0, 0
+        self._order = self._make_order()
+
+    def _make_order(self):
+        order = list(range(len(self.items)))
+        if self.shuffle:
+            random.Random(self.seed * 1000003 + self.epoch).shuffle(order)
+        return order[self.rank::self.world_size]
+
+    def get(self, n):
+        """The next n prompts of this rank. self.last_keys holds a key per prompt that is the same whichever
+        rank serves it (epoch, position in the global order): seeding by it makes a run on k ranks sample
+        exactly what a run on one rank samples."""
+        out, self.last_keys = [], []
+        while len(out) < n:
+            if self.offset >= len(self._order):
+                self.epoch, self.offset = self.epoch + 1, 0
+                self._order = self._make_order()
+            out.append(self.items[self._order[self.offset]])
+            self.last_keys.append((self.epoch, self.offset * self.world_size + self.rank))
+            self.offset += 1
+        return out
+
+    def state_dict(self):
+        return {"epoch": self.epoch, "offset": self.offset, "seed": self.seed}
+
+    def load_state_dict(self, state):
+        self.epoch, self.offset, self.seed = state["epoch"], state["offset"], state["seed"]
+        self._order = self._make_order()
