@@ -42,7 +42,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from nanorl import openai_api
-from nanorl.checkpoint import load_model
+from nanorl.checkpoint import add_model_args, load_model_from_args
 from nanorl.common import ArgumentParser, autodetect_device_type, number_in
 from nanorl.engine import Engine
 from nanorl.middleware import BodyGuard, HeaderDeadline, RequestLog
@@ -398,9 +398,7 @@ def load_engines(args):
     engines, tokenizer, meta = [], None, {}
     for dev in devices:
         try:
-            model, tokenizer, meta = load_model(
-                args.source, dev, phase="eval", model_tag=args.model_tag, step=args.model_step, hf_model=args.hf_model
-            )
+            model, tokenizer, meta = load_model_from_args(args, dev, phase="eval")
         except (FileNotFoundError, ValueError) as e:
             sys.exit(f"could not load the {args.source} model: {e}")
         engines.append(Engine(model, tokenizer, batch_size=args.batch_size))
@@ -409,25 +407,7 @@ def load_engines(args):
 
 def parse_args(argv=None):
     parser = ArgumentParser(description="Serve a nanorl model: chat page + OpenAI-compatible API")
-    parser.add_argument(
-        "-i", "--source", type=str, default="sft", choices=["base", "mid", "sft", "rl"], help="which model"
-    )
-    parser.add_argument("-g", "--model-tag", type=str, default=None, help="model tag; None picks the newest")
-    parser.add_argument(
-        "-s",
-        "--model-step",
-        "--step",
-        type=number_in(int, 0),
-        default=None,
-        help="checkpoint step; None picks the last",
-    )
-    parser.add_argument(
-        "--hf-model",
-        type=str,
-        default=None,
-        metavar="DIR",
-        help="serve a Hugging Face model directory instead of --source",
-    )
+    add_model_args(parser, "sft", short=True)
     parser.add_argument(
         "--host", type=str, default="127.0.0.1", help="address to listen on; 0.0.0.0 serves other machines"
     )
