@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from nanorl.execution import calculator
-from nanorl.engine import (Engine, Request, TextStream, _mix64, _signed64, assistant_parts,
-                           run_tool, sample_tokens, uniform_from_counter)
+from nanorl.engine import Engine, Request
+from nanorl.sampling import sample_tokens
+from nanorl.toolcalls import assistant_parts
 from nanorl.gpt import GPTConfig, build_model
 from nanorl.tokenizer import SPLIT_PATTERN, Tokenizer
 
@@ -214,19 +215,6 @@ def test_tool_errors_are_contained_and_timeout_enforced():
     assert assistant_parts(TOK, c.tokens)[1] == {"type": "python_output", "text": "Error: timed out after 0.2s"}
 
 
-def test_calculator():
-    # the default tool is nanorl.execution's calculator (it has its own tests); here, through run_tool
-    assert run_tool("2+3") == "5"
-    assert run_tool('"strawberry".count("r")', tool=calculator) == "3"
-    assert run_tool("(7 - 1) * 3 / 4", tool=calculator) == "4.5"
-    assert run_tool("2 ** 10 % 1000", tool=calculator) == "24"
-    for bad in ["__import__('os').system('ls')", "open('x')", "2 ** 10 ** 10", "(10**999)**9", "x + 1", "",
-                "'a' * 10**9", "1/0", "(" * 500 + ")" * 500]:
-        assert run_tool(bad, tool=calculator).startswith("Error"), bad
-    assert run_tool("[].count(1)").startswith("Error")
-    assert run_tool("1", tool=lambda e: 1 / 0).startswith("Error: ZeroDivisionError")
-
-
 @pytest.mark.parametrize("kwargs, match", [
     (dict(prompt_ids=[]), "empty prompt"),
     (dict(prompt_ids=[1] * 64), "too long"),
@@ -333,58 +321,6 @@ def test_serve_forever_batches_concurrent_users():
     engine.shutdown()
     server.join(timeout=5)
     assert not server.is_alive()
-
-
-def test_sampling_is_exact_inverse_cdf():
-    torch.manual_seed(0)
-    logits = torch.randn(1, 50) * 2
-    N = 20000
-    u = (torch.arange(N, dtype=torch.float64) + 0.5) / N  # a uniform grid: counts follow the probabilities exactly
-    L = logits.expand(N, 50)
-
-    def freq(temperature=1.0, top_k=50, top_p=1.0, filtered=True):
-        t = sample_tokens(L, torch.full((N,), temperature), torch.full((N,), top_k), torch.full((N,), top_p), u, filtered)
-        return torch.bincount(t, minlength=50).double() / N
-
-    p = torch.softmax(logits[0] / 0.7, -1).double()
-    assert (freq(0.7, filtered=False) - p).abs().max() < 2 / N
-    assert (freq(0.7) - p).abs().max() < 2 / N
-    top = p.argsort(descending=True)
-    pk = torch.zeros(50, dtype=torch.float64)
-    pk[top[:5]] = p[top[:5]] / p[top[:5]].sum()
-    assert (freq(0.7, top_k=5) - pk).abs().max() < 2 / N
-    n_keep = int((p[top].cumsum(0) < 0.6).sum()) + 1  # the smallest top set holding 60% of the mass
-    pp = torch.zeros(50, dtype=torch.float64)
-    pp[top[:n_keep]] = p[top[:n_keep]] / p[top[:n_keep]].sum()
-    assert (freq(0.7, top_p=0.6) - pp).abs().max() < 2 / N
-    assert freq(0.0)[logits[0].argmax()] == 1.0 and freq(1.0, top_k=1)[logits[0].argmax()] == 1.0
-
-
-def test_counter_hash_matches_splitmix64():
-    M = (1 << 64) - 1
-
-    def splitmix(seed, c):
-        x = (seed + c * 0x9E3779B97F4A7C15) & M
-        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & M
-        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & M
-        return ((x ^ (x >> 31)) >> 11) / 2**53
-
-    seeds, counters = [_mix64(i) for i in range(1, 7)], [0, 1, 2, 1000, 2**40, 7]
-    u = uniform_from_counter(torch.tensor([_signed64(s) for s in seeds]), torch.tensor(counters))
-    assert u.tolist() == [splitmix(s, c) for s, c in zip(seeds, counters)]
-
-
-def test_render_helpers():
-    conv = {"messages": [{"role": "user", "content": "hi"},
-                         {"role": "assistant", "content": [{"type": "text", "text": "sum: "},
-                                                           {"type": "python", "text": "2+3"},
-                                                           {"type": "python_output", "text": "5"},
-                                                           {"type": "text", "text": " done é"}]}]}
-    ids, mask = TOK.render_conversation(conv)
-    reply = ids[ids.index(SP("<|assistant_start|>")) + 1:]
-    assert assistant_parts(TOK, reply) == conv["messages"][1]["content"]
-    ts = TextStream(TOK)
-    assert "".join(ts.push(t) for t in reply) + ts.flush() == "sum: <<2+3=5>> done é"
 
 
 def test_chat_cli_turn_streams_tool_use_and_renders_back():
@@ -590,7 +526,7 @@ def test_a_failing_request_ends_alone():
     # a tool whose output cannot be tokenized fails its own request only
     script = {BOS: PY_START, PY_START: ord("2"), ord("2"): ord("+"), ord("+"): ord("3"), ord("3"): PY_END, OUT_END: A_END}
     engine = Engine(bigram(script), TOK, batch_size=4, tool=lambda expr: "5")
-    engine.tokenizer = type("Tok", (), {"encode": lambda self, text: 1 / 0, "decode": lambda self, ids: TOK.decode(ids)})()
+    engine.markup.tokenizer = type("Tok", (), {"encode": lambda self, text: 1 / 0, "decode": lambda self, ids: TOK.decode(ids)})()
     calls = engine.submit(Request([BOS], max_tokens=20, temperature=0))
     plain = run_checked(engine, [Request([BOS], max_tokens=8, temperature=0, use_tools=False)])
     assert calls.completions[0].status == "error" and "ZeroDivisionError" in calls.error
