@@ -332,7 +332,7 @@ class Engine:
         self.seed[rows] = torch.tensor([s.row_seed for s in samples], device=dev)
         self.counter[rows] = torch.tensor([r.start_counter for r in reqs], device=dev)
         for s in samples:
-            self.records.fill(s.slot, s.handle)
+            self.records.fill(s.slot, s.handle, self.markup.python_end)
 
     def _compact(self):
         """Keep the busy slots a prefix 0..n_busy-1: the last busy samples move into the holes ended ones left
@@ -369,7 +369,7 @@ class Engine:
                 forced[s.slot] = s.forced.popleft()
                 if not s.forced:
                     self.forcing.discard(s)
-        tokens = self._choose_and_record(logits, slice(0, size), np.arange(n), forced)
+        tokens = self._choose_and_record(logits, slice(0, size), np.arange(n), forced, busy=slice(0, n))
         self.input_ids[:size] = tokens
 
     def _decode_logits(self, size, need):
@@ -411,37 +411,41 @@ class Engine:
     def _bucket(self, need):
         return next(L for L in self.buckets if L >= need)
 
-    def _choose_and_record(self, logits, rows, slots, forced=None):
+    def _choose_and_record(self, logits, rows, slots, forced=None, busy=None):
         """Pick the next token of the samples in `slots` (numpy; logits row i is slots[i], rows their device
-        index): sampled, or the forced tool token where forced[i] >= 0; record it with its log-prob."""
+        index, busy the same as a slice when they are 0..n-1): sampled, or the forced tool token where forced[i]
+        >= 0; record it with its log-prob."""
+        busy = slots if busy is None else busy
         u = uniform_from_counter(self.seed[rows], self.counter[rows])
         f = None if forced is None else torch.from_numpy(forced).to(self.device)
+        rec = self.records
+        filtered, greedy, unit = bool(rec.filtered[busy].any()), bool(rec.greedy[busy].any()), bool(rec.unit[busy].all())
         tok, logp = sample_with_logprobs(logits, self.temperature[rows], self.top_k[rows], self.top_p[rows], u,
-                                         bool(self.records.filtered[slots].any()), bool(self.records.greedy[slots].any()), f)
+                                         filtered, greedy, f, unit)
         self.counter[rows] += 1
         host = torch.stack([tok.double(), logp.double()]).cpu().numpy()  # the step's one device -> host sync
         m = len(slots)
-        self._record(slots, host[0, :m].astype(np.int64), host[1, :m], None if forced is None else forced[:m])
+        forced = None if forced is None else forced[:m]
+        for i in np.flatnonzero(self.records.append(busy, slots, host[:, :m], forced)):
+            self._record(self.slots[slots[i]], int(host[0, i]), float(host[1, i]), forced is None or forced[i] < 0)
         return tok
 
-    def _record(self, slots, tok, logp, forced):
-        """Append each slot's token; end, call a tool for, or stream only the rows that need it."""
-        sampled = np.ones(len(slots), dtype=bool) if forced is None else forced < 0
-        stop, full, call = self.records.append(slots, tok, logp, sampled, self.markup.python_end)
-        for i in np.flatnonzero(stop | full | call | self.records.streamed[slots]):
-            s = self.slots[slots[i]]
-            if s is None or s.out.status != "running":  # its request failed earlier in this loop
-                continue
-            try:
-                if s.handle.events is not None:
-                    s.handle.events.put({"sample": s.index, "token": int(tok[i]), "logprob": float(logp[i]),
-                                         "mask": int(sampled[i])})
-                if stop[i] or full[i]:
-                    self._finish(s, "completed" if stop[i] else "truncated")
-                elif call[i]:
-                    self._call_tool(s)
-            except Exception as e:  # e.g. its tool output cannot be tokenized: that request ends, no other
-                self._fail(s.handle, e)
+    def _record(self, s, token, logprob, sampled):
+        """The host's part of a token, for a row that needs it: stream it, end the sample, or run its tool call."""
+        if s is None or s.out.status != "running":  # its request failed earlier in this step
+            return
+        h = s.handle
+        try:
+            if h.events is not None:
+                h.events.put({"sample": s.index, "token": token, "logprob": logprob, "mask": int(sampled)})
+            if sampled and token in h.stops:
+                self._finish(s, "completed")
+            elif self.records.full(s.slot):
+                self._finish(s, "truncated")
+            elif sampled and h.request.use_tools and token == self.markup.python_end:
+                self._call_tool(s)
+        except Exception as e:  # e.g. its tool output cannot be tokenized: that request ends, no other
+            self._fail(h, e)
 
     def _call_tool(self, s):
         source = self.markup.open_call(self.records.generated(s.slot))
@@ -502,7 +506,7 @@ class Engine:
         assert len({id(s) for s in self.slots[:n]}) == n, "a sample sits in two slots"
         assert all(s.slot is None and s.out.status == "running" for s in self.pending)
         assert self.cache.pos[:n].tolist() == (self.records.lengths(n) - 1).tolist(), "a row's cache is out of step"
-        last = self.records.tokens[np.arange(n), self.records.n_gen[:n] - 1]
+        last = self.records.out[np.arange(n), self.records.n_gen[:n] - 1, 0].astype(np.int64)
         assert self.input_ids[:n].tolist() == last.tolist(), "a row's next input is wrong"
         assert self.cache.rows is None
 

@@ -135,58 +135,67 @@ def check_request(r, max_len, vocab_size):
 
 
 class SlotRecords:
-    """Per slot: the sample's generated tokens, their log-probs and masks, and what ends it (stop tokens, a token
-    budget) or needs the host (tool use, streaming). Rows move with their samples (move) and are read back into a
-    Completion when the sample ends (lists)."""
+    """Per slot: the sample's generated tokens with their log-probs and masks, its token budget, and the tokens
+    that need the host when sampled ("watched": its stop tokens, and <|python_end|> when it uses tools). A decode
+    step appends to every row and finds the rows that need the host with a handful of array ops (append); rows
+    move with their samples (move) and are read back into a Completion when the sample ends (lists)."""
 
     def __init__(self, batch_size, max_len):
         B, self.max_len = batch_size, max_len
         self.n_gen, self.prompt_len, self.limit = (np.zeros(B, dtype=np.int64) for _ in range(3))
-        self.stops = np.full((B, 2), -1, dtype=np.int64)  # padded with -1; widened for a request with more stops
-        self.tools, self.streamed, self.filtered, self.greedy = (np.zeros(B, dtype=bool) for _ in range(4))
-        self.tokens = np.zeros((B, max_len), dtype=np.int64)
-        self.logprobs = np.zeros((B, max_len), dtype=np.float64)
-        self.mask = np.zeros((B, max_len), dtype=np.int8)
+        self.watch = np.full((B, 3), -1, dtype=np.int64)  # padded with -1; widened for a request with more stops
+        self.streamed, self.filtered, self.greedy, self.unit = (np.zeros(B, dtype=bool) for _ in range(4))
+        self.out = np.zeros((B, max_len, 2), dtype=np.float64)  # (token, log-prob): one write per step
+        self.mask = np.ones((B, max_len), dtype=np.int8)  # 0 where a token was forced in
 
-    def fill(self, slot, handle):
+    def fill(self, slot, handle, python_end):
         """A new sample of handle's request starts in slot."""
-        r, stops = handle.request, sorted(handle.stops)
-        if len(stops) > self.stops.shape[1]:
-            wider = np.full((self.stops.shape[0], len(stops)), -1, dtype=np.int64)
-            wider[:, :self.stops.shape[1]] = self.stops
-            self.stops = wider
+        r = handle.request
+        watch = sorted(handle.stops | ({python_end} if r.use_tools else set()))
+        if len(watch) > self.watch.shape[1]:
+            wider = np.full((self.watch.shape[0], len(watch)), -1, dtype=np.int64)
+            wider[:, :self.watch.shape[1]] = self.watch
+            self.watch = wider
         self.n_gen[slot], self.prompt_len[slot] = 0, len(r.prompt_ids)
         self.limit[slot] = min(r.max_tokens, self.max_len - len(r.prompt_ids))  # its budget, and the context
-        self.stops[slot] = -1
-        self.stops[slot, :len(stops)] = stops
-        self.tools[slot], self.streamed[slot] = r.use_tools, handle.events is not None
-        self.filtered[slot], self.greedy[slot] = handle.filtered, r.temperature == 0
+        self.watch[slot] = -1
+        self.watch[slot, :len(watch)] = watch
+        self.mask[slot] = 1
+        self.streamed[slot], self.filtered[slot] = handle.events is not None, handle.filtered
+        self.greedy[slot], self.unit[slot] = r.temperature == 0, r.temperature in (0, 1)  # unit: no division
 
     def move(self, src, dst):
-        for a in (self.n_gen, self.prompt_len, self.limit, self.stops, self.tools, self.streamed, self.filtered,
-                  self.greedy, self.tokens, self.logprobs, self.mask):
+        for a in (self.n_gen, self.prompt_len, self.limit, self.watch, self.streamed, self.filtered, self.greedy,
+                  self.unit, self.out, self.mask):
             a[dst] = a[src]
 
     def lengths(self, n):
         """Prompt + generated tokens of slots 0..n-1."""
         return self.prompt_len[:n] + self.n_gen[:n]
 
-    def append(self, slots, tok, logp, sampled, python_end):
-        """Append one token to each of `slots` -> (stop, full, call) bool arrays: it sampled a stop token; it used
-        its budget or the context; it closed a tool call that will run. Forced tokens never stop a sample nor
-        close a call, and a call on the last allowed token is not run."""
-        k = self.n_gen[slots]
-        self.tokens[slots, k], self.logprobs[slots, k], self.mask[slots, k] = tok, logp, sampled
-        self.n_gen[slots] = k + 1
-        stop = sampled & (self.stops[slots] == tok[:, None]).any(1)
-        full = ~stop & (k + 1 >= self.limit[slots])
-        call = sampled & ~stop & ~full & self.tools[slots] & (tok == python_end)
-        return stop, full, call
+    def append(self, rows, idx, host, forced=None):
+        """Append one token to each slot of rows (a slice, or the index array idx; idx always the array):
+        host = (2, m) float64 tokens and log-probs, forced = (m,) forced tokens or -1 (None: none forced).
+        -> bool (m,): the rows that need the host (a watched token sampled, the budget or context used up, or
+        streamed). Forced tokens are never watched."""
+        k = self.n_gen[rows].copy()  # rows may be a slice: a view would see the += below
+        self.out[idx, k] = host.T
+        self.n_gen[rows] += 1
+        hit = (self.watch[rows] == host[0, :, None]).any(1)
+        if forced is not None:
+            sampled = forced < 0
+            self.mask[idx, k] = sampled
+            hit &= sampled
+        return hit | (k + 1 >= self.limit[rows]) | self.streamed[rows]
+
+    def full(self, slot):
+        return self.n_gen[slot] >= self.limit[slot]
 
     def generated(self, slot):
-        return self.tokens[slot, :self.n_gen[slot]].tolist()
+        return self.out[slot, :self.n_gen[slot], 0].astype(np.int64).tolist()
 
     def lists(self, slot):
         """(tokens, logprobs, mask) of slot's sample as Python lists, as a Completion holds them."""
         k = self.n_gen[slot]
-        return self.tokens[slot, :k].tolist(), self.logprobs[slot, :k].tolist(), self.mask[slot, :k].tolist()
+        out = self.out[slot, :k]
+        return out[:, 0].astype(np.int64).tolist(), out[:, 1].tolist(), self.mask[slot, :k].tolist()

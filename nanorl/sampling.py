@@ -50,10 +50,13 @@ def uniform_from_counter(seed, counter):
     return _shr(x, 11).double() / float(1 << 53)
 
 
-def tempered(logits, temperature):
+def tempered(logits, temperature, unit=False):
     """(logits - row max) / T per row (T = 1 where T = 0, greedy): the log-probs the engine records are
     log_softmax of this. Subtracting the max first keeps it total for any T > 0: at T = 1e-40 the top
-    token gets 0 and the rest -inf, where logits / T would overflow to inf - inf = NaN."""
+    token gets 0 and the rest -inf, where logits / T would overflow to inf - inf = NaN. unit=True promises
+    every row's T is 1 (or 0) and skips the division, which is exact then."""
+    if unit:
+        return logits - logits.amax(dim=-1, keepdim=True)
     t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
     return (logits - logits.amax(dim=-1, keepdim=True)) / t[:, None]
 
@@ -68,12 +71,13 @@ def sample_tokens(logits, temperature, top_k, top_p, uniform, filtered=True):
     return _sample(logits, x, temperature, top_k, top_p, uniform, filtered, greedy=True)
 
 
-def sample_with_logprobs(logits, temperature, top_k, top_p, uniform, filtered=True, greedy=True, forced=None):
+def sample_with_logprobs(logits, temperature, top_k, top_p, uniform, filtered=True, greedy=True, forced=None,
+                         unit=False):
     """sample_tokens(), then each row's token replaced by forced[row] where that is >= 0 (tool output), and the
     log-prob of every token under the distribution sampled from: log_softmax(tempered), before top-k/top-p (the
-    trainer cannot apply those filters). greedy=False promises no row has temperature 0 (skips an argmax).
-    -> (tokens (B,) long, log-probs (B,) fp32)."""
-    x = tempered(logits, temperature)
+    trainer cannot apply those filters). greedy=False promises no row has temperature 0 (skips an argmax),
+    unit=True that every row's is 1 or 0 (skips a division). -> (tokens (B,) long, log-probs (B,) fp32)."""
+    x = tempered(logits, temperature, unit)
     tok = _sample(logits, x, temperature, top_k, top_p, uniform, filtered, greedy)
     if forced is not None:
         tok = torch.where(forced >= 0, forced, tok)

@@ -590,3 +590,58 @@ def test_random_traffic_keeps_the_invariants_and_every_sample():
             continue
         want = Engine(model, TOK, batch_size=1).generate([r])[0]
         assert [(c.tokens, c.status) for c in h.completions] == [(c.tokens, c.status) for c in want]
+
+
+def test_prefill_and_decode_attention_kernels_are_pinned(monkeypatch):
+    # prefill is pinned like decode, never left to SDPA's dispatcher (on an H100 with torch 2.13 that would be a
+    # cuDNN kernel no test exercises): every forward of the engine runs inside sdpa_kernel with the expected list
+    import contextlib
+
+    import nanorl.engine as engine_module
+    from torch.nn.attention import SDPBackend
+    active, seen = [], []
+    real = engine_module.sdpa_kernel
+
+    @contextlib.contextmanager
+    def recording(backends):
+        active.append(list(backends))
+        try:
+            with real(backends):
+                yield
+        finally:
+            active.pop()
+
+    monkeypatch.setattr(engine_module, "sdpa_kernel", recording)
+    engine = Engine(tiny(), TOK, batch_size=2)
+    forward = engine.model.hidden_states
+
+    def hidden_states(idx, **kw):
+        seen.append((idx.size(1), active[-1] if active else None))
+        return forward(idx, **kw)
+
+    engine.model.hidden_states = hidden_states
+    engine.generate([Request([1, 2, 3, 4, 5], max_tokens=3, stop_tokens=[])])
+    cpu_prefill, cpu_decode = [SDPBackend.FLASH_ATTENTION], [SDPBackend.MATH]
+    assert seen == [(5, cpu_prefill), (1, cpu_decode), (1, cpu_decode)]
+    assert engine.attention_kernels() == "engine attention: prefill = SDPA flash (CPU), decode = SDPA math (both pinned)"
+    engine.device, engine.use_cuda_graph = torch.device("cuda"), True  # what a CUDA engine picks (no GPU needed)
+    assert engine.prefill_attention() == engine.decode_attention() == [SDPBackend.EFFICIENT_ATTENTION]
+    assert engine.attention_kernels() == ("engine attention: prefill = SDPA memory-efficient, "
+                                          "decode = SDPA memory-efficient, CUDA graphs (both pinned)")
+
+
+def test_decode_touches_in_python_only_the_rows_that_need_it():
+    # a decode step's host work does not grow with the batch: stops, budgets and tool calls are found with array
+    # ops, and only rows where something happens reach Python (_record). 32 samples that run to their budget reach
+    # it once each (when they end), not once per token; a streamed one reaches it for every token
+    engine = Engine(tiny(), TOK, batch_size=32)
+    calls = []
+    record = engine._record
+    engine._record = lambda s, *a: calls.append(s.handle) or record(s, *a)
+    req = dict(max_tokens=20, seed=0, stop_tokens=[], use_tools=False)  # with tools a sampled <|python_end|> is watched
+    h = engine.submit(Request([1, 2, 3], num_samples=32, **req))
+    out = h.result()
+    assert [len(c.tokens) for c in out] == [20] * 32 and len(calls) == 32
+    calls.clear()
+    events = list(engine.stream(Request([1, 2, 3], **req)))
+    assert len(calls) == 20 and [e["token"] for e in events[:-1]] == out[0].tokens  # sample 0 of the same seed

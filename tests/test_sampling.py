@@ -76,3 +76,17 @@ def test_counter_hash_matches_splitmix64():
     assert u.tolist() == [splitmix(s, c) for s, c in zip(seeds, counters)]
 
 
+
+
+def test_the_engine_shortcuts_change_nothing():
+    # greedy=False (no row at T = 0) skips an argmax, unit=True (every row at T = 1 or 0) skips a division:
+    # both promise what holds, and then the tokens and log-probs are exactly those of the general path
+    torch.manual_seed(0)
+    logits, u = torch.randn(6, 300) * 3, torch.rand(6, dtype=torch.float64)
+    k, p = torch.tensor([300, 5, 300, 300, 40, 300]), torch.tensor([1.0, 1.0, 0.9, 1.0, 0.5, 1.0])
+    for T, greedy, unit in [(torch.ones(6), False, True), (torch.tensor([1.0, 0, 1, 0, 1, 1]), True, True),
+                            (torch.tensor([0.7, 1.3, 0.7, 1, 1, 0.2]), False, False)]:
+        for filtered in (True, False):
+            want = sample_with_logprobs(logits, T, k, p, u, filtered)
+            got = sample_with_logprobs(logits, T, k, p, u, filtered, greedy=greedy, unit=unit)
+            assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
