@@ -495,21 +495,6 @@ class Engine:
         except RuntimeError:  # the device itself may be what failed
             pass
 
-    def _check_invariants(self):
-        """For tests, after any step: every sample in a slot knows its slot and is running, the busy slots are
-        exactly 0..n-1, no queued sample holds a slot, and each busy row's cache holds its sample's tokens but
-        the last one, which is the row's next input."""
-        n = self.n_busy
-        assert not self.holes and sum(s is not None for s in self.slots) == n, "holes left after a step"
-        assert all(s is not None for s in self.slots[:n]), f"busy slots are not a prefix: {self.slots}"
-        assert all(s.slot == i and s.out.status == "running" for i, s in enumerate(self.slots[:n]))
-        assert len({id(s) for s in self.slots[:n]}) == n, "a sample sits in two slots"
-        assert all(s.slot is None and s.out.status == "running" for s in self.pending)
-        assert self.cache.pos[:n].tolist() == (self.records.lengths(n) - 1).tolist(), "a row's cache is out of step"
-        last = self.records.out[np.arange(n), self.records.n_gen[:n] - 1, 0].astype(np.int64)
-        assert self.input_ids[:n].tolist() == last.tolist(), "a row's next input is wrong"
-        assert self.cache.rows is None
-
     # --- memory, precision, CUDA graphs ---------------------------------------------------------
     def _autocast(self):
         # only for fp32 weights on CUDA (share_weights); cache_enabled=False: autocast's weight-cast cache must

@@ -2,6 +2,7 @@ import threading
 from dataclasses import replace
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -88,12 +89,28 @@ def trainer_logprobs(model, prompt, tokens, temperature):
         return model.token_logprobs(seq[:, :-1], seq[:, 1:], temperature=temperature)[0, len(prompt) - 1:]
 
 
+def check_invariants(engine):
+    """The engine's invariants after any step: every sample in a slot knows its slot and is running, the busy slots are
+    exactly 0..n-1, no queued sample holds a slot, and each busy row's cache holds its sample's tokens but
+    the last one, which is the row's next input."""
+    n = engine.n_busy
+    assert not engine.holes and sum(s is not None for s in engine.slots) == n, "holes left after a step"
+    assert all(s is not None for s in engine.slots[:n]), f"busy slots are not a prefix: {engine.slots}"
+    assert all(s.slot == i and s.out.status == "running" for i, s in enumerate(engine.slots[:n]))
+    assert len({id(s) for s in engine.slots[:n]}) == n, "a sample sits in two slots"
+    assert all(s.slot is None and s.out.status == "running" for s in engine.pending)
+    assert engine.cache.pos[:n].tolist() == (engine.records.lengths(n) - 1).tolist(), "a row's cache is out of step"
+    last = engine.records.out[np.arange(n), engine.records.n_gen[:n] - 1, 0].astype(np.int64)
+    assert engine.input_ids[:n].tolist() == last.tolist(), "a row's next input is wrong"
+    assert engine.cache.rows is None
+
+
 def run_checked(engine, requests):
     """engine.generate, checking the engine's slot invariants after every step."""
     handles = [engine.submit(r) for r in requests]
     while engine.step():
-        engine._check_invariants()
-    engine._check_invariants()
+        check_invariants(engine)
+    check_invariants(engine)
     return [h.completions for h in handles]
 
 
@@ -387,10 +404,10 @@ def test_aborted_sample_continues_into_the_uninterrupted_sequence(temperature):
     eng.submit(Request([BOS, 70], num_samples=2, max_tokens=30, seed=1, stop_tokens=[]))  # queued behind it, aborted too
     for _ in range(9):
         eng.step()
-        eng._check_invariants()
+        check_invariants(eng)
     eng.abort()
     while eng.step():
-        eng._check_invariants()
+        check_invariants(eng)
     assert all(s is None for s in eng.slots) and not eng.pending
     parts = [extend_sample(Sample(tokens=list(prompt)), c) for c in h.completions]
     assert all(s.status == "aborted" and 0 < s.response_length < 40 for s in parts)
@@ -428,7 +445,7 @@ def test_request_after_a_cancel_equals_it_on_an_idle_engine():
     running = [engine.submit(Request(p, max_tokens=40, seed=i, stop_tokens=[])) for i, p in enumerate(prompts([3, 5]))]
     for _ in range(3):
         engine.step()
-        engine._check_invariants()
+        check_invariants(engine)
     running[0].cancel()
     (got,), = run_checked(engine, [req])
     assert got.tokens == want.tokens and got.status == "truncated"
@@ -581,9 +598,9 @@ def test_random_traffic_keeps_the_invariants_and_every_sample():
             handles[i - 1].cancel()
             cancelled.add(i - 1)
         engine.step()
-        engine._check_invariants()
+        check_invariants(engine)
     while engine.step():
-        engine._check_invariants()
+        check_invariants(engine)
     for i, (r, h) in enumerate(zip(reqs, handles)):
         if i in cancelled:
             assert all(c.status in ("aborted", "completed", "truncated") for c in h.completions)
