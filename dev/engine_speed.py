@@ -41,6 +41,7 @@ def prompts_for(n, length):
 
 def nanorl_runner(depth, n_prompts, n_samples, prompt_len, new_tokens):
     import torch
+
     from nanorl.engine import Engine, Request
     from nanorl.gpt import build_model, config_from_depth
     from nanorl.tokenizer import SPLIT_PATTERN, Tokenizer
@@ -158,7 +159,8 @@ def main():
     parser.add_argument("--shapes", type=str, default=",".join(SHAPES), help="comma-separated: " + ", ".join(SHAPES))
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--out", type=str, default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "engine_speed.json"))
+    here = os.path.dirname(os.path.abspath(__file__))
+    parser.add_argument("--out", type=str, default=os.path.join(here, "engine_speed.json"))
     parser.add_argument("--worker", choices=["nanorl", "nanochat"], help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -196,13 +198,17 @@ def report(args, shapes, runs):
                        f"{args.new_tokens} new tokens at T=1, {args.rounds} interleaved rounds, medians",
               "shapes": {}}
     for s in shapes:
-        row = {e: {"median_s": statistics.median(x["seconds"] for x in rs), "runs_s": [round(x["seconds"], 3) for x in rs],
-                   "tokens": rs[0]["tokens"]} for e, rs in runs[s].items()}
+        row = {}
+        for e, rs in runs[s].items():
+            seconds = [x["seconds"] for x in rs]
+            row[e] = {"median_s": statistics.median(seconds), "runs_s": [round(t, 3) for t in seconds],
+                      "tokens": rs[0]["tokens"]}
         for e in row:
             row[e]["tokens_per_s"] = round(row[e]["tokens"] / row[e]["median_s"], 1)
         if "ref" in row:
             row["speedup_vs_ref"] = round(row["ref"]["median_s"] / row["this"]["median_s"], 3)
-            row["bit_identical_to_ref"] = all(a["digest"] == b["digest"] for a, b in zip(runs[s]["this"], runs[s]["ref"]))
+            pairs = zip(runs[s]["this"], runs[s]["ref"])
+            row["bit_identical_to_ref"] = all(a["digest"] == b["digest"] for a, b in pairs)
         if "nanochat" in row:
             row["speedup_vs_nanochat"] = round(row["nanochat"]["median_s"] / row["this"]["median_s"], 3)
         result["shapes"][s] = row

@@ -44,8 +44,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from nanorl.engine_memory import inference_copy, new_kv_cache
 from nanorl.inflight import Completion, Handle, Request, Sample, SlotRecords, check_request  # noqa: F401 (re-exported)
 from nanorl.sampling import row_seed, sample_with_logprobs, uniform_from_counter
-from nanorl.toolcalls import TextStream, ToolMarkup, run_tool  # noqa: F401  (TextStream: scripts/chat_web.py imports it here)
-
+from nanorl.toolcalls import TextStream, ToolMarkup, run_tool  # noqa: F401 (TextStream: chat_web imports it here)
 
 # --- the engine ---------------------------------------------------------------------------------
 
@@ -419,7 +418,8 @@ class Engine:
         u = uniform_from_counter(self.seed[rows], self.counter[rows])
         f = None if forced is None else torch.from_numpy(forced).to(self.device)
         rec = self.records
-        filtered, greedy, unit = bool(rec.filtered[busy].any()), bool(rec.greedy[busy].any()), bool(rec.unit[busy].all())
+        filtered, greedy = bool(rec.filtered[busy].any()), bool(rec.greedy[busy].any())
+        unit = bool(rec.unit[busy].all())
         tok, logp = sample_with_logprobs(logits, self.temperature[rows], self.top_k[rows], self.top_p[rows], u,
                                          filtered, greedy, f, unit)
         self.counter[rows] += 1

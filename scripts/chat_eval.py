@@ -178,6 +178,7 @@ def main():
     autocast = autocast_ctx(device.type)
     model, tokenizer, meta = load_model(args.source, device, phase="eval", model_tag=args.model_tag, step=args.model_step, hf_model=args.hf_model)
     engine = Engine(model, tokenizer, batch_size=args.batch_size)
+    print0(engine.attention_kernels())
     n = args.num_samples
     ks = sorted(set(args.pass_k)) if args.pass_k else sorted({1, n})
     if ks[-1] > n:

@@ -1,17 +1,17 @@
 import threading
-from dataclasses import replace
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 
-from nanorl.execution import calculator
 from nanorl.engine import Engine, Request
-from nanorl.sampling import sample_tokens
-from nanorl.toolcalls import assistant_parts
+from nanorl.execution import calculator
 from nanorl.gpt import GPTConfig, build_model
+from nanorl.sampling import sample_tokens
 from nanorl.tokenizer import SPLIT_PATTERN, Tokenizer
+from nanorl.toolcalls import assistant_parts
 
 # a byte-level tokenizer needs no training: 256 byte tokens + the 9 special tokens
 TOK = Tokenizer.from_ranks({bytes([i]): i for i in range(256)}, SPLIT_PATTERN)
@@ -614,8 +614,9 @@ def test_prefill_and_decode_attention_kernels_are_pinned(monkeypatch):
     # cuDNN kernel no test exercises): every forward of the engine runs inside sdpa_kernel with the expected list
     import contextlib
 
-    import nanorl.engine as engine_module
     from torch.nn.attention import SDPBackend
+
+    import nanorl.engine as engine_module
     active, seen = [], []
     real = engine_module.sdpa_kernel
 

@@ -33,7 +33,8 @@ def test_top_k_top_p_and_temperature_by_hand():
     expect = [math.log(probs[t][w]) for t, w in zip(T.tolist(), want.tolist())]
     torch.testing.assert_close(lp, torch.tensor(expect), atol=1e-6, rtol=0)
     # forced tokens replace the draw and get their own log-prob
-    tok, lp = sample_with_logprobs(logits, T.float(), k.long(), p.float(), u.double(), forced=torch.tensor([3] + [-1] * 9))
+    forced = torch.tensor([3] + [-1] * 9)
+    tok, lp = sample_with_logprobs(logits, T.float(), k.long(), p.float(), u.double(), forced=forced)
     assert tok.tolist() == [3] + want.tolist()[1:] and abs(lp[0].item() - math.log(0.2)) < 1e-6
 
 

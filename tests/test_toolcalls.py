@@ -6,7 +6,8 @@ from nanorl.toolcalls import MarkupStream, TextStream, ToolMarkup, assistant_par
 # a byte-level tokenizer needs no training: 256 byte tokens + the 9 special tokens
 TOK = Tokenizer.from_ranks({bytes([i]): i for i in range(256)}, SPLIT_PATTERN)
 SP = TOK.encode_special
-PY_START, PY_END, OUT_START, OUT_END = (SP(f"<|{n}|>") for n in ("python_start", "python_end", "output_start", "output_end"))
+PY_START, PY_END = SP("<|python_start|>"), SP("<|python_end|>")
+OUT_START, OUT_END = SP("<|output_start|>"), SP("<|output_end|>")
 A_END = SP("<|assistant_end|>")
 
 
