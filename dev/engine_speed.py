@@ -5,6 +5,7 @@ prompts, 128 new tokens at temperature 1, no stop tokens; the timed call is one 
 
     python dev/engine_speed.py                                     # this checkout alone
     python dev/engine_speed.py --compare-ref main --nanochat /path/to/nanochat --rounds 3
+    python dev/engine_speed.py --compare-ref main --engine-only --out /tmp/engine_only.json  # the engine's own work
 
 Each engine runs in its own process (imports never mix); the processes take turns shape by shape and round by
 round, so a busy machine slows them alike, and the medians go to dev/engine_speed.json. For two nanorl checkouts
@@ -39,7 +40,7 @@ def prompts_for(n, length):
     return [torch.randint(0, 256, (length,), generator=g).tolist() for _ in range(n)]
 
 
-def nanorl_runner(depth, n_prompts, n_samples, prompt_len, new_tokens):
+def nanorl_runner(depth, n_prompts, n_samples, prompt_len, new_tokens, engine_only=False):
     import torch
 
     from nanorl.engine import Engine, Request
@@ -52,6 +53,9 @@ def nanorl_runner(depth, n_prompts, n_samples, prompt_len, new_tokens):
         for p in model.parameters():
             p.add_(0.02 * torch.randn_like(p))
     engine = Engine(model.eval(), tok, batch_size=n_prompts * n_samples)
+    if engine_only:  # the decode forward replaced by fixed logits: what is left is the engine's own work per step
+        fixed = torch.randn(engine.batch_size, VOCAB)
+        engine._decode_logits = lambda size, need: fixed[:size]
     prompts = prompts_for(n_prompts, prompt_len)
 
     def run(tokens):
@@ -100,7 +104,7 @@ def nanochat_runner(depth, n_prompts, n_samples, prompt_len, new_tokens):
     return run
 
 
-def worker(kind, path, prompt_len, new_tokens):
+def worker(kind, path, prompt_len, new_tokens, engine_only):
     import torch
     torch.set_num_threads(1)
     sys.path.insert(0, path)
@@ -109,7 +113,7 @@ def worker(kind, path, prompt_len, new_tokens):
     for line in sys.stdin:
         name = json.loads(line)["shape"]
         if name not in runners:
-            runners[name] = make(*SHAPES[name], prompt_len, new_tokens)
+            runners[name] = make(*SHAPES[name], prompt_len, new_tokens, *([engine_only] if engine_only else []))
             runners[name](4)  # warm-up: allocations, first-call paths
         t0 = time.perf_counter()
         out = runners[name](new_tokens)
@@ -139,6 +143,7 @@ def start(kind, path, args):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--path", path,
            "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens)]
+    cmd += ["--engine-only"] if args.engine_only else []
     return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
 
 
@@ -161,15 +166,19 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=128)
     here = os.path.dirname(os.path.abspath(__file__))
     parser.add_argument("--out", type=str, default=os.path.join(here, "engine_speed.json"))
+    parser.add_argument("--engine-only", action="store_true",
+                        help="nanorl only: fixed logits instead of the decode forward, to time the engine's own work")
     parser.add_argument("--worker", choices=["nanorl", "nanochat"], help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        return worker(args.worker, args.path, args.prompt_len, args.new_tokens)
+        return worker(args.worker, args.path, args.prompt_len, args.new_tokens, args.engine_only)
     shapes = args.shapes.split(",")
     unknown = [s for s in shapes if s not in SHAPES]
     if unknown:
         sys.exit(f"--shapes: unknown {unknown}; valid: {', '.join(SHAPES)}")
+    if args.engine_only and args.nanochat:
+        sys.exit("--engine-only replaces nanorl's decode forward; it has no meaning for --nanochat")
     if args.nanochat and not os.path.isfile(os.path.join(args.nanochat, "nanochat", "engine.py")):
         sys.exit(f"--nanochat {args.nanochat}: no nanochat/engine.py there")
     with tempfile.TemporaryDirectory() as tmp:
@@ -194,6 +203,7 @@ def main():
 
 def report(args, shapes, runs):
     result = {"command": " ".join(sys.argv), "compare_ref": args.compare_ref, "nanochat": args.nanochat,
+              "engine_only": args.engine_only,
               "setup": f"random weights, fp32, 1 thread, CPU, vocab {VOCAB}, {args.prompt_len}-token prompts, "
                        f"{args.new_tokens} new tokens at T=1, {args.rounds} interleaved rounds, medians",
               "shapes": {}}
