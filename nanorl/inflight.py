@@ -151,7 +151,7 @@ class SlotRecords:
     def fill(self, slot, handle, python_end):
         """A new sample of handle's request starts in slot."""
         r = handle.request
-        watch = sorted(handle.stops | ({python_end} if r.use_tools else set()))
+        watch = sorted(t for t in handle.stops | ({python_end} if r.use_tools else set()) if t is not None)
         if len(watch) > self.watch.shape[1]:
             wider = np.full((self.watch.shape[0], len(watch)), -1, dtype=np.int64)
             wider[:, :self.watch.shape[1]] = self.watch

@@ -44,7 +44,8 @@ class ToolMarkup:
         self.tokenizer = tokenizer
         self.python_start, self.python_end = sp("<|python_start|>"), sp("<|python_end|>")
         self.output_start, self.output_end = sp("<|output_start|>"), sp("<|output_end|>")
-        self.stops = frozenset([sp("<|assistant_end|>"), tokenizer.get_bos_token_id()])  # end the turn
+        # the turn's end; an open model's tokenizer may lack some of these tokens (None), which then never match
+        self.stops = frozenset(t for t in (sp("<|assistant_end|>"), tokenizer.get_bos_token_id()) if t is not None)
         # the kind of text each marker opens (closing markers go back to plain text)
         self.kinds = {self.python_start: "python", self.python_end: "text",
                       self.output_start: "python_output", self.output_end: "text"}

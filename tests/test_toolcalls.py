@@ -71,3 +71,16 @@ def test_markup_stream_pieces_hold_split_characters():
     assert assistant_parts(TOK, reply) == [{"type": "text", "text": "a é"}, {"type": "python", "text": "1+1"},
                                            {"type": "python_output", "text": "2"}]  # stops at <|assistant_end|>
     assert assistant_parts(TOK, [PY_START, PY_END]) == [{"type": "python", "text": ""}]
+
+
+def test_a_tokenizer_without_tool_tokens():
+    # an open model's tokenizer may have no tool tokens (encode_special gives None): nothing None is watched
+    class NoTools:
+        def encode_special(self, name):
+            return {"<|assistant_end|>": 7}.get(name)
+
+        def get_bos_token_id(self):
+            return None
+
+    m = ToolMarkup(NoTools())
+    assert m.stops == {7} and m.python_end is None and m.open_call([1, 2, 3]) is None
