@@ -4,7 +4,7 @@ call is run (the calculator, or the python sandbox), its result goes back in as
 <|output_start|>result<|output_end|>, and the model carries on, for up to max_turns tool calls per response.
 
 The engine can run the calculator by itself (Request.use_tools). Driving the turns here instead makes each
-one explicit: any tool can answer, a turn limit can end a response, and every response carries its own
+one explicit (calls are found, run and forced in by the same nanorl/toolcalls.py code the engine uses): any tool can answer, a turn limit can end a response, and every response carries its own
 counts (tool calls, tool errors, turn limit hit) for the step's metrics. A request's first turn is one
 engine request whose samples share the prompt's prefill, exactly as in engine.generate, so a response
 that never calls a tool is the very response engine.generate samples; each later turn re-prefills
@@ -17,8 +17,9 @@ at the request's temperature, in every turn, which is what the trainer computes 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
-from nanorl.engine import Completion, run_tool
+from nanorl.engine import Completion
 from nanorl.execution import calculator, execute_code
+from nanorl.toolcalls import run_tool
 
 TOOLS = ("calculator", "python")
 
@@ -61,7 +62,7 @@ def multi_turn_generate(engine, requests, max_turns, tool, tool_workers=16):
     out = [[TurnCompletion([], [], [], "running", len(r.prompt_ids)) for _ in range(r.num_samples)] for r in requests]
     live = {}  # engine handle -> [(request, the response it continues, sample index)]
     firsts = [replace(r, stop_tokens=_stops(engine, r), use_tools=False) for r in requests]
-    for i, h in enumerate(engine._submit(firsts, stream=False)):  # all validated before any is queued
+    for i, h in enumerate(engine.submit_all(firsts)):  # all validated before any is queued
         live[h] = [(requests[i], c, j) for j, c in enumerate(out[i])]
     # the calls of turns that end in the same step run at once: the python sandbox takes ~50 ms a call
     with ThreadPoolExecutor(max_workers=tool_workers) as pool:
@@ -86,7 +87,7 @@ _ENDED, _GO_ON = object(), object()
 
 def _stops(engine, r):
     stops = engine.default_stops if r.stop_tokens is None else r.stop_tokens
-    return sorted(set(stops) | {engine.python_end})
+    return sorted(set(stops) | {engine.markup.python_end})
 
 
 def _add_turn(engine, max_turns, c, turn):
@@ -95,23 +96,22 @@ def _add_turn(engine, max_turns, c, turn):
     c.logprobs += turn.logprobs
     c.mask += turn.mask
     c.status = turn.status
-    if turn.status != "completed" or turn.tokens[-1] != engine.python_end:
+    if turn.status != "completed" or turn.tokens[-1] != engine.markup.python_end:
         return _ENDED  # <|assistant_end|> (or another stop token), out of tokens or context, aborted
-    start = max((k for k, t in enumerate(c.tokens[:-1]) if t == engine.python_start), default=None)
-    if start is None or {engine.python_end, engine.output_end} & set(c.tokens[start + 1:-1]):
+    source = engine.markup.open_call(c.tokens)
+    if source is None:
         return _GO_ON  # a <|python_end|> that closes no call is just a token: the model goes on
     if c.tool_calls == max_turns:
         c.max_turns_hit, c.status = True, "truncated"
         return _ENDED
-    return engine.tokenizer.decode(c.tokens[start + 1:-1])
+    return source
 
 
 def _add_output(engine, r, c, result):
     """Force the tool's result in: not the model's tokens, so loss mask 0 and rollout log-prob 0."""
     c.tool_calls += 1
     c.tool_errors += result.startswith("Error")
-    forced = [engine.output_start] + engine.tokenizer.encode(result) + [engine.output_end]
-    forced = forced[:_room(engine, r, c)]
+    forced = engine.markup.output_tokens(result)[:_room(engine, r, c)]
     c.tokens += forced
     c.logprobs += [0.0] * len(forced)
     c.mask += [0] * len(forced)

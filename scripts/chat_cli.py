@@ -13,8 +13,9 @@ import os
 import signal
 import sys
 
-from nanorl.common import ArgumentParser, number_in
-from nanorl.engine import Engine, Request, TextStream, assistant_parts
+from nanorl.common import ArgumentParser, number_in, print0
+from nanorl.engine import Engine, Request
+from nanorl.toolcalls import MarkupStream, assistant_parts
 
 
 def prompt_ids(tokenizer, conversation, base):
@@ -32,19 +33,19 @@ def chat_turn(engine, tokenizer, conversation, base=False, temperature=0.6, top_
         raise ValueError(f"the conversation ({len(ids)} tokens) has filled the context of {engine.max_len}: type 'clear'")
     req = Request(ids, max_tokens=min(max_tokens, room), temperature=temperature, top_k=top_k, seed=seed,
                   stop_tokens=[tokenizer.get_bos_token_id()] if base else None)
-    text, tokens = TextStream(tokenizer), []
+    text, tokens = MarkupStream(tokenizer, inline=True), []
     events = engine.stream(req)
     try:
         for ev in events:
             if "token" in ev:
                 tokens.append(ev["token"])
-                out.write(text.push(ev["token"]))
+                out.write(text.text(ev["token"]))
                 out.flush()
             elif ev["status"] == "truncated":
-                out.write(text.flush() + " [truncated]")
+                out.write(text.text_flush() + " [truncated]")
     finally:
         events.close()  # on Ctrl-C: cancels the request
-    out.write(text.flush() + "\n")
+    out.write(text.text_flush() + "\n")
     return {"role": "assistant", "content": assistant_parts(tokenizer, tokens)}
 
 
@@ -94,6 +95,7 @@ def main():
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"could not load the {args.source} model: {e}")
     engine = Engine(model, tokenizer, batch_size=1)
+    print0(engine.attention_kernels())
     base = args.source == "base"
     settings = dict(base=base, temperature=args.temperature, top_k=args.top_k, max_tokens=args.max_tokens, seed=args.seed)
 

@@ -202,6 +202,7 @@ def main():
     autocast = autocast_ctx(device.type)
     model, tokenizer, meta = load_model_from_args(args, device, phase="eval")
     engine = Engine(model, tokenizer, batch_size=args.batch_size)
+    print0(engine.attention_kernels())
     n = args.num_samples
     ks = sorted(set(args.pass_k)) if args.pass_k else sorted({1, n})
     temperature = args.temperature if args.temperature is not None else (0.0 if n == 1 else 1.0)

@@ -1,15 +1,17 @@
 import threading
-from dataclasses import replace
 import time
+from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
+from nanorl.engine import Engine, Request
 from nanorl.execution import calculator
-from nanorl.engine import (Engine, Request, TextStream, _mix64, _signed64, assistant_parts,
-                           run_tool, sample_tokens, uniform_from_counter)
 from nanorl.gpt import GPTConfig, build_model
+from nanorl.sampling import sample_tokens
 from nanorl.tokenizer import SPLIT_PATTERN, Tokenizer
+from nanorl.toolcalls import assistant_parts
 
 # a byte-level tokenizer needs no training: 256 byte tokens + the 9 special tokens
 TOK = Tokenizer.from_ranks({bytes([i]): i for i in range(256)}, SPLIT_PATTERN)
@@ -87,12 +89,28 @@ def trainer_logprobs(model, prompt, tokens, temperature):
         return model.token_logprobs(seq[:, :-1], seq[:, 1:], temperature=temperature)[0, len(prompt) - 1:]
 
 
+def check_invariants(engine):
+    """The engine's invariants after any step: every sample in a slot knows its slot and is running, the busy slots are
+    exactly 0..n-1, no queued sample holds a slot, and each busy row's cache holds its sample's tokens but
+    the last one, which is the row's next input."""
+    n = engine.n_busy
+    assert not engine.holes and sum(s is not None for s in engine.slots) == n, "holes left after a step"
+    assert all(s is not None for s in engine.slots[:n]), f"busy slots are not a prefix: {engine.slots}"
+    assert all(s.slot == i and s.out.status == "running" for i, s in enumerate(engine.slots[:n]))
+    assert len({id(s) for s in engine.slots[:n]}) == n, "a sample sits in two slots"
+    assert all(s.slot is None and s.out.status == "running" for s in engine.pending)
+    assert engine.cache.pos[:n].tolist() == (engine.records.lengths(n) - 1).tolist(), "a row's cache is out of step"
+    last = engine.records.out[np.arange(n), engine.records.n_gen[:n] - 1, 0].astype(np.int64)
+    assert engine.input_ids[:n].tolist() == last.tolist(), "a row's next input is wrong"
+    assert engine.cache.rows is None
+
+
 def run_checked(engine, requests):
     """engine.generate, checking the engine's slot invariants after every step."""
     handles = [engine.submit(r) for r in requests]
     while engine.step():
-        engine._check_invariants()
-    engine._check_invariants()
+        check_invariants(engine)
+    check_invariants(engine)
     return [h.completions for h in handles]
 
 
@@ -214,19 +232,6 @@ def test_tool_errors_are_contained_and_timeout_enforced():
     assert assistant_parts(TOK, c.tokens)[1] == {"type": "python_output", "text": "Error: timed out after 0.2s"}
 
 
-def test_calculator():
-    # the default tool is nanorl.execution's calculator (it has its own tests); here, through run_tool
-    assert run_tool("2+3") == "5"
-    assert run_tool('"strawberry".count("r")', tool=calculator) == "3"
-    assert run_tool("(7 - 1) * 3 / 4", tool=calculator) == "4.5"
-    assert run_tool("2 ** 10 % 1000", tool=calculator) == "24"
-    for bad in ["__import__('os').system('ls')", "open('x')", "2 ** 10 ** 10", "(10**999)**9", "x + 1", "",
-                "'a' * 10**9", "1/0", "(" * 500 + ")" * 500]:
-        assert run_tool(bad, tool=calculator).startswith("Error"), bad
-    assert run_tool("[].count(1)").startswith("Error")
-    assert run_tool("1", tool=lambda e: 1 / 0).startswith("Error: ZeroDivisionError")
-
-
 @pytest.mark.parametrize("kwargs, match", [
     (dict(prompt_ids=[]), "empty prompt"),
     (dict(prompt_ids=[1] * 64), "too long"),
@@ -335,58 +340,6 @@ def test_serve_forever_batches_concurrent_users():
     assert not server.is_alive()
 
 
-def test_sampling_is_exact_inverse_cdf():
-    torch.manual_seed(0)
-    logits = torch.randn(1, 50) * 2
-    N = 20000
-    u = (torch.arange(N, dtype=torch.float64) + 0.5) / N  # a uniform grid: counts follow the probabilities exactly
-    L = logits.expand(N, 50)
-
-    def freq(temperature=1.0, top_k=50, top_p=1.0, filtered=True):
-        t = sample_tokens(L, torch.full((N,), temperature), torch.full((N,), top_k), torch.full((N,), top_p), u, filtered)
-        return torch.bincount(t, minlength=50).double() / N
-
-    p = torch.softmax(logits[0] / 0.7, -1).double()
-    assert (freq(0.7, filtered=False) - p).abs().max() < 2 / N
-    assert (freq(0.7) - p).abs().max() < 2 / N
-    top = p.argsort(descending=True)
-    pk = torch.zeros(50, dtype=torch.float64)
-    pk[top[:5]] = p[top[:5]] / p[top[:5]].sum()
-    assert (freq(0.7, top_k=5) - pk).abs().max() < 2 / N
-    n_keep = int((p[top].cumsum(0) < 0.6).sum()) + 1  # the smallest top set holding 60% of the mass
-    pp = torch.zeros(50, dtype=torch.float64)
-    pp[top[:n_keep]] = p[top[:n_keep]] / p[top[:n_keep]].sum()
-    assert (freq(0.7, top_p=0.6) - pp).abs().max() < 2 / N
-    assert freq(0.0)[logits[0].argmax()] == 1.0 and freq(1.0, top_k=1)[logits[0].argmax()] == 1.0
-
-
-def test_counter_hash_matches_splitmix64():
-    M = (1 << 64) - 1
-
-    def splitmix(seed, c):
-        x = (seed + c * 0x9E3779B97F4A7C15) & M
-        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & M
-        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & M
-        return ((x ^ (x >> 31)) >> 11) / 2**53
-
-    seeds, counters = [_mix64(i) for i in range(1, 7)], [0, 1, 2, 1000, 2**40, 7]
-    u = uniform_from_counter(torch.tensor([_signed64(s) for s in seeds]), torch.tensor(counters))
-    assert u.tolist() == [splitmix(s, c) for s, c in zip(seeds, counters)]
-
-
-def test_render_helpers():
-    conv = {"messages": [{"role": "user", "content": "hi"},
-                         {"role": "assistant", "content": [{"type": "text", "text": "sum: "},
-                                                           {"type": "python", "text": "2+3"},
-                                                           {"type": "python_output", "text": "5"},
-                                                           {"type": "text", "text": " done é"}]}]}
-    ids, mask = TOK.render_conversation(conv)
-    reply = ids[ids.index(SP("<|assistant_start|>")) + 1:]
-    assert assistant_parts(TOK, reply) == conv["messages"][1]["content"]
-    ts = TextStream(TOK)
-    assert "".join(ts.push(t) for t in reply) + ts.flush() == "sum: <<2+3=5>> done é"
-
-
 def test_chat_cli_turn_streams_tool_use_and_renders_back():
     import io
 
@@ -451,10 +404,10 @@ def test_aborted_sample_continues_into_the_uninterrupted_sequence(temperature):
     eng.submit(Request([BOS, 70], num_samples=2, max_tokens=30, seed=1, stop_tokens=[]))  # queued behind it, aborted too
     for _ in range(9):
         eng.step()
-        eng._check_invariants()
+        check_invariants(eng)
     eng.abort()
     while eng.step():
-        eng._check_invariants()
+        check_invariants(eng)
     assert all(s is None for s in eng.slots) and not eng.pending
     parts = [extend_sample(Sample(tokens=list(prompt)), c) for c in h.completions]
     assert all(s.status == "aborted" and 0 < s.response_length < 40 for s in parts)
@@ -492,7 +445,7 @@ def test_request_after_a_cancel_equals_it_on_an_idle_engine():
     running = [engine.submit(Request(p, max_tokens=40, seed=i, stop_tokens=[])) for i, p in enumerate(prompts([3, 5]))]
     for _ in range(3):
         engine.step()
-        engine._check_invariants()
+        check_invariants(engine)
     running[0].cancel()
     (got,), = run_checked(engine, [req])
     assert got.tokens == want.tokens and got.status == "truncated"
@@ -590,7 +543,7 @@ def test_a_failing_request_ends_alone():
     # a tool whose output cannot be tokenized fails its own request only
     script = {BOS: PY_START, PY_START: ord("2"), ord("2"): ord("+"), ord("+"): ord("3"), ord("3"): PY_END, OUT_END: A_END}
     engine = Engine(bigram(script), TOK, batch_size=4, tool=lambda expr: "5")
-    engine.tokenizer = type("Tok", (), {"encode": lambda self, text: 1 / 0, "decode": lambda self, ids: TOK.decode(ids)})()
+    engine.markup.tokenizer = type("Tok", (), {"encode": lambda self, text: 1 / 0, "decode": lambda self, ids: TOK.decode(ids)})()
     calls = engine.submit(Request([BOS], max_tokens=20, temperature=0))
     plain = run_checked(engine, [Request([BOS], max_tokens=8, temperature=0, use_tools=False)])
     assert calls.completions[0].status == "error" and "ZeroDivisionError" in calls.error
@@ -645,12 +598,68 @@ def test_random_traffic_keeps_the_invariants_and_every_sample():
             handles[i - 1].cancel()
             cancelled.add(i - 1)
         engine.step()
-        engine._check_invariants()
+        check_invariants(engine)
     while engine.step():
-        engine._check_invariants()
+        check_invariants(engine)
     for i, (r, h) in enumerate(zip(reqs, handles)):
         if i in cancelled:
             assert all(c.status in ("aborted", "completed", "truncated") for c in h.completions)
             continue
         want = Engine(model, TOK, batch_size=1).generate([r])[0]
         assert [(c.tokens, c.status) for c in h.completions] == [(c.tokens, c.status) for c in want]
+
+
+def test_prefill_and_decode_attention_kernels_are_pinned(monkeypatch):
+    # prefill is pinned like decode, never left to SDPA's dispatcher (on an H100 with torch 2.13 that would be a
+    # cuDNN kernel no test exercises): every forward of the engine runs inside sdpa_kernel with the expected list
+    import contextlib
+
+    from torch.nn.attention import SDPBackend
+
+    import nanorl.engine as engine_module
+    active, seen = [], []
+    real = engine_module.sdpa_kernel
+
+    @contextlib.contextmanager
+    def recording(backends):
+        active.append(list(backends))
+        try:
+            with real(backends):
+                yield
+        finally:
+            active.pop()
+
+    monkeypatch.setattr(engine_module, "sdpa_kernel", recording)
+    engine = Engine(tiny(), TOK, batch_size=2)
+    forward = engine.model.hidden_states
+
+    def hidden_states(idx, **kw):
+        seen.append((idx.size(1), active[-1] if active else None))
+        return forward(idx, **kw)
+
+    engine.model.hidden_states = hidden_states
+    engine.generate([Request([1, 2, 3, 4, 5], max_tokens=3, stop_tokens=[])])
+    cpu_prefill, cpu_decode = [SDPBackend.FLASH_ATTENTION], [SDPBackend.MATH]
+    assert seen == [(5, cpu_prefill), (1, cpu_decode), (1, cpu_decode)]
+    assert engine.attention_kernels() == "engine attention: prefill = SDPA flash (CPU), decode = SDPA math (both pinned)"
+    engine.device, engine.use_cuda_graph = torch.device("cuda"), True  # what a CUDA engine picks (no GPU needed)
+    assert engine.prefill_attention() == engine.decode_attention() == [SDPBackend.EFFICIENT_ATTENTION]
+    assert engine.attention_kernels() == ("engine attention: prefill = SDPA memory-efficient, "
+                                          "decode = SDPA memory-efficient, CUDA graphs (both pinned)")
+
+
+def test_decode_touches_in_python_only_the_rows_that_need_it():
+    # a decode step's host work does not grow with the batch: stops, budgets and tool calls are found with array
+    # ops, and only rows where something happens reach Python (_record). 32 samples that run to their budget reach
+    # it once each (when they end), not once per token; a streamed one reaches it for every token
+    engine = Engine(tiny(), TOK, batch_size=32)
+    calls = []
+    record = engine._record
+    engine._record = lambda s, *a: calls.append(s.handle) or record(s, *a)
+    req = dict(max_tokens=20, seed=0, stop_tokens=[], use_tools=False)  # with tools a sampled <|python_end|> is watched
+    h = engine.submit(Request([1, 2, 3], num_samples=32, **req))
+    out = h.result()
+    assert [len(c.tokens) for c in out] == [20] * 32 and len(calls) == 32
+    calls.clear()
+    events = list(engine.stream(Request([1, 2, 3], **req)))
+    assert len(calls) == 20 and [e["token"] for e in events[:-1]] == out[0].tokens  # sample 0 of the same seed

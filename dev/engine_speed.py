@@ -1,0 +1,232 @@
+"""
+Engine speed on fixed shapes, A/B interleaved: this checkout's nanorl engine against another nanorl checkout (a git
+ref or a directory) and, when given its directory, nanochat's engine. Random weights, fp32, one thread, 64-token
+prompts, 128 new tokens at temperature 1, no stop tokens; the timed call is one whole generation (prefill included).
+
+    python dev/engine_speed.py                                     # this checkout alone
+    python dev/engine_speed.py --compare-ref main --nanochat /path/to/nanochat --rounds 3
+    python dev/engine_speed.py --compare-ref main --engine-only --out /tmp/engine_only.json  # the engine's own work
+
+Each engine runs in its own process (imports never mix); the processes take turns shape by shape and round by
+round, so a busy machine slows them alike, and the medians go to dev/engine_speed.json. For two nanorl checkouts
+it also checks that both gave exactly the same tokens and log-probs (bit_identical). nanochat's model is its own
+architecture at the same depth and width (value embeddings, smear), built with its own init; its engine generates
+one prompt at a time, so "8 distinct prompts" is 8 calls there and one batched call here.
+"""
+import argparse
+import hashlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+SHAPES = {  # name -> (depth, number of distinct prompts, samples per prompt)
+    "d4_batch1": (4, 1, 1),
+    "d8_batch1": (8, 1, 1),
+    "d8_32_samples_of_1_prompt": (8, 1, 32),
+    "d8_8_distinct_prompts": (8, 8, 1),
+}
+VOCAB, SEQ_LEN = 32768, 2048
+
+
+# --- worker: one engine, driven over stdin/stdout ----------------------------------------------
+
+def prompts_for(n, length):
+    import torch
+    g = torch.Generator().manual_seed(1234)
+    return [torch.randint(0, 256, (length,), generator=g).tolist() for _ in range(n)]
+
+
+def nanorl_runner(depth, n_prompts, n_samples, prompt_len, new_tokens, engine_only=False):
+    import torch
+
+    from nanorl.engine import Engine, Request
+    from nanorl.gpt import build_model, config_from_depth
+    from nanorl.tokenizer import SPLIT_PATTERN, Tokenizer
+    tok = Tokenizer.from_ranks({bytes([i]): i for i in range(256)}, SPLIT_PATTERN)
+    torch.manual_seed(0)
+    model = build_model(config_from_depth(depth, VOCAB, sequence_len=SEQ_LEN), "cpu")
+    with torch.no_grad():  # init zeroes the output projections: perturb so attention and MLPs matter
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    engine = Engine(model.eval(), tok, batch_size=n_prompts * n_samples)
+    if engine_only:  # the decode forward replaced by fixed logits: what is left is the engine's own work per step
+        fixed = torch.randn(engine.batch_size, VOCAB)
+        engine._decode_logits = lambda size, need: fixed[:size]
+    prompts = prompts_for(n_prompts, prompt_len)
+
+    def run(tokens):
+        reqs = [Request(p, num_samples=n_samples, max_tokens=tokens, temperature=1.0, seed=i, stop_tokens=[],
+                        use_tools=False) for i, p in enumerate(prompts)]
+        out = engine.generate(reqs)
+        return [(c.tokens, c.logprobs) for cs in out for c in cs]
+    return run
+
+
+def nanochat_runner(depth, n_prompts, n_samples, prompt_len, new_tokens):
+    import torch
+    from nanochat.engine import Engine
+    from nanochat.gpt import GPT, GPTConfig
+
+    class Specials:  # ids outside the vocab: never sampled, so no row stops and no tool runs (as stop_tokens=[] here)
+        def encode_special(self, s):
+            return 10**9 + hash(s) % 1000
+
+        def get_bos_token_id(self):
+            return 10**9 - 1
+
+    n_embd = depth * 64
+    cfg = GPTConfig(sequence_len=SEQ_LEN, vocab_size=VOCAB, n_layer=depth, n_head=n_embd // 128,
+                    n_kv_head=n_embd // 128, n_embd=n_embd)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    engine = Engine(model.eval(), Specials())
+    prompts = prompts_for(n_prompts, prompt_len)
+
+    def run(tokens):
+        out = []
+        for i, p in enumerate(prompts):  # one prompt per call: nanochat's engine shares one prompt per batch
+            rows = [[] for _ in range(n_samples)]
+            for column, _ in engine.generate(p, num_samples=n_samples, max_tokens=tokens, temperature=1.0, seed=i):
+                for r, t in zip(rows, column):
+                    r.append(t)
+            out += [(r, []) for r in rows]
+        return out
+    return run
+
+
+def worker(kind, path, prompt_len, new_tokens, engine_only):
+    import torch
+    torch.set_num_threads(1)
+    sys.path.insert(0, path)
+    make = nanorl_runner if kind == "nanorl" else nanochat_runner
+    runners = {}
+    for line in sys.stdin:
+        name = json.loads(line)["shape"]
+        if name not in runners:
+            runners[name] = make(*SHAPES[name], prompt_len, new_tokens, *([engine_only] if engine_only else []))
+            runners[name](4)  # warm-up: allocations, first-call paths
+        t0 = time.perf_counter()
+        out = runners[name](new_tokens)
+        seconds = time.perf_counter() - t0
+        digest = hashlib.sha256(repr(out).encode()).hexdigest()[:16]
+        print(json.dumps({"seconds": seconds, "digest": digest, "tokens": sum(len(t) for t, _ in out)}), flush=True)
+
+
+# --- driver ------------------------------------------------------------------------------------
+
+def checkout_of(ref, tmp):
+    """A directory holding nanorl/ at ref: ref itself if it is a directory, else `git archive ref nanorl`."""
+    if os.path.isdir(ref):
+        return os.path.abspath(ref)
+    dest = os.path.join(tmp, "ref")
+    os.makedirs(dest)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        archive = subprocess.run(["git", "-C", root, "archive", ref, "nanorl"], check=True, capture_output=True).stdout
+    except subprocess.CalledProcessError as e:
+        sys.exit(f"--compare-ref {ref}: not a directory, and git cannot archive it ({e.stderr.decode().strip()})")
+    subprocess.run(["tar", "-x", "-C", dest], input=archive, check=True)
+    return dest
+
+
+def start(kind, path, args):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--path", path,
+           "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens)]
+    cmd += ["--engine-only"] if args.engine_only else []
+    return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+
+
+def ask(proc, shape):
+    proc.stdin.write(json.dumps({"shape": shape}) + "\n")
+    proc.stdin.flush()
+    line = proc.stdout.readline()
+    if not line:
+        sys.exit(f"a worker died on {shape} (its error is above)")
+    return json.loads(line)
+
+
+def main():
+    parser = argparse.ArgumentParser(description="nanorl engine speed, A/B interleaved")
+    parser.add_argument("--compare-ref", type=str, default=None, help="a git ref or a nanorl checkout to time against")
+    parser.add_argument("--nanochat", type=str, default=None, help="a nanochat checkout to time against")
+    parser.add_argument("--rounds", type=int, default=3, help="timed runs of each engine at each shape")
+    parser.add_argument("--shapes", type=str, default=",".join(SHAPES), help="comma-separated: " + ", ".join(SHAPES))
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    here = os.path.dirname(os.path.abspath(__file__))
+    parser.add_argument("--out", type=str, default=os.path.join(here, "engine_speed.json"))
+    parser.add_argument("--engine-only", action="store_true",
+                        help="nanorl only: fixed logits instead of the decode forward, to time the engine's own work")
+    parser.add_argument("--worker", choices=["nanorl", "nanochat"], help=argparse.SUPPRESS)
+    parser.add_argument("--path", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args.worker, args.path, args.prompt_len, args.new_tokens, args.engine_only)
+    shapes = args.shapes.split(",")
+    unknown = [s for s in shapes if s not in SHAPES]
+    if unknown:
+        sys.exit(f"--shapes: unknown {unknown}; valid: {', '.join(SHAPES)}")
+    if args.engine_only and args.nanochat:
+        sys.exit("--engine-only replaces nanorl's decode forward; it has no meaning for --nanochat")
+    if args.nanochat and not os.path.isfile(os.path.join(args.nanochat, "nanochat", "engine.py")):
+        sys.exit(f"--nanochat {args.nanochat}: no nanochat/engine.py there")
+    with tempfile.TemporaryDirectory() as tmp:
+        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        engines = {"this": start("nanorl", here, args)}
+        if args.compare_ref:
+            engines["ref"] = start("nanorl", checkout_of(args.compare_ref, tmp), args)
+        if args.nanochat:
+            engines["nanochat"] = start("nanochat", os.path.abspath(args.nanochat), args)
+        runs = {s: {e: [] for e in engines} for s in shapes}
+        for r in range(args.rounds):
+            for s in shapes:
+                order = list(engines)[r % len(engines):] + list(engines)[:r % len(engines)]  # rotate who goes first
+                for e in order:
+                    runs[s][e].append(ask(engines[e], s))
+                    print(f"round {r + 1} {s:28s} {e:8s} {runs[s][e][-1]['seconds']:7.2f} s", flush=True)
+        for p in engines.values():
+            p.stdin.close()
+            p.wait()
+    report(args, shapes, runs)
+
+
+def report(args, shapes, runs):
+    result = {"command": " ".join(sys.argv), "compare_ref": args.compare_ref, "nanochat": args.nanochat,
+              "engine_only": args.engine_only,
+              "setup": f"random weights, fp32, 1 thread, CPU, vocab {VOCAB}, {args.prompt_len}-token prompts, "
+                       f"{args.new_tokens} new tokens at T=1, {args.rounds} interleaved rounds, medians",
+              "shapes": {}}
+    for s in shapes:
+        row = {}
+        for e, rs in runs[s].items():
+            seconds = [x["seconds"] for x in rs]
+            row[e] = {"median_s": statistics.median(seconds), "runs_s": [round(t, 3) for t in seconds],
+                      "tokens": rs[0]["tokens"]}
+        for e in row:
+            row[e]["tokens_per_s"] = round(row[e]["tokens"] / row[e]["median_s"], 1)
+        if "ref" in row:
+            row["speedup_vs_ref"] = round(row["ref"]["median_s"] / row["this"]["median_s"], 3)
+            pairs = zip(runs[s]["this"], runs[s]["ref"])
+            row["bit_identical_to_ref"] = all(a["digest"] == b["digest"] for a, b in pairs)
+        if "nanochat" in row:
+            row["speedup_vs_nanochat"] = round(row["nanochat"]["median_s"] / row["this"]["median_s"], 3)
+        result["shapes"][s] = row
+        print(s, {k: v if not isinstance(v, dict) else round(v["median_s"], 3) for k, v in row.items()})
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""
+The engine's sampling math: pure functions of logits and per-row settings, no engine state.
+
+- counter-based randomness: token t of a sample gets uniform_from_counter(row seed, t), a splitmix64 hash
+  computed on the device, so a sample never depends on what else shares its batch and no generator object
+  is stepped per request
+- tempered(): (logits - max) / T, the distribution the engine samples from and records log-probs of
+- sample_tokens(): one token per row by inverse-CDF sampling, with per-row temperature, top-k and top-p
+- sample_with_logprobs(): the engine's step: sampled tokens and their log_softmax(tempered) log-probs
+"""
+import torch
+
+_MASK64 = (1 << 64) - 1
+
+
+def _signed64(x):
+    x &= _MASK64
+    return x - (1 << 64) if x >> 63 else x
+
+
+def _mix64(x):
+    """splitmix64's finalizer on a Python int: turns (seed, sample index) into well-spread row seeds."""
+    x &= _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def row_seed(seed, index):
+    """The seed of sample `index` of a request seeded `seed`, as the signed int64 a device tensor holds."""
+    return _signed64(_mix64(_mix64(seed) + index))
+
+
+_GOLDEN, _M1, _M2 = _signed64(0x9E3779B97F4A7C15), _signed64(0xBF58476D1CE4E5B9), _signed64(0x94D049BB133111EB)
+
+
+def _shr(x, s):
+    # logical right shift of int64 tensors (torch's >> is arithmetic: it copies the sign bit)
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def uniform_from_counter(seed, counter):
+    """(B,) int64 row seeds and token counters -> (B,) float64 uniforms in [0, 1): splitmix64 on device.
+    Counter-based: token t of a sample gets the same number whatever else is in the batch, and no
+    per-request generator object has to be stepped in Python."""
+    x = seed + counter * _GOLDEN  # int64 arithmetic wraps, as splitmix64 wants
+    x = (x ^ _shr(x, 30)) * _M1
+    x = (x ^ _shr(x, 27)) * _M2
+    x = x ^ _shr(x, 31)
+    return _shr(x, 11).double() / float(1 << 53)
+
+
+def tempered(logits, temperature, unit=False):
+    """(logits - row max) / T per row (T = 1 where T = 0, greedy): the log-probs the engine records are
+    log_softmax of this. Subtracting the max first keeps it total for any T > 0: at T = 1e-40 the top
+    token gets 0 and the rest -inf, where logits / T would overflow to inf - inf = NaN. unit=True promises
+    every row's T is 1 (or 0) and skips the division, which is exact then."""
+    if unit:
+        return logits - logits.amax(dim=-1, keepdim=True)
+    t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+    return (logits - logits.amax(dim=-1, keepdim=True)) / t[:, None]
+
+
+def sample_tokens(logits, temperature, top_k, top_p, uniform, filtered=True):
+    """
+    One token per row of fp32 logits (B, V) by inverse-CDF sampling with one uniform per row.
+    temperature (B,) (0 = greedy), top_k (B,) long (V = off), top_p (B,) (1 = off); filtered=False skips
+    the sort when no row uses top-k/top-p. Total: whatever the values, the most likely token stays a candidate.
+    """
+    x = tempered(logits, temperature)
+    return _sample(logits, x, temperature, top_k, top_p, uniform, filtered, greedy=True)
+
+
+def sample_with_logprobs(logits, temperature, top_k, top_p, uniform, filtered=True, greedy=True, forced=None,
+                         unit=False):
+    """sample_tokens(), then each row's token replaced by forced[row] where that is >= 0 (tool output), and the
+    log-prob of every token under the distribution sampled from: log_softmax(tempered), before top-k/top-p (the
+    trainer cannot apply those filters). greedy=False promises no row has temperature 0 (skips an argmax),
+    unit=True that every row's is 1 or 0 (skips a division). -> (tokens (B,) long, log-probs (B,) fp32)."""
+    x = tempered(logits, temperature, unit)
+    tok = _sample(logits, x, temperature, top_k, top_p, uniform, filtered, greedy)
+    if forced is not None:
+        tok = torch.where(forced >= 0, forced, tok)
+    return tok, torch.log_softmax(x, dim=-1).gather(1, tok[:, None])[:, 0]
+
+
+def _sample(logits, x, temperature, top_k, top_p, uniform, filtered, greedy):
+    V = logits.size(-1)
+    order = None
+    if filtered:
+        # only the rows that filter are sorted: a row's token must not depend on whether a filtering request
+        # shares its batch (inverse-CDF sampling in sorted order picks another token for the same uniform)
+        rank = torch.arange(V, device=logits.device).expand_as(x)
+        sorts = ((top_k < V) | (top_p < 1))[:, None]
+        x_sorted, order_sorted = x.sort(dim=-1, descending=True)
+        x, order = torch.where(sorts, x_sorted, x), torch.where(sorts, order_sorted, rank)
+    probs = torch.softmax(x, dim=-1)
+    if filtered:
+        # top-k and top-p both keep a prefix of the sorted tokens; rank 0 is kept whatever top_p is (a top_p of
+        # 1e-50 is 0 in float32, and "mass before it < 0" would keep nothing)
+        keep = (rank < top_k[:, None]) & (probs.cumsum(-1) - probs < top_p[:, None])
+        probs = probs * (keep | (rank == 0) | ~sorts)
+    cdf = probs.cumsum(-1)
+    total = cdf[:, -1:]
+    # u < total strictly, so the search lands on a token whose own probability is > 0
+    u = torch.minimum(uniform[:, None].float() * total, torch.nextafter(total, torch.zeros_like(total)))
+    idx = torch.searchsorted(cdf, u, right=True).clamp(max=V - 1)
+    # a parallel cumsum is not exactly monotone; in the rare case that lands on a removed token, take the top one
+    # (the check reads one bool per step on the host: cheaper than an argmax over the vocab every step)
+    landed = probs.gather(1, idx) > 0
+    if not bool(landed.all()):
+        idx = torch.where(landed, idx, probs.argmax(-1, keepdim=True))
+    if order is not None:
+        idx = order.gather(1, idx)
+    if not greedy:
+        return idx[:, 0]
+    return torch.where(temperature > 0, idx[:, 0], logits.argmax(-1))

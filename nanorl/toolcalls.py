@@ -1,0 +1,150 @@
+"""
+Tool use in an assistant turn: the one reader of its markup, and the one runner of a call.
+
+The model calls a tool as <|python_start|>source<|python_end|>; the tool's result is forced in after it as
+<|output_start|>result<|output_end|>; <|assistant_end|> (or <|bos|>) ends the turn. Everything that reads
+generated tokens goes through here: the engine and nanorl/multiturn.py find and run calls with
+ToolMarkup.open_call / run_tool / ToolMarkup.output_tokens; the chat CLI and the web server turn tokens into
+text with MarkupStream (streamed) or assistant_parts (all at once, the inverse of the tokenizer's rendering).
+
+    stream = MarkupStream(tokenizer)            # kinds "text" | "python" | "python_output"
+    for t in tokens: pieces += stream.push(t)   # [(kind, text), ...] as soon as the bytes make characters
+    pieces += stream.flush()
+    MarkupStream(tokenizer, inline=True)        # one kind, "text", with calls shown as <<source=result>>
+"""
+import threading
+
+from nanorl.execution import calculator
+
+
+def run_tool(source, tool=None, timeout=1.0, max_chars=200):
+    """Run tool(source) -> str in a daemon thread (the calculator by default). A failure or a timeout comes back as
+    an error string, never an exception: the model sees it as the tool's output. A thread cannot be killed, so a
+    runaway tool keeps its thread until it returns; the caller only stops waiting (the calculator is bounded)."""
+    tool = calculator if tool is None else tool
+    result = [f"Error: timed out after {timeout}s"]
+
+    def target():
+        try:
+            result[0] = str(tool(source))
+        except Exception as e:
+            result[0] = f"Error: {type(e).__name__}: {e}"
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return result[0][:max_chars]
+
+
+class ToolMarkup:
+    """The special tokens of tool use for one tokenizer, and the rules that read them."""
+
+    def __init__(self, tokenizer):
+        sp = tokenizer.encode_special
+        self.tokenizer = tokenizer
+        self.python_start, self.python_end = sp("<|python_start|>"), sp("<|python_end|>")
+        self.output_start, self.output_end = sp("<|output_start|>"), sp("<|output_end|>")
+        # the turn's end; an open model's tokenizer may lack some of these tokens (None), which then never match
+        self.stops = frozenset(t for t in (sp("<|assistant_end|>"), tokenizer.get_bos_token_id()) if t is not None)
+        # the kind of text each marker opens (closing markers go back to plain text)
+        self.kinds = {self.python_start: "python", self.python_end: "text",
+                      self.output_start: "python_output", self.output_end: "text"}
+        self.inline = {self.python_start: "<<", self.python_end: "", self.output_start: "=", self.output_end: ">>"}
+
+    def open_call(self, tokens):
+        """tokens end with <|python_end|>: the source of the call it closes, or None when it closes none (no
+        <|python_start|> before it, or a call already closed or answered since the last one)."""
+        start = next((k for k in range(len(tokens) - 2, -1, -1) if tokens[k] == self.python_start), None)
+        if start is None or {self.python_end, self.output_end} & set(tokens[start + 1:-1]):
+            return None
+        return self.tokenizer.decode(tokens[start + 1:-1])
+
+    def output_tokens(self, result):
+        """The tokens that force a tool's result in: <|output_start|>result<|output_end|>."""
+        return [self.output_start] + self.tokenizer.encode(result) + [self.output_end]
+
+
+class MarkupStream:
+    """Generated tokens -> (kind, text) pieces as they come. Holds back the bytes of a UTF-8 character split across
+    tokens and drops the stop tokens. inline=False: kinds "text", "python", "python_output", and a marker token
+    ends the piece before it (the piece is returned even when empty, so a caller sees every block boundary);
+    inline=True: everything is "text" with calls shown as <<source=result>> (GSM8K's calculator notation)."""
+
+    def __init__(self, tokenizer, inline=False):
+        self.markup = tokenizer if isinstance(tokenizer, ToolMarkup) else ToolMarkup(tokenizer)
+        self.tokenizer, self.inline = self.markup.tokenizer, inline
+        self.kind, self.buf = "text", []
+
+    def push(self, token):
+        m = self.markup
+        if token in m.stops:
+            return self._nonempty(self.flush())
+        if token in m.kinds:
+            if self.inline:
+                return self._nonempty([("text", self._take() + m.inline[token])])
+            out, self.kind = [(self.kind, self._take())], m.kinds[token]
+            return out
+        self.buf.append(token)
+        text = self.tokenizer.decode(self.buf)
+        if text.endswith("\ufffd") and len(self.buf) < 8:
+            return []  # probably half a character: wait for the rest
+        self.buf = []
+        return [(self.kind, text)]
+
+    def flush(self):
+        """Whatever is held back, as a (possibly empty) piece of the current kind."""
+        return [(self.kind, self._take())]
+
+    def text(self, token):
+        """push() as one string (for a terminal)."""
+        return "".join(t for _, t in self.push(token))
+
+    def text_flush(self):
+        """flush() as one string."""
+        return self._take()
+
+    def _take(self):
+        text = self.tokenizer.decode(self.buf) if self.buf else ""
+        self.buf = []
+        return text
+
+    @staticmethod
+    def _nonempty(pieces):
+        return [p for p in pieces if p[1]]
+
+
+def assistant_parts(tokenizer, tokens):
+    """Generated tokens -> assistant content parts [{"type": "text"|"python"|"python_output", "text"}],
+    the inverse of Tokenizer.render_conversation's assistant turn. Stops at <|assistant_end|> / <|bos|>."""
+    stream = MarkupStream(tokenizer)
+    parts, kind, text = [], "text", ""
+
+    def close():
+        if text or kind != "text":  # an empty tool call is still a tool call
+            parts.append({"type": kind, "text": text})
+
+    for t in tokens:
+        if t in stream.markup.stops:
+            break
+        for k, piece in stream.push(t):
+            text += piece
+        if t in stream.markup.kinds:  # the marker closed the block before it
+            close()
+            kind, text = stream.kind, ""
+    text += stream.flush()[0][1]
+    close()
+    return parts
+
+
+class TextStream:
+    """Printable text of a token stream, tool use as <<source=result>>: MarkupStream(inline=True) as strings
+    (the interface scripts/chat_web.py used before MarkupStream)."""
+
+    def __init__(self, tokenizer):
+        self.stream = MarkupStream(tokenizer, inline=True)
+
+    def push(self, token):
+        return self.stream.text(token)
+
+    def flush(self):
+        return self.stream.text_flush()

@@ -1,0 +1,93 @@
+"""The engine's sampling math (nanorl/sampling.py): hand-computed draws, the inverse CDF, the counter hash."""
+import math
+
+import torch
+
+from nanorl.sampling import _mix64, _signed64, sample_tokens, sample_with_logprobs, uniform_from_counter
+
+
+def test_top_k_top_p_and_temperature_by_hand():
+    # vocab of 4 with probabilities 0.1, 0.4, 0.3, 0.2 at T = 1: sorted order is tokens 1, 2, 3, 0
+    logits = torch.tensor([[math.log(p) for p in (0.1, 0.4, 0.3, 0.2)]]).expand(10, 4)
+    V = 4
+    # (temperature, top_k, top_p, uniform) -> the token inverse-CDF sampling must pick, worked out by hand
+    rows = [
+        (1.0, V, 1.0, 0.05, 0),   # no filter: vocab order, cdf 0.1 0.5 0.8 1.0
+        (1.0, V, 1.0, 0.55, 2),
+        (1.0, 2, 1.0, 0.50, 1),   # top-2 keeps 1, 2 renormalised to 4/7, 3/7: cdf 0.571 1.0
+        (1.0, 2, 1.0, 0.60, 2),
+        (1.0, V, 0.75, 0.70, 2),  # top-p 0.75 keeps 1, 2, 3 (mass before each: 0, 0.4, 0.7): cdf 0.444 0.778 1.0
+        (1.0, V, 0.75, 0.80, 3),
+        (1.0, V, 0.65, 0.60, 2),  # top-p 0.65 drops token 3 (0.7 before it): 1, 2 as top-2
+        (0.5, V, 1.0, 0.30, 1),   # T = 0.5 squares then renormalises: 1/30, 16/30, 9/30, 4/30: cdf 0.033 0.567 0.867
+        (0.5, V, 1.0, 0.57, 2),
+        (0.0, V, 1.0, 0.99, 1),   # greedy: the argmax whatever the uniform
+    ]
+    T, k, p, u, want = (torch.tensor(c) for c in zip(*rows))
+    got = sample_tokens(logits, T.float(), k.long(), p.float(), u.double())
+    assert got.tolist() == want.tolist()
+    # the recorded log-prob is log_softmax(logits / T) of the token, before top-k/top-p (T = 1 when greedy)
+    tok, lp = sample_with_logprobs(logits, T.float(), k.long(), p.float(), u.double())
+    assert tok.tolist() == want.tolist()
+    probs = {1.0: [0.1, 0.4, 0.3, 0.2], 0.5: [1 / 30, 16 / 30, 9 / 30, 4 / 30], 0.0: [0.1, 0.4, 0.3, 0.2]}
+    expect = [math.log(probs[t][w]) for t, w in zip(T.tolist(), want.tolist())]
+    torch.testing.assert_close(lp, torch.tensor(expect), atol=1e-6, rtol=0)
+    # forced tokens replace the draw and get their own log-prob
+    forced = torch.tensor([3] + [-1] * 9)
+    tok, lp = sample_with_logprobs(logits, T.float(), k.long(), p.float(), u.double(), forced=forced)
+    assert tok.tolist() == [3] + want.tolist()[1:] and abs(lp[0].item() - math.log(0.2)) < 1e-6
+
+
+def test_sampling_is_exact_inverse_cdf():
+    torch.manual_seed(0)
+    logits = torch.randn(1, 50) * 2
+    N = 20000
+    u = (torch.arange(N, dtype=torch.float64) + 0.5) / N  # a uniform grid: counts follow the probabilities exactly
+    L = logits.expand(N, 50)
+
+    def freq(temperature=1.0, top_k=50, top_p=1.0, filtered=True):
+        t = sample_tokens(L, torch.full((N,), temperature), torch.full((N,), top_k), torch.full((N,), top_p), u, filtered)
+        return torch.bincount(t, minlength=50).double() / N
+
+    p = torch.softmax(logits[0] / 0.7, -1).double()
+    assert (freq(0.7, filtered=False) - p).abs().max() < 2 / N
+    assert (freq(0.7) - p).abs().max() < 2 / N
+    top = p.argsort(descending=True)
+    pk = torch.zeros(50, dtype=torch.float64)
+    pk[top[:5]] = p[top[:5]] / p[top[:5]].sum()
+    assert (freq(0.7, top_k=5) - pk).abs().max() < 2 / N
+    n_keep = int((p[top].cumsum(0) < 0.6).sum()) + 1  # the smallest top set holding 60% of the mass
+    pp = torch.zeros(50, dtype=torch.float64)
+    pp[top[:n_keep]] = p[top[:n_keep]] / p[top[:n_keep]].sum()
+    assert (freq(0.7, top_p=0.6) - pp).abs().max() < 2 / N
+    assert freq(0.0)[logits[0].argmax()] == 1.0 and freq(1.0, top_k=1)[logits[0].argmax()] == 1.0
+
+
+def test_counter_hash_matches_splitmix64():
+    M = (1 << 64) - 1
+
+    def splitmix(seed, c):
+        x = (seed + c * 0x9E3779B97F4A7C15) & M
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & M
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & M
+        return ((x ^ (x >> 31)) >> 11) / 2**53
+
+    seeds, counters = [_mix64(i) for i in range(1, 7)], [0, 1, 2, 1000, 2**40, 7]
+    u = uniform_from_counter(torch.tensor([_signed64(s) for s in seeds]), torch.tensor(counters))
+    assert u.tolist() == [splitmix(s, c) for s, c in zip(seeds, counters)]
+
+
+
+
+def test_the_engine_shortcuts_change_nothing():
+    # greedy=False (no row at T = 0) skips an argmax, unit=True (every row at T = 1 or 0) skips a division:
+    # both promise what holds, and then the tokens and log-probs are exactly those of the general path
+    torch.manual_seed(0)
+    logits, u = torch.randn(6, 300) * 3, torch.rand(6, dtype=torch.float64)
+    k, p = torch.tensor([300, 5, 300, 300, 40, 300]), torch.tensor([1.0, 1.0, 0.9, 1.0, 0.5, 1.0])
+    for T, greedy, unit in [(torch.ones(6), False, True), (torch.tensor([1.0, 0, 1, 0, 1, 1]), True, True),
+                            (torch.tensor([0.7, 1.3, 0.7, 1, 1, 0.2]), False, False)]:
+        for filtered in (True, False):
+            want = sample_with_logprobs(logits, T, k, p, u, filtered)
+            got = sample_with_logprobs(logits, T, k, p, u, filtered, greedy=greedy, unit=unit)
+            assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
