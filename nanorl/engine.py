@@ -44,7 +44,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from nanorl.engine_memory import inference_copy, new_kv_cache
 from nanorl.inflight import Completion, Handle, Request, Sample, SlotRecords, check_request  # noqa: F401 (re-exported)
 from nanorl.sampling import row_seed, sample_with_logprobs, uniform_from_counter
-from nanorl.toolcalls import TextStream, ToolMarkup, run_tool  # noqa: F401 (TextStream: chat_web imports it here)
+from nanorl.toolcalls import ToolMarkup, run_tool
 
 # --- the engine ---------------------------------------------------------------------------------
 

@@ -18,7 +18,8 @@ from typing import Optional
 import torch
 from fastapi.responses import StreamingResponse
 
-from nanorl.engine import Request, TextStream
+from nanorl.engine import Request
+from nanorl.toolcalls import MarkupStream
 from nanorl.openai_api import BadRequest, ServeConfig, error_body
 
 
@@ -119,14 +120,8 @@ class SampleText:
     Keeps the tokens and log-probs it was given (up to the one that completed a stop string)."""
 
     def __init__(self, tokenizer, stops, parts):
-        self.ts, self.stops, self.parts = TextStream(tokenizer), stops, parts
-        sp = tokenizer.encode_special
-        self.kinds = {
-            sp("<|python_start|>"): "python",
-            sp("<|python_end|>"): "text",
-            sp("<|output_start|>"): "python_output",
-            sp("<|output_end|>"): "text",
-        }
+        # parts: tool blocks as their own pieces; else inline, calls shown as <<source=result>>
+        self.stream, self.stops, self.parts = MarkupStream(tokenizer, inline=not parts), stops, parts
         self.kind, self.text, self.sent = "text", "", 0
         self.hold = max((len(s) for s in stops), default=1) - 1  # a stop string may still be forming
         self.done, self.finish_reason = False, None
@@ -136,14 +131,14 @@ class SampleText:
         self.count += 1
         self.tokens.append(token)
         self.logprobs.append(logprob)
-        if self.parts and token in self.kinds:
-            out = [(self.kind, self.ts.flush())]
-            self.kind = self.kinds[token]
+        if self.parts and token in self.stream.markup.kinds:  # a block boundary: the held text ends its block
+            out = self.stream.push(token)
+            self.kind = self.stream.kind
             return [p for p in out if p[1]]
-        return self._add(self.ts.push(token), final=False)
+        return self._add(self.stream.text(token), final=False)
 
     def end(self, status):
-        out = self._add(self.ts.flush(), final=True)
+        out = self._add(self.stream.text_flush(), final=True)
         self.done, self.finish_reason = True, "length" if status == "truncated" else "stop"
         if status == "completed":  # the engine's stop token (<|assistant_end|>) is no part of the reply
             self.tokens, self.logprobs = self.tokens[:-1], self.logprobs[:-1]

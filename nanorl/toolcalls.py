@@ -134,17 +134,3 @@ def assistant_parts(tokenizer, tokens):
     text += stream.flush()[0][1]
     close()
     return parts
-
-
-class TextStream:
-    """Printable text of a token stream, tool use as <<source=result>>: MarkupStream(inline=True) as strings
-    (the interface scripts/chat_web.py used before MarkupStream)."""
-
-    def __init__(self, tokenizer):
-        self.stream = MarkupStream(tokenizer, inline=True)
-
-    def push(self, token):
-        return self.stream.text(token)
-
-    def flush(self):
-        return self.stream.text_flush()

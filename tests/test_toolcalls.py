@@ -1,7 +1,7 @@
 """Tool-call markup and the tool runner (nanorl/toolcalls.py): the one reader of <|python_start|>...<|output_end|>."""
 from nanorl.execution import calculator
 from nanorl.tokenizer import SPLIT_PATTERN, Tokenizer
-from nanorl.toolcalls import MarkupStream, TextStream, ToolMarkup, assistant_parts, run_tool
+from nanorl.toolcalls import MarkupStream, ToolMarkup, assistant_parts, run_tool
 
 # a byte-level tokenizer needs no training: 256 byte tokens + the 9 special tokens
 TOK = Tokenizer.from_ranks({bytes([i]): i for i in range(256)}, SPLIT_PATTERN)
@@ -20,8 +20,8 @@ def test_render_helpers():
     ids, mask = TOK.render_conversation(conv)
     reply = ids[ids.index(SP("<|assistant_start|>")) + 1:]
     assert assistant_parts(TOK, reply) == conv["messages"][1]["content"]
-    ts = TextStream(TOK)
-    assert "".join(ts.push(t) for t in reply) + ts.flush() == "sum: <<2+3=5>> done é"
+    ms = MarkupStream(TOK, inline=True)
+    assert "".join(ms.text(t) for t in reply) + ms.text_flush() == "sum: <<2+3=5>> done é"
 
 
 def test_calculator():
