@@ -1,0 +1,174 @@
+"""LoRA (nanorl/lora.py): the adapted forward against the dense W + (alpha/r) B A, exact step 0, frozen base,
+the engine sampling through the live adapters, merge and the checkpoint/PEFT formats."""
+import copy
+
+import pytest
+import torch
+
+from nanorl.engine import Engine, Request
+from nanorl.gpt import GPTConfig, build_model
+from nanorl.lora import (LoraConfig, adapter_params, apply_lora, base_state_dict, build_lora_optimizer, is_lora,
+                         load_lora_state_dict, lora_layers, lora_state_dict, merge_lora, peft_state_dict)
+from nanorl.tokenizer import SPLIT_PATTERN, Tokenizer
+
+TOK = Tokenizer.from_ranks({bytes([i]): i for i in range(256)}, SPLIT_PATTERN)
+VOCAB = 272
+SWIGLU = dict(mlp="swiglu", mlp_hidden=96, norm_weight=True, attn_bias=True, qk_norm=False, softcap=0.0)  # Qwen2-like
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def tiny(seed=0, **kw):
+    torch.manual_seed(seed)
+    cfg = GPTConfig(sequence_len=64, vocab_size=VOCAB, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, **kw)
+    model = build_model(cfg, "cpu")
+    with torch.no_grad():  # init zeroes the output projections and shrinks the head: perturb, so every layer matters
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+        model.lm_head.weight.mul_(20)
+    return model
+
+
+def randomize_adapters(model, scale=0.05):
+    with torch.no_grad():
+        for p in adapter_params(model):
+            p.copy_(scale * torch.randn_like(p))
+
+
+def batch(seed=1, B=3, T=20):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (B, T + 1), generator=g)
+
+
+@pytest.mark.parametrize("arch", [{}, SWIGLU])
+def test_forward_equals_dense_weights_with_the_update_materialised(arch):
+    # the reference: a plain GPT whose target weights are W + (alpha/r) B A, computed here by hand
+    base = tiny(**arch)
+    model = apply_lora(copy.deepcopy(base), LoraConfig(rank=4, alpha=12, targets="qkv,o,mlp"))
+    randomize_adapters(model)
+    dense = copy.deepcopy(base)
+    wrapped = dict(lora_layers(model))
+    assert len(wrapped) == 2 * (4 + 3 if arch else 4 + 2)  # c_q,c_k,c_v,c_proj + the MLP's (c_gate only in SwiGLU)
+    with torch.no_grad():
+        for name, m in wrapped.items():
+            w = dense.get_submodule(name).weight
+            w.add_((3.0 * m.lora_B.weight) @ m.lora_A.weight)  # alpha / r = 12 / 4
+    x = batch()[:, :-1]
+    with torch.no_grad():
+        got, want = model(x), dense(x)
+    assert not torch.allclose(got, base(x))  # the adapters do change the output
+    assert (got - want).abs().max() <= 1e-6 * want.abs().max()
+
+
+def test_targets_select_the_layers_and_bad_config_is_refused():
+    model = apply_lora(tiny(**SWIGLU), LoraConfig(rank=2, alpha=2, targets=("o",)))
+    assert [n for n, _ in lora_layers(model)] == ["transformer.h.0.attn.c_proj", "transformer.h.1.attn.c_proj"]
+    with pytest.raises(ValueError, match="unknown LoRA targets attn"):
+        LoraConfig(targets="qkv,attn")
+    with pytest.raises(ValueError, match="rank must be >= 1"):
+        LoraConfig(rank=0)
+    with pytest.raises(ValueError, match="already has LoRA"):
+        apply_lora(model, LoraConfig())
+
+
+def test_step_zero_is_the_base_model_bit_for_bit():
+    base = tiny(**SWIGLU)
+    model = apply_lora(copy.deepcopy(base), LoraConfig(rank=8, alpha=16))
+    x = batch()
+    with torch.no_grad():
+        assert torch.equal(model(x), base(x))
+        assert torch.equal(model.token_logprobs(x[:, :-1], x[:, 1:]), base.token_logprobs(x[:, :-1], x[:, 1:]))
+    assert all(not p.requires_grad for n, p in model.named_parameters() if "lora_" not in n)
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # fp32 on the CPU, base and adapters
+
+
+def policy_step(model, optimizer, x):
+    """One step of a policy-gradient-shaped loss through GPT.token_logprobs (the RL trainer's path)."""
+    logp = model.token_logprobs(x[:, :-1], x[:, 1:])
+    loss = -(logp * torch.linspace(-1, 1, x.size(0))[:, None]).mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def test_only_adapters_change_and_the_base_is_bit_identical():
+    model = apply_lora(tiny(), LoraConfig(rank=4, alpha=8))
+    base_before = {k: v.clone() for k, v in base_state_dict(model).items()}
+    lora_before = {k: v.clone() for k, v in lora_state_dict(model).items()}
+    optimizer = build_lora_optimizer(model, lr=1e-2)
+    assert sum(len(g["params"]) for g in optimizer.param_groups) == len(lora_before)
+    for s in range(2):  # B = 0 makes A's first gradient zero: A moves from the second step on
+        policy_step(model, optimizer, batch(seed=s))
+    after = model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in base_before.items())
+    assert all(not torch.equal(after[k], v) for k, v in lora_before.items())
+    assert all(p.grad is None for p in model.parameters())
+
+
+def trainer_logprobs(model, prompt, tokens, temperature):
+    seq = torch.tensor([list(prompt) + list(tokens)])
+    with torch.no_grad():
+        return model.token_logprobs(seq[:, :-1], seq[:, 1:], temperature=temperature)[0, len(prompt) - 1:]
+
+
+def test_engine_samples_through_the_live_adapters():
+    # the engine shares the trainer's wrapped model: after each optimizer step it samples from the new adapters
+    # with no sync, and its log-probs equal the trainer's (fp32, 1e-5)
+    model = apply_lora(tiny(**SWIGLU), LoraConfig(rank=4, alpha=8, dropout=0.1)).train()
+    engine = Engine(model, TOK, batch_size=4, share_weights=True)
+    optimizer = build_lora_optimizer(model, lr=3e-2)
+    req = Request(list(range(40, 52)), num_samples=3, max_tokens=16, temperature=0.9, seed=5, stop_tokens=[])
+    seen = []
+    for step in range(4):
+        outs = engine.generate([req])[0]
+        for out in outs:
+            lp = trainer_logprobs(model, req.prompt_ids, out.tokens, 0.9)
+            torch.testing.assert_close(torch.tensor(out.logprobs), lp, atol=1e-5, rtol=0)
+        seen.append([o.tokens for o in outs])
+        policy_step(model, optimizer, batch(seed=step))
+    assert seen[0] != seen[-1]  # the updates reached the sampler
+
+
+def test_merge_gives_a_plain_model_with_the_same_outputs():
+    model = apply_lora(tiny(**SWIGLU), LoraConfig(rank=4, alpha=8))
+    randomize_adapters(model)
+    x = batch()[:, :-1]
+    with torch.no_grad():
+        want = model(x)
+        merged = merge_lora(copy.deepcopy(model))
+        got = merged(x)
+    assert not is_lora(merged) and set(merged.state_dict()) == set(base_state_dict(model))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    engine = Engine(merged, TOK, batch_size=2)  # a merged model is an ordinary GPT: the engine's own copy works
+    out = engine.generate([Request([1, 2, 3], max_tokens=5, temperature=0.9, seed=1, stop_tokens=[])])[0][0]
+    torch.testing.assert_close(torch.tensor(out.logprobs), trainer_logprobs(model, [1, 2, 3], out.tokens, 0.9),
+                               atol=1e-5, rtol=0)
+
+
+def test_adapter_state_round_trips_and_a_wrong_rank_is_named():
+    model = apply_lora(tiny(), LoraConfig(rank=4, alpha=8))
+    randomize_adapters(model)
+    state = lora_state_dict(model)
+    assert set(state) == {f"{n}.lora_{ab}.weight" for n, _ in lora_layers(model) for ab in "AB"}
+    other = apply_lora(tiny(), LoraConfig(rank=4, alpha=8))
+    load_lora_state_dict(other, state)
+    assert all(torch.equal(other.state_dict()[k], v) for k, v in state.items())
+    with pytest.raises(ValueError, match="adapters.pt does not fit.*--lora-rank"):
+        load_lora_state_dict(apply_lora(tiny(), LoraConfig(rank=2, alpha=8)), state, "adapters.pt")
+
+
+def test_peft_key_names():
+    # PEFT stores the adapters of a Hugging Face model as base_model.model.<module path>.lora_{A,B}.weight
+    model = apply_lora(tiny(**SWIGLU), LoraConfig(rank=4, alpha=8, targets="qkv,mlp"))
+    state = peft_state_dict(model)
+    assert len(state) == 2 * 2 * 6
+    a = state["base_model.model.model.layers.1.self_attn.k_proj.lora_A.weight"]
+    assert torch.equal(a, model.transformer.h[1].attn.c_k.lora_A.weight)
+    assert state["base_model.model.model.layers.0.mlp.gate_proj.lora_B.weight"].shape == (96, 4)
+    assert "base_model.model.model.layers.0.mlp.down_proj.lora_A.weight" in state
