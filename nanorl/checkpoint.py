@@ -200,6 +200,9 @@ def load_model_dir(checkpoint_dir, step=None, device="cpu", phase="eval"):
     from nanorl.tokenizer import get_tokenizer
     step = find_last_step(checkpoint_dir) if step is None else step
     model_state, _, meta, _ = load_checkpoint(checkpoint_dir, step, device=device)
+    if meta.get("lora"):  # adapters only, and a pointer to their base: nanorl/lora.py builds the merged model
+        from nanorl.lora import load_lora_checkpoint
+        return load_lora_checkpoint(meta, model_state, model_path(checkpoint_dir, step), device, phase)
     meta_path = os.path.join(checkpoint_dir, f"meta_{step:06d}.json")
     if not isinstance(meta.get("model_config"), dict):
         raise ValueError(f"checkpoint metadata {meta_path} has no model_config: it cannot say which model to build")

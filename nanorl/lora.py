@@ -189,6 +189,62 @@ def build_lora_optimizer(model, lr, weight_decay=0.0, betas=(0.9, 0.999)):
 
 
 # -----------------------------------------------------------------------------------------------
+# flags and checkpoints: a LoRA checkpoint stores the adapters (model_<step>.safetensors holds only them) and, in its
+# meta, the config and a pointer to the base it was trained on
+
+def add_args(parser):
+    g = parser.add_argument_group("LoRA (nanorl/lora.py)")
+    g.add_argument("--lora-rank", type=int, default=0, help="train rank-R adapters on a frozen base (0: train every weight)")
+    g.add_argument("--lora-alpha", type=float, default=None, help="adapter scale alpha (update = alpha/R B A; default 2R)")
+    g.add_argument("--lora-targets", default="qkv,o,mlp", help="layers to adapt: any of qkv, o, mlp, comma-separated")
+    g.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the adapters' input (training forwards only)")
+    g.add_argument("--lora-lr", type=float, default=1e-3, help="AdamW LR of the adapters (--lr-scale does not apply)")
+
+
+def config_from_args(args):
+    return LoraConfig(args.lora_rank, args.lora_alpha or 2.0 * args.lora_rank, args.lora_targets, args.lora_dropout)
+
+
+def check_args(args, parser):
+    """Refuse what LoRA does not combine with, one line each; validate the config before any model is built."""
+    if not args.lora_rank:
+        return
+    if args.lora_rank < 0:
+        parser.error(f"--lora-rank must be >= 0, got {args.lora_rank}")
+    if getattr(args, "fsdp", False):
+        parser.error("--lora-rank does not work with --fsdp: LoRA keeps the frozen base whole on one GPU")
+    if getattr(args, "async_mode", False):
+        parser.error("--lora-rank does not work with --async: the sampling ranks would need the adapters shipped")
+    try:
+        config_from_args(args)
+    except ValueError as e:
+        parser.error(f"--lora-*: {e}")
+
+
+def checkpoint_meta(model, base):
+    """The meta entry of a LoRA checkpoint: the adapter config and `base` (source, model_tag, step, hf_model)."""
+    return {"config": model.lora_config.to_dict(), "base": base}
+
+
+def load_lora_checkpoint(meta, adapter_state, path, device, phase="eval", merge=True):
+    """A LoRA checkpoint -> (model, tokenizer, meta): the base it points to with the adapters loaded; merged into a
+    plain GPT (merge=True: what eval, serving and export want) or still wrapped."""
+    from nanorl.checkpoint import load_model
+    base = meta["lora"]["base"]
+    try:
+        model, tokenizer, _ = load_model(base["source"], device, phase, base.get("model_tag"), base.get("step"),
+                                         base.get("hf_model"))
+    except (FileNotFoundError, ValueError) as e:
+        raise FileNotFoundError(f"{path} holds LoRA adapters, and their base model cannot be loaded: {e}") from e
+    apply_lora(model, LoraConfig(**meta["lora"]["config"]))
+    load_lora_state_dict(model, adapter_state, path)
+    if not merge:
+        return model, tokenizer, meta
+    # merged, it is a plain model: its meta must not send a later load (or a save made from it) to the adapters
+    return merge_lora(model), tokenizer, {k: v for k, v in meta.items() if k != "lora"}
+
+
+# -----------------------------------------------------------------------------------------------
 # PEFT's adapter directory: adapter_config.json + adapter_model.safetensors, for a Hugging Face base
 
 def peft_state_dict(model):
@@ -217,3 +273,19 @@ def save_peft(model, out_dir, base_model_name_or_path=None):
         json.dump(adapter_cfg, f, indent=2)
     save_file(peft_state_dict(model), os.path.join(out_dir, "adapter_model.safetensors"), metadata={"format": "pt"})
     return out_dir
+
+
+def export_peft(checkpoint_dir, step, out_dir):
+    """A LoRA checkpoint of a Hugging Face base -> a PEFT adapter directory that peft loads onto that base."""
+    from nanorl.checkpoint import load_checkpoint, model_path
+    state, _, meta, _ = load_checkpoint(checkpoint_dir, step)
+    path = model_path(checkpoint_dir, meta.get("step", step))
+    if not meta.get("lora"):
+        raise ValueError(f"{checkpoint_dir} step {meta.get('step')} holds full weights, not LoRA adapters: "
+                         "export it without --peft")
+    hf_dir = meta["lora"]["base"].get("hf_model")
+    if not hf_dir:
+        raise ValueError(f"{path}: the adapters' base is a nanorl checkpoint, not a Hugging Face model: export merged")
+    model, _, _ = load_lora_checkpoint(meta, state, path, "cpu", merge=False)
+    return save_peft(model, out_dir, hf_dir)
+

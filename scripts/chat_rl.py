@@ -24,7 +24,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from nanorl import fsdp, rl, rl_async, rl_trainer, rollout
+from nanorl import fsdp, lora, rl, rl_async, rl_trainer, rollout
 from nanorl.checkpoint import load_checkpoint, load_model, load_model_dir, resume_point, save_checkpoint
 from nanorl.common import (ETA, ArgumentParser, Timer, add_logging_args, compute_cleanup, compute_init, get_base_dir, get_logger,
                            int_list, mean_over_ranks, nonneg_float, nonneg_int, positive_float, positive_int, print0)
@@ -86,6 +86,7 @@ rollout.add_args(parser, TOOLS)
 rl_trainer.add_args(parser)
 rl_async.add_args(parser)
 fsdp.add_args(parser.add_argument_group("sharding (nanorl/fsdp.py)"))
+lora.add_args(parser)
 args = parser.parse_args(sys.argv[1:] if sys.argv[1:2] != ["--"] else sys.argv[2:])
 rollout.check_args(args, parser)
 rl_trainer.check_args(args, parser)
@@ -96,6 +97,7 @@ for on, flag in ((args.async_mode, "--async"), (args.advantage_estimator == "ppo
                  (args.use_opd, "--use-opd (its teacher)")):
     if args.fsdp and on:
         parser.error(f"--fsdp does not work with {flag}: only the policy is sharded")
+lora.check_args(args, parser)  # before fsdp's: --lora-rank with --fsdp is refused whatever the launcher
 fsdp.check_args(args, "chat_rl")
 pass_ks = args.pass_k
 if max(pass_ks) > args.n_samples_per_eval_prompt:
@@ -179,12 +181,18 @@ if args.use_opd and roles.is_trainer:
 longest_prompt = max(len(rollout.prompt_ids(tokenizer, p)) for p in train_items + eval_items)
 if longest_prompt + 1 > model.config.sequence_len:
     raise SystemExit(f"the longest prompt has {longest_prompt} tokens, more than the model's context {model.config.sequence_len}")
-engine = Engine(model, tokenizer, batch_size=args.engine_batch_size,
+lora_base = None
+if args.lora_rank:  # LoRA: freeze the base (bf16 on CUDA), train adapters; the engine shares this model (zero sync)
+    lora.apply_lora(model, lora.config_from_args(args))
+    lora_base = {"source": args.source, "model_tag": args.model_tag or meta.get("model_tag"),
+                 "step": args.model_step if args.model_step is not None else meta.get("step"), "hf_model": args.hf_model}
+engine = Engine(model, tokenizer, batch_size=args.engine_batch_size, share_weights=bool(args.lora_rank),
                 max_len=min(model.config.sequence_len, longest_prompt + args.max_response_len)) if roles.is_sampler else None
 if args.fsdp:  # the engine copied the whole model above; now shard the policy, before the optimizer is built on the shards
     fsdp.shard_model(model, device, args.activation_checkpointing, args.cpu_offload)
-optimizer = build_optimizer(model, weight_decay=args.weight_decay)
-for pg in optimizer.param_groups:
+optimizer = build_optimizer(model, weight_decay=args.weight_decay) if not args.lora_rank else \
+    lora.build_lora_optimizer(model, args.lora_lr, args.weight_decay)
+for pg in optimizer.param_groups if not args.lora_rank else []:
     pg["initial_lr"] = pg["initial_lr"] * args.lr_scale
     pg["lr"] = pg["initial_lr"]
 trainer = rl_trainer.Trainer(args, model, optimizer, device, ref_model, critic, critic_optimizer, teacher, group=roles.tgroup,
@@ -353,10 +361,13 @@ def save(step):
         extra.update(critic=critic.state_dict(), critic_optim=critic_optimizer.state_dict())
     ck_meta = {**meta, "model_tag": output_tag, "step": step, "rl_args": vars(args), "world_size": world_size,
                "sharded": args.fsdp}  # (not the source model's flags)
+    if args.lora_rank:  # the adapters alone, and where their base is
+        ck_meta["lora"] = lora.checkpoint_meta(model, lora_base)
     if args.fsdp:  # every rank writes its shards (DCP); `python -m nanorl.fsdp consolidate` makes the single file
         fsdp.save_sharded(ckpt_dir, step, model, optimizer, ck_meta, extra, rank)
     else:
-        save_checkpoint(ckpt_dir, step, model.state_dict(), optimizer.state_dict(), meta=ck_meta, extra=extra,
+        save_checkpoint(ckpt_dir, step, lora.lora_state_dict(model) if args.lora_rank else model.state_dict(),
+                        optimizer.state_dict(), meta=ck_meta, extra=extra,
                         rank=roles.trank, group=roles.tgroup)
 
 
@@ -371,7 +382,7 @@ if args.resume:
         extra = fsdp.load_sharded(ckpt_dir, last, model, optimizer, rank)
     else:
         model_state, optim_state, _, extra = load_checkpoint(ckpt_dir, last, device=device, load_optimizer=True, rank=rank)
-        model.load_state_dict(model_state)
+        lora.load_lora_state_dict(model, model_state) if args.lora_rank else model.load_state_dict(model_state)
         optimizer.load_state_dict(optim_state)
     source.load_state_dict(extra["source"])
     buffer.load_state_dict(extra["buffer"])

@@ -1,6 +1,7 @@
 """LoRA (nanorl/lora.py): the adapted forward against the dense W + (alpha/r) B A, exact step 0, frozen base,
 the engine sampling through the live adapters, merge and the checkpoint/PEFT formats."""
 import copy
+import os
 
 import pytest
 import torch
@@ -172,3 +173,66 @@ def test_peft_key_names():
     assert torch.equal(a, model.transformer.h[1].attn.c_k.lora_A.weight)
     assert state["base_model.model.model.layers.0.mlp.gate_proj.lora_B.weight"].shape == (96, 4)
     assert "base_model.model.model.layers.0.mlp.down_proj.lora_A.weight" in state
+
+
+# -----------------------------------------------------------------------------------------------
+# end to end: chat_rl --lora-rank (the tiny fixture of tests/test_chat_rl.py), checkpoints, resume, export
+
+from test_chat_rl import base_dir, final_weights, run_rl  # noqa: E402,F401  (base_dir: a module fixture)
+
+
+def test_chat_rl_lora_resumes_bit_for_bit_and_saves_only_adapters(base_dir):  # noqa: F811
+    import json
+    flags = ["--lora-rank", "4", "--lora-lr", "3e-2", "--temperature", "0.7"]
+    full, _ = run_rl(base_dir, "--num-rollouts", "4", "--save-interval", "2", "--output-tag", "lora_full", *flags)
+    run_rl(base_dir, "--num-rollouts", "2", "--save-interval", "2", "--output-tag", "lora_resumed", *flags)
+    res, log = run_rl(base_dir, "--num-rollouts", "4", "--save-interval", "2", "--output-tag", "lora_resumed",
+                      "--resume", *flags)
+    assert "resumed from" in log and [h["step"] for h in res["train"]] == [1, 2, 3, 4]
+    first = full["train"][0]
+    assert first["train/first_step_ppo_kl"] == 0.0 and first["time/weight_sync"] < 1e-3  # nothing to sync
+    for h in full["train"]:  # the engine samples through the live adapters: its log-probs are the trainer's
+        assert h["train/train_rollout_logprob_abs_diff"] < 1e-4
+    for a, b in zip(full["train"][2:], res["train"][2:]):
+        for k in ("rollout/reward_mean", "train/pg_loss", "train/grad_norm", "rollout/response_len_mean"):
+            assert a[k] == b[k], (k, a[k], b[k])
+    fw, rw = final_weights(base_dir, "lora_full"), final_weights(base_dir, "lora_resumed")
+    assert fw.keys() == rw.keys() and all(".lora_" in k for k in fw) and all(torch.equal(fw[k], rw[k]) for k in fw)
+    assert any(v.abs().sum() > 0 for k, v in fw.items() if ".lora_B." in k)  # the adapters trained
+    with open(base_dir / "rl_checkpoints" / "lora_full" / "meta_000004.json") as f:
+        meta = json.load(f)["lora"]
+    assert meta["config"]["rank"] == 4 and meta["base"]["source"] == "sft" and meta["base"]["model_tag"] == "t"
+
+
+def test_lora_checkpoint_loads_merged_and_exports(base_dir, monkeypatch):  # noqa: F811
+    # load_model("rl") of a LoRA run = its base + (alpha/r) B A, a plain GPT; export_hf writes that model
+    import subprocess
+    import sys
+    from nanorl.checkpoint import load_model
+    monkeypatch.setenv("NANORL_BASE_DIR", str(base_dir))
+    if not (base_dir / "rl_checkpoints" / "lora_full").exists():
+        run_rl(base_dir, "--num-rollouts", "2", "--output-tag", "lora_full", "--lora-rank", "4", "--lora-lr", "3e-2")
+    merged, tok, meta = load_model("rl", "cpu", model_tag="lora_full")
+    base, _, _ = load_model("sft", "cpu", model_tag="t")
+    want = apply_lora(base, LoraConfig(rank=4, alpha=8))
+    load_lora_state_dict(want, final_weights(base_dir, "lora_full"))
+    assert not is_lora(merged) and "lora" not in meta
+    ids = torch.tensor([tok.encode("the cat sat on the mat")])
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids), want(ids), atol=1e-5, rtol=1e-5)
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "NANORL_BASE_DIR": str(base_dir)}
+    out = base_dir / "lora_export"
+    subprocess.run([sys.executable, "-m", "scripts.export_hf", "-i", "rl", "-g", "lora_full", "-o", str(out)],
+                   env=env, check=True, capture_output=True)
+    from safetensors.torch import load_file
+    assert len(load_file(out / "model.safetensors")) == len(merged.state_dict())
+    peft = subprocess.run([sys.executable, "-m", "scripts.export_hf", "-i", "rl", "-g", "lora_full", "--peft",
+                           "-o", str(base_dir / "peft")], env=env, capture_output=True, text=True)
+    assert peft.returncode != 0 and "not a Hugging Face model: export merged" in peft.stderr
+
+
+def test_lora_with_fsdp_is_refused_in_one_line(base_dir):  # noqa: F811
+    out = run_rl(base_dir, "--lora-rank", "4", "--fsdp", check=False)
+    assert out.returncode != 0 and "--lora-rank does not work with --fsdp" in out.stderr.strip().splitlines()[-1]
+    out = run_rl(base_dir, "--lora-rank", "4", "--lora-targets", "qkv,ffn", check=False)
+    assert out.returncode != 0 and "unknown LoRA targets ffn" in out.stderr
