@@ -8,8 +8,19 @@ import torch
 
 from nanorl.engine import Engine, Request
 from nanorl.gpt import GPTConfig, build_model
-from nanorl.lora import (LoraConfig, adapter_params, apply_lora, base_state_dict, build_lora_optimizer, is_lora,
-                         load_lora_state_dict, lora_layers, lora_state_dict, merge_lora, peft_state_dict)
+from nanorl.lora import (
+    LoraConfig,
+    adapter_params,
+    apply_lora,
+    base_state_dict,
+    build_lora_optimizer,
+    is_lora,
+    load_lora_state_dict,
+    lora_layers,
+    lora_state_dict,
+    merge_lora,
+    peft_state_dict,
+)
 from nanorl.tokenizer import SPLIT_PATTERN, Tokenizer
 
 TOK = Tokenizer.from_ranks({bytes([i]): i for i in range(256)}, SPLIT_PATTERN)
@@ -178,7 +189,7 @@ def test_peft_key_names():
 # -----------------------------------------------------------------------------------------------
 # end to end: chat_rl --lora-rank (the tiny fixture of tests/test_chat_rl.py), checkpoints, resume, export
 
-from test_chat_rl import base_dir, final_weights, run_rl  # noqa: E402,F401  (base_dir: a module fixture)
+from test_chat_rl import RM, base_dir, final_weights, run_rl  # noqa: E402,F401  (base_dir: a module fixture)
 
 
 def test_chat_rl_lora_resumes_bit_for_bit_and_saves_only_adapters(base_dir):  # noqa: F811
@@ -208,6 +219,7 @@ def test_lora_checkpoint_loads_merged_and_exports(base_dir, monkeypatch):  # noq
     # load_model("rl") of a LoRA run = its base + (alpha/r) B A, a plain GPT; export_hf writes that model
     import subprocess
     import sys
+
     from nanorl.checkpoint import load_model
     monkeypatch.setenv("NANORL_BASE_DIR", str(base_dir))
     if not (base_dir / "rl_checkpoints" / "lora_full").exists():
@@ -236,3 +248,41 @@ def test_lora_with_fsdp_is_refused_in_one_line(base_dir):  # noqa: F811
     assert out.returncode != 0 and "--lora-rank does not work with --fsdp" in out.stderr.strip().splitlines()[-1]
     out = run_rl(base_dir, "--lora-rank", "4", "--lora-targets", "qkv,ffn", check=False)
     assert out.returncode != 0 and "unknown LoRA targets ffn" in out.stderr
+
+
+def test_chat_rl_lora_on_an_open_model_exports_merged_and_peft(tmp_path):
+    # chat_rl --hf-model --lora-rank on a tiny random Qwen2; the merged export loads in transformers and the PEFT
+    # adapter directory loads with peft onto the original model, both with the logits of base + adapters
+    import subprocess
+    import sys
+    transformers = pytest.importorskip("transformers")
+    from test_hf import CONVERSATION, tiny_hf, tiny_tokenizer
+    src, base = tmp_path / "qwen", tmp_path / "base"
+    tiny_hf("qwen2", src, vocab=tiny_tokenizer(src), context=1024)
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "NANORL_BASE_DIR": str(base), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "scripts.chat_rl", "--hf-model", str(src), "--levels", "1", "--num-rollouts", "1",
+           "--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--max-new-tokens", "8", "--eval-max-problems",
+           "2", "--n-samples-per-eval-prompt", "2", "--pass-k", "1", "--engine-batch-size", "8", "--output-tag",
+           "qwen", "--custom-rm-path", RM, "--device-type", "cpu", "--lora-rank", "4", "--lora-targets", "qkv,o,mlp"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    from nanorl.checkpoint import load_checkpoint, load_hf
+    adapters = load_checkpoint(str(base / "rl_checkpoints" / "qwen"))[0]
+    ours, tok, _ = load_hf(str(src), "cpu")
+    apply_lora(ours, LoraConfig(rank=4, alpha=8))
+    load_lora_state_dict(ours, adapters)
+    assert any(v.abs().sum() > 0 for k, v in adapters.items() if ".lora_B." in k)
+    ids = torch.tensor([tok.render_conversation(CONVERSATION)[0]])
+    with torch.no_grad():
+        want = ours(ids)
+    for how in ("merged", "peft"):
+        subprocess.run([sys.executable, "-m", "scripts.export_hf", "-i", "rl", "-o", str(tmp_path / how),
+                        *(["--peft"] if how == "peft" else [])], env=env, check=True, capture_output=True)
+    merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()
+    with torch.no_grad():
+        assert (merged(ids).logits - want).abs().max().item() < 1e-4
+    peft = pytest.importorskip("peft")
+    plain = transformers.AutoModelForCausalLM.from_pretrained(str(src))
+    adapted = peft.PeftModel.from_pretrained(plain, str(tmp_path / "peft")).eval()
+    with torch.no_grad():
+        assert (adapted(ids).logits - want).abs().max().item() < 1e-4
