@@ -205,20 +205,39 @@ def config_from_args(args):
     return LoraConfig(args.lora_rank, args.lora_alpha or 2.0 * args.lora_rank, args.lora_targets, args.lora_dropout)
 
 
-def check_args(args, parser):
-    """Refuse what LoRA does not combine with, one line each; validate the config before any model is built."""
+def check_args(args, parser=None):
+    """Refuse what LoRA does not combine with, one line each (parser.error, or SystemExit without a parser);
+    validate the config before any model is built."""
     if not args.lora_rank:
         return
+    def fail(msg):
+        if parser is not None:
+            parser.error(msg)
+        raise SystemExit(msg)
     if args.lora_rank < 0:
-        parser.error(f"--lora-rank must be >= 0, got {args.lora_rank}")
+        fail(f"--lora-rank must be >= 0, got {args.lora_rank}")
     if getattr(args, "fsdp", False):
-        parser.error("--lora-rank does not work with --fsdp: LoRA keeps the frozen base whole on one GPU")
+        fail("--lora-rank does not work with --fsdp: LoRA keeps the frozen base whole on one GPU")
     if getattr(args, "async_mode", False):
-        parser.error("--lora-rank does not work with --async: the sampling ranks would need the adapters shipped")
+        fail("--lora-rank does not work with --async: the sampling ranks would need the adapters shipped")
     try:
         config_from_args(args)
     except ValueError as e:
-        parser.error(f"--lora-*: {e}")
+        fail(f"--lora-*: {e}")
+
+
+def setup(args, model, meta):
+    """--lora-rank R: wrap the loaded model in place -> the pointer to its base that checkpoints store (None: off)."""
+    if not args.lora_rank:
+        return None
+    apply_lora(model, config_from_args(args))
+    return {"source": args.source, "model_tag": args.model_tag or meta.get("model_tag"),
+            "step": args.model_step if args.model_step is not None else meta.get("step"), "hf_model": args.hf_model}
+
+
+def trained_state(model):
+    """What a checkpoint of the model stores: the adapters of a LoRA model, else the whole state dict."""
+    return lora_state_dict(model) if is_lora(model) else model.state_dict()
 
 
 def checkpoint_meta(model, base):

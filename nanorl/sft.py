@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from nanorl import fsdp
+from nanorl import fsdp, lora
 from nanorl.checkpoint import load_checkpoint, load_model, load_weights, model_path, resume_point, save_checkpoint
 from nanorl.common import (ETA, add_logging_args, autocast_ctx, compute_cleanup, compute_init, fraction, get_base_dir,
                            get_logger, int_or_off, nonneg_float, nonneg_int, positive_float, positive_int, print0)
@@ -57,6 +57,7 @@ def add_train_args(parser, stage, source, init_lr_frac, warmdown_ratio, num_epoc
     a("--device-type", default=None, choices=["cuda", "cpu", "mps"], help="default: autodetect")
     a("--no-compile", action="store_true", help="train eagerly on CUDA (default: torch.compile of the model, one graph: every batch is B x T)")
     fsdp.add_args(parser)
+    lora.add_args(parser)
 
 
 def lr_multiplier(progress, warmdown_ratio, final_frac=0.0):
@@ -96,6 +97,7 @@ def eval_loss(model, loader, max_batches, autocast):
 def train(args, stage, hub_mixture, offline_mixture):
     """Load the source checkpoint, train on packed conversations, evaluate, save, write the report section."""
     fsdp.check_args(args, {"mid": "mid_train", "sft": "chat_sft"}[stage])
+    lora.check_args(args)
     # CPU offload steps the optimizer on CPU tensors: those collectives need gloo beside NCCL
     ddp, rank, _, world_size, device = compute_init(args.device_type, seed=args.seed, cpu_collectives=args.cpu_offload)
     master = rank == 0
@@ -103,6 +105,7 @@ def train(args, stage, hub_mixture, offline_mixture):
     logger = get_logger(args.run, project=f"nanorl-{stage}", config=vars(args), master_process=master, tensorboard_dir=args.tensorboard)
     autocast = autocast_ctx(device.type)
     model, tokenizer, meta = load_model(args.source, device, phase="train", model_tag=args.model_tag, step=args.model_step, hf_model=args.hf_model)
+    lora_base = lora.setup(args, model, meta)  # --lora-rank: a frozen base and trained adapters (nanorl/lora.py)
     T = args.max_seq_len or model.config.sequence_len
     if T > model.config.sequence_len:
         raise SystemExit(f"--max-seq-len {T} exceeds the model's context {model.config.sequence_len}")
@@ -122,8 +125,9 @@ def train(args, stage, hub_mixture, offline_mixture):
         raise SystemExit(f"--total-batch-size {total} is not a multiple of device batch x T x ranks = {tokens_per_micro}")
     grad_accum = total // tokens_per_micro
     optimizer = build_optimizer(model, matrix_lr=args.matrix_lr, embedding_lr=args.embedding_lr,
-                                unembedding_lr=args.unembedding_lr, weight_decay=args.weight_decay)
-    for g in optimizer.param_groups:
+                                unembedding_lr=args.unembedding_lr, weight_decay=args.weight_decay) if not lora_base \
+        else lora.build_lora_optimizer(model, args.lora_lr, args.weight_decay)
+    for g in optimizer.param_groups if not lora_base else []:
         g["initial_lr"] = g["initial_lr"] * args.init_lr_frac
         g["lr"] = g["initial_lr"]
     loader = SFTLoader(train_task, tokenizer, args.device_batch_size, T, rank, world_size, seed=args.seed, device=device)
@@ -144,7 +148,10 @@ def train(args, stage, hub_mixture, offline_mixture):
             extra = fsdp.load_sharded(ckpt_dir, last, model, optimizer, rank)
         else:
             model_state, optim_state, _, extra = load_checkpoint(ckpt_dir, last, device=device, load_optimizer=True, rank=rank)
-            load_weights(model, model_state, model_path(ckpt_dir, last))
+            if lora_base:
+                lora.load_lora_state_dict(model, model_state, model_path(ckpt_dir, last))
+            else:
+                load_weights(model, model_state, model_path(ckpt_dir, last))
             optimizer.load_state_dict(optim_state)
         loader.load_state_dict(extra["loader"])
         step = last
@@ -153,10 +160,12 @@ def train(args, stage, hub_mixture, offline_mixture):
     def save(step):
         m = {**meta, "model_tag": output_tag, "step": step, "stage": stage, f"{stage}_args": vars(args), "world_size": world_size,
              "sharded": bool(args.fsdp)}  # (not the source model's)
+        if lora_base:  # the adapters alone, and where their base is
+            m["lora"] = lora.checkpoint_meta(model, lora_base)
         if args.fsdp:  # every rank writes its shards; `python -m nanorl.fsdp consolidate` makes the single file
             fsdp.save_sharded(ckpt_dir, step, model, optimizer, m, {"loader": loader.state_dict()}, rank, args.keep_last)
         else:
-            save_checkpoint(ckpt_dir, step, model.state_dict(), optimizer.state_dict(), meta=m,
+            save_checkpoint(ckpt_dir, step, lora.trained_state(model), optimizer.state_dict(), meta=m,
                             extra={"loader": loader.state_dict()}, rank=rank, keep_last=args.keep_last)
 
     def get_progress():

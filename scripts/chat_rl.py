@@ -181,11 +181,8 @@ if args.use_opd and roles.is_trainer:
 longest_prompt = max(len(rollout.prompt_ids(tokenizer, p)) for p in train_items + eval_items)
 if longest_prompt + 1 > model.config.sequence_len:
     raise SystemExit(f"the longest prompt has {longest_prompt} tokens, more than the model's context {model.config.sequence_len}")
-lora_base = None
-if args.lora_rank:  # LoRA: freeze the base (bf16 on CUDA), train adapters; the engine shares this model (zero sync)
-    lora.apply_lora(model, lora.config_from_args(args))
-    lora_base = {"source": args.source, "model_tag": args.model_tag or meta.get("model_tag"),
-                 "step": args.model_step if args.model_step is not None else meta.get("step"), "hf_model": args.hf_model}
+# --lora-rank: freeze the base (bf16 on CUDA) and train adapters; the engine shares this model (nothing to sync)
+lora_base = lora.setup(args, model, meta)
 engine = Engine(model, tokenizer, batch_size=args.engine_batch_size, share_weights=bool(args.lora_rank),
                 max_len=min(model.config.sequence_len, longest_prompt + args.max_response_len)) if roles.is_sampler else None
 if args.fsdp:  # the engine copied the whole model above; now shard the policy, before the optimizer is built on the shards
@@ -366,7 +363,7 @@ def save(step):
     if args.fsdp:  # every rank writes its shards (DCP); `python -m nanorl.fsdp consolidate` makes the single file
         fsdp.save_sharded(ckpt_dir, step, model, optimizer, ck_meta, extra, rank)
     else:
-        save_checkpoint(ckpt_dir, step, lora.lora_state_dict(model) if args.lora_rank else model.state_dict(),
+        save_checkpoint(ckpt_dir, step, lora.trained_state(model),
                         optimizer.state_dict(), meta=ck_meta, extra=extra,
                         rank=roles.trank, group=roles.tgroup)
 

@@ -286,3 +286,34 @@ def test_chat_rl_lora_on_an_open_model_exports_merged_and_peft(tmp_path):
     adapted = peft.PeftModel.from_pretrained(plain, str(tmp_path / "peft")).eval()
     with torch.no_grad():
         assert (adapted(ids).logits - want).abs().max().item() < 1e-4
+
+
+def test_chat_sft_lora_trains_adapters_and_resumes_bit_for_bit(base_dir):  # noqa: F811
+    import subprocess
+    import sys
+
+    from test_chat_rl import ROOT
+
+    def sft(tag, *extra):
+        env = {**os.environ, "NANORL_BASE_DIR": str(base_dir), "OMP_NUM_THREADS": "1"}
+        cmd = [sys.executable, "-m", "scripts.chat_sft", "--source", "sft", "--model-tag", "t", "--levels", "1",
+               "--num-examples", "200", "--num-iterations", "4", "--save-every", "2", "--keep-last", "5",
+               "--device-batch-size", "2", "--max-seq-len", "128", "--eval-every", "100", "--eval-tokens", "256",
+               "--device-type", "cpu", "--output-tag", tag, "--lora-rank", "4", "--lora-lr", "1e-2", *extra]
+        out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        return out.stdout
+    import shutil
+
+    from nanorl.checkpoint import load_checkpoint
+    sft("lora_sft_full")
+    d = base_dir / "sft_checkpoints"
+    shutil.copytree(d / "lora_sft_full", d / "lora_sft_resumed")  # "killed" after step 2: step 4's files dropped
+    for f in (d / "lora_sft_resumed").glob("*000004*"):
+        f.unlink()
+    assert "resumed from" in sft("lora_sft_resumed", "--resume")
+    fw, _, meta, _ = load_checkpoint(str(d / "lora_sft_full"), 4)
+    rw = load_checkpoint(str(d / "lora_sft_resumed"), 4)[0]
+    assert meta["lora"]["base"]["model_tag"] == "t" and all(".lora_" in k for k in fw)
+    assert any(v.abs().sum() > 0 for k, v in fw.items() if ".lora_B." in k)
+    assert fw.keys() == rw.keys() and all(torch.equal(fw[k], rw[k]) for k in fw)
