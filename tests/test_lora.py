@@ -317,3 +317,16 @@ def test_chat_sft_lora_trains_adapters_and_resumes_bit_for_bit(base_dir):  # noq
     assert meta["lora"]["base"]["model_tag"] == "t" and all(".lora_" in k for k in fw)
     assert any(v.abs().sum() > 0 for k, v in fw.items() if ".lora_B." in k)
     assert fw.keys() == rw.keys() and all(torch.equal(fw[k], rw[k]) for k in fw)
+
+
+def test_bench_hf_with_lora_cpu():
+    # bench hf --lora-rank: step 0 is the base model (greedy tokens exactly transformers'), the GRPO step trains the
+    # adapters through the engine that shares the model; the parameter count is the base's
+    from test_bench import bench
+    _, r = bench("hf", "--arch", "qwen2", "--size", "tiny", "--batches", "2", "--prompt-len", "6", "--new-tokens", "5",
+                 "--rl-prompts", "2", "--rl-samples", "3", "--rl-prompt-len", "5", "--rl-new-tokens", "4",
+                 "--device-type", "cpu", "--threads", "1", "--lora-rank", "4")
+    h, kv, mlp = 64, 2 * 16, 96
+    layer = (h * h + h) + 2 * (h * kv + kv) + h * h + 3 * h * mlp + 2 * h
+    assert r["lora_rank"] == 4 and r["params"] == 512 * h + 2 * layer + h
+    assert r["decode"][0]["same_token_frac"] == 1.0 and r["rl_grad_norm"] > 0
