@@ -20,6 +20,7 @@ step the model is exactly the base model, bit for bit.
 import json
 import math
 import os
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 import torch
@@ -80,9 +81,12 @@ class LoRALinear(nn.Linear):
         nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))  # the LoRA reference code's init of A
         nn.init.zeros_(self.lora_B.weight)  # B = 0: the update starts at exactly zero
         self.scaling, self.dropout = alpha / rank, dropout
+        self.enabled = True  # False inside adapters_off(): the layer is its frozen base
 
     def forward(self, x):
         out = F.linear(x, self.weight, self.bias)
+        if not self.enabled:
+            return out
         # dropout only on forwards that train: the engine's sampling and the trainer's no-grad log-probs see the
         # same deterministic model (share_weights samples from this module while it is in train mode)
         if self.dropout > 0 and self.training and torch.is_grad_enabled():
@@ -176,6 +180,31 @@ def merge_lora(model):
     if hasattr(model, "lora_config"):
         del model.lora_config
     return model
+
+
+@contextmanager
+def adapters_off(model):
+    """Run the model as its frozen base: every adapter skipped until the block ends."""
+    layers = [m for _, m in lora_layers(model)]
+    for m in layers:
+        m.enabled = False
+    try:
+        yield model
+    finally:
+        for m in layers:
+            m.enabled = True
+
+
+class Reference:
+    """The KL reference of a LoRA run at no memory cost: the policy's own model with its adapters off (the base is
+    exactly the model RL started from). Has what the RL trainer reads of a reference: config and token_logprobs."""
+
+    def __init__(self, model):
+        self.model, self.config = model, model.config
+
+    def token_logprobs(self, *args, **kwargs):
+        with torch.no_grad(), adapters_off(self.model):
+            return self.model.token_logprobs(*args, **kwargs)
 
 
 def build_lora_optimizer(model, lr, weight_decay=0.0, betas=(0.9, 0.999)):

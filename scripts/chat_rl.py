@@ -162,7 +162,8 @@ model, tokenizer, meta = load_model(args.source, device, phase="train", model_ta
                                    hf_model=args.hf_model)
 if args.multi_turn and tokenizer.encode_special("<|python_start|>") is None:
     parser.error(f"--multi-turn: this model's tokenizer has no tool-call tokens ({args.hf_model or args.source})")
-ref_model = copy.deepcopy(model).eval().requires_grad_(False) if (args.use_kl_loss or args.kl_coef > 0) and roles.is_trainer else None
+ref_model = copy.deepcopy(model).eval().requires_grad_(False) if (args.use_kl_loss or args.kl_coef > 0) and roles.is_trainer \
+    and not args.lora_rank else None
 critic = critic_optimizer = teacher = None
 if args.advantage_estimator == "ppo" and roles.is_trainer:
     critic = Critic(model).to(device)
@@ -183,6 +184,8 @@ if longest_prompt + 1 > model.config.sequence_len:
     raise SystemExit(f"the longest prompt has {longest_prompt} tokens, more than the model's context {model.config.sequence_len}")
 # --lora-rank: freeze the base (bf16 on CUDA) and train adapters; the engine shares this model (nothing to sync)
 lora_base = lora.setup(args, model, meta)
+if lora_base and (args.use_kl_loss or args.kl_coef > 0) and roles.is_trainer:
+    ref_model = lora.Reference(model)  # the KL reference is the policy with its adapters off: no second copy
 engine = Engine(model, tokenizer, batch_size=args.engine_batch_size, share_weights=bool(args.lora_rank),
                 max_len=min(model.config.sequence_len, longest_prompt + args.max_response_len)) if roles.is_sampler else None
 if args.fsdp:  # the engine copied the whole model above; now shard the policy, before the optimizer is built on the shards

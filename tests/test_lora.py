@@ -10,6 +10,7 @@ from nanorl.engine import Engine, Request
 from nanorl.gpt import GPTConfig, build_model
 from nanorl.lora import (
     LoraConfig,
+    Reference,
     adapter_params,
     apply_lora,
     base_state_dict,
@@ -123,6 +124,19 @@ def test_only_adapters_change_and_the_base_is_bit_identical():
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_reference_is_the_base_with_adapters_off():
+    # the KL reference of a LoRA run: the trained model with its adapters skipped gives the base's log-probs exactly
+    base = tiny(**SWIGLU)
+    model = apply_lora(copy.deepcopy(base), LoraConfig(rank=4, alpha=8))
+    randomize_adapters(model)
+    x = batch()
+    ref = Reference(model).token_logprobs(x[:, :-1], x[:, 1:])
+    with torch.no_grad():
+        assert torch.equal(ref, base.token_logprobs(x[:, :-1], x[:, 1:]))
+        assert not torch.equal(model.token_logprobs(x[:, :-1], x[:, 1:]), ref)  # and the adapters are back on
+    assert not ref.requires_grad
+
+
 def trainer_logprobs(model, prompt, tokens, temperature):
     seq = torch.tensor([list(prompt) + list(tokens)])
     with torch.no_grad():
@@ -194,7 +208,8 @@ from test_chat_rl import RM, base_dir, final_weights, run_rl  # noqa: E402,F401 
 
 def test_chat_rl_lora_resumes_bit_for_bit_and_saves_only_adapters(base_dir):  # noqa: F811
     import json
-    flags = ["--lora-rank", "4", "--lora-lr", "3e-2", "--temperature", "0.7"]
+    # with a KL loss: its reference is the policy with the adapters off
+    flags = ["--lora-rank", "4", "--lora-lr", "3e-2", "--temperature", "0.7", "--use-kl-loss", "--kl-loss-coef", "0.1"]
     full, _ = run_rl(base_dir, "--num-rollouts", "4", "--save-interval", "2", "--output-tag", "lora_full", *flags)
     run_rl(base_dir, "--num-rollouts", "2", "--save-interval", "2", "--output-tag", "lora_resumed", *flags)
     res, log = run_rl(base_dir, "--num-rollouts", "4", "--save-interval", "2", "--output-tag", "lora_resumed",
@@ -202,6 +217,7 @@ def test_chat_rl_lora_resumes_bit_for_bit_and_saves_only_adapters(base_dir):  # 
     assert "resumed from" in log and [h["step"] for h in res["train"]] == [1, 2, 3, 4]
     first = full["train"][0]
     assert first["train/first_step_ppo_kl"] == 0.0 and first["time/weight_sync"] < 1e-3  # nothing to sync
+    assert first["train/kl_loss"] == 0.0 and full["train"][-1]["train/kl_loss"] > 0  # step 0 is the reference
     for h in full["train"]:  # the engine samples through the live adapters: its log-probs are the trainer's
         assert h["train/train_rollout_logprob_abs_diff"] < 1e-4
     for a, b in zip(full["train"][2:], res["train"][2:]):
