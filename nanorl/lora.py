@@ -101,7 +101,8 @@ class LoRALinear(nn.Linear):
 
 
 def target_layers(model, cfg):
-    """[(name, Linear)] of the layers cfg.targets wraps, in model order (absent ones, c_gate in ReLU^2 MLPs, skipped)."""
+    """[(name, Linear)] of the layers cfg.targets wraps, in model order (absent ones are skipped: c_gate in ReLU^2
+    MLPs)."""
     wanted = [n for t in cfg.targets for n in TARGETS[t]]
     out = []
     for i, block in enumerate(model.transformer.h):
@@ -223,10 +224,13 @@ def build_lora_optimizer(model, lr, weight_decay=0.0, betas=(0.9, 0.999)):
 
 def add_args(parser):
     g = parser.add_argument_group("LoRA (nanorl/lora.py)")
-    g.add_argument("--lora-rank", type=int, default=0, help="train rank-R adapters on a frozen base (0: train every weight)")
-    g.add_argument("--lora-alpha", type=float, default=None, help="adapter scale alpha (update = alpha/R B A; default 2R)")
+    g.add_argument("--lora-rank", type=int, default=0,
+                   help="train rank-R adapters on a frozen base (0: train every weight)")
+    g.add_argument("--lora-alpha", type=float, default=None,
+                   help="adapter scale alpha (update = alpha/R B A; default 2R)")
     g.add_argument("--lora-targets", default="qkv,o,mlp", help="layers to adapt: any of qkv, o, mlp, comma-separated")
-    g.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the adapters' input (training forwards only)")
+    g.add_argument("--lora-dropout", type=float, default=0.0,
+                   help="dropout on the adapters' input (training forwards only)")
     g.add_argument("--lora-lr", type=float, default=1e-3, help="AdamW LR of the adapters (--lr-scale does not apply)")
 
 
@@ -301,7 +305,8 @@ def peft_state_dict(model):
     for name, t in lora_state_dict(model).items():
         _, _, i, rest = name.split(".", 3)  # transformer.h.{i}.<layer>.lora_X.weight
         layer, _, tail = rest.partition(".lora_")
-        out[f"base_model.model.model.layers.{i}.{HF_MODULES[layer]}.lora_{tail}"] = t.detach().float().cpu().contiguous()
+        key = f"base_model.model.model.layers.{i}.{HF_MODULES[layer]}.lora_{tail}"
+        out[key] = t.detach().float().cpu().contiguous()
     return out
 
 
