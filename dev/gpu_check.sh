@@ -8,6 +8,7 @@
 # 256 new tokens, the engine RL samples with), bench rl d20 (16 prompts x 16 samples, 256 new tokens), bench train d20
 # --fsdp (FSDP2 over one rank: its cost against plain d20, and the sampler weight-gather time), bench hf (Qwen2.5-0.5B's
 # shape on random weights: --hf-model load, nanorl vs transformers greedy decode at batch 1/64/256, a GRPO step), and
+# bench hf --size 7b --lora-rank 16 (LoRA RL of Qwen2.5-7B's shape on one GPU, docs/lora.md: outside the 8 minutes), and
 # writes one markdown table of the figures to OUT.md. Each step's full output is kept in OUT_logs/ next to OUT.md.
 # The CPU mode runs the same steps at tiny sizes: its figures say the command works, not how fast anything is.
 # Exit status 1 if any step failed (the table still lists every step, failures included). Needs the test
@@ -49,6 +50,10 @@ if [ $MODE = gpu ]; then
     step train "train d20 --fsdp" $PY -m scripts.bench train --depth 20 --n-kv-head 2 --batch 32 --seq-len 2048 --warmup 2 --steps 3 --fsdp
     step hf "hf qwen2 0.5b" $PY -m scripts.bench hf --arch qwen2 --size 0.5b --batches 1 64 256 --prompt-len 128 --new-tokens 128 \
         --rl-prompts 8 --rl-samples 8 --rl-prompt-len 150 --rl-new-tokens 256
+    # LoRA: a frozen bf16 7B base the engine shares, rank-16 adapters trained (full-weight RL of this shape needs ~110 GB)
+    step hf "hf qwen2 7b --lora-rank 16" $PY -m scripts.bench hf --arch qwen2 --size 7b --batches 1 64 --prompt-len 128 \
+        --new-tokens 128 --rl-prompts 16 --rl-samples 16 --rl-prompt-len 150 --rl-new-tokens 256 --max-tokens-per-gpu 4096 \
+        --lora-rank 16
 else
     TINY="--head-dim 64 --vocab-size 4096 --device-type cpu --threads 1"
     step train "train d2" $PY -m scripts.bench train --depth 2 --batch 2 --seq-len 64 --warmup 1 --steps 2 $TINY
@@ -59,5 +64,8 @@ else
     step train "train d2 --fsdp" $PY -m scripts.bench train --depth 2 --batch 2 --seq-len 64 --warmup 1 --steps 2 --fsdp $TINY
     step hf "hf qwen2 tiny" $PY -m scripts.bench hf --arch qwen2 --size tiny --batches 1 2 4 --prompt-len 8 --new-tokens 8 \
         --rl-prompts 2 --rl-samples 2 --rl-prompt-len 8 --rl-new-tokens 8 --device-type cpu --threads 1
+    step hf "hf qwen2 tiny --lora-rank 4" $PY -m scripts.bench hf --arch qwen2 --size tiny --batches 1 2 --prompt-len 8 \
+        --new-tokens 8 --rl-prompts 2 --rl-samples 2 --rl-prompt-len 8 --rl-new-tokens 8 --device-type cpu --threads 1 \
+        --lora-rank 4
 fi
 $PY dev/gpu_table.py "$LOGS" "$OUT" $MODE $(( $(date +%s) - T0 ))

@@ -26,6 +26,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import FSDPModule
 
+from nanorl import lora
 from nanorl.common import get_base_dir, nonneg_int, print0
 from nanorl.errors import BadValue, MissingFile, Unreadable, read_json_object
 from nanorl.gpt import GPTConfig
@@ -259,8 +260,9 @@ def save(checkpoint_dir, step, model, optimizer, meta, extra=None, rank=0, keep_
     if isinstance(model, FSDPModule):
         save_sharded(checkpoint_dir, step, model, optimizer, meta, extra, rank, keep_last)
     else:
-        save_checkpoint(checkpoint_dir, step, model.state_dict(), optimizer.state_dict(), {**meta, "sharded": False},
-                        extra, rank, keep_last, group)
+        # a LoRA model stores its adapters alone (meta["lora"] says where their base is)
+        save_checkpoint(checkpoint_dir, step, lora.trained_state(model), optimizer.state_dict(),
+                        {**meta, "sharded": False}, extra, rank, keep_last, group)
 
 
 def resume(checkpoint_dir, model, optimizer, rank=0, world_size=1, model_config=None):
@@ -277,7 +279,10 @@ def resume(checkpoint_dir, model, optimizer, rank=0, world_size=1, model_config=
         return step, meta, load_sharded(checkpoint_dir, step, model, optimizer, rank)
     device = next(model.parameters()).device
     model_state, optim_state, _, extra = load_checkpoint(checkpoint_dir, step, device, load_optimizer=True, rank=rank)
-    load_weights(model, model_state, model_path(checkpoint_dir, step))
+    if lora.is_lora(model):
+        lora.load_lora_state_dict(model, model_state, model_path(checkpoint_dir, step))
+    else:
+        load_weights(model, model_state, model_path(checkpoint_dir, step))
     optimizer.load_state_dict(optim_state)
     return step, meta, extra
 
@@ -304,6 +309,9 @@ def load_model_dir(checkpoint_dir, step=None, device="cpu", phase="eval"):
     from nanorl.tokenizer import get_tokenizer
     step = find_last_step(checkpoint_dir) if step is None else step
     model_state, _, meta, _ = load_checkpoint(checkpoint_dir, step, device=device)
+    if meta.get("lora"):  # adapters only, and a pointer to their base: nanorl/lora.py builds the merged model
+        from nanorl.lora import load_lora_checkpoint
+        return load_lora_checkpoint(meta, model_state, model_path(checkpoint_dir, step), device, phase)
     config = model_config(meta, os.path.join(checkpoint_dir, f"meta_{step:06d}.json"))
     model = build_gpt(config, device)
     load_weights(model, model_state, model_path(checkpoint_dir, step))
@@ -353,6 +361,14 @@ def load_model(source, device, phase="eval", model_tag=None, step=None, hf_model
     or, with hf_model, a Hugging Face model directory (Llama-3, Qwen2/2.5, Qwen3, NanoChat) instead."""
     if hf_model is not None:
         return load_hf(hf_model, device, phase)
+    checkpoint_dir = find_checkpoint_dir(source, model_tag)
+    model, tokenizer, meta = load_model_dir(checkpoint_dir, step, device, phase)
+    meta.setdefault("model_tag", os.path.basename(checkpoint_dir))
+    return model, tokenizer, meta
+
+
+def find_checkpoint_dir(source, model_tag=None):
+    """<base>/{source}_checkpoints/{model_tag}; model_tag None: the newest tag holding a complete step."""
     root = checkpoint_root(source)
     tags = [t for t in (os.listdir(root) if os.path.isdir(root) else []) if find_last_step(os.path.join(root, t)) is not None]
     if model_tag is None:
@@ -361,9 +377,7 @@ def load_model(source, device, phase="eval", model_tag=None, step=None, hf_model
         model_tag = max(tags, key=lambda t: os.path.getmtime(os.path.join(root, t)))
     elif model_tag not in tags:
         raise MissingFile(f"no {source} checkpoint tagged {model_tag!r} in {root}; found: {tags or 'none'}")
-    model, tokenizer, meta = load_model_dir(os.path.join(root, model_tag), step, device, phase)
-    meta.setdefault("model_tag", model_tag)
-    return model, tokenizer, meta
+    return os.path.join(root, model_tag)
 
 
 def add_model_args(parser, source="sft", short=False, hf_model=True):

@@ -10,6 +10,7 @@ Benchmarks on a random-init model of a given size: print the numbers, then one f
     python -m scripts.bench rl --depth 20 --prompts 16 --samples 16 --prompt-len 150 --new-tokens 256
     python -m scripts.bench rl --depth 2 --prompts 4 --samples 4 --prompt-len 32 --new-tokens 32 --vocab-size 4096 --threads 1  # CPU
     python -m scripts.bench hf --arch qwen2 --size 0.5b --batches 1 64 256  # Qwen2.5-0.5B's shape, random weights
+    python -m scripts.bench hf --size 7b --batches 1 64 --lora-rank 16  # Qwen2.5-7B's shape, RL with LoRA on one GPU
     python -m scripts.bench hf --size tiny --batches 1 2 --prompt-len 8 --new-tokens 8 --rl-prompt-len 8 --rl-new-tokens 8  # CPU
     python -m scripts.bench serve http://127.0.0.1:8000 --clients 64 --max-tokens 128  # a running chat_web server
 """
@@ -309,6 +310,8 @@ def bench_rl(args):
 # Qwen2.5-0.5B's shape (its config.json); --size tiny is a CPU-sized model of the same architecture
 HF_SIZES = {"0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                          intermediate_size=4864, vocab_size=151936),
+            "7b": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                       intermediate_size=18944, vocab_size=152064),
             "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          intermediate_size=96, vocab_size=512)}
 
@@ -320,9 +323,9 @@ def save_random_hf(directory, arch, size, context, device, dtype):
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     torch.manual_seed(0)
-    shape = dict(HF_SIZES[size], max_position_embeddings=max(context, 32768 if size == "0.5b" else context))
+    shape = dict(HF_SIZES[size], max_position_embeddings=max(context, 32768 if size != "tiny" else context))
     if arch == "qwen2":
-        cfg, cls = transformers.Qwen2Config(**shape, tie_word_embeddings=True, rope_theta=1000000.0, rms_norm_eps=1e-6), transformers.Qwen2ForCausalLM
+        cfg, cls = transformers.Qwen2Config(**shape, tie_word_embeddings=size != "7b", rope_theta=1000000.0, rms_norm_eps=1e-6), transformers.Qwen2ForCausalLM
     else:
         cfg, cls = transformers.LlamaConfig(**shape, tie_word_embeddings=False, rms_norm_eps=1e-5), transformers.LlamaForCausalLM
     if size == "tiny":
@@ -382,11 +385,14 @@ def bench_hf(args):
         model, tokenizer, _ = load_hf(directory, device, phase="train")  # chat_rl --hf-model: fp32 master weights
         synchronize(device_type)
         load_s = time.perf_counter() - t0
+        if args.lora_rank:  # chat_rl --lora-rank: the base frozen (bf16 on CUDA), adapters trained, the engines share it
+            from nanorl.lora import LoraConfig, apply_lora, build_lora_optimizer
+            apply_lora(model, LoraConfig(args.lora_rank, 2.0 * args.lora_rank))
         load_mem = peak_memory_gb(device_type)
         hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).to(device).eval()
     hf.generation_config.eos_token_id = None  # as the engine's stop_tokens=[]: every row runs N tokens
     hf.generation_config.pad_token_id = 0
-    params = model.num_params()
+    params = sum(p.numel() for k, p in model.named_parameters() if ".lora_" not in k)  # the base's
     print(f"hf | {name} | {args.arch} {args.size} random weights ({params / 1e6:.1f}M params, {model.config.n_layer} layers, "
           f"width {model.config.n_embd}, {model.config.n_head} heads / {model.config.n_kv_head} kv, vocab {model.config.vocab_size:,}) | "
           f"saved {disk / 1e9:.2f} GB in {save_s:.1f}s | --hf-model load {load_s:.2f}s, peak memory {load_mem:.2f} GB")
@@ -397,7 +403,8 @@ def bench_hf(args):
     decode = []
     for B in batches:
         prompts = torch.randint(0, tok_vocab, (B, P), generator=g)
-        engine = Engine(model, tokenizer, batch_size=B, max_len=P + N)  # the engine chat_rl samples with (bf16 on CUDA)
+        engine = Engine(model, tokenizer, batch_size=B, max_len=P + N,  # the engine chat_rl samples with (bf16 on CUDA)
+                        share_weights=bool(args.lora_rank))
 
         def run_engine(n_new):
             reqs = [Request(p, max_tokens=n_new, temperature=0.0, stop_tokens=[], use_tools=False) for p in prompts.tolist()]
@@ -433,8 +440,11 @@ def bench_hf(args):
 
     # one GRPO step of chat_rl's trainer on the loaded model (after an untimed warm-up step)
     n_prompts, n, RP, RN = args.rl_prompts, args.rl_samples, args.rl_prompt_len, args.rl_new_tokens
-    optimizer = build_optimizer(model, lr_scale=0.05)  # chat_rl's default --lr-scale
-    engine = Engine(model, tokenizer, batch_size=n_prompts * n, max_len=RP + RN)
+    if args.lora_rank:  # adapters only (the engine then samples through the trainer's model: nothing to sync)
+        optimizer = build_lora_optimizer(model, 1e-3)
+    else:
+        optimizer = build_optimizer(model, lr_scale=0.05)  # chat_rl's default --lr-scale
+    engine = Engine(model, tokenizer, batch_size=n_prompts * n, max_len=RP + RN, share_weights=bool(args.lora_rank))
     rl_prompts = torch.randint(0, tok_vocab, (n_prompts, RP), generator=g).tolist()
     rl_step = grpo_stepper(model, optimizer, engine, rl_prompts, n, RN, args.max_tokens_per_gpu, device)
     rl_step(0)
@@ -444,6 +454,7 @@ def bench_hf(args):
           f"({gen_tok / t_roll:,.0f} tok/s) + train {t_train:.2f}s ({train_tok / t_train:,.0f} tok/s) = {t_roll + t_train:.2f}s; "
           f"peak memory {rl_mem:.2f} GB")
     print(json.dumps({"bench": "hf", "device": name, "arch": args.arch, "size": args.size, "params": params,
+                      "lora_rank": args.lora_rank,
                       "vocab_size": model.config.vocab_size, "tokenizer_vocab": tok_vocab, "save_s": round(save_s, 3),
                       "load_s": round(load_s, 3), "load_peak_mem_gb": round(load_mem, 3), "prompt_len": P, "new_tokens": N,
                       "decode": decode, "rl_prompts": n_prompts, "rl_samples": n, "rl_rollout_s": round(t_roll, 6),
@@ -555,7 +566,8 @@ def main():
     p.set_defaults(func=bench_rl)
     p = sub.add_parser("hf", help="a Hugging Face model's shape on random weights: --hf-model load, nanorl vs transformers decode, a GRPO step")
     p.add_argument("--arch", choices=["qwen2", "llama"], default="qwen2", help="transformers architecture (qwen2: Qwen2.5's)")
-    p.add_argument("--size", choices=sorted(HF_SIZES), default="0.5b", help="0.5b: Qwen2.5-0.5B's shape; tiny: a CPU-sized one")
+    p.add_argument("--size", choices=sorted(HF_SIZES), default="0.5b", help="0.5b / 7b: Qwen2.5's shapes; tiny: a CPU-sized one")
+    p.add_argument("--lora-rank", type=nonneg_int, default=0, help="RL with rank-R LoRA adapters on a frozen base (0: full weights)")
     p.add_argument("--batches", type=positive_int, nargs="+", default=[1, 64, 256], help="decode batch sizes")
     p.add_argument("--prompt-len", type=positive_int, default=128, help="prompt tokens per request")
     p.add_argument("--new-tokens", type=positive_int, default=128, help="greedy tokens per row, all generated (no stop tokens)")

@@ -18,7 +18,6 @@ group).
 """
 import copy
 import os
-import random
 import sys
 import time
 import traceback
@@ -26,10 +25,10 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from nanorl import fsdp, prompts, rewards, rl, rl_async, rl_trainer, rollout
-from nanorl.checkpoint import load_checkpoint, load_model, load_model_dir, resume_point, save_checkpoint
+from nanorl import checkpoint, fsdp, lora, prompts, rewards, rl, rl_async, rl_trainer, rollout
+from nanorl.checkpoint import add_model_args, load_model, load_model_dir, load_model_from_args, rng_state, set_rng_state
 from nanorl.common import (ETA, ArgumentParser, Timer, add_logging_args, compute_cleanup, compute_init, get_base_dir,
-                           get_logger, int_list, load_function, mean_over_ranks, nonneg_float, nonneg_int, positive_float,
+                           get_logger, int_list, load_function, mean_over_ranks, nonneg_float, positive_float,
                            positive_int, print0)
 from nanorl.engine import Engine
 from nanorl.execution import require_sandbox, sandbox_mode
@@ -43,11 +42,7 @@ from tasks import get_task
 # flags: the core ones here; rollout, reward, training-step and async flags next to the code they configure
 parser = ArgumentParser(description="RL on a chat model (GRPO family)")
 g = parser.add_argument_group("model and data")
-g.add_argument("--source", default="sft", choices=["base", "mid", "sft", "rl"], help="checkpoint to start from")
-g.add_argument("--hf-model", default=None, metavar="DIR", help="start from a Hugging Face model directory (Qwen2/2.5, "
-               "Qwen3, Llama-3) instead of --source")
-g.add_argument("--model-tag", default=None, help="checkpoint subdirectory (default: newest)")
-g.add_argument("--model-step", "--step", type=nonneg_int, default=None, help="checkpoint step (default: last)")
+add_model_args(g, "sft")  # --source, --model-tag, --model-step, --hf-model
 g.add_argument("--task", default="offline", help="RL prompts: offline (the synthetic curriculum) or gsm8k")
 g.add_argument("--task-path", default=None, help="local jsonl/parquet for the task instead of downloading")
 g.add_argument("--levels", type=levels_flag, default="1,2,3,4", help="offline task: difficulty levels of the prompts")
@@ -84,7 +79,8 @@ rewards.add_args(parser)
 rl_trainer.add_args(parser)
 rl_async.add_args(parser)
 fsdp.add_args(parser.add_argument_group("sharding (nanorl/fsdp.py)"))
-args = parser.parse_args(sys.argv[1:] if sys.argv[1:2] != ["--"] else sys.argv[2:])
+lora.add_args(parser)
+args = parser.parse_args()
 
 # -----------------------------------------------------------------------------------------------
 # configs: each part's flags checked and turned into its config once, here; the flags themselves stay as given
@@ -98,6 +94,7 @@ for on, flag in ((args.async_mode, "--async"), (trainer_cfg.needs_critic, "--adv
                  (args.use_opd, "--use-opd (its teacher)")):
     if args.fsdp and on:
         parser.error(f"--fsdp does not work with {flag}: only the policy is sharded")
+lora.check_args(args, parser)  # before fsdp's: --lora-rank with --fsdp is refused whatever the launcher
 fsdp.check_args(args, "chat_rl")
 pass_ks, n = args.pass_k, args.n_samples_per_prompt
 if max(pass_ks) > args.n_samples_per_eval_prompt:
@@ -185,12 +182,11 @@ logger = get_logger(args.run, project="nanorl-rl", config=vars(args), master_pro
                     tensorboard_dir=args.tensorboard)
 
 # the policy, and what the options add: a frozen reference (KL), a critic (ppo), a teacher (on-policy distillation)
-model, tokenizer, meta = load_model(args.source, device, phase="train", model_tag=args.model_tag, step=args.model_step,
-                                   hf_model=args.hf_model)
+model, tokenizer, meta = load_model_from_args(args, device, phase="train")
 if rollout_cfg.multi_turn and tokenizer.encode_special("<|python_start|>") is None:
     parser.error(f"--multi-turn: this model's tokenizer has no tool-call tokens ({args.hf_model or args.source})")
 ref_model = copy.deepcopy(model).eval().requires_grad_(False) \
-    if trainer_cfg.needs_reference and roles.is_trainer else None
+    if trainer_cfg.needs_reference and roles.is_trainer and not args.lora_rank else None
 critic = critic_optimizer = teacher = None
 if trainer_cfg.needs_critic and roles.is_trainer:
     critic = Critic(model).to(device)
@@ -211,15 +207,19 @@ longest_prompt = max(len(prompts.prompt_ids(tokenizer, p)) for p in train_items 
 if longest_prompt + 1 > model.config.sequence_len:
     raise SystemExit(f"the longest prompt has {longest_prompt} tokens, more than the model's context "
                      f"{model.config.sequence_len}")
-engine = Engine(model, tokenizer, batch_size=args.engine_batch_size,
+# --lora-rank: freeze the base (bf16 on CUDA) and train adapters; the engine shares this model (nothing to sync)
+lora_base = lora.setup(args, model, meta)
+if lora_base and trainer_cfg.needs_reference and roles.is_trainer:
+    ref_model = lora.Reference(model)  # the KL reference is the policy with its adapters off: no second copy
+engine = Engine(model, tokenizer, batch_size=args.engine_batch_size, share_weights=bool(lora_base),
                 max_len=min(model.config.sequence_len, longest_prompt + args.max_response_len)) \
     if roles.is_sampler else None
 if args.fsdp:  # the engine copied the whole model above; now shard the policy, before the optimizer is built on it
     fsdp.shard_model(model, device, args.activation_checkpointing, args.cpu_offload)
-optimizer = build_optimizer(model, weight_decay=args.weight_decay)
-for pg in optimizer.param_groups:
-    pg["initial_lr"] = pg["initial_lr"] * args.lr_scale
-    pg["lr"] = pg["initial_lr"]
+if lora_base:  # AdamW on the adapters alone, at its own rate (--lora-lr)
+    optimizer = lora.build_lora_optimizer(model, args.lora_lr, args.weight_decay)
+else:
+    optimizer = build_optimizer(model, weight_decay=args.weight_decay, lr_scale=args.lr_scale)
 trainer = rl_trainer.Trainer(trainer_cfg, model, optimizer, device, ref_model, critic, critic_optimizer, teacher,
                              group=roles.tgroup, world=roles.tworld, distributed=ddp) if roles.is_trainer else None
 output_tag = args.output_tag or meta.get("model_tag") or args.model_tag or "d"
@@ -362,17 +362,15 @@ def should_save(step):
 
 
 def save(step):
-    extra = {"source": source.state_dict(), "buffer": buffer.state_dict(), "py_rng": random.getstate(),
-             "torch_rng": torch.get_rng_state()}
+    extra = {"source": source.state_dict(), "buffer": buffer.state_dict(), **rng_state(device)}
     if critic is not None:  # every training rank keeps the same critic (averaged gradients): each saves it
         extra.update(critic=critic.state_dict(), critic_optim=critic_optimizer.state_dict())
-    ck_meta = {**meta, "model_tag": output_tag, "step": step, "rl_args": vars(args), "world_size": world_size,
-               "sharded": args.fsdp}  # (not the source model's flags)
-    if args.fsdp:  # every rank writes its shards (DCP); `python -m nanorl.fsdp consolidate` makes the single file
-        fsdp.save_sharded(ckpt_dir, step, model, optimizer, ck_meta, extra, rank)
-    else:
-        save_checkpoint(ckpt_dir, step, model.state_dict(), optimizer.state_dict(), meta=ck_meta, extra=extra,
-                        rank=roles.trank, group=roles.tgroup)
+    ck_meta = {**meta, "model_tag": output_tag, "step": step, "rl_args": vars(args),
+               "world_size": world_size}  # (not the source model's flags)
+    if lora_base:  # the adapters alone, and where their base is
+        ck_meta["lora"] = lora.checkpoint_meta(model, lora_base)
+    # --fsdp: every rank writes its shards (DCP; `python -m nanorl.fsdp consolidate` makes the single file)
+    checkpoint.save(ckpt_dir, step, model, optimizer, ck_meta, extra, rank=roles.trank, group=roles.tgroup)
 
 
 def weights_checksum():
@@ -381,21 +379,14 @@ def weights_checksum():
 
 start_step = 0
 if args.resume:
-    last, ck_meta = resume_point(ckpt_dir, world_size, args.fsdp)
-    if args.fsdp:  # the DCP shards of model and optimizer; meta and this rank's extra state beside them
-        extra = fsdp.load_sharded(ckpt_dir, last, model, optimizer, rank)
-    else:
-        model_state, optim_state, _, extra = load_checkpoint(ckpt_dir, last, device=device, load_optimizer=True,
-                                                             rank=rank)
-        model.load_state_dict(model_state)
-        optimizer.load_state_dict(optim_state)
+    # model and optimizer (their shards with --fsdp, the adapters with --lora-rank); this rank's extra state
+    last, ck_meta, extra = checkpoint.resume(ckpt_dir, model, optimizer, rank, world_size)
     source.load_state_dict(extra["source"])
     buffer.load_state_dict(extra["buffer"])
     if critic is not None:
         critic.load_state_dict(extra["critic"])
         critic_optimizer.load_state_dict(extra["critic_optim"])
-    random.setstate(extra["py_rng"])
-    torch.set_rng_state(extra["torch_rng"])
+    set_rng_state(extra, device)
     start_step = last
     if args.fsdp:  # the engine's copy was made from the weights before the resume
         fsdp.gather_full_state(model, engine.model)

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from nanorl import fsdp
+from nanorl import fsdp, lora
 from nanorl.checkpoint import add_model_args, load_model_from_args, resume, save
 from nanorl.common import (ETA, ArgumentParser, add_logging_args, autocast_ctx, compute_cleanup, compute_init, fraction,
                            get_base_dir, get_logger, int_or_off, nonneg_float, nonneg_int, positive_float, positive_int,
@@ -77,6 +77,7 @@ def add_train_args(parser, stage, source, init_lr_frac, warmdown_ratio, num_epoc
     a("--no-compile", action="store_true",
       help="train eagerly on CUDA (default: torch.compile of the model, one graph: every batch is B x T)")
     fsdp.add_args(parser)
+    lora.add_args(parser)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -185,6 +186,7 @@ def train(args, stage, train_task, val_task, data_desc):
                         tensorboard_dir=args.tensorboard)
     autocast = autocast_ctx(device.type)
     model, tokenizer, meta = load_model_from_args(args, device, phase="train")
+    lora_base = lora.setup(args, model, meta)  # --lora-rank: a frozen base and trained adapters (nanorl/lora.py)
     T = args.max_seq_len or model.config.sequence_len
     if T > model.config.sequence_len:
         raise SystemExit(f"--max-seq-len {T} exceeds the model's context {model.config.sequence_len}")
@@ -192,9 +194,12 @@ def train(args, stage, train_task, val_task, data_desc):
            f"{world_size} rank(s) on {device}, rows of {T} tokens")
     compiled = shard_and_compile(model, args, device, world_size)
     total, grad_accum = batch_plan(args.device_batch_size, args.total_batch_size, T, world_size)
-    optimizer = build_optimizer(model, matrix_lr=args.matrix_lr, embedding_lr=args.embedding_lr,
-                                unembedding_lr=args.unembedding_lr, weight_decay=args.weight_decay,
-                                lr_scale=args.init_lr_frac)
+    if lora_base:
+        optimizer = lora.build_lora_optimizer(model, args.lora_lr, args.weight_decay)
+    else:
+        optimizer = build_optimizer(model, matrix_lr=args.matrix_lr, embedding_lr=args.embedding_lr,
+                                    unembedding_lr=args.unembedding_lr, weight_decay=args.weight_decay,
+                                    lr_scale=args.init_lr_frac)
     loader = SFTLoader(train_task, tokenizer, args.device_batch_size, T, rank, world_size, seed=args.seed,
                        device=device)
     # a fresh one per eval; pool_size=1 packs in order: best-fit would put the longest conversations first, and an
@@ -209,6 +214,8 @@ def train(args, stage, train_task, val_task, data_desc):
     def checkpoint(step):  # under --fsdp every rank writes its shards; `python -m nanorl.fsdp consolidate` joins them
         ck_meta = {**meta, "model_tag": output_tag, "step": step, "stage": stage, f"{stage}_args": vars(args),
                    "world_size": world_size}  # (not the source model's)
+        if lora_base:  # the adapters alone, and where their base is
+            ck_meta["lora"] = lora.checkpoint_meta(model, lora_base)
         save(ckpt_dir, step, model, optimizer, ck_meta, {"loader": loader.state_dict()}, rank, args.keep_last)
 
     step = 0
@@ -309,6 +316,7 @@ def main():
     add_train_args(parser, "sft", source="mid", init_lr_frac=0.02, warmdown_ratio=1.0, num_epochs=1)
     args = parser.parse_args()
     fsdp.check_args(args, "chat_sft")
+    lora.check_args(args, parser)
     train(args, "sft", *build_data(args, hub_mixture, offline_mixture))
 
 

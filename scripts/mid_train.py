@@ -9,7 +9,7 @@ The training loop is SFT's: train() in scripts/chat_sft.py, called here with mid
     python -m scripts.mid_train --data hub --identity-path identity.jsonl
     torchrun --nproc_per_node=8 -m scripts.mid_train --data hub --device-batch-size 32
 """
-from nanorl import fsdp
+from nanorl import fsdp, lora
 from nanorl.common import ArgumentParser
 from nanorl.sft_data import build_data, levels
 from scripts.chat_sft import add_train_args, train
@@ -50,6 +50,7 @@ def main():
     add_train_args(parser, "mid", source="base", init_lr_frac=1.0, warmdown_ratio=0.2, num_epochs=1)
     args = parser.parse_args()
     fsdp.check_args(args, "mid_train")
+    lora.check_args(args, parser)
     train(args, "mid", *build_data(args, hub_mixture, offline_mixture))
 
 
