@@ -2,6 +2,10 @@
 The run report: every stage writes its own section (a small markdown file under <base>/report/), and
 `generate()` stitches them into report.md. Sections are written atomically, so a crash never leaves a
 half-written one, and a rerun of a stage replaces only its own section.
+
+The pipeline's report stays the pipeline's: once speedrun.sh has finished a stage (a marker in <base>/done/), a
+run outside it (NANORL_PIPELINE unset) writes its section, card numbers and plot data to <base>/report/adhoc/
+instead, says so, and report.md lists it under "Ad-hoc runs", apart from the card.
 """
 import datetime
 import os
@@ -11,6 +15,32 @@ from nanorl.common import get_base_dir
 
 def report_dir():
     d = os.path.join(get_base_dir(), "report")
+    os.makedirs(d, exist_ok=True)
+    return d
+
+
+def _stage_seconds():
+    """{stage: seconds} from speedrun.sh's markers in <base>/done/ (each holds its stage's own run time)."""
+    d = os.path.join(get_base_dir(), "done")
+    out = {}
+    for name in sorted(os.listdir(d)) if os.path.isdir(d) else []:
+        try:
+            with open(os.path.join(d, name)) as f:
+                out[name] = float(f.read().strip() or 0)
+        except (OSError, ValueError):  # an unreadable or hand-made marker counts as a finished stage of unknown time
+            out[name] = 0.0
+    return out
+
+
+def is_adhoc():
+    """A run outside speedrun.sh while the pipeline has finished stages here: it must not replace their sections.
+    Without any finished stage there is no pipeline report to protect, and every run writes to report/ itself."""
+    return os.environ.get("NANORL_PIPELINE", "") != "1" and bool(_stage_seconds())
+
+
+def write_dir():
+    """Where this run's sections, card numbers and plot data go: report/, or report/adhoc/ for an ad-hoc run."""
+    d = os.path.join(report_dir(), "adhoc") if is_adhoc() else report_dir()
     os.makedirs(d, exist_ok=True)
     return d
 
@@ -57,11 +87,16 @@ def log_section(name, items, rank=0, config=None):
             lines.append(str(item))
         lines.append("")
     slug = name.lower().replace(" ", "-").replace("/", "-")
-    path = os.path.join(report_dir(), f"{slug}.md")
+    path = os.path.join(write_dir(), f"{slug}.md")
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         f.write("\n".join(lines))
     os.replace(tmp, path)
+    if is_adhoc():
+        print(f"report: this run is outside speedrun.sh, so its section went to {path} (the pipeline's sections "
+              f"and card are untouched; report.md lists it under 'Ad-hoc runs')")
+    else:
+        print(f"report: section written to {path}")
     return path
 
 
@@ -76,12 +111,13 @@ def _atomic_write_json(obj, path):
 def log_json(name, obj, rank=0):
     """Raw data for plots (loss curves, RL history), next to the sections."""
     if rank == 0:
-        _atomic_write_json(obj, os.path.join(report_dir(), f"{name}.json"))
+        _atomic_write_json(obj, os.path.join(write_dir(), f"{name}.json"))
 
 
-def load_json(name, default=None):
+def load_json(name, default=None, folder=None):
+    """folder: where to read (default: where this run writes, so an ad-hoc run resumes from its own data)."""
     import json
-    path = os.path.join(report_dir(), f"{name}.json")
+    path = os.path.join(folder or write_dir(), f"{name}.json")
     if not os.path.exists(path):
         return default
     with open(path) as f:
@@ -152,7 +188,7 @@ def _plots(out_dir):
     except ImportError:
         return ["(plots skipped: matplotlib is not installed)"]
     lines = []
-    base = load_json("base_train_loss")
+    base = load_json("base_train_loss", folder=report_dir())
     if base:
         fig, ax = plt.subplots(figsize=(6, 3.5))
         ax.plot(base["step"], base["loss"])
@@ -161,7 +197,7 @@ def _plots(out_dir):
         fig.savefig(os.path.join(report_dir(), "plot_base_loss.png"), dpi=100)
         plt.close(fig)
         lines.append(f"![base loss]({os.path.relpath(os.path.join(report_dir(), 'plot_base_loss.png'), out_dir)})")
-    rl = load_json("rl_history")
+    rl = load_json("rl_history", folder=report_dir())
     if rl and rl.get("train"):
         steps = [h["step"] for h in rl["train"]]
         fig, axes = plt.subplots(1, 3, figsize=(12, 3.5))
@@ -181,32 +217,64 @@ def _plots(out_dir):
     return lines
 
 
+def _card_lines(card):
+    rows = sorted({r for st in card.values() for r in st}, key=lambda r: _order(r, CARD_ROWS))
+    lines = ["| metric | " + " | ".join(STAGES) + " |", "|---" * (len(STAGES) + 1) + "|"]
+    for r in rows:
+        vals = [card.get(st, {}).get(r) for st in STAGES]
+        lines.append(f"| {r} | " + " | ".join("-" if v is None else f"{v:.4f}" for v in vals) + " |")
+    return lines
+
+
+def _sections(folder, out_path):
+    """The sections' markdown in folder, in pipeline order."""
+    names = sorted((f[:-3] for f in os.listdir(folder) if f.endswith(".md")
+                    and os.path.join(folder, f) != os.path.abspath(out_path)), key=lambda f: _order(f, SECTION_ORDER))
+    texts = []
+    for name in names:
+        with open(os.path.join(folder, name + ".md")) as f:
+            texts.append(f.read())
+    return texts
+
+
+def _wall_time_lines(wall_time_s, stages, ngpu, gpu_hourly_usd):
+    cost = f"${ngpu * gpu_hourly_usd * wall_time_s / 3600:.2f} at ${gpu_hourly_usd}/GPU-hour" if ngpu else "$0 (CPU only)"
+    lines = [f"- total wall time: {wall_time_s / 60:.1f} min (the sum of the stages' own times)",
+             f"- estimated cost: {cost}"]
+    if stages:
+        lines.append("- per stage: " + ", ".join(f"{k} {v / 60:.1f} min" for k, v in stages.items()))
+    return lines
+
+
 def generate(out_path="report.md", wall_time_s=None, gpu_hourly_usd=3.0):
     """Stitch report.md: the environment, the report card, every stage's section in pipeline order, time and
-    cost, plots. wall_time_s: the sum of the stages' own times (speedrun.sh passes it)."""
+    cost, plots, then the ad-hoc runs apart. wall_time_s: the sum of the stages' own times (default: summed from
+    speedrun.sh's markers in <base>/done/)."""
     out_dir = os.path.dirname(os.path.abspath(out_path))
     env = _environment()
+    stages = _stage_seconds()
+    if wall_time_s is None and stages:
+        wall_time_s = sum(stages.values())
     lines = ["# nanorl report", "", "## Environment", ""] + [f"- {k}: {v}" for k, v in env.items()] + [""]
-    card = load_json("report_card", {})
-    rows = sorted({r for s in card.values() for r in s}, key=lambda r: _order(r, CARD_ROWS))
-    lines += ["## Report card", "", "| metric | " + " | ".join(STAGES) + " |", "|---" * (len(STAGES) + 1) + "|"]
-    for r in rows:
-        vals = [card.get(s, {}).get(r) for s in STAGES]
-        lines.append(f"| {r} | " + " | ".join("-" if v is None else f"{v:.4f}" for v in vals) + " |")
-    lines.append("")
-    files = sorted((f[:-3] for f in os.listdir(report_dir()) if f.endswith(".md")
-                    and os.path.join(report_dir(), f) != os.path.abspath(out_path)), key=lambda f: _order(f, SECTION_ORDER))
-    for name in files:
-        with open(os.path.join(report_dir(), name + ".md")) as f:
-            lines += [f.read(), ""]
+    lines += ["## Report card", ""] + _card_lines(load_json("report_card", {}, folder=report_dir())) + [""]
+    if wall_time_s is not None:
+        lines += [f"Total wall time: {wall_time_s / 60:.1f} min.", ""]
+    for text in _sections(report_dir(), out_path):
+        lines += [text, ""]
     if wall_time_s is not None:
         ngpu = int(env["GPUs"].split(" x ")[0]) if " x " in env["GPUs"] else 0
-        cost = f"${ngpu * gpu_hourly_usd * wall_time_s / 3600:.2f} at ${gpu_hourly_usd}/GPU-hour" if ngpu else "$0 (CPU only)"
-        lines += ["## Time and cost", "", f"- total wall time: {wall_time_s / 60:.1f} min (the sum of the stages' own times)",
-                  f"- estimated cost: {cost}", ""]
+        lines += ["## Time and cost", ""] + _wall_time_lines(wall_time_s, stages, ngpu, gpu_hourly_usd) + [""]
     plots = _plots(out_dir)
     if plots:
         lines += ["## Plots", ""] + plots + [""]
+    adhoc = os.path.join(report_dir(), "adhoc")
+    if os.path.isdir(adhoc) and (os.listdir(adhoc)):
+        lines += ["## Ad-hoc runs", "", f"Runs outside speedrun.sh, kept apart from the card above ({adhoc}).", ""]
+        card = load_json("report_card", {}, folder=adhoc)
+        if card:
+            lines += _card_lines(card) + [""]
+        for text in _sections(adhoc, out_path):
+            lines += [text.replace("## ", "### ", 1), ""]
     tmp = out_path + ".tmp"
     with open(tmp, "w") as f:
         f.write("\n".join(lines))
@@ -218,6 +286,7 @@ if __name__ == "__main__":
     import argparse
     parser = argparse.ArgumentParser(description="Write report.md from the stages' sections")
     parser.add_argument("--out", default="report.md", help="where to write the report")
-    parser.add_argument("--wall-time", type=float, default=None, help="the sum of the stages' own times, in seconds")
+    parser.add_argument("--wall-time", type=float, default=None,
+                        help="the sum of the stages' own times, in seconds (default: summed from <base>/done/)")
     a = parser.parse_args()
     print(f"wrote {generate(a.out, a.wall_time)}")

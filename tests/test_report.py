@@ -131,3 +131,41 @@ def test_eval_labels_and_section_order():
     assert sorted(names, key=lambda n: _order(n, SECTION_ORDER)) == [
         "tokenizer-training", "base-model-training", "midtraining", "chat-eval-mid-sampled", "chat-sft", "chat-eval-sft",
         "chat-eval-sft-sampled", "chat-rl", "chat-eval-rl", "zzz-other"]
+
+
+def test_adhoc_runs_leave_the_pipelines_report_alone(tmp_path, monkeypatch, capsys):
+    from nanorl import report
+    monkeypatch.setenv("NANORL_BASE_DIR", str(tmp_path))
+    monkeypatch.delenv("NANORL_PIPELINE", raising=False)
+    # no finished stage yet: nothing to protect, a hand-run stage writes to report/ itself
+    assert report.log_section("Chat eval sft", [{"a": 1}]) == str(tmp_path / "report" / "chat-eval-sft.md")
+    # speedrun.sh's stages (NANORL_PIPELINE=1), each leaving its seconds in done/
+    monkeypatch.setenv("NANORL_PIPELINE", "1")
+    (tmp_path / "done").mkdir()
+    (tmp_path / "done" / "chat_sft").write_text("120\n")
+    (tmp_path / "done" / "eval_sft").write_text("30\n")
+    report.log_section("Chat eval sft", [{"pipeline accuracy": 0.5}])
+    report.record_metrics("SFT", {"offline accuracy (greedy, 200 problems)": 0.5})
+    report.log_json("rl_history", {"train": [], "eval": [], "who": "pipeline"})
+    # the same stage by hand: its section, card row and plot data go apart, and it says where
+    monkeypatch.delenv("NANORL_PIPELINE")
+    capsys.readouterr()
+    path = report.log_section("Chat eval sft", [{"adhoc accuracy": 0.25}])
+    assert path == str(tmp_path / "report" / "adhoc" / "chat-eval-sft.md")
+    assert f"outside speedrun.sh, so its section went to {path}" in capsys.readouterr().out
+    report.record_metrics("SFT", {"offline accuracy (greedy, 100 problems)": 0.25})
+    report.log_json("rl_history", {"train": [], "eval": [], "who": "adhoc"})
+    assert report.load_json("rl_history")["who"] == "adhoc"  # an ad-hoc resume reads its own data
+    assert report.load_json("rl_history", folder=report.report_dir())["who"] == "pipeline"
+    out = tmp_path / "report.md"
+    report.generate(str(out))  # no --wall-time: summed from done/
+    text = out.read_text()
+    main, adhoc = text.split("\n## Ad-hoc runs\n")
+    assert "- pipeline accuracy: 0.5" in main and "adhoc accuracy" not in main
+    assert "| offline accuracy (greedy, 200 problems) | - | - | 0.5000 | - |" in main
+    assert "100 problems" not in main
+    assert "Total wall time: 2.5 min." in main.split("## Report card")[1].split("\n## ")[0]
+    assert "- total wall time: 2.5 min (the sum of the stages' own times)" in main
+    assert "- per stage: chat_sft 2.0 min, eval_sft 0.5 min" in main
+    assert "### Chat eval sft\n" in adhoc and "- adhoc accuracy: 0.25" in adhoc
+    assert "| offline accuracy (greedy, 100 problems) | - | - | 0.2500 | - |" in adhoc
