@@ -51,6 +51,33 @@ def _fmt(v):
     return str(v)
 
 
+# flags whose unset value (None) means something a reader should not have to look up
+_UNSET = {"device_type": "autodetect (CUDA if available, else CPU)", "model_tag": "the newest checkpoint",
+          "model_step": "the last step", "step": "the last step", "output_tag": "the source model's tag",
+          "tensorboard": "off", "data_dir": "the default data", "max_seq_len": "the model's context"}
+
+
+def config_value(key, value, config):
+    """A flag's value in words: `run: dummy` -> 'dummy (no wandb logging)', None -> what the default does, and
+    --num-epochs marked unused when --num-iterations sets the length."""
+    if key == "run" and value == "dummy":
+        return "dummy (no wandb logging)"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if value is None:
+        return _UNSET.get(key, "not set (the default)")
+    if key == "num_epochs" and (config.get("num_iterations") or 0) > 0:
+        return f"{_fmt(value)} (not used: --num-iterations {config['num_iterations']} sets the length)"
+    return _fmt(value)
+
+
+def data_seen(conversations, dataset_size, ranks=1):
+    """How much of the training data a run went through: conversations read by one rank, times the ranks ->
+    '1,400 conversations, 7.0% of an epoch of 20,000' (so a one-epoch setting that stopped early says so)."""
+    seen = conversations * ranks
+    return f"{seen:,} conversations, {100 * seen / max(dataset_size, 1):.1f}% of an epoch of {dataset_size:,}"
+
+
 def eval_label(task, metric, problems, samples=1, temperature=0.0):
     """The name of a measured number: task, metric, how many problems and greedy or sampled, e.g.
     'offline accuracy (greedy, 200 problems)' or 'offline pass@1 (T=1, 200 problems x 4 samples)'."""
@@ -79,7 +106,7 @@ def log_section(name, items, rank=0, config=None):
         return None
     lines = [f"## {name}", f"timestamp: {datetime.datetime.now().strftime('%Y-%m-%d %H:%M:%S')}", ""]
     if config:
-        lines += ["hyperparameters:"] + [f"- {k}: {_fmt(v)}" for k, v in config.items()] + [""]
+        lines += ["hyperparameters:"] + [f"- {k}: {config_value(k, v, config)}" for k, v in config.items()] + [""]
     for item in items:
         if isinstance(item, dict):
             lines += [f"- {k}: {_fmt(v)}" for k, v in item.items()]
@@ -147,6 +174,29 @@ def _order(name, order):
     return (max(hits, key=lambda i: len(order[i])) if hits else len(order), name)
 
 
+def _cpu_model(cpuinfo="/proc/cpuinfo"):
+    """The CPU's marketing name from Linux's cpuinfo ('model name'), or None where there is none."""
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                if line.startswith("model name") and ":" in line:
+                    return " ".join(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return None
+
+
+def _os_name():
+    """e.g. 'Ubuntu 22.04.4 LTS (Linux 5.15.0-x86_64)': the distribution where it says, then the kernel."""
+    import platform
+    try:
+        distro = platform.freedesktop_os_release().get("PRETTY_NAME")
+    except (OSError, AttributeError):  # not Linux, or Python < 3.10
+        distro = None
+    kernel = f"{platform.system()} {platform.release()}-{platform.machine()}"
+    return f"{distro} ({kernel})" if distro else kernel
+
+
 def _environment():
     import platform
     import subprocess
@@ -172,8 +222,9 @@ def _environment():
         env["CUDA"] = torch.version.cuda or "unknown"
     else:
         env["GPUs"] = "none (CPU run)"
-    env.update({"CPU": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores", "RAM": ram,
-                "python": platform.python_version(), "torch": torch.__version__,
+    env.update({"CPU": f"{_cpu_model() or platform.processor() or platform.machine()}, {os.cpu_count()} logical cores",
+                "torch threads": f"{torch.get_num_threads()} (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')})",
+                "OS": _os_name(), "RAM": ram, "python": platform.python_version(), "torch": torch.__version__,
                 "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M")})
     return env
 

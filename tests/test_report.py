@@ -169,3 +169,60 @@ def test_adhoc_runs_leave_the_pipelines_report_alone(tmp_path, monkeypatch, caps
     assert "- per stage: chat_sft 2.0 min, eval_sft 0.5 min" in main
     assert "### Chat eval sft\n" in adhoc and "- adhoc accuracy: 0.25" in adhoc
     assert "| offline accuracy (greedy, 100 problems) | - | - | 0.2500 | - |" in adhoc
+
+
+def test_flag_values_in_words_and_data_seen(tmp_path, monkeypatch):
+    from nanorl import report
+    monkeypatch.setenv("NANORL_BASE_DIR", str(tmp_path))
+    config = {"run": "dummy", "device_type": None, "model_tag": None, "num_iterations": 80, "num_epochs": 1.0,
+              "no_compile": True, "resume": False, "lr": 0.02, "other": None}
+    text = open(report.log_section("Chat SFT", [{"data seen": report.data_seen(700, 20000, 2)}], config=config)).read()
+    for line in ("- run: dummy (no wandb logging)", "- device_type: autodetect (CUDA if available, else CPU)",
+                 "- model_tag: the newest checkpoint", "- num_epochs: 1 (not used: --num-iterations 80 sets the length)",
+                 "- no_compile: yes", "- resume: no", "- lr: 0.02", "- other: not set (the default)",
+                 "- data seen: 1,400 conversations, 7.0% of an epoch of 20,000"):
+        assert line in text, line
+    assert "None" not in text
+    # with --num-iterations 0 the epochs do set the length
+    assert report.config_value("num_epochs", 2, {"num_iterations": 0}) == "2"
+    assert report.config_value("run", "sft-1", {}) == "sft-1"
+
+
+def test_environment_names_cpu_os_and_threads(tmp_path, monkeypatch):
+    from nanorl import report
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Intel(R) Xeon(R)  Platinum 8480+\n")
+    assert report._cpu_model(str(info)) == "Intel(R) Xeon(R) Platinum 8480+"
+    assert report._cpu_model(str(tmp_path / "missing")) is None
+    import platform
+    import torch
+    monkeypatch.setattr(report, "_cpu_model", lambda: "Intel(R) Xeon(R) Platinum 8480+")
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    env = report._environment()
+    assert env["CPU"] == f"Intel(R) Xeon(R) Platinum 8480+, {os.cpu_count()} logical cores"
+    assert env["torch threads"] == f"{torch.get_num_threads()} (OMP_NUM_THREADS=3)"
+    assert env["OS"].endswith(f"({platform.system()} {platform.release()}-{platform.machine()})") or \
+        env["OS"] == f"{platform.system()} {platform.release()}-{platform.machine()}"
+
+
+def test_sft_section_says_how_much_data_it_saw(base_dir, tmp_path):
+    """A short SFT run (2 steps of 4 rows) reports the conversations it went through, not just num_epochs: 1."""
+    import shutil
+    for d in ("tokenizer", "mid_checkpoints"):
+        shutil.copytree(base_dir / d, tmp_path / d)
+    env = {**os.environ, "NANORL_BASE_DIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    env.pop("NANORL_PIPELINE", None)
+    out = subprocess.run([sys.executable, "-m", "scripts.chat_sft", "--source", "mid", "--num-iterations", "2",
+                          "--num-examples", "200", "--device-batch-size", "4", "--max-seq-len", "64", "--eval-every",
+                          "1000", "--eval-tokens", "256", "--device-type", "cpu"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    text = (tmp_path / "report" / "chat-sft.md").read_text()
+    m = re.search(r"^- data seen: (\d+) conversations, (\d+\.\d)% of an epoch of ([\d,]+)$", text, re.M)
+    assert m, text
+    train = int(re.search(r"^- train conversations: (\d+)$", text, re.M).group(1))
+    assert int(m.group(3).replace(",", "")) == train
+    seen = int(m.group(1))
+    assert 1 <= seen < train and float(m.group(2)) == pytest.approx(100 * seen / train, abs=0.05)
+    assert "- num_epochs: 1 (not used: --num-iterations 2 sets the length)" in text
+    assert f"report: section written to {tmp_path / 'report' / 'chat-sft.md'}" in out.stdout
