@@ -229,9 +229,16 @@ def _environment():
     return env
 
 
-def _plots(out_dir):
-    """PNG plots, written next to the sections (report_dir()) and linked relative to out_dir, the report's
-    folder; matplotlib is imported lazily and its absence is said plainly."""
+# the loss curves: (data written by the stage, its plot, title, y label)
+LOSS_PLOTS = [("base_train_loss", "plot_base_loss", "Base model training loss", "train loss"),
+              ("mid_val_loss", "plot_mid_loss", "Midtraining held-out loss", "val loss"),
+              ("sft_val_loss", "plot_sft_loss", "SFT held-out loss", "val loss")]
+
+
+def _plots():
+    """PNG plots, written next to the sections (report_dir()) and linked by their absolute path, so the links
+    still work wherever report.md is moved on this machine; matplotlib is imported lazily and its absence is said
+    plainly."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -239,15 +246,17 @@ def _plots(out_dir):
     except ImportError:
         return ["(plots skipped: matplotlib is not installed)"]
     lines = []
-    base = load_json("base_train_loss", folder=report_dir())
-    if base:
+    for data, name, title, ylabel in LOSS_PLOTS:
+        curve = load_json(data, folder=report_dir())
+        if not curve:
+            continue
         fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.plot(base["step"], base["loss"])
-        ax.set(xlabel="step", ylabel="train loss", title="Base model training loss")
+        ax.plot(curve["step"], curve["loss"], marker="o" if len(curve["step"]) < 30 else None)
+        ax.set(xlabel="step", ylabel=ylabel, title=title)
         fig.tight_layout()
-        fig.savefig(os.path.join(report_dir(), "plot_base_loss.png"), dpi=100)
+        fig.savefig(os.path.join(report_dir(), f"{name}.png"), dpi=100)
         plt.close(fig)
-        lines.append(f"![base loss]({os.path.relpath(os.path.join(report_dir(), 'plot_base_loss.png'), out_dir)})")
+        lines.append(f"![{title}]({os.path.join(report_dir(), name + '.png')})")
     rl = load_json("rl_history", folder=report_dir())
     if rl and rl.get("train"):
         steps = [h["step"] for h in rl["train"]]
@@ -264,7 +273,7 @@ def _plots(out_dir):
         fig.tight_layout()
         fig.savefig(os.path.join(report_dir(), "plot_rl.png"), dpi=100)
         plt.close(fig)
-        lines.append(f"![rl]({os.path.relpath(os.path.join(report_dir(), 'plot_rl.png'), out_dir)})")
+        lines.append(f"![rl]({os.path.join(report_dir(), 'plot_rl.png')})")
     return lines
 
 
@@ -301,7 +310,6 @@ def generate(out_path="report.md", wall_time_s=None, gpu_hourly_usd=3.0):
     """Stitch report.md: the environment, the report card, every stage's section in pipeline order, time and
     cost, plots, then the ad-hoc runs apart. wall_time_s: the sum of the stages' own times (default: summed from
     speedrun.sh's markers in <base>/done/)."""
-    out_dir = os.path.dirname(os.path.abspath(out_path))
     env = _environment()
     stages = _stage_seconds()
     if wall_time_s is None and stages:
@@ -315,7 +323,7 @@ def generate(out_path="report.md", wall_time_s=None, gpu_hourly_usd=3.0):
     if wall_time_s is not None:
         ngpu = int(env["GPUs"].split(" x ")[0]) if " x " in env["GPUs"] else 0
         lines += ["## Time and cost", ""] + _wall_time_lines(wall_time_s, stages, ngpu, gpu_hourly_usd) + [""]
-    plots = _plots(out_dir)
+    plots = _plots()
     if plots:
         lines += ["## Plots", ""] + plots + [""]
     adhoc = os.path.join(report_dir(), "adhoc")

@@ -27,7 +27,7 @@ from nanorl.common import (ETA, ArgumentParser, add_logging_args, autocast_ctx, 
                            print0)
 from nanorl.gpt import attention_backend
 from nanorl.optim import build_optimizer
-from nanorl.report import data_seen, log_section
+from nanorl.report import data_seen, log_json, log_section
 from nanorl.sft_data import SFTLoader, build_data, levels
 from tasks import ARC, GSM8K, CustomJSON, OfflineChat, OfflineProblems, SmolTalk, SpellingBee, TaskMixture
 
@@ -273,6 +273,7 @@ def report(args, stage, meta, data_desc, train_task, val_task, loader, rank, wor
          "truncated conversations (rank 0)": f"{s['truncated']} of {s['conversations']}",
          "conversations with nothing to train on (rank 0)": s["no_target"]},
     ], rank=rank, config=vars(args))
+    log_json(f"{stage}_val_loss", {"step": [st for st, _ in val_losses], "loss": [v for _, v in val_losses]}, rank=rank)
 
 
 # -----------------------------------------------------------------------------------------------

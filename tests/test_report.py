@@ -226,3 +226,25 @@ def test_sft_section_says_how_much_data_it_saw(base_dir, tmp_path):
     assert 1 <= seen < train and float(m.group(2)) == pytest.approx(100 * seen / train, abs=0.05)
     assert "- num_epochs: 1 (not used: --num-iterations 2 sets the length)" in text
     assert f"report: section written to {tmp_path / 'report' / 'chat-sft.md'}" in out.stdout
+    curve = json.loads((tmp_path / "report" / "sft_val_loss.json").read_text())  # for its loss plot
+    assert curve["step"] == [0, 2] and len(curve["loss"]) == 2 and all(v > 0 for v in curve["loss"])
+
+
+def test_loss_plots_and_their_links_survive_moving_the_report(tmp_path, monkeypatch):
+    from nanorl import report
+    monkeypatch.setenv("NANORL_BASE_DIR", str(tmp_path / "base"))
+    report.log_json("base_train_loss", {"step": [1, 2, 3], "loss": [9.0, 8.0, 7.5]})
+    report.log_json("mid_val_loss", {"step": [0, 40, 80], "loss": [3.0, 2.5, 2.2]})
+    report.log_json("sft_val_loss", {"step": [0, 80], "loss": [2.2, 2.0]})
+    first = tmp_path / "a" / "report.md"
+    first.parent.mkdir()
+    report.generate(str(first))
+    moved = tmp_path / "elsewhere" / "deeper" / "report.md"
+    moved.parent.mkdir(parents=True)
+    first.rename(moved)
+    links = re.findall(r"!\[([^]]*)\]\(([^)]+)\)", moved.read_text())
+    assert [alt for alt, _ in links] == ["Base model training loss", "Midtraining held-out loss", "SFT held-out loss"]
+    for _, link in links:
+        png = (moved.parent / link).resolve()
+        assert png.parent == (tmp_path / "base" / "report").resolve() and png.stat().st_size > 1000, link
+    assert "Total wall time" not in moved.read_text()  # no done/ markers, no --wall-time: no made-up time
