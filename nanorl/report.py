@@ -78,6 +78,14 @@ def data_seen(conversations, dataset_size, ranks=1):
     return f"{seen:,} conversations, {100 * seen / max(dataset_size, 1):.1f}% of an epoch of {dataset_size:,}"
 
 
+def vocab_words(got, asked):
+    """The tokenizer's vocabulary, explained when it is smaller than --vocab-size asked for."""
+    if got >= asked:
+        return f"{got:,}"
+    return (f"{got:,} (asked for {asked:,}: the training text ran out of byte pairs to merge before that; "
+            f"more text, --max-chars, gives a larger one)")
+
+
 def eval_label(task, metric, problems, samples=1, temperature=0.0):
     """The name of a measured number: task, metric, how many problems and greedy or sampled, e.g.
     'offline accuracy (greedy, 200 problems)' or 'offline pass@1 (T=1, 200 problems x 4 samples)'."""
@@ -223,7 +231,8 @@ def _environment():
     else:
         env["GPUs"] = "none (CPU run)"
     env.update({"CPU": f"{_cpu_model() or platform.processor() or platform.machine()}, {os.cpu_count()} logical cores",
-                "torch threads": f"{torch.get_num_threads()} (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')})",
+                "torch threads": f"{torch.get_num_threads()} (OMP_NUM_THREADS="
+                                 f"{os.environ.get('OMP_NUM_THREADS', 'unset')})",
                 "OS": _os_name(), "RAM": ram, "python": platform.python_version(), "torch": torch.__version__,
                 "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M")})
     return env
@@ -298,7 +307,8 @@ def _sections(folder, out_path):
 
 
 def _wall_time_lines(wall_time_s, stages, ngpu, gpu_hourly_usd):
-    cost = f"${ngpu * gpu_hourly_usd * wall_time_s / 3600:.2f} at ${gpu_hourly_usd}/GPU-hour" if ngpu else "$0 (CPU only)"
+    cost = (f"${ngpu * gpu_hourly_usd * wall_time_s / 3600:.2f} at ${gpu_hourly_usd}/GPU-hour" if ngpu
+            else "$0 (CPU only)")
     lines = [f"- total wall time: {wall_time_s / 60:.1f} min (the sum of the stages' own times)",
              f"- estimated cost: {cost}"]
     if stages:

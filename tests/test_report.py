@@ -178,7 +178,8 @@ def test_flag_values_in_words_and_data_seen(tmp_path, monkeypatch):
               "no_compile": True, "resume": False, "lr": 0.02, "other": None}
     text = open(report.log_section("Chat SFT", [{"data seen": report.data_seen(700, 20000, 2)}], config=config)).read()
     for line in ("- run: dummy (no wandb logging)", "- device_type: autodetect (CUDA if available, else CPU)",
-                 "- model_tag: the newest checkpoint", "- num_epochs: 1 (not used: --num-iterations 80 sets the length)",
+                 "- model_tag: the newest checkpoint",
+                 "- num_epochs: 1 (not used: --num-iterations 80 sets the length)",
                  "- no_compile: yes", "- resume: no", "- lr: 0.02", "- other: not set (the default)",
                  "- data seen: 1,400 conversations, 7.0% of an epoch of 20,000"):
         assert line in text, line
@@ -248,3 +249,18 @@ def test_loss_plots_and_their_links_survive_moving_the_report(tmp_path, monkeypa
         png = (moved.parent / link).resolve()
         assert png.parent == (tmp_path / "base" / "report").resolve() and png.stat().st_size > 1000, link
     assert "Total wall time" not in moved.read_text()  # no done/ markers, no --wall-time: no made-up time
+
+
+def test_tokenizer_row_explains_a_smaller_vocab(tmp_path):
+    from nanorl.report import vocab_words
+    assert vocab_words(4096, 4096) == "4,096"
+    env = {**os.environ, "NANORL_BASE_DIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    env.pop("NANORL_PIPELINE", None)
+    out = subprocess.run([sys.executable, "-m", "scripts.tok_train", "--vocab-size", "30000", "--max-chars", "20000"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    got = int(re.search(r"vocab (\d+), saved", out.stdout).group(1))
+    assert got < 30000
+    text = (tmp_path / "report" / "tokenizer-training.md").read_text()
+    assert (f"- vocab_size: {got:,} (asked for 30,000: the training text ran out of byte pairs to merge before that; "
+            "more text, --max-chars, gives a larger one)") in text, text
