@@ -337,13 +337,12 @@ def generate(out_path="report.md", wall_time_s=None, gpu_hourly_usd=3.0):
     if plots:
         lines += ["## Plots", ""] + plots + [""]
     adhoc = os.path.join(report_dir(), "adhoc")
-    if os.path.isdir(adhoc) and (os.listdir(adhoc)):
+    card = load_json("report_card", {}, folder=adhoc) if os.path.isdir(adhoc) else {}
+    sections = _sections(adhoc, out_path) if os.path.isdir(adhoc) else []
+    if card or sections:
         lines += ["## Ad-hoc runs", "", f"Runs outside speedrun.sh, kept apart from the card above ({adhoc}).", ""]
-        card = load_json("report_card", {}, folder=adhoc)
-        if card:
-            lines += _card_lines(card) + [""]
-        for text in _sections(adhoc, out_path):
-            lines += [text.replace("## ", "### ", 1), ""]
+        lines += (_card_lines(card) + [""]) if card else []
+        lines += [line for text in sections for line in (text.replace("## ", "### ", 1), "")]
     tmp = out_path + ".tmp"
     with open(tmp, "w") as f:
         f.write("\n".join(lines))
