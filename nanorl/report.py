@@ -23,7 +23,9 @@ def _stage_seconds():
     """{stage: seconds} from speedrun.sh's markers in <base>/done/ (each holds its stage's own run time)."""
     d = os.path.join(get_base_dir(), "done")
     out = {}
-    for name in sorted(os.listdir(d)) if os.path.isdir(d) else []:
+    # in the order they finished (the markers' times), i.e. pipeline order
+    names = os.listdir(d) if os.path.isdir(d) else []
+    for name in sorted(names, key=lambda n: (os.path.getmtime(os.path.join(d, n)), n)):
         try:
             with open(os.path.join(d, name)) as f:
                 out[name] = float(f.read().strip() or 0)

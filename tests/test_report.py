@@ -142,8 +142,9 @@ def test_adhoc_runs_leave_the_pipelines_report_alone(tmp_path, monkeypatch, caps
     # speedrun.sh's stages (NANORL_PIPELINE=1), each leaving its seconds in done/
     monkeypatch.setenv("NANORL_PIPELINE", "1")
     (tmp_path / "done").mkdir()
-    (tmp_path / "done" / "chat_sft").write_text("120\n")
-    (tmp_path / "done" / "eval_sft").write_text("30\n")
+    (tmp_path / "done" / "base_train").write_text("30\n")
+    (tmp_path / "done" / "tok_train").write_text("120\n")
+    os.utime(tmp_path / "done" / "base_train", (2e9, 2e9))  # finished last: listed last, not alphabetically
     report.log_section("Chat eval sft", [{"pipeline accuracy": 0.5}])
     report.record_metrics("SFT", {"offline accuracy (greedy, 200 problems)": 0.5})
     report.log_json("rl_history", {"train": [], "eval": [], "who": "pipeline"})
@@ -166,7 +167,7 @@ def test_adhoc_runs_leave_the_pipelines_report_alone(tmp_path, monkeypatch, caps
     assert "100 problems" not in main
     assert "Total wall time: 2.5 min." in main.split("## Report card")[1].split("\n## ")[0]
     assert "- total wall time: 2.5 min (the sum of the stages' own times)" in main
-    assert "- per stage: chat_sft 2.0 min, eval_sft 0.5 min" in main
+    assert "- per stage: tok_train 2.0 min, base_train 0.5 min" in main
     assert "### Chat eval sft\n" in adhoc and "- adhoc accuracy: 0.25" in adhoc
     assert "| offline accuracy (greedy, 100 problems) | - | - | 0.2500 | - |" in adhoc
 
