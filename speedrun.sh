@@ -10,6 +10,7 @@ FORCE=0
 [ "${1:-}" = "--force" ] && FORCE=1
 export NANORL_BASE_DIR="${NANORL_BASE_DIR:-$HOME/.cache/nanorl}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+export NANORL_PIPELINE=1  # the stages write the pipeline's report; runs by hand go to report/adhoc/
 mkdir -p "$NANORL_BASE_DIR/logs" "$NANORL_BASE_DIR/done"
 WANDB_RUN="${WANDB_RUN:-dummy}"
 T_START=$(date +%s)

@@ -27,7 +27,7 @@ from nanorl.common import (ETA, ArgumentParser, add_logging_args, autocast_ctx, 
                            print0)
 from nanorl.gpt import attention_backend
 from nanorl.optim import build_optimizer
-from nanorl.report import log_section
+from nanorl.report import data_seen, log_json, log_section
 from nanorl.sft_data import SFTLoader, build_data, levels
 from nanorl.synthetic import levels_flag
 from tasks import ARC, GSM8K, CustomJSON, OfflineChat, OfflineProblems, SmolTalk, SpellingBee, TaskMixture
@@ -274,12 +274,14 @@ def report(args, stage, meta, data_desc, train_task, val_task, loader, rank, wor
         {"source": f"{args.source} ({meta.get('model_tag', args.model_tag)})", "data": data_desc,
          "train conversations": len(train_task), "held-out conversations": len(val_task), "ranks": world_size,
          "row length": T, "tokens per step": total, "grad accumulation": grad_accum, "init lr frac": args.init_lr_frac},
-        {"steps": step, "train time (s)": round(train_time, 1), "wall time (s)": round(wall_time, 1),
+        {"steps": step, "data seen": data_seen(s["conversations"] - len(loader.pool), len(train_task), world_size),
+         "train time (s)": round(train_time, 1), "wall time (s)": round(wall_time, 1),
          "val loss (start)": val_losses[0][1], "val loss (end)": val_losses[-1][1],
          "padding fraction (rank 0)": loader.padding_fraction(),
          "truncated conversations (rank 0)": f"{s['truncated']} of {s['conversations']}",
          "conversations with nothing to train on (rank 0)": s["no_target"]},
     ], rank=rank, config=vars(args))
+    log_json(f"{stage}_val_loss", {"step": [st for st, _ in val_losses], "loss": [v for _, v in val_losses]}, rank=rank)
 
 
 # -----------------------------------------------------------------------------------------------

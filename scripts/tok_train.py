@@ -9,7 +9,7 @@ import time
 
 from nanorl.common import ArgumentParser, get_base_dir, positive_int, print0
 from nanorl.dataset import describe_source, iter_documents
-from nanorl.report import log_section
+from nanorl.report import log_section, vocab_words
 from nanorl.tokenizer import Tokenizer
 
 parser = ArgumentParser(description="Train a BPE tokenizer")
@@ -50,6 +50,7 @@ nbytes = sum(len(d.encode("utf-8")) for d in val)
 ntok = sum(len(ids) for ids in tokenizer.encode(val))
 print0(f"held-out compression: {nbytes / max(ntok, 1):.2f} bytes/token over {len(val)} documents")
 log_section("Tokenizer training", [{
-    "source": describe_source(args.data_dir), "vocab_size": tokenizer.vocab_size, "max_chars": args.max_chars,
+    "source": describe_source(args.data_dir), "vocab_size": vocab_words(tokenizer.vocab_size, args.vocab_size),
+    "max_chars": args.max_chars,
     "train_time_s": round(train_time, 2), "val_bytes_per_token": round(nbytes / max(ntok, 1), 3),
 }], config=vars(args))

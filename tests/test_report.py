@@ -131,3 +131,137 @@ def test_eval_labels_and_section_order():
     assert sorted(names, key=lambda n: _order(n, SECTION_ORDER)) == [
         "tokenizer-training", "base-model-training", "midtraining", "chat-eval-mid-sampled", "chat-sft", "chat-eval-sft",
         "chat-eval-sft-sampled", "chat-rl", "chat-eval-rl", "zzz-other"]
+
+
+def test_adhoc_runs_leave_the_pipelines_report_alone(tmp_path, monkeypatch, capsys):
+    from nanorl import report
+    monkeypatch.setenv("NANORL_BASE_DIR", str(tmp_path))
+    monkeypatch.delenv("NANORL_PIPELINE", raising=False)
+    # no finished stage yet: nothing to protect, a hand-run stage writes to report/ itself
+    assert report.log_section("Chat eval sft", [{"a": 1}]) == str(tmp_path / "report" / "chat-eval-sft.md")
+    # speedrun.sh's stages (NANORL_PIPELINE=1), each leaving its seconds in done/
+    monkeypatch.setenv("NANORL_PIPELINE", "1")
+    (tmp_path / "done").mkdir()
+    (tmp_path / "done" / "base_train").write_text("30\n")
+    (tmp_path / "done" / "tok_train").write_text("120\n")
+    os.utime(tmp_path / "done" / "base_train", (2e9, 2e9))  # finished last: listed last, not alphabetically
+    report.log_section("Chat eval sft", [{"pipeline accuracy": 0.5}])
+    report.record_metrics("SFT", {"offline accuracy (greedy, 200 problems)": 0.5})
+    report.log_json("rl_history", {"train": [], "eval": [], "who": "pipeline"})
+    # the same stage by hand: its section, card row and plot data go apart, and it says where
+    monkeypatch.delenv("NANORL_PIPELINE")
+    capsys.readouterr()
+    path = report.log_section("Chat eval sft", [{"adhoc accuracy": 0.25}])
+    assert path == str(tmp_path / "report" / "adhoc" / "chat-eval-sft.md")
+    assert f"outside speedrun.sh, so its section went to {path}" in capsys.readouterr().out
+    report.record_metrics("SFT", {"offline accuracy (greedy, 100 problems)": 0.25})
+    report.log_json("rl_history", {"train": [], "eval": [], "who": "adhoc"})
+    assert report.load_json("rl_history")["who"] == "adhoc"  # an ad-hoc resume reads its own data
+    assert report.load_json("rl_history", folder=report.report_dir())["who"] == "pipeline"
+    out = tmp_path / "report.md"
+    report.generate(str(out))  # no --wall-time: summed from done/
+    text = out.read_text()
+    main, adhoc = text.split("\n## Ad-hoc runs\n")
+    assert "- pipeline accuracy: 0.5" in main and "adhoc accuracy" not in main
+    assert "| offline accuracy (greedy, 200 problems) | - | - | 0.5000 | - |" in main
+    assert "100 problems" not in main
+    assert "Total wall time: 2.5 min." in main.split("## Report card")[1].split("\n## ")[0]
+    assert "- total wall time: 2.5 min (the sum of the stages' own times)" in main
+    assert "- per stage: tok_train 2.0 min, base_train 0.5 min" in main
+    assert "### Chat eval sft\n" in adhoc and "- adhoc accuracy: 0.25" in adhoc
+    assert "| offline accuracy (greedy, 100 problems) | - | - | 0.2500 | - |" in adhoc
+
+
+def test_flag_values_in_words_and_data_seen(tmp_path, monkeypatch):
+    from nanorl import report
+    monkeypatch.setenv("NANORL_BASE_DIR", str(tmp_path))
+    config = {"run": "dummy", "device_type": None, "model_tag": None, "num_iterations": 80, "num_epochs": 1.0,
+              "no_compile": True, "resume": False, "lr": 0.02, "other": None}
+    text = open(report.log_section("Chat SFT", [{"data seen": report.data_seen(700, 20000, 2)}], config=config)).read()
+    for line in ("- run: dummy (no wandb logging)", "- device_type: autodetect (CUDA if available, else CPU)",
+                 "- model_tag: the newest checkpoint",
+                 "- num_epochs: 1 (not used: --num-iterations 80 sets the length)",
+                 "- no_compile: yes", "- resume: no", "- lr: 0.02", "- other: not set (the default)",
+                 "- data seen: 1,400 conversations, 7.0% of an epoch of 20,000"):
+        assert line in text, line
+    assert "None" not in text
+    # with --num-iterations 0 the epochs do set the length
+    assert report.config_value("num_epochs", 2, {"num_iterations": 0}) == "2"
+    assert report.config_value("run", "sft-1", {}) == "sft-1"
+
+
+def test_environment_names_cpu_os_and_threads(tmp_path, monkeypatch):
+    from nanorl import report
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Intel(R) Xeon(R)  Platinum 8480+\n")
+    assert report._cpu_model(str(info)) == "Intel(R) Xeon(R) Platinum 8480+"
+    assert report._cpu_model(str(tmp_path / "missing")) is None
+    import platform
+    import torch
+    monkeypatch.setattr(report, "_cpu_model", lambda: "Intel(R) Xeon(R) Platinum 8480+")
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    env = report._environment()
+    assert env["CPU"] == f"Intel(R) Xeon(R) Platinum 8480+, {os.cpu_count()} logical cores"
+    assert env["torch threads"] == f"{torch.get_num_threads()} (OMP_NUM_THREADS=3)"
+    assert env["OS"].endswith(f"({platform.system()} {platform.release()}-{platform.machine()})") or \
+        env["OS"] == f"{platform.system()} {platform.release()}-{platform.machine()}"
+
+
+def test_sft_section_says_how_much_data_it_saw(base_dir, tmp_path):
+    """A short SFT run (2 steps of 4 rows) reports the conversations it went through, not just num_epochs: 1."""
+    import shutil
+    for d in ("tokenizer", "mid_checkpoints"):
+        shutil.copytree(base_dir / d, tmp_path / d)
+    env = {**os.environ, "NANORL_BASE_DIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    env.pop("NANORL_PIPELINE", None)
+    out = subprocess.run([sys.executable, "-m", "scripts.chat_sft", "--source", "mid", "--num-iterations", "2",
+                          "--num-examples", "200", "--device-batch-size", "4", "--max-seq-len", "64", "--eval-every",
+                          "1000", "--eval-tokens", "256", "--device-type", "cpu"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    text = (tmp_path / "report" / "chat-sft.md").read_text()
+    m = re.search(r"^- data seen: (\d+) conversations, (\d+\.\d)% of an epoch of ([\d,]+)$", text, re.M)
+    assert m, text
+    train = int(re.search(r"^- train conversations: (\d+)$", text, re.M).group(1))
+    assert int(m.group(3).replace(",", "")) == train
+    seen = int(m.group(1))
+    assert 1 <= seen < train and float(m.group(2)) == pytest.approx(100 * seen / train, abs=0.05)
+    assert "- num_epochs: 1 (not used: --num-iterations 2 sets the length)" in text
+    assert f"report: section written to {tmp_path / 'report' / 'chat-sft.md'}" in out.stdout
+    curve = json.loads((tmp_path / "report" / "sft_val_loss.json").read_text())  # for its loss plot
+    assert curve["step"] == [0, 2] and len(curve["loss"]) == 2 and all(v > 0 for v in curve["loss"])
+
+
+def test_loss_plots_and_their_links_survive_moving_the_report(tmp_path, monkeypatch):
+    from nanorl import report
+    monkeypatch.setenv("NANORL_BASE_DIR", str(tmp_path / "base"))
+    report.log_json("base_train_loss", {"step": [1, 2, 3], "loss": [9.0, 8.0, 7.5]})
+    report.log_json("mid_val_loss", {"step": [0, 40, 80], "loss": [3.0, 2.5, 2.2]})
+    report.log_json("sft_val_loss", {"step": [0, 80], "loss": [2.2, 2.0]})
+    first = tmp_path / "a" / "report.md"
+    first.parent.mkdir()
+    report.generate(str(first))
+    moved = tmp_path / "elsewhere" / "deeper" / "report.md"
+    moved.parent.mkdir(parents=True)
+    first.rename(moved)
+    links = re.findall(r"!\[([^]]*)\]\(([^)]+)\)", moved.read_text())
+    assert [alt for alt, _ in links] == ["Base model training loss", "Midtraining held-out loss", "SFT held-out loss"]
+    for _, link in links:
+        png = (moved.parent / link).resolve()
+        assert png.parent == (tmp_path / "base" / "report").resolve() and png.stat().st_size > 1000, link
+    assert "Total wall time" not in moved.read_text()  # no done/ markers, no --wall-time: no made-up time
+
+
+def test_tokenizer_row_explains_a_smaller_vocab(tmp_path):
+    from nanorl.report import vocab_words
+    assert vocab_words(4096, 4096) == "4,096"
+    env = {**os.environ, "NANORL_BASE_DIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    env.pop("NANORL_PIPELINE", None)
+    out = subprocess.run([sys.executable, "-m", "scripts.tok_train", "--vocab-size", "30000", "--max-chars", "20000"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    got = int(re.search(r"vocab (\d+), saved", out.stdout).group(1))
+    assert got < 30000
+    text = (tmp_path / "report" / "tokenizer-training.md").read_text()
+    assert (f"- vocab_size: {got:,} (asked for 30,000: the training text ran out of byte pairs to merge before that; "
+            "more text, --max-chars, gives a larger one)") in text, text
