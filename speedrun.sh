@@ -26,7 +26,7 @@ apt_install() { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get ins
 if [ ! -x .venv/bin/python ]; then
     # Debian and Ubuntu ship venv's ensurepip apart, in python3-venv
     if ! python3 -c "import ensurepip" 2>/dev/null && can_apt; then apt_install python3-venv; fi
-    python3 -m venv .venv || { rm -rf .venv; fail "python3 -m venv failed: install python3-venv (apt-get install python3-venv)"; }
+    python3 -m venv .venv || { rm -rf .venv; fail "python3 -m venv failed: apt-get install python3-venv"; }
 fi
 PY=.venv/bin/python
 if [ $INSTALL = 1 ]; then $PY -m pip install -q --upgrade pip >/dev/null; fi
@@ -64,7 +64,8 @@ else
     NGPU=$($PY -m nanorl.gpu_setup check)
     [ "$NGPU" -gt 0 ] || fail "torch sees no GPU: CUDA_VISIBLE_DEVICES='${CUDA_VISIBLE_DEVICES:-}' hides them all"
     # headroom: the allocator grows its segments rather than fragmenting memory into unusable gaps
-    [ -n "${PYTORCH_CUDA_ALLOC_CONF:-}${PYTORCH_ALLOC_CONF:-}" ] || export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+    [ -n "${PYTORCH_CUDA_ALLOC_CONF:-}${PYTORCH_ALLOC_CONF:-}" ] \
+        || export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
     echo "== nanorl speedrun: $NGPU GPU(s), the full pipeline =="
     RUN="$PY -m torch.distributed.run --standalone --nproc_per_node=$NGPU -m"
 fi

@@ -22,7 +22,7 @@ PY=${PYTHON:-python3}
 MODE=gpu
 if [ "${2:-}" = "--cpu" ]; then
     MODE=cpu
-elif ! $PY -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+elif ! $PY -c "import sys; from nanorl.gpu_setup import cuda_available; sys.exit(0 if cuda_available() else 1)"; then
     # a GPU that torch cannot use is a failure, not a reason to measure the CPU: gpu_setup names the driver and
     # the torch build to install; only a machine with no NVIDIA GPU at all falls back to the CPU mode
     $PY -m nanorl.gpu_setup check >/dev/null || exit 1

@@ -13,7 +13,7 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
-from nanorl.gpu_setup import gpu_visible, no_gpu_message, read_driver
+from nanorl.gpu_setup import cuda_available, gpu_visible, no_gpu_message, read_driver
 
 
 # -----------------------------------------------------------------------------------------------
@@ -98,7 +98,7 @@ def compute_init(device_type=None, seed=42, timeout_s=None, cpu_collectives=Fals
     """Init torch.distributed when launched by torchrun (nccl on CUDA, gloo otherwise), pick the device, seed RNGs.
     timeout_s: how long a collective waits for a missing rank before failing (torch's default: 10 min).
     cpu_collectives: on CUDA also accept CPU tensors (gloo beside nccl; FSDP's CPU offload needs it)."""
-    if device_type in (None, "cuda") and not torch.cuda.is_available():
+    if device_type in (None, "cuda") and not cuda_available():
         if gpu_visible():  # a GPU this torch cannot use (a CPU build, or one built for a newer CUDA than the
             # driver's): stop, rather than run a GPU-sized job on the host until it is killed
             raise SystemExit(no_gpu_message(torch.__version__, torch.version.cuda, read_driver()))

@@ -3,17 +3,19 @@ Setting up a GPU machine: which PyTorch wheel its NVIDIA driver can run, whether
 a minimal image lacks for torch.compile. speedrun.sh and dev/gpu_check.sh call it; compute_init uses its message.
 Only the standard library at import time: speedrun runs it before torch is installed.
 
-    python -m nanorl.gpu_setup wheel      # the build for this driver: "12.6 https://download.pytorch.org/whl/cu126 torch..."
+    python -m nanorl.gpu_setup wheel      # this driver's build: "12.6 https://download.pytorch.org/whl/cu126 torch..."
     python -m nanorl.gpu_setup check      # the GPUs torch sees; exit 1, in one line, if the machine shows one but
                                           # torch sees none
     python -m nanorl.gpu_setup toolchain  # the Debian/Ubuntu packages torch.compile still needs ("" if none)
 """
+import glob
 import os
 import re
 import shutil
 import subprocess
 import sys
 import sysconfig
+import warnings
 from dataclasses import dataclass
 
 TORCH_SPEC = "torch>=2.11,<2.14"  # the pin in pyproject.toml (a test keeps the two equal)
@@ -69,27 +71,37 @@ def wheel_hint(driver):
 
 
 def gpu_visible():
-    """Whether this machine shows an NVIDIA GPU to this process, whatever torch thinks: nvidia-smi or the device
-    nodes exist, and CUDA_VISIBLE_DEVICES does not hide every GPU on purpose ("" or -1)."""
+    """Whether this machine shows an NVIDIA GPU to this process, whatever torch thinks: a GPU's device node exists
+    or nvidia-smi lists one (its tools alone, in an image run without GPUs, do not count), and CUDA_VISIBLE_DEVICES
+    does not hide every GPU on purpose ("" or -1)."""
     if os.environ.get("CUDA_VISIBLE_DEVICES", "unset").strip() in ("", "-1"):
         return False
-    return shutil.which("nvidia-smi") is not None or os.path.exists("/dev/nvidia0")
+    return bool(glob.glob("/dev/nvidia[0-9]*")) or read_driver() is not None
 
 
 def no_gpu_message(torch_version, torch_cuda, driver):
     """One line for "a GPU is there but torch sees none": names the driver and the fix."""
     build = "a CPU-only build" if torch_cuda is None else f"built for CUDA {torch_cuda}"
     if driver is None:
-        return (f"an NVIDIA GPU is present (nvidia-smi or /dev/nvidia0) but torch {torch_version} ({build}) sees none and "
+        return (f"an NVIDIA GPU is present (/dev/nvidia*) but torch {torch_version} ({build}) sees none and "
                 f"nvidia-smi does not answer: check the NVIDIA driver, then run python -m nanorl.gpu_setup wheel")
     return (f"nvidia-smi shows {driver.gpus} GPU(s), driver {driver.version} (CUDA up to "
             f"{driver.cuda[0]}.{driver.cuda[1]}), but torch {torch_version} ({build}) sees none: {wheel_hint(driver)}")
 
 
+def cuda_available():
+    """torch.cuda.is_available(), without the warning a CUDA build prints when the driver is older than its CUDA
+    ("CUDA initialization: The NVIDIA driver on your system is too old"): no_gpu_message says it in one line."""
+    import torch
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="CUDA initialization")
+        return torch.cuda.is_available()
+
+
 def torch_gpu_count():
     """The GPUs torch sees; raises SystemExit with no_gpu_message when the machine shows one and torch sees none."""
     import torch
-    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    n = torch.cuda.device_count() if cuda_available() else 0
     if n == 0 and gpu_visible():
         raise SystemExit(no_gpu_message(torch.__version__, torch.version.cuda, read_driver()))
     return n

@@ -4,7 +4,6 @@ Pretrain the base model. --depth is the one dial: width, heads, LRs and the toke
     python -m scripts.base_train --depth 4 --max-seq-len 256 --device-batch-size 8 --total-batch-size 4096 --num-iterations 200
     torchrun --standalone --nproc_per_node=8 -m scripts.base_train -- --depth 20
 """
-import argparse
 import math
 import os
 import random
@@ -15,9 +14,9 @@ from contextlib import nullcontext
 import torch
 
 from nanorl.checkpoint import delete_step, find_last_step, load_checkpoint, load_weights, model_path, resume_point, save_checkpoint
-from nanorl.common import (ETA, ArgumentParser, add_logging_args, autocast_ctx, batch_candidates, compute_cleanup, compute_init,
-                           fit_device_batch, fraction, get_base_dir, get_logger, get_peak_flops, int_or_off, nonneg_float,
-                           nonneg_int, positive_float, positive_int, print0, synchronize)
+from nanorl.common import (ETA, ArgumentParser, add_logging_args, autocast_ctx, batch_candidates, compute_cleanup,
+                           compute_init, fit_device_batch, fraction, get_base_dir, get_logger, get_peak_flops, int_or_off,
+                           nonneg_float, nonneg_int, positive_float, positive_int, print0, synchronize)
 from nanorl.dataloader import PretrainLoader
 from nanorl.dataset import describe_source
 from nanorl import fsdp
@@ -30,12 +29,7 @@ from nanorl.tokenizer import get_token_bytes, get_tokenizer
 
 
 def batch_or_auto(text):
-    if text == "auto":
-        return text
-    try:
-        return positive_int(text)
-    except argparse.ArgumentTypeError as e:
-        raise argparse.ArgumentTypeError(f"{e} (or auto)") from None
+    return text if text == "auto" else positive_int(text)
 
 
 # fmt: off
@@ -46,7 +40,8 @@ parser.add_argument("--head-dim", type=positive_int, default=128, help="width of
 parser.add_argument("--n-kv-head", type=positive_int, default=None, help="key/value heads (GQA); default = number of heads")
 parser.add_argument("--max-seq-len", type=positive_int, default=2048, help="context length: tokens per row")
 parser.add_argument("--device-batch-size", type=batch_or_auto, default="auto",
-                    help="rows per forward/backward on one device; auto: on CUDA the largest of 32, 16, 8, ... whose step fits in memory, else 32")
+                    help="rows per forward/backward on one device; auto: on CUDA the largest of 32, 16, 8, ... "
+                         "whose step fits in memory, else 32")
 parser.add_argument("--total-batch-size", type=positive_int, default=524288, help="tokens per optimizer step, all ranks")
 parser.add_argument("--num-iterations", type=int_or_off, default=-1, help="explicit number of steps (-1: from --target-param-data-ratio)")
 parser.add_argument("--target-param-data-ratio", type=positive_float, default=20, help="tokens : params (Chinchilla = 20)")

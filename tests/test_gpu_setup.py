@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -96,13 +97,30 @@ def test_compute_init_stops_when_torch_cannot_see_the_gpu(tmp_path, monkeypatch)
     for device_type in (None, "cuda"):
         with pytest.raises(SystemExit) as e:
             compute_init(device_type)
+        build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
         assert str(e.value) == (f"nvidia-smi shows 8 GPU(s), driver 535.183.01 (CUDA up to 12.2), but torch "
-                                f"{torch.__version__} ({'a CPU-only build' if torch.version.cuda is None else 'built for CUDA ' + torch.version.cuda}) "
-                                f"sees none: install the build this driver runs: pip install 'torch>=2.11,<2.14' "
+                                f"{torch.__version__} ({build}) sees none: install the build this driver runs: pip install 'torch>=2.11,<2.14' "
                                 f"--index-url {CU126}")
     assert compute_init("cpu")[-1] == torch.device("cpu")  # asked for explicitly: no objection
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # every GPU hidden on purpose: the CPU, as asked
     assert compute_init()[-1].type in ("cpu", "mps")
+
+
+def test_nvidia_tools_without_a_gpu_are_no_gpu(tmp_path, monkeypatch):
+    # an image with the driver's tools run without GPUs: nvidia-smi is there but finds no device
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text('#!/usr/bin/env bash\necho "No devices were found"; exit 6\n')
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(gpu_setup, "glob", SimpleNamespace(glob=lambda pattern: []))  # and no /dev/nvidia0
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu_setup.read_driver() is None and not gpu_setup.gpu_visible()
+    assert compute_init()[-1].type in ("cpu", "mps")
+    monkeypatch.setattr(gpu_setup, "glob", SimpleNamespace(glob=lambda pattern: ["/dev/nvidia3"]))  # a GPU's node
+    with pytest.raises(SystemExit, match=r"^an NVIDIA GPU is present \(/dev/nvidia\*\) but torch .* sees none and "
+                                         r"nvidia-smi does not answer"):
+        compute_init()
 
 
 def test_compute_init_turns_on_expandable_segments_for_cuda_only(monkeypatch):
