@@ -93,17 +93,18 @@ print0(attention_backend(device))
 optimizer = build_optimizer(model, args.matrix_lr, args.embedding_lr, args.unembedding_lr, args.weight_decay)
 compiled = model if (args.no_compile or device.type != "cuda") else torch.compile(model, dynamic=False)
 autocast = autocast_ctx(device.type)
+# the optimizer's state, allocated at its first step: Muon keeps a momentum buffer like each matrix, AdamW two fp32
+# moments per parameter (under FSDP, of this rank's shard; with --cpu-offload it lives in host memory)
+state_bytes = 0 if args.cpu_offload else \
+    sum((p.to_local() if hasattr(p, "to_local") else p).numel() * (p.element_size() if g["kind"] == "muon" else 8)
+        for g in optimizer.param_groups for p in g["params"])
 
 
 def trial_step(batch):
-    """One forward+backward at `batch` rows, with the memory the optimizer's state will take (allocated at its first
-    step) held aside: whether a training step of this size fits."""
+    """One forward+backward at `batch` rows with the optimizer's state held aside: whether a training step fits.
+    Under --fsdp it runs the sharded model, whose collectives every rank enters with the same shapes."""
     x = torch.zeros(batch, args.max_seq_len, dtype=torch.long, device=device)
-    # Muon keeps a momentum buffer like each matrix, AdamW two fp32 moments per parameter; FSDP: this rank's shard
-    state = 0 if args.cpu_offload else \
-        sum((p.to_local() if hasattr(p, "to_local") else p).numel() * (p.element_size() if g["kind"] == "muon" else 8)
-            for g in optimizer.param_groups for p in g["params"])
-    held = torch.empty(state, dtype=torch.uint8, device=device)
+    held = torch.empty(state_bytes, dtype=torch.uint8, device=device)
     try:
         with autocast:
             loss = compiled(x, targets=x)
