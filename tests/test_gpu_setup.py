@@ -90,6 +90,16 @@ def test_wheel_command_names_the_build_and_why(tmp_path):
 # ----------------------------------------------------------------------------------------------
 # torch must see the GPU that the machine shows
 
+def test_no_gpu_message_names_the_build_the_driver_and_the_fix():
+    # PyPI's default wheel (CUDA 13.0) on a 535 driver: torch.cuda.is_available() is False
+    driver = gpu_setup.Driver("535.183.01", (12, 2), 8)
+    assert gpu_setup.no_gpu_message("2.13.0+cu130", "13.0", driver) == (
+        "nvidia-smi shows 8 GPU(s), driver 535.183.01 (CUDA up to 12.2), but torch 2.13.0+cu130 (built for CUDA 13.0) "
+        f"sees none: install the build this driver runs: pip install 'torch>=2.11,<2.14' --index-url {CU126}")
+    assert gpu_setup.no_gpu_message("2.13.0+cu130", "13.0", gpu_setup.Driver("570.86.15", (12, 8), 1)).endswith(
+        "--index-url https://download.pytorch.org/whl/cu128")
+
+
 def test_compute_init_stops_when_torch_cannot_see_the_gpu(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", f"{fake_smi(tmp_path)}:{os.environ['PATH']}")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
