@@ -56,6 +56,7 @@ if [ $INSTALL = 1 ]; then $PY -m pip install -q -e ".[dev]"; fi
 
 if [ $TINY = 1 ]; then
     echo "== nanorl speedrun: no CUDA GPU (or NANORL_TINY=1): tiny model on the offline curriculum, CPU, no network =="
+    export CUDA_VISIBLE_DEVICES=""  # the CPU also on a GPU machine: torch and every stage's GPU check see no GPU
     export OMP_NUM_THREADS=$(nproc --all)  # --all: plain nproc echoes OMP_NUM_THREADS back
     RUN="$PY -m"
 else
