@@ -16,18 +16,44 @@ WANDB_RUN="${WANDB_RUN:-dummy}"
 T_START=$(date +%s)
 
 # --- environment -------------------------------------------------------------------------------
-if [ ! -x .venv/bin/python ]; then python3 -m venv .venv; fi
+# NANORL_SKIP_INSTALL=1: install nothing (no apt-get, pip, torch); the environment must already be complete
+INSTALL=1
+[ "${NANORL_SKIP_INSTALL:-0}" = "1" ] && INSTALL=0
+fail() { echo "!! $*" >&2; exit 1; }
+# what a minimal image lacks comes from apt-get when we can (root, apt-get, installs allowed), else we name it
+can_apt() { [ $INSTALL = 1 ] && [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; }
+apt_install() { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null; }
+
+if [ ! -x .venv/bin/python ]; then
+    # Debian and Ubuntu ship venv's ensurepip apart, in python3-venv
+    if ! python3 -c "import ensurepip" 2>/dev/null && can_apt; then apt_install python3-venv; fi
+    python3 -m venv .venv || { rm -rf .venv; fail "python3 -m venv failed: apt-get install python3-venv"; }
+fi
 PY=.venv/bin/python
-[ "${NANORL_SKIP_INSTALL:-0}" = "1" ] || $PY -m pip install -q --upgrade pip >/dev/null
+if [ $INSTALL = 1 ]; then $PY -m pip install -q --upgrade pip >/dev/null; fi
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && [ "${NANORL_TINY:-0}" != "1" ]; then
     TINY=0
-    NGPU=$(nvidia-smi -L | wc -l)
+    # torch.compile's Triton builds its kernel launchers with a C compiler, against Python.h
+    MISSING=$($PY -m nanorl.gpu_setup toolchain)
+    if [ -n "$MISSING" ] && can_apt; then apt_install $MISSING; MISSING=$($PY -m nanorl.gpu_setup toolchain); fi
+    [ -z "$MISSING" ] || fail "torch.compile needs a C compiler and Python's headers: apt-get install $MISSING"
+    # the torch build whose CUDA this driver runs: the default wheel's may be newer, and then torch sees no GPU
+    read -r WHEEL_CUDA WHEEL_INDEX TORCH_SPEC <<< "$($PY -m nanorl.gpu_setup wheel)"
+    [ -n "${WHEEL_INDEX:-}" ] || exit 1  # gpu_setup said why
+    if [ $INSTALL = 1 ]; then
+        # a torch for another CUDA (or a +cpu one) also meets the version pin, so pip would keep it: remove it
+        [ "$($PY -c 'import torch; print(torch.version.cuda)' 2>/dev/null)" = "$WHEEL_CUDA" ] \
+            || $PY -m pip uninstall -q -y torch 2>/dev/null || true
+        $PY -m pip install -q "$TORCH_SPEC" --index-url "$WHEEL_INDEX"
+    fi
 else
     TINY=1
     NGPU=1
-    $PY -c "import torch" 2>/dev/null || $PY -m pip install -q torch==2.13.0 || $PY -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
+    if [ $INSTALL = 1 ] && ! $PY -c "import torch" 2>/dev/null; then  # the small CPU build, not a multi-GB CUDA one
+        $PY -m pip install -q torch==2.13.0 || $PY -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
+    fi
 fi
-[ "${NANORL_SKIP_INSTALL:-0}" = "1" ] || $PY -m pip install -q -e ".[dev]"
+if [ $INSTALL = 1 ]; then $PY -m pip install -q -e ".[dev]"; fi
 
 # --- the python sandbox (model-written code runs only in bubblewrap's namespaces) -------------------
 if [ "${NANORL_SKIP_INSTALL:-0}" != "1" ] && ! command -v bwrap >/dev/null 2>&1 && [ "$(id -u)" = "0" ] \
@@ -41,9 +67,17 @@ fi
 
 if [ $TINY = 1 ]; then
     echo "== nanorl speedrun: no CUDA GPU (or NANORL_TINY=1): tiny model on the offline curriculum, CPU, no network =="
+    export CUDA_VISIBLE_DEVICES=""  # the CPU also on a GPU machine: torch and every stage's GPU check see no GPU
     export OMP_NUM_THREADS=$(nproc --all)  # --all: plain nproc echoes OMP_NUM_THREADS back
     RUN="$PY -m"
 else
+    # one rank per GPU that torch sees (nvidia-smi -L also lists MIG instances and ignores CUDA_VISIBLE_DEVICES);
+    # none seen stops here, in one line naming the driver and the torch build to install
+    NGPU=$($PY -m nanorl.gpu_setup check)
+    [ "$NGPU" -gt 0 ] || fail "torch sees no GPU: CUDA_VISIBLE_DEVICES='${CUDA_VISIBLE_DEVICES:-}' hides them all"
+    # headroom: the allocator grows its segments rather than fragmenting memory into unusable gaps
+    [ -n "${PYTORCH_CUDA_ALLOC_CONF:-}${PYTORCH_ALLOC_CONF:-}" ] \
+        || export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
     echo "== nanorl speedrun: $NGPU GPU(s), the full pipeline =="
     RUN="$PY -m torch.distributed.run --standalone --nproc_per_node=$NGPU -m"
 fi
@@ -61,6 +95,12 @@ stage() {
     fi
     echo "-- $name done in $(( $(date +%s) - t0 ))s"
     echo $(( $(date +%s) - t0 )) > "$marker"  # the marker holds the stage's seconds, for the report's total
+}
+
+# a GPU stage: one rank per GPU, each told --device-type cuda, so that no stage can quietly fall back to the CPU
+gpu_stage() {
+    local name=$1 module=$2; shift 2
+    stage "$name" $RUN "$module" -- --device-type cuda "$@"
 }
 
 # --- the stages ------------------------------------------------------------------------------------
@@ -100,14 +140,14 @@ else
     stage tok_train  $PY -m scripts.tok_train --max-chars 2000000000
     stage tok_eval   $PY -m scripts.tok_eval
     wait $DATA_PID || { echo "!! data download failed; see $NANORL_BASE_DIR/logs/data_download.log" >&2; exit 1; }
-    stage base_train $RUN scripts.base_train -- --depth 20 --n-kv-head 2 --run "$WANDB_RUN"
-    stage base_eval  $RUN scripts.base_eval
-    stage mid_train  $RUN scripts.mid_train -- --data hub --run "$WANDB_RUN"
-    stage eval_mid   $RUN scripts.chat_eval -- -i mid -a arc-easy,arc-challenge,mmlu,gsm8k,humaneval,spellingbee,offline
-    stage chat_sft   $RUN scripts.chat_sft -- --data hub --run "$WANDB_RUN"
-    stage eval_sft   $RUN scripts.chat_eval -- -i sft -a arc-easy,arc-challenge,mmlu,gsm8k,humaneval,spellingbee,offline
-    stage chat_rl    $RUN scripts.chat_rl -- --task gsm8k --run "$WANDB_RUN"
-    stage eval_rl    $RUN scripts.chat_eval -- -i rl -a arc-easy,arc-challenge,mmlu,gsm8k,humaneval,spellingbee,offline
+    gpu_stage base_train scripts.base_train --depth 20 --n-kv-head 2 --run "$WANDB_RUN"
+    gpu_stage base_eval  scripts.base_eval
+    gpu_stage mid_train  scripts.mid_train --data hub --run "$WANDB_RUN"
+    gpu_stage eval_mid   scripts.chat_eval -i mid -a arc-easy,arc-challenge,mmlu,gsm8k,humaneval,spellingbee,offline
+    gpu_stage chat_sft   scripts.chat_sft --data hub --run "$WANDB_RUN"
+    gpu_stage eval_sft   scripts.chat_eval -i sft -a arc-easy,arc-challenge,mmlu,gsm8k,humaneval,spellingbee,offline
+    gpu_stage chat_rl    scripts.chat_rl --task gsm8k --run "$WANDB_RUN"
+    gpu_stage eval_rl    scripts.chat_eval -i rl -a arc-easy,arc-challenge,mmlu,gsm8k,humaneval,spellingbee,offline
 fi
 
 # --- the report -----------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The one command that proves the GPU path:
 #   bash dev/gpu_check.sh OUT.md          # one CUDA GPU: budgeted at <= 8 minutes on one H100
-#   bash dev/gpu_check.sh OUT.md --cpu    # tiny CPU mode (also what runs when torch sees no CUDA GPU)
+#   bash dev/gpu_check.sh OUT.md --cpu    # tiny CPU mode (also what runs on a machine without an NVIDIA GPU)
+# A GPU that nvidia-smi shows but torch cannot use (a CPU build of torch, or one built for a newer CUDA than the
+# driver's) fails at once, with the driver's version and the torch build to install.
 # On a GPU it runs the tests marked `gpu` (CUDA-graph engine == eager engine, bf16 engine vs trainer log-prob gap,
 # compiled == eager loss, flex == dense-mask gradients, a packed SFT step at d20 shape, a GRPO step at d12, a 2-rank
 # NCCL run when 2 GPUs exist), then bench train d12 and d20, bench decode d20 at batch 1/64/256 (512-token prompts,
@@ -19,7 +21,12 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] && [ -z "${PYTHON:-}" ] && PY=.venv/bin/python
 MODE=gpu
-if [ "${2:-}" = "--cpu" ] || ! $PY -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+if [ "${2:-}" = "--cpu" ]; then
+    MODE=cpu
+elif ! $PY -c "import sys; from nanorl.gpu_setup import cuda_available; sys.exit(0 if cuda_available() else 1)"; then
+    # a GPU that torch cannot use is a failure, not a reason to measure the CPU: gpu_setup names the driver and
+    # the torch build to install; only a machine with no NVIDIA GPU at all falls back to the CPU mode
+    $PY -m nanorl.gpu_setup check >/dev/null || exit 1
     MODE=cpu
 fi
 LOGS="${OUT%.md}_logs"

@@ -18,7 +18,7 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
-from nanorl.errors import BadValue
+from nanorl.gpu_setup import cuda_available, gpu_visible, no_gpu_message, read_driver
 
 
 # -----------------------------------------------------------------------------------------------
@@ -119,11 +119,23 @@ def compute_init(device_type=None, seed=42, timeout_s=None, cpu_collectives=Fals
     """Init torch.distributed when launched by torchrun (nccl on CUDA, gloo otherwise), pick the device, seed RNGs.
     timeout_s: how long a collective waits for a missing rank before failing (torch's default: 10 min).
     cpu_collectives: on CUDA also accept CPU tensors (gloo beside nccl; FSDP's CPU offload needs it)."""
+    if device_type in (None, "cuda") and not cuda_available():
+        if gpu_visible():  # a GPU this torch cannot use (a CPU build, or one built for a newer CUDA than the
+            # driver's): stop, rather than run a GPU-sized job on the host until it is killed
+            raise SystemExit(no_gpu_message(torch.__version__, torch.version.cuda, read_driver()))
+        if device_type == "cuda":
+            raise SystemExit("--device-type cuda was asked for but torch sees no CUDA GPU")
     device_type = device_type or autodetect_device_type()
-    if device_type == "cuda" and not torch.cuda.is_available():
-        raise BadValue("--device-type cuda was asked for but torch sees no CUDA GPU")
+    _, _, local_rank, _ = get_dist_info()
+    if device_type == "cuda" and local_rank >= torch.cuda.device_count():
+        raise SystemExit(f"local rank {local_rank} has no GPU: torch sees {torch.cuda.device_count()} "
+                         f"(launch at most that many ranks per node, or check CUDA_VISIBLE_DEVICES)")
     torch.manual_seed(seed)
     if device_type == "cuda":
+        # fewer out-of-memory failures from fragmentation: the allocator grows segments instead of adding new ones.
+        # Read when CUDA's allocator starts, which has not happened yet; a value the user set wins
+        if not (os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")):
+            os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
         torch.cuda.manual_seed(seed)
         # tf32 matmuls: free speed for the fp32 parts (optimizer math, fp32 logits)
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -218,6 +230,49 @@ def compute_cleanup():
         # its worker threads run into interpreter shutdown, where taking the GIL aborts the process ("terminate called
         # without an active exception"). Release the GIL for a moment so a pending free finishes first.
         time.sleep(0.2)
+
+
+def batch_candidates(largest, total_tokens, row_tokens):
+    """Device batches to try, largest first: largest, largest / 2, ... 1, keeping those whose micro-steps of
+    batch x row_tokens (row_tokens = sequence length x ranks) add up exactly to total_tokens per optimizer step."""
+    out, b = [], largest
+    while b >= 1:
+        if total_tokens % (b * row_tokens) == 0:
+            out.append(b)
+        b //= 2
+    return out
+
+
+def _step_fits(try_step, batch):
+    try:
+        try_step(batch)
+        return True
+    except torch.OutOfMemoryError:
+        pass  # out of the except block before freeing: its traceback still holds the failed step's tensors
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return False
+
+
+def fit_device_batch(try_step, candidates, device=None):
+    """
+    The largest device batch of `candidates` (largest first) whose training step fits in memory: try_step(batch)
+    runs one forward+backward at that batch and raises torch.OutOfMemoryError when it does not fit. Under
+    torch.distributed all ranks try the same batch and move on together when any of them ran out of memory, so
+    they agree on the smallest batch every rank can take. Returns (batch, the larger candidates that did not fit).
+    """
+    too_big = []
+    for batch in candidates:
+        fits = _step_fits(try_step, batch)
+        if dist.is_available() and dist.is_initialized():
+            flag = torch.tensor([int(fits)], device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            fits = bool(flag.item())
+        if fits:
+            return batch, too_big
+        too_big.append(batch)
+    raise SystemExit(f"out of memory even at a device batch of {candidates[-1]} row(s) (tried {too_big}): "
+                     f"use a smaller model or --max-seq-len, or shard it with --fsdp")
 
 
 def autocast_ctx(device_type, dtype="bfloat16"):

@@ -12,9 +12,9 @@ from contextlib import nullcontext
 import torch
 
 from nanorl.checkpoint import delete_step, find_last_step, resume, rng_state, save, set_rng_state
-from nanorl.common import (ETA, ArgumentParser, add_logging_args, autocast_ctx, compute_cleanup, compute_init, fraction, get_base_dir,
-                           get_logger, get_peak_flops, int_or_off, nonneg_float, nonneg_int, positive_float, positive_int, print0,
-                           synchronize)
+from nanorl.common import (ETA, ArgumentParser, add_logging_args, autocast_ctx, batch_candidates, compute_cleanup,
+                           compute_init, fit_device_batch, fraction, get_base_dir, get_logger, get_peak_flops, int_or_off,
+                           nonneg_float, nonneg_int, positive_float, positive_int, print0, synchronize)
 from nanorl.dataloader import PretrainLoader
 from nanorl.dataset import describe_source
 from nanorl import fsdp
@@ -25,6 +25,11 @@ from nanorl.optim import build_optimizer
 from nanorl.report import log_json, log_section, record_metrics
 from nanorl.tokenizer import get_token_bytes, get_tokenizer
 
+
+def batch_or_auto(text):
+    return text if text == "auto" else positive_int(text)
+
+
 # fmt: off
 parser = ArgumentParser(description="Pretrain a base model")
 parser.add_argument("--depth", type=positive_int, default=20, help="number of layers; width = depth x aspect ratio")
@@ -32,7 +37,9 @@ parser.add_argument("--aspect-ratio", type=positive_int, default=64, help="model
 parser.add_argument("--head-dim", type=positive_int, default=128, help="width of one attention head")
 parser.add_argument("--n-kv-head", type=positive_int, default=None, help="key/value heads (GQA); default = number of heads")
 parser.add_argument("--max-seq-len", type=positive_int, default=2048, help="context length: tokens per row")
-parser.add_argument("--device-batch-size", type=positive_int, default=32, help="rows per forward/backward on one device")
+parser.add_argument("--device-batch-size", type=batch_or_auto, default="auto",
+                    help="rows per forward/backward on one device; auto: on CUDA the largest of 32, 16, 8, ... "
+                         "whose step fits in memory, else 32")
 parser.add_argument("--total-batch-size", type=positive_int, default=524288, help="tokens per optimizer step, all ranks")
 parser.add_argument("--num-iterations", type=int_or_off, default=-1, help="explicit number of steps (-1: from --target-param-data-ratio)")
 parser.add_argument("--target-param-data-ratio", type=positive_float, default=20, help="tokens : params (Chinchilla = 20)")
@@ -78,6 +85,46 @@ if args.fsdp:
     shard_model(model, device, args.activation_checkpointing, args.cpu_offload)
 nparams = model.num_params()
 flops_per_token = model.estimate_flops()
+print0(f"model d{args.depth}: {nparams:,} params, {config.n_layer} layers, width {config.n_embd}, {config.n_head} heads "
+       f"({config.n_kv_head} kv), {flops_per_token:.3e} FLOPs/token")
+print0(attention_backend(device))
+optimizer = build_optimizer(model, args.matrix_lr, args.embedding_lr, args.unembedding_lr, args.weight_decay)
+compiled = model if (args.no_compile or device.type != "cuda") else torch.compile(model, dynamic=False)
+autocast = autocast_ctx(device.type)
+# the optimizer's state, allocated at its first step: Muon keeps a momentum buffer like each matrix, AdamW two fp32
+# moments per parameter (under FSDP, of this rank's shard; with --cpu-offload it lives in host memory)
+state_bytes = 0 if args.cpu_offload else \
+    sum((p.to_local() if hasattr(p, "to_local") else p).numel() * (p.element_size() if g["kind"] == "muon" else 8)
+        for g in optimizer.param_groups for p in g["params"])
+
+
+def trial_step(batch):
+    """One forward+backward at `batch` rows with the optimizer's state held aside: whether a training step fits.
+    Under --fsdp it runs the sharded model, whose collectives every rank enters with the same shapes."""
+    x = torch.zeros(batch, args.max_seq_len, dtype=torch.long, device=device)
+    held = torch.empty(state_bytes, dtype=torch.uint8, device=device)
+    try:
+        with autocast:
+            loss = compiled(x, targets=x)
+        loss.backward()
+        synchronize(device.type)
+    finally:
+        model.zero_grad(set_to_none=True)
+        del held
+
+
+if args.device_batch_size == "auto":
+    candidates = batch_candidates(32, args.total_batch_size, args.max_seq_len * world_size)
+    if not candidates:
+        raise SystemExit(f"--total-batch-size {args.total_batch_size} must be a multiple of --max-seq-len x ranks "
+                         f"= {args.max_seq_len} x {world_size}")
+    too_big = []
+    if device.type == "cuda":  # elsewhere running out of memory is the OS killing us, not an exception to catch
+        args.device_batch_size, too_big = fit_device_batch(trial_step, candidates, device)
+    else:
+        args.device_batch_size = candidates[0]
+    print0(f"device batch (auto): {args.device_batch_size} rows" +
+           (f", the largest that fits in memory ({', '.join(map(str, too_big))} did not)" if too_big else ""))
 tokens_per_fwdbwd = args.device_batch_size * args.max_seq_len * world_size
 if args.total_batch_size % tokens_per_fwdbwd:
     raise SystemExit(f"--total-batch-size {args.total_batch_size} must be a multiple of --device-batch-size x --max-seq-len x ranks "
@@ -87,20 +134,14 @@ num_iterations = args.num_iterations if args.num_iterations > 0 else \
     max(1, round(args.target_param_data_ratio * nparams / args.total_batch_size))
 model_tag = args.model_tag or f"d{args.depth}"
 ckpt_dir = os.path.join(get_base_dir(), "base_checkpoints", model_tag)
-print0(f"model d{args.depth}: {nparams:,} params, {config.n_layer} layers, width {config.n_embd}, {config.n_head} heads "
-       f"({config.n_kv_head} kv), {flops_per_token:.3e} FLOPs/token")
-print0(attention_backend(device))
 print0(f"{num_iterations} steps x {args.total_batch_size:,} tokens ({grad_accum} micro-steps each) = "
        f"{num_iterations * args.total_batch_size:,} tokens, data: {describe_source(args.data_dir)}")
 
-optimizer = build_optimizer(model, args.matrix_lr, args.embedding_lr, args.unembedding_lr, args.weight_decay)
 train_loader = PretrainLoader(tokenizer, args.device_batch_size, args.max_seq_len, "train", args.data_dir, device, rank, world_size)
-compiled = model if (args.no_compile or device.type != "cuda") else torch.compile(model, dynamic=False)
 ddp_wrapped = ddp and not args.fsdp
 if ddp_wrapped:  # DDP's reducer all-reduces gradient buckets while backward still runs, overlapping communication with compute
     compiled = torch.nn.parallel.DistributedDataParallel(compiled, device_ids=[device] if device.type == "cuda" else None,
                                                          gradient_as_bucket_view=True)
-autocast = autocast_ctx(device.type)
 meta = {"model_config": config.to_dict(), "model_tag": model_tag, "train_args": vars(args), "world_size": world_size}
 if args.fsdp:
     print0(f"FSDP2 over {world_size} ranks: {local_bytes(model, optimizer) / 2**20:,.1f} MiB of parameters on this rank (before gradients and optimizer state)")

@@ -163,6 +163,19 @@ def test_bad_batch_flags(base_dir):
     assert out.returncode != 0 and "--total-batch-size 256 must be a multiple" in out.stderr
 
 
+def test_auto_device_batch_keeps_the_tokens_per_step(base_dir):
+    # off CUDA auto takes the largest of 32, 16, 8, ... whose micro-steps add up to the step: 256 tokens of 64 = 4 rows
+    losses, log = run_base_train(base_dir, "--device-batch-size", "auto", "--num-iterations", "2",
+                                 "--model-tag", "auto")
+    assert "device batch (auto): 4 rows\n" in log and "2 steps x 256 tokens (1 micro-steps each)" in log
+    assert len(losses) == 2
+    _, log = run_base_train(base_dir, "--device-batch-size", "auto", "--max-seq-len", "16", "--num-iterations", "1",
+                            "--model-tag", "auto16")
+    assert "device batch (auto): 16 rows\n" in log and "(1 micro-steps each)" in log  # 256 / 16 = 16 rows
+    out = base_train(base_dir, "--device-batch-size", "big")
+    assert out.returncode == 2 and "argument --device-batch-size: 'big' is not an integer" in out.stderr
+
+
 def test_wandb_without_a_key_stops_before_the_model_is_built(base_dir, tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("WANDB_API_KEY", "WANDB_MODE", "NETRC")}
     env.update(NANORL_BASE_DIR=str(base_dir), OMP_NUM_THREADS="1", HOME=str(tmp_path))  # HOME: no ~/.netrc

@@ -5,6 +5,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from test_gpu_setup import gpu_env as fake_gpu_env  # pytest puts tests/ on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,3 +42,34 @@ def test_tiny_speedrun_end_to_end(tmp_path):
     assert again.returncode == 0 and again.stdout.count("already done, skipping") == 13
     minutes = float(re.search(r"total wall time: ([\d.]+) min", report.read_text()).group(1))
     assert minutes >= 0.5  # the rerun's report still counts the stages' own time, not the rerun's seconds
+
+
+# ----------------------------------------------------------------------------------------------
+# the GPU branch on a machine whose torch cannot use the GPU: nvidia-smi (faked) shows 8 H100s on driver 535
+# (CUDA 12.2), the .venv holds a CPU build of torch, and NANORL_SKIP_INSTALL=1 keeps it from installing another
+
+def gpu_env(tmp_path, **extra):
+    return fake_gpu_env(tmp_path, NANORL_SKIP_INSTALL="1", NANORL_REPORT=str(tmp_path / "report.md"), **extra)
+
+
+def test_speedrun_stops_before_any_stage_when_torch_cannot_see_the_gpus(tmp_path):
+    out = subprocess.run(["bash", "speedrun.sh"], cwd=ROOT, env=gpu_env(tmp_path), capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 1, out.stdout + out.stderr
+    # it said which torch build the driver runs, then stopped in one line naming the driver and the fix
+    assert "driver 535.183.01 runs CUDA up to 12.2: torch built for CUDA 12.6, from " \
+           "https://download.pytorch.org/whl/cu126" in out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("nvidia-smi shows 8 GPU(s), driver 535.183.01 (CUDA up to 12.2), but torch ") \
+        and last.endswith("--index-url https://download.pytorch.org/whl/cu126"), out.stderr
+    assert "-- " not in out.stdout and "the full pipeline" not in out.stdout  # no stage started
+    assert os.listdir(tmp_path / "base" / "logs") == [] and os.listdir(tmp_path / "base" / "done") == []
+
+
+def test_speedrun_names_the_packages_a_minimal_image_lacks(tmp_path):
+    # $CC names a compiler that is not there (Triton would use it): with installs off, stop and name the package
+    out = subprocess.run(["bash", "speedrun.sh"], cwd=ROOT, env=gpu_env(tmp_path, CC="/nonexistent/cc"),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert out.stderr.strip() == "!! torch.compile needs a C compiler and Python's headers: apt-get install gcc"
+    assert out.stdout == ""
