@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from nanorl.execution import calculator
+from nanorl.calculator import calculator
 
 
 @dataclass

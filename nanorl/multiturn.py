@@ -17,8 +17,9 @@ at the request's temperature, in every turn, which is what the trainer computes 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
+from nanorl.calculator import calculator
 from nanorl.engine import Completion, run_tool
-from nanorl.execution import calculator, execute_code
+from nanorl.execution import execute_code
 
 TOOLS = ("calculator", "python")
 

@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-from nanorl.execution import calculator
+from nanorl.calculator import calculator
 from nanorl.engine import (Engine, Request, TextStream, _mix64, _signed64, assistant_parts,
                            run_tool, sample_tokens, uniform_from_counter)
 from nanorl.gpt import GPTConfig, build_model
