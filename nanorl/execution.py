@@ -55,20 +55,10 @@ class ExecResult:
 # The limits are set here rather than in a preexec_fn because preexec_fn can deadlock when the parent
 # has threads (Python's docs warn about it), and the RL loop grades samples from a thread pool.
 _CHILD = r"""
-import sys
+import builtins, faulthandler, io, os, posix, resource, shutil, socket, subprocess, sys, traceback, types, _socket
 
-def _run(path, mem_bytes, file_bytes, cpu_seconds, nproc, memory_exit_code):
-    import builtins, faulthandler, io, os, posix, resource, shutil, socket, subprocess, traceback, types, _socket
-
-    with open(path) as f:
-        source = f.read()
-    try:
-        code = compile(source, path, "exec")
-    except SyntaxError as e:
-        traceback.print_exception(type(e), e, None)
-        sys.exit(1)
-
-    # --- limits: address space (so big allocations raise MemoryError), file size, CPU time, no core dumps
+def _limits(mem_bytes, file_bytes, cpu_seconds, nproc):
+    # address space (so big allocations raise MemoryError), file size, CPU time, no core dumps
     resource.setrlimit(resource.RLIMIT_AS, (mem_bytes, mem_bytes))
     resource.setrlimit(resource.RLIMIT_FSIZE, (file_bytes, file_bytes))
     resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds))
@@ -77,7 +67,8 @@ def _run(path, mem_bytes, file_bytes, cpu_seconds, nproc, memory_exit_code):
         resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
     faulthandler.disable()
 
-    # --- no network: sockets can not be created, names can not be resolved
+def _no_network():
+    # sockets can not be created, names can not be resolved
     def no_network(*args, **kwargs):
         raise OSError("network access is disabled in the sandbox")
     socket.socket.__init__ = no_network
@@ -88,7 +79,8 @@ def _run(path, mem_bytes, file_bytes, cpu_seconds, nproc, memory_exit_code):
                 setattr(mod, name, no_network)
     _socket.socket = socket.socket
 
-    # --- writes and deletes only inside the sandbox directory (the cwd). Deleting there stays allowed
+def _writes_only_in_cwd():
+    # writes and deletes only inside the sandbox directory (the cwd). Deleting there stays allowed
     # because tempfile and friends need it; outside it, nothing can be created, changed or removed.
     root = os.path.realpath(os.getcwd())
     def check_write(file):
@@ -123,7 +115,8 @@ def _run(path, mem_bytes, file_bytes, cpu_seconds, nproc, memory_exit_code):
         setattr(os, name, guard_paths(getattr(os, name), npaths))
         setattr(posix, name, getattr(os, name))
 
-    # --- destructive or escaping functions raise instead (os and posix are the same functions)
+def _disable_escapes():
+    # destructive or escaping functions raise instead (os and posix are the same functions)
     def disabled(name):
         def f(*args, **kwargs):
             raise PermissionError(f"{name} is disabled in the sandbox")
@@ -145,7 +138,20 @@ def _run(path, mem_bytes, file_bytes, cpu_seconds, nproc, memory_exit_code):
         sys.modules[name] = None
     builtins.help = disabled("help")
 
-    # --- run the code as __main__ (a fresh module, so pickling its classes works)
+def _run(path, mem_bytes, file_bytes, cpu_seconds, nproc, memory_exit_code):
+    with open(path) as f:
+        source = f.read()
+    try:
+        code = compile(source, path, "exec")
+    except SyntaxError as e:
+        traceback.print_exception(type(e), e, None)
+        sys.exit(1)
+    _limits(mem_bytes, file_bytes, cpu_seconds, nproc)
+    _no_network()
+    _writes_only_in_cwd()
+    _disable_escapes()
+
+    # run the code as __main__ (a fresh module, so pickling its classes works)
     main = types.ModuleType("__main__")
     main.__file__, main.__builtins__ = path, builtins
     sys.modules["__main__"], sys.argv = main, [path]
