@@ -8,16 +8,18 @@ The nanorl GPT: one small, modern decoder-only transformer.
   QKV bias, QK-norm with weights (Qwen3) or none (Llama, Qwen2), tied embeddings, rope theta and Llama-3
   rope scaling, no softcap. The defaults are nanorl's own architecture (see nanorl/hf.py)
 - three attention paths: plain causal; packed rows with document masking (several documents in a row
-  attend only within themselves, positions restart per document); and a KV cache for the engine.
+  attend only within themselves, positions restart per document); and a KV cache for the engine
+  (nanorl/kv_cache.py).
   Which kernel runs where (attention_backend() says it in each stage's log):
     plain causal  CUDA: SDPA pinned to its FlashAttention backend (bf16/fp16: GQA without repeating K/V;
                   fp32 is left to SDPA's choice); CPU: SDPA
     packed docs   CUDA: compiled flex_attention with a block mask (never a T x T mask in memory);
                   CPU: SDPA with a dense (B, 1, T, T) boolean mask (exact, and T is small there)
 """
+
 import copy
 import math
-from dataclasses import dataclass, asdict
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn as nn
@@ -25,6 +27,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from torch.utils.checkpoint import checkpoint
+
+from nanorl.kv_cache import KVCache, attend_cached
 
 
 @dataclass
@@ -58,14 +62,22 @@ def config_from_depth(depth, vocab_size, sequence_len=2048, aspect_ratio=64, hea
         raise ValueError(f"--depth must be >= 1, got {depth}")
     n_embd = depth * aspect_ratio
     if n_embd % head_dim != 0:
-        raise ValueError(f"--depth {depth} x aspect ratio {aspect_ratio} = model dim {n_embd}, "
-                         f"which is not a multiple of head_dim {head_dim}; pick a depth/aspect ratio/head dim that divides")
+        raise ValueError(
+            f"--depth {depth} x aspect ratio {aspect_ratio} = model dim {n_embd}, "
+            f"which is not a multiple of head_dim {head_dim}; pick a depth/aspect ratio/head dim that divides"
+        )
     n_head = n_embd // head_dim
     n_kv_head = n_head if n_kv_head is None else n_kv_head
     if n_kv_head < 1 or n_head % n_kv_head != 0:
         raise ValueError(f"--n-kv-head {n_kv_head} must divide the number of heads {n_head} (depth {depth})")
-    return GPTConfig(sequence_len=sequence_len, vocab_size=vocab_size, n_layer=depth,
-                     n_head=n_head, n_kv_head=n_kv_head, n_embd=n_embd)
+    return GPTConfig(
+        sequence_len=sequence_len,
+        vocab_size=vocab_size,
+        n_layer=depth,
+        n_head=n_head,
+        n_kv_head=n_kv_head,
+        n_embd=n_embd,
+    )
 
 
 def norm(x):
@@ -75,6 +87,7 @@ def norm(x):
 
 class RMSNorm(nn.Module):
     """norm() with an optional learned scale; without one it has no parameters and adds no state-dict keys."""
+
     def __init__(self, dim, config):
         super().__init__()
         self.eps = config.norm_eps or None
@@ -140,6 +153,7 @@ def doc_block_mask(doc_ids):
 
     def causal_same_doc(b, h, q_idx, kv_idx):
         return (q_idx >= kv_idx) & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
+
     return create_block_mask(causal_same_doc, B, None, T, T, device=doc_ids.device)
 
 
@@ -172,102 +186,11 @@ def causal_attend(q, k, v, enable_gqa):
 def attention_backend(device):
     """One line for a stage's log: which attention kernel each training path runs on `device`."""
     if use_flex(device):
-        return ("attention: causal = SDPA FlashAttention (pinned, bf16); "
-                "packed documents = compiled flex_attention with a block mask")
+        return (
+            "attention: causal = SDPA FlashAttention (pinned, bf16); "
+            "packed documents = compiled flex_attention with a block mask"
+        )
     return "attention: causal = SDPA (torch's choice); packed documents = SDPA with a dense document mask (exact)"
-
-
-class KVCache:
-    """
-    A pre-allocated KV cache with its own position per row, so one batch holds prompts of different
-    lengths and rows that are refilled at different times (continuous batching).
-    k, v: (n_layer, B, n_kv_head, max_len, head_dim). pos[b] = how many tokens row b holds.
-    A forward with the cache calls begin() once, update() once per layer, end() once.
-    """
-    def __init__(self, n_layer, batch_size, n_kv_head, max_len, head_dim, device, dtype):
-        shape = (n_layer, batch_size, n_kv_head, max_len, head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.pos = torch.zeros(batch_size, dtype=torch.long, device=device)
-        self.max_len = max_len
-        self.attend_len = None  # how much of the cache attention reads: worked out each forward unless static
-        self.static = False  # True: the caller fixed attend_len (static shapes for CUDA graphs)
-        # which cache rows the forward's batch rows are: a slice of leading rows (views, no copies: the engine
-        # decodes its busy rows 0..n-1 this way) or a LongTensor of rows (gathered: the engine prefills a few new
-        # prompts straight into free rows of the big decode cache). None = all rows, in order.
-        self.rows = None
-        self.write_pos = None  # (B, T) positions the current forward writes, set by begin()
-
-    def _rows(self):
-        return slice(None) if self.rows is None else self.rows
-
-    def begin(self, T):
-        """Positions (B, T) of the next T tokens of each row, and the (B, 1, T, attend_len) attention mask."""
-        start = self.pos[self._rows()]
-        pos = start[:, None] + torch.arange(T, device=start.device)[None, :]
-        if not self.static:
-            # eager path: read only the used part of the cache (one host sync). A caller that wants
-            # static shapes (CUDA graphs) sets static and attend_len itself and skips this check.
-            top = int(pos.max()) + 1
-            if top > self.max_len:
-                raise ValueError(f"KV cache is full: position {top - 1} >= max_len {self.max_len}")
-            self.attend_len = top
-        self.write_pos = pos
-        key_pos = torch.arange(self.attend_len, device=pos.device)
-        return pos, (key_pos[None, None, :] <= pos[:, :, None])[:, None]
-
-    def update(self, layer, k, v):
-        """Write one layer's new keys/values (B, H, T, D) at write_pos; return the keys/values to attend over."""
-        B, T = self.write_pos.shape
-        rows, L = self._rows(), self.attend_len
-        kc, vc = self.k[layer], self.v[layer]
-        if isinstance(rows, slice):  # leading rows: write into and read views of the cache
-            kc, vc = kc[rows], vc[rows]
-            b_idx = torch.arange(B, device=k.device)[:, None].expand(B, T)
-        else:
-            b_idx = rows[:, None].expand(B, T)
-        kc[b_idx, :, self.write_pos] = k.transpose(1, 2).to(kc.dtype)
-        vc[b_idx, :, self.write_pos] = v.transpose(1, 2).to(vc.dtype)
-        if isinstance(rows, slice):
-            return kc[:, :, :L], vc[:, :, :L]
-        return kc[rows, :, :L], vc[rows, :, :L]
-
-    def end(self, T):
-        self.pos[self._rows()] += T
-        self.write_pos = None
-
-    def reset(self, rows=None):
-        if rows is None:
-            self.pos.zero_()
-        else:
-            self.pos[rows] = 0
-
-    def copy_rows(self, src, dst, source=None):
-        """Copy the cached tokens of rows src (of `source`, default this cache) into rows dst. Prefix sharing:
-        prefill a prompt once, then fan it out to the n rows that sample from it; and moving a row."""
-        source = self if source is None else source
-        L = int(source.pos[src].max())
-        self.k[:, dst, :, :L] = source.k[:, src, :, :L]
-        self.v[:, dst, :, :L] = source.v[:, src, :, :L]
-        self.pos[dst] = source.pos[src]
-
-
-def attend_cached(q, k, v, mask):
-    """
-    Attention of q (B, H, T, D) over cached k, v (B, Hkv, L, D) with a boolean mask (B, 1, T, L).
-    GQA: the G query heads sharing a KV head are folded into the query length, so each KV head is read
-    once and never expanded (SDPA's enable_gqa with a mask would fall back to a kernel that repeats K/V
-    G times, and decode is bound by exactly those bytes). q is cast to the cache dtype, never the reverse.
-    """
-    B, H, T, D = q.shape
-    Hkv = k.size(1)
-    G = H // Hkv
-    dtype = q.dtype
-    q = q.to(k.dtype).reshape(B, Hkv, G * T, D)  # query head h = kv_head * G + g, as enable_gqa groups them
-    if G > 1:
-        mask = mask.repeat(1, 1, G, 1)  # row g * T + t of the folded query uses token t's mask
-    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    return y.reshape(B, H, T, D).to(dtype)
 
 
 class CausalSelfAttention(nn.Module):
@@ -358,11 +281,13 @@ class GPT(nn.Module):
             raise ValueError(f"unknown mlp {config.mlp!r}: 'relu2' or 'swiglu'")
         self.config = config
         self.head_dim = config.head_dim or config.n_embd // config.n_head
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(config.vocab_size, config.n_embd),
-            h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
-            norm_f=RMSNorm(config.n_embd, config),
-        ))
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
+                norm_f=RMSNorm(config.n_embd, config),
+            )
+        )
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.tie_weights()
         # rotary tables are buffers (not parameters, not saved): recomputed by init_weights / load
@@ -383,7 +308,13 @@ class GPT(nn.Module):
         torch.nn.init.normal_(self.lm_head.weight, mean=0.0, std=0.001)
         bound = math.sqrt(3.0 / C)  # uniform with std 1/sqrt(fan_in)
         for block in self.transformer.h:
-            for lin in (block.attn.c_q, block.attn.c_k, block.attn.c_v, block.mlp.c_fc, getattr(block.mlp, "c_gate", None)):
+            for lin in (
+                block.attn.c_q,
+                block.attn.c_k,
+                block.attn.c_v,
+                block.mlp.c_fc,
+                getattr(block.mlp, "c_gate", None),
+            ):
                 if lin is not None:
                     torch.nn.init.uniform_(lin.weight, -bound, bound)
                     if lin.bias is not None:
@@ -455,8 +386,9 @@ class GPT(nn.Module):
         logits = self.logits_from_hidden(h)
         if targets is None:
             return logits
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1),
-                               ignore_index=-1, reduction=loss_reduction)
+        return F.cross_entropy(
+            logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1, reduction=loss_reduction
+        )
 
     def token_logprobs(self, idx, targets, doc_ids=None, temperature=1.0, return_entropy=False, chunk_size=1024):
         """
@@ -477,7 +409,7 @@ class GPT(nn.Module):
 
         lps, ents = [], []
         for s in range(0, B * T, chunk_size):
-            h_c, t_c = h[s:s + chunk_size], tgt[s:s + chunk_size]
+            h_c, t_c = h[s : s + chunk_size], tgt[s : s + chunk_size]
             if torch.is_grad_enabled() and h_c.requires_grad:
                 lp, ent = checkpoint(chunk_fn, h_c, t_c, use_reentrant=False)
             else:
@@ -507,6 +439,7 @@ class Critic(nn.Module):
     policy (no value-loss coefficient to tune against the policy loss) and every other estimator trains the
     policy exactly as without a critic; the price is a second copy of the weights.
     """
+
     def __init__(self, policy):
         super().__init__()
         self.gpt = copy.deepcopy(policy)

@@ -18,7 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from nanorl.engine import Completion
-from nanorl.execution import calculator, execute_code
+from nanorl.calculator import calculator
+from nanorl.execution import execute_code
 from nanorl.toolcalls import run_tool
 
 TOOLS = ("calculator", "python")

@@ -14,7 +14,7 @@ text with MarkupStream (streamed) or assistant_parts (all at once, the inverse o
 """
 import threading
 
-from nanorl.execution import calculator
+from nanorl.calculator import calculator
 
 
 def run_tool(source, tool=None, timeout=1.0, max_chars=200):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from nanorl.engine import Engine, Request
-from nanorl.execution import calculator
+from nanorl.calculator import calculator
 from nanorl.gpt import GPTConfig, build_model
 from nanorl.sampling import sample_tokens
 from nanorl.tokenizer import SPLIT_PATTERN, Tokenizer

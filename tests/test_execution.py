@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from nanorl.execution import GUARD_WARNING, MAX_OUTPUT_BYTES, ExecResult, _probe_bwrap, calculator, execute_code
+from nanorl.execution import GUARD_WARNING, MAX_OUTPUT_BYTES, ExecResult, _probe_bwrap, execute_code
 
 ROOT = Path(__file__).resolve().parent.parent
 BWRAP = _probe_bwrap() is None
@@ -56,7 +56,7 @@ def test_memory_limit():
     assert r.memory_exceeded
     # an ordinary allocation under the limit is fine
     r = execute_code("x = bytearray(50 * 1024 ** 2)\nprint(len(x))", max_memory_mb=256)
-    assert r.success and r.stdout == f"{50 * 1024 ** 2}\n"
+    assert r.success and r.stdout == f"{50 * 1024**2}\n"
 
 
 def test_no_writes_or_deletes_outside_the_sandbox(tmp_path):
@@ -87,12 +87,14 @@ def test_no_writes_or_deletes_outside_the_sandbox(tmp_path):
 
 
 def test_fresh_workdir_is_usable_and_deleted():
-    code = ("import os, tempfile\n"
-            "open('notes.txt', 'w').write('hi')\n"
-            "with tempfile.NamedTemporaryFile() as f:\n"
-            "    f.write(b'x')\n"  # tempfile needs create + delete inside the sandbox
-            "os.mkdir('sub'); os.remove('notes.txt')\n"
-            "print(os.getcwd()); print(sorted(os.listdir('.')))")
+    code = (
+        "import os, tempfile\n"
+        "open('notes.txt', 'w').write('hi')\n"
+        "with tempfile.NamedTemporaryFile() as f:\n"
+        "    f.write(b'x')\n"  # tempfile needs create + delete inside the sandbox
+        "os.mkdir('sub'); os.remove('notes.txt')\n"
+        "print(os.getcwd()); print(sorted(os.listdir('.')))"
+    )
     r1, r2 = execute_code(code), execute_code(code)
     assert r1.success and r2.success, (r1.error, r2.error)
     cwd1, listing = r1.stdout.splitlines()
@@ -108,11 +110,13 @@ def test_no_network():
     server.settimeout(0.3)
     port = server.getsockname()[1]
     try:
-        for code in [f"import socket; socket.create_connection(('127.0.0.1', {port})).sendall(b'hi')",
-                     f"import socket; s = socket.socket(); s.connect(('127.0.0.1', {port}))",
-                     f"import _socket; s = _socket.socket(); s.connect(('127.0.0.1', {port}))",
-                     f"import urllib.request; urllib.request.urlopen('http://127.0.0.1:{port}/')",
-                     "import socket; socket.getaddrinfo('example.com', 80)"]:
+        for code in [
+            f"import socket; socket.create_connection(('127.0.0.1', {port})).sendall(b'hi')",
+            f"import socket; s = socket.socket(); s.connect(('127.0.0.1', {port}))",
+            f"import _socket; s = _socket.socket(); s.connect(('127.0.0.1', {port}))",
+            f"import urllib.request; urllib.request.urlopen('http://127.0.0.1:{port}/')",
+            "import socket; socket.getaddrinfo('example.com', 80)",
+        ]:
             r = execute_code(code)
             assert not r.success and "network access is disabled" in r.error, (code, r.error)
         with pytest.raises(socket.timeout):
@@ -148,42 +152,6 @@ def test_concurrent_calls_from_threads():
     assert [r.stdout for r in results] == [f"{i * i}\n" for i in range(6)]
 
 
-@pytest.mark.parametrize("expr,want", [
-    ("2+3", "5"),
-    ("(7 - 1) * 3 / 4", "4.5"),
-    ("2 ** 10 % 1000", "24"),
-    ("6 / 2", "3"),  # integer-valued floats print as ints
-    ("-(3 - 10) // 2", "3"),
-    ("-7 // 2", "-4"),
-    ("0.1 + 0.2", "0.3"),
-    ("2 ** 0.5", "1.41421356237"),
-    ("17 % 5", "2"),
-    ("--5", "5"),
-    ("12 * 1.5", "18"),
-    ("2 ** 100", "1267650600228229401496703205376"),
-    ('"strawberry".count("r")', "3"),
-    ('"Mississippi".lower().count("s")', "4"),
-    ('len("hello")', "5"),
-    ("round(3.14159, 2)", "3.14"),
-    ("max(3, 9, 4)", "9"),
-])
-def test_calculator(expr, want):
-    assert calculator(expr) == want
-
-
-@pytest.mark.parametrize("expr", [
-    "1 / 0", "5 % 0", "x + 1", "__import__('os').system('ls')", "open('/etc/passwd').read()",
-    "10 ** 100000", "9 ** 9 ** 9", "2 ** 2 ** 2 ** 2 ** 2", "'a' * 10 ** 9", "[].count(1)", "1 +", "",
-    "(-8) ** (1 / 3)", "round(1, -10 ** 100)", "1" * 2000, "(" * 300 + "1" + ")" * 300,
-    "lambda: 1", "().__class__", "'abc'.format(1)",
-])
-def test_calculator_errors_are_strings(expr):
-    t = time.monotonic()
-    out = calculator(expr)
-    assert isinstance(out, str) and out.startswith("Error"), (expr, out)
-    assert time.monotonic() - t < 1.0
-
-
 # -----------------------------------------------------------------------------------------------
 # escapes that got out of the in-process guard: under bubblewrap each one must fail to get out.
 # The fallback guard is run against the same probes where that is safe, to show each probe does detect an escape.
@@ -192,22 +160,24 @@ needs_bwrap = pytest.mark.skipif(not BWRAP, reason="bubblewrap namespaces are no
 
 # start a detached child that inherits stdout, the way subprocess does it but past the guard (3.11+ signature); the
 # child is this interpreter sleeping (the sandbox has no /bin/sleep), and the code waits until it shows in /proc
-_SPAWN = ("import _posixsubprocess, os, time\n"
-          "def spawn(argv, setsid):\n"
-          "    r, w = os.pipe()\n"
-          "    return _posixsubprocess.fork_exec([a.encode() for a in argv], [argv[0].encode()], True, (), None, None,\n"
-          "        -1, -1, -1, -1, -1, -1, r, w, True, setsid, -1, None, None, -1, -1, None, False)\n"
-          "def sleeper(marker):\n"
-          f"    return [{sys.executable!r}, '-c', 'import time; time.sleep(' + marker + ')']\n"
-          "def running(marker, n):\n"
-          "    for _ in range(200):\n"
-          "        seen = 0\n"
-          "        for p in [p for p in os.listdir('/proc') if p.isdigit()]:\n"
-          "            try: seen += marker.encode() in open(f'/proc/{p}/cmdline', 'rb').read()\n"
-          "            except OSError: pass\n"
-          "        if seen >= n: break\n"
-          "        time.sleep(0.01)\n"
-          "    return seen\n")
+_SPAWN = (
+    "import _posixsubprocess, os, time\n"
+    "def spawn(argv, setsid):\n"
+    "    r, w = os.pipe()\n"
+    "    return _posixsubprocess.fork_exec([a.encode() for a in argv], [argv[0].encode()], True, (), None, None,\n"
+    "        -1, -1, -1, -1, -1, -1, r, w, True, setsid, -1, None, None, -1, -1, None, False)\n"
+    "def sleeper(marker):\n"
+    f"    return [{sys.executable!r}, '-c', 'import time; time.sleep(' + marker + ')']\n"
+    "def running(marker, n):\n"
+    "    for _ in range(200):\n"
+    "        seen = 0\n"
+    "        for p in [p for p in os.listdir('/proc') if p.isdigit()]:\n"
+    "            try: seen += marker.encode() in open(f'/proc/{p}/cmdline', 'rb').read()\n"
+    "            except OSError: pass\n"
+    "        if seen >= n: break\n"
+    "        time.sleep(0.01)\n"
+    "    return seen\n"
+)
 
 
 def _processes_with(marker):
@@ -234,25 +204,30 @@ def _reap(marker):
 def _trainer(code, mode, secret):
     """Run execute_code(code) in a separate "trainer" process with a secret in its environment, as chat_rl
     would; (trainer survived, what the sandboxed code printed)."""
-    script = ("import os, sys; from nanorl.execution import execute_code\n"
-              f"r = execute_code(sys.stdin.read().replace('TRAINER_PID', str(os.getpid())), timeout=5, mode={mode!r})\n"
-              "print(repr(r.stdout + r.stderr)); print('trainer alive')")
+    script = (
+        "import os, sys; from nanorl.execution import execute_code\n"
+        f"r = execute_code(sys.stdin.read().replace('TRAINER_PID', str(os.getpid())), timeout=5, mode={mode!r})\n"
+        "print(repr(r.stdout + r.stderr)); print('trainer alive')"
+    )
     env = {**os.environ, "NANORL_SECRET_TOKEN": secret, "PYTHONPATH": os.getcwd()}
-    p = subprocess.run([sys.executable, "-c", script], input=code,
-                       capture_output=True, text=True, env=env, timeout=30)
+    p = subprocess.run([sys.executable, "-c", script], input=code, capture_output=True, text=True, env=env, timeout=30)
     return p.stdout.strip().endswith("trainer alive"), p.stdout
 
 
-_KILL_PARENT = ("import os, signal\n"
-                "for pid in {os.getppid(), TRAINER_PID}:  # the caller, seen from inside and by its host pid\n"
-                "    try: signal.pidfd_send_signal(os.pidfd_open(pid), 9)\n"
-                "    except OSError as e: print('refused', e)\n"
-                "import time; time.sleep(0.5); print('sent')")
-_READ_ENVIRON = ("import os\n"
-                 "for pid in [p for p in os.listdir('/proc') if p.isdigit()] + [str(os.getppid()), 'TRAINER_PID']:\n"
-                 "    try: env = open(f'/proc/{pid}/environ', 'rb').read().split(b'\\0')\n"
-                 "    except OSError: continue\n"
-                 "    print([v for v in env if v.startswith(b'NANORL_SECRET_TOKEN=')])")
+_KILL_PARENT = (
+    "import os, signal\n"
+    "for pid in {os.getppid(), TRAINER_PID}:  # the caller, seen from inside and by its host pid\n"
+    "    try: signal.pidfd_send_signal(os.pidfd_open(pid), 9)\n"
+    "    except OSError as e: print('refused', e)\n"
+    "import time; time.sleep(0.5); print('sent')"
+)
+_READ_ENVIRON = (
+    "import os\n"
+    "for pid in [p for p in os.listdir('/proc') if p.isdigit()] + [str(os.getppid()), 'TRAINER_PID']:\n"
+    "    try: env = open(f'/proc/{pid}/environ', 'rb').read().split(b'\\0')\n"
+    "    except OSError: continue\n"
+    "    print([v for v in env if v.startswith(b'NANORL_SECRET_TOKEN=')])"
+)
 
 
 @pytest.mark.parametrize("mode", ["bwrap", "guard"])
@@ -270,8 +245,10 @@ def test_escape_setsid_child_survives_the_kill(mode):
     if mode == "bwrap" and not BWRAP:
         pytest.skip("bubblewrap namespaces are not available here")
     marker = "31.4159265"
-    code = _SPAWN + f"spawn(sleeper('{marker}'), True)\nspawn(sleeper('{marker}'), False)\n" \
-                    f"print('spawned', running('{marker}', 2))"
+    code = (
+        _SPAWN + f"spawn(sleeper('{marker}'), True)\nspawn(sleeper('{marker}'), False)\n"
+        f"print('spawned', running('{marker}', 2))"
+    )
     try:
         r = execute_code(code, timeout=4, mode=mode)
         assert r.success and r.stdout == "spawned 2\n", r  # both children ran
@@ -309,10 +286,12 @@ def test_escape_writes_outside_the_workdir(tmp_path, mode):
     if mode == "bwrap" and not BWRAP:
         pytest.skip("bubblewrap namespaces are not available here")
     targets = [tmp_path / f"{i}.txt" for i in range(4)]
-    codes = [f"import io; io.FileIO({str(targets[0])!r}, 'w').write(b'x')",
-             f"import _io; _io.open({str(targets[1])!r}, 'w').write('x')",
-             f"import sqlite3; c = sqlite3.connect({str(targets[2])!r}); c.execute('create table t(x)'); c.commit()",
-             f"import sys; del sys.modules['posix']; import posix; posix.system('echo x > {targets[3]}')"]
+    codes = [
+        f"import io; io.FileIO({str(targets[0])!r}, 'w').write(b'x')",
+        f"import _io; _io.open({str(targets[1])!r}, 'w').write('x')",
+        f"import sqlite3; c = sqlite3.connect({str(targets[2])!r}); c.execute('create table t(x)'); c.commit()",
+        f"import sys; del sys.modules['posix']; import posix; posix.system('echo x > {targets[3]}')",
+    ]
     for code in codes:
         execute_code(code, mode=mode)
     written = [p.exists() for p in targets]
@@ -322,9 +301,11 @@ def test_escape_writes_outside_the_workdir(tmp_path, mode):
 @needs_bwrap
 def test_escape_root_filesystem_is_read_only():
     # outside the hidden /tmp, the host's files are there to read but not to change
-    r = execute_code("import io\nfor p in ['/etc/nanorl_pwned', '/usr/nanorl_pwned', '/dev/shm/nanorl_pwned']:\n"
-                     "    try: io.FileIO(p, 'w'); print('wrote', p)\n"
-                     "    except OSError as e: print(type(e).__name__)")
+    r = execute_code(
+        "import io\nfor p in ['/etc/nanorl_pwned', '/usr/nanorl_pwned', '/dev/shm/nanorl_pwned']:\n"
+        "    try: io.FileIO(p, 'w'); print('wrote', p)\n"
+        "    except OSError as e: print(type(e).__name__)"
+    )
     assert r.success and "wrote /etc" not in r.stdout and "wrote /usr" not in r.stdout, r
     assert not os.path.exists("/etc/nanorl_pwned") and not os.path.exists("/usr/nanorl_pwned")
 
@@ -338,9 +319,11 @@ def test_escape_network_past_the_guard(mode):
     server.listen(4)
     server.settimeout(0.5)
     port = server.getsockname()[1]
-    codes = [f"import socket; s = socket.socket.__mro__[1](); s.connect(('127.0.0.1', {port})); s.send(b'hi')",
-             f"import sys; del sys.modules['_socket']; import _socket; s = _socket.socket(); "
-             f"s.connect(('127.0.0.1', {port})); s.send(b'hi')"]
+    codes = [
+        f"import socket; s = socket.socket.__mro__[1](); s.connect(('127.0.0.1', {port})); s.send(b'hi')",
+        f"import sys; del sys.modules['_socket']; import _socket; s = _socket.socket(); "
+        f"s.connect(('127.0.0.1', {port})); s.send(b'hi')",
+    ]
     try:
         connected = 0
         for code in codes:
@@ -348,7 +331,7 @@ def test_escape_network_past_the_guard(mode):
             try:
                 server.accept()[0].close()
                 connected += 1
-            except socket.timeout:
+            except TimeoutError:
                 pass
         assert connected == (0 if mode == "bwrap" else 2)
     finally:
@@ -357,28 +340,40 @@ def test_escape_network_past_the_guard(mode):
 
 @needs_bwrap
 def test_no_view_of_the_host():
-    r = execute_code("import os\nprint(os.getpid(), os.getppid(), sorted(p for p in os.listdir('/proc') if p.isdigit()))\n"
-                     "print(sorted(os.listdir('/tmp')), os.getuid())")
+    r = execute_code(
+        "import os\nprint(os.getpid(), os.getppid(), sorted(p for p in os.listdir('/proc') if p.isdigit()))\n"
+        "print(sorted(os.listdir('/tmp')), os.getuid())"
+    )
     pids, tmp = r.stdout.splitlines()
     assert pids == "2 1 ['1', '2']"  # bwrap's init and the program: nothing else exists
     # /tmp holds only its own directory, and the way down to the interpreter when that lives under /tmp (a venv in a
     # clone under /tmp is mounted back read-only); uid nobody
     names, uid = tmp.rsplit(" ", 1)
-    interpreter = {p.split("/")[2] for p in (os.path.realpath(sys.prefix), os.path.realpath(sys.base_prefix))
-                   if p.startswith("/tmp/")}
+    interpreter = {
+        p.split("/")[2]
+        for p in (os.path.realpath(sys.prefix), os.path.realpath(sys.base_prefix))
+        if p.startswith("/tmp/")
+    }
     names = ast.literal_eval(names)
-    assert uid == "65534" and [n for n in names if n.startswith("nanorl_exec_")] and \
-        set(names) - interpreter == {n for n in names if n.startswith("nanorl_exec_")}, tmp
+    assert (
+        uid == "65534"
+        and [n for n in names if n.startswith("nanorl_exec_")]
+        and set(names) - interpreter == {n for n in names if n.startswith("nanorl_exec_")}
+    ), tmp
 
 
 # -----------------------------------------------------------------------------------------------
 # no kernel sandbox: model code does not run unless the guard is asked for by name
 
-_MODE_SCRIPT = ("from nanorl.execution import execute_code, sandbox_mode\n"
-                "print(sandbox_mode(), sandbox_mode(), execute_code('print(6 * 7)').stdout.strip())")
-_REFUSAL = ("error: model-written code runs only in the bubblewrap sandbox, which does not work here ({why}): "
-            "install the bubblewrap package (apt-get install bubblewrap), or set NANORL_SANDBOX=guard to run it under "
-            "the weaker in-process guard\n")
+_MODE_SCRIPT = (
+    "from nanorl.execution import execute_code, sandbox_mode\n"
+    "print(sandbox_mode(), sandbox_mode(), execute_code('print(6 * 7)').stdout.strip())"
+)
+_REFUSAL = (
+    "error: model-written code runs only in the bubblewrap sandbox, which does not work here ({why}): "
+    "install the bubblewrap package (apt-get install bubblewrap), or set NANORL_SANDBOX=guard to run it under "
+    "the weaker in-process guard\n"
+)
 
 
 def _without_bwrap(tmp_path, broken):
@@ -389,12 +384,19 @@ def _without_bwrap(tmp_path, broken):
     if broken:
         (fake / "bwrap").write_text("#!/bin/sh\necho 'bwrap: No permissions to create new namespace' >&2\nexit 1\n")
         (fake / "bwrap").chmod(0o755)
-    return {**os.environ, "PATH": str(fake), "PYTHONPATH": str(ROOT), "NANORL_SANDBOX": "",
-            "NANORL_BASE_DIR": str(tmp_path / "base")}
+    return {
+        **os.environ,
+        "PATH": str(fake),
+        "PYTHONPATH": str(ROOT),
+        "NANORL_SANDBOX": "",
+        "NANORL_BASE_DIR": str(tmp_path / "base"),
+    }
 
 
-@pytest.mark.parametrize("broken,why", [(False, "bwrap not found"),
-                                        (True, "bwrap probe failed: bwrap: No permissions to create new namespace")])
+@pytest.mark.parametrize(
+    "broken,why",
+    [(False, "bwrap not found"), (True, "bwrap probe failed: bwrap: No permissions to create new namespace")],
+)
 def test_no_bubblewrap_refuses_in_one_line(tmp_path, broken, why):
     env = _without_bwrap(tmp_path, broken)
     script = "from nanorl.execution import require_sandbox\nrequire_sandbox()\nprint('ran')"
@@ -404,29 +406,51 @@ def test_no_bubblewrap_refuses_in_one_line(tmp_path, broken, why):
         assert (p.returncode, p.stdout, p.stderr) == (1, "", _REFUSAL.format(why=why))
     # execute_code itself does not run the code either (the script's early check is what makes it one line)
     p = subprocess.run([sys.executable, "-c", _MODE_SCRIPT], capture_output=True, text=True, env=env, timeout=60)
-    assert p.returncode == 1 and p.stdout == "" and p.stderr.rstrip().splitlines()[-1] == \
-        "nanorl.execution.SandboxUnavailable: " + _REFUSAL.format(why=why)[len("error: "):].rstrip()
+    assert (
+        p.returncode == 1
+        and p.stdout == ""
+        and p.stderr.rstrip().splitlines()[-1]
+        == "nanorl.execution.SandboxUnavailable: " + _REFUSAL.format(why=why)[len("error: ") :].rstrip()
+    )
 
 
 def test_guard_asked_for_by_name_warns_once_and_runs(tmp_path):
     env = {**_without_bwrap(tmp_path, False), "NANORL_SANDBOX": "guard"}
     p = subprocess.run([sys.executable, "-c", _MODE_SCRIPT], capture_output=True, text=True, env=env, timeout=60)
     assert p.stdout == "guard guard 42\n" and p.stderr == GUARD_WARNING + "\n", p.stderr
-    for names in ("read every file", "environment", "kill this process", "outlive", "outside its directory",
-                  "network"):  # the warning names what the guard does not stop
+    for names in (
+        "read every file",
+        "environment",
+        "kill this process",
+        "outlive",
+        "outside its directory",
+        "network",
+    ):  # the warning names what the guard does not stop
         assert names in GUARD_WARNING
     env["NANORL_SANDBOX"] = "chroot"
-    p = subprocess.run([sys.executable, "-c", "from nanorl.execution import require_sandbox; require_sandbox()"],
-                       capture_output=True, text=True, env=env, timeout=60)
+    p = subprocess.run(
+        [sys.executable, "-c", "from nanorl.execution import require_sandbox; require_sandbox()"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert (p.returncode, p.stderr) == (1, "error: NANORL_SANDBOX must be 'bwrap' or 'guard', got 'chroot'\n")
 
 
-@pytest.mark.parametrize("cmd", [["scripts.chat_eval", "-a", "gsm8k,HumanEval"],
-                                 ["scripts.chat_rl", "--multi-turn", "--tool", "python"]])
+@pytest.mark.parametrize(
+    "cmd", [["scripts.chat_eval", "-a", "gsm8k,HumanEval"], ["scripts.chat_rl", "--multi-turn", "--tool", "python"]]
+)
 def test_scripts_that_run_model_code_stop_at_their_start(tmp_path, cmd):
     # no checkpoint exists: the refusal comes before any model is looked for, as one line and no traceback
-    p = subprocess.run([sys.executable, "-m", *cmd], capture_output=True, text=True, env=_without_bwrap(tmp_path, True),
-                       timeout=300, cwd=ROOT)
+    p = subprocess.run(
+        [sys.executable, "-m", *cmd],
+        capture_output=True,
+        text=True,
+        env=_without_bwrap(tmp_path, True),
+        timeout=300,
+        cwd=ROOT,
+    )
     why = "bwrap probe failed: bwrap: No permissions to create new namespace"
     assert p.returncode == 1 and p.stderr.endswith(_REFUSAL.format(why=why)) and "Traceback" not in p.stderr, p.stderr
 
@@ -434,13 +458,17 @@ def test_scripts_that_run_model_code_stop_at_their_start(tmp_path, cmd):
 # -----------------------------------------------------------------------------------------------
 # what the code can see under bubblewrap: the interpreter, the system's libraries, its own directory; no host files
 
+
 @needs_bwrap
 def test_the_hosts_files_are_not_there(tmp_path):
     from nanorl.common import get_base_dir
+
     secret = f"nanorl-secret-{os.getpid()}"
     home = Path(os.path.expanduser("~"))
-    planted = [home / f".nanorl_test_netrc_{os.getpid()}",  # ~/.netrc, ~/.ssh, the HF token live here
-               Path(get_base_dir()) / f"nanorl_test_secret_{os.getpid()}"]  # the checkpoints
+    planted = [
+        home / f".nanorl_test_netrc_{os.getpid()}",  # ~/.netrc, ~/.ssh, the HF token live here
+        Path(get_base_dir()) / f"nanorl_test_secret_{os.getpid()}",
+    ]  # the checkpoints
     venv = Path(os.path.realpath(sys.prefix))
     beside_venv = [str(p) for p in sorted(venv.parent.iterdir())[:20] if p.is_file() and p != venv]  # read, not written
     try:
@@ -448,24 +476,26 @@ def test_the_hosts_files_are_not_there(tmp_path):
             p.write_text(f"machine api.wandb.ai login user password {secret}\n")
         # the project (a clone may hold the venv it runs), what lies beside the interpreter's prefix, host accounts
         files = [str(p) for p in planted] + [str(ROOT / "pyproject.toml")] + beside_venv + ["/etc/shadow", "/etc/hosts"]
-        code = ("import os\n"
-                f"for p in {files!r}:\n"
-                "    try: print(p, open(p).read())\n"
-                "    except OSError as e: print(p, type(e).__name__)\n"
-                f"for d in {[str(home), get_base_dir()]!r}:\n"
-                "    try: print(d, os.listdir(d))\n"
-                "    except OSError as e: print(d, type(e).__name__)\n"
-                "print(sorted(os.listdir('/etc')))\n"
-                "print(open('/etc/passwd').read() == f'nobody:x:65534:65534:nobody:{os.getcwd()}:/bin/false\\n')\n"
-                "import pwd; print(pwd.getpwuid(os.getuid()).pw_dir == os.getcwd() == os.environ['HOME'])\n"
-                "print(sorted(os.listdir(os.environ['HOME'])))")
+        code = (
+            "import os\n"
+            f"for p in {files!r}:\n"
+            "    try: print(p, open(p).read())\n"
+            "    except OSError as e: print(p, type(e).__name__)\n"
+            f"for d in {[str(home), get_base_dir()]!r}:\n"
+            "    try: print(d, os.listdir(d))\n"
+            "    except OSError as e: print(d, type(e).__name__)\n"
+            "print(sorted(os.listdir('/etc')))\n"
+            "print(open('/etc/passwd').read() == f'nobody:x:65534:65534:nobody:{os.getcwd()}:/bin/false\\n')\n"
+            "import pwd; print(pwd.getpwuid(os.getuid()).pw_dir == os.getcwd() == os.environ['HOME'])\n"
+            "print(sorted(os.listdir(os.environ['HOME'])))"
+        )
         r = execute_code(code)
         assert r.success, r
         lines = r.stdout.splitlines()
         assert secret not in r.stdout
-        for line in lines[:len(files)]:
+        for line in lines[: len(files)]:
             assert line.endswith("FileNotFoundError"), line  # not there at all, not merely forbidden
-        for line in lines[len(files):len(files) + 2]:  # the home and checkpoint directories: absent, or only the
+        for line in lines[len(files) : len(files) + 2]:  # the home and checkpoint directories: absent, or only the
             assert "nanorl_test" not in line, line  # way down to an interpreter that lives there (pyenv in ~)
         assert lines[-4] == "['group', 'ld.so.cache', 'passwd']"  # of /etc, only what ld.so and pwd read
         assert lines[-3:] == ["True", "True", "['main.py']"]  # one synthetic user, whose home is the fresh work dir
@@ -478,11 +508,18 @@ def test_the_hosts_files_are_not_there(tmp_path):
 def test_the_interpreter_has_what_it_needs():
     # the same module path as the host's interpreter started the same way, and its C modules load (their libraries
     # were found); numpy too where it is installed
-    host = subprocess.run([sys.executable, "-I", "-c", "import sys; print(sys.path)"], capture_output=True, text=True,
-                          env={"PATH": "/usr/bin:/bin"}, timeout=60).stdout
-    code = ("import sys; print(sys.path)\n"
-            "import ssl, sqlite3, decimal, zlib, hashlib, lzma, bz2, json\n"
-            "print(hashlib.sha256(b'x').hexdigest()[:8], decimal.Decimal('1.1') + 1, len(ssl.OPENSSL_VERSION) > 0)")
+    host = subprocess.run(
+        [sys.executable, "-I", "-c", "import sys; print(sys.path)"],
+        capture_output=True,
+        text=True,
+        env={"PATH": "/usr/bin:/bin"},
+        timeout=60,
+    ).stdout
+    code = (
+        "import sys; print(sys.path)\n"
+        "import ssl, sqlite3, decimal, zlib, hashlib, lzma, bz2, json\n"
+        "print(hashlib.sha256(b'x').hexdigest()[:8], decimal.Decimal('1.1') + 1, len(ssl.OPENSSL_VERSION) > 0)"
+    )
     r = execute_code(code)
     assert r.success and r.stdout == host + "2d711642 2.1 True\n", r
     try:
@@ -496,13 +533,14 @@ def test_the_interpreter_has_what_it_needs():
 def test_the_mount_list_never_takes_a_whole_home_tmp_or_etc(monkeypatch):
     # an interpreter installed straight into one of these would bring all of it into the sandbox: no plan, so the
     # probe fails and nothing runs (the refusal above)
-    import nanorl.execution as ex
+    import nanorl.sandbox as sb
+
     for p in (os.path.expanduser("~"), os.path.dirname(os.path.realpath(os.path.expanduser("~"))), "/tmp", "/etc"):
-        monkeypatch.setattr(ex, "_interpreter_paths", lambda p=p: [p])
+        monkeypatch.setattr(sb, "_interpreter_paths", lambda p=p: [p])
         with pytest.raises(RuntimeError, match="which would show the sandbox the host's files"):
-            ex._make_plan()
-    monkeypatch.setattr(ex, "_interpreter_paths", lambda: ["/usr/lib"])
-    opts = ex._make_plan()[1]
+            sb._make_plan()
+    monkeypatch.setattr(sb, "_interpreter_paths", lambda: ["/usr/lib"])
+    opts = sb._make_plan()[1]
     assert opts[:2] == ["--tmpfs", "/tmp"] and opts[-3:] == ["--ro-bind", "/usr/lib", "/usr/lib"]
 
 
@@ -513,11 +551,18 @@ def test_an_interpreter_that_lives_under_tmp(tmp_path):
     if not str(venv).startswith("/tmp/"):
         pytest.skip("pytest's temporary directory is not under /tmp here")
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
-    script = ("from nanorl.execution import execute_code, sandbox_mode\n"
-              "r = execute_code('import os, sys, json, ssl; print(sys.prefix, sorted(os.listdir(\"/tmp\")))')\n"
-              "print(sandbox_mode(), r.stdout.strip() or r.error)")
-    p = subprocess.run([str(venv / "bin" / "python"), "-c", script], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "PYTHONPATH": str(ROOT), "NANORL_SANDBOX": ""})
+    script = (
+        "from nanorl.execution import execute_code, sandbox_mode\n"
+        "r = execute_code('import os, sys, json, ssl; print(sys.prefix, sorted(os.listdir(\"/tmp\")))')\n"
+        "print(sandbox_mode(), r.stdout.strip() or r.error)"
+    )
+    p = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "NANORL_SANDBOX": ""},
+    )
     assert p.returncode == 0, p.stderr
     mode, prefix, tmp = p.stdout.strip().split(" ", 2)
     top = str(venv).split("/")[2]  # /tmp/<top>/...: the way down to the venv, beside the run's own directory

@@ -25,7 +25,7 @@ def test_cached_decode_equals_full_forward(n_kv_head):
         cache = model.new_kv_cache(batch_size=3, max_len=32)
         outs = [model(idx[:, :8], kv_cache=cache)]  # prefill 8, then one token at a time
         for t in range(8, 20):
-            outs.append(model(idx[:, t:t + 1], kv_cache=cache))
+            outs.append(model(idx[:, t : t + 1], kv_cache=cache))
     cached = torch.cat(outs, dim=1)
     assert cache.pos.tolist() == [20, 20, 20]
     torch.testing.assert_close(cached, full, atol=1e-5, rtol=1e-5)

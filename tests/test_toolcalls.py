@@ -1,5 +1,5 @@
 """Tool-call markup and the tool runner (nanorl/toolcalls.py): the one reader of <|python_start|>...<|output_end|>."""
-from nanorl.execution import calculator
+from nanorl.calculator import calculator
 from nanorl.tokenizer import SPLIT_PATTERN, Tokenizer
 from nanorl.toolcalls import MarkupStream, ToolMarkup, assistant_parts, run_tool
 

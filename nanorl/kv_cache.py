@@ -1,0 +1,105 @@
+"""
+The KV cache the engine decodes with, and attention over it.
+
+KVCache holds every layer's keys and values with its own position per row, so one batch mixes prompts of different
+lengths and rows refilled at different times (continuous batching); GPT.new_kv_cache() makes one, and a forward
+that is given one reads and extends it. attend_cached() is the attention over the cache: grouped-query heads are
+folded into the query length so each KV head is read once, never repeated.
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+class KVCache:
+    """
+    A pre-allocated KV cache with its own position per row, so one batch holds prompts of different
+    lengths and rows that are refilled at different times (continuous batching).
+    k, v: (n_layer, B, n_kv_head, max_len, head_dim). pos[b] = how many tokens row b holds.
+    A forward with the cache calls begin() once, update() once per layer, end() once.
+    """
+
+    def __init__(self, n_layer, batch_size, n_kv_head, max_len, head_dim, device, dtype):
+        shape = (n_layer, batch_size, n_kv_head, max_len, head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.pos = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.max_len = max_len
+        self.attend_len = None  # how much of the cache attention reads: worked out each forward unless static
+        self.static = False  # True: the caller fixed attend_len (static shapes for CUDA graphs)
+        # which cache rows the forward's batch rows are: a slice of leading rows (views, no copies: the engine
+        # decodes its busy rows 0..n-1 this way) or a LongTensor of rows (gathered: the engine prefills a few new
+        # prompts straight into free rows of the big decode cache). None = all rows, in order.
+        self.rows = None
+        self.write_pos = None  # (B, T) positions the current forward writes, set by begin()
+
+    def _rows(self):
+        return slice(None) if self.rows is None else self.rows
+
+    def begin(self, T):
+        """Positions (B, T) of the next T tokens of each row, and the (B, 1, T, attend_len) attention mask."""
+        start = self.pos[self._rows()]
+        pos = start[:, None] + torch.arange(T, device=start.device)[None, :]
+        if not self.static:
+            # eager path: read only the used part of the cache (one host sync). A caller that wants
+            # static shapes (CUDA graphs) sets static and attend_len itself and skips this check.
+            top = int(pos.max()) + 1
+            if top > self.max_len:
+                raise ValueError(f"KV cache is full: position {top - 1} >= max_len {self.max_len}")
+            self.attend_len = top
+        self.write_pos = pos
+        key_pos = torch.arange(self.attend_len, device=pos.device)
+        return pos, (key_pos[None, None, :] <= pos[:, :, None])[:, None]
+
+    def update(self, layer, k, v):
+        """Write one layer's new keys/values (B, H, T, D) at write_pos; return the keys/values to attend over."""
+        B, T = self.write_pos.shape
+        rows, L = self._rows(), self.attend_len
+        kc, vc = self.k[layer], self.v[layer]
+        if isinstance(rows, slice):  # leading rows: write into and read views of the cache
+            kc, vc = kc[rows], vc[rows]
+            b_idx = torch.arange(B, device=k.device)[:, None].expand(B, T)
+        else:
+            b_idx = rows[:, None].expand(B, T)
+        kc[b_idx, :, self.write_pos] = k.transpose(1, 2).to(kc.dtype)
+        vc[b_idx, :, self.write_pos] = v.transpose(1, 2).to(vc.dtype)
+        if isinstance(rows, slice):
+            return kc[:, :, :L], vc[:, :, :L]
+        return kc[rows, :, :L], vc[rows, :, :L]
+
+    def end(self, T):
+        self.pos[self._rows()] += T
+        self.write_pos = None
+
+    def reset(self, rows=None):
+        if rows is None:
+            self.pos.zero_()
+        else:
+            self.pos[rows] = 0
+
+    def copy_rows(self, src, dst, source=None):
+        """Copy the cached tokens of rows src (of `source`, default this cache) into rows dst. Prefix sharing:
+        prefill a prompt once, then fan it out to the n rows that sample from it; and moving a row."""
+        source = self if source is None else source
+        L = int(source.pos[src].max())
+        self.k[:, dst, :, :L] = source.k[:, src, :, :L]
+        self.v[:, dst, :, :L] = source.v[:, src, :, :L]
+        self.pos[dst] = source.pos[src]
+
+
+def attend_cached(q, k, v, mask):
+    """
+    Attention of q (B, H, T, D) over cached k, v (B, Hkv, L, D) with a boolean mask (B, 1, T, L).
+    GQA: the G query heads sharing a KV head are folded into the query length, so each KV head is read
+    once and never expanded (SDPA's enable_gqa with a mask would fall back to a kernel that repeats K/V
+    G times, and decode is bound by exactly those bytes). q is cast to the cache dtype, never the reverse.
+    """
+    B, H, T, D = q.shape
+    Hkv = k.size(1)
+    G = H // Hkv
+    dtype = q.dtype
+    q = q.to(k.dtype).reshape(B, Hkv, G * T, D)  # query head h = kv_head * G + g, as enable_gqa groups them
+    if G > 1:
+        mask = mask.repeat(1, 1, G, 1)  # row g * T + t of the folded query uses token t's mask
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return y.reshape(B, H, T, D).to(dtype)
