@@ -155,4 +155,9 @@ fi
 # report.md goes where NANORL_REPORT says, its plots beside the stages' sections in $NANORL_BASE_DIR/report/
 STAGE_SECONDS=$(cat "$NANORL_BASE_DIR"/done/* 2>/dev/null | awk '{s += $1} END {print s + 0}')
 $PY -m nanorl.report --out "${NANORL_REPORT:-report.md}" --wall-time "$STAGE_SECONDS"
-echo "== done in $(( ($(date +%s) - T_START) / 60 )) min; see ${NANORL_REPORT:-report.md} =="
+echo "== done in $(( ($(date +%s) - T_START) / 60 )) min; the report card is in ${NANORL_REPORT:-report.md} =="
+# the next step: everything was installed into .venv, so a new shell needs it activated first
+echo "Chat with the RL model it trained:"
+echo "  source .venv/bin/activate"
+echo "  python -m scripts.chat_cli -i rl      # in the terminal"
+echo "  python -m scripts.chat_web -i rl      # the chat page at http://127.0.0.1:8000 (and the OpenAI API under /v1)"

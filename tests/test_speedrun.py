@@ -18,6 +18,11 @@ def test_tiny_speedrun_end_to_end(tmp_path):
     out = subprocess.run(["bash", "speedrun.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     assert "no CUDA GPU" in out.stdout  # it says up front that this is the tiny offline run
+    # and at the end, the next step: the venv to activate (a new shell lacks it), then how to chat
+    tail = out.stdout.strip().splitlines()[-5:]
+    assert tail[0].endswith(f"the report card is in {report} ==") and tail[1:3] == [
+        "Chat with the RL model it trained:", "  source .venv/bin/activate"]
+    assert tail[3].startswith("  python -m scripts.chat_cli -i rl") and tail[4].startswith("  python -m scripts.chat_web")
     text = report.read_text()
     for section in ["## Environment", "## Report card", "## Time and cost", "## Plots", "## Tokenizer training",
                     "## Base model training", "## Base model evaluation", "## Midtraining", "## Chat SFT", "## Chat RL"]:
