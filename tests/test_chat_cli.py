@@ -1,7 +1,6 @@
 """scripts/chat_cli.py: leaving out the oldest turns, messages that cannot fit, the /commands, the banner, and a
 long session in a pseudo-terminal on a tiny model."""
 import os
-import re
 import select
 import subprocess
 import sys
@@ -23,6 +22,7 @@ def tiny(tmp_path_factory):
     subprocess.run([sys.executable, "-m", "scripts.tok_train", "--vocab-size", "600", "--max-chars", "300000"],
                    cwd=ROOT, env=env, check=True, capture_output=True)
     import torch
+
     from nanorl.checkpoint import checkpoint_root, save_checkpoint
     from nanorl.gpt import GPTConfig, build_model
     from nanorl.tokenizer import get_tokenizer
@@ -176,3 +176,11 @@ def test_eight_turns_help_and_temperature_in_a_terminal(tiny):
     assert text.count("earliest turn") == 1, text  # said once, when the first turn had to go
     assert "alone is" not in text and "type 'clear'" not in text, text  # no turn refused
     assert text.count("Assistant: ") == 8
+
+
+def test_banner_names_a_hugging_face_directory():
+    from argparse import Namespace
+
+    from scripts.chat_cli import loaded_what
+    args = Namespace(hf_model="/models/Qwen2.5-0.5B", source="sft", model_step=None)
+    assert loaded_what(args, {"model_tag": "Qwen2.5-0.5B"}) == "Hugging Face model /models/Qwen2.5-0.5B"
