@@ -1,12 +1,13 @@
 """
 Chat with a checkpoint in the terminal, on the sampling engine (tool calls show as <<expr=result>>).
 
-    python -m scripts.chat_cli -i sft                            # interactive; 'clear' starts over, 'quit' or Ctrl-D leaves
+    python -m scripts.chat_cli -i sft                            # interactive; /help lists the commands
     python -m scripts.chat_cli -i rl -p "What is 17 * 23?"       # one shot
     python -m scripts.chat_cli -i base -p "The capital of France"  # a base model continues plain text
 
 At the prompt the arrow keys edit the line and walk the history (readline; kept in $NANORL_BASE_DIR/chat_history),
-Ctrl-C clears the line, and Ctrl-C during a reply stops it.
+Ctrl-C clears the line, and Ctrl-C during a reply stops it. When the conversation and a reply no longer fit the
+context, the oldest turns are left out (as the web page does), and the CLI says so once.
 """
 import atexit
 import os
@@ -15,24 +16,63 @@ import sys
 
 from nanorl.common import ArgumentParser, number_in, print0
 from nanorl.engine import Engine, Request
+from nanorl.errors import BadValue
 from nanorl.toolcalls import MarkupStream, assistant_parts
 
+COMMANDS = {
+    "/help": "list these commands",
+    "/clear": "start a new conversation (plain 'clear' works too)",
+    "/temperature X": "sample at temperature X from now on (0 = greedy, at most 2); without X: show it",
+    "/quit": "leave (so do 'quit', 'exit' and Ctrl-D)",
+}
 
-def prompt_ids(tokenizer, conversation, base):
-    # a base model never saw chat tokens: it continues the text; chat models get the rendered conversation
-    if base:
-        return tokenizer.encode(conversation["messages"][-1]["content"], prepend="<|bos|>")
-    return tokenizer.render_for_completion(conversation)
+
+class TooLong(BadValue):
+    """One message that cannot fit the context whatever is left out."""
 
 
-def chat_turn(engine, tokenizer, conversation, base=False, temperature=0.6, top_k=50, max_tokens=512, seed=None, out=sys.stdout):
-    """Stream the reply to the conversation's last user message to `out`; returns the assistant message."""
-    ids = prompt_ids(tokenizer, conversation, base)
-    room = engine.max_len - len(ids)
-    if room < 1:
-        raise ValueError(f"the conversation ({len(ids)} tokens) has filled the context of {engine.max_len}: type 'clear'")
-    req = Request(ids, max_tokens=min(max_tokens, room), temperature=temperature, top_k=top_k, seed=seed,
-                  stop_tokens=[tokenizer.get_bos_token_id()] if base else None)
+def reply_reserve(max_tokens, max_len):
+    # as the web page: keep a quarter of the context for the reply (or max_tokens if less), so that earlier turns
+    # stay in the prompt; a reply may still run longer while the context has room
+    return min(max_tokens, max(1, max_len // 4))
+
+
+def turns_to_drop(messages, size, budget):
+    """The fewest oldest user/assistant pairs to leave out of messages (which end in the new user message) so that
+    size(the rest) <= budget; None when even the last message alone is over budget. size measures tokens."""
+    for pairs in range((len(messages) - 1) // 2 + 1):
+        if size(messages[2 * pairs:]) <= budget:
+            return pairs
+    return None
+
+
+def fit_prompt(tokenizer, messages, max_len, reserve, base=False):
+    """-> (prompt ids, pairs left out): the oldest turns go until reserve tokens fit beside the prompt; when only the
+    last message is left and it still leaves less than reserve, it goes with the room there is. Raises TooLong when
+    the message alone leaves no room for one token."""
+    if base:  # a base model never saw chat tokens: it continues the last message's text
+        def render(msgs):
+            return tokenizer.encode(msgs[-1]["content"], prepend="<|bos|>")
+    else:
+        def render(msgs):
+            return tokenizer.render_for_completion({"messages": msgs})
+    pairs = turns_to_drop(messages, lambda msgs: len(render(msgs)), max_len - reserve)
+    pairs = (len(messages) - 1) // 2 if pairs is None else pairs
+    ids = render(messages[2 * pairs:])
+    if len(ids) >= max_len:
+        raise TooLong(f"this message alone is {len(ids)} tokens (context {max_len}): shorten it")
+    return ids, pairs
+
+
+def chat_turn(engine, tokenizer, conversation, base=False, temperature=0.6, top_k=50, max_tokens=512, seed=None,
+              out=sys.stdout):
+    """Stream the reply to the conversation's last user message to `out`; returns the assistant message. The oldest
+    turns that no longer fit beside a reply are deleted from conversation["messages"]."""
+    ids, pairs = fit_prompt(tokenizer, conversation["messages"], engine.max_len,
+                            reply_reserve(max_tokens, engine.max_len), base)
+    del conversation["messages"][:2 * pairs]
+    req = Request(ids, max_tokens=min(max_tokens, engine.max_len - len(ids)), temperature=temperature, top_k=top_k,
+                  seed=seed, stop_tokens=[tokenizer.get_bos_token_id()] if base else None)
     text, tokens = MarkupStream(tokenizer, inline=True), []
     events = engine.stream(req)
     try:
@@ -70,6 +110,92 @@ def line_editing(path):
     atexit.register(save)
 
 
+def command(line, settings):
+    """A /command (or the plain words kept from before) -> "quit", "clear", or a line to print; None: not a
+    command, the line goes to the model. Changes settings in place (/temperature)."""
+    word, _, arg = line.partition(" ")
+    arg = arg.strip()
+    if line in ("quit", "exit") or word in ("/quit", "/exit"):
+        return "quit"
+    if line == "clear" or word == "/clear":
+        return "clear"
+    if word == "/help":
+        return "\n".join(f"  {name:<16} {what}" for name, what in COMMANDS.items())
+    if word == "/temperature":
+        if not arg:
+            return f"temperature is {settings['temperature']}"
+        try:
+            t = float(arg)
+        except ValueError:
+            t = -1.0
+        if not 0.0 <= t <= 2.0:
+            return f"/temperature takes a number from 0 to 2, got {arg!r}"
+        settings["temperature"] = t
+        return f"temperature is now {t}"
+    if word.startswith("/") and len(word) > 1:
+        return f"unknown command {word}: /help lists the commands"
+    return None
+
+
+def loaded_what(args, meta):
+    """Which checkpoint the banner names: source, tag and step, or the Hugging Face directory."""
+    if args.hf_model is not None:
+        return f"Hugging Face model {args.hf_model}"
+    from nanorl.checkpoint import find_checkpoint_dir, find_last_step
+    step = args.model_step
+    if step is None:
+        step = find_last_step(find_checkpoint_dir(args.source, meta.get("model_tag")))
+    return f"{args.source} checkpoint {meta.get('model_tag')!r}, step {step}"
+
+
+def chat_loop(engine, tokenizer, settings, banner):
+    """The interactive session: commands, turns, and leaving out the oldest turns once the context is full."""
+    base = settings["base"]
+    print(f"{banner}\n/help lists the commands; 'quit' or Ctrl-D leaves, Ctrl-C clears the line.")
+    conversation, told = {"messages": []}, False
+    while True:
+        try:
+            user = input("\nUser: ").strip()
+        except KeyboardInterrupt:  # Ctrl-C: drop what was typed, ask again
+            print()
+            continue
+        except EOFError:  # Ctrl-D
+            print()
+            return
+        said = command(user, settings)
+        if said == "quit":
+            return
+        if said == "clear":
+            conversation, told = {"messages": []}, False
+            print("(a new conversation)")
+            continue
+        if said is not None:
+            print(said)
+            continue
+        if not user:
+            continue
+        conversation["messages"].append({"role": "user", "content": user})
+        before = len(conversation["messages"])
+        print("\nCompletion: " if base else "\nAssistant: ", end="", flush=True)
+        try:
+            reply = chat_turn(engine, tokenizer, conversation, **settings)
+        except KeyboardInterrupt:
+            print(" [interrupted]")
+            conversation["messages"].pop()
+            continue
+        except TooLong as e:
+            print(f"\n{e}")
+            conversation["messages"].pop()
+            continue
+        left_out = (before - len(conversation["messages"])) // 2
+        if left_out and not told:  # once a conversation: from here on every turn may push out the oldest
+            told = True
+            print(f"({left_out} earliest turn{'s' * (left_out > 1)} left out: the conversation no longer fits the "
+                  f"context of {engine.max_len} tokens; older turns keep being left out as it goes on)")
+        # a base model has no turns: each prompt starts fresh
+        conversation["messages"] = [] if base else conversation["messages"] + [reply]
+
+
 def main():
     parser = ArgumentParser(description="Chat with a nanorl model")
     parser.add_argument("-i", "--source", type=str, default="sft", choices=["base", "mid", "sft", "rl"], help="which model")
@@ -91,52 +217,21 @@ def main():
         sys.exit(f"chat_cli needs nanorl/checkpoint.py (load_model), which this checkout does not have yet ({e})")
     _, _, _, _, device = compute_init(args.device_type)
     try:
-        model, tokenizer, _ = load_model(args.source, device, phase="eval", model_tag=args.model_tag, step=args.model_step, hf_model=args.hf_model)
+        model, tokenizer, meta = load_model(args.source, device, phase="eval", model_tag=args.model_tag, step=args.model_step, hf_model=args.hf_model)
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"could not load the {args.source} model: {e}")
     engine = Engine(model, tokenizer, batch_size=1)
     print0(engine.attention_kernels())
-    base = args.source == "base"
-    settings = dict(base=base, temperature=args.temperature, top_k=args.top_k, max_tokens=args.max_tokens, seed=args.seed)
+    settings = dict(base=args.source == "base", temperature=args.temperature, top_k=args.top_k,
+                    max_tokens=args.max_tokens, seed=args.seed)
 
-    if args.prompt is not None:
+    if args.prompt is not None:  # a message that cannot fit ends in one line on stderr and exit status 1 (TooLong)
         chat_turn(engine, tokenizer, {"messages": [{"role": "user", "content": args.prompt}]}, **settings)
         return
     line_editing(os.path.join(get_base_dir(), "chat_history"))
     # Ctrl-C clears the line even when we were started with SIGINT ignored (a shell's background job passes that on)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    print(f"nanorl chat ({args.source}). 'clear' starts a new conversation, 'quit' or Ctrl-D leaves, Ctrl-C clears the line.")
-    conversation = {"messages": []}
-    while True:
-        try:
-            user = input("\nUser: ").strip()
-        except KeyboardInterrupt:  # Ctrl-C: drop what was typed, ask again
-            print()
-            continue
-        except EOFError:  # Ctrl-D
-            print()
-            return
-        if user in ("quit", "exit"):
-            return
-        if user == "clear":
-            conversation = {"messages": []}
-            continue
-        if not user:
-            continue
-        conversation["messages"].append({"role": "user", "content": user})
-        print("\nCompletion: " if base else "\nAssistant: ", end="", flush=True)
-        try:
-            reply = chat_turn(engine, tokenizer, conversation, **settings)
-        except KeyboardInterrupt:
-            print(" [interrupted]")
-            conversation["messages"].pop()
-            continue
-        except ValueError as e:
-            print(f"\n{e}")
-            conversation["messages"].pop()
-            continue
-        # a base model has no turns: each prompt starts fresh
-        conversation["messages"] = [] if base else conversation["messages"] + [reply]
+    chat_loop(engine, tokenizer, settings, f"nanorl chat: {loaded_what(args, meta)} (context {engine.max_len} tokens).")
 
 
 if __name__ == "__main__":
