@@ -32,15 +32,16 @@ the sampling math is nanorl/sampling.py, tool calls are read and run by nanorl/t
     engine = Engine(model, tokenizer, batch_size=64)
     completions = engine.generate([Request(prompt_ids, num_samples=8, temperature=1.0, seed=0)])
 """
+
 import collections
 import threading
 import traceback
-from contextlib import nullcontext
 
 import numpy as np
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import sdpa_kernel
 
+from nanorl.engine_graphs import KERNEL_NAMES, capture_decode_graphs, decode_backends, engine_autocast, prefill_backends
 from nanorl.engine_memory import inference_copy, new_kv_cache
 from nanorl.inflight import Completion, Handle, Request, Sample, SlotRecords, check_request  # noqa: F401 (re-exported)
 from nanorl.sampling import row_seed, sample_with_logprobs, uniform_from_counter
@@ -48,9 +49,21 @@ from nanorl.toolcalls import ToolMarkup, run_tool
 
 # --- the engine ---------------------------------------------------------------------------------
 
+
 class Engine:
-    def __init__(self, model, tokenizer, batch_size=64, max_len=None, cuda_graph=None, tool=None,
-                 tool_timeout=1.0, prefill_tokens=16384, dtype=None, share_weights=False):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        batch_size=64,
+        max_len=None,
+        cuda_graph=None,
+        tool=None,
+        tool_timeout=1.0,
+        prefill_tokens=16384,
+        dtype=None,
+        share_weights=False,
+    ):
         cfg = model.config
         self.tokenizer = tokenizer
         self.max_len = cfg.sequence_len if max_len is None else max_len
@@ -59,7 +72,9 @@ class Engine:
         if not 2 <= self.max_len <= cfg.sequence_len:
             raise ValueError(f"max_len must be in [2, {cfg.sequence_len}] (the model's context), got {self.max_len}")
         if share_weights and dtype is not None:
-            raise ValueError("dtype sets the precision of the engine's own copy of the weights: it has no meaning with share_weights")
+            raise ValueError(
+                "dtype sets the precision of the engine's own copy of the weights: it has no meaning with share_weights"
+            )
         self.batch_size, self.vocab_size = batch_size, cfg.vocab_size
         self.device = next(model.parameters()).device
         # sampling reads every weight once per token: a copy in the inference precision (bf16 on CUDA) halves
@@ -104,7 +119,7 @@ class Engine:
         self.use_cuda_graph = (self.device.type == "cuda") if cuda_graph is None else cuda_graph
         self.graphs = {}
         if self.use_cuda_graph:
-            self._capture_graphs()
+            self.graphs = capture_decode_graphs(self._forward_step, self.cache, self.sizes, self.buckets)
 
     # --- public API -----------------------------------------------------------------------------
     def submit(self, request, stream=False):
@@ -166,11 +181,11 @@ class Engine:
 
     def attention_kernels(self):
         """One line for the log: the SDPA kernel each phase is pinned to."""
-        names = {SDPBackend.MATH: "math", SDPBackend.FLASH_ATTENTION: "flash (CPU)",
-                 SDPBackend.EFFICIENT_ATTENTION: "memory-efficient"}
         graphs = ", CUDA graphs" if self.use_cuda_graph else ""
-        return (f"engine attention: prefill = SDPA {names[self.prefill_attention()[0]]}, "
-                f"decode = SDPA {names[self.decode_attention()[0]]}{graphs} (both pinned)")
+        return (
+            f"engine attention: prefill = SDPA {KERNEL_NAMES[self.prefill_attention()[0]]}, "
+            f"decode = SDPA {KERNEL_NAMES[self.decode_attention()[0]]}{graphs} (both pinned)"
+        )
 
     def serve_forever(self):
         """Step the engine in this thread until shutdown() (run it in a daemon thread): requests submitted from
@@ -216,8 +231,10 @@ class Engine:
             except BaseException as e:  # the shared decode step failed: nothing in flight can go on
                 self._fail_all()
                 if isinstance(e, torch.OutOfMemoryError):
-                    raise MemoryError(f"out of memory while sampling with batch_size={self.batch_size}, "
-                                      f"max_len={self.max_len}: use a smaller batch_size (or max_len)") from e
+                    raise MemoryError(
+                        f"out of memory while sampling with batch_size={self.batch_size}, "
+                        f"max_len={self.max_len}: use a smaller batch_size (or max_len)"
+                    ) from e
                 raise
 
     # --- submission -----------------------------------------------------------------------------
@@ -254,7 +271,9 @@ class Engine:
             self.cancel_requested = False
             dropped = [s for s in self.pending if s.handle.cancelled]
             self.pending = collections.deque(s for s in self.pending if not s.handle.cancelled)
-        for s in dropped + [s for s in self.slots[:self.n_busy + len(self.holes)] if s is not None and s.handle.cancelled]:
+        for s in dropped + [
+            s for s in self.slots[: self.n_busy + len(self.holes)] if s is not None and s.handle.cancelled
+        ]:
             self._finish(s, "aborted")
 
     def _admit(self):
@@ -380,10 +399,8 @@ class Engine:
         return logits  # a static tensor: read it before the next replay
 
     def _forward_step(self, size):
-        # eager, or the body a CUDA graph records (then cache.static is set and attend_len is a bucket).
-        # The attention kernel is pinned, not left to SDPA's choice: a graph freezes whichever kernel ran at
-        # capture, so a torch or cuDNN upgrade must not swap it silently. Memory-efficient attention is the
-        # CUDA kernel that takes a boolean mask (flash takes none); on CPU the plain math kernel.
+        # eager, or the body a CUDA graph records (then cache.static is set and attend_len is a bucket);
+        # the attention kernel is pinned (decode_backends says why)
         self.cache.rows = slice(0, size)
         try:
             with self._autocast(), sdpa_kernel(self.decode_attention()):
@@ -392,20 +409,13 @@ class Engine:
             self.cache.rows = None
 
     def decode_attention(self):
-        """The SDPA backends allowed inside a decode step (see _forward_step)."""
-        if self.device.type == "cuda":
-            return [SDPBackend.EFFICIENT_ATTENTION]
-        return [SDPBackend.MATH]
+        return decode_backends(self.device)  # see nanorl/engine_graphs.py
 
     def prefill_attention(self):
-        """The SDPA backends allowed in a prefill: on CUDA memory-efficient attention, the kernel decode runs (it
-        takes the boolean mask; left to the dispatcher, torch 2.13 on an H100 would pick a cuDNN kernel no test
-        here exercises); on CPU the fused flash kernel SDPA's dispatcher picks there; math elsewhere."""
-        if self.device.type == "cuda":
-            return [SDPBackend.EFFICIENT_ATTENTION]
-        if self.device.type == "cpu":
-            return [SDPBackend.FLASH_ATTENTION]
-        return [SDPBackend.MATH]
+        return prefill_backends(self.device)
+
+    def _autocast(self):
+        return engine_autocast(self.device, self.model.lm_head.weight.dtype)
 
     def _bucket(self, need):
         return next(L for L in self.buckets if L >= need)
@@ -420,8 +430,9 @@ class Engine:
         rec = self.records
         filtered, greedy = bool(rec.filtered[busy].any()), bool(rec.greedy[busy].any())
         unit = bool(rec.unit[busy].all())
-        tok, logp = sample_with_logprobs(logits, self.temperature[rows], self.top_k[rows], self.top_p[rows], u,
-                                         filtered, greedy, f, unit)
+        tok, logp = sample_with_logprobs(
+            logits, self.temperature[rows], self.top_k[rows], self.top_p[rows], u, filtered, greedy, f, unit
+        )
         self.counter[rows] += 1
         host = torch.stack([tok.double(), logp.double()]).cpu().numpy()  # the step's one device -> host sync
         m = len(slots)
@@ -494,41 +505,3 @@ class Engine:
             self.cache.pos.zero_()
         except RuntimeError:  # the device itself may be what failed
             pass
-
-    # --- memory, precision, CUDA graphs ---------------------------------------------------------
-    def _autocast(self):
-        # only for fp32 weights on CUDA (share_weights); cache_enabled=False: autocast's weight-cast cache must
-        # not outlive a CUDA graph capture
-        if self.device.type == "cuda" and self.model.lm_head.weight.dtype == torch.float32:
-            return torch.amp.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False)
-        return nullcontext()
-
-    @torch.no_grad()
-    def _capture_graphs(self):
-        """Capture one decode step per (ladder batch size, attention-length bucket) while the cache is empty,
-        so the warm-up runs cannot overwrite anyone's KV. A step then replays the smallest batch that holds its
-        busy rows and the smallest bucket that covers its longest row: static shapes, one launch, and neither
-        idle slots nor short rows pay for the whole cache. The graphs read the weights in place: load_weights()
-        (an in-place copy) is seen, swapped tensors are not."""
-        cache, pool = self.cache, torch.cuda.graph_pool_handle()
-        cache.static = True
-        try:
-            for size in self.sizes:
-                for L in self.buckets:
-                    cache.attend_len = L
-                    side = torch.cuda.Stream()
-                    side.wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(side):  # warm up outside the capture (cuBLAS workspaces, kernel choice)
-                        for _ in range(2):
-                            cache.pos.zero_()
-                            self._forward_step(size)
-                    torch.cuda.current_stream().wait_stream(side)
-                    cache.pos.zero_()
-                    graph = torch.cuda.CUDAGraph()
-                    # one pool for all graphs: they never run at once, and each step reads its logits right away
-                    with torch.cuda.graph(graph, pool=pool):
-                        logits = self._forward_step(size)
-                    self.graphs[size, L] = (graph, logits)
-        finally:
-            cache.static, cache.attend_len = False, None
-            cache.pos.zero_()
