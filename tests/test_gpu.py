@@ -196,7 +196,11 @@ def test_gpu_check_cpu_mode(tmp_path):
     want = ["train d2", "decode d2 batch 1", "decode d2 batch 2", "decode d2 batch 4", "rl d2 step (2x2)", "train d2 --fsdp"]
     hf = ["hf qwen2 tiny: --hf-model load", "hf qwen2 tiny: decode batch 1", "hf qwen2 tiny: decode batch 2",
           "hf qwen2 tiny: decode batch 4", "hf qwen2 tiny: GRPO step (2x2)"]
-    assert list(rows)[-len(want) - len(hf) - 1:] == want + ["train d2 --fsdp: sampler weight gather"] + hf, list(rows)
+    lora = ["hf qwen2 tiny --lora-rank 4: --hf-model load", "hf qwen2 tiny --lora-rank 4: decode batch 1",
+            "hf qwen2 tiny --lora-rank 4: decode batch 2", "hf qwen2 tiny --lora-rank 4: GRPO step (2x2)"]
+    tail = want + ["train d2 --fsdp: sampler weight gather"] + hf + lora
+    assert list(rows)[-len(tail):] == tail, list(rows)
+    assert all(float(rows[name][1]) > 0 for name in lora)
     for name in want:
         row = rows[name]
         assert float(row[1]) > 0 and float(row[4]) > 0, row  # figure and peak memory are numbers
