@@ -16,7 +16,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tasks.common import load_rows  # noqa: E402
+from tasks.common import load_rows
 
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 
@@ -27,15 +27,14 @@ def instruct(row):
 
 def main():
     p = argparse.ArgumentParser(description="GSM8K with the '####' answer instruction in every question")
-    p.add_argument("--src", default=None, help="a folder with train.jsonl / test.jsonl (default: the Hub's openai/gsm8k)")
+    p.add_argument("--src", default=None, help="a folder with train.jsonl / test.jsonl (default: the Hub's gsm8k)")
     p.add_argument("--out", required=True, help="the folder to write train.jsonl and test.jsonl into")
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
     for split in ("train", "test"):
         rows = load_rows("openai/gsm8k", "main", split, path=a.src, split=split, flag="--src")
         with open(os.path.join(a.out, f"{split}.jsonl"), "w") as f:
-            for row in rows:
-                f.write(json.dumps(instruct(row)) + "\n")
+            f.writelines(json.dumps(instruct(row)) + "\n" for row in rows)
         print(f"{split}: {len(rows)} questions -> {os.path.join(a.out, split + '.jsonl')}")
 
 

@@ -28,7 +28,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPEEDRUN_RL = ["--levels", "1,2", "--num-rollouts", "24", "--rollout-batch-size", "8", "--n-samples-per-prompt", "8",
                "--max-response-len", "128", "--eval-interval", "8", "--eval-max-problems", "64",
                "--n-samples-per-eval-prompt", "4", "--save-interval", "8", "--run", "dummy"]
-CARD = dict(problems=200, max_tokens=128, levels=(1, 2), samples=4, temperature=1.0, seed=0, batch=64)
+CARD = {"problems": 200, "max_tokens": 128, "levels": (1, 2), "samples": 4, "temperature": 1.0, "seed": 0, "batch": 64}
 
 
 def exp_dir(base, name):
@@ -117,10 +117,10 @@ def flips(before, after):
             "sampled some->0": sum(a > 0 and b == 0 for a, b in zip(s0, s1)),
             "greedy right, sampled <= 1/4 (after)": sum(g and s <= 1 for g, s in zip(g1, s1)),
             # where the flips sit: by how many of the 4 samples were right before (a fragile greedy answer has few)
-            "greedy right->wrong by sampled-right-before 0..4": [sum(a and not b and c == k for a, b, c in zip(g0, g1, s0))
-                                                                  for k in range(5)],
-            "greedy wrong->right by sampled-right-before 0..4": [sum(b and not a and c == k for a, b, c in zip(g0, g1, s0))
-                                                                  for k in range(5)]}
+            "greedy right->wrong by sampled-right-before 0..4":
+                [sum(a and not b and c == k for a, b, c in zip(g0, g1, s0)) for k in range(5)],
+            "greedy wrong->right by sampled-right-before 0..4":
+                [sum(b and not a and c == k for a, b, c in zip(g0, g1, s0)) for k in range(5)]}
 
 
 def cmd_flips(a):
