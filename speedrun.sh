@@ -146,8 +146,16 @@ else
     gpu_stage eval_mid   scripts.chat_eval -i mid -a arc-easy,arc-challenge,mmlu,gsm8k,humaneval,spellingbee,offline
     gpu_stage chat_sft   scripts.chat_sft --data hub --run "$WANDB_RUN"
     gpu_stage eval_sft   scripts.chat_eval -i sft -a arc-easy,arc-challenge,mmlu,gsm8k,humaneval,spellingbee,offline
-    gpu_stage chat_rl    scripts.chat_rl --task gsm8k --run "$WANDB_RUN"
+    # RL as nanochat's RL stage reads GSM8K: one epoch of its train split (7,473 prompts / 16 a rollout = 467 rollouts),
+    # 16 samples per prompt, 256 new tokens, T=1, on-policy with advantages r - mean and a token-mean loss (Dr. GRPO:
+    # nanochat's objective); the held-out pass@k is nanochat's too: 400 test problems x 8 samples at T=1. Estimated
+    # ~10 min on 8xH100 (dev/LOG.md, derived from FLOPs and decode latency, not measured yet).
+    gpu_stage chat_rl    scripts.chat_rl --task gsm8k --num-rollouts 467 --rollout-batch-size 16 --n-samples-per-prompt 16 \
+        --max-response-len 256 --disable-grpo-std-normalization --eval-every 60 --eval-max-problems 400 \
+        --n-samples-per-eval-prompt 8 --pass-k 1,8 --save-every 60 --run "$WANDB_RUN"
     gpu_stage eval_rl    scripts.chat_eval -i rl -a arc-easy,arc-challenge,mmlu,gsm8k,humaneval,spellingbee,offline
+    # GSM8K pass@k of the RL model as nanochat samples it (T=1, top-k 50, 256 tokens, 400 problems x 8), beside the greedy row
+    gpu_stage eval_rl_sampled scripts.chat_eval -a gsm8k -i rl -x 400 -n 8 -k 1,8 -t 1.0 --top-k 50 -m 256
 fi
 
 # --- the report -----------------------------------------------------------------------------------

@@ -292,9 +292,12 @@ def gspo_loss(logp, old_logp, advantages, mask, eps_clip=3e-4, eps_clip_high=Non
     """
     GSPO (Qwen): one importance ratio per sequence, the geometric mean of its token ratios,
       s_i = exp(1/|y_i| sum_t (logp_t - old_logp_t))
-    in its token-level form s_i,t = sg[s_i] * exp(logp_t - sg[logp_t]): the same value as s_i on every token,
-    and 1/|y_i| sum_t grad s_i,t = grad s_i, so aggregated seq_mean_token_mean the gradient is exactly that of the
-    sequence objective. Then the same clipped surrogate as PPO (with GSPO's small clip range), dual clip included.
+    broadcast to every token of row i with its whole gradient (as slime does), then the same clipped surrogate as PPO
+    (with GSPO's small clip range), dual clip included. Any per-token weight c_t applied afterwards (aggregation,
+    TIS / IcePop) therefore acts through the row's sum: grad sum_t c_t f(s_i) = (sum_t c_t) f'(s_i) grad s_i, so
+    every token of a row is pushed by the row's mean weight, and a token IcePop zeroed still gets the row's push.
+    (The token-level form sg[s_i] * exp(logp_t - sg[logp_t]) has the same value and, with row-constant weights,
+    the same gradient, but would push each token by its own TIS weight.)
     A_i: (B,) or (B, T) (then taken at the row's first masked token).
     """
     eps_high = eps_clip if eps_clip_high is None else eps_clip_high
@@ -303,8 +306,9 @@ def gspo_loss(logp, old_logp, advantages, mask, eps_clip=3e-4, eps_clip_high=Non
         advantages = advantages.gather(1, first[:, None]).squeeze(1)
     A = advantages.detach()[:, None].expand_as(logp)
     log_s = masked_mean(logp - old_logp, mask, dim=-1)  # (B,)
-    s_tok = torch.exp(log_s.detach().clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)[:, None] + logp - logp.detach())
-    pg, _, dual = _clipped_surrogate(s_tok, A, eps_clip, eps_high, eps_clip_c)
+    # the value clamped against overflow, the gradient s_i * grad log_s_i kept (a clamp would zero it)
+    s_seq = torch.exp(log_s.detach().clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO) + log_s - log_s.detach())
+    pg, _, dual = _clipped_surrogate(s_seq[:, None].expand_as(logp), A, eps_clip, eps_high, eps_clip_c)
     with torch.no_grad():
         s, A = log_s.exp(), A[:, 0]
         rows = (mask.sum(-1) > 0).float()

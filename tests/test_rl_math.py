@@ -371,22 +371,23 @@ def test_cispo_loss():
 
 def _reference_loss(kind, lp, old, A, m, ent, ref, eps, eps_high, eps_c, tis, agg, max_len, ent_coef, kl_coef, lp0=None):
     """The one loss path written out token by token in plain python floats (an independent reference). lp0: where the
-    stop-gradient parts are frozen (GSPO's sequence ratio, CISPO's weight) when differentiating numerically."""
+    stop-gradient parts are frozen (CISPO's weight) when differentiating numerically; GSPO's sequence ratio is not
+    frozen: it carries its gradient to every token of the row (slime's form)."""
     lp0 = lp if lp0 is None else lp0
     B, T = len(lp), len(lp[0])
     rows = [[t for t in range(T) if m[i][t]] for i in range(B)]
     per = [[0.0] * T for _ in range(B)]
     for i in range(B):
         a_seq = A[i][rows[i][0]] if rows[i] else 0.0
-        log_s = sum(lp0[i][t] - old[i][t] for t in rows[i]) / max(len(rows[i]), 1)
+        log_s = sum(lp[i][t] - old[i][t] for t in rows[i]) / max(len(rows[i]), 1)
         for t in rows[i]:
             r = math.exp(lp[i][t] - old[i][t])
             if kind == "cispo":
                 w = math.exp(lp0[i][t] - old[i][t])
                 per[i][t] = -min(max(w, 1 - eps), 1 + eps_high) * A[i][t] * lp[i][t]
                 continue
-            # GSPO-token: s_i,t = sg[s_i] * exp(lp_t - sg[lp_t])
-            a, r = (a_seq, math.exp(log_s + lp[i][t] - lp0[i][t])) if kind == "gspo" else (A[i][t], r)
+            # GSPO: the sequence ratio s_i on every token of the row
+            a, r = (a_seq, math.exp(log_s)) if kind == "gspo" else (A[i][t], r)
             v = max(-a * r, -a * min(max(r, 1 - eps), 1 + eps_high))
             if eps_c is not None and a < 0:
                 v = min(v, -a * eps_c)
