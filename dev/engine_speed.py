@@ -13,6 +13,7 @@ it also checks that both gave exactly the same tokens and log-probs (bit_identic
 architecture at the same depth and width (value embeddings, smear), built with its own init; its engine generates
 one prompt at a time, so "8 distinct prompts" is 8 calls there and one batched call here.
 """
+
 import argparse
 import hashlib
 import json
@@ -34,8 +35,10 @@ VOCAB, SEQ_LEN = 32768, 2048
 
 # --- worker: one engine, driven over stdin/stdout ----------------------------------------------
 
+
 def prompts_for(n, length):
     import torch
+
     g = torch.Generator().manual_seed(1234)
     return [torch.randint(0, 256, (length,), generator=g).tolist() for _ in range(n)]
 
@@ -46,6 +49,7 @@ def nanorl_runner(depth, n_prompts, n_samples, prompt_len, new_tokens, engine_on
     from nanorl.engine import Engine, Request
     from nanorl.gpt import build_model, config_from_depth
     from nanorl.tokenizer import SPLIT_PATTERN, Tokenizer
+
     tok = Tokenizer.from_ranks({bytes([i]): i for i in range(256)}, SPLIT_PATTERN)
     torch.manual_seed(0)
     model = build_model(config_from_depth(depth, VOCAB, sequence_len=SEQ_LEN), "cpu")
@@ -59,10 +63,15 @@ def nanorl_runner(depth, n_prompts, n_samples, prompt_len, new_tokens, engine_on
     prompts = prompts_for(n_prompts, prompt_len)
 
     def run(tokens):
-        reqs = [Request(p, num_samples=n_samples, max_tokens=tokens, temperature=1.0, seed=i, stop_tokens=[],
-                        use_tools=False) for i, p in enumerate(prompts)]
+        reqs = [
+            Request(
+                p, num_samples=n_samples, max_tokens=tokens, temperature=1.0, seed=i, stop_tokens=[], use_tools=False
+            )
+            for i, p in enumerate(prompts)
+        ]
         out = engine.generate(reqs)
         return [(c.tokens, c.logprobs) for cs in out for c in cs]
+
     return run
 
 
@@ -79,8 +88,14 @@ def nanochat_runner(depth, n_prompts, n_samples, prompt_len, new_tokens):
             return 10**9 - 1
 
     n_embd = depth * 64
-    cfg = GPTConfig(sequence_len=SEQ_LEN, vocab_size=VOCAB, n_layer=depth, n_head=n_embd // 128,
-                    n_kv_head=n_embd // 128, n_embd=n_embd)
+    cfg = GPTConfig(
+        sequence_len=SEQ_LEN,
+        vocab_size=VOCAB,
+        n_layer=depth,
+        n_head=n_embd // 128,
+        n_kv_head=n_embd // 128,
+        n_embd=n_embd,
+    )
     torch.manual_seed(0)
     with torch.device("meta"):
         model = GPT(cfg)
@@ -101,11 +116,13 @@ def nanochat_runner(depth, n_prompts, n_samples, prompt_len, new_tokens):
                     r.append(t)
             out += [(r, []) for r in rows]
         return out
+
     return run
 
 
 def worker(kind, path, prompt_len, new_tokens, engine_only):
     import torch
+
     torch.set_num_threads(1)
     sys.path.insert(0, path)
     make = nanorl_runner if kind == "nanorl" else nanochat_runner
@@ -124,6 +141,7 @@ def worker(kind, path, prompt_len, new_tokens, engine_only):
 
 # --- driver ------------------------------------------------------------------------------------
 
+
 def checkout_of(ref, tmp):
     """A directory holding nanorl/ at ref: ref itself if it is a directory, else `git archive ref nanorl`."""
     if os.path.isdir(ref):
@@ -141,8 +159,18 @@ def checkout_of(ref, tmp):
 
 def start(kind, path, args):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--path", path,
-           "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens)]
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--worker",
+        kind,
+        "--path",
+        path,
+        "--prompt-len",
+        str(args.prompt_len),
+        "--new-tokens",
+        str(args.new_tokens),
+    ]
     cmd += ["--engine-only"] if args.engine_only else []
     return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
 
@@ -166,8 +194,11 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=128)
     here = os.path.dirname(os.path.abspath(__file__))
     parser.add_argument("--out", type=str, default=os.path.join(here, "engine_speed.json"))
-    parser.add_argument("--engine-only", action="store_true",
-                        help="nanorl only: fixed logits instead of the decode forward, to time the engine's own work")
+    parser.add_argument(
+        "--engine-only",
+        action="store_true",
+        help="nanorl only: fixed logits instead of the decode forward, to time the engine's own work",
+    )
     parser.add_argument("--worker", choices=["nanorl", "nanochat"], help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -191,7 +222,7 @@ def main():
         runs = {s: {e: [] for e in engines} for s in shapes}
         for r in range(args.rounds):
             for s in shapes:
-                order = list(engines)[r % len(engines):] + list(engines)[:r % len(engines)]  # rotate who goes first
+                order = list(engines)[r % len(engines) :] + list(engines)[: r % len(engines)]  # rotate who goes first
                 for e in order:
                     runs[s][e].append(ask(engines[e], s))
                     print(f"round {r + 1} {s:28s} {e:8s} {runs[s][e][-1]['seconds']:7.2f} s", flush=True)
@@ -202,17 +233,24 @@ def main():
 
 
 def report(args, shapes, runs):
-    result = {"command": " ".join(sys.argv), "compare_ref": args.compare_ref, "nanochat": args.nanochat,
-              "engine_only": args.engine_only,
-              "setup": f"random weights, fp32, 1 thread, CPU, vocab {VOCAB}, {args.prompt_len}-token prompts, "
-                       f"{args.new_tokens} new tokens at T=1, {args.rounds} interleaved rounds, medians",
-              "shapes": {}}
+    result = {
+        "command": " ".join(sys.argv),
+        "compare_ref": args.compare_ref,
+        "nanochat": args.nanochat,
+        "engine_only": args.engine_only,
+        "setup": f"random weights, fp32, 1 thread, CPU, vocab {VOCAB}, {args.prompt_len}-token prompts, "
+        f"{args.new_tokens} new tokens at T=1, {args.rounds} interleaved rounds, medians",
+        "shapes": {},
+    }
     for s in shapes:
         row = {}
         for e, rs in runs[s].items():
             seconds = [x["seconds"] for x in rs]
-            row[e] = {"median_s": statistics.median(seconds), "runs_s": [round(t, 3) for t in seconds],
-                      "tokens": rs[0]["tokens"]}
+            row[e] = {
+                "median_s": statistics.median(seconds),
+                "runs_s": [round(t, 3) for t in seconds],
+                "tokens": rs[0]["tokens"],
+            }
         for e in row:
             row[e]["tokens_per_s"] = round(row[e]["tokens"] / row[e]["median_s"], 1)
         if "ref" in row:

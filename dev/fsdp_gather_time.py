@@ -4,6 +4,7 @@ Time nanorl.fsdp.gather_full_state: the sharded policy's full weights copied int
 
     torchrun --standalone --nproc_per_node=2 dev/fsdp_gather_time.py --depth 8
 """
+
 import argparse
 import statistics
 
@@ -28,6 +29,8 @@ if device.type == "cuda":
     sampler.to(torch.bfloat16)
 times = [gather_full_state(model, sampler) for _ in range(args.repeats + 1)][1:]  # the first call warms up
 nbytes = sum(p.numel() * p.element_size() for p in sampler.parameters())
-print0(f"d{args.depth} ({model.num_params() / 1e6:.0f}M params) on {world_size} x {device.type}: gather into a "
-       f"{nbytes / 2**20:,.0f} MiB sampler copy takes {1000 * statistics.median(times):.1f} ms (median of {args.repeats})")
+print0(
+    f"d{args.depth} ({model.num_params() / 1e6:.0f}M params) on {world_size} x {device.type}: gather into a "
+    f"{nbytes / 2**20:,.0f} MiB sampler copy takes {1000 * statistics.median(times):.1f} ms (median of {args.repeats})"
+)
 compute_cleanup()

@@ -6,6 +6,7 @@ come on top.
 
     python dev/fsdp_memory.py --depth 20 --n-kv-head 2 --world 8
 """
+
 import argparse
 
 import torch
@@ -42,5 +43,7 @@ def footprint(shard):
 dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world)  # rank 0 holds the largest shards
 nparams, replicated = footprint(False)
 _, sharded = footprint(True)
-print(f"d{args.depth} ({nparams / 1e9:.2f}B params), {args.world} ranks: replicated {replicated / 2**30:.2f} GiB/rank, "
-      f"--fsdp {sharded / 2**30:.2f} GiB/rank ({replicated / sharded:.1f}x less)")
+print(
+    f"d{args.depth} ({nparams / 1e9:.2f}B params), {args.world} ranks: replicated {replicated / 2**30:.2f} GiB/rank, "
+    f"--fsdp {sharded / 2**30:.2f} GiB/rank ({replicated / sharded:.1f}x less)"
+)

@@ -6,6 +6,7 @@ dev/gpu_check.sh's table: read the steps' logs (LOGDIR/index.tsv names them) and
 Benchmarks end with one JSON line (scripts/bench.py); the gpu tests print their figures as "gpu_check {json}" lines.
 Exits 1 when any step failed, after writing the table with the failure in it.
 """
+
 import json
 import re
 import sys
@@ -42,11 +43,25 @@ def extra_rows(kind, label, r):
         return [[f"{label}: sampler weight gather", fmt(r["gather_ms"]), "ms", "", ""]]
     if kind != "hf":
         return []
-    rows = [[f"{label}: decode batch {d['batch']}", fmt(d["nanorl_tok_per_s"]), "tok/s",
-             f"transformers {fmt(d['hf_tok_per_s'])} tok/s ({d['speedup']:.2f}x); same greedy tokens {d['same_token_frac']:.0%}", ""]
-            for d in r["decode"]]
-    rows.append([f"{label}: GRPO step ({r['rl_prompts']}x{r['rl_samples']})", fmt(r["rl_total_s"]), "s/step",
-                 f"rollout {r['rl_rollout_s']:.2f} s + train {r['rl_train_s']:.2f} s", fmt(r["peak_mem_gb"])])
+    rows = [
+        [
+            f"{label}: decode batch {d['batch']}",
+            fmt(d["nanorl_tok_per_s"]),
+            "tok/s",
+            f"transformers {fmt(d['hf_tok_per_s'])} tok/s ({d['speedup']:.2f}x); same greedy tokens {d['same_token_frac']:.0%}",
+            "",
+        ]
+        for d in r["decode"]
+    ]
+    rows.append(
+        [
+            f"{label}: GRPO step ({r['rl_prompts']}x{r['rl_samples']})",
+            fmt(r["rl_total_s"]),
+            "s/step",
+            f"rollout {r['rl_rollout_s']:.2f} s + train {r['rl_train_s']:.2f} s",
+            fmt(r["peak_mem_gb"]),
+        ]
+    )
     return rows
 
 
@@ -58,14 +73,32 @@ def main(logdir, out, mode, seconds):
         text = (logdir / name).read_text()
         if kind == "tests":
             # pytest's last line: "3 passed, 1 failed, 2 skipped, 1 error in 40.1s" (any of the parts)
-            summary = [ln for ln in text.splitlines() if re.search(r"\d+ (passed|failed|skipped|errors?)\b.* in [\d.]+s", ln)]
+            summary = [
+                ln for ln in text.splitlines() if re.search(r"\d+ (passed|failed|skipped|errors?)\b.* in [\d.]+s", ln)
+            ]
             counts = {k: 0 for k in ("passed", "failed", "skipped")}
             for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?)\b", summary[-1] if summary else ""):
                 counts["failed" if k.startswith("error") else k] += int(n)
-            rows.append([label, f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped", "", "", ""])
+            rows.append(
+                [
+                    label,
+                    f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped",
+                    "",
+                    "",
+                    "",
+                ]
+            )
             for fig in re.findall(r"^gpu_check (\{.*\})$", text, re.M):
                 f = json.loads(fig)
-                rows.append([f["check"], fmt(f["figure"]), f.get("unit", ""), "", fmt(f["peak_mem_gb"]) if "peak_mem_gb" in f else ""])
+                rows.append(
+                    [
+                        f["check"],
+                        fmt(f["figure"]),
+                        f.get("unit", ""),
+                        "",
+                        fmt(f["peak_mem_gb"]) if "peak_mem_gb" in f else "",
+                    ]
+                )
             if rc != "0" and not (rc == "5" and mode == "cpu"):  # 5: pytest collected nothing
                 failed.append(label)
             continue

@@ -10,6 +10,7 @@ instruction in the prompt, so train and eval read it (dev/LOG.md, "Qwen2.5-0.5B-
 Then --task gsm8k --task-path data/gsm8k_instruct (chat_rl) and -a gsm8k --task-path gsm8k=data/gsm8k_instruct
 (chat_eval).
 """
+
 import argparse
 import json
 import os

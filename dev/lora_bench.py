@@ -10,6 +10,7 @@ Weight sync after an optimizer step:
 
     OMP_NUM_THREADS=1 python -m dev.lora_bench
 """
+
 import argparse
 import copy
 import statistics
@@ -38,8 +39,9 @@ def median_time(fn, repeats):
 
 def make(depth, width, seq):
     torch.manual_seed(0)
-    cfg = GPTConfig(sequence_len=seq, vocab_size=272, n_layer=depth, n_head=width // 64, n_kv_head=width // 64,
-                    n_embd=width)
+    cfg = GPTConfig(
+        sequence_len=seq, vocab_size=272, n_layer=depth, n_head=width // 64, n_kv_head=width // 64, n_embd=width
+    )
     return build_model(cfg, "cpu")
 
 
@@ -56,6 +58,7 @@ def step_time(model, optimizer, x, repeats):
         (-logp.mean()).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+
     return median_time(step, repeats)
 
 
@@ -67,8 +70,10 @@ def main():
     p.add_argument("--batch", type=int, default=8, help="sequences per training step")
     p.add_argument("--seq", type=int, default=256, help="tokens per sequence")
     a = p.parse_args()
-    print("| model | params | adapters | sync full ms | sync lora-merge ms | sync lora-share ms "
-          "| step full ms | step lora ms |")
+    print(
+        "| model | params | adapters | sync full ms | sync lora-merge ms | sync lora-share ms "
+        "| step full ms | step lora ms |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for shape in a.shapes.split(","):
         depth, width = map(int, shape.split("x"))
@@ -85,8 +90,10 @@ def main():
         t_share = median_time(lambda: shared.load_weights(), a.repeats)  # a no-op with share_weights
         t_step_lora = step_time(lora, build_lora_optimizer(lora, lr=1e-3), x, a.repeats)
         n = sum(p.numel() for n_, p in lora.named_parameters() if "lora_" not in n_)
-        print(f"| d{depth} w{width} | {n / 1e6:.2f}M | {n_adapt / 1e6:.3f}M | {t_full * 1e3:.2f} | {t_merge * 1e3:.2f} "
-              f"| {t_share * 1e3:.3f} | {t_step_full * 1e3:.0f} | {t_step_lora * 1e3:.0f} |")
+        print(
+            f"| d{depth} w{width} | {n / 1e6:.2f}M | {n_adapt / 1e6:.3f}M | {t_full * 1e3:.2f} | {t_merge * 1e3:.2f} "
+            f"| {t_share * 1e3:.3f} | {t_step_full * 1e3:.0f} | {t_step_lora * 1e3:.0f} |"
+        )
 
 
 if __name__ == "__main__":

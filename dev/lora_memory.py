@@ -12,6 +12,7 @@ not on the model's size alone), so a row that fits with little room left may sti
 
     python -m dev.lora_memory --rank 16 --gpu-gb 80
 """
+
 import argparse
 
 import torch
@@ -22,17 +23,34 @@ from nanorl.lora import LoraConfig, apply_lora, build_lora_optimizer
 from nanorl.optim import build_optimizer
 
 # Qwen2.5 shapes from the models' config.json: hidden, layers, heads, kv heads, MLP hidden, vocab, tied embeddings
-QWEN25 = {"0.5B": (896, 24, 14, 2, 4864, 151936, True), "1.5B": (1536, 28, 12, 2, 8960, 151936, True),
-          "3B": (2048, 36, 16, 2, 11008, 151936, True), "7B": (3584, 28, 28, 4, 18944, 152064, False),
-          "14B": (5120, 48, 40, 8, 13824, 152064, False), "32B": (5120, 64, 40, 8, 27648, 152064, False),
-          "72B": (8192, 80, 64, 8, 29568, 152064, False)}
+QWEN25 = {
+    "0.5B": (896, 24, 14, 2, 4864, 151936, True),
+    "1.5B": (1536, 28, 12, 2, 8960, 151936, True),
+    "3B": (2048, 36, 16, 2, 11008, 151936, True),
+    "7B": (3584, 28, 28, 4, 18944, 152064, False),
+    "14B": (5120, 48, 40, 8, 13824, 152064, False),
+    "32B": (5120, 64, 40, 8, 27648, 152064, False),
+    "72B": (8192, 80, 64, 8, 29568, 152064, False),
+}
 
 
 def qwen_config(size):
     c, n_layer, n_head, n_kv, hidden, vocab, tied = QWEN25[size]
-    return GPTConfig(sequence_len=4096, vocab_size=vocab, n_layer=n_layer, n_head=n_head, n_kv_head=n_kv, n_embd=c,
-                     mlp="swiglu", mlp_hidden=hidden, norm_weight=True, attn_bias=True, qk_norm=False,
-                     tie_embeddings=tied, softcap=0.0)
+    return GPTConfig(
+        sequence_len=4096,
+        vocab_size=vocab,
+        n_layer=n_layer,
+        n_head=n_head,
+        n_kv_head=n_kv,
+        n_embd=c,
+        mlp="swiglu",
+        mlp_hidden=hidden,
+        norm_weight=True,
+        attn_bias=True,
+        qk_norm=False,
+        tie_embeddings=tied,
+        softcap=0.0,
+    )
 
 
 def meta_model(config):
@@ -82,16 +100,20 @@ def main():
     p.add_argument("--gpu-gb", type=float, default=80.0)
     a = p.parse_args()
     lora_cfg = LoraConfig(rank=a.rank, alpha=2 * a.rank, targets=a.targets)
-    print(f"| Qwen2.5 shape | params | adapters (r={a.rank}) | full: bytes/param | full GB | LoRA: bytes/param "
-          f"| LoRA GB | KV cache GB ({a.prompts}x{a.samples}x{a.tokens}) | fits {a.gpu_gb:.0f} GB full / LoRA |")
+    print(
+        f"| Qwen2.5 shape | params | adapters (r={a.rank}) | full: bytes/param | full GB | LoRA: bytes/param "
+        f"| LoRA GB | KV cache GB ({a.prompts}x{a.samples}x{a.tokens}) | fits {a.gpu_gb:.0f} GB full / LoRA |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for size in QWEN25:
         config = qwen_config(size)
         n, n_adapt, full, lora = footprints(config, lora_cfg)
         kv = kv_bytes(config, a.prompts * a.samples, a.tokens)
         fits = ["yes" if (b + kv) / 1e9 <= a.gpu_gb else "no" for b in (full, lora)]
-        print(f"| {size} | {n / 1e9:.2f}B | {n_adapt / 1e6:.1f}M | {full / n:.1f} | {full / 1e9:.1f} | {lora / n:.2f} "
-              f"| {lora / 1e9:.1f} | {kv / 1e9:.1f} | {fits[0]} / {fits[1]} |")
+        print(
+            f"| {size} | {n / 1e9:.2f}B | {n_adapt / 1e6:.1f}M | {full / n:.1f} | {full / 1e9:.1f} | {lora / n:.2f} "
+            f"| {lora / 1e9:.1f} | {kv / 1e9:.1f} | {fits[0]} / {fits[1]} |"
+        )
 
 
 if __name__ == "__main__":

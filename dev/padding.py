@@ -10,6 +10,7 @@ prompt lengths:
     python dev/padding.py offline --tokenizer DIR --levels 1,2,3 --max-response-len 128
     python dev/padding.py gsm8k --tokenizer DIR --data ../shared/data/gsm8k/train.jsonl --response-len 100,256
 """
+
 import argparse
 import json
 import random
@@ -50,6 +51,7 @@ args = parser.parse_args()
 tok = Tokenizer.load(args.tokenizer)
 if args.source == "offline":
     from tasks import get_task
+
     task = get_task("offline", "train", levels=tuple(int(x) for x in args.levels.split(",")))
     pool = []  # (prompt length, response length) of every problem
     for i in range(len(task)):
@@ -63,15 +65,21 @@ if args.source == "offline":
 else:
     lo, hi = (int(x) for x in args.response_len.split(","))
     with open(args.data) as f:
-        prompts = [len(tok.render_for_completion({"messages": [{"role": "user", "content": json.loads(line)["question"]}]}))
-                   for line in f if line.strip()]
+        prompts = [
+            len(tok.render_for_completion({"messages": [{"role": "user", "content": json.loads(line)["question"]}]}))
+            for line in f
+            if line.strip()
+        ]
 
     def group(rng):
         P = prompts[rng.randrange(len(prompts))]
         return [P + rng.randint(lo, hi) for _ in range(args.n_samples_per_prompt)]
 
-print(f"{args.source}: {args.rollouts} random rollouts per row, {args.n_samples_per_prompt} samples per prompt, "
-      f"--max-tokens-per-gpu {args.max_tokens_per_gpu}")
+
+print(
+    f"{args.source}: {args.rollouts} random rollouts per row, {args.n_samples_per_prompt} samples per prompt, "
+    f"--max-tokens-per-gpu {args.max_tokens_per_gpu}"
+)
 print("| prompts per rollout | context | mean sample tokens | padding, padded | padding, packed |")
 print("|---|---|---|---|---|")
 for n_prompts in (8, 32, 128):

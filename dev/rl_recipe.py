@@ -15,6 +15,7 @@ into an experiment folder of its own, evaluate the result like the card does, an
 Each experiment lives in <base>/rl_exp/<name>: a NANORL_BASE_DIR whose tokenizer and SFT checkpoints are links to
 <base>'s, so runs never overwrite each other's checkpoints, RL history or report. Run with OMP_NUM_THREADS=1.
 """
+
 import argparse
 import json
 import math
@@ -25,9 +26,28 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the speedrun's RL stage (speedrun.sh, tiny branch) and its card evals (eval_rl, eval_rl_sampled)
-SPEEDRUN_RL = ["--levels", "1,2", "--num-rollouts", "24", "--rollout-batch-size", "8", "--n-samples-per-prompt", "8",
-               "--max-response-len", "128", "--eval-interval", "8", "--eval-max-problems", "64",
-               "--n-samples-per-eval-prompt", "4", "--save-interval", "8", "--run", "dummy"]
+SPEEDRUN_RL = [
+    "--levels",
+    "1,2",
+    "--num-rollouts",
+    "24",
+    "--rollout-batch-size",
+    "8",
+    "--n-samples-per-prompt",
+    "8",
+    "--max-response-len",
+    "128",
+    "--eval-interval",
+    "8",
+    "--eval-max-problems",
+    "64",
+    "--n-samples-per-eval-prompt",
+    "4",
+    "--save-interval",
+    "8",
+    "--run",
+    "dummy",
+]
 CARD = {"problems": 200, "max_tokens": 128, "levels": (1, 2), "samples": 4, "temperature": 1.0, "seed": 0, "batch": 64}
 
 
@@ -66,6 +86,7 @@ def cmd_rl(a, extra):
 def cmd_eval(a):
     """The card's two evals of one checkpoint, per problem: exactly chat_eval's calls (engine batch, seeds)."""
     import torch  # noqa: F401 (after the environment is set)
+
     os.environ["NANORL_BASE_DIR"] = a.base if a.name in ("sft", "card") else exp_dir(a.base, a.name)
     sys.path.insert(0, ROOT)
     from nanorl.checkpoint import load_model
@@ -74,6 +95,7 @@ def cmd_eval(a):
     from nanorl.rl import pass_at_k
     from scripts.chat_eval import run_generative
     from tasks import get_task
+
     _, _, _, _, device = compute_init("cpu")
     # sft: the SFT checkpoint itself; card: the RL checkpoint the speedrun wrote (its newest tag); else an experiment
     source, tag = {"sft": ("sft", None), "card": ("rl", None)}.get(a.name, ("rl", "exp"))
@@ -83,21 +105,28 @@ def cmd_eval(a):
     idx = list(range(min(len(task), CARD["problems"])))
     t0 = time.time()
     greedy, _ = run_generative(engine, tokenizer, task, idx, 1, CARD["max_tokens"], 0.0, None, CARD["seed"])
-    sampled, texts = run_generative(engine, tokenizer, task, idx, CARD["samples"], CARD["max_tokens"],
-                                    CARD["temperature"], None, CARD["seed"])
+    sampled, texts = run_generative(
+        engine, tokenizer, task, idx, CARD["samples"], CARD["max_tokens"], CARD["temperature"], None, CARD["seed"]
+    )
     n = CARD["samples"]
-    out = {"step": meta.get("step"), "greedy": [c or 0 for c in greedy], "sampled": [c or 0 for c in sampled],
-           "accuracy": sum(c or 0 for c in greedy) / len(idx),
-           "pass@1": sum(pass_at_k(n, c or 0, 1) for c in sampled) / len(idx),
-           "pass@4": sum(pass_at_k(n, c or 0, 4) for c in sampled) / len(idx),
-           "mean_response_chars": sum(len(t) for ts in texts for t in ts) / max(1, sum(len(ts) for ts in texts)),
-           "eval_s": round(time.time() - t0, 1)}
+    out = {
+        "step": meta.get("step"),
+        "greedy": [c or 0 for c in greedy],
+        "sampled": [c or 0 for c in sampled],
+        "accuracy": sum(c or 0 for c in greedy) / len(idx),
+        "pass@1": sum(pass_at_k(n, c or 0, 1) for c in sampled) / len(idx),
+        "pass@4": sum(pass_at_k(n, c or 0, 4) for c in sampled) / len(idx),
+        "mean_response_chars": sum(len(t) for ts in texts for t in ts) / max(1, sum(len(ts) for ts in texts)),
+        "eval_s": round(time.time() - t0, 1),
+    }
     path = os.path.join(exp_dir(a.base, a.name), "card_eval.json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         json.dump(out, f)
-    print(f"{a.name}: greedy {out['accuracy']:.4f} | pass@1 {out['pass@1']:.4f} | pass@4 {out['pass@4']:.4f} "
-          f"({out['eval_s']}s)")
+    print(
+        f"{a.name}: greedy {out['accuracy']:.4f} | pass@1 {out['pass@1']:.4f} | pass@4 {out['pass@4']:.4f} "
+        f"({out['eval_s']}s)"
+    )
 
 
 def load_eval(base, name):
@@ -109,18 +138,22 @@ def flips(before, after):
     """Per problem: greedy right->wrong / wrong->right, and the sampled count of correct answers (of 4) going down
     / up, and the problems whose greedy answer was right but fewer than half the samples were."""
     g0, g1, s0, s1 = before["greedy"], after["greedy"], before["sampled"], after["sampled"]
-    return {"greedy right->wrong": sum(a and not b for a, b in zip(g0, g1)),
-            "greedy wrong->right": sum(b and not a for a, b in zip(g0, g1)),
-            "sampled count down": sum(b < a for a, b in zip(s0, s1)),
-            "sampled count up": sum(b > a for a, b in zip(s0, s1)),
-            "sampled 0->some": sum(a == 0 and b > 0 for a, b in zip(s0, s1)),
-            "sampled some->0": sum(a > 0 and b == 0 for a, b in zip(s0, s1)),
-            "greedy right, sampled <= 1/4 (after)": sum(g and s <= 1 for g, s in zip(g1, s1)),
-            # where the flips sit: by how many of the 4 samples were right before (a fragile greedy answer has few)
-            "greedy right->wrong by sampled-right-before 0..4":
-                [sum(a and not b and c == k for a, b, c in zip(g0, g1, s0)) for k in range(5)],
-            "greedy wrong->right by sampled-right-before 0..4":
-                [sum(b and not a and c == k for a, b, c in zip(g0, g1, s0)) for k in range(5)]}
+    return {
+        "greedy right->wrong": sum(a and not b for a, b in zip(g0, g1)),
+        "greedy wrong->right": sum(b and not a for a, b in zip(g0, g1)),
+        "sampled count down": sum(b < a for a, b in zip(s0, s1)),
+        "sampled count up": sum(b > a for a, b in zip(s0, s1)),
+        "sampled 0->some": sum(a == 0 and b > 0 for a, b in zip(s0, s1)),
+        "sampled some->0": sum(a > 0 and b == 0 for a, b in zip(s0, s1)),
+        "greedy right, sampled <= 1/4 (after)": sum(g and s <= 1 for g, s in zip(g1, s1)),
+        # where the flips sit: by how many of the 4 samples were right before (a fragile greedy answer has few)
+        "greedy right->wrong by sampled-right-before 0..4": [
+            sum(a and not b and c == k for a, b, c in zip(g0, g1, s0)) for k in range(5)
+        ],
+        "greedy wrong->right by sampled-right-before 0..4": [
+            sum(b and not a and c == k for a, b, c in zip(g0, g1, s0)) for k in range(5)
+        ],
+    }
 
 
 def cmd_flips(a):
@@ -134,8 +167,10 @@ def cmd_curves(a):
         h = json.load(f)
     print("step | reward | entropy | len | pg | gnorm")
     for m in h["train"]:
-        print(f"{m['step']} | {m['rollout/reward_mean']:.3f} | {m['train/entropy']:.3f} | "
-              f"{m['rollout/response_len_mean']:.1f} | {m['train/pg_loss']:+.4f} | {m['train/grad_norm']:.3f}")
+        print(
+            f"{m['step']} | {m['rollout/reward_mean']:.3f} | {m['train/entropy']:.3f} | "
+            f"{m['rollout/response_len_mean']:.1f} | {m['train/pg_loss']:+.4f} | {m['train/grad_norm']:.3f}"
+        )
     for e in h["eval"]:
         print("eval", e)
 
@@ -159,32 +194,42 @@ def cmd_table(a):
             with open(os.path.join(root, name, "run.json")) as f:
                 run = json.load(f)
         f = flips(sft, e)
-        print(f"| {name} | {run.get('seed', '')} | {' '.join(run.get('extra', []))} | {e['accuracy']:.4f} "
-              f"({e['accuracy'] - sft['accuracy']:+.3f}) | {e['pass@1']:.4f} ({e['pass@1'] - sft['pass@1']:+.3f}) | "
-              f"{e['pass@4']:.4f} ({e['pass@4'] - sft['pass@4']:+.3f}) | {f['greedy right->wrong']} / "
-              f"{f['greedy wrong->right']} | {run.get('wall_s', '')} |")
+        print(
+            f"| {name} | {run.get('seed', '')} | {' '.join(run.get('extra', []))} | {e['accuracy']:.4f} "
+            f"({e['accuracy'] - sft['accuracy']:+.3f}) | {e['pass@1']:.4f} ({e['pass@1'] - sft['pass@1']:+.3f}) | "
+            f"{e['pass@4']:.4f} ({e['pass@4'] - sft['pass@4']:+.3f}) | {f['greedy right->wrong']} / "
+            f"{f['greedy wrong->right']} | {run.get('wall_s', '')} |"
+        )
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     p.add_argument("command", choices=["rl", "eval", "flips", "curves", "table"])
     p.add_argument("names", nargs="*", help="flips: the run, then the one to compare with (default sft); curves: a run")
-    p.add_argument("--base", default=os.environ.get("NANORL_BASE_DIR") or os.path.expanduser("~/.cache/nanorl"),
-                   help="the speedrun's NANORL_BASE_DIR (its tokenizer and SFT checkpoint)")
+    p.add_argument(
+        "--base",
+        default=os.environ.get("NANORL_BASE_DIR") or os.path.expanduser("~/.cache/nanorl"),
+        help="the speedrun's NANORL_BASE_DIR (its tokenizer and SFT checkpoint)",
+    )
     p.add_argument("--name", default=None, help="the experiment's name (rl, eval)")
     p.add_argument("--seed", type=int, default=42, help="rl: chat_rl's --seed")
     p.add_argument("--step", type=int, default=None, help="eval: the checkpoint step (default: the last)")
     p.add_argument("--no-eval", dest="eval", action="store_false", help="rl: skip the card's evals after the run")
     argv = sys.argv[1:]
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
-    a = p.parse_intermixed_args(argv[:argv.index("--")] if "--" in argv else argv)
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
+    a = p.parse_intermixed_args(argv[: argv.index("--")] if "--" in argv else argv)
     if a.command in ("flips", "curves"):
         a.name = a.names[0] if a.names else None
         a.other = a.names[1] if len(a.names) > 1 else "sft"
     if a.command in ("rl", "eval", "flips", "curves") and not a.name:
         p.error(f"{a.command} needs a run name")
-    return {"rl": lambda: cmd_rl(a, extra), "eval": lambda: cmd_eval(a), "flips": lambda: cmd_flips(a),
-            "curves": lambda: cmd_curves(a), "table": lambda: cmd_table(a)}[a.command]()
+    return {
+        "rl": lambda: cmd_rl(a, extra),
+        "eval": lambda: cmd_eval(a),
+        "flips": lambda: cmd_flips(a),
+        "curves": lambda: cmd_curves(a),
+        "table": lambda: cmd_table(a),
+    }[a.command]()
 
 
 if __name__ == "__main__":

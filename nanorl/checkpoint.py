@@ -12,6 +12,7 @@ meta and extra files; `python -m nanorl.fsdp consolidate` writes its single mode
 The training scripts call save() and resume(), which take either kind of model; the chat tools pick the model they load
 with add_model_args() and load_model_from_args().
 """
+
 import glob
 import io
 import json
@@ -54,6 +55,7 @@ def _torch_bytes(obj):
 
 def _safetensors_bytes(state):
     from safetensors.torch import save
+
     # safetensors wants contiguous tensors of their own: a second name for one storage (tied weights) gets a copy
     tensors, storages = {}, set()
     for k, v in state.items():
@@ -82,7 +84,10 @@ def complete_steps(checkpoint_dir):
     steps = []
     for p in glob.glob(os.path.join(checkpoint_dir, "meta_*.json")):
         m = re.match(r"meta_(\d+)\.json$", os.path.basename(p))
-        if m and (model_path(checkpoint_dir, int(m.group(1))) or os.path.isdir(os.path.join(checkpoint_dir, f"dcp_{int(m.group(1)):06d}"))):  # dcp: --fsdp shards
+        if m and (
+            model_path(checkpoint_dir, int(m.group(1)))
+            or os.path.isdir(os.path.join(checkpoint_dir, f"dcp_{int(m.group(1)):06d}"))
+        ):  # dcp: --fsdp shards
             steps.append(int(m.group(1)))
     return sorted(steps)
 
@@ -92,7 +97,9 @@ def find_last_step(checkpoint_dir):
     return steps[-1] if steps else None
 
 
-def save_checkpoint(checkpoint_dir, step, model_state, optim_state=None, meta=None, extra=None, rank=0, keep_last=None, group=None):
+def save_checkpoint(
+    checkpoint_dir, step, model_state, optim_state=None, meta=None, extra=None, rank=0, keep_last=None, group=None
+):
     """Rank 0 writes the model and meta; every rank writes its own optimizer shard and extra state.
     extra must hold only tensors and plain Python values (dict, list, tuple, str, int, float, bool, None).
     group: the process group of the ranks that save (default all; async RL's training ranks)."""
@@ -105,7 +112,9 @@ def save_checkpoint(checkpoint_dir, step, model_state, optim_state=None, meta=No
         torch.distributed.barrier(group=group)  # every rank's files exist before the step is marked complete
     if rank == 0:
         if model_state is not None:  # None: the model was saved as shards (save_sharded)
-            _atomic_write(_safetensors_bytes(model_state), os.path.join(checkpoint_dir, f"model_{step:06d}.safetensors"))
+            _atomic_write(
+                _safetensors_bytes(model_state), os.path.join(checkpoint_dir, f"model_{step:06d}.safetensors")
+            )
         _atomic_json(meta or {}, os.path.join(checkpoint_dir, f"meta_{step:06d}.json"))  # last: marks it complete
         complete = complete_steps(checkpoint_dir)
         # earlier steps with files but no meta: a kill during a save or a deletion left them behind
@@ -132,14 +141,17 @@ def _load(path, device):
     try:
         if path.endswith(".safetensors"):
             from safetensors.torch import load_file
+
             return load_file(path, device=str(device))
         return torch.load(path, map_location=device, weights_only=True)
     except Exception as e:
         unsafe = isinstance(e, pickle.UnpicklingError) and "weights_only" in str(e)
         what = "holds Python objects other than tensors and plain values" if unsafe else "is corrupt or truncated"
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        err = Unreadable(f"checkpoint file {path} {what} ({type(e).__name__}: {first_line[:200]}); "
-                         f"delete that step to fall back to the previous one")
+        err = Unreadable(
+            f"checkpoint file {path} {what} ({type(e).__name__}: {first_line[:200]}); "
+            f"delete that step to fall back to the previous one"
+        )
         err.every_rank = "_rank" in os.path.basename(path)  # optimizer/extra state: each rank reads its own
         raise err from e
 
@@ -172,8 +184,10 @@ def resume_point(checkpoint_dir, world_size, fsdp):
     meta = read_meta(checkpoint_dir, step)
     saved = meta.get("world_size", world_size)
     if saved != world_size:
-        raise SystemExit(f"--resume: step {step} in {checkpoint_dir} was written by {saved} rank(s), this run has "
-                         f"{world_size}; resume with --nproc_per_node={saved}")
+        raise SystemExit(
+            f"--resume: step {step} in {checkpoint_dir} was written by {saved} rank(s), this run has "
+            f"{world_size}; resume with --nproc_per_node={saved}"
+        )
     if bool(meta.get("sharded")) != fsdp:
         was = "with" if meta.get("sharded") else "without"
         raise SystemExit(f"--resume: step {step} in {checkpoint_dir} was saved {was} --fsdp; resume {was} it")
@@ -190,10 +204,14 @@ def load_checkpoint(checkpoint_dir, step=None, device="cpu", load_optimizer=Fals
     meta = read_meta(checkpoint_dir, step)
     weights = model_path(checkpoint_dir, step)
     if meta.get("sharded") and weights is None:
-        raise MissingFile(f"step {step} of {checkpoint_dir} is sharded (saved with --fsdp): run "
-                                f"`python -m nanorl.fsdp consolidate {checkpoint_dir} --step {step}` first, or resume with --fsdp")
+        raise MissingFile(
+            f"step {step} of {checkpoint_dir} is sharded (saved with --fsdp): run "
+            f"`python -m nanorl.fsdp consolidate {checkpoint_dir} --step {step}` first, or resume with --fsdp"
+        )
     model_state = _load(weights or os.path.join(checkpoint_dir, f"model_{step:06d}.safetensors"), device)
-    optim_state = _load(os.path.join(checkpoint_dir, f"optim_{step:06d}_rank{rank}.pt"), device) if load_optimizer else None
+    optim_state = (
+        _load(os.path.join(checkpoint_dir, f"optim_{step:06d}_rank{rank}.pt"), device) if load_optimizer else None
+    )
     extra_path = os.path.join(checkpoint_dir, f"extra_{step:06d}_rank{rank}.pt")
     if load_optimizer and not os.path.exists(extra_path):
         err = MissingFile(f"checkpoint file {extra_path} is missing: step {step} has no data/RNG state to resume from")
@@ -209,12 +227,20 @@ def load_weights(model, state, path):
     state = {k.removeprefix("_orig_mod."): v for k, v in state.items()}
     expected = model.state_dict()
     missing, unexpected = sorted(expected.keys() - state.keys()), sorted(state.keys() - expected.keys())
-    shapes = [f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}" for k, v in expected.items() if k in state and state[k].shape != v.shape]
+    shapes = [
+        f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}"
+        for k, v in expected.items()
+        if k in state and state[k].shape != v.shape
+    ]
 
     def few(names):
         return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-    problems = [f"missing keys {few(missing)}" if missing else "", f"unexpected keys {few(unexpected)}" if unexpected else "",
-                f"wrong shapes {few(shapes)} (checkpoint vs model)" if shapes else ""]
+
+    problems = [
+        f"missing keys {few(missing)}" if missing else "",
+        f"unexpected keys {few(unexpected)}" if unexpected else "",
+        f"wrong shapes {few(shapes)} (checkpoint vs model)" if shapes else "",
+    ]
     if any(problems):
         raise BadValue(f"checkpoint file {path} does not fit the model: " + "; ".join(p for p in problems if p))
     model.load_state_dict(state, strict=True)
@@ -222,6 +248,7 @@ def load_weights(model, state, path):
 
 # -----------------------------------------------------------------------------------------------
 # sharded steps (--fsdp): every rank writes and reads its own shards of model and optimizer
+
 
 def dcp_dir(checkpoint_dir, step):
     return os.path.join(checkpoint_dir, f"dcp_{step:06d}")
@@ -253,6 +280,7 @@ def load_sharded(checkpoint_dir, step, model, optimizer, rank=0):
 # -----------------------------------------------------------------------------------------------
 # a training run's state, sharded or not: what base_train, mid/SFT and RL save and --resume from
 
+
 def save(checkpoint_dir, step, model, optimizer, meta, extra=None, rank=0, keep_last=None, group=None):
     """Save a training step: weights, optimizer, this rank's extra state (data position, RNGs) and meta (which gains
     "sharded", checked on resume). An FSDP2-sharded model is written by every rank as DCP shards; any other as one
@@ -261,8 +289,17 @@ def save(checkpoint_dir, step, model, optimizer, meta, extra=None, rank=0, keep_
         save_sharded(checkpoint_dir, step, model, optimizer, meta, extra, rank, keep_last)
     else:
         # a LoRA model stores its adapters alone (meta["lora"] says where their base is)
-        save_checkpoint(checkpoint_dir, step, lora.trained_state(model), optimizer.state_dict(),
-                        {**meta, "sharded": False}, extra, rank, keep_last, group)
+        save_checkpoint(
+            checkpoint_dir,
+            step,
+            lora.trained_state(model),
+            optimizer.state_dict(),
+            {**meta, "sharded": False},
+            extra,
+            rank,
+            keep_last,
+            group,
+        )
 
 
 def resume(checkpoint_dir, model, optimizer, rank=0, world_size=1, model_config=None):
@@ -289,8 +326,11 @@ def resume(checkpoint_dir, model, optimizer, rank=0, world_size=1, model_config=
 
 def rng_state(device):
     """Python's and torch's RNG states (and the GPU's on CUDA), for a checkpoint's extra state."""
-    return {"py_rng": random.getstate(), "torch_rng": torch.get_rng_state(),
-            "cuda_rng": torch.cuda.get_rng_state() if device.type == "cuda" else None}
+    return {
+        "py_rng": random.getstate(),
+        "torch_rng": torch.get_rng_state(),
+        "cuda_rng": torch.cuda.get_rng_state() if device.type == "cuda" else None,
+    }
 
 
 def set_rng_state(extra, device):
@@ -304,13 +344,16 @@ def set_rng_state(extra, device):
 # -----------------------------------------------------------------------------------------------
 # loading a model to evaluate, serve or train further: a stage's checkpoint or a Hugging Face directory
 
+
 def load_model_dir(checkpoint_dir, step=None, device="cpu", phase="eval"):
     """Rebuild the GPT from a checkpoint's metadata and weights, plus the tokenizer. -> (model, tokenizer, meta)"""
     from nanorl.tokenizer import get_tokenizer
+
     step = find_last_step(checkpoint_dir) if step is None else step
     model_state, _, meta, _ = load_checkpoint(checkpoint_dir, step, device=device)
     if meta.get("lora"):  # adapters only, and a pointer to their base: nanorl/lora.py builds the merged model
         from nanorl.lora import load_lora_checkpoint
+
         return load_lora_checkpoint(meta, model_state, model_path(checkpoint_dir, step), device, phase)
     config = model_config(meta, os.path.join(checkpoint_dir, f"meta_{step:06d}.json"))
     model = build_gpt(config, device)
@@ -318,13 +361,18 @@ def load_model_dir(checkpoint_dir, step=None, device="cpu", phase="eval"):
     model.train() if phase == "train" else model.eval()
     if meta.get("tokenizer_dir"):  # trained from an open model: its own tokenizer, whose embedding may have spare rows
         from nanorl.tokenizer import HFTokenizer
+
         tokenizer = HFTokenizer.load(meta["tokenizer_dir"])
         if tokenizer.vocab_size > config.vocab_size:
-            raise BadValue(f"tokenizer in {meta['tokenizer_dir']} has {tokenizer.vocab_size} tokens, more than the checkpoint in {checkpoint_dir} ({config.vocab_size})")
+            raise BadValue(
+                f"tokenizer in {meta['tokenizer_dir']} has {tokenizer.vocab_size} tokens, more than the checkpoint in {checkpoint_dir} ({config.vocab_size})"
+            )
         return model, tokenizer, meta
     tokenizer = get_tokenizer()
     if tokenizer.vocab_size != config.vocab_size:
-        raise BadValue(f"tokenizer has {tokenizer.vocab_size} tokens but the checkpoint in {checkpoint_dir} expects {config.vocab_size}")
+        raise BadValue(
+            f"tokenizer has {tokenizer.vocab_size} tokens but the checkpoint in {checkpoint_dir} expects {config.vocab_size}"
+        )
     return model, tokenizer, meta
 
 
@@ -342,17 +390,25 @@ def load_hf(directory, device, phase="eval"):
     matmuls); served in bf16 on CUDA. meta's tokenizer_dir and source configs travel into checkpoints saved from it."""
     from nanorl.hf import load_hf_model, read_generation_config
     from nanorl.tokenizer import HFTokenizer
+
     device = torch.device(device)
     model, hf_cfg = load_hf_model(directory, device, dtype=torch.float32 if phase == "train" else None)
     tokenizer = HFTokenizer.load(directory)
     if tokenizer.vocab_size > model.config.vocab_size:
-        raise BadValue(f"{directory}/tokenizer.json has {tokenizer.vocab_size} tokens, more than the model's {model.config.vocab_size}")
+        raise BadValue(
+            f"{directory}/tokenizer.json has {tokenizer.vocab_size} tokens, more than the model's {model.config.vocab_size}"
+        )
     model.train() if phase == "train" else model.eval()
     directory = os.path.abspath(directory)
-    meta = {"model_config": model.config.to_dict(), "model_tag": os.path.basename(directory.rstrip("/")),
-            "hf_model": directory, "tokenizer_dir": directory,
-            # what an export writes back: the declared context, every eos id, the pad token, sampling defaults
-            "hf_config": hf_cfg, "hf_generation_config": read_generation_config(directory)}
+    meta = {
+        "model_config": model.config.to_dict(),
+        "model_tag": os.path.basename(directory.rstrip("/")),
+        "hf_model": directory,
+        "tokenizer_dir": directory,
+        # what an export writes back: the declared context, every eos id, the pad token, sampling defaults
+        "hf_config": hf_cfg,
+        "hf_generation_config": read_generation_config(directory),
+    }
     return model, tokenizer, meta
 
 
@@ -370,7 +426,11 @@ def load_model(source, device, phase="eval", model_tag=None, step=None, hf_model
 def find_checkpoint_dir(source, model_tag=None):
     """<base>/{source}_checkpoints/{model_tag}; model_tag None: the newest tag holding a complete step."""
     root = checkpoint_root(source)
-    tags = [t for t in (os.listdir(root) if os.path.isdir(root) else []) if find_last_step(os.path.join(root, t)) is not None]
+    tags = [
+        t
+        for t in (os.listdir(root) if os.path.isdir(root) else [])
+        if find_last_step(os.path.join(root, t)) is not None
+    ]
     if model_tag is None:
         if not tags:
             raise MissingFile(f"no {source} checkpoint in {root}: run the {source} stage first")
@@ -384,17 +444,31 @@ def add_model_args(parser, source="sft", short=False, hf_model=True):
     """The flags that pick the model a script loads, read back by load_model_from_args: --source (the pipeline
     stage; source=None: the script has no choice), --model-tag, --model-step and --hf-model (hf_model=False: none).
     short: also -i, -g and -s, as the chat tools take them. parser may be an argument group."""
+
     def names(*flags):
         return [f for f in flags if short or f.startswith("--")]
+
     if source is not None:
-        parser.add_argument(*names("-i", "--source"), default=source, choices=SOURCES,
-                            help="the pipeline stage whose checkpoint to load")
+        parser.add_argument(
+            *names("-i", "--source"),
+            default=source,
+            choices=SOURCES,
+            help="the pipeline stage whose checkpoint to load",
+        )
     parser.add_argument(*names("-g", "--model-tag"), default=None, help="checkpoint subdirectory (default: the newest)")
-    parser.add_argument(*names("-s", "--model-step", "--step"), type=nonneg_int, default=None,
-                        help="checkpoint step (default: the last)")
+    parser.add_argument(
+        *names("-s", "--model-step", "--step"),
+        type=nonneg_int,
+        default=None,
+        help="checkpoint step (default: the last)",
+    )
     if hf_model:
-        parser.add_argument("--hf-model", default=None, metavar="DIR",
-                            help="load a Hugging Face model directory (Llama-3, Qwen2/2.5, Qwen3) instead of --source")
+        parser.add_argument(
+            "--hf-model",
+            default=None,
+            metavar="DIR",
+            help="load a Hugging Face model directory (Llama-3, Qwen2/2.5, Qwen3) instead of --source",
+        )
 
 
 def load_model_from_args(args, device, phase="eval", source=None):

@@ -2,6 +2,7 @@
 Small shared utilities: flag parsing, distributed init, device and dtype, printing, paths, logging, ETA, and
 loading a user's plugin function named on the command line.
 """
+
 import argparse
 import datetime
 import importlib
@@ -20,12 +21,13 @@ import torch.distributed as dist
 
 from nanorl.gpu_setup import cuda_available, gpu_visible, no_gpu_message, read_driver
 
-
 # -----------------------------------------------------------------------------------------------
 # flags: every default shown in --help, every number checked when it is parsed, errors on one line
 
+
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Appends "(default: X)" to every flag's help, unless the help already says what its default is."""
+
     def _get_help_string(self, action):
         return action.help if "default" in (action.help or "") else super()._get_help_string(action)
 
@@ -33,6 +35,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 class ArgumentParser(argparse.ArgumentParser):
     """argparse with every default in --help, and a bad flag answered with one line (no usage dump), exit 2.
     A leading `--` is dropped: `torchrun ... -m scripts.X -- --flag` hands the script its flags after one."""
+
     def __init__(self, **kwargs):
         super().__init__(formatter_class=HelpFormatter, **kwargs)
 
@@ -48,18 +51,28 @@ def number_in(kind, lo=None, hi=None, lo_open=False):
     """An argparse `type=`: parses an int or float and keeps it within [lo, hi] ((lo, hi] with lo_open), else
     argparse names the flag with the allowed range. NaN and infinities never pass."""
     what = "an integer" if kind is int else "a number"
-    allowed = " and ".join(c for c in ((f"> {lo}" if lo_open else f">= {lo}") if lo is not None else "",
-                                       f"<= {hi}" if hi is not None else "") if c)
+    allowed = " and ".join(
+        c
+        for c in (
+            (f"> {lo}" if lo_open else f">= {lo}") if lo is not None else "",
+            f"<= {hi}" if hi is not None else "",
+        )
+        if c
+    )
 
     def parse(text):
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
-        if not math.isfinite(value) or (lo is not None and (value <= lo if lo_open else value < lo)) \
-                or (hi is not None and value > hi):
+        if (
+            not math.isfinite(value)
+            or (lo is not None and (value <= lo if lo_open else value < lo))
+            or (hi is not None and value > hi)
+        ):
             raise argparse.ArgumentTypeError(f"{text} is out of range: must be {what} {allowed}")
         return value
+
     parse.__name__ = f"{kind.__name__} {allowed}"  # argparse's fallback message uses the name
     return parse
 
@@ -128,8 +141,10 @@ def compute_init(device_type=None, seed=42, timeout_s=None, cpu_collectives=Fals
     device_type = device_type or autodetect_device_type()
     _, _, local_rank, _ = get_dist_info()
     if device_type == "cuda" and local_rank >= torch.cuda.device_count():
-        raise SystemExit(f"local rank {local_rank} has no GPU: torch sees {torch.cuda.device_count()} "
-                         f"(launch at most that many ranks per node, or check CUDA_VISIBLE_DEVICES)")
+        raise SystemExit(
+            f"local rank {local_rank} has no GPU: torch sees {torch.cuda.device_count()} "
+            f"(launch at most that many ranks per node, or check CUDA_VISIBLE_DEVICES)"
+        )
     torch.manual_seed(seed)
     if device_type == "cuda":
         # fewer out-of-memory failures from fragmentation: the allocator grows segments instead of adding new ones.
@@ -172,8 +187,19 @@ def mean_over_ranks(metrics, device, group=None):
 
 
 # torch.distributed's tensor collectives: the ones strict_collective_device checks
-_TENSOR_COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-                       "reduce_scatter_tensor", "all_to_all_single", "all_to_all", "gather", "scatter")
+_TENSOR_COLLECTIVES = (
+    "all_reduce",
+    "broadcast",
+    "reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all_single",
+    "all_to_all",
+    "gather",
+    "scatter",
+)
 
 
 class _DoneWork:
@@ -197,7 +223,7 @@ def strict_collective_device(device):
 
     def tensors_in(args, kwargs):
         for a in list(args) + list(kwargs.values()):
-            for t in (a if isinstance(a, (list, tuple)) else [a]):
+            for t in a if isinstance(a, (list, tuple)) else [a]:
                 if isinstance(t, torch.Tensor):
                     yield t
 
@@ -206,11 +232,14 @@ def strict_collective_device(device):
             ts = list(tensors_in(args, kwargs))
             for t in ts:
                 if t.device.type != want:
-                    raise RuntimeError(f"dist.{name} got a tensor on {t.device} but the compute device is {want}: "
-                                       f"NCCL would fail with \"No backend type associated with device type {t.device.type}\"")
+                    raise RuntimeError(
+                        f"dist.{name} got a tensor on {t.device} but the compute device is {want}: "
+                        f'NCCL would fail with "No backend type associated with device type {t.device.type}"'
+                    )
             if want == "meta":
                 return _DoneWork() if kwargs.get("async_op") else None
             return fn(*args, **kwargs)
+
         return wrapper
 
     for name, fn in originals.items():
@@ -219,6 +248,7 @@ def strict_collective_device(device):
     def restore():
         for name, fn in originals.items():
             setattr(dist, name, fn)
+
     return restore
 
 
@@ -271,8 +301,10 @@ def fit_device_batch(try_step, candidates, device=None):
         if fits:
             return batch, too_big
         too_big.append(batch)
-    raise SystemExit(f"out of memory even at a device batch of {candidates[-1]} row(s) (tried {too_big}): "
-                     f"use a smaller model or --max-seq-len, or shard it with --fsdp")
+    raise SystemExit(
+        f"out of memory even at a device batch of {candidates[-1]} row(s) (tried {too_big}): "
+        f"use a smaller model or --max-seq-len, or shard it with --fsdp"
+    )
 
 
 def autocast_ctx(device_type, dtype="bfloat16"):
@@ -293,9 +325,21 @@ def get_peak_flops(device_name):
     """Peak dense bf16 FLOP/s for MFU, by GPU name (no sparsity). Unknown devices give None: MFU is then not printed."""
     name = device_name.lower()
     table = [  # (substring, flops); first match wins, so more specific names come first
-        ("h200", 989e12), ("h100 nvl", 835e12), ("h100 pcie", 756e12), ("h100", 989e12), ("h800", 989e12),
-        ("gh200", 989e12), ("b200", 2250e12), ("a100", 312e12), ("a10g", 125e12), ("l40s", 362e12),
-        ("l4", 121e12), ("4090", 165e12), ("3090", 71e12), ("v100", 125e12), ("t4", 65e12),
+        ("h200", 989e12),
+        ("h100 nvl", 835e12),
+        ("h100 pcie", 756e12),
+        ("h100", 989e12),
+        ("h800", 989e12),
+        ("gh200", 989e12),
+        ("b200", 2250e12),
+        ("a100", 312e12),
+        ("a10g", 125e12),
+        ("l40s", 362e12),
+        ("l4", 121e12),
+        ("4090", 165e12),
+        ("3090", 71e12),
+        ("v100", 125e12),
+        ("t4", 65e12),
     ]
     for key, flops in table:
         if key in name:
@@ -307,9 +351,21 @@ def get_peak_bandwidth(device_name):
     """Peak memory bandwidth in bytes/s for MBU (decode is bound by it, not by FLOPs), by GPU name; unknown -> None."""
     name = device_name.lower()
     table = [  # (substring, bytes/s); first match wins: "gh200" must come before "h200"
-        ("gh200", 4.0e12), ("h200", 4.8e12), ("h100 nvl", 3.9e12), ("h100 pcie", 2.0e12), ("h100", 3.35e12),
-        ("h800", 3.35e12), ("b200", 8.0e12), ("a100", 2.0e12), ("a10g", 0.6e12), ("l40s", 0.864e12),
-        ("l4", 0.3e12), ("4090", 1.008e12), ("3090", 0.936e12), ("v100", 0.9e12), ("t4", 0.32e12),
+        ("gh200", 4.0e12),
+        ("h200", 4.8e12),
+        ("h100 nvl", 3.9e12),
+        ("h100 pcie", 2.0e12),
+        ("h100", 3.35e12),
+        ("h800", 3.35e12),
+        ("b200", 8.0e12),
+        ("a100", 2.0e12),
+        ("a10g", 0.6e12),
+        ("l40s", 0.864e12),
+        ("l4", 0.3e12),
+        ("4090", 1.008e12),
+        ("3090", 0.936e12),
+        ("v100", 0.9e12),
+        ("t4", 0.32e12),
     ]
     for key, bw in table:
         if key in name:
@@ -336,6 +392,7 @@ def add_logging_args(parser):
 def wandb_has_credentials():
     """An API key in the environment or in ~/.netrc (where `wandb login` puts it), or a mode that needs none."""
     import netrc
+
     if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_MODE"):
         return True
     try:
@@ -348,6 +405,7 @@ def wandb_has_credentials():
 class Logger:
     """Sends each dict of metrics to wandb and/or TensorBoard; with neither it does nothing, so scripts log unconditionally.
     The x-axis is `step=` when given, else the dict's own "step", else a running count."""
+
     def __init__(self, wandb_run=None, tb_writer=None):
         self.wandb_run, self.tb_writer, self.count = wandb_run, tb_writer, 0
 
@@ -358,7 +416,9 @@ class Logger:
             self.wandb_run.log(metrics, step=step)
         if self.tb_writer is not None:
             for k, v in metrics.items():
-                if k != "step" and isinstance(v, numbers.Real) and not isinstance(v, bool):  # numpy scalars too; text is wandb's
+                if (
+                    k != "step" and isinstance(v, numbers.Real) and not isinstance(v, bool)
+                ):  # numpy scalars too; text is wandb's
                     self.tb_writer.add_scalar(k, v, global_step=step)
 
     def finish(self):
@@ -376,18 +436,24 @@ def get_logger(run_name, project="nanorl", config=None, master_process=True, ten
     wandb_run = tb_writer = None
     if run_name != "dummy":
         if not wandb_has_credentials():
-            raise SystemExit(f"--run {run_name!r} logs to wandb but no wandb API key is set (WANDB_API_KEY or `wandb login`): "
-                             f"set WANDB_MODE=offline to log locally, or use --run dummy")
+            raise SystemExit(
+                f"--run {run_name!r} logs to wandb but no wandb API key is set (WANDB_API_KEY or `wandb login`): "
+                f"set WANDB_MODE=offline to log locally, or use --run dummy"
+            )
         try:
             import wandb
         except ImportError:
-            raise SystemExit(f"--run {run_name!r} asks for wandb logging but wandb is not installed; use --run dummy") from None
+            raise SystemExit(
+                f"--run {run_name!r} asks for wandb logging but wandb is not installed; use --run dummy"
+            ) from None
         wandb_run = wandb.init(project=project, name=run_name, config=config)
     if tensorboard_dir:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
-            raise SystemExit(f"--tensorboard {tensorboard_dir}: the tensorboard package is not installed (pip install tensorboard)") from None
+            raise SystemExit(
+                f"--tensorboard {tensorboard_dir}: the tensorboard package is not installed (pip install tensorboard)"
+            ) from None
         tb_writer = SummaryWriter(log_dir=tensorboard_dir)
     return Logger(wandb_run, tb_writer)
 
@@ -395,6 +461,7 @@ def get_logger(run_name, project="nanorl", config=None, master_process=True, ten
 class ETA:
     """Time left from the pace of the last `window` steps: one slow step does not swing it, a lasting change of
     pace shows within a window. Steps may advance progress (0..1) unevenly, as SFT's epochs of packed rows do."""
+
     def __init__(self, progress=0.0, window=20):
         self.progress, self.recent = progress, deque(maxlen=window)  # (seconds, progress gained) per step
 
@@ -417,6 +484,7 @@ class ETA:
 
 class Timer:
     """Wall-clock sections for the rollout/ref/train/eval time split."""
+
     def __init__(self):
         self.times = {}
 
@@ -431,11 +499,13 @@ class Timer:
             def __exit__(self, *exc):
                 synchronize(device_type)
                 timer.times[name] = timer.times.get(name, 0.0) + time.time() - self.t0
+
         return _Ctx()
 
 
 # -----------------------------------------------------------------------------------------------
 # plugins: a user function named on the command line as "module:function" or "path/to/file.py:function"
+
 
 def load_function(path, expected_params, flag):
     """Import a user function and check its signature before any GPU work starts; errors name the flag."""

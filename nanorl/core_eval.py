@@ -15,6 +15,7 @@ The eval bundle (eval_bundle/) holds core.yaml (the tasks: label, icl_task_type,
 continuation_delimiter), eval_meta_data.csv (the "Random baseline" of each "Eval Task", in percent) and
 eval_data/<dataset_uri> (one JSON object per line).
 """
+
 import csv
 import json
 import os
@@ -37,6 +38,7 @@ TASK_TYPES = ("multiple_choice", "schema", "language_modeling")
 
 # -----------------------------------------------------------------------------------------------------
 # The bundle
+
 
 def get_bundle(bundle_dir=None, url=EVAL_BUNDLE_URL, opener=urllib.request.urlopen):
     """The directory of an unzipped eval bundle: bundle_dir if given, else <base>/eval_bundle, downloaded and
@@ -77,6 +79,7 @@ def _zip_ok(path):
 def load_tasks(bundle_dir):
     """[{label, type, num_fewshot, delimiter, random_baseline (a fraction), rows}] of core.yaml, checked."""
     import yaml  # lazily: only CORE needs it
+
     with open(os.path.join(bundle_dir, "core.yaml"), encoding="utf-8") as f:
         config = yaml.safe_load(f)
     baselines = {}
@@ -93,14 +96,24 @@ def load_tasks(bundle_dir):
             raise ValueError(f"core.yaml task {label!r} has no random baseline in {meta_path}")
         shots = t["num_fewshot"]
         path = os.path.join(bundle_dir, "eval_data", t["dataset_uri"])
-        tasks.append({"label": label, "type": kind, "num_fewshot": shots[0] if isinstance(shots, list) else shots,
-                      "delimiter": t.get("continuation_delimiter", " "), "random_baseline": baselines[label],
-                      "rows": _read_rows(path, kind)})
+        tasks.append(
+            {
+                "label": label,
+                "type": kind,
+                "num_fewshot": shots[0] if isinstance(shots, list) else shots,
+                "delimiter": t.get("continuation_delimiter", " "),
+                "random_baseline": baselines[label],
+                "rows": _read_rows(path, kind),
+            }
+        )
     return tasks
 
 
-REQUIRED = {"multiple_choice": ("query", "choices", "gold"), "schema": ("context_options", "continuation", "gold"),
-            "language_modeling": ("context", "continuation")}
+REQUIRED = {
+    "multiple_choice": ("query", "choices", "gold"),
+    "schema": ("context_options", "continuation", "gold"),
+    "language_modeling": ("context", "continuation"),
+}
 
 
 def _read_rows(path, kind):
@@ -122,6 +135,7 @@ def _read_rows(path, kind):
 
 # -----------------------------------------------------------------------------------------------------
 # Prompts: few-shot examples first, each followed by a blank line, then the item itself
+
 
 def render_prompts(item, kind, delimiter, fewshot=()):
     """The texts to score for one item: one per choice (multiple_choice) or context (schema); for
@@ -160,7 +174,7 @@ def spans(tokenizer, prompts, kind):
         n = min(common_length(rows, from_end=True), min(len(r) for r in rows) - 1)
         return rows, [(len(r) - n, len(r)) for r in rows]
     without, with_ = rows
-    if len(without) >= len(with_) or with_[:len(without)] != without:
+    if len(without) >= len(with_) or with_[: len(without)] != without:
         raise ValueError(f"the context does not tokenize to a prefix of context + continuation: {prompts[1][-80:]!r}")
     return [with_], [(len(without), len(with_))]
 
@@ -176,15 +190,17 @@ def score_example(model, tokenizer, item, kind, delimiter, fewshot, device, max_
     T = max(len(r) for r, _, _ in cropped)
     x = torch.full((len(cropped), T), tokenizer.get_bos_token_id(), dtype=torch.long)  # right padding, never scored
     for i, (r, _, _) in enumerate(cropped):
-        x[i, :len(r)] = torch.tensor(r)
+        x[i, : len(r)] = torch.tensor(r)
     x = x.to(device)
     logits = model(x).float()
     # loss[i, t] = -log p(x[i, t+1] | x[i, :t+1]); the last position predicts nothing
-    losses = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1), reduction="none").view(len(x), T - 1)
+    losses = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1), reduction="none").view(
+        len(x), T - 1
+    )
     if kind == "language_modeling":
         _, s, e = cropped[0]
-        return bool((logits[0, s - 1:e - 1].argmax(-1) == x[0, s:e]).all()), None
-    mean_losses = [losses[i, s - 1:e - 1].mean().item() for i, (_, s, e) in enumerate(cropped)]
+        return bool((logits[0, s - 1 : e - 1].argmax(-1) == x[0, s:e]).all()), None
+    mean_losses = [losses[i, s - 1 : e - 1].mean().item() for i, (_, s, e) in enumerate(cropped)]
     return mean_losses.index(min(mean_losses)) == item["gold"], mean_losses
 
 
@@ -209,7 +225,9 @@ def evaluate_task(model, tokenizer, task, device, max_len, max_examples=-1):
     for j in range(rank, len(order), world):
         idx = order[j]
         shots = [rows[i] for i in fewshot_for(rows, idx, task["num_fewshot"])]
-        correct[j] = float(score_example(model, tokenizer, rows[idx], task["type"], task["delimiter"], shots, device, max_len)[0])
+        correct[j] = float(
+            score_example(model, tokenizer, rows[idx], task["type"], task["delimiter"], shots, device, max_len)[0]
+        )
     if world > 1:
         dist.all_reduce(correct)
     return correct.mean().item() if len(order) else float("nan")
@@ -226,6 +244,8 @@ def evaluate_core(model, tokenizer, tasks, device, max_len, max_examples=-1, log
     for task in tasks:
         acc[task["label"]] = evaluate_task(model, tokenizer, task, device, max_len, max_examples)
         cen[task["label"]] = centered(acc[task["label"]], task["random_baseline"])
-        log(f"{task['label']:<32} {task['type']:<18} {task['num_fewshot']}-shot | accuracy {acc[task['label']]:.4f} | "
-            f"centered {cen[task['label']]:.4f}")
+        log(
+            f"{task['label']:<32} {task['type']:<18} {task['num_fewshot']}-shot | accuracy {acc[task['label']]:.4f} | "
+            f"centered {cen[task['label']]:.4f}"
+        )
     return {"accuracy": acc, "centered": cen, "core": sum(cen.values()) / len(cen)}

@@ -8,6 +8,7 @@ DDP: each rank reads only its share of the text (parquet row groups r, r + world
 The state is the number of documents this rank consumed: a resumed run skips exactly that many documents
 and continues on the exact next tokens.
 """
+
 import itertools
 
 import torch
@@ -16,8 +17,19 @@ from nanorl.dataset import iter_documents
 
 
 class PretrainLoader:
-    def __init__(self, tokenizer, B, T, split="train", data_dir=None, device="cpu", rank=0, world_size=1,
-                 seed=0, tokenizer_batch=64):
+    def __init__(
+        self,
+        tokenizer,
+        B,
+        T,
+        split="train",
+        data_dir=None,
+        device="cpu",
+        rank=0,
+        world_size=1,
+        seed=0,
+        tokenizer_batch=64,
+    ):
         self.tok, self.B, self.T = tokenizer, B, T
         self.split, self.data_dir, self.device = split, data_dir, device
         self.rank, self.world_size, self.seed = rank, world_size, seed
@@ -26,7 +38,9 @@ class PretrainLoader:
         self._reset_stream()
 
     def _reset_stream(self):
-        self._stream = iter_documents(self.split, self.data_dir, seed=self.seed, rank=self.rank, world_size=self.world_size)
+        self._stream = iter_documents(
+            self.split, self.data_dir, seed=self.seed, rank=self.rank, world_size=self.world_size
+        )
         self._pending = []  # tokenized documents not yet used
 
     def _next_doc(self):
@@ -44,7 +58,7 @@ class PretrainLoader:
             row = []
             while len(row) < self.T + 1:
                 doc = self._next_doc()
-                row.extend(doc[:self.T + 1 - len(row)])
+                row.extend(doc[: self.T + 1 - len(row)])
             rows.append(row)
         data = torch.tensor(rows, dtype=torch.long)
         x, y = data[:, :-1], data[:, 1:]
@@ -61,8 +75,10 @@ class PretrainLoader:
 
     def load_state_dict(self, state):
         if state["world_size"] != self.world_size:
-            raise ValueError(f"the checkpoint's data order was made with {state['world_size']} ranks, this run has "
-                             f"{self.world_size}: resume with the same number of ranks")
+            raise ValueError(
+                f"the checkpoint's data order was made with {state['world_size']} ranks, this run has "
+                f"{self.world_size}: resume with the same number of ranks"
+            )
         self._reset_stream()
         self.docs_consumed = 0
         for _ in range(state["docs_consumed"]):  # replay the stream up to where we stopped

@@ -8,6 +8,7 @@ The shards are the ones nanochat trained on before its ClimbMix switch: FineWeb-
 shuffled and repacked into 1,823 parquet files of ~100 MB (shard_00000 .. shard_01822). The last file
 of a directory is the validation split, so `-n 8` gives 7 train shards and 1 val shard.
 """
+
 import argparse
 import fcntl
 import glob
@@ -42,6 +43,7 @@ def shard_name(index):
 # Downloading: one file at a time, safe against crashes (temp file + rename) and against other processes
 # (a lock per file), with retries for the network's bad moments.
 
+
 def _is_permanent(e):
     """Errors a retry cannot fix: no such file/page, or no DNS at all (offline). Fail fast on those."""
     if isinstance(e, urllib.error.HTTPError):
@@ -53,6 +55,7 @@ def _is_permanent(e):
 def parquet_ok(path):
     """A downloaded shard is kept only if pyarrow can read its footer (a truncated file has none) and it has text."""
     import pyarrow.parquet as pq
+
     if "text" not in pq.read_schema(path).names:  # raises on a truncated/garbled file
         raise ValueError(f"{path} has no 'text' column")
 
@@ -100,11 +103,14 @@ def download_file(url, path, opener=urllib.request.urlopen, attempts=5, backoff=
                 if os.path.exists(tmp):
                     os.remove(tmp)
                 if attempt == attempts or _is_permanent(e):
-                    raise RuntimeError(f"could not download {url} to {path} ({attempt} attempt(s)): "
-                                       f"{type(e).__name__}: {e}") from e
-                wait = backoff ** attempt
-                print0(f"attempt {attempt}/{attempts} for {os.path.basename(path)} failed ({type(e).__name__}: {e}); "
-                       f"retrying in {wait:.0f}s")
+                    raise RuntimeError(
+                        f"could not download {url} to {path} ({attempt} attempt(s)): {type(e).__name__}: {e}"
+                    ) from e
+                wait = backoff**attempt
+                print0(
+                    f"attempt {attempt}/{attempts} for {os.path.basename(path)} failed ({type(e).__name__}: {e}); "
+                    f"retrying in {wait:.0f}s"
+                )
                 time.sleep(wait)
 
 
@@ -134,6 +140,7 @@ def download_shards(indices, data_dir=None, base_url=BASE_URL, workers=4, opener
 # -----------------------------------------------------------------------------------------------------
 # Reading
 
+
 def list_data_files(data_dir):
     if not os.path.isdir(data_dir):
         raise MissingFile(f"--data-dir {data_dir} does not exist or is not a directory")
@@ -159,6 +166,7 @@ def iter_file_texts(path, take=None):
     try:
         if path.endswith(".parquet"):
             import pyarrow.parquet as pq
+
             pf = pq.ParquetFile(path)
         else:
             f = open(path, encoding="utf-8", errors="replace")  # noqa: SIM115 - closed by the `with f` below
@@ -194,14 +202,20 @@ def iter_documents(split="train", data_dir=None, seed=0, rank=0, world_size=1):
     """Text documents for `split`: from data_dir, else from downloaded shards, else the synthetic curriculum.
     rank/world_size: this rank's share only, parquet row groups (or jsonl/txt/synthetic documents) number
     rank, rank + world_size, ... of the whole stream."""
-    if data_dir is None and os.path.isdir(default_data_dir()) and glob.glob(os.path.join(default_data_dir(), "*.parquet")):
+    if (
+        data_dir is None
+        and os.path.isdir(default_data_dir())
+        and glob.glob(os.path.join(default_data_dir(), "*.parquet"))
+    ):
         data_dir = default_data_dir()
     units = itertools.count()  # row groups / documents seen so far, over all files and epochs
 
     def take():
         return next(units) % world_size == rank
+
     if data_dir is None:
         from nanorl import synthetic
+
         yield from (d for d in synthetic.pretrain_documents(split, seed=seed) if take())
         return
     files = split_files(list_data_files(data_dir), split)
@@ -219,14 +233,20 @@ def iter_documents(split="train", data_dir=None, seed=0, rank=0, world_size=1):
 
 
 def describe_source(data_dir=None):
-    if data_dir is None and os.path.isdir(default_data_dir()) and glob.glob(os.path.join(default_data_dir(), "*.parquet")):
+    if (
+        data_dir is None
+        and os.path.isdir(default_data_dir())
+        and glob.glob(os.path.join(default_data_dir(), "*.parquet"))
+    ):
         data_dir = default_data_dir()
     return f"files in {data_dir}" if data_dir else "the offline synthetic curriculum (no data downloaded)"
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description="Download FineWeb-Edu pretraining shards")
-    parser.add_argument("-n", "--num-files", type=int, default=-1, help=f"shards 0..n-1 to download (-1 = all {NUM_SHARDS})")
+    parser.add_argument(
+        "-n", "--num-files", type=int, default=-1, help=f"shards 0..n-1 to download (-1 = all {NUM_SHARDS})"
+    )
     parser.add_argument("-w", "--num-workers", type=int, default=4, help="parallel downloads")
     parser.add_argument("--data-dir", default=None, help="where the shards go (default <base>/base_data)")
     parser.add_argument("--base-url", default=BASE_URL, help="where the shards come from (a mirror, or file:///dir)")
@@ -242,7 +262,9 @@ def main(argv=None):
     for name, err in failed.items():
         print(f"FAILED {name}: {err}", file=sys.stderr)
     if failed:
-        sys.exit(f"{len(failed)} of {n} shard(s) failed: {', '.join(sorted(failed))}; rerun to retry them (the others are kept)")
+        sys.exit(
+            f"{len(failed)} of {n} shard(s) failed: {', '.join(sorted(failed))}; rerun to retry them (the others are kept)"
+        )
     print0(f"done: {n} shard(s) in {data_dir}")
 
 

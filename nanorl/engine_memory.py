@@ -2,6 +2,7 @@
 The engine's memory: its own copy of the weights for sampling (one flat buffer, refreshed in place by
 Engine.load_weights) and its KV cache, sized against the memory that is free before it is allocated.
 """
+
 import torch
 
 
@@ -17,7 +18,7 @@ def inference_copy(model, dtype):
     views, offset = {}, 0
     for name, p in model.named_parameters(remove_duplicate=False):
         if id(p) not in views:
-            view = flat[offset:offset + p.numel()].view(p.shape).copy_(p.detach())
+            view = flat[offset : offset + p.numel()].view(p.shape).copy_(p.detach())
             views[id(p)], offset = torch.nn.Parameter(view, requires_grad=False), offset + p.numel()
         module, _, attr = name.rpartition(".")
         setattr(twin.get_submodule(module), attr, views[id(p)])
@@ -25,8 +26,10 @@ def inference_copy(model, dtype):
         module, _, attr = name.rpartition(".")
         twin.get_submodule(module)._buffers[attr] = b.detach().clone()
     if any(t.is_meta for t in [*twin.parameters(), *twin.buffers()]):
-        raise ValueError(f"{type(model).__name__} has parameters or buffers its own constructor does not make: "
-                         "the engine cannot copy it (pass share_weights=True)")
+        raise ValueError(
+            f"{type(model).__name__} has parameters or buffers its own constructor does not make: "
+            "the engine cannot copy it (pass share_weights=True)"
+        )
     return twin.eval(), flat
 
 
@@ -36,9 +39,11 @@ def new_kv_cache(model, batch_size, max_len, device):
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     nbytes = 2 * cfg.n_layer * batch_size * cfg.n_kv_head * max_len * model.head_dim * dtype.itemsize
     avail = _free_memory(device)
-    msg = (f"the KV cache for batch_size={batch_size}, max_len={max_len} needs {nbytes / 1e9:.2f} GB"
-           + (f" but only {avail / 1e9:.2f} GB is free" if avail is not None else "")
-           + ": use a smaller batch_size (or max_len, or a model with fewer KV heads)")
+    msg = (
+        f"the KV cache for batch_size={batch_size}, max_len={max_len} needs {nbytes / 1e9:.2f} GB"
+        + (f" but only {avail / 1e9:.2f} GB is free" if avail is not None else "")
+        + ": use a smaller batch_size (or max_len, or a model with fewer KV heads)"
+    )
     if avail is not None and nbytes > avail:
         raise MemoryError(msg)
     try:
@@ -50,7 +55,11 @@ def new_kv_cache(model, batch_size, max_len, device):
 def _free_memory(device):
     """Bytes a new allocation on device can get, or None when it cannot be told."""
     if device.type == "cuda":  # free on the GPU, plus what torch's caching allocator holds but does not use
-        return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return (
+            torch.cuda.mem_get_info(device)[0]
+            + torch.cuda.memory_reserved(device)
+            - torch.cuda.memory_allocated(device)
+        )
     if device.type == "cpu":
         try:  # MemAvailable counts reclaimable page cache, unlike "free"
             with open("/proc/meminfo") as f:

@@ -9,6 +9,7 @@ NANORL_DEBUG=1 shows the traceback of a UserError too.
 Each UserError is also the builtin error it used to be (ValueError, FileNotFoundError, RuntimeError), so code that
 catches those, and tests that expect them, see no change.
 """
+
 import json
 import os
 import sys
@@ -16,6 +17,7 @@ import sys
 
 class UserError(Exception):
     """Input the user can fix; the message is one line naming the flag, file or row at fault."""
+
     every_rank = False  # under torchrun rank 0 speaks for its node; True where each rank's own file is at fault
 
 
@@ -57,6 +59,7 @@ def install_excepthook():
 
     def hook(kind, value, tb):
         excepthook(kind, value, tb, previous)
+
     hook.nanorl = True
     sys.excepthook = hook
 

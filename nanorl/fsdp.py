@@ -14,6 +14,7 @@ any other). To get the single-file model that chat_eval/chat_web/export load:
 
     python -m nanorl.fsdp consolidate ~/.cache/nanorl/base_checkpoints/d20 [--step N]
 """
+
 import argparse
 import json
 import os
@@ -23,21 +24,34 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 from torch.distributed.tensor import DTensor
 
-from nanorl.checkpoint import dcp_dir, find_last_step, save_checkpoint
 # until scripts/chat_rl.py calls checkpoint.save / checkpoint.resume, it reaches these two through this module
-from nanorl.checkpoint import load_sharded, save_sharded  # noqa: F401
+from nanorl.checkpoint import dcp_dir, find_last_step, load_sharded, save_checkpoint, save_sharded  # noqa: F401
 from nanorl.common import get_dist_info, synchronize
 from nanorl.gpt import GPTConfig, build_model
 
 
 def add_args(parser):
     """The three flags of every training script that can shard."""
-    parser.add_argument("--fsdp", action="store_true", help="shard params, grads and optimizer state over the ranks (FSDP2; models too big to replicate)")
-    parser.add_argument("--activation-checkpointing", action="store_true", help="with --fsdp: recompute block activations in backward")
-    parser.add_argument("--cpu-offload", action="store_true", help="with --fsdp: keep the shards and optimizer state in CPU memory")
+    parser.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="shard params, grads and optimizer state over the ranks (FSDP2; models too big to replicate)",
+    )
+    parser.add_argument(
+        "--activation-checkpointing", action="store_true", help="with --fsdp: recompute block activations in backward"
+    )
+    parser.add_argument(
+        "--cpu-offload", action="store_true", help="with --fsdp: keep the shards and optimizer state in CPU memory"
+    )
 
 
 def check_args(args, script):
@@ -45,7 +59,9 @@ def check_args(args, script):
     if (args.activation_checkpointing or args.cpu_offload) and not args.fsdp:
         raise SystemExit("--activation-checkpointing and --cpu-offload only apply with --fsdp")
     if args.fsdp and not get_dist_info()[0]:
-        raise SystemExit(f"--fsdp needs torchrun, also on one GPU: torchrun --standalone --nproc_per_node=1 -m scripts.{script} -- --fsdp ...")
+        raise SystemExit(
+            f"--fsdp needs torchrun, also on one GPU: torchrun --standalone --nproc_per_node=1 -m scripts.{script} -- --fsdp ..."
+        )
 
 
 def mixed_precision(device_type):
@@ -75,6 +91,7 @@ def shard_model(model, device, activation_checkpointing=False, cpu_offload=False
     for block in model.transformer.h:
         if activation_checkpointing:
             from torch.distributed._composable import checkpoint  # hooks, not a wrapper: parameter names stay the same
+
             checkpoint(block)
         # the last block's weights are needed again at once by backward: keep them gathered after forward
         fully_shard(block, reshard_after_forward=block is not model.transformer.h[-1], **kw)
@@ -87,9 +104,11 @@ def shard_model(model, device, activation_checkpointing=False, cpu_offload=False
 def local_bytes(model, optimizer):
     """Bytes this rank holds for parameters + gradients + optimizer state, from the tensors' local shards.
     Count between steps: right after a forward the root and last block still hold their gathered weights."""
+
     def nbytes(t):
         t = t.to_local() if isinstance(t, DTensor) else t
         return t.numel() * t.element_size()
+
     total = sum(nbytes(p) + (nbytes(p.grad) if p.grad is not None else 0) for p in model.parameters())
     return total + sum(nbytes(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))
 
@@ -121,8 +140,10 @@ def consolidate(checkpoint_dir, step=None):
     with open(os.path.join(checkpoint_dir, f"meta_{step:06d}.json")) as f:
         meta = json.load(f)
     if not os.path.isdir(dcp_dir(checkpoint_dir, step)):
-        raise SystemExit(f"step {step} of {checkpoint_dir} is not sharded (no {dcp_dir(checkpoint_dir, step)}): "
-                         f"nothing to consolidate")
+        raise SystemExit(
+            f"step {step} of {checkpoint_dir} is not sharded (no {dcp_dir(checkpoint_dir, step)}): "
+            f"nothing to consolidate"
+        )
     model = build_model(GPTConfig(**meta["model_config"]), "cpu")  # fp32 full tensors for DCP to fill
     state = {"model": model.state_dict()}
     dcp.load(state, checkpoint_id=dcp_dir(checkpoint_dir, step))  # no process group: one process reads all shards
@@ -131,7 +152,9 @@ def consolidate(checkpoint_dir, step=None):
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="FSDP checkpoints: consolidate a sharded (DCP) step into one model file")
+    parser = argparse.ArgumentParser(
+        description="FSDP checkpoints: consolidate a sharded (DCP) step into one model file"
+    )
     parser.add_argument("command", choices=["consolidate"], help="what to do")
     parser.add_argument("checkpoint_dir", help="a run's checkpoint directory holding dcp_<step>/ folders")
     parser.add_argument("--step", type=int, default=None, help="default: the latest complete step")

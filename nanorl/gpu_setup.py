@@ -8,6 +8,7 @@ Only the standard library at import time: speedrun runs it before torch is insta
                                           # torch sees none
     python -m nanorl.gpu_setup toolchain  # the Debian/Ubuntu packages torch.compile still needs ("" if none)
 """
+
 import glob
 import os
 import re
@@ -38,8 +39,12 @@ def read_driver():
         return None
     try:
         header = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=60)
-        query = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                               capture_output=True, text=True, timeout=60)
+        query = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     cuda = re.search(r"CUDA Version:\s*(\d+)\.(\d+)", header.stdout)
@@ -65,8 +70,10 @@ def wheel_hint(driver):
     build = pick_wheel(driver.cuda)
     if build is None:
         oldest = min(WHEEL_CUDA)
-        return (f"no {TORCH_SPEC} wheel runs on CUDA {driver.cuda[0]}.{driver.cuda[1]}: upgrade the NVIDIA driver "
-                f"to one for CUDA >= {oldest[0]}.0")
+        return (
+            f"no {TORCH_SPEC} wheel runs on CUDA {driver.cuda[0]}.{driver.cuda[1]}: upgrade the NVIDIA driver "
+            f"to one for CUDA >= {oldest[0]}.0"
+        )
     return f"install the build this driver runs: pip install '{TORCH_SPEC}' --index-url {INDEX.format(*build)}"
 
 
@@ -83,16 +90,21 @@ def no_gpu_message(torch_version, torch_cuda, driver):
     """One line for "a GPU is there but torch sees none": names the driver and the fix."""
     build = "a CPU-only build" if torch_cuda is None else f"built for CUDA {torch_cuda}"
     if driver is None:
-        return (f"an NVIDIA GPU is present (/dev/nvidia*) but torch {torch_version} ({build}) sees none and "
-                f"nvidia-smi does not answer: check the NVIDIA driver, then run python -m nanorl.gpu_setup wheel")
-    return (f"nvidia-smi shows {driver.gpus} GPU(s), driver {driver.version} (CUDA up to "
-            f"{driver.cuda[0]}.{driver.cuda[1]}), but torch {torch_version} ({build}) sees none: {wheel_hint(driver)}")
+        return (
+            f"an NVIDIA GPU is present (/dev/nvidia*) but torch {torch_version} ({build}) sees none and "
+            f"nvidia-smi does not answer: check the NVIDIA driver, then run python -m nanorl.gpu_setup wheel"
+        )
+    return (
+        f"nvidia-smi shows {driver.gpus} GPU(s), driver {driver.version} (CUDA up to "
+        f"{driver.cuda[0]}.{driver.cuda[1]}), but torch {torch_version} ({build}) sees none: {wheel_hint(driver)}"
+    )
 
 
 def cuda_available():
     """torch.cuda.is_available(), without the warning a CUDA build prints when the driver is older than its CUDA
     ("CUDA initialization: The NVIDIA driver on your system is too old"): no_gpu_message says it in one line."""
     import torch
+
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="CUDA initialization")
         return torch.cuda.is_available()
@@ -101,6 +113,7 @@ def cuda_available():
 def torch_gpu_count():
     """The GPUs torch sees; raises SystemExit with no_gpu_message when the machine shows one and torch sees none."""
     import torch
+
     n = torch.cuda.device_count() if cuda_available() else 0
     if n == 0 and gpu_visible():
         raise SystemExit(no_gpu_message(torch.__version__, torch.version.cuda, read_driver()))
@@ -129,8 +142,11 @@ def main(argv):
         if build is None:
             raise SystemExit(f"driver {driver.version}: {wheel_hint(driver)}")
         index = INDEX.format(*build)
-        print(f"driver {driver.version} runs CUDA up to {driver.cuda[0]}.{driver.cuda[1]}: torch built for CUDA "
-              f"{build[0]}.{build[1]}, from {index}", file=sys.stderr)
+        print(
+            f"driver {driver.version} runs CUDA up to {driver.cuda[0]}.{driver.cuda[1]}: torch built for CUDA "
+            f"{build[0]}.{build[1]}, from {index}",
+            file=sys.stderr,
+        )
         print(f"{build[0]}.{build[1]} {index} {TORCH_SPEC}")
     elif cmd == "check":
         print(torch_gpu_count())

@@ -13,6 +13,7 @@ unchanged. NanoChatForCausalLM rotates the same pairs by -angle; negating the se
 turns one into the other (q.k is unchanged because both sides flip, and the parameter-free QK-norm does not
 see the sign), so the conversion flips those rows both ways.
 """
+
 import json
 import os
 import re
@@ -23,16 +24,28 @@ from nanorl.errors import BadValue, MissingFile, Unreadable, read_json_object
 from nanorl.gpt import GPT, GPTConfig
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "NanoChatForCausalLM")
-MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-               "nanochat": "NanoChatForCausalLM"}  # config.json's model_type -> the architecture it names
+MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "nanochat": "NanoChatForCausalLM",
+}  # config.json's model_type -> the architecture it names
 
 # HF parameter name (per layer, after "model.layers.{i}.") -> nanorl's (after "transformer.h.{i}.")
 LAYER_NAMES = {
-    "self_attn.q_proj": "attn.c_q", "self_attn.k_proj": "attn.c_k", "self_attn.v_proj": "attn.c_v",
-    "self_attn.o_proj": "attn.c_proj", "self_attn.q_norm": "attn.q_norm", "self_attn.k_norm": "attn.k_norm",
-    "mlp.gate_proj": "mlp.c_gate", "mlp.up_proj": "mlp.c_fc", "mlp.down_proj": "mlp.c_proj",
-    "mlp.fc1": "mlp.c_fc", "mlp.fc2": "mlp.c_proj",  # NanoChat's ReLU^2 MLP
-    "input_layernorm": "norm_attn", "post_attention_layernorm": "norm_mlp",
+    "self_attn.q_proj": "attn.c_q",
+    "self_attn.k_proj": "attn.c_k",
+    "self_attn.v_proj": "attn.c_v",
+    "self_attn.o_proj": "attn.c_proj",
+    "self_attn.q_norm": "attn.q_norm",
+    "self_attn.k_norm": "attn.k_norm",
+    "mlp.gate_proj": "mlp.c_gate",
+    "mlp.up_proj": "mlp.c_fc",
+    "mlp.down_proj": "mlp.c_proj",
+    "mlp.fc1": "mlp.c_fc",
+    "mlp.fc2": "mlp.c_proj",  # NanoChat's ReLU^2 MLP
+    "input_layernorm": "norm_attn",
+    "post_attention_layernorm": "norm_mlp",
 }
 TOP_NAMES = {"model.embed_tokens": "transformer.wte", "model.norm": "transformer.norm_f", "lm_head": "lm_head"}
 
@@ -51,8 +64,10 @@ def architecture(cfg, path):
     if arch not in ARCHITECTURES:
         raise BadValue(f"{path}: architecture {arch} is not supported (supported: {', '.join(ARCHITECTURES)})")
     if model_type is not None and MODEL_TYPES.get(model_type) != arch:
-        raise BadValue(f"{path}: architectures[0] {arch} contradicts model_type {model_type!r} "
-                       f"(a {arch} has model_type {next(t for t, a in MODEL_TYPES.items() if a == arch)!r})")
+        raise BadValue(
+            f"{path}: architectures[0] {arch} contradicts model_type {model_type!r} "
+            f"(a {arch} has model_type {next(t for t, a in MODEL_TYPES.items() if a == arch)!r})"
+        )
     return arch
 
 
@@ -71,7 +86,9 @@ def read_config(directory):
     cfg["architectures"] = [architecture(cfg, path)]
     missing = [k for k in CONFIG_KEYS if not isinstance(cfg.get(k), int)]
     if missing:
-        raise BadValue(f"{path} lacks {', '.join(missing)} (or they are not integers): it cannot say which model to build")
+        raise BadValue(
+            f"{path} lacks {', '.join(missing)} (or they are not integers): it cannot say which model to build"
+        )
     return cfg
 
 
@@ -131,7 +148,7 @@ def flip_rotary_half(w, head_dim):
     """Negate the second half of each head's rows (q/k projection weight or bias): +angle <-> -angle rotary."""
     shape = w.shape
     w = w.reshape(-1, head_dim, *shape[1:]).clone()
-    w[:, head_dim // 2:] *= -1
+    w[:, head_dim // 2 :] *= -1
     return w.reshape(shape)
 
 
@@ -170,6 +187,7 @@ def load_hf_model(directory, device="cpu", dtype=None, sequence_len=None):
     elsewhere. Tensors go from each shard straight into the meta-built model (assign, no second copy).
     """
     from safetensors import safe_open
+
     cfg = read_config(directory)
     config_path = os.path.join(directory, "config.json")
     config = gpt_config(cfg, config_path, sequence_len)
@@ -192,8 +210,10 @@ def load_hf_model(directory, device="cpu", dtype=None, sequence_len=None):
                 listed = {k for k, v in weight_map.items() if v == os.path.basename(path)}
                 if set(keys) != listed:
                     missing, extra = sorted(listed - set(keys)), sorted(set(keys) - listed)
-                    raise BadValue(f"{path} does not match model.safetensors.index.json: "
-                                     f"missing {missing[:3]}, unlisted {extra[:3]}")
+                    raise BadValue(
+                        f"{path} does not match model.safetensors.index.json: "
+                        f"missing {missing[:3]}, unlisted {extra[:3]}"
+                    )
             part = {}
             for key in keys:
                 name = nanorl_name(key)
@@ -226,10 +246,18 @@ def token_ids(tokenizer, source=None):
     so a model chat-trained from a base model stops where it learned to."""
     ids = {}
     if tokenizer is not None:
-        ids = {"bos_token_id": tokenizer.get_bos_token_id(), "eos_token_id": tokenizer.encode_special("<|assistant_end|>"),
-               "pad_token_id": tokenizer.get_bos_token_id()}
-    ids.update({k: v for k, v in (source or {}).items() if k in ("bos_token_id", "eos_token_id", "pad_token_id")
-                and v is not None})
+        ids = {
+            "bos_token_id": tokenizer.get_bos_token_id(),
+            "eos_token_id": tokenizer.encode_special("<|assistant_end|>"),
+            "pad_token_id": tokenizer.get_bos_token_id(),
+        }
+    ids.update(
+        {
+            k: v
+            for k, v in (source or {}).items()
+            if k in ("bos_token_id", "eos_token_id", "pad_token_id") and v is not None
+        }
+    )
     end = tokenizer.encode_special("<|assistant_end|>") if tokenizer is not None else None
     eos = ids.get("eos_token_id")
     if isinstance(eos, list) and end is not None and end not in eos:
@@ -241,7 +269,9 @@ def token_ids(tokenizer, source=None):
 
 def generation_config(tokenizer, source_config=None, source_generation=None):
     """generation_config.json: the source model's settings (sampling defaults included) with the token ids above."""
-    gen = {k: v for k, v in (source_generation or {}).items() if k not in ("transformers_version", "_from_model_config")}
+    gen = {
+        k: v for k, v in (source_generation or {}).items() if k not in ("transformers_version", "_from_model_config")
+    }
     return {**gen, **token_ids(tokenizer, {**(source_config or {}), **gen})}
 
 
@@ -252,25 +282,44 @@ def hf_config(model, tokenizer=None, source=None):
     c = model.config
     nanochat = not c.norm_weight
     if nanochat and not (c.mlp == "relu2" and c.qk_norm and not c.attn_bias and c.rope_scaling is None):
-        raise ValueError("this model mixes nanorl's parameter-free norms with imported switches: no HF architecture fits")
-    arch = "NanoChatForCausalLM" if nanochat else "Qwen2ForCausalLM" if c.attn_bias else \
-        "Qwen3ForCausalLM" if c.qk_norm else "LlamaForCausalLM"
+        raise ValueError(
+            "this model mixes nanorl's parameter-free norms with imported switches: no HF architecture fits"
+        )
+    arch = (
+        "NanoChatForCausalLM"
+        if nanochat
+        else "Qwen2ForCausalLM"
+        if c.attn_bias
+        else "Qwen3ForCausalLM"
+        if c.qk_norm
+        else "LlamaForCausalLM"
+    )
     rope = {"rope_theta": c.rope_theta, "rope_type": "default"}
     if c.rope_scaling:
         rope = {**c.rope_scaling, "rope_theta": c.rope_theta, "rope_type": "llama3"}
     out = {
         "architectures": [arch],
-        "model_type": {"NanoChatForCausalLM": "nanochat", "Qwen2ForCausalLM": "qwen2",
-                       "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}[arch],
-        "vocab_size": c.vocab_size, "hidden_size": c.n_embd, "intermediate_size": c.mlp_hidden or 4 * c.n_embd,
-        "num_hidden_layers": c.n_layer, "num_attention_heads": c.n_head, "num_key_value_heads": c.n_kv_head,
+        "model_type": {
+            "NanoChatForCausalLM": "nanochat",
+            "Qwen2ForCausalLM": "qwen2",
+            "Qwen3ForCausalLM": "qwen3",
+            "LlamaForCausalLM": "llama",
+        }[arch],
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.n_embd,
+        "intermediate_size": c.mlp_hidden or 4 * c.n_embd,
+        "num_hidden_layers": c.n_layer,
+        "num_attention_heads": c.n_head,
+        "num_key_value_heads": c.n_kv_head,
         "head_dim": model.head_dim,
         "max_position_embeddings": max(c.sequence_len, (source or {}).get("max_position_embeddings") or 0),
         "hidden_act": "relu2" if nanochat else "silu",
         # nanorl's norm uses the dtype's epsilon when norm_eps is 0: write the fp32 value so fp32 logits agree
         "rms_norm_eps": c.norm_eps or torch.finfo(torch.float32).eps,
-        "rope_parameters": rope, "tie_word_embeddings": c.tie_embeddings,
-        "attention_bias": False, "dtype": "float32",
+        "rope_parameters": rope,
+        "tie_word_embeddings": c.tie_embeddings,
+        "attention_bias": False,
+        "dtype": "float32",
     }
     if nanochat:
         out["final_logit_softcapping"] = c.softcap or None
@@ -308,9 +357,11 @@ def export_hf(model, tokenizer, out_dir, dtype=None, source_config=None, source_
     imported from (a checkpoint's meta keeps them), whose context, eos/pad ids and sampling defaults are kept.
     Written to a temp directory first and renamed, so a crash never leaves a half-written export."""
     from safetensors.torch import save_file
+
     tmp = out_dir.rstrip("/") + ".tmp"
     if os.path.exists(tmp):
         import shutil
+
         shutil.rmtree(tmp)
     os.makedirs(tmp)
     state = hf_state_dict(model)
@@ -325,9 +376,11 @@ def export_hf(model, tokenizer, out_dir, dtype=None, source_config=None, source_
     with open(os.path.join(tmp, "generation_config.json"), "w") as f:
         json.dump(generation_config(tokenizer, source_config, source_generation), f, indent=2)
     from nanorl.tokenizer import save_hf_tokenizer
+
     save_hf_tokenizer(tokenizer, tmp)
     if os.path.exists(out_dir):
         import shutil
+
         shutil.rmtree(out_dir)
     os.replace(tmp, out_dir)
     return out_dir

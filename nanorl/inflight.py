@@ -3,6 +3,7 @@ Requests in flight, as the engine keeps them: the Request a caller submits and t
 Handle it holds meanwhile, one Sample per sample, and SlotRecords, the host arrays of what each slot's sample has
 generated so far (so a decode step checks every row for stops, limits and tool calls with a few array ops).
 """
+
 import collections
 import math
 import queue
@@ -41,13 +42,16 @@ class Completion:
 
 # --- requests in flight -------------------------------------------------------------------------
 
+
 class Handle:
     """A submitted request. Each Completion is filled in when its sample ends; iterate the handle
     (submit(..., stream=True)) for per-token events, or call result() to wait for all of them."""
 
     def __init__(self, engine, request, stops, stream):
         self.engine, self.request, self.stops = engine, request, stops
-        self.completions = [Completion([], [], [], "running", len(request.prompt_ids)) for _ in range(request.num_samples)]
+        self.completions = [
+            Completion([], [], [], "running", len(request.prompt_ids)) for _ in range(request.num_samples)
+        ]
         self.events = queue.SimpleQueue() if stream else None
         self.filtered = request.top_k is not None or (request.top_p is not None and request.top_p < 1)
         self.cancelled = False
@@ -109,8 +113,10 @@ def check_request(r, max_len, vocab_size):
     if n == 0:
         raise ValueError("empty prompt: a prompt needs at least one token (e.g. <|bos|>)")
     if n >= max_len:
-        raise ValueError(f"prompt of {n} tokens is too long for the context of {max_len} tokens "
-                         f"(it needs room for at least one generated token)")
+        raise ValueError(
+            f"prompt of {n} tokens is too long for the context of {max_len} tokens "
+            f"(it needs room for at least one generated token)"
+        )
     bad = [t for t in r.prompt_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"prompt has unknown token ids {bad[:5]}: ids are ints in [0, {vocab_size})")
@@ -130,7 +136,12 @@ def check_request(r, max_len, vocab_size):
         raise ValueError(f"top_k must be >= 1 (or None), got {r.top_k}")
     if r.top_p is not None and not 0 < r.top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1] (or None), got {r.top_p}")
-    if not (isinstance(r.first_sample, int) and isinstance(r.start_counter, int) and r.first_sample >= 0 and r.start_counter >= 0):
+    if not (
+        isinstance(r.first_sample, int)
+        and isinstance(r.start_counter, int)
+        and r.first_sample >= 0
+        and r.start_counter >= 0
+    ):
         raise ValueError(f"first_sample and start_counter must be ints >= 0, got {r.first_sample}, {r.start_counter}")
 
 
@@ -154,19 +165,29 @@ class SlotRecords:
         watch = sorted(t for t in handle.stops | ({python_end} if r.use_tools else set()) if t is not None)
         if len(watch) > self.watch.shape[1]:
             wider = np.full((self.watch.shape[0], len(watch)), -1, dtype=np.int64)
-            wider[:, :self.watch.shape[1]] = self.watch
+            wider[:, : self.watch.shape[1]] = self.watch
             self.watch = wider
         self.n_gen[slot], self.prompt_len[slot] = 0, len(r.prompt_ids)
         self.limit[slot] = min(r.max_tokens, self.max_len - len(r.prompt_ids))  # its budget, and the context
         self.watch[slot] = -1
-        self.watch[slot, :len(watch)] = watch
+        self.watch[slot, : len(watch)] = watch
         self.mask[slot] = 1
         self.streamed[slot], self.filtered[slot] = handle.events is not None, handle.filtered
         self.greedy[slot], self.unit[slot] = r.temperature == 0, r.temperature in (0, 1)  # unit: no division
 
     def move(self, src, dst):
-        for a in (self.n_gen, self.prompt_len, self.limit, self.watch, self.streamed, self.filtered, self.greedy,
-                  self.unit, self.out, self.mask):
+        for a in (
+            self.n_gen,
+            self.prompt_len,
+            self.limit,
+            self.watch,
+            self.streamed,
+            self.filtered,
+            self.greedy,
+            self.unit,
+            self.out,
+            self.mask,
+        ):
             a[dst] = a[src]
 
     def lengths(self, n):
@@ -192,7 +213,7 @@ class SlotRecords:
         return self.n_gen[slot] >= self.limit[slot]
 
     def generated(self, slot):
-        return self.out[slot, :self.n_gen[slot], 0].astype(np.int64).tolist()
+        return self.out[slot, : self.n_gen[slot], 0].astype(np.int64).tolist()
 
     def lists(self, slot):
         """(tokens, logprobs, mask) of slot's sample as Python lists, as a Completion holds them."""

@@ -17,6 +17,7 @@ step the model is exactly the base model, bit for bit.
     model = apply_lora(model, LoraConfig(rank=16, alpha=32, targets=("qkv", "o", "mlp")))
     optimizer = build_lora_optimizer(model, lr=1e-3)
 """
+
 import json
 import math
 import os
@@ -31,12 +32,21 @@ from nanorl.errors import BadValue
 from nanorl.optim import MuonAdamW
 
 # target group -> the Linear layers it wraps, by name inside a Block (mlp.c_gate exists in SwiGLU models only)
-TARGETS = {"qkv": ("attn.c_q", "attn.c_k", "attn.c_v"), "o": ("attn.c_proj",),
-           "mlp": ("mlp.c_fc", "mlp.c_gate", "mlp.c_proj")}
+TARGETS = {
+    "qkv": ("attn.c_q", "attn.c_k", "attn.c_v"),
+    "o": ("attn.c_proj",),
+    "mlp": ("mlp.c_fc", "mlp.c_gate", "mlp.c_proj"),
+}
 # nanorl layer name -> the Hugging Face module name PEFT targets (Llama / Qwen naming; see nanorl/hf.py)
-HF_MODULES = {"attn.c_q": "self_attn.q_proj", "attn.c_k": "self_attn.k_proj", "attn.c_v": "self_attn.v_proj",
-              "attn.c_proj": "self_attn.o_proj", "mlp.c_gate": "mlp.gate_proj", "mlp.c_fc": "mlp.up_proj",
-              "mlp.c_proj": "mlp.down_proj"}
+HF_MODULES = {
+    "attn.c_q": "self_attn.q_proj",
+    "attn.c_k": "self_attn.k_proj",
+    "attn.c_v": "self_attn.v_proj",
+    "attn.c_proj": "self_attn.o_proj",
+    "mlp.c_gate": "mlp.gate_proj",
+    "mlp.c_fc": "mlp.up_proj",
+    "mlp.c_proj": "mlp.down_proj",
+}
 
 
 @dataclass
@@ -161,8 +171,10 @@ def load_lora_state_dict(model, state, path="the adapter state"):
     missing, unexpected = sorted(own.keys() - state.keys()), sorted(state.keys() - own.keys())
     shapes = [k for k in own.keys() & state.keys() if own[k].shape != state[k].shape]
     if missing or unexpected or shapes:
-        raise ValueError(f"{path} does not fit the model's LoRA adapters: missing {missing[:2]}, unexpected "
-                         f"{unexpected[:2]}, wrong shapes {shapes[:2]} (check --lora-rank and --lora-targets)")
+        raise ValueError(
+            f"{path} does not fit the model's LoRA adapters: missing {missing[:2]}, unexpected "
+            f"{unexpected[:2]}, wrong shapes {shapes[:2]} (check --lora-rank and --lora-targets)"
+        )
     for k, v in own.items():
         v.copy_(state[k])
 
@@ -172,8 +184,9 @@ def merge_lora(model):
     """Fold every adapter into its base weight (W + (alpha/r) B A, summed in fp32) and put plain Linears back: the
     result is an ordinary GPT (export_hf, the engine's inference copy). In place -> model."""
     for name, m in lora_layers(model):
-        lin = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device=m.weight.device,
-                        dtype=m.weight.dtype)
+        lin = nn.Linear(
+            m.in_features, m.out_features, bias=m.bias is not None, device=m.weight.device, dtype=m.weight.dtype
+        )
         lin.weight.copy_((m.weight.float() + m.delta_weight()).to(m.weight.dtype))
         if m.bias is not None:
             lin.bias.copy_(m.bias)
@@ -223,15 +236,19 @@ def build_lora_optimizer(model, lr, weight_decay=0.0, betas=(0.9, 0.999)):
 # flags and checkpoints: a LoRA checkpoint stores the adapters (model_<step>.safetensors holds only them) and, in its
 # meta, the config and a pointer to the base it was trained on
 
+
 def add_args(parser):
     g = parser.add_argument_group("LoRA (nanorl/lora.py)")
-    g.add_argument("--lora-rank", type=int, default=0,
-                   help="train rank-R adapters on a frozen base (0: train every weight)")
-    g.add_argument("--lora-alpha", type=float, default=None,
-                   help="adapter scale alpha (update = alpha/R B A; default 2R)")
+    g.add_argument(
+        "--lora-rank", type=int, default=0, help="train rank-R adapters on a frozen base (0: train every weight)"
+    )
+    g.add_argument(
+        "--lora-alpha", type=float, default=None, help="adapter scale alpha (update = alpha/R B A; default 2R)"
+    )
     g.add_argument("--lora-targets", default="qkv,o,mlp", help="layers to adapt: any of qkv, o, mlp, comma-separated")
-    g.add_argument("--lora-dropout", type=float, default=0.0,
-                   help="dropout on the adapters' input (training forwards only)")
+    g.add_argument(
+        "--lora-dropout", type=float, default=0.0, help="dropout on the adapters' input (training forwards only)"
+    )
     g.add_argument("--lora-lr", type=float, default=1e-3, help="AdamW LR of the adapters (--lr-scale does not apply)")
 
 
@@ -244,10 +261,12 @@ def check_args(args, parser=None):
     validate the config before any model is built."""
     if not args.lora_rank:
         return
+
     def fail(msg):
         if parser is not None:
             parser.error(msg)
         raise SystemExit(msg)
+
     if args.lora_rank < 0:
         fail(f"--lora-rank must be >= 0, got {args.lora_rank}")
     if getattr(args, "fsdp", False):
@@ -265,8 +284,12 @@ def setup(args, model, meta):
     if not args.lora_rank:
         return None
     apply_lora(model, config_from_args(args))
-    return {"source": args.source, "model_tag": args.model_tag or meta.get("model_tag"),
-            "step": args.model_step if args.model_step is not None else meta.get("step"), "hf_model": args.hf_model}
+    return {
+        "source": args.source,
+        "model_tag": args.model_tag or meta.get("model_tag"),
+        "step": args.model_step if args.model_step is not None else meta.get("step"),
+        "hf_model": args.hf_model,
+    }
 
 
 def trained_state(model):
@@ -283,10 +306,12 @@ def load_lora_checkpoint(meta, adapter_state, path, device, phase="eval", merge=
     """A LoRA checkpoint -> (model, tokenizer, meta): the base it points to with the adapters loaded; merged into a
     plain GPT (merge=True: what eval, serving and export want) or still wrapped."""
     from nanorl.checkpoint import load_model
+
     base = meta["lora"]["base"]
     try:
-        model, tokenizer, _ = load_model(base["source"], device, phase, base.get("model_tag"), base.get("step"),
-                                         base.get("hf_model"))
+        model, tokenizer, _ = load_model(
+            base["source"], device, phase, base.get("model_tag"), base.get("step"), base.get("hf_model")
+        )
     except (FileNotFoundError, ValueError) as e:
         raise FileNotFoundError(f"{path} holds LoRA adapters, and their base model cannot be loaded: {e}") from e
     apply_lora(model, LoraConfig(**meta["lora"]["config"]))
@@ -299,6 +324,7 @@ def load_lora_checkpoint(meta, adapter_state, path, device, phase="eval", merge=
 
 # -----------------------------------------------------------------------------------------------
 # PEFT's adapter directory: adapter_config.json + adapter_model.safetensors, for a Hugging Face base
+
 
 def peft_state_dict(model):
     """The adapters under PEFT's key names: base_model.model.model.layers.{i}.<hf module>.lora_{A,B}.weight."""
@@ -314,15 +340,27 @@ def peft_state_dict(model):
 def save_peft(model, out_dir, base_model_name_or_path=None):
     """Write a PEFT LoRA adapter directory for the model's Hugging Face base (peft.PeftModel.from_pretrained)."""
     from safetensors.torch import save_file
+
     cfg = model.lora_config
     if not model.config.norm_weight:
         raise ValueError("a PEFT adapter needs a Hugging Face base: this is nanorl's own architecture (export merged)")
     os.makedirs(out_dir, exist_ok=True)
     modules = sorted({HF_MODULES[n.split(".", 3)[3]].split(".")[-1] for n, _ in lora_layers(model)})
-    adapter_cfg = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path,
-                   "r": cfg.rank, "lora_alpha": cfg.alpha, "lora_dropout": cfg.dropout, "target_modules": modules,
-                   "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "use_rslora": False,
-                   "init_lora_weights": True, "modules_to_save": None}
+    adapter_cfg = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name_or_path,
+        "r": cfg.rank,
+        "lora_alpha": cfg.alpha,
+        "lora_dropout": cfg.dropout,
+        "target_modules": modules,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "use_rslora": False,
+        "init_lora_weights": True,
+        "modules_to_save": None,
+    }
     with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
         json.dump(adapter_cfg, f, indent=2)
     save_file(peft_state_dict(model), os.path.join(out_dir, "adapter_model.safetensors"), metadata={"format": "pt"})
@@ -332,14 +370,15 @@ def save_peft(model, out_dir, base_model_name_or_path=None):
 def export_peft(checkpoint_dir, step, out_dir):
     """A LoRA checkpoint of a Hugging Face base -> a PEFT adapter directory that peft loads onto that base."""
     from nanorl.checkpoint import load_checkpoint, model_path
+
     state, _, meta, _ = load_checkpoint(checkpoint_dir, step)
     path = model_path(checkpoint_dir, meta.get("step", step))
     if not meta.get("lora"):
-        raise BadValue(f"{checkpoint_dir} step {meta.get('step')} holds full weights, not LoRA adapters: "
-                       "export it without --peft")
+        raise BadValue(
+            f"{checkpoint_dir} step {meta.get('step')} holds full weights, not LoRA adapters: export it without --peft"
+        )
     hf_dir = meta["lora"]["base"].get("hf_model")
     if not hf_dir:
         raise BadValue(f"{path}: the adapters' base is a nanorl checkpoint, not a Hugging Face model: export merged")
     model, _, _ = load_lora_checkpoint(meta, state, path, "cpu", merge=False)
     return save_peft(model, out_dir, hf_dir)
-

@@ -1,4 +1,5 @@
 """Bits per byte: the validation loss that does not depend on the tokenizer's vocabulary."""
+
 import math
 
 import torch

@@ -14,11 +14,12 @@ Tool output tokens get loss mask 0 and rollout log-prob 0: the model did not wri
 neither trained on nor part of any importance ratio. Model tokens keep the engine's log-probs: log_softmax(logits / T)
 at the request's temperature, in every turn, which is what the trainer computes at the rollout temperature.
 """
+
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
-from nanorl.engine import Completion
 from nanorl.calculator import calculator
+from nanorl.engine import Completion
 from nanorl.execution import execute_code
 from nanorl.toolcalls import run_tool
 
@@ -43,6 +44,7 @@ def make_tool(name, timeout=5.0):
 @dataclass
 class TurnCompletion(Completion):
     """A Completion built over several turns, with its tool-use counts."""
+
     tool_calls: int = 0
     tool_errors: int = 0  # calls whose output was an error
     max_turns_hit: bool = False  # it tried one tool call more than max_turns allows
@@ -69,7 +71,9 @@ def multi_turn_generate(engine, requests, max_turns, tool, tool_workers=16):
     with ThreadPoolExecutor(max_workers=tool_workers) as pool:
         while live:
             engine.step()
-            ended = [(owner, turn) for h in [h for h in live if h.done] for owner, turn in zip(live.pop(h), h.completions)]
+            ended = [
+                (owner, turn) for h in [h for h in live if h.done] for owner, turn in zip(live.pop(h), h.completions)
+            ]
             calls = [(owner, _add_turn(engine, max_turns, owner[1], turn)) for owner, turn in ended]
             outputs = iter(pool.map(tool, [src for _, src in calls if isinstance(src, str)]))
             for (r, c, j), src in calls:
@@ -112,7 +116,7 @@ def _add_output(engine, r, c, result):
     """Force the tool's result in: not the model's tokens, so loss mask 0 and rollout log-prob 0."""
     c.tool_calls += 1
     c.tool_errors += result.startswith("Error")
-    forced = engine.markup.output_tokens(result)[:_room(engine, r, c)]
+    forced = engine.markup.output_tokens(result)[: _room(engine, r, c)]
     c.tokens += forced
     c.logprobs += [0.0] * len(forced)
     c.mask += [0] * len(forced)
@@ -125,8 +129,15 @@ def _next_turn(engine, r, c, j):
         c.status = "truncated"
         return None
     seed = None if r.seed is None else hash((r.seed, j, len(c.tokens)))  # a fresh stream for every turn
-    return replace(r, prompt_ids=list(r.prompt_ids) + c.tokens, num_samples=1, max_tokens=room, seed=seed,
-                   stop_tokens=_stops(engine, r), use_tools=False)
+    return replace(
+        r,
+        prompt_ids=list(r.prompt_ids) + c.tokens,
+        num_samples=1,
+        max_tokens=room,
+        seed=seed,
+        stop_tokens=_stops(engine, r),
+        use_tools=False,
+    )
 
 
 def _room(engine, r, c):

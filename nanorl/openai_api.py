@@ -6,7 +6,7 @@ no longer fits the context. No HTTP here: scripts/chat_web.py routes requests to
 
 import json
 from dataclasses import dataclass
-from typing import List, Literal, Optional, Union
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -28,8 +28,8 @@ class ServeConfig:
     base: bool = False  # a base model continues the last message's text instead of a chat
     body_timeout: float = 30.0  # seconds a client has to send a request's body, once its headers are in
     max_body_bytes: int = 64 << 20  # 500 messages of 8000 characters, even with every character \u-escaped, fit
-    token_bytes: Optional[int] = None  # the longest token in bytes (create_app measures it): see render_prompt
-    api_key: Optional[str] = None  # if set, the API and the page's stream need "Authorization: Bearer <api_key>"
+    token_bytes: int | None = None  # the longest token in bytes (create_app measures it): see render_prompt
+    api_key: str | None = None  # if set, the API and the page's stream need "Authorization: Bearer <api_key>"
 
 
 class BadRequest(Exception):
@@ -83,8 +83,8 @@ TEXT_PARTS = ("text", "python", "python_output")
 
 class Message(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, List[Part]]
-    name: Optional[str] = Field(None, min_length=1, max_length=64)  # accepted as OpenAI does; the chat format has
+    content: str | list[Part]
+    name: str | None = Field(None, min_length=1, max_length=64)  # accepted as OpenAI does; the chat format has
     # no speaker names, so it does not change the prompt
 
     @field_validator("content", mode="before")
@@ -118,12 +118,12 @@ class Message(_Body):
 class PageRequest(_Body):
     """POST /ui/chat, the page's stream. None means the default."""
 
-    messages: List[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
-    max_tokens: Optional[int] = Field(None, ge=1)
-    temperature: Optional[float] = Field(None, ge=0, le=2, allow_inf_nan=False)  # 0 = greedy
-    top_k: Optional[int] = Field(None, ge=-1)  # -1: no top-k (as vLLM)
-    top_p: Optional[float] = Field(None, gt=0, le=1, allow_inf_nan=False)
-    seed: Optional[int] = Field(None, ge=-(2**62), le=2**62)
+    messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2, allow_inf_nan=False)  # 0 = greedy
+    top_k: int | None = Field(None, ge=-1)  # -1: no top-k (as vLLM)
+    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
+    seed: int | None = Field(None, ge=-(2**62), le=2**62)
 
     _top_k = field_validator("top_k")(_check_top_k)
 
@@ -135,17 +135,17 @@ class StreamOptions(_Body):
 class ChatRequest(PageRequest):
     """POST /v1/chat/completions: the OpenAI fields this server implements, plus top_k."""
 
-    model: Optional[str] = None  # None: the served model
-    max_completion_tokens: Optional[int] = Field(None, ge=1)  # OpenAI's current name for max_tokens
-    n: Optional[int] = Field(None, ge=1, le=MAX_N)
-    stop: Union[str, List[str], None] = None
-    stream: Optional[bool] = None
-    stream_options: Optional[StreamOptions] = None
-    logprobs: Optional[bool] = None
-    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    presence_penalty: Optional[float] = None  # only 0 (no penalty): clients that always send the default work
-    frequency_penalty: Optional[float] = None
-    user: Optional[str] = None  # an end-user id for OpenAI's abuse monitoring; it never changes what is generated
+    model: str | None = None  # None: the served model
+    max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's current name for max_tokens
+    n: int | None = Field(None, ge=1, le=MAX_N)
+    stop: str | list[str] | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    presence_penalty: float | None = None  # only 0 (no penalty): clients that always send the default work
+    frequency_penalty: float | None = None
+    user: str | None = None  # an end-user id for OpenAI's abuse monitoring; it never changes what is generated
 
     _stop = field_validator("stop")(_check_stop)
     _penalty = field_validator("presence_penalty", "frequency_penalty")(_check_penalty)
@@ -155,21 +155,21 @@ class CompletionRequest(_Body):
     """POST /v1/completions: text in, its continuation out (the natural endpoint for a base model). One prompt per
     request: a string or token ids (a list of one of them too, as clients batch)."""
 
-    model: Optional[str] = None
-    prompt: Union[str, List[int], List[str], List[List[int]]]
-    max_tokens: Optional[int] = Field(None, ge=1)  # None: DEFAULT_COMPLETION_TOKENS
-    temperature: Optional[float] = Field(None, ge=0, le=2, allow_inf_nan=False)
-    top_k: Optional[int] = Field(None, ge=-1)
-    top_p: Optional[float] = Field(None, gt=0, le=1, allow_inf_nan=False)
-    seed: Optional[int] = Field(None, ge=-(2**62), le=2**62)
-    n: Optional[int] = Field(None, ge=1, le=MAX_N)
-    stop: Union[str, List[str], None] = None
-    stream: Optional[bool] = None
-    stream_options: Optional[StreamOptions] = None
-    logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # the legacy API's: alternatives per token
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    user: Optional[str] = None
+    model: str | None = None
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=1)  # None: DEFAULT_COMPLETION_TOKENS
+    temperature: float | None = Field(None, ge=0, le=2, allow_inf_nan=False)
+    top_k: int | None = Field(None, ge=-1)
+    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
+    seed: int | None = Field(None, ge=-(2**62), le=2**62)
+    n: int | None = Field(None, ge=1, le=MAX_N)
+    stop: str | list[str] | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # the legacy API's: alternatives per token
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    user: str | None = None
 
     _stop = field_validator("stop")(_check_stop)
     _penalty = field_validator("presence_penalty", "frequency_penalty")(_check_penalty)
@@ -179,15 +179,15 @@ class CompletionRequest(_Body):
 class TokenizeRequest(_Body):
     """POST /tokenize: a prompt as /v1/completions reads it, or messages as /v1/chat/completions renders them."""
 
-    model: Optional[str] = None
-    prompt: Optional[str] = Field(None, max_length=MAX_PROMPT_CHARS)
-    messages: Optional[List[Message]] = Field(None, min_length=1, max_length=MAX_MESSAGES)
+    model: str | None = None
+    prompt: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
+    messages: list[Message] | None = Field(None, min_length=1, max_length=MAX_MESSAGES)
     add_special_tokens: bool = True  # prompt: start with <|bos|>, as /v1/completions does
 
 
 class DetokenizeRequest(_Body):
-    model: Optional[str] = None
-    tokens: List[int]
+    model: str | None = None
+    tokens: list[int]
 
 
 def validation_error(e):

@@ -13,6 +13,7 @@ next group is being orthogonalised).
 Under FSDP2 the parameters are DTensor shards: AdamW works on the shards as is; Muon gathers each full
 momentum matrix, orthogonalises it on its owner rank as above, and each rank keeps its shard of the update.
 """
+
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -62,7 +63,12 @@ class MuonAdamW(torch.optim.Optimizer):
         if not _distributed() or dist.get_world_size(group) == 1:
             return
         # FSDP2's gradients (DTensor shards) were already reduce-scattered during backward
-        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None and not isinstance(p.grad, DTensor)]
+        grads = [
+            p.grad
+            for g in self.param_groups
+            for p in g["params"]
+            if p.grad is not None and not isinstance(p.grad, DTensor)
+        ]
         by_dtype = {}
         for gr in grads:
             by_dtype.setdefault(gr.dtype, []).append(gr)
@@ -72,7 +78,7 @@ class MuonAdamW(torch.optim.Optimizer):
             flat /= dist.get_world_size(group)
             off = 0
             for gr in same:
-                gr.copy_(flat[off:off + gr.numel()].view_as(gr))
+                gr.copy_(flat[off : off + gr.numel()].view_as(gr))
                 off += gr.numel()
 
     @torch.no_grad()
@@ -96,7 +102,7 @@ class MuonAdamW(torch.optim.Optimizer):
         pending = None  # the previous chunk, applied once its all_gather is done: this chunk's math overlaps it
         for same in by_shape.values():
             for i in range(0, len(same), world):
-                chunk = same[i:i + world]
+                chunk = same[i : i + world]
                 # every rank keeps the (cheap, elementwise) momentum of every matrix it holds, full or shard
                 looks = []
                 for p in chunk:
@@ -112,7 +118,9 @@ class MuonAdamW(torch.optim.Optimizer):
                         g = g.full_tensor()
                     looks.append(g)
                 # rank r orthogonalises the chunk's r-th matrix; ranks past the chunk's end send a dummy
-                mine = orthogonalize(looks[rank], group["ns_steps"]) if rank < len(chunk) else torch.zeros_like(looks[0])
+                mine = (
+                    orthogonalize(looks[rank], group["ns_steps"]) if rank < len(chunk) else torch.zeros_like(looks[0])
+                )
                 if world == 1:
                     updates, work = [mine], None
                 else:
@@ -152,15 +160,23 @@ class MuonAdamW(torch.optim.Optimizer):
             g = p.grad.float()
             state["exp_avg"].lerp_(g, 1 - b1)
             state["exp_avg_sq"].mul_(b2).addcmul_(g, g, value=1 - b2)
-            denom = (state["exp_avg_sq"] / (1 - b2 ** t)).sqrt_().add_(eps)
-            update = (state["exp_avg"] / (1 - b1 ** t)) / denom
+            denom = (state["exp_avg_sq"] / (1 - b2**t)).sqrt_().add_(eps)
+            update = (state["exp_avg"] / (1 - b1**t)) / denom
             if wd:
                 p.mul_(1 - lr * wd)
             p.add_(update.to(p.dtype), alpha=-lr)
 
 
-def build_optimizer(model, matrix_lr=0.02, embedding_lr=0.2, unembedding_lr=0.004, weight_decay=0.0,
-                    adam_betas=(0.8, 0.95), muon_momentum=0.95, lr_scale=1.0):
+def build_optimizer(
+    model,
+    matrix_lr=0.02,
+    embedding_lr=0.2,
+    unembedding_lr=0.004,
+    weight_decay=0.0,
+    adam_betas=(0.8, 0.95),
+    muon_momentum=0.95,
+    lr_scale=1.0,
+):
     """Muon for the blocks' matrices, AdamW for embedding / lm_head / the rest. Every group has initial_lr, the LR
     its schedule multiplies. lr_scale multiplies every LR: fine-tuning stages take the pretraining LRs times a factor
     (SFT's --init-lr-frac, RL's --lr-scale)."""
@@ -175,10 +191,21 @@ def build_optimizer(model, matrix_lr=0.02, embedding_lr=0.2, unembedding_lr=0.00
     groups = [
         dict(params=matrices, kind="muon", lr=matrix_lr, momentum=muon_momentum, ns_steps=5, weight_decay=weight_decay),
         dict(params=embed, kind="adamw", lr=embedding_lr * dmodel_scale, betas=adam_betas, eps=1e-10, weight_decay=0.0),
-        dict(params=head, kind="adamw", lr=unembedding_lr * dmodel_scale, betas=adam_betas, eps=1e-10, weight_decay=0.0),
+        dict(
+            params=head, kind="adamw", lr=unembedding_lr * dmodel_scale, betas=adam_betas, eps=1e-10, weight_decay=0.0
+        ),
     ]
     if others:
-        groups.append(dict(params=others, kind="adamw", lr=unembedding_lr * dmodel_scale, betas=adam_betas, eps=1e-10, weight_decay=0.0))
+        groups.append(
+            dict(
+                params=others,
+                kind="adamw",
+                lr=unembedding_lr * dmodel_scale,
+                betas=adam_betas,
+                eps=1e-10,
+                weight_decay=0.0,
+            )
+        )
     for g in groups:
         g["initial_lr"] = g["lr"] = g["lr"] * lr_scale
     return MuonAdamW([g for g in groups if g["params"]])

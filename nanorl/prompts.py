@@ -3,6 +3,7 @@ RL prompts: items of {"conversation" or "text", "label", "metadata"} from a task
 from tasks/ and passes it in) or from a jsonl file (--prompt-data), the tokens a response starts from, and the
 PromptSource that deals them out, reshuffled every epoch, each rank its own shard.
 """
+
 import json
 import os
 import random
@@ -13,16 +14,29 @@ from nanorl.rewards import extract_answer
 
 def add_args(group):
     """The flags of prompts from a file (slime's names), for the script's "model and data" group."""
-    group.add_argument("--prompt-data", default=None, help="a jsonl of prompts to RL on instead of --task (slime's "
-                       "flag): one object a line with --input-key and --label-key")
-    group.add_argument("--eval-prompt-data", default=None, help="a jsonl of held-out prompts for --prompt-data "
-                       "(default: none held out: the eval then reads the first training prompts, and says so)")
-    group.add_argument("--input-key", default="prompt",
-                       help="--prompt-data: the prompt's key (a string or a list of chat messages)")
+    group.add_argument(
+        "--prompt-data",
+        default=None,
+        help="a jsonl of prompts to RL on instead of --task (slime's "
+        "flag): one object a line with --input-key and --label-key",
+    )
+    group.add_argument(
+        "--eval-prompt-data",
+        default=None,
+        help="a jsonl of held-out prompts for --prompt-data "
+        "(default: none held out: the eval then reads the first training prompts, and says so)",
+    )
+    group.add_argument(
+        "--input-key", default="prompt", help="--prompt-data: the prompt's key (a string or a list of chat messages)"
+    )
     group.add_argument("--label-key", default="label", help="--prompt-data: the label's key")
-    group.add_argument("--apply-chat-template", action="store_true", help="--prompt-data: render string prompts as a "
-                       "user turn of the chat template (lists of messages always are); without it a string prompt is "
-                       "fed as raw text")
+    group.add_argument(
+        "--apply-chat-template",
+        action="store_true",
+        help="--prompt-data: render string prompts as a "
+        "user turn of the chat template (lists of messages always are); without it a string prompt is "
+        "fed as raw text",
+    )
 
 
 def task_prompts(task, name, split, require_label=None):
@@ -56,8 +70,10 @@ def jsonl_prompts(path, split, input_key="prompt", label_key="label", apply_chat
                 row = json.loads(line)
                 prompt, label = row[input_key], row.get(label_key)
             except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
-                raise SystemExit(f"--prompt-data {path} line {i}: expected a JSON object with key {input_key!r} "
-                                 f"({type(e).__name__}: {e})")
+                raise SystemExit(
+                    f"--prompt-data {path} line {i}: expected a JSON object with key {input_key!r} "
+                    f"({type(e).__name__}: {e})"
+                )
             if isinstance(prompt, list):
                 item = {"conversation": {"messages": prompt}}
             elif isinstance(prompt, str) and apply_chat_template:
@@ -86,6 +102,7 @@ class PromptSource:
     Prompts (conversation, label, metadata) from a task, reshuffled every epoch with a seed; each DDP
     rank walks its own strided shard. state_dict() makes a resumed run continue on the exact next prompt.
     """
+
     def __init__(self, items, seed=0, rank=0, world_size=1, shuffle=True):
         if not items:
             raise ValueError("the prompt source is empty: the RL task gave no prompts")
@@ -98,7 +115,7 @@ class PromptSource:
         order = list(range(len(self.items)))
         if self.shuffle:
             random.Random(self.seed * 1000003 + self.epoch).shuffle(order)
-        return order[self.rank::self.world_size]
+        return order[self.rank :: self.world_size]
 
     def get(self, n):
         """The next n prompts of this rank. self.last_keys holds a key per prompt that is the same whichever

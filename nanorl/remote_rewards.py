@@ -7,6 +7,7 @@ and the server answers {"reward": number} or {"reward": {component: number, ...,
 Every attempt ends by its deadline whatever the server does (a server trickling one byte at a time included);
 refused connections, 5xx/429 and timeouts are retried with backoff, malformed answers are not. Never raises.
 """
+
 import http.client
 import json
 import socket
@@ -42,6 +43,7 @@ class _DeadlineHandler(urllib.request.HTTPHandler, urllib.request.HTTPSHandler):
             self.socks.append(conn.sock)
             if self.expired:
                 self.expire()
+
         conn.connect = connect_and_track
         return conn
 
@@ -49,8 +51,9 @@ class _DeadlineHandler(urllib.request.HTTPHandler, urllib.request.HTTPSHandler):
         return self.do_open(lambda host, **kw: self._connection(http.client.HTTPConnection, host, **kw), req)
 
     def https_open(self, req):
-        return self.do_open(lambda host, **kw: self._connection(http.client.HTTPSConnection, host, **kw), req,
-                            context=self._context)
+        return self.do_open(
+            lambda host, **kw: self._connection(http.client.HTTPSConnection, host, **kw), req, context=self._context
+        )
 
     def expire(self):
         self.expired = True

@@ -7,6 +7,7 @@ The pipeline's report stays the pipeline's: once speedrun.sh has finished a stag
 run outside it (NANORL_PIPELINE unset) writes its section, card numbers and plot data to <base>/report/adhoc/
 instead, says so, and report.md lists it under "Ad-hoc runs", apart from the card.
 """
+
 import datetime
 import os
 
@@ -54,9 +55,16 @@ def _fmt(v):
 
 
 # flags whose unset value (None) means something a reader should not have to look up
-_UNSET = {"device_type": "autodetect (CUDA if available, else CPU)", "model_tag": "the newest checkpoint",
-          "model_step": "the last step", "step": "the last step", "output_tag": "the source model's tag",
-          "tensorboard": "off", "data_dir": "the default data", "max_seq_len": "the model's context"}
+_UNSET = {
+    "device_type": "autodetect (CUDA if available, else CPU)",
+    "model_tag": "the newest checkpoint",
+    "model_step": "the last step",
+    "step": "the last step",
+    "output_tag": "the source model's tag",
+    "tensorboard": "off",
+    "data_dir": "the default data",
+    "max_seq_len": "the model's context",
+}
 
 
 def config_value(key, value, config):
@@ -84,8 +92,10 @@ def vocab_words(got, asked):
     """The tokenizer's vocabulary, explained when it is smaller than --vocab-size asked for."""
     if got >= asked:
         return f"{got:,}"
-    return (f"{got:,} (asked for {asked:,}: the training text ran out of byte pairs to merge before that; "
-            f"more text, --max-chars, gives a larger one)")
+    return (
+        f"{got:,} (asked for {asked:,}: the training text ran out of byte pairs to merge before that; "
+        f"more text, --max-chars, gives a larger one)"
+    )
 
 
 def eval_label(task, metric, problems, samples=1, temperature=0.0):
@@ -130,8 +140,10 @@ def log_section(name, items, rank=0, config=None):
         f.write("\n".join(lines))
     os.replace(tmp, path)
     if is_adhoc():
-        print(f"report: this run is outside speedrun.sh, so its section went to {path} (the pipeline's sections "
-              f"and card are untouched; report.md lists it under 'Ad-hoc runs')")
+        print(
+            f"report: this run is outside speedrun.sh, so its section went to {path} (the pipeline's sections "
+            f"and card are untouched; report.md lists it under 'Ad-hoc runs')"
+        )
     else:
         print(f"report: section written to {path}")
     return path
@@ -139,6 +151,7 @@ def log_section(name, items, rank=0, config=None):
 
 def _atomic_write_json(obj, path):
     import json
+
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(obj, f, indent=1, default=float)
@@ -154,6 +167,7 @@ def log_json(name, obj, rank=0):
 def load_json(name, default=None, folder=None):
     """folder: where to read (default: where this run writes, so an ad-hoc run resumes from its own data)."""
     import json
+
     path = os.path.join(folder or write_dir(), f"{name}.json")
     if not os.path.exists(path):
         return default
@@ -172,10 +186,31 @@ def record_metrics(stage, metrics, rank=0):
 
 STAGES = ["BASE", "MID", "SFT", "RL"]
 # the card's row order: rows starting with one of these come in this order, the rest after them
-CARD_ROWS = ["val bpb", "CORE", "ARC-Easy", "ARC-Challenge", "MMLU", "GSM8K", "HumanEval", "SpellingBee", "ChatCORE", "offline"]
+CARD_ROWS = [
+    "val bpb",
+    "CORE",
+    "ARC-Easy",
+    "ARC-Challenge",
+    "MMLU",
+    "GSM8K",
+    "HumanEval",
+    "SpellingBee",
+    "ChatCORE",
+    "offline",
+]
 # the stages' sections in pipeline order; a section whose slug starts with one of these goes there
-SECTION_ORDER = ["tokenizer-training", "tokenizer-evaluation", "base-model-training", "base-model-evaluation", "midtraining",
-                 "chat-eval-mid", "chat-sft", "chat-eval-sft", "chat-rl", "chat-eval-rl"]
+SECTION_ORDER = [
+    "tokenizer-training",
+    "tokenizer-evaluation",
+    "base-model-training",
+    "base-model-evaluation",
+    "midtraining",
+    "chat-eval-mid",
+    "chat-sft",
+    "chat-eval-sft",
+    "chat-rl",
+    "chat-eval-rl",
+]
 
 
 def _order(name, order):
@@ -199,6 +234,7 @@ def _cpu_model(cpuinfo="/proc/cpuinfo"):
 def _os_name():
     """e.g. 'Ubuntu 22.04.4 LTS (Linux 5.15.0-x86_64)': the distribution where it says, then the kernel."""
     import platform
+
     try:
         distro = platform.freedesktop_os_release().get("PRETTY_NAME")
     except (OSError, AttributeError):  # not Linux, or Python < 3.10
@@ -210,7 +246,9 @@ def _os_name():
 def _environment():
     import platform
     import subprocess
+
     import torch
+
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
     def git(*cmd):
@@ -218,6 +256,7 @@ def _environment():
             return subprocess.run(["git", *cmd], capture_output=True, text=True, cwd=repo, timeout=10).stdout.strip()
         except (OSError, subprocess.TimeoutExpired):
             return ""
+
     commit = git("rev-parse", "--short", "HEAD") or "unknown"
     dirty = bool(git("status", "--porcelain", "--untracked-files=no")) if commit != "unknown" else None
     try:
@@ -232,18 +271,27 @@ def _environment():
         env["CUDA"] = torch.version.cuda or "unknown"
     else:
         env["GPUs"] = "none (CPU run)"
-    env.update({"CPU": f"{_cpu_model() or platform.processor() or platform.machine()}, {os.cpu_count()} logical cores",
-                "torch threads": f"{torch.get_num_threads()} (OMP_NUM_THREADS="
-                                 f"{os.environ.get('OMP_NUM_THREADS', 'unset')})",
-                "OS": _os_name(), "RAM": ram, "python": platform.python_version(), "torch": torch.__version__,
-                "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M")})
+    env.update(
+        {
+            "CPU": f"{_cpu_model() or platform.processor() or platform.machine()}, {os.cpu_count()} logical cores",
+            "torch threads": f"{torch.get_num_threads()} (OMP_NUM_THREADS="
+            f"{os.environ.get('OMP_NUM_THREADS', 'unset')})",
+            "OS": _os_name(),
+            "RAM": ram,
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
+        }
+    )
     return env
 
 
 # the loss curves: (data written by the stage, its plot, title, y label)
-LOSS_PLOTS = [("base_train_loss", "plot_base_loss", "Base model training loss", "train loss"),
-              ("mid_val_loss", "plot_mid_loss", "Midtraining held-out loss", "val loss"),
-              ("sft_val_loss", "plot_sft_loss", "SFT held-out loss", "val loss")]
+LOSS_PLOTS = [
+    ("base_train_loss", "plot_base_loss", "Base model training loss", "train loss"),
+    ("mid_val_loss", "plot_mid_loss", "Midtraining held-out loss", "val loss"),
+    ("sft_val_loss", "plot_sft_loss", "SFT held-out loss", "val loss"),
+]
 
 
 def _plots():
@@ -252,6 +300,7 @@ def _plots():
     plainly."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -299,8 +348,14 @@ def _card_lines(card):
 
 def _sections(folder, out_path):
     """The sections' markdown in folder, in pipeline order."""
-    names = sorted((f[:-3] for f in os.listdir(folder) if f.endswith(".md")
-                    and os.path.join(folder, f) != os.path.abspath(out_path)), key=lambda f: _order(f, SECTION_ORDER))
+    names = sorted(
+        (
+            f[:-3]
+            for f in os.listdir(folder)
+            if f.endswith(".md") and os.path.join(folder, f) != os.path.abspath(out_path)
+        ),
+        key=lambda f: _order(f, SECTION_ORDER),
+    )
     texts = []
     for name in names:
         with open(os.path.join(folder, name + ".md")) as f:
@@ -309,10 +364,13 @@ def _sections(folder, out_path):
 
 
 def _wall_time_lines(wall_time_s, stages, ngpu, gpu_hourly_usd):
-    cost = (f"${ngpu * gpu_hourly_usd * wall_time_s / 3600:.2f} at ${gpu_hourly_usd}/GPU-hour" if ngpu
-            else "$0 (CPU only)")
-    lines = [f"- total wall time: {wall_time_s / 60:.1f} min (the sum of the stages' own times)",
-             f"- estimated cost: {cost}"]
+    cost = (
+        f"${ngpu * gpu_hourly_usd * wall_time_s / 3600:.2f} at ${gpu_hourly_usd}/GPU-hour" if ngpu else "$0 (CPU only)"
+    )
+    lines = [
+        f"- total wall time: {wall_time_s / 60:.1f} min (the sum of the stages' own times)",
+        f"- estimated cost: {cost}",
+    ]
     if stages:
         lines.append("- per stage: " + ", ".join(f"{k} {v / 60:.1f} min" for k, v in stages.items()))
     return lines
@@ -354,9 +412,14 @@ def generate(out_path="report.md", wall_time_s=None, gpu_hourly_usd=3.0):
 
 if __name__ == "__main__":
     import argparse
+
     parser = argparse.ArgumentParser(description="Write report.md from the stages' sections")
     parser.add_argument("--out", default="report.md", help="where to write the report")
-    parser.add_argument("--wall-time", type=float, default=None,
-                        help="the sum of the stages' own times, in seconds (default: summed from <base>/done/)")
+    parser.add_argument(
+        "--wall-time",
+        type=float,
+        default=None,
+        help="the sum of the stages' own times, in seconds (default: summed from <base>/done/)",
+    )
     a = parser.parse_args()
     print(f"wrote {generate(a.out, a.wall_time)}")

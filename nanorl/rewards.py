@@ -16,6 +16,7 @@ Every grader returns a number and looks at nothing but its arguments. safe_rewar
 raise: a broken reward becomes (None, reason), which set_rewards counts and drops, because one bad sample
 must not kill a long run. The reward flags (add_args, config_from_args -> RewardConfig) live at the end of this file.
 """
+
 import math
 import numbers
 import re
@@ -131,6 +132,7 @@ def _label_number(label):
 # -----------------------------------------------------------------------------------------------
 # graders: (response, label) -> float
 
+
 def math_reward(response, label):
     """1.0 when the response's final answer equals the label as a number, else 0.0."""
     answer = extract_answer(response)
@@ -242,8 +244,14 @@ def format_reward(response, label=None):
     return 1.0 if response is not None and _FORMAT.search(str(response)) else 0.0
 
 
-GRADERS = {"math": math_reward, "boxed": boxed_reward, "mc": mc_reward, "exact": exact_match, "f1": f1_reward,
-           "format": format_reward}
+GRADERS = {
+    "math": math_reward,
+    "boxed": boxed_reward,
+    "mc": mc_reward,
+    "exact": exact_match,
+    "f1": f1_reward,
+    "format": format_reward,
+}
 RM_TYPES = ["task", *GRADERS, "custom", "remote"]
 
 
@@ -254,8 +262,10 @@ def parse_rm_type(rm_type):
     names = [n.strip() for n in names.split("+")]
     bad = [n for n in names if n not in GRADERS and n != "task"]
     if bad:
-        raise ValueError(f"unknown rm_type component(s) {bad} in {rm_type!r}; valid: {', '.join(RM_TYPES)} "
-                         f"(or a weighted mix like math+format:0.9,0.1)")
+        raise ValueError(
+            f"unknown rm_type component(s) {bad} in {rm_type!r}; valid: {', '.join(RM_TYPES)} "
+            f"(or a weighted mix like math+format:0.9,0.1)"
+        )
     try:
         w = [float(x) for x in weights.split(",")] if weights else [1.0] * len(names)
     except ValueError:
@@ -268,6 +278,7 @@ def parse_rm_type(rm_type):
 def task_reward(task):
     """The task's own grader as a reward fn(response, label, metadata): metadata["row"] is the example's index
     in `task` (the same split and slice the prompt came from), and Task.reward grades against that example."""
+
     def reward(response, label, metadata):
         row = (metadata or {}).get("row")
         if row is None:
@@ -275,9 +286,12 @@ def task_reward(task):
         conversation = task.get_example(row)
         want = conversation.get("label")
         if label is not None and want is not None and str(label) != str(want):  # graded against another task/split
-            raise ValueError(f"{type(task).__name__} row {row} has label {want!r}, the sample has {label!r}: "
-                             f"this reward was made for another task or split")
+            raise ValueError(
+                f"{type(task).__name__} row {row} has label {want!r}, the sample has {label!r}: "
+                f"this reward was made for another task or split"
+            )
         return task.reward(conversation, "" if response is None else str(response))
+
     return reward
 
 
@@ -301,11 +315,15 @@ def make_reward(rm_type="task", task=None, custom_path=None):
     parts = parse_rm_type(rm_type)
     if any(name == "task" for name, _ in parts):
         if task is None:
-            raise ValueError(f"--rm-type {rm_type} grades with the task's own grader, but there is no task (prompts from a "
-                             f"file have none): pick --rm-type {' | '.join(GRADERS)} or --custom-rm-path")
+            raise ValueError(
+                f"--rm-type {rm_type} grades with the task's own grader, but there is no task (prompts from a "
+                f"file have none): pick --rm-type {' | '.join(GRADERS)} or --custom-rm-path"
+            )
         if not task.has_grader:
-            raise ValueError(f"{type(task).__name__} has no grader (it is chat data): pick --rm-type "
-                             f"{' | '.join(GRADERS)} or --custom-rm-path")
+            raise ValueError(
+                f"{type(task).__name__} has no grader (it is chat data): pick --rm-type "
+                f"{' | '.join(GRADERS)} or --custom-rm-path"
+            )
     fns = {name: task_reward(task) if name == "task" else _ignoring_metadata(GRADERS[name]) for name, _ in parts}
     names = [f"task:{type(task).__name__}" if n == "task" else n for n, _ in parts]
     if len(parts) == 1 and "+" not in rm_type and ":" not in rm_type:
@@ -315,14 +333,17 @@ def make_reward(rm_type="task", task=None, custom_path=None):
         out = {name: fns[name](response, label, metadata) for name, _ in parts}
         out["total"] = sum(out[name] * w for name, w in parts)
         return out
+
     return mix, "+".join(names) + ":" + ",".join(f"{w:g}" for _, w in parts)
 
 
 # -----------------------------------------------------------------------------------------------
 # checking what a reward function gave back
 
+
 def check_reward(value):
     """(float or dict of floats, None) for a finite number or a dict of them with a 'total'; else (None, why)."""
+
     def number(v):
         if isinstance(v, (str, bytes)) or not isinstance(v, numbers.Real) and not hasattr(v, "__float__"):
             return None  # bools and numpy/torch scalars are fine, strings are not
@@ -331,6 +352,7 @@ def check_reward(value):
         except Exception:  # a multi-element tensor, a complex, ...
             return None
         return f if math.isfinite(f) else None
+
     if isinstance(value, dict):
         if "total" not in value:
             return None, f"a dict reward needs a 'total' key, got keys {sorted(map(str, value))}"
@@ -359,6 +381,7 @@ def safe_reward(fn, *args):
 
 # -----------------------------------------------------------------------------------------------
 # bookkeeping: the (value, error) pairs of a rollout onto its samples
+
 
 def set_rewards(groups, scored, results, on_failure="drop"):
     """
@@ -392,10 +415,12 @@ def set_rewards(groups, scored, results, on_failure="drop"):
 # -----------------------------------------------------------------------------------------------
 # the reward flags, and the config the rollout worker takes from them
 
+
 @dataclass
 class RewardConfig:
     """How a rollout is scored: make_reward(rm_type, task, custom_rm_path), or a remote server when rm_type is
     "remote"; what a failed reward becomes (rm_failure)."""
+
     rm_type: str = "task"
     custom_rm_path: str | None = None
     rm_url: str | None = None
@@ -416,20 +441,39 @@ class RewardConfig:
 
 def add_args(parser):
     g = parser.add_argument_group("rewards (nanorl/rewards.py)")
-    g.add_argument("--rm-type", default=None, help="task (the task's own grader: chat_eval's verdict; the default with "
-                   "--task) | math (the default with --prompt-data) | boxed | mc | exact | f1 | format | weighted e.g. "
-                   "task+format:0.9,0.1 | custom (--custom-rm-path) | remote (--rm-url)")
+    g.add_argument(
+        "--rm-type",
+        default=None,
+        help="task (the task's own grader: chat_eval's verdict; the default with "
+        "--task) | math (the default with --prompt-data) | boxed | mc | exact | f1 | format | weighted e.g. "
+        "task+format:0.9,0.1 | custom (--custom-rm-path) | remote (--rm-url)",
+    )
     g.add_argument("--custom-rm-path", default=None, help="module:function(response, label, metadata) -> float or dict")
     g.add_argument("--rm-url", default=None, help="--rm-type remote: each sample is POSTed here as JSON (README: RL)")
-    g.add_argument("--rm-concurrency", type=positive_int, default=RewardConfig.rm_concurrency,
-                   help="--rm-type remote: requests in flight at once")
-    g.add_argument("--rm-timeout", type=positive_float, default=RewardConfig.rm_timeout,
-                   help="--rm-type remote: seconds per request attempt")
-    g.add_argument("--rm-retries", type=nonneg_int, default=RewardConfig.rm_retries,
-                   help="--rm-type remote: retries after a refused/timed-out/5xx call")
-    g.add_argument("--rm-failure", default=RewardConfig.rm_failure, choices=["drop", "zero"],
-                   help="a reward that fails (raises, non-number, failed remote call): drop = never trained on, "
-                        "zero = reward 0")
+    g.add_argument(
+        "--rm-concurrency",
+        type=positive_int,
+        default=RewardConfig.rm_concurrency,
+        help="--rm-type remote: requests in flight at once",
+    )
+    g.add_argument(
+        "--rm-timeout",
+        type=positive_float,
+        default=RewardConfig.rm_timeout,
+        help="--rm-type remote: seconds per request attempt",
+    )
+    g.add_argument(
+        "--rm-retries",
+        type=nonneg_int,
+        default=RewardConfig.rm_retries,
+        help="--rm-type remote: retries after a refused/timed-out/5xx call",
+    )
+    g.add_argument(
+        "--rm-failure",
+        default=RewardConfig.rm_failure,
+        choices=["drop", "zero"],
+        help="a reward that fails (raises, non-number, failed remote call): drop = never trained on, zero = reward 0",
+    )
 
 
 def config_from_args(args, parser, default_rm_type):
@@ -437,14 +481,21 @@ def config_from_args(args, parser, default_rm_type):
     --rm-type is not given (the script's choice: prompts from a file have no task grader)."""
     if args.rm_type == "remote":
         if not args.rm_url:
-            parser.error("--rm-type remote needs --rm-url (the reward server's address, e.g. "
-                         "http://127.0.0.1:8000/reward)")
+            parser.error(
+                "--rm-type remote needs --rm-url (the reward server's address, e.g. http://127.0.0.1:8000/reward)"
+            )
         if not args.rm_url.startswith(("http://", "https://")):
             parser.error(f"--rm-url {args.rm_url!r} must start with http:// or https://")
         if args.custom_rm_path:
             parser.error("--rm-type remote and --custom-rm-path both pick the reward: give one of them")
     elif args.rm_url:
         parser.error(f"--rm-url is only used with --rm-type remote (got --rm-type {args.rm_type})")
-    return RewardConfig(rm_type=args.rm_type or default_rm_type, custom_rm_path=args.custom_rm_path or None,
-                        rm_url=args.rm_url, rm_concurrency=args.rm_concurrency, rm_timeout=args.rm_timeout,
-                        rm_retries=args.rm_retries, rm_failure=args.rm_failure)
+    return RewardConfig(
+        rm_type=args.rm_type or default_rm_type,
+        custom_rm_path=args.custom_rm_path or None,
+        rm_url=args.rm_url,
+        rm_concurrency=args.rm_concurrency,
+        rm_timeout=args.rm_timeout,
+        rm_retries=args.rm_retries,
+        rm_failure=args.rm_failure,
+    )

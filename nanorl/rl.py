@@ -206,7 +206,7 @@ def kl_estimate(logp, ref_logp, kind):
     if kind == "k1":
         return -d
     if kind == "k2":
-        return 0.5 * d ** 2
+        return 0.5 * d**2
     if kind == "k3":
         return torch.exp(d) - d - 1
     if kind == "low_var_kl":
@@ -267,6 +267,7 @@ def _clipped_surrogate(ratio, A, eps_clip, eps_clip_high, eps_clip_c):
 
 # The three policy losses share one signature and return a per-token loss (B, T) and metrics; the caller
 # (policy_loss) applies importance weights, aggregation, entropy and KL once for all of them.
+
 
 def ppo_clip_loss(logp, old_logp, advantages, mask, eps_clip=0.2, eps_clip_high=None, eps_clip_c=None):
     """
@@ -345,9 +346,24 @@ def cispo_loss(logp, old_logp, advantages, mask, eps_clip=0.2, eps_clip_high=Non
     return -w * A * logp, metrics
 
 
-def policy_loss(logp, old_logp, advantages, mask, kind="ppo_clip", eps_clip=0.2, eps_clip_high=None, eps_clip_c=None,
-                loss_agg="token_mean", max_len=None, tis_weights=None, entropy=None, entropy_coef=0.0,
-                ref_logp=None, kl_type="low_var_kl", kl_coef=0.0):
+def policy_loss(
+    logp,
+    old_logp,
+    advantages,
+    mask,
+    kind="ppo_clip",
+    eps_clip=0.2,
+    eps_clip_high=None,
+    eps_clip_c=None,
+    loss_agg="token_mean",
+    max_len=None,
+    tis_weights=None,
+    entropy=None,
+    entropy_coef=0.0,
+    ref_logp=None,
+    kl_type="low_var_kl",
+    kl_coef=0.0,
+):
     """
     The one loss path of every estimator:
       per-token policy loss (kind: ppo_clip | gspo | cispo)  x  importance weights (TIS / IcePop, if given)
@@ -513,6 +529,7 @@ class Estimator:
     """One row of the table: the advantage function, the policy loss kind (policy_loss), the settings it reads
     beyond rewards and KL ("std_normalize", "gamma", "lambd", "critic"), and whether its advantages come out
     whitened already."""
+
     advantages: object
     loss: str = "ppo_clip"
     uses: tuple = ()

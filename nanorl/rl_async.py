@@ -8,6 +8,7 @@ gather k+1, ...
 
 The loops of both roles are in scripts/chat_rl.py (sampler_loop, trainer_loop); this file holds their pieces.
 """
+
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -17,16 +18,26 @@ from nanorl.common import positive_int
 
 def add_args(parser):
     g = parser.add_argument_group("async RL (nanorl/rl_async.py)")
-    g.add_argument("--async", dest="async_mode", action="store_true", help="one-step-off-policy: sampling ranks "
-                   "generate rollout k+1 while training ranks train on rollout k, then get the new weights (one rank: "
-                   "synchronous)")
-    g.add_argument("--rollout-num-gpus", type=positive_int, default=None,
-                   help="--async: how many ranks sample (the first ones; default half)")
+    g.add_argument(
+        "--async",
+        dest="async_mode",
+        action="store_true",
+        help="one-step-off-policy: sampling ranks "
+        "generate rollout k+1 while training ranks train on rollout k, then get the new weights (one rank: "
+        "synchronous)",
+    )
+    g.add_argument(
+        "--rollout-num-gpus",
+        type=positive_int,
+        default=None,
+        help="--async: how many ranks sample (the first ones; default half)",
+    )
 
 
 @dataclass
 class Roles:
     """Who does what. Synchronous RL: every rank samples and trains, and the groups are None (= all ranks)."""
+
     async_mode: bool
     is_sampler: bool
     is_trainer: bool
@@ -51,12 +62,16 @@ def split_ranks(args, parser, rank, world_size):
         parser.error("--rollout-num-gpus only applies with --async")
     if not (args.async_mode and world_size > 1):
         if args.async_mode:
-            print("--async with one rank: falling back to synchronous RL (sampling and training take turns on the one "
-                  "device)")
+            print(
+                "--async with one rank: falling back to synchronous RL (sampling and training take turns on the one "
+                "device)"
+            )
         return Roles(False, True, True, world_size, world_size, rank, rank)
     if args.resume:
-        parser.error("--resume with --async is not supported: the prompt order lives on the sampling ranks; resume "
-                     "without --async")
+        parser.error(
+            "--resume with --async is not supported: the prompt order lives on the sampling ranks; resume "
+            "without --async"
+        )
     R = args.rollout_num_gpus or world_size // 2
     if not 1 <= R < world_size:
         parser.error(f"--rollout-num-gpus {R} must leave at least one of the {world_size} ranks to train (--async)")

@@ -9,6 +9,7 @@ The flow of one rollout (the loop is in scripts/chat_rl.py):
   groups -> surplus groups wait in the buffer for the next rollout
 The Sample record and its tensor layout, which the trainer reads, are in nanorl/samples.py.
 """
+
 import signal
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from nanorl.samples import ABORTED, TRUNCATED, Sample, extend_sample
 @dataclass
 class RolloutConfig:
     """What the RolloutWorker reads. The defaults are chat_rl's flag defaults."""
+
     n_samples_per_prompt: int = 8
     temperature: float = 1.0  # recorded on every Sample: the trainer computes its log-probs at the same one
     max_response_len: int = 256
@@ -40,33 +42,77 @@ class RolloutConfig:
 
 def add_args(parser):
     g = parser.add_argument_group("rollout (nanorl/rollout.py)")
-    g.add_argument("--over-sampling-batch-size", type=positive_int, default=None, help="turns on dynamic sampling: "
-                   "prompts generated per round, groups kept by the filter until the batch is full")
-    g.add_argument("--dynamic-sampling-filter-path", default="nanorl.rollout:keep_nonconstant_group",
-                   help="module:function(group) -> (keep, reason), used with --over-sampling-batch-size")
-    g.add_argument("--max-sampling-rounds", type=positive_int, default=8,
-                   help="dynamic sampling: rounds before the batch is topped up with dropped groups")
-    g.add_argument("--buffer-filter-path", default="nanorl.rollout:pop_first",
-                   help="module:function(buffer, n) -> (taken, rest) for surplus groups")
-    g.add_argument("--partial-rollout", action="store_true", help="with over-sampling: once the batch is full, abort "
-                   "what is still generating, keep it with its tokens and continue it in the next rollout (pair with "
-                   "--use-tis)")
-    g.add_argument("--top-k", type=positive_int, default=None,
-                   help="rollout top-k (default: off; anything but off makes rollouts off-policy)")
-    g.add_argument("--top-p", type=number_in(float, 0, 1, lo_open=True), default=None,
-                   help="rollout top-p (default: off)")
+    g.add_argument(
+        "--over-sampling-batch-size",
+        type=positive_int,
+        default=None,
+        help="turns on dynamic sampling: "
+        "prompts generated per round, groups kept by the filter until the batch is full",
+    )
+    g.add_argument(
+        "--dynamic-sampling-filter-path",
+        default="nanorl.rollout:keep_nonconstant_group",
+        help="module:function(group) -> (keep, reason), used with --over-sampling-batch-size",
+    )
+    g.add_argument(
+        "--max-sampling-rounds",
+        type=positive_int,
+        default=8,
+        help="dynamic sampling: rounds before the batch is topped up with dropped groups",
+    )
+    g.add_argument(
+        "--buffer-filter-path",
+        default="nanorl.rollout:pop_first",
+        help="module:function(buffer, n) -> (taken, rest) for surplus groups",
+    )
+    g.add_argument(
+        "--partial-rollout",
+        action="store_true",
+        help="with over-sampling: once the batch is full, abort "
+        "what is still generating, keep it with its tokens and continue it in the next rollout (pair with "
+        "--use-tis)",
+    )
+    g.add_argument(
+        "--top-k",
+        type=positive_int,
+        default=None,
+        help="rollout top-k (default: off; anything but off makes rollouts off-policy)",
+    )
+    g.add_argument(
+        "--top-p", type=number_in(float, 0, 1, lo_open=True), default=None, help="rollout top-p (default: off)"
+    )
     g.add_argument("--engine-batch-size", type=positive_int, default=256, help="engine rows decoded at once")
-    g.add_argument("--custom-generate-function-path", default=None, help="module:function(config, engine, tokenizer, "
-                   "prompts, seeds) -> list of groups (lists) of Sample; config is the RolloutConfig")
-    g.add_argument("--multi-turn", action="store_true",
-                   help="run tool calls turn by turn (nanorl/multiturn.py), with per-turn metrics")
-    g.add_argument("--max-turns", type=positive_int, default=None,
-                   help=f"--multi-turn: tool calls per response (default {RolloutConfig.max_turns}); one more ends it "
-                        f"as truncated")
-    g.add_argument("--tool", default=None, choices=TOOLS,
-                   help=f"--multi-turn: what answers a tool call (default {RolloutConfig.tool})")
-    g.add_argument("--rollout-timeout", type=nonneg_float, default=1800, help="seconds a rank's rollout (or eval) may "
-                   "take before the run saves and exits non-zero, naming what was in flight (0 = no limit)")
+    g.add_argument(
+        "--custom-generate-function-path",
+        default=None,
+        help="module:function(config, engine, tokenizer, "
+        "prompts, seeds) -> list of groups (lists) of Sample; config is the RolloutConfig",
+    )
+    g.add_argument(
+        "--multi-turn",
+        action="store_true",
+        help="run tool calls turn by turn (nanorl/multiturn.py), with per-turn metrics",
+    )
+    g.add_argument(
+        "--max-turns",
+        type=positive_int,
+        default=None,
+        help=f"--multi-turn: tool calls per response (default {RolloutConfig.max_turns}); one more ends it "
+        f"as truncated",
+    )
+    g.add_argument(
+        "--tool",
+        default=None,
+        choices=TOOLS,
+        help=f"--multi-turn: what answers a tool call (default {RolloutConfig.tool})",
+    )
+    g.add_argument(
+        "--rollout-timeout",
+        type=nonneg_float,
+        default=1800,
+        help="seconds a rank's rollout (or eval) may "
+        "take before the run saves and exits non-zero, naming what was in flight (0 = no limit)",
+    )
 
 
 def config_from_args(args, parser):
@@ -74,27 +120,40 @@ def config_from_args(args, parser):
     --max-response-len), after checking that they agree."""
     dynamic = args.over_sampling_batch_size is not None
     if args.partial_rollout and not (dynamic and args.over_sampling_batch_size > args.rollout_batch_size):
-        parser.error("--partial-rollout needs --over-sampling-batch-size larger than --rollout-batch-size: "
-                     "partial rollouts abort the surplus that is still generating once the batch is full")
+        parser.error(
+            "--partial-rollout needs --over-sampling-batch-size larger than --rollout-batch-size: "
+            "partial rollouts abort the surplus that is still generating once the batch is full"
+        )
     if args.partial_rollout and args.custom_generate_function_path:
-        parser.error("--partial-rollout drives the engine itself: it cannot be combined with "
-                     "--custom-generate-function-path")
+        parser.error(
+            "--partial-rollout drives the engine itself: it cannot be combined with --custom-generate-function-path"
+        )
     if args.multi_turn:
         if args.custom_generate_function_path:
             parser.error("--multi-turn and --custom-generate-function-path both generate the rollout: give one of them")
         if args.partial_rollout:
-            parser.error("--multi-turn and --partial-rollout cannot be combined: partial rollouts park and resume "
-                         "single engine requests")
+            parser.error(
+                "--multi-turn and --partial-rollout cannot be combined: partial rollouts park and resume "
+                "single engine requests"
+            )
     elif args.max_turns is not None or args.tool is not None:
         parser.error("--max-turns and --tool are only used with --multi-turn")
-    return RolloutConfig(n_samples_per_prompt=args.n_samples_per_prompt, temperature=args.temperature,
-                         max_response_len=args.max_response_len, top_k=args.top_k, top_p=args.top_p,
-                         multi_turn=args.multi_turn, max_turns=args.max_turns or RolloutConfig.max_turns,
-                         tool=args.tool or RolloutConfig.tool, partial_rollout=args.partial_rollout)
+    return RolloutConfig(
+        n_samples_per_prompt=args.n_samples_per_prompt,
+        temperature=args.temperature,
+        max_response_len=args.max_response_len,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        multi_turn=args.multi_turn,
+        max_turns=args.max_turns or RolloutConfig.max_turns,
+        tool=args.tool or RolloutConfig.tool,
+        partial_rollout=args.partial_rollout,
+    )
 
 
 # -----------------------------------------------------------------------------------------------
 # dynamic sampling: filters, the surplus buffer, filling a rollout
+
 
 def keep_nonconstant_group(group):
     """Default dynamic-sampling filter (DAPO): a group whose rewards are all equal has zero advantage
@@ -117,6 +176,7 @@ def pop_first(buffer, n):
 class RolloutBuffer:
     """Groups generated beyond what one rollout needed, kept for the next one (nothing sampled is wasted).
     `partial` holds the groups a partial rollout aborted mid-generation, to be continued first next time."""
+
     def __init__(self, buffer_filter=pop_first):
         self.groups, self.partial = [], []
         self.buffer_filter = buffer_filter
@@ -136,8 +196,10 @@ class RolloutBuffer:
         return taken
 
     def state_dict(self):
-        return {"groups": [[s.to_dict() for s in g] for g in self.groups],
-                "partial": [[s.to_dict() for s in g] for g in self.partial]}
+        return {
+            "groups": [[s.to_dict() for s in g] for g in self.groups],
+            "partial": [[s.to_dict() for s in g] for g in self.partial],
+        }
 
     def load_state_dict(self, state):
         self.groups = [[Sample(**d) for d in g] for g in state["groups"]]
@@ -155,8 +217,13 @@ def fill_rollout(target_groups, buffer, make_groups, group_filter, max_rounds=8,
     round is closed, which aborts and parks what is still generating.
     Returns (groups, stats) where stats counts what was dropped and why.
     """
-    stats = {"groups_generated": 0, "groups_from_buffer": 0, "groups_dropped": 0, "rounds": 0,
-             "groups_unfiltered_fill": 0}
+    stats = {
+        "groups_generated": 0,
+        "groups_from_buffer": 0,
+        "groups_dropped": 0,
+        "rounds": 0,
+        "groups_unfiltered_fill": 0,
+    }
     kept, dropped = [], []
     for g in buffer.pop(target_groups):
         stats["groups_from_buffer"] += 1
@@ -181,7 +248,7 @@ def fill_rollout(target_groups, buffer, make_groups, group_filter, max_rounds=8,
             if hasattr(groups, "close"):  # a generator: closing it aborts and parks what is in flight
                 groups.close()
     if len(kept) < target_groups:
-        fill = dropped[:target_groups - len(kept)]
+        fill = dropped[: target_groups - len(kept)]
         stats["groups_unfiltered_fill"] = len(fill)
         stats["groups_dropped"] -= len(fill)
         kept.extend(fill)
@@ -192,6 +259,7 @@ def fill_rollout(target_groups, buffer, make_groups, group_filter, max_rounds=8,
 # -----------------------------------------------------------------------------------------------
 # the rollout deadline
 
+
 class RolloutTimeout(BaseException):
     """Not an Exception: a reward wrapper that catches Exception must not swallow it."""
 
@@ -200,8 +268,10 @@ class RolloutTimeout(BaseException):
 def deadline(seconds, what="the rollout"):
     """Raise RolloutTimeout in this (main) thread once `seconds` have passed (0 = no limit). SIGALRM interrupts
     Python code that hangs: a reward call, a custom rollout, a tool."""
+
     def on_timeout(signum, frame):
         raise RolloutTimeout(f"{what} ran past --rollout-timeout {seconds:g}s")
+
     if seconds > 0:
         signal.signal(signal.SIGALRM, on_timeout)
         signal.setitimer(signal.ITIMER_REAL, seconds)
@@ -215,6 +285,7 @@ def deadline(seconds, what="the rollout"):
 # -----------------------------------------------------------------------------------------------
 # generating and scoring groups on one rank
 
+
 class RolloutWorker:
     """
     Turns prompts into scored groups of Samples on one rank. It owns the engine, the reward function and two
@@ -224,6 +295,7 @@ class RolloutWorker:
       rewards: the RewardConfig (the remote server, what a failed reward becomes)
       custom_generate: --custom-generate-function-path, called as fn(cfg, engine, tokenizer, prompts, seeds)
     """
+
     def __init__(self, cfg, engine, tokenizer, reward_fn, rewards, custom_generate=None):
         self.cfg, self.engine, self.tokenizer = cfg, engine, tokenizer
         self.reward_fn, self.rewards, self.custom_generate = reward_fn, rewards, custom_generate
@@ -235,16 +307,32 @@ class RolloutWorker:
 
     def request(self, prompt_ids, seed, num_samples, temperature, max_tokens=None, **kw):
         c = self.cfg
-        return Request(prompt_ids=prompt_ids, num_samples=num_samples,
-                       max_tokens=c.max_response_len if max_tokens is None else max_tokens,
-                       temperature=temperature, top_k=c.top_k, top_p=c.top_p, seed=seed, **kw)
+        return Request(
+            prompt_ids=prompt_ids,
+            num_samples=num_samples,
+            max_tokens=c.max_response_len if max_tokens is None else max_tokens,
+            temperature=temperature,
+            top_k=c.top_k,
+            top_p=c.top_p,
+            seed=seed,
+            **kw,
+        )
 
     def new_group(self, p, prompt_ids, seed, num_samples, weight_version, temperature):
         """Empty samples of one prompt, to be extended by the engine's completions."""
-        return [Sample(prompt=p.get("conversation", p.get("text")), tokens=list(prompt_ids), label=p["label"],
-                       status=ABORTED, weight_version=weight_version, index=si,
-                       metadata={**p["metadata"], "seed": seed}, temperature=temperature)
-                for si in range(num_samples)]
+        return [
+            Sample(
+                prompt=p.get("conversation", p.get("text")),
+                tokens=list(prompt_ids),
+                label=p["label"],
+                status=ABORTED,
+                weight_version=weight_version,
+                index=si,
+                metadata={**p["metadata"], "seed": seed},
+                temperature=temperature,
+            )
+            for si in range(num_samples)
+        ]
 
     def generate(self, prompts, seeds, temperature, num_samples, weight_version):
         """The default rollout: one engine call over all prompts, each fanned out to num_samples -> groups."""
@@ -281,9 +369,15 @@ class RolloutWorker:
             handles = {}
             for s in group:
                 if s.status == ABORTED:  # continue it: same random stream, from the token it stopped at
-                    req = self.request(list(s.tokens), s.metadata["seed"], 1, c.temperature,
-                                       max_tokens=c.max_response_len - s.response_length, first_sample=s.index,
-                                       start_counter=s.response_length)
+                    req = self.request(
+                        list(s.tokens),
+                        s.metadata["seed"],
+                        1,
+                        c.temperature,
+                        max_tokens=c.max_response_len - s.response_length,
+                        first_sample=s.index,
+                        start_counter=s.response_length,
+                    )
                     handles[s.index] = (engine.submit(req), 0)
                 s.metadata["resumed"] = s.metadata.get("resumed", 0) + (s.status == ABORTED)
             jobs.append((group, handles))
@@ -312,7 +406,7 @@ class RolloutWorker:
                     buffer.partial.append(group)
 
     def response_text(self, s):
-        return self.tokenizer.decode([t for t in s.tokens[s.prompt_length:] if t not in self.stop_tokens])
+        return self.tokenizer.decode([t for t in s.tokens[s.prompt_length :] if t not in self.stop_tokens])
 
     def score(self, groups, count_failures=True):
         """Reward every unscored sample of groups (custom generate functions may score their own). A reward that
@@ -321,8 +415,10 @@ class RolloutWorker:
         todo = [s for g in groups for s in g if s.reward is None]
         texts = [self.response_text(s) for s in todo]
         if self.reward_fn is None:  # --rm-type remote: all the samples in one batched call
-            payloads = [{"prompt": s.prompt, "response": t, "label": s.label, "metadata": s.metadata}
-                        for s, t in zip(todo, texts)]
+            payloads = [
+                {"prompt": s.prompt, "response": t, "label": s.label, "metadata": s.metadata}
+                for s, t in zip(todo, texts)
+            ]
             self.inflight["scoring"] = {"remote": r.rm_url, "samples": len(payloads)}
             results = remote_rewards(r.rm_url, payloads, r.rm_concurrency, r.rm_timeout, r.rm_retries)
         else:
@@ -335,8 +431,11 @@ class RolloutWorker:
         if count_failures:
             self.reward_failures += len(failed)
         if failed:
-            print(f"warning: {len(failed)}/{len(todo)} rewards failed ({r.rm_failure}), "
-                  f"e.g. {failed[0].metadata['reward_error']}", flush=True)
+            print(
+                f"warning: {len(failed)}/{len(todo)} rewards failed ({r.rm_failure}), "
+                f"e.g. {failed[0].metadata['reward_error']}",
+                flush=True,
+            )
         return groups
 
     def metrics(self, fstats, samples, rollout_s, buffer):
@@ -344,13 +443,17 @@ class RolloutWorker:
         with --partial-rollout, tool use with --multi-turn."""
         m = {f"rollout/{k}": v for k, v in fstats.items()}
         rewards = [s.scalar_reward() for s in samples]
-        m.update({"rollout/reward_mean": sum(rewards) / len(rewards),
-                  "rollout/reward_std": float(torch.tensor(rewards).std()) if len(rewards) > 1 else 0.0,
-                  "rollout/response_len_mean": sum(s.response_length for s in samples) / len(samples),
-                  "rollout/truncated_frac": sum(s.status == TRUNCATED for s in samples) / len(samples),
-                  "rollout/reward_failures": self.reward_failures,
-                  "time/rollout": rollout_s,
-                  "perf/rollout_tok_per_s": sum(s.response_length for s in samples) / max(rollout_s, 1e-9)})
+        m.update(
+            {
+                "rollout/reward_mean": sum(rewards) / len(rewards),
+                "rollout/reward_std": float(torch.tensor(rewards).std()) if len(rewards) > 1 else 0.0,
+                "rollout/response_len_mean": sum(s.response_length for s in samples) / len(samples),
+                "rollout/truncated_frac": sum(s.status == TRUNCATED for s in samples) / len(samples),
+                "rollout/reward_failures": self.reward_failures,
+                "time/rollout": rollout_s,
+                "perf/rollout_tok_per_s": sum(s.response_length for s in samples) / max(rollout_s, 1e-9),
+            }
+        )
         components = [k for k in next((s.reward for s in samples if isinstance(s.reward, dict)), {}) if k != "total"]
         for k in components:
             total = sum(s.reward.get(k, 0.0) for s in samples if isinstance(s.reward, dict))

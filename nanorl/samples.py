@@ -9,6 +9,7 @@ The Sample record that RL passes from sampler to trainer, and its tensor layout:
   collate_packed        one micro-batch -> collate() plus the packed (R, L) tensors the model runs on
   unpack, pad_like      packed per-token outputs / per-sample rows back to the (B, T) layout
 """
+
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -19,6 +20,7 @@ COMPLETED, TRUNCATED, ABORTED = "completed", "truncated", "aborted"
 @dataclass
 class Sample:
     """One response to one prompt, and everything the trainer and the logs need about it."""
+
     prompt: object = None  # the conversation (dict) or text the prompt came from
     tokens: list = field(default_factory=list)  # prompt ids + response ids
     response_length: int = 0
@@ -55,7 +57,7 @@ def extend_sample(s, completion, python_start=None, output_end=None):
     s.rollout_log_probs += completion.logprobs
     s.status = completion.status
     if s.status == ABORTED:
-        response = s.tokens[s.prompt_length:]
+        response = s.tokens[s.prompt_length :]
         open_at = None
         for i, t in enumerate(response):
             if t == python_start:
@@ -71,6 +73,7 @@ def extend_sample(s, completion, python_start=None, output_end=None):
 
 # -----------------------------------------------------------------------------------------------
 # packing samples into micro-batches
+
 
 def pack_rows(sizes, capacity):
     """First-fit, largest first: lists of indices whose sizes add up to at most capacity (a larger one alone)."""
@@ -119,6 +122,7 @@ def pack_micro_batches(samples, max_tokens, row_len):
 # -----------------------------------------------------------------------------------------------
 # tensors
 
+
 def collate(samples, device="cpu", pad_id=0):
     """
     Samples -> padded (B, T) tensors aligned for next-token prediction: position t predicts token t+1.
@@ -133,14 +137,18 @@ def collate(samples, device="cpu", pad_id=0):
     rollout_logp = torch.zeros(B, T)
     for b, s in enumerate(samples):
         n, P, R = len(s.tokens), s.prompt_length, s.response_length
-        inputs[b, :n - 1] = torch.tensor(s.tokens[:-1])
+        inputs[b, : n - 1] = torch.tensor(s.tokens[:-1])
         resp = slice(P - 1, P - 1 + R)
         targets[b, resp] = torch.tensor(s.tokens[P:])
         loss_mask[b, resp] = torch.tensor(s.loss_mask, dtype=torch.float32)
         if s.rollout_log_probs:
             rollout_logp[b, resp] = torch.tensor(s.rollout_log_probs, dtype=torch.float32)
-    return {"inputs": inputs.to(device), "targets": targets.to(device),
-            "loss_mask": loss_mask.to(device), "rollout_logp": rollout_logp.to(device)}
+    return {
+        "inputs": inputs.to(device),
+        "targets": targets.to(device),
+        "loss_mask": loss_mask.to(device),
+        "rollout_logp": rollout_logp.to(device),
+    }
 
 
 def collate_packed(samples, rows, device="cpu", pad_id=0):
@@ -165,9 +173,9 @@ def collate_packed(samples, rows, device="cpu", pad_id=0):
         pos = 0
         for doc in range(len(row)):
             n = sizes[b]
-            inputs[r, pos:pos + n] = batch["inputs"][b, :n]
-            targets[r, pos:pos + n] = batch["targets"][b, :n]
-            doc_ids[r, pos:pos + n] = doc
+            inputs[r, pos : pos + n] = batch["inputs"][b, :n]
+            targets[r, pos : pos + n] = batch["targets"][b, :n]
+            doc_ids[r, pos : pos + n] = doc
             index[b, :n] = torch.arange(r * L + pos, r * L + pos + n)
             pos, b = pos + n, b + 1
         doc_ids[r, pos:] = len(row)

@@ -8,6 +8,7 @@ The engine's sampling math: pure functions of logits and per-row settings, no en
 - sample_tokens(): one token per row by inverse-CDF sampling, with per-row temperature, top-k and top-p
 - sample_with_logprobs(): the engine's step: sampled tokens and their log_softmax(tempered) log-probs
 """
+
 import torch
 
 _MASK64 = (1 << 64) - 1
@@ -71,8 +72,9 @@ def sample_tokens(logits, temperature, top_k, top_p, uniform, filtered=True):
     return _sample(logits, x, temperature, top_k, top_p, uniform, filtered, greedy=True)
 
 
-def sample_with_logprobs(logits, temperature, top_k, top_p, uniform, filtered=True, greedy=True, forced=None,
-                         unit=False):
+def sample_with_logprobs(
+    logits, temperature, top_k, top_p, uniform, filtered=True, greedy=True, forced=None, unit=False
+):
     """sample_tokens(), then each row's token replaced by forced[row] where that is >= 0 (tool output), and the
     log-prob of every token under the distribution sampled from: log_softmax(tempered), before top-k/top-p (the
     trainer cannot apply those filters). greedy=False promises no row has temperature 0 (skips an argmax),

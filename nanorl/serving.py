@@ -13,14 +13,13 @@ import time
 import uuid
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 from fastapi.responses import StreamingResponse
 
 from nanorl.engine import Request
-from nanorl.toolcalls import MarkupStream
 from nanorl.openai_api import BadRequest, ServeConfig, error_body
+from nanorl.toolcalls import MarkupStream
 
 
 class EngineError(RuntimeError):
@@ -88,8 +87,8 @@ class Trace:
     status: int = 500  # until a response starts
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    ttft: Optional[float] = None  # seconds from the request's arrival to its first generated token
-    error: Optional[str] = None  # an error after a stream began (its status stays 200)
+    ttft: float | None = None  # seconds from the request's arrival to its first generated token
+    error: str | None = None  # an error after a stream began (its status stays 200)
 
     def line(self, took):
         tokens = f" in={self.prompt_tokens} out={self.completion_tokens}" if self.prompt_tokens else ""

@@ -7,6 +7,7 @@ predicts into the next one. Whole conversations are then packed best-fit into ro
 document id per token, which nanorl.gpt turns into block-diagonal attention with positions restarting
 per document. Only a row's tail is padding. Too-long conversations are truncated and counted.
 """
+
 import random
 
 import torch
@@ -16,7 +17,7 @@ def render_example(tokenizer, conversation, seq_len):
     """(inputs, targets, truncated): at most seq_len positions, targets -1 where the assistant did not write."""
     ids, mask = tokenizer.render_conversation(conversation)
     truncated = len(ids) > seq_len + 1
-    ids, mask = ids[:seq_len + 1], mask[:seq_len + 1]
+    ids, mask = ids[: seq_len + 1], mask[: seq_len + 1]
     targets = [t if m else -1 for t, m in zip(ids[1:], mask[1:])]
     return ids[:-1], targets, truncated
 
@@ -28,8 +29,21 @@ class SFTLoader:
     padded. epochs=None loops forever; otherwise next_batch() returns None once the data is used up.
     state_dict() holds the epoch, the cursor and the pending pool, so a resumed run sees the same rows.
     """
-    def __init__(self, task, tokenizer, batch_size, seq_len, rank=0, world_size=1, seed=0, shuffle=True,
-                 epochs=None, pool_size=64, device="cpu"):
+
+    def __init__(
+        self,
+        task,
+        tokenizer,
+        batch_size,
+        seq_len,
+        rank=0,
+        world_size=1,
+        seed=0,
+        shuffle=True,
+        epochs=None,
+        pool_size=64,
+        device="cpu",
+    ):
         if len(task) < world_size:
             raise ValueError(f"the data has {len(task)} conversations, fewer than the {world_size} ranks")
         self.task, self.tokenizer = task, tokenizer
@@ -45,7 +59,7 @@ class SFTLoader:
         order = list(range(len(self.task)))
         if self.shuffle:
             random.Random(self.seed * 1_000_003 + self.epoch).shuffle(order)
-        return order[self.rank::self.world_size]
+        return order[self.rank :: self.world_size]
 
     def _render(self, index):
         inputs, targets, truncated = render_example(self.tokenizer, self.task.get_example(index), self.T)
@@ -100,9 +114,9 @@ class SFTLoader:
                     break
                 doc = self.pool.pop(max(fits, key=lambda j: len(self.pool[j]["inputs"])))
                 n = len(doc["inputs"])
-                inputs[b, pos:pos + n] = torch.tensor(doc["inputs"])
-                targets[b, pos:pos + n] = torch.tensor(doc["targets"])
-                doc_ids[b, pos:pos + n] = doc_id
+                inputs[b, pos : pos + n] = torch.tensor(doc["inputs"])
+                targets[b, pos : pos + n] = torch.tensor(doc["targets"])
+                doc_ids[b, pos : pos + n] = doc_id
                 pos, doc_id, placed = pos + n, doc_id + 1, placed + 1
             doc_ids[b, pos:] = doc_id  # the tail is one more "document" of padding
             self.stats["padding"] += T - pos
@@ -120,7 +134,12 @@ class SFTLoader:
         return self.stats["padding"] / max(self.stats["positions"], 1)
 
     def state_dict(self):
-        return {"epoch": self.epoch, "cursor": self.cursor, "pool": [d["index"] for d in self.pool], "stats": dict(self.stats)}
+        return {
+            "epoch": self.epoch,
+            "cursor": self.cursor,
+            "pool": [d["index"] for d in self.pool],
+            "stats": dict(self.stats),
+        }
 
     def load_state_dict(self, state):
         self.epoch, self.cursor = state["epoch"], state["cursor"]
@@ -131,6 +150,7 @@ class SFTLoader:
 
 # -----------------------------------------------------------------------------------------------
 # the data flags of scripts/mid_train.py and scripts/chat_sft.py
+
 
 def levels(args):
     return tuple(int(l) for l in args.levels.split(","))

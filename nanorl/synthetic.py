@@ -8,6 +8,7 @@ It lets the whole pipeline run with no downloads. The vocabulary is small on pur
 model trained for minutes on a CPU learns it; the problems get hard enough at levels 3-4 that RL has room.
 Train and test are disjoint: a problem's split is decided by a stable hash of its question text.
 """
+
 import argparse
 import hashlib
 import random
@@ -15,25 +16,31 @@ import re
 
 from nanorl.errors import BadValue
 
-NAMES = ("Alice Bob Carol Dave Emma Frank Grace Henry Ivy Jack Kate Leo Mia Noah Olga Paul Quinn Rosa Sam Tara "
-         "Uma Victor Wendy Xavier Yara Zack").split()
-ITEMS = ("apples pears oranges books pencils marbles stickers cookies coins shells stamps cards eggs candles "
-         "buttons flowers stones boxes cups plates").split()
+NAMES = (
+    "Alice Bob Carol Dave Emma Frank Grace Henry Ivy Jack Kate Leo Mia Noah Olga Paul Quinn Rosa Sam Tara "
+    "Uma Victor Wendy Xavier Yara Zack"
+).split()
+ITEMS = (
+    "apples pears oranges books pencils marbles stickers cookies coins shells stamps cards eggs candles "
+    "buttons flowers stones boxes cups plates"
+).split()
 PLACES = "park school market garden library farm beach forest kitchen village".split()
 ADJS = "small big red blue green old new happy quiet bright warm cold tall short".split()
 ANIMALS = "cat dog bird fish horse cow sheep rabbit fox owl".split()
 VERBS_PAST = "found bought picked made collected got won received".split()
-WORDS = ("apple banana cherry grape lemon mango melon orange peach pear plum berry strawberry raspberry "
-         "blueberry tomato potato carrot pepper onion garlic bread butter cheese cookie candle pencil paper "
-         "letter bottle button mirror window garden forest river mountain valley island ocean planet rocket "
-         "engine bridge castle tower school teacher student doctor farmer banana pizza coffee sugar salt "
-         "yellow purple silver golden hello world python computer keyboard monitor network balloon giraffe "
-         "elephant kangaroo butterfly penguin dolphin octopus squirrel hamster rabbit turtle parrot spider "
-         "mississippi committee bookkeeper balloon assessment possession success address necessary "
-         "occasion tomorrow beginning different grammar library february calendar cemetery accommodate "
-         "excellent millennium pineapple watermelon cinnamon broccoli spaghetti umbrella television "
-         "hippopotamus alligator cucumber avocado abracadabra bubble puppy kitten daddy mummy summer winter "
-         "autumn spring coconut peppermint lollipop cappuccino referee tattoo zucchini sassafras").split()
+WORDS = (
+    "apple banana cherry grape lemon mango melon orange peach pear plum berry strawberry raspberry "
+    "blueberry tomato potato carrot pepper onion garlic bread butter cheese cookie candle pencil paper "
+    "letter bottle button mirror window garden forest river mountain valley island ocean planet rocket "
+    "engine bridge castle tower school teacher student doctor farmer banana pizza coffee sugar salt "
+    "yellow purple silver golden hello world python computer keyboard monitor network balloon giraffe "
+    "elephant kangaroo butterfly penguin dolphin octopus squirrel hamster rabbit turtle parrot spider "
+    "mississippi committee bookkeeper balloon assessment possession success address necessary "
+    "occasion tomorrow beginning different grammar library february calendar cemetery accommodate "
+    "excellent millennium pineapple watermelon cinnamon broccoli spaghetti umbrella television "
+    "hippopotamus alligator cucumber avocado abracadabra bubble puppy kitten daddy mummy summer winter "
+    "autumn spring coconut peppermint lollipop cappuccino referee tattoo zucchini sassafras"
+).split()
 WORDS = sorted(set(WORDS))
 
 
@@ -50,6 +57,7 @@ def _fmt_step(a, op, b, result):
 # -----------------------------------------------------------------------------------------------
 # problems
 
+
 def _arith_problem(rng, level):
     """A word problem as a chain of steps: a start amount, then `level` operations on it."""
     name, item = rng.choice(NAMES), rng.choice(ITEMS)
@@ -63,8 +71,15 @@ def _arith_problem(rng, level):
         if op == "+":
             b = rng.randint(1, hi)
             friend = rng.choice([x for x in NAMES if x != name])
-            sentences.append(rng.choice([f"{friend} gives {name} {b} more {item}.", f"Then {name} finds {b} more {item}.",
-                                         f"{name} buys {b} more {item} at the {rng.choice(PLACES)}."]))
+            sentences.append(
+                rng.choice(
+                    [
+                        f"{friend} gives {name} {b} more {item}.",
+                        f"Then {name} finds {b} more {item}.",
+                        f"{name} buys {b} more {item} at the {rng.choice(PLACES)}.",
+                    ]
+                )
+            )
             res = total + b
         elif op == "-":
             if total < 2:
@@ -74,14 +89,21 @@ def _arith_problem(rng, level):
                 total = res
                 continue
             b = rng.randint(1, total - 1)
-            sentences.append(rng.choice([f"{name} gives {b} {item} away.", f"{name} loses {b} {item}.",
-                                         f"{name} uses {b} of the {item}."]))
+            sentences.append(
+                rng.choice(
+                    [f"{name} gives {b} {item} away.", f"{name} loses {b} {item}.", f"{name} uses {b} of the {item}."]
+                )
+            )
             res = total - b
         elif op == "*":
             b = rng.randint(2, 3 if level < 4 else 5)
             if total * b > 2000:
                 b = 2
-            sentences.append(rng.choice([f"Then the number of {item} grows {b} times.", f"{name} makes it {b} times as many {item}."]))
+            sentences.append(
+                rng.choice(
+                    [f"Then the number of {item} grows {b} times.", f"{name} makes it {b} times as many {item}."]
+                )
+            )
             res = total * b
         else:
             divisors = [d for d in (2, 3, 4, 5) if total % d == 0]
@@ -99,8 +121,14 @@ def _arith_problem(rng, level):
         total = res
     question = " ".join(sentences) + f" How many {item} does {name} have now?"
     answer = "\n".join(steps) + f"\n{name} has {total} {item} now.\n#### {total}"
-    return {"question": question, "answer": answer, "label": str(total), "kind": "arith", "level": level,
-            "split_key": question}
+    return {
+        "question": question,
+        "answer": answer,
+        "label": str(total),
+        "kind": "arith",
+        "level": level,
+        "split_key": question,
+    }
 
 
 def _count_problem(rng, level):
@@ -112,9 +140,13 @@ def _count_problem(rng, level):
     letters = sorted(set(word))
     letter = rng.choice(letters) if level <= 2 or rng.random() < 0.7 else rng.choice("abcdefghijklmnopqrstuvwxyz")
     count = word.count(letter)
-    question = rng.choice([f"How many times does the letter {letter} appear in the word {word}?",
-                           f"Count the letter {letter} in {word}. How many are there?",
-                           f"How many {letter}'s are in the word {word}?"])
+    question = rng.choice(
+        [
+            f"How many times does the letter {letter} appear in the word {word}?",
+            f"Count the letter {letter} in {word}. How many are there?",
+            f"How many {letter}'s are in the word {word}?",
+        ]
+    )
     spelled = "-".join(word)
     running, marks = 0, []
     for ch in word:
@@ -123,11 +155,19 @@ def _count_problem(rng, level):
             marks.append(f"{ch}({running})")
         else:
             marks.append(ch)
-    answer = (f"The word {word} is spelled {spelled}.\nMarking each {letter}: {' '.join(marks)}.\n"
-              f"So {word}.count('{letter}') = <<'{word}'.count('{letter}')={count}>>{count}.\n#### {count}")
+    answer = (
+        f"The word {word} is spelled {spelled}.\nMarking each {letter}: {' '.join(marks)}.\n"
+        f"So {word}.count('{letter}') = <<'{word}'.count('{letter}')={count}>>{count}.\n#### {count}"
+    )
     # split by (word, letter), not by the wording: the same count must never be asked in both splits
-    return {"question": question, "answer": answer, "label": str(count), "kind": "count", "level": level,
-            "split_key": f"{word}|{letter}"}
+    return {
+        "question": question,
+        "answer": answer,
+        "label": str(count),
+        "kind": "count",
+        "level": level,
+        "split_key": f"{word}|{letter}",
+    }
 
 
 LEVELS = (1, 2, 3, 4)
@@ -168,8 +208,10 @@ def problems(split, n, seed=0, levels=(1, 2, 3, 4), kinds=("arith", "count")):
         if p["question"] in seen or _hash_split(p["split_key"]) != split:
             misses += 1  # many misses in a row: the space is exhausted, say so instead of looping forever
             if misses > 20_000:
-                raise ValueError(f"could not find {n} distinct {split} problems at levels {levels} of kinds {kinds}: "
-                                 f"the space is too small (found {len(out)})")
+                raise ValueError(
+                    f"could not find {n} distinct {split} problems at levels {levels} of kinds {kinds}: "
+                    f"the space is too small (found {len(out)})"
+                )
             continue
         misses = 0
         seen.add(p["question"])
@@ -190,28 +232,33 @@ def problem_to_conversation(problem, use_tools=False):
         content, pos = [], 0
         for m in _ANNOT.finditer(answer):
             if m.start() > pos:
-                content.append({"type": "text", "text": answer[pos:m.start()]})
+                content.append({"type": "text", "text": answer[pos : m.start()]})
             content.append({"type": "python", "text": m.group(1)})
             content.append({"type": "python_output", "text": m.group(2)})
             pos = m.end()
         # the text after an annotation repeats the value; the tool output already showed it
         rest = answer[pos:]
         content.append({"type": "text", "text": rest})
-    return {"messages": [{"role": "user", "content": problem["question"]}, {"role": "assistant", "content": content}],
-            "label": problem["label"]}
+    return {
+        "messages": [{"role": "user", "content": problem["question"]}, {"role": "assistant", "content": content}],
+        "label": problem["label"],
+    }
 
 
 # -----------------------------------------------------------------------------------------------
 # pretraining documents
 
+
 def _story(rng):
     name, friend, place = rng.choice(NAMES), rng.choice(NAMES), rng.choice(PLACES)
     animal, adj, item = rng.choice(ANIMALS), rng.choice(ADJS), rng.choice(ITEMS)
-    lines = [f"{name} went to the {place} with {friend}.",
-             f"There they saw a {adj} {animal}.",
-             f"{name} {rng.choice(VERBS_PAST)} some {item} and gave them to {friend}.",
-             f"The {animal} was {rng.choice(ADJS)} and {rng.choice(ADJS)}.",
-             f"In the evening {name} and {friend} went home from the {place}."]
+    lines = [
+        f"{name} went to the {place} with {friend}.",
+        f"There they saw a {adj} {animal}.",
+        f"{name} {rng.choice(VERBS_PAST)} some {item} and gave them to {friend}.",
+        f"The {animal} was {rng.choice(ADJS)} and {rng.choice(ADJS)}.",
+        f"In the evening {name} and {friend} went home from the {place}.",
+    ]
     rng.shuffle(lines[1:4])
     return " ".join(lines)
 
@@ -237,7 +284,9 @@ def _spelling(rng, split):
         letter = rng.choice(sorted(set(w)))
         if _hash_split(f"{w}|{letter}") != split:  # never state a held-out count
             continue
-        out.append(f"The word {w} is spelled {'-'.join(w)}. It has {len(w)} letters and the letter {letter} appears {w.count(letter)} times.")
+        out.append(
+            f"The word {w} is spelled {'-'.join(w)}. It has {len(w)} letters and the letter {letter} appears {w.count(letter)} times."
+        )
     return " ".join(out)
 
 
@@ -292,9 +341,13 @@ IDENTITY = [
 def _world_qa(rng):
     name, place, animal, adj = rng.choice(NAMES), rng.choice(PLACES), rng.choice(ANIMALS), rng.choice(ADJS)
     story = f"{name} saw a {adj} {animal} at the {place}."
-    q, a = rng.choice([(f"{story} Where was {name}?", f"{name} was at the {place}."),
-                       (f"{story} What animal did {name} see?", f"{name} saw a {animal}."),
-                       (f"{story} What was the {animal} like?", f"The {animal} was {adj}.")])
+    q, a = rng.choice(
+        [
+            (f"{story} Where was {name}?", f"{name} was at the {place}."),
+            (f"{story} What animal did {name} see?", f"{name} saw a {animal}."),
+            (f"{story} What was the {animal} like?", f"The {animal} was {adj}."),
+        ]
+    )
     return q, a
 
 

@@ -2,6 +2,7 @@
 BPE tokenizer: trained with rustbpe (fast, Rust), used for encoding through tiktoken (fast, battle tested).
 Also renders chat conversations into token ids plus a loss mask.
 """
+
 import base64
 import json
 import os
@@ -10,15 +11,21 @@ from nanorl.errors import BadValue, MissingFile, read_json_object
 
 SPECIAL_TOKENS = [
     "<|bos|>",  # every document starts with it
-    "<|user_start|>", "<|user_end|>",
-    "<|assistant_start|>", "<|assistant_end|>",
-    "<|python_start|>", "<|python_end|>",  # the assistant calls the python tool
-    "<|output_start|>", "<|output_end|>",  # the tool's output, forced in (never trained on)
+    "<|user_start|>",
+    "<|user_end|>",
+    "<|assistant_start|>",
+    "<|assistant_end|>",
+    "<|python_start|>",
+    "<|python_end|>",  # the assistant calls the python tool
+    "<|output_start|>",
+    "<|output_end|>",  # the tool's output, forced in (never trained on)
 ]
 
 # GPT-4-style split, with numbers split into groups of at most 2 digits: small vocabularies
 # waste fewer tokens on digit triples, and arithmetic stays easier to learn.
-SPLIT_PATTERN = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
+SPLIT_PATTERN = (
+    r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
+)
 
 TOKENIZER_FILE = "tokenizer.json"
 
@@ -32,6 +39,7 @@ class Tokenizer:
     @classmethod
     def from_ranks(cls, mergeable_ranks, pattern):
         import tiktoken
+
         offset = len(mergeable_ranks)
         special = {name: offset + i for i, name in enumerate(SPECIAL_TOKENS)}
         enc = tiktoken.Encoding(name="nanorl", pat_str=pattern, mergeable_ranks=mergeable_ranks, special_tokens=special)
@@ -40,9 +48,12 @@ class Tokenizer:
     @classmethod
     def train(cls, text_iterator, vocab_size):
         import rustbpe  # only needed to train, not to use
+
         n_merged = vocab_size - len(SPECIAL_TOKENS)
         if n_merged < 256:
-            raise BadValue(f"--vocab-size {vocab_size} is too small: need >= {256 + len(SPECIAL_TOKENS)} (256 bytes + special tokens)")
+            raise BadValue(
+                f"--vocab-size {vocab_size} is too small: need >= {256 + len(SPECIAL_TOKENS)} (256 bytes + special tokens)"
+            )
         tok = rustbpe.Tokenizer()
         tok.train_from_iterator(text_iterator, n_merged, pattern=SPLIT_PATTERN)
         ranks = {bytes(k): v for k, v in tok.get_mergeable_ranks()}
@@ -59,7 +70,9 @@ class Tokenizer:
             ranks = {base64.b64decode(k): int(v) for k, v in data["mergeable_ranks"]}
             pattern = data["pattern"]
         except (json.JSONDecodeError, KeyError, ValueError, TypeError) as e:
-            raise BadValue(f"tokenizer file {path} is corrupt ({type(e).__name__}: {e}); retrain it with `python -m scripts.tok_train`") from e
+            raise BadValue(
+                f"tokenizer file {path} is corrupt ({type(e).__name__}: {e}); retrain it with `python -m scripts.tok_train`"
+            ) from e
         if data.get("special_tokens", SPECIAL_TOKENS) != SPECIAL_TOKENS:
             raise BadValue(f"tokenizer file {path} has different special tokens than this version of nanorl")
         if sorted(ranks.values()) != list(range(len(ranks))):
@@ -70,8 +83,11 @@ class Tokenizer:
         os.makedirs(directory, exist_ok=True)
         path = os.path.join(directory, TOKENIZER_FILE)
         ranks = sorted(self.enc._mergeable_ranks.items(), key=lambda kv: kv[1])
-        data = {"pattern": self.enc._pat_str, "special_tokens": SPECIAL_TOKENS,
-                "mergeable_ranks": [[base64.b64encode(k).decode("ascii"), v] for k, v in ranks]}
+        data = {
+            "pattern": self.enc._pat_str,
+            "special_tokens": SPECIAL_TOKENS,
+            "mergeable_ranks": [[base64.b64encode(k).decode("ascii"), v] for k, v in ranks],
+        }
         tmp = path + ".tmp"
         with open(tmp, "w") as f:  # temp file + rename: a crash never leaves a half-written tokenizer
             json.dump(data, f)
@@ -133,7 +149,9 @@ class Tokenizer:
         """
         messages = validate_conversation(conversation)
         if messages[0]["role"] == "system":
-            messages = [{"role": "user", "content": messages[0]["content"] + "\n\n" + messages[1]["content"]}] + messages[2:]
+            messages = [
+                {"role": "user", "content": messages[0]["content"] + "\n\n" + messages[1]["content"]}
+            ] + messages[2:]
         ids, mask = [], []
 
         def add(toks, m):
@@ -199,7 +217,9 @@ def validate_conversation(conversation):
             continue
         expected = "user" if (i - start) % 2 == 0 else "assistant"
         if role != expected:
-            raise ValueError(f"message {i}: role {role!r}, expected {expected!r} (roles must alternate user/assistant, starting with user)")
+            raise ValueError(
+                f"message {i}: role {role!r}, expected {expected!r} (roles must alternate user/assistant, starting with user)"
+            )
         content = msg.get("content")
         if role == "user" and not isinstance(content, str):
             raise ValueError(f"message {i}: user content must be a string")
@@ -207,18 +227,26 @@ def validate_conversation(conversation):
             if not isinstance(content, (str, list)):
                 raise ValueError(f"message {i}: assistant content must be a string or a list of parts")
             for j, part in enumerate(content_parts(content)):
-                if not isinstance(part, dict) or part.get("type") not in ("text", "python", "python_output") or not isinstance(part.get("text"), str):
-                    raise ValueError(f"message {i} part {j}: each part is {{'type': 'text'|'python'|'python_output', 'text': str}}, got {part!r}")
+                if (
+                    not isinstance(part, dict)
+                    or part.get("type") not in ("text", "python", "python_output")
+                    or not isinstance(part.get("text"), str)
+                ):
+                    raise ValueError(
+                        f"message {i} part {j}: each part is {{'type': 'text'|'python'|'python_output', 'text': str}}, got {part!r}"
+                    )
     return messages
 
 
 def get_tokenizer(base_dir=None):
     from nanorl.common import get_base_dir
+
     return Tokenizer.load(os.path.join(base_dir or get_base_dir(), "tokenizer"))
 
 
 def get_token_bytes(tokenizer, device="cpu"):
     import torch
+
     return torch.tensor(tokenizer.token_bytes(), dtype=torch.int32, device=device)
 
 
@@ -240,8 +268,10 @@ class HFTokenizer:
     tokens are asked for by nanorl's names and mapped to the family's tokens; names with no counterpart
     (the tool-call tokens of a model without them) give None, and the engine then never sees a tool call.
     """
+
     def __init__(self, tok, chat_template, special_map, config=None):
         from tokenizers import Tokenizer as HFTok
+
         self.tok = tok  # added tokens in text are special tokens: what a chat template renders
         self.plain = HFTok.from_str(tok.to_str())  # special-looking text is plain text: what encode() takes
         self.plain.encode_special_tokens = True
@@ -254,6 +284,7 @@ class HFTokenizer:
     @classmethod
     def load(cls, directory):
         from tokenizers import Tokenizer as HFTok
+
         path = os.path.join(directory, "tokenizer.json")
         if not os.path.exists(path):
             raise MissingFile(f"{path} is missing: the model directory needs its tokenizer.json")
@@ -331,7 +362,9 @@ class HFTokenizer:
 
     def token_bytes(self):
         special = {t.content for t in self.tok.get_added_tokens_decoder().values() if t.special}
-        return [0 if self.tok.id_to_token(i) in special else len(self.decode_token_bytes(i)) for i in range(self.vocab_size)]
+        return [
+            0 if self.tok.id_to_token(i) in special else len(self.decode_token_bytes(i)) for i in range(self.vocab_size)
+        ]
 
     # --- chat ---------------------------------------------------------------------------------
     def apply_template(self, messages, add_generation_prompt):
@@ -339,19 +372,27 @@ class HFTokenizer:
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template (no chat_template in tokenizer_config.json)")
         import jinja2.sandbox
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                           extensions=["jinja2.ext.loopcontrols"])
-        env.filters["tojson"] = lambda x, indent=None, separators=None, sort_keys=False: \
-            json.dumps(x, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
+
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
+        env.filters["tojson"] = lambda x, indent=None, separators=None, sort_keys=False: json.dumps(
+            x, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys
+        )
 
         def raise_exception(message):
             raise ValueError(f"chat template: {message}")
+
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: __import__("datetime").datetime.now().strftime(fmt)
-        specials = {k: (v.get("content") if isinstance(v, dict) else v) for k, v in self.config.items()
-                    if k.endswith("_token") and isinstance(v, (str, dict))}
+        specials = {
+            k: (v.get("content") if isinstance(v, dict) else v)
+            for k, v in self.config.items()
+            if k.endswith("_token") and isinstance(v, (str, dict))
+        }
         return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, tools=None, **specials)
+            messages=messages, add_generation_prompt=add_generation_prompt, tools=None, **specials
+        )
 
     def _messages(self, conversation):
         """nanorl conversation -> template messages. Tool parts need tool tokens this tokenizer lacks, so
@@ -373,18 +414,22 @@ class HFTokenizer:
             if msg["role"] != "assistant":
                 continue
             prompt = self.apply_template(messages[:i], add_generation_prompt=True)
-            full = self.apply_template(messages[:i + 1], add_generation_prompt=False)
+            full = self.apply_template(messages[: i + 1], add_generation_prompt=False)
             if not full.startswith(prompt):
-                raise ValueError("the chat template renders an earlier turn differently once a reply follows; "
-                                 "cannot tell the reply's tokens apart")
+                raise ValueError(
+                    "the chat template renders an earlier turn differently once a reply follows; "
+                    "cannot tell the reply's tokens apart"
+                )
             end = full.find(self.special_map.get("<|assistant_end|>") or "\0", len(prompt))
             end = len(full) if end < 0 else end + len(self.special_map["<|assistant_end|>"])
             spans.append((len(prompt), end))
             rendered.append(full[:end])
         text = self.apply_template(messages, add_generation_prompt=False)
         if not all(text.startswith(r) for r in rendered):
-            raise ValueError("the chat template renders an earlier reply differently once the conversation goes on "
-                             "(as Qwen3's drops earlier <think> blocks): train on one reply per conversation")
+            raise ValueError(
+                "the chat template renders an earlier reply differently once the conversation goes on "
+                "(as Qwen3's drops earlier <think> blocks): train on one reply per conversation"
+            )
         enc = self.tok.encode(text, add_special_tokens=False)
         ids = enc.ids
         mask = [int(any(a <= s < b for a, b in spans)) for s, _ in enc.offsets]
@@ -430,7 +475,9 @@ def save_hf_tokenizer(tokenizer, directory):
         config = dict(tokenizer.config)
         config["chat_template"] = tokenizer.chat_template
     else:
-        from tokenizers import Regex, Tokenizer as HFTok, decoders, models, pre_tokenizers
+        from tokenizers import Regex, decoders, models, pre_tokenizers
+        from tokenizers import Tokenizer as HFTok
+
         b2u = _bytes_to_unicode()
         ranks = tokenizer.enc._mergeable_ranks
         vocab = {"".join(b2u[b] for b in tok): r for tok, r in ranks.items()}
@@ -445,14 +492,22 @@ def save_hf_tokenizer(tokenizer, directory):
                 if a in ranks and b in ranks and ranks[a] < r and ranks[b] < r:
                     merges.append(("".join(b2u[x] for x in a), "".join(b2u[x] for x in b)))
         hf = HFTok(models.BPE(vocab=vocab, merges=merges, ignore_merges=True))
-        hf.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(tokenizer.enc._pat_str), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        hf.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(tokenizer.enc._pat_str), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
         hf.decoder = decoders.ByteLevel()
         hf.add_special_tokens(SPECIAL_TOKENS)
         assert [hf.token_to_id(t) for t in SPECIAL_TOKENS] == [tokenizer.encode_special(t) for t in SPECIAL_TOKENS]
         hf.save(os.path.join(directory, "tokenizer.json"))
-        config = {"bos_token": "<|bos|>", "eos_token": "<|assistant_end|>", "pad_token": "<|bos|>",
-                  "chat_template": NANORL_CHAT_TEMPLATE, "tokenizer_class": "PreTrainedTokenizerFast"}
+        config = {
+            "bos_token": "<|bos|>",
+            "eos_token": "<|assistant_end|>",
+            "pad_token": "<|bos|>",
+            "chat_template": NANORL_CHAT_TEMPLATE,
+            "tokenizer_class": "PreTrainedTokenizerFast",
+        }
     with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
         json.dump(config, f, indent=2)

@@ -12,6 +12,7 @@ text with MarkupStream (streamed) or assistant_parts (all at once, the inverse o
     pieces += stream.flush()
     MarkupStream(tokenizer, inline=True)        # one kind, "text", with calls shown as <<source=result>>
 """
+
 import threading
 
 from nanorl.calculator import calculator
@@ -47,17 +48,21 @@ class ToolMarkup:
         # the turn's end; an open model's tokenizer may lack some of these tokens (None), which then never match
         self.stops = frozenset(t for t in (sp("<|assistant_end|>"), tokenizer.get_bos_token_id()) if t is not None)
         # the kind of text each marker opens (closing markers go back to plain text)
-        self.kinds = {self.python_start: "python", self.python_end: "text",
-                      self.output_start: "python_output", self.output_end: "text"}
+        self.kinds = {
+            self.python_start: "python",
+            self.python_end: "text",
+            self.output_start: "python_output",
+            self.output_end: "text",
+        }
         self.inline = {self.python_start: "<<", self.python_end: "", self.output_start: "=", self.output_end: ">>"}
 
     def open_call(self, tokens):
         """tokens end with <|python_end|>: the source of the call it closes, or None when it closes none (no
         <|python_start|> before it, or a call already closed or answered since the last one)."""
         start = next((k for k in range(len(tokens) - 2, -1, -1) if tokens[k] == self.python_start), None)
-        if start is None or {self.python_end, self.output_end} & set(tokens[start + 1:-1]):
+        if start is None or {self.python_end, self.output_end} & set(tokens[start + 1 : -1]):
             return None
-        return self.tokenizer.decode(tokens[start + 1:-1])
+        return self.tokenizer.decode(tokens[start + 1 : -1])
 
     def output_tokens(self, result):
         """The tokens that force a tool's result in: <|output_start|>result<|output_end|>."""
@@ -126,7 +131,7 @@ def assistant_parts(tokenizer, tokens):
     for t in tokens:
         if t in stream.markup.stops:
             break
-        for k, piece in stream.push(t):
+        for _kind, piece in stream.push(t):
             text += piece
         if t in stream.markup.kinds:  # the marker closed the block before it
             close()

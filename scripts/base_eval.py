@@ -7,6 +7,7 @@ metric (22 in-context tasks of the DCLM eval bundle; see nanorl/core_eval.py).
     python -m scripts.base_eval --max-per-task 100 --bundle-dir /data/eval_bundle
     torchrun --standalone --nproc_per_node=8 -m scripts.base_eval -- --model-tag d20
 """
+
 import time
 
 from nanorl.checkpoint import add_model_args, load_model_from_args
@@ -63,12 +64,26 @@ if "bpb" in modes:
 
 # --- a few greedy samples: a quick look at what the model has learned ---
 if "sample" in modes and master:
-    prompts = ["The capital of France is", "The chemical symbol of gold is", "If yesterday was Friday, then tomorrow will be",
-               "The opposite of hot is", "Alice has 3 apples and", "The word banana is spelled"]
+    prompts = [
+        "The capital of France is",
+        "The chemical symbol of gold is",
+        "If yesterday was Friday, then tomorrow will be",
+        "The opposite of hot is",
+        "Alice has 3 apples and",
+        "The word banana is spelled",
+    ]
     engine = Engine(model, tokenizer, batch_size=len(prompts), max_len=seq_len)
     new = min(24, seq_len // 2)
-    requests = [Request(tokenizer.encode(p, prepend="<|bos|>")[-(seq_len - new):], max_tokens=new, temperature=0.0,
-                        stop_tokens=[tokenizer.get_bos_token_id()], use_tools=False) for p in prompts]
+    requests = [
+        Request(
+            tokenizer.encode(p, prepend="<|bos|>")[-(seq_len - new) :],
+            max_tokens=new,
+            temperature=0.0,
+            stop_tokens=[tokenizer.get_bos_token_id()],
+            use_tools=False,
+        )
+        for p in prompts
+    ]
     with autocast:
         groups = engine.generate(requests)
     samples = {p: p + tokenizer.decode(g[0].tokens) for p, g in zip(prompts, groups)}
@@ -84,10 +99,15 @@ if "core" in modes:
     except (OSError, RuntimeError) as e:
         bundle = None
         summary["CORE"] = "skipped (no eval bundle)"
-        print0(f"CORE skipped: no eval bundle ({e}). Pass --bundle-dir DIR (an unzipped eval_bundle) to run it offline.")
+        print0(
+            f"CORE skipped: no eval bundle ({e}). Pass --bundle-dir DIR (an unzipped eval_bundle) to run it offline."
+        )
     if bundle is not None:
         tasks = load_tasks(bundle)
-        print0(f"CORE: {len(tasks)} tasks from {bundle}" + (f", at most {args.max_per_task} examples each" if args.max_per_task > 0 else ""))
+        print0(
+            f"CORE: {len(tasks)} tasks from {bundle}"
+            + (f", at most {args.max_per_task} examples each" if args.max_per_task > 0 else "")
+        )
         with autocast:
             core = evaluate_core(model, tokenizer, tasks, device, seq_len, args.max_per_task, log=print0)
         summary["CORE"] = core["core"]

@@ -4,6 +4,7 @@ Pretrain the base model. --depth is the one dial: width, heads, LRs and the toke
     python -m scripts.base_train --depth 4 --max-seq-len 256 --device-batch-size 8 --total-batch-size 4096 --num-iterations 200
     torchrun --standalone --nproc_per_node=8 -m scripts.base_train -- --depth 20
 """
+
 import math
 import os
 import time
@@ -11,13 +12,31 @@ from contextlib import nullcontext
 
 import torch
 
+from nanorl import fsdp
 from nanorl.checkpoint import delete_step, find_last_step, resume, rng_state, save, set_rng_state
-from nanorl.common import (ETA, ArgumentParser, add_logging_args, autocast_ctx, batch_candidates, compute_cleanup,
-                           compute_init, fit_device_batch, fraction, get_base_dir, get_logger, get_peak_flops, int_or_off,
-                           nonneg_float, nonneg_int, positive_float, positive_int, print0, synchronize)
+from nanorl.common import (
+    ETA,
+    ArgumentParser,
+    add_logging_args,
+    autocast_ctx,
+    batch_candidates,
+    compute_cleanup,
+    compute_init,
+    fit_device_batch,
+    fraction,
+    get_base_dir,
+    get_logger,
+    get_peak_flops,
+    int_or_off,
+    nonneg_float,
+    nonneg_int,
+    positive_float,
+    positive_int,
+    print0,
+    synchronize,
+)
 from nanorl.dataloader import PretrainLoader
 from nanorl.dataset import describe_source
-from nanorl import fsdp
 from nanorl.fsdp import local_bytes, shard_model
 from nanorl.gpt import attention_backend, build_model, config_from_depth
 from nanorl.loss_eval import evaluate_bpb
@@ -73,29 +92,43 @@ except ValueError as e:
 
 fsdp.check_args(args, "base_train")
 # CPU offload clips gradients and steps the optimizer on CPU tensors: those collectives need gloo beside NCCL
-ddp, rank, local_rank, world_size, device = compute_init(args.device_type, seed=args.seed, cpu_collectives=args.cpu_offload)
+ddp, rank, local_rank, world_size, device = compute_init(
+    args.device_type, seed=args.seed, cpu_collectives=args.cpu_offload
+)
 master = rank == 0
 # before the model: a wandb run that cannot log stops here, not after the model is built
-logger = get_logger(args.run, project="nanorl", config=vars(args), master_process=master, tensorboard_dir=args.tensorboard)
+logger = get_logger(
+    args.run, project="nanorl", config=vars(args), master_process=master, tensorboard_dir=args.tensorboard
+)
 tokenizer = get_tokenizer()
 token_bytes = get_token_bytes(tokenizer, device)
-config = config_from_depth(args.depth, tokenizer.vocab_size, args.max_seq_len, args.aspect_ratio, args.head_dim, args.n_kv_head)
+config = config_from_depth(
+    args.depth, tokenizer.vocab_size, args.max_seq_len, args.aspect_ratio, args.head_dim, args.n_kv_head
+)
 model = build_model(config, device)
 if args.fsdp:
     shard_model(model, device, args.activation_checkpointing, args.cpu_offload)
 nparams = model.num_params()
 flops_per_token = model.estimate_flops()
-print0(f"model d{args.depth}: {nparams:,} params, {config.n_layer} layers, width {config.n_embd}, {config.n_head} heads "
-       f"({config.n_kv_head} kv), {flops_per_token:.3e} FLOPs/token")
+print0(
+    f"model d{args.depth}: {nparams:,} params, {config.n_layer} layers, width {config.n_embd}, {config.n_head} heads "
+    f"({config.n_kv_head} kv), {flops_per_token:.3e} FLOPs/token"
+)
 print0(attention_backend(device))
 optimizer = build_optimizer(model, args.matrix_lr, args.embedding_lr, args.unembedding_lr, args.weight_decay)
 compiled = model if (args.no_compile or device.type != "cuda") else torch.compile(model, dynamic=False)
 autocast = autocast_ctx(device.type)
 # the optimizer's state, allocated at its first step: Muon keeps a momentum buffer like each matrix, AdamW two fp32
 # moments per parameter (under FSDP, of this rank's shard; with --cpu-offload it lives in host memory)
-state_bytes = 0 if args.cpu_offload else \
-    sum((p.to_local() if hasattr(p, "to_local") else p).numel() * (p.element_size() if g["kind"] == "muon" else 8)
-        for g in optimizer.param_groups for p in g["params"])
+state_bytes = (
+    0
+    if args.cpu_offload
+    else sum(
+        (p.to_local() if hasattr(p, "to_local") else p).numel() * (p.element_size() if g["kind"] == "muon" else 8)
+        for g in optimizer.param_groups
+        for p in g["params"]
+    )
+)
 
 
 def trial_step(batch):
@@ -116,35 +149,53 @@ def trial_step(batch):
 if args.device_batch_size == "auto":
     candidates = batch_candidates(32, args.total_batch_size, args.max_seq_len * world_size)
     if not candidates:
-        raise SystemExit(f"--total-batch-size {args.total_batch_size} must be a multiple of --max-seq-len x ranks "
-                         f"= {args.max_seq_len} x {world_size}")
+        raise SystemExit(
+            f"--total-batch-size {args.total_batch_size} must be a multiple of --max-seq-len x ranks "
+            f"= {args.max_seq_len} x {world_size}"
+        )
     too_big = []
     if device.type == "cuda":  # elsewhere running out of memory is the OS killing us, not an exception to catch
         args.device_batch_size, too_big = fit_device_batch(trial_step, candidates, device)
     else:
         args.device_batch_size = candidates[0]
-    print0(f"device batch (auto): {args.device_batch_size} rows" +
-           (f", the largest that fits in memory ({', '.join(map(str, too_big))} did not)" if too_big else ""))
+    print0(
+        f"device batch (auto): {args.device_batch_size} rows"
+        + (f", the largest that fits in memory ({', '.join(map(str, too_big))} did not)" if too_big else "")
+    )
 tokens_per_fwdbwd = args.device_batch_size * args.max_seq_len * world_size
 if args.total_batch_size % tokens_per_fwdbwd:
-    raise SystemExit(f"--total-batch-size {args.total_batch_size} must be a multiple of --device-batch-size x --max-seq-len x ranks "
-                     f"= {args.device_batch_size} x {args.max_seq_len} x {world_size} = {tokens_per_fwdbwd}")
+    raise SystemExit(
+        f"--total-batch-size {args.total_batch_size} must be a multiple of --device-batch-size x --max-seq-len x ranks "
+        f"= {args.device_batch_size} x {args.max_seq_len} x {world_size} = {tokens_per_fwdbwd}"
+    )
 grad_accum = args.total_batch_size // tokens_per_fwdbwd
-num_iterations = args.num_iterations if args.num_iterations > 0 else \
-    max(1, round(args.target_param_data_ratio * nparams / args.total_batch_size))
+num_iterations = (
+    args.num_iterations
+    if args.num_iterations > 0
+    else max(1, round(args.target_param_data_ratio * nparams / args.total_batch_size))
+)
 model_tag = args.model_tag or f"d{args.depth}"
 ckpt_dir = os.path.join(get_base_dir(), "base_checkpoints", model_tag)
-print0(f"{num_iterations} steps x {args.total_batch_size:,} tokens ({grad_accum} micro-steps each) = "
-       f"{num_iterations * args.total_batch_size:,} tokens, data: {describe_source(args.data_dir)}")
+print0(
+    f"{num_iterations} steps x {args.total_batch_size:,} tokens ({grad_accum} micro-steps each) = "
+    f"{num_iterations * args.total_batch_size:,} tokens, data: {describe_source(args.data_dir)}"
+)
 
-train_loader = PretrainLoader(tokenizer, args.device_batch_size, args.max_seq_len, "train", args.data_dir, device, rank, world_size)
+train_loader = PretrainLoader(
+    tokenizer, args.device_batch_size, args.max_seq_len, "train", args.data_dir, device, rank, world_size
+)
 ddp_wrapped = ddp and not args.fsdp
-if ddp_wrapped:  # DDP's reducer all-reduces gradient buckets while backward still runs, overlapping communication with compute
-    compiled = torch.nn.parallel.DistributedDataParallel(compiled, device_ids=[device] if device.type == "cuda" else None,
-                                                         gradient_as_bucket_view=True)
+if (
+    ddp_wrapped
+):  # DDP's reducer all-reduces gradient buckets while backward still runs, overlapping communication with compute
+    compiled = torch.nn.parallel.DistributedDataParallel(
+        compiled, device_ids=[device] if device.type == "cuda" else None, gradient_as_bucket_view=True
+    )
 meta = {"model_config": config.to_dict(), "model_tag": model_tag, "train_args": vars(args), "world_size": world_size}
 if args.fsdp:
-    print0(f"FSDP2 over {world_size} ranks: {local_bytes(model, optimizer) / 2**20:,.1f} MiB of parameters on this rank (before gradients and optimizer state)")
+    print0(
+        f"FSDP2 over {world_size} ranks: {local_bytes(model, optimizer) / 2**20:,.1f} MiB of parameters on this rank (before gradients and optimizer state)"
+    )
 
 start_step = 0
 if args.resume:
@@ -168,7 +219,9 @@ def lr_multiplier(it):
 
 def evaluate_val():
     model.eval()
-    loader = PretrainLoader(tokenizer, args.device_batch_size, args.max_seq_len, "val", args.data_dir, device, rank, world_size)
+    loader = PretrainLoader(
+        tokenizer, args.device_batch_size, args.max_seq_len, "val", args.data_dir, device, rank, world_size
+    )
     steps = max(1, args.eval_tokens // tokens_per_fwdbwd)
     with autocast:
         bpb = evaluate_bpb(model, loader, steps, token_bytes)
@@ -199,7 +252,9 @@ model.train()
 losses, val_bpb, t_train, min_val = [], None, 0.0, float("inf")
 saved_step = None  # the step of the checkpoint this run wrote last
 eta = ETA(start_step / num_iterations)
-loader_state = train_loader.state_dict()  # the loader's position before the batch waiting in (x, y): what a checkpoint resumes from
+loader_state = (
+    train_loader.state_dict()
+)  # the loader's position before the batch waiting in (x, y): what a checkpoint resumes from
 x, y = train_loader.next_batch()
 t_start = time.time()
 for step in range(start_step, num_iterations + 1):
@@ -250,28 +305,61 @@ for step in range(start_step, num_iterations + 1):
         if ddp:
             torch.distributed.barrier()  # the other ranks name the same surviving step
         good = find_last_step(ckpt_dir)
-        kept = f"The last good checkpoint, step {good} in {ckpt_dir}, is kept" if good is not None else "No checkpoint was written before it"
-        raise SystemExit(f"step {step + 1}/{num_iterations}: training loss is {loss_val}; stopping. {kept}. "
-                         f"Lower the LRs (or raise the warmup) and rerun{' with --resume' if good is not None else ''}")
+        kept = (
+            f"The last good checkpoint, step {good} in {ckpt_dir}, is kept"
+            if good is not None
+            else "No checkpoint was written before it"
+        )
+        raise SystemExit(
+            f"step {step + 1}/{num_iterations}: training loss is {loss_val}; stopping. {kept}. "
+            f"Lower the LRs (or raise the warmup) and rerun{' with --resume' if good is not None else ''}"
+        )
     synchronize(device.type)
     dt = time.time() - t0
     if step > start_step + 2:
         t_train += dt  # the first steps include compilation
-    eta.step(dt, (step + 1) / num_iterations, timed=step > start_step + 2 or device.type != "cuda")  # GPU warm-up/compile steps skew the pace
+    eta.step(
+        dt, (step + 1) / num_iterations, timed=step > start_step + 2 or device.type != "cuda"
+    )  # GPU warm-up/compile steps skew the pace
     losses.append(loss_val)
     tok_s = args.total_batch_size / dt
     mfu = f" | mfu {100 * flops_per_token * tok_s / (peak * world_size):.1f}%" if peak else ""
-    print0(f"step {step + 1:05d}/{num_iterations} | loss {loss_val:.4f} | lrm {mult:.2f} | dt {dt * 1000:.0f}ms | "
-           f"tok/s {tok_s:,.0f}{mfu} | eta {eta}")
+    print0(
+        f"step {step + 1:05d}/{num_iterations} | loss {loss_val:.4f} | lrm {mult:.2f} | dt {dt * 1000:.0f}ms | "
+        f"tok/s {tok_s:,.0f}{mfu} | eta {eta}"
+    )
     logger.log({"train/loss": loss_val, "train/lrm": mult, "train/tok_per_s": tok_s}, step=step + 1)
 
-log_section("Base model training", [{
-    "depth": args.depth, "params": nparams, "num_iterations": num_iterations, "total_batch_size": args.total_batch_size,
-    "data": describe_source(args.data_dir), "final_train_loss": losses[-1] if losses else float("nan"),
-    "min_val_bpb": min_val, "wall_time_s": round(time.time() - t_start, 1)}], rank=rank, config=vars(args))
+log_section(
+    "Base model training",
+    [
+        {
+            "depth": args.depth,
+            "params": nparams,
+            "num_iterations": num_iterations,
+            "total_batch_size": args.total_batch_size,
+            "data": describe_source(args.data_dir),
+            "final_train_loss": losses[-1] if losses else float("nan"),
+            "min_val_bpb": min_val,
+            "wall_time_s": round(time.time() - t_start, 1),
+        }
+    ],
+    rank=rank,
+    config=vars(args),
+)
 if losses:
-    log_json("base_train_loss", {"step": list(range(start_step + 1, start_step + 1 + len(losses))), "loss": losses}, rank=rank)
+    log_json(
+        "base_train_loss",
+        {"step": list(range(start_step + 1, start_step + 1 + len(losses))), "loss": losses},
+        rank=rank,
+    )
 if min_val < float("inf"):
-    record_metrics("BASE", {f"val bpb (min during training, {max(1, args.eval_tokens // tokens_per_fwdbwd) * tokens_per_fwdbwd} tokens)": min_val}, rank=rank)
+    record_metrics(
+        "BASE",
+        {
+            f"val bpb (min during training, {max(1, args.eval_tokens // tokens_per_fwdbwd) * tokens_per_fwdbwd} tokens)": min_val
+        },
+        rank=rank,
+    )
 logger.finish()
 compute_cleanup()

@@ -9,6 +9,7 @@ At the prompt the arrow keys edit the line and walk the history (readline; kept 
 Ctrl-C clears the line, and Ctrl-C during a reply stops it. When the conversation and a reply no longer fit the
 context, the oldest turns are left out (as the web page does), and the CLI says so once.
 """
+
 import atexit
 import os
 import signal
@@ -41,7 +42,7 @@ def turns_to_drop(messages, size, budget):
     """The fewest oldest user/assistant pairs to leave out of messages (which end in the new user message) so that
     size(the rest) <= budget; None when even the last message alone is over budget. size measures tokens."""
     for pairs in range((len(messages) - 1) // 2 + 1):
-        if size(messages[2 * pairs:]) <= budget:
+        if size(messages[2 * pairs :]) <= budget:
             return pairs
     return None
 
@@ -51,28 +52,39 @@ def fit_prompt(tokenizer, messages, max_len, reserve, base=False):
     last message is left and it still leaves less than reserve, it goes with the room there is. Raises TooLong when
     the message alone leaves no room for one token."""
     if base:  # a base model never saw chat tokens: it continues the last message's text
+
         def render(msgs):
             return tokenizer.encode(msgs[-1]["content"], prepend="<|bos|>")
     else:
+
         def render(msgs):
             return tokenizer.render_for_completion({"messages": msgs})
+
     pairs = turns_to_drop(messages, lambda msgs: len(render(msgs)), max_len - reserve)
     pairs = (len(messages) - 1) // 2 if pairs is None else pairs
-    ids = render(messages[2 * pairs:])
+    ids = render(messages[2 * pairs :])
     if len(ids) >= max_len:
         raise TooLong(f"this message alone is {len(ids)} tokens (context {max_len}): shorten it")
     return ids, pairs
 
 
-def chat_turn(engine, tokenizer, conversation, base=False, temperature=0.6, top_k=50, max_tokens=512, seed=None,
-              out=sys.stdout):
+def chat_turn(
+    engine, tokenizer, conversation, base=False, temperature=0.6, top_k=50, max_tokens=512, seed=None, out=sys.stdout
+):
     """Stream the reply to the conversation's last user message to `out`; returns the assistant message. The oldest
     turns that no longer fit beside a reply are deleted from conversation["messages"]."""
-    ids, pairs = fit_prompt(tokenizer, conversation["messages"], engine.max_len,
-                            reply_reserve(max_tokens, engine.max_len), base)
-    del conversation["messages"][:2 * pairs]
-    req = Request(ids, max_tokens=min(max_tokens, engine.max_len - len(ids)), temperature=temperature, top_k=top_k,
-                  seed=seed, stop_tokens=[tokenizer.get_bos_token_id()] if base else None)
+    ids, pairs = fit_prompt(
+        tokenizer, conversation["messages"], engine.max_len, reply_reserve(max_tokens, engine.max_len), base
+    )
+    del conversation["messages"][: 2 * pairs]
+    req = Request(
+        ids,
+        max_tokens=min(max_tokens, engine.max_len - len(ids)),
+        temperature=temperature,
+        top_k=top_k,
+        seed=seed,
+        stop_tokens=[tokenizer.get_bos_token_id()] if base else None,
+    )
     text, tokens = MarkupStream(tokenizer, inline=True), []
     events = engine.stream(req)
     try:
@@ -107,6 +119,7 @@ def line_editing(path):
             readline.write_history_file(path)
         except OSError:
             pass
+
     atexit.register(save)
 
 
@@ -142,6 +155,7 @@ def loaded_what(args, meta):
     if args.hf_model is not None:
         return f"Hugging Face model {args.hf_model}"
     from nanorl.checkpoint import find_checkpoint_dir, find_last_step
+
     step = args.model_step
     if step is None:
         step = find_last_step(find_checkpoint_dir(args.source, meta.get("model_tag")))
@@ -190,40 +204,73 @@ def chat_loop(engine, tokenizer, settings, banner):
         left_out = (before - len(conversation["messages"])) // 2
         if left_out and not told:  # once a conversation: from here on every turn may push out the oldest
             told = True
-            print(f"({left_out} earliest turn{'s' * (left_out > 1)} left out: the conversation no longer fits the "
-                  f"context of {engine.max_len} tokens; older turns keep being left out as it goes on)")
+            print(
+                f"({left_out} earliest turn{'s' * (left_out > 1)} left out: the conversation no longer fits the "
+                f"context of {engine.max_len} tokens; older turns keep being left out as it goes on)"
+            )
         # a base model has no turns: each prompt starts fresh
         conversation["messages"] = [] if base else conversation["messages"] + [reply]
 
 
 def main():
     parser = ArgumentParser(description="Chat with a nanorl model")
-    parser.add_argument("-i", "--source", type=str, default="sft", choices=["base", "mid", "sft", "rl"], help="which model")
+    parser.add_argument(
+        "-i", "--source", type=str, default="sft", choices=["base", "mid", "sft", "rl"], help="which model"
+    )
     parser.add_argument("-g", "--model-tag", type=str, default=None, help="model tag; None picks the largest")
-    parser.add_argument("-s", "--model-step", "--step", type=number_in(int, 0), default=None, help="checkpoint step; None picks the last")
-    parser.add_argument("--hf-model", type=str, default=None, metavar="DIR", help="chat with a Hugging Face model directory instead of --source")
+    parser.add_argument(
+        "-s",
+        "--model-step",
+        "--step",
+        type=number_in(int, 0),
+        default=None,
+        help="checkpoint step; None picks the last",
+    )
+    parser.add_argument(
+        "--hf-model",
+        type=str,
+        default=None,
+        metavar="DIR",
+        help="chat with a Hugging Face model directory instead of --source",
+    )
     parser.add_argument("-p", "--prompt", type=str, default=None, help="one-shot: answer this and exit")
-    parser.add_argument("-t", "--temperature", type=number_in(float, 0.0, 2.0), default=0.6, help="sampling temperature, 0 = greedy")
-    parser.add_argument("-k", "--top-k", type=number_in(int, 1), default=50, help="sample from the k most likely tokens")
-    parser.add_argument("-m", "--max-tokens", type=number_in(int, 1), default=512, help="the most tokens a reply may have")
+    parser.add_argument(
+        "-t", "--temperature", type=number_in(float, 0.0, 2.0), default=0.6, help="sampling temperature, 0 = greedy"
+    )
+    parser.add_argument(
+        "-k", "--top-k", type=number_in(int, 1), default=50, help="sample from the k most likely tokens"
+    )
+    parser.add_argument(
+        "-m", "--max-tokens", type=number_in(int, 1), default=512, help="the most tokens a reply may have"
+    )
     parser.add_argument("--seed", type=int, default=None, help="sampling seed; None draws one")
-    parser.add_argument("--device-type", type=str, default=None, choices=["cuda", "cpu", "mps"], help="None detects the device")
+    parser.add_argument(
+        "--device-type", type=str, default=None, choices=["cuda", "cpu", "mps"], help="None detects the device"
+    )
     args = parser.parse_args()
 
     from nanorl.common import compute_init, get_base_dir
+
     try:
         from nanorl.checkpoint import load_model
     except ImportError as e:
         sys.exit(f"chat_cli needs nanorl/checkpoint.py (load_model), which this checkout does not have yet ({e})")
     _, _, _, _, device = compute_init(args.device_type)
     try:
-        model, tokenizer, meta = load_model(args.source, device, phase="eval", model_tag=args.model_tag, step=args.model_step, hf_model=args.hf_model)
+        model, tokenizer, meta = load_model(
+            args.source, device, phase="eval", model_tag=args.model_tag, step=args.model_step, hf_model=args.hf_model
+        )
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"could not load the {args.source} model: {e}")
     engine = Engine(model, tokenizer, batch_size=1)
     print0(engine.attention_kernels())
-    settings = dict(base=args.source == "base", temperature=args.temperature, top_k=args.top_k,
-                    max_tokens=args.max_tokens, seed=args.seed)
+    settings = dict(
+        base=args.source == "base",
+        temperature=args.temperature,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+    )
 
     if args.prompt is not None:  # a message that cannot fit ends in one line on stderr and exit status 1 (TooLong)
         chat_turn(engine, tokenizer, {"messages": [{"role": "user", "content": args.prompt}]}, **settings)

@@ -12,6 +12,7 @@ problems finish, and ChatCORE when all of its tasks ran greedily: each task's ac
 baseline, over (1 - baseline), averaged over tasks.CHATCORE_TASKS. Generative tasks are graded by the
 task's own grader (task.evaluate), the same verdict RL's default reward (--rm-type task) pays.
 """
+
 import sys
 import time
 from contextlib import nullcontext
@@ -40,7 +41,7 @@ def run_categorical(model, tokenizer, task, indices, batch_size=32, autocast=Non
     context = getattr(getattr(model, "config", None), "sequence_len", None)
     out = []
     for s in range(0, len(indices), batch_size):
-        convs = [task.get_example(i) for i in indices[s:s + batch_size]]
+        convs = [task.get_example(i) for i in indices[s : s + batch_size]]
         prompts = [tokenizer.render_for_completion(c) for c in convs]
         fits = [context is None or len(p) <= context for p in prompts]
         convs, prompts, verdicts = [c for c, f in zip(convs, fits) if f], [p for p, f in zip(prompts, fits) if f], []
@@ -50,7 +51,7 @@ def run_categorical(model, tokenizer, task, indices, batch_size=32, autocast=Non
         T = max(len(p) for p in prompts)
         x = torch.full((len(prompts), T), tokenizer.get_bos_token_id(), dtype=torch.long)
         for b, p in enumerate(prompts):
-            x[b, :len(p)] = torch.tensor(p)
+            x[b, : len(p)] = torch.tensor(p)
         with autocast if autocast is not None else nullcontext():
             logits = model(x.to(device))
         last = torch.tensor([len(p) - 1 for p in prompts], device=device)
@@ -60,7 +61,7 @@ def run_categorical(model, tokenizer, task, indices, batch_size=32, autocast=Non
             pred = conv["letters"][int(logits[b, letter_ids].argmax())]
             verdicts.append(pred == conv["label"])
         out += [verdicts.pop(0) if f else None for f in fits]
-        for r in out[-len(fits):]:
+        for r in out[-len(fits) :]:
             if progress is not None:
                 progress.add(float(bool(r)))
     return out
@@ -69,6 +70,7 @@ def run_categorical(model, tokenizer, task, indices, batch_size=32, autocast=Non
 class Progress:
     """Running accuracy while problems finish: one line rewritten in place on a terminal, a line every tenth of
     the problems in a log file. Counts this rank's problems."""
+
     def __init__(self, name, total, log=print, tty=None):
         self.name, self.total, self.log, self.done, self.right = name, total, log, 0, 0.0
         self.tty = sys.stdout.isatty() if tty is None else tty
@@ -91,20 +93,35 @@ def letter_token(tokenizer, letter):
     return ids[0]
 
 
-def run_generative(engine, tokenizer, task, indices, num_samples=1, max_tokens=256, temperature=0.0, top_k=None, seed=0,
-                   progress=None):
+def run_generative(
+    engine, tokenizer, task, indices, num_samples=1, max_tokens=256, temperature=0.0, top_k=None, seed=0, progress=None
+):
     """Per problem, how many of its num_samples responses grade correct, plus the responses' text.
     Every problem is queued in the engine before the first result is awaited, so it batches and schedules them
     all itself; results are graded (task.evaluate, the task's one grader) as they arrive, in order.
     None for a prompt that leaves the engine no room to answer (scored as wrong, and counted)."""
     from nanorl.engine import Request
+
     convs = [task.get_example(i) for i in indices]
     prompts = [tokenizer.render_for_completion(c) for c in convs]
     max_len = getattr(engine, "max_len", None)
     fits = [max_len is None or len(p) < max_len for p in prompts]
-    handles = iter([engine.submit(Request(prompt_ids=p, num_samples=num_samples, max_tokens=max_tokens,
-                                          temperature=temperature, top_k=top_k, seed=seed + i))
-                    for p, i, f in zip(prompts, indices, fits) if f])
+    handles = iter(
+        [
+            engine.submit(
+                Request(
+                    prompt_ids=p,
+                    num_samples=num_samples,
+                    max_tokens=max_tokens,
+                    temperature=temperature,
+                    top_k=top_k,
+                    seed=seed + i,
+                )
+            )
+            for p, i, f in zip(prompts, indices, fits)
+            if f
+        ]
+    )
     drop = {tokenizer.encode_special("<|assistant_end|>"), tokenizer.get_bos_token_id()}
     counts, texts = [], []
     for conv, f in zip(convs, fits):
@@ -120,8 +137,22 @@ def run_generative(engine, tokenizer, task, indices, num_samples=1, max_tokens=2
     return counts, texts
 
 
-def evaluate(task, model, tokenizer, engine, indices, num_samples=1, ks=(1,), max_tokens=256, temperature=0.0,
-             top_k=None, seed=0, batch_size=32, autocast=None, progress=None):
+def evaluate(
+    task,
+    model,
+    tokenizer,
+    engine,
+    indices,
+    num_samples=1,
+    ks=(1,),
+    max_tokens=256,
+    temperature=0.0,
+    top_k=None,
+    seed=0,
+    batch_size=32,
+    autocast=None,
+    progress=None,
+):
     """Sums over this rank's problems: {"problems", "correct" (mean-per-problem accuracy sum), "pass@k" sums,
     "too_long" (prompts that do not fit the context: wrong)}. Sums, not means, so ranks can all_reduce them."""
     sums = {"problems": float(len(indices))}
@@ -130,8 +161,9 @@ def evaluate(task, model, tokenizer, engine, indices, num_samples=1, ks=(1,), ma
         sums["correct"] = float(sum(bool(r) for r in right))
         sums["too_long"] = float(sum(r is None for r in right))
         return sums, None
-    counts, texts = run_generative(engine, tokenizer, task, indices, num_samples, max_tokens, temperature, top_k, seed,
-                                   progress)
+    counts, texts = run_generative(
+        engine, tokenizer, task, indices, num_samples, max_tokens, temperature, top_k, seed, progress
+    )
     sums["too_long"] = float(sum(c is None for c in counts))
     counts = [c or 0 for c in counts]
     sums["correct"] = sum(c / num_samples for c in counts)
@@ -143,15 +175,19 @@ def evaluate(task, model, tokenizer, engine, indices, num_samples=1, ks=(1,), ma
 def run_header(args, meta, task_names, temperature):
     """The line printed before the first problem: which model (source, tag, step), which tasks (the offline
     problems' levels), how answers are decoded, and how long they may be."""
-    model = f"Hugging Face model {args.hf_model}" if args.hf_model else \
-        f"{args.source} checkpoint {meta.get('model_tag')} step {meta.get('step')}"
+    model = (
+        f"Hugging Face model {args.hf_model}"
+        if args.hf_model
+        else f"{args.source} checkpoint {meta.get('model_tag')} step {meta.get('step')}"
+    )
     tasks = ", ".join(f"offline (levels {args.levels})" if t == "offline" else t for t in task_names)
     decoding = "greedy" if temperature == 0 else f"temperature {temperature:g}"
     decoding += f", top-k {args.top_k}" if args.top_k and temperature > 0 else ""
     samples = f"{args.num_samples} sample{'s' if args.num_samples > 1 else ''} per problem"
     problems = "all problems" if args.max_problems is None else f"at most {args.max_problems} problems per task"
-    return (f"evaluating {model} on {tasks} ({problems}): {decoding}, {samples}, "
-            f"at most {args.max_new_tokens} new tokens")
+    return (
+        f"evaluating {model} on {tasks} ({problems}): {decoding}, {samples}, at most {args.max_new_tokens} new tokens"
+    )
 
 
 def all_reduce_sums(sums, device):
@@ -165,24 +201,56 @@ def all_reduce_sums(sums, device):
 
 def parse_args():
     from nanorl.checkpoint import add_model_args
+
     parser = ArgumentParser(description="Evaluate a chat model on tasks")
     add_model_args(parser, "sft", short=True)
-    parser.add_argument("-a", "--tasks", default="offline", help="comma-separated task names (default: the offline problems)")
-    parser.add_argument("--task-path", action="append", default=[], metavar="NAME=PATH", help="local data for a Hub task (repeatable)")
-    parser.add_argument("-x", "--max-problems", type=positive_int, default=None, help="evaluate at most this many problems per task (default: all)")
-    parser.add_argument("-n", "--num-samples", type=positive_int, default=1, help="samples per problem (generative tasks)")
-    parser.add_argument("-k", "--pass-k", type=int_list, default=None, help="comma-separated k for pass@k (default: 1 and n)")
-    parser.add_argument("-t", "--temperature", type=nonneg_float, default=None, help="default: 0 (greedy) for 1 sample, else 1.0")
-    parser.add_argument("--top-k", type=positive_int, default=None, help="sample from the k most likely tokens (default: all)")
-    parser.add_argument("-m", "--max-new-tokens", "--max-tokens", type=positive_int, default=256, help="the most tokens an answer may have")
-    parser.add_argument("-b", "--batch-size", type=positive_int, default=64, help="engine rows / categorical prompts at once")
-    parser.add_argument("--levels", type=levels_flag, default="1,2,3,4", help="offline task: difficulty levels to evaluate")
+    parser.add_argument(
+        "-a", "--tasks", default="offline", help="comma-separated task names (default: the offline problems)"
+    )
+    parser.add_argument(
+        "--task-path", action="append", default=[], metavar="NAME=PATH", help="local data for a Hub task (repeatable)"
+    )
+    parser.add_argument(
+        "-x",
+        "--max-problems",
+        type=positive_int,
+        default=None,
+        help="evaluate at most this many problems per task (default: all)",
+    )
+    parser.add_argument(
+        "-n", "--num-samples", type=positive_int, default=1, help="samples per problem (generative tasks)"
+    )
+    parser.add_argument(
+        "-k", "--pass-k", type=int_list, default=None, help="comma-separated k for pass@k (default: 1 and n)"
+    )
+    parser.add_argument(
+        "-t", "--temperature", type=nonneg_float, default=None, help="default: 0 (greedy) for 1 sample, else 1.0"
+    )
+    parser.add_argument(
+        "--top-k", type=positive_int, default=None, help="sample from the k most likely tokens (default: all)"
+    )
+    parser.add_argument(
+        "-m",
+        "--max-new-tokens",
+        "--max-tokens",
+        type=positive_int,
+        default=256,
+        help="the most tokens an answer may have",
+    )
+    parser.add_argument(
+        "-b", "--batch-size", type=positive_int, default=64, help="engine rows / categorical prompts at once"
+    )
+    parser.add_argument(
+        "--levels", type=levels_flag, default="1,2,3,4", help="offline task: difficulty levels to evaluate"
+    )
     parser.add_argument("--seed", type=nonneg_int, default=0, help="seed of the sampled answers")
     parser.add_argument("--device-type", default=None, help="cuda | cpu | mps (default: autodetect)")
     args = parser.parse_args()
     ks = sorted(set(args.pass_k or [1]))
     if ks[-1] > args.num_samples:  # before any model is loaded
-        parser.error(f"-k/--pass-k {','.join(map(str, ks))}: each k must be at most -n/--num-samples {args.num_samples}")
+        parser.error(
+            f"-k/--pass-k {','.join(map(str, ks))}: each k must be at most -n/--num-samples {args.num_samples}"
+        )
     if any(getattr(TASKS.get(t.strip().lower()), "runs_code", False) for t in args.tasks.split(",")):
         require_sandbox()  # HumanEval runs the model's code: with no sandbox here, stop now in one line
     return args
@@ -226,11 +294,28 @@ def main():
         indices = list(range(rank, N, world_size))  # each rank a strided slice
         t0 = time.time()
         progress = Progress(name, len(indices), print0)
-        sums, texts = evaluate(task, model, tokenizer, engine, indices, n, ks, args.max_new_tokens, temperature,
-                               args.top_k, args.seed, args.batch_size, autocast, progress)
+        sums, texts = evaluate(
+            task,
+            model,
+            tokenizer,
+            engine,
+            indices,
+            n,
+            ks,
+            args.max_new_tokens,
+            temperature,
+            args.top_k,
+            args.seed,
+            args.batch_size,
+            autocast,
+            progress,
+        )
         sums = all_reduce_sums(sums, device)
-        res = {"accuracy": sums["correct"] / max(sums["problems"], 1), "problems": int(sums["problems"]),
-               "too long for the context": int(sums["too_long"])}
+        res = {
+            "accuracy": sums["correct"] / max(sums["problems"], 1),
+            "problems": int(sums["problems"]),
+            "too long for the context": int(sums["too_long"]),
+        }
         res.update({k: v / max(sums["problems"], 1) for k, v in sums.items() if k.startswith("pass@")})
         res["centered"] = centered(res["accuracy"], RANDOM_BASELINE.get(name, 0.0))
         res["grader"] = "letter logits" if task.eval_type == "categorical" else make_reward("task", task=task)[1]
@@ -238,22 +323,42 @@ def main():
         shown = next((t[0] for t in texts or [] if t), None)
         if shown is not None:
             print0(f"[{name}] example response: {shown[:300]!r}")
-        too_long = f" ({res['too long for the context']} too long for the context)" if res["too long for the context"] else ""
-        print0(f"{name}: accuracy {res['accuracy']:.4f} on {res['problems']} problems{too_long}"
-               + "".join(f", {k} {v:.4f}" for k, v in res.items() if k.startswith("pass@")) + f" ({time.time() - t0:.1f}s)")
+        too_long = (
+            f" ({res['too long for the context']} too long for the context)" if res["too long for the context"] else ""
+        )
+        print0(
+            f"{name}: accuracy {res['accuracy']:.4f} on {res['problems']} problems{too_long}"
+            + "".join(f", {k} {v:.4f}" for k, v in res.items() if k.startswith("pass@"))
+            + f" ({time.time() - t0:.1f}s)"
+        )
     if not results:
         raise SystemExit(f"no task could be evaluated ({', '.join(skipped)}); with no network, use -a offline")
     # every number is labelled with its task, its size and greedy/sampled, so no two measurements share a row
-    card_names = {"gsm8k": "GSM8K", "arc-easy": "ARC-Easy", "arc-challenge": "ARC-Challenge", "mmlu": "MMLU",
-                  "humaneval": "HumanEval", "spellingbee": "SpellingBee", "offline": f"offline levels {args.levels}"}
+    card_names = {
+        "gsm8k": "GSM8K",
+        "arc-easy": "ARC-Easy",
+        "arc-challenge": "ARC-Challenge",
+        "mmlu": "MMLU",
+        "humaneval": "HumanEval",
+        "spellingbee": "SpellingBee",
+        "offline": f"offline levels {args.levels}",
+    }
     card, rows, greedy = {}, [], n == 1 and temperature == 0
     for name, r in results.items():
         task_name = card_names.get(name, name)
-        rows.append({"task": task_name, "graded by": r["grader"], "too long for the context": r["too long for the context"]})
+        rows.append(
+            {"task": task_name, "graded by": r["grader"], "too long for the context": r["too long for the context"]}
+        )
         if greedy or r["grader"] == "letter logits":  # a letter's logits are read, never sampled: always greedy
             card[eval_label(task_name, "accuracy", r["problems"])] = r["accuracy"]
         else:  # sampled: pass@k rows (RL optimises pass@1, the expected reward), beside the greedy ones
-            card.update({eval_label(task_name, k, r["problems"], n, temperature): v for k, v in r.items() if k.startswith("pass@")})
+            card.update(
+                {
+                    eval_label(task_name, k, r["problems"], n, temperature): v
+                    for k, v in r.items()
+                    if k.startswith("pass@")
+                }
+            )
     # ChatCORE is the centred mean over its own tasks: computed only when every one of them ran greedily
     if greedy and all(t in results for t in CHATCORE_TASKS):
         chatcore = sum(results[t]["centered"] for t in CHATCORE_TASKS) / len(CHATCORE_TASKS)
@@ -262,11 +367,21 @@ def main():
         print0(f"ChatCORE (centred mean over {', '.join(CHATCORE_TASKS)}): {chatcore:.4f}")
     print0(f"total {time.time() - t_all:.1f}s")
     record_metrics(args.source, card, rank=rank)
-    log_section(f"Chat eval {args.source}" + ("" if greedy else " sampled"),
-                [{"source": f"{args.source} ({meta.get('model_tag', args.model_tag)})", "ranks": world_size,
-                  "decoding": "greedy" if greedy else f"sampled, T={temperature:g}, {n} samples per problem"},
-                 *rows, card,
-                 *([{f"skipped {k}": v for k, v in skipped.items()}] if skipped else [])], config=vars(args), rank=rank)
+    log_section(
+        f"Chat eval {args.source}" + ("" if greedy else " sampled"),
+        [
+            {
+                "source": f"{args.source} ({meta.get('model_tag', args.model_tag)})",
+                "ranks": world_size,
+                "decoding": "greedy" if greedy else f"sampled, T={temperature:g}, {n} samples per problem",
+            },
+            *rows,
+            card,
+            *([{f"skipped {k}": v for k, v in skipped.items()}] if skipped else []),
+        ],
+        config=vars(args),
+        rank=rank,
+    )
     compute_cleanup()
     return results
 

@@ -12,6 +12,7 @@ main() close the file.
     python -m scripts.chat_sft --source base                      # skip midtraining
     torchrun --nproc_per_node=8 -m scripts.chat_sft --data hub --identity-path identity.jsonl
 """
+
 import os
 import time
 from functools import partial
@@ -22,9 +23,23 @@ from torch.distributed.fsdp import FSDPModule
 
 from nanorl import fsdp, lora
 from nanorl.checkpoint import add_model_args, load_model_from_args, resume, save
-from nanorl.common import (ETA, ArgumentParser, add_logging_args, autocast_ctx, compute_cleanup, compute_init, fraction,
-                           get_base_dir, get_logger, int_or_off, nonneg_float, nonneg_int, positive_float, positive_int,
-                           print0)
+from nanorl.common import (
+    ETA,
+    ArgumentParser,
+    add_logging_args,
+    autocast_ctx,
+    compute_cleanup,
+    compute_init,
+    fraction,
+    get_base_dir,
+    get_logger,
+    int_or_off,
+    nonneg_float,
+    nonneg_int,
+    positive_float,
+    positive_int,
+    print0,
+)
 from nanorl.gpt import attention_backend
 from nanorl.optim import build_optimizer
 from nanorl.report import data_seen, log_json, log_section
@@ -41,47 +56,90 @@ def add_train_args(parser, stage, source, init_lr_frac, warmdown_ratio, num_epoc
     a = parser.add_argument
     add_model_args(parser, source)
     a("--output-tag", default=None, help=f"save under {stage}_checkpoints/<tag> (default: the source's tag)")
-    a("--data", default="offline", choices=["offline", "hub"],
-      help="offline: the synthetic curriculum (no download); hub: the Hugging Face datasets (or --task-path files)")
-    a("--task-path", action="append", default=[], metavar="NAME=PATH",
-      help="a local jsonl/parquet file or directory for a Hub task, e.g. gsm8k=/data/gsm8k (repeatable)")
+    a(
+        "--data",
+        default="offline",
+        choices=["offline", "hub"],
+        help="offline: the synthetic curriculum (no download); hub: the Hugging Face datasets (or --task-path files)",
+    )
+    a(
+        "--task-path",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="a local jsonl/parquet file or directory for a Hub task, e.g. gsm8k=/data/gsm8k (repeatable)",
+    )
     a("--identity-path", default=None, help="jsonl of identity conversations (CustomJSON), mixed in twice")
     a("--num-examples", type=positive_int, default=20000, help="offline curriculum: number of training problems")
-    a("--levels", type=levels_flag, default="1,2,3,4",
-      help="offline curriculum: difficulty levels of the problems (e.g. 1,2 to start easy)")
-    a("--num-epochs", type=positive_float, default=num_epochs,
-      help="passes over the data (ignored with --num-iterations)")
+    a(
+        "--levels",
+        type=levels_flag,
+        default="1,2,3,4",
+        help="offline curriculum: difficulty levels of the problems (e.g. 1,2 to start easy)",
+    )
+    a(
+        "--num-epochs",
+        type=positive_float,
+        default=num_epochs,
+        help="passes over the data (ignored with --num-iterations)",
+    )
     a("--num-iterations", type=int_or_off, default=-1, help="optimizer steps (-1: as many as --num-epochs takes)")
     a("--device-batch-size", type=positive_int, default=16, help="rows per micro-batch per rank")
     a("--max-seq-len", type=positive_int, default=None, help="row length T (default: the model's context)")
-    a("--total-batch-size", type=positive_int, default=None,
-      help="tokens per optimizer step, all ranks (default: one micro-batch per rank)")
+    a(
+        "--total-batch-size",
+        type=positive_int,
+        default=None,
+        help="tokens per optimizer step, all ranks (default: one micro-batch per rank)",
+    )
     a("--matrix-lr", type=nonneg_float, default=0.02, help="Muon LR of the transformer's matrices")
     a("--embedding-lr", type=nonneg_float, default=0.2, help="AdamW LR of the token embedding")
     a("--unembedding-lr", type=nonneg_float, default=0.004, help="AdamW LR of the output head")
     a("--weight-decay", type=nonneg_float, default=0.0, help="AdamW weight decay")
-    a("--init-lr-frac", type=nonneg_float, default=init_lr_frac,
-      help="multiplier on the LRs above (the base model's LRs)")
-    a("--warmdown-ratio", type=fraction, default=warmdown_ratio,
-      help="fraction of training over which the LR decays to 0")
-    a("--eval-every", "--eval-interval", type=positive_int, default=100,
-      help="eval loss every N steps (and at the start and end)")
+    a(
+        "--init-lr-frac",
+        type=nonneg_float,
+        default=init_lr_frac,
+        help="multiplier on the LRs above (the base model's LRs)",
+    )
+    a(
+        "--warmdown-ratio",
+        type=fraction,
+        default=warmdown_ratio,
+        help="fraction of training over which the LR decays to 0",
+    )
+    a(
+        "--eval-every",
+        "--eval-interval",
+        type=positive_int,
+        default=100,
+        help="eval loss every N steps (and at the start and end)",
+    )
     a("--eval-tokens", type=positive_int, default=200_000, help="tokens of held-out conversations per eval")
-    a("--save-every", "--save-interval", type=int_or_off, default=-1,
-      help="checkpoint every N steps (-1: only at the end)")
+    a(
+        "--save-every",
+        "--save-interval",
+        type=int_or_off,
+        default=-1,
+        help="checkpoint every N steps (-1: only at the end)",
+    )
     a("--keep-last", type=positive_int, default=2, help="keep only the newest N checkpoints of this run")
     a("--resume", action="store_true", help=f"continue from the latest checkpoint in {stage}_checkpoints/<tag>")
     a("--seed", type=nonneg_int, default=42, help="seed of the weights' RNG and the data order")
     add_logging_args(parser)
     a("--device-type", default=None, choices=["cuda", "cpu", "mps"], help="default: autodetect")
-    a("--no-compile", action="store_true",
-      help="train eagerly on CUDA (default: torch.compile of the model, one graph: every batch is B x T)")
+    a(
+        "--no-compile",
+        action="store_true",
+        help="train eagerly on CUDA (default: torch.compile of the model, one graph: every batch is B x T)",
+    )
     fsdp.add_args(parser)
     lora.add_args(parser)
 
 
 # -----------------------------------------------------------------------------------------------
 # the LR schedule, the held-out loss, one optimizer step
+
 
 def lr_multiplier(progress, warmdown_ratio, final_frac=0.0):
     """Constant, then a linear decay to final_frac over the last warmdown_ratio of training (1.0: decay all along)."""
@@ -143,14 +201,16 @@ def train_step(model, optimizer, batches, autocast, world_size):
 # -----------------------------------------------------------------------------------------------
 # the stage: load the source model, train on packed conversations, evaluate, save, report
 
+
 def shard_and_compile(model, args, device, world_size):
     """--fsdp: shard the loaded model in place, before the optimizer is built on the shards. -> what the training
     steps call: every batch is (B, T) with T fixed, one compiled graph on CUDA (flex attention compiles with it)."""
     print0(attention_backend(device))  # packed rows: document-masked attention
     if args.fsdp:
         fsdp.shard_model(model, device, args.activation_checkpointing, args.cpu_offload)
-        print0(f"FSDP2 over {world_size} ranks: each holds 1/{world_size} of the parameters, gradients and "
-               f"optimizer state")
+        print0(
+            f"FSDP2 over {world_size} ranks: each holds 1/{world_size} of the parameters, gradients and optimizer state"
+        )
     return torch.compile(model, dynamic=False) if device.type == "cuda" and not args.no_compile else model
 
 
@@ -160,8 +220,9 @@ def batch_plan(device_batch_size, total_batch_size, T, world_size):
     tokens_per_micro = device_batch_size * T * world_size
     total = total_batch_size or tokens_per_micro
     if total % tokens_per_micro:
-        raise SystemExit(f"--total-batch-size {total} is not a multiple of device batch x T x ranks = "
-                         f"{tokens_per_micro}")
+        raise SystemExit(
+            f"--total-batch-size {total} is not a multiple of device batch x T x ranks = {tokens_per_micro}"
+        )
     return total, total // tokens_per_micro
 
 
@@ -182,38 +243,68 @@ def train(args, stage, train_task, val_task, data_desc):
     # CPU offload steps the optimizer on CPU tensors: those collectives need gloo beside NCCL
     _, rank, _, world_size, device = compute_init(args.device_type, seed=args.seed, cpu_collectives=args.cpu_offload)
     # before the model: a wandb run that cannot log stops here, not after minutes of loading
-    logger = get_logger(args.run, project=f"nanorl-{stage}", config=vars(args), master_process=rank == 0,
-                        tensorboard_dir=args.tensorboard)
+    logger = get_logger(
+        args.run,
+        project=f"nanorl-{stage}",
+        config=vars(args),
+        master_process=rank == 0,
+        tensorboard_dir=args.tensorboard,
+    )
     autocast = autocast_ctx(device.type)
     model, tokenizer, meta = load_model_from_args(args, device, phase="train")
     lora_base = lora.setup(args, model, meta)  # --lora-rank: a frozen base and trained adapters (nanorl/lora.py)
     T = args.max_seq_len or model.config.sequence_len
     if T > model.config.sequence_len:
         raise SystemExit(f"--max-seq-len {T} exceeds the model's context {model.config.sequence_len}")
-    print0(f"{stage}: {len(train_task):,} training / {len(val_task):,} held-out conversations ({data_desc}), "
-           f"{world_size} rank(s) on {device}, rows of {T} tokens")
+    print0(
+        f"{stage}: {len(train_task):,} training / {len(val_task):,} held-out conversations ({data_desc}), "
+        f"{world_size} rank(s) on {device}, rows of {T} tokens"
+    )
     compiled = shard_and_compile(model, args, device, world_size)
     total, grad_accum = batch_plan(args.device_batch_size, args.total_batch_size, T, world_size)
     if lora_base:
         optimizer = lora.build_lora_optimizer(model, args.lora_lr, args.weight_decay)
     else:
-        optimizer = build_optimizer(model, matrix_lr=args.matrix_lr, embedding_lr=args.embedding_lr,
-                                    unembedding_lr=args.unembedding_lr, weight_decay=args.weight_decay,
-                                    lr_scale=args.init_lr_frac)
-    loader = SFTLoader(train_task, tokenizer, args.device_batch_size, T, rank, world_size, seed=args.seed,
-                       device=device)
+        optimizer = build_optimizer(
+            model,
+            matrix_lr=args.matrix_lr,
+            embedding_lr=args.embedding_lr,
+            unembedding_lr=args.unembedding_lr,
+            weight_decay=args.weight_decay,
+            lr_scale=args.init_lr_frac,
+        )
+    loader = SFTLoader(
+        train_task, tokenizer, args.device_batch_size, T, rank, world_size, seed=args.seed, device=device
+    )
     # a fresh one per eval; pool_size=1 packs in order: best-fit would put the longest conversations first, and an
     # eval that stops after eval_batches would then measure a length-biased subset
-    val_loader = partial(SFTLoader, val_task, tokenizer, args.device_batch_size, T, rank, world_size, shuffle=False,
-                         epochs=1, pool_size=1, device=device)
+    val_loader = partial(
+        SFTLoader,
+        val_task,
+        tokenizer,
+        args.device_batch_size,
+        T,
+        rank,
+        world_size,
+        shuffle=False,
+        epochs=1,
+        pool_size=1,
+        device=device,
+    )
     eval_batches = max(1, args.eval_tokens // (total // grad_accum))
 
     output_tag = args.output_tag or meta.get("model_tag") or args.model_tag or "d"
     ckpt_dir = os.path.join(get_base_dir(), f"{stage}_checkpoints", output_tag)
 
     def checkpoint(step):  # under --fsdp every rank writes its shards; `python -m nanorl.fsdp consolidate` joins them
-        ck_meta = {**meta, "model_tag": output_tag, "step": step, "stage": stage, f"{stage}_args": vars(args),
-                   "world_size": world_size}  # (not the source model's)
+        ck_meta = {
+            **meta,
+            "model_tag": output_tag,
+            "step": step,
+            "stage": stage,
+            f"{stage}_args": vars(args),
+            "world_size": world_size,
+        }  # (not the source model's)
         if lora_base:  # the adapters alone, and where their base is
             ck_meta["lora"] = lora.checkpoint_meta(model, lora_base)
         save(ckpt_dir, step, model, optimizer, ck_meta, {"loader": loader.state_dict()}, rank, args.keep_last)
@@ -249,43 +340,100 @@ def train(args, stage, train_task, val_task, data_desc):
         progress = agreed_progress(step, loader, args, device)  # after the step: what the ETA and the stop rule see
         eta.step(dt, progress)
         if step % 10 == 0 or step == 1:
-            print0(f"step {step:5d} | loss {step_loss:.4f} (ema {smooth:.4f}) | lrm {lrm:.3f} "
-                   f"| progress {progress:.3f} | {dt * 1000:.0f} ms | padding {loader.padding_fraction():.1%} "
-                   f"| eta {eta}")
+            print0(
+                f"step {step:5d} | loss {step_loss:.4f} (ema {smooth:.4f}) | lrm {lrm:.3f} "
+                f"| progress {progress:.3f} | {dt * 1000:.0f} ms | padding {loader.padding_fraction():.1%} "
+                f"| eta {eta}"
+            )
         logger.log({"step": step, "train/loss": step_loss, "train/lrm": lrm, "train/progress": progress})
         if args.save_every > 0 and step % args.save_every == 0 and not progress >= 1.0:
             checkpoint(step)  # (the last step is saved below, once)
     checkpoint(step)
-    report(args, stage, meta, data_desc, train_task, val_task, loader, rank, world_size, T, total, grad_accum, step,
-           train_time, time.time() - t0, val_losses, ckpt_dir)
+    report(
+        args,
+        stage,
+        meta,
+        data_desc,
+        train_task,
+        val_task,
+        loader,
+        rank,
+        world_size,
+        T,
+        total,
+        grad_accum,
+        step,
+        train_time,
+        time.time() - t0,
+        val_losses,
+        ckpt_dir,
+    )
     logger.finish()
     compute_cleanup()
     return {"step": step, "val_losses": val_losses, "checkpoint_dir": ckpt_dir, "stats": loader.stats}
 
 
-def report(args, stage, meta, data_desc, train_task, val_task, loader, rank, world_size, T, total, grad_accum, step,
-           train_time, wall_time, val_losses, ckpt_dir):
+def report(
+    args,
+    stage,
+    meta,
+    data_desc,
+    train_task,
+    val_task,
+    loader,
+    rank,
+    world_size,
+    T,
+    total,
+    grad_accum,
+    step,
+    train_time,
+    wall_time,
+    val_losses,
+    ckpt_dir,
+):
     """The closing line and the stage's report section."""
     s = loader.stats
-    print0(f"done: {step} steps in {train_time:.0f}s, final val loss {val_losses[-1][1]:.4f}, "
-           f"padding {loader.padding_fraction():.1%}, truncated {s['truncated']} of {s['conversations']} "
-           f"conversations; saved to {ckpt_dir}")
-    log_section({"mid": "Midtraining", "sft": "Chat SFT"}[stage], [
-        {"source": f"{args.source} ({meta.get('model_tag', args.model_tag)})", "data": data_desc,
-         "train conversations": len(train_task), "held-out conversations": len(val_task), "ranks": world_size,
-         "row length": T, "tokens per step": total, "grad accumulation": grad_accum, "init lr frac": args.init_lr_frac},
-        {"steps": step, "data seen": data_seen(s["conversations"] - len(loader.pool), len(train_task), world_size),
-         "train time (s)": round(train_time, 1), "wall time (s)": round(wall_time, 1),
-         "val loss (start)": val_losses[0][1], "val loss (end)": val_losses[-1][1],
-         "padding fraction (rank 0)": loader.padding_fraction(),
-         "truncated conversations (rank 0)": f"{s['truncated']} of {s['conversations']}",
-         "conversations with nothing to train on (rank 0)": s["no_target"]},
-    ], rank=rank, config=vars(args))
+    print0(
+        f"done: {step} steps in {train_time:.0f}s, final val loss {val_losses[-1][1]:.4f}, "
+        f"padding {loader.padding_fraction():.1%}, truncated {s['truncated']} of {s['conversations']} "
+        f"conversations; saved to {ckpt_dir}"
+    )
+    log_section(
+        {"mid": "Midtraining", "sft": "Chat SFT"}[stage],
+        [
+            {
+                "source": f"{args.source} ({meta.get('model_tag', args.model_tag)})",
+                "data": data_desc,
+                "train conversations": len(train_task),
+                "held-out conversations": len(val_task),
+                "ranks": world_size,
+                "row length": T,
+                "tokens per step": total,
+                "grad accumulation": grad_accum,
+                "init lr frac": args.init_lr_frac,
+            },
+            {
+                "steps": step,
+                "data seen": data_seen(s["conversations"] - len(loader.pool), len(train_task), world_size),
+                "train time (s)": round(train_time, 1),
+                "wall time (s)": round(wall_time, 1),
+                "val loss (start)": val_losses[0][1],
+                "val loss (end)": val_losses[-1][1],
+                "padding fraction (rank 0)": loader.padding_fraction(),
+                "truncated conversations (rank 0)": f"{s['truncated']} of {s['conversations']}",
+                "conversations with nothing to train on (rank 0)": s["no_target"],
+            },
+        ],
+        rank=rank,
+        config=vars(args),
+    )
     log_json(f"{stage}_val_loss", {"step": [st for st, _ in val_losses], "loss": [v for _, v in val_losses]}, rank=rank)
 
 
 # -----------------------------------------------------------------------------------------------
 # SFT's data: a small, clean mixture
+
 
 def identity(args):
     return [CustomJSON(path=args.identity_path)] if args.identity_path else []
@@ -293,23 +441,37 @@ def identity(args):
 
 def offline_mixture(args):
     n = args.num_examples
-    train = TaskMixture([OfflineChat("train", n=n // 2), OfflineProblems("train", n=n, seed=2, levels=levels(args)),
-                         SpellingBee("train", size=n // 10)] + identity(args), seed=args.seed)
+    train = TaskMixture(
+        [
+            OfflineChat("train", n=n // 2),
+            OfflineProblems("train", n=n, seed=2, levels=levels(args)),
+            SpellingBee("train", size=n // 10),
+        ]
+        + identity(args),
+        seed=args.seed,
+    )
     val = TaskMixture([OfflineProblems("test", n=300, levels=levels(args)), OfflineChat("test", n=200)], seed=args.seed)
     return train, val
 
 
 def hub_mixture(args, paths):
     # nanochat's SFT mixture (~23K conversations), plus the offline problems
-    train = TaskMixture([ARC("ARC-Easy", "train", path=paths.get("arc-easy")),
-                         ARC("ARC-Challenge", "train", path=paths.get("arc-challenge")),
-                         GSM8K("train", path=paths.get("gsm8k")),
-                         SmolTalk("train", path=paths.get("smoltalk"), stop=10_000),
-                         SpellingBee("train", size=600),
-                         OfflineProblems("train", n=min(args.num_examples, 5000), seed=2)] + identity(args),
-                        seed=args.seed)
-    val = TaskMixture([SmolTalk("test", path=paths.get("smoltalk"), stop=2000),
-                       GSM8K("test", path=paths.get("gsm8k"), stop=500)], seed=args.seed)
+    train = TaskMixture(
+        [
+            ARC("ARC-Easy", "train", path=paths.get("arc-easy")),
+            ARC("ARC-Challenge", "train", path=paths.get("arc-challenge")),
+            GSM8K("train", path=paths.get("gsm8k")),
+            SmolTalk("train", path=paths.get("smoltalk"), stop=10_000),
+            SpellingBee("train", size=600),
+            OfflineProblems("train", n=min(args.num_examples, 5000), seed=2),
+        ]
+        + identity(args),
+        seed=args.seed,
+    )
+    val = TaskMixture(
+        [SmolTalk("test", path=paths.get("smoltalk"), stop=2000), GSM8K("test", path=paths.get("gsm8k"), stop=500)],
+        seed=args.seed,
+    )
     return train, val
 
 

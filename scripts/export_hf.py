@@ -11,6 +11,7 @@ architecture, with that model's declared context, eos and pad ids and generation
 
 A LoRA checkpoint (chat_rl --lora-rank) exports merged (base + adapters) unless --peft is given.
 """
+
 import os
 
 import torch
@@ -24,20 +25,32 @@ parser = ArgumentParser(description="Export a nanorl checkpoint to Hugging Face 
 add_model_args(parser, "rl", short=True, hf_model=False)
 parser.add_argument("-o", "--output", required=True, help="directory to write (replaced if it exists)")
 parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of the saved weights")
-parser.add_argument("--peft", action="store_true", help="a LoRA checkpoint of a Hugging Face base: write the adapters "
-                    "as a PEFT adapter directory (adapter_config.json + adapter_model.safetensors) instead of merged weights")
+parser.add_argument(
+    "--peft",
+    action="store_true",
+    help="a LoRA checkpoint of a Hugging Face base: write the adapters "
+    "as a PEFT adapter directory (adapter_config.json + adapter_model.safetensors) instead of merged weights",
+)
 args = parser.parse_args()
 
 if args.peft:  # the adapters alone, in the layout peft's PeftModel.from_pretrained reads
     checkpoint_dir = find_checkpoint_dir(args.source, args.model_tag)
     out = export_peft(checkpoint_dir, args.model_step, args.output)
-    print(f"wrote the LoRA adapters of {args.source} ({os.path.basename(checkpoint_dir)}) as a PEFT adapter directory "
-          f"to {out}")
+    print(
+        f"wrote the LoRA adapters of {args.source} ({os.path.basename(checkpoint_dir)}) as a PEFT adapter directory "
+        f"to {out}"
+    )
     raise SystemExit(0)
 
 # a checkpoint that began as an open model keeps that model's context, eos/pad ids and sampling defaults
 model, tokenizer, meta = load_model_from_args(args, "cpu", phase="eval")
 model.float()  # the CUDA embedding is kept in bf16; the export's dtype is --dtype's alone
-out = export_hf(model, tokenizer, args.output, dtype=getattr(torch, args.dtype), source_config=meta.get("hf_config"),
-                source_generation=meta.get("hf_generation_config"))
+out = export_hf(
+    model,
+    tokenizer,
+    args.output,
+    dtype=getattr(torch, args.dtype),
+    source_config=meta.get("hf_config"),
+    source_generation=meta.get("hf_generation_config"),
+)
 print(f"wrote {args.source} ({meta.get('model_tag')} step {meta.get('step')}) to {out}")

@@ -9,6 +9,7 @@ The training loop is SFT's: train() in scripts/chat_sft.py, called here with mid
     python -m scripts.mid_train --data hub --identity-path identity.jsonl
     torchrun --nproc_per_node=8 -m scripts.mid_train --data hub --device-batch-size 32
 """
+
 from nanorl import fsdp, lora
 from nanorl.common import ArgumentParser
 from nanorl.sft_data import build_data, levels
@@ -24,24 +25,40 @@ def identity(args):
 def offline_mixture(args):
     n = args.num_examples
     # half the problems with tool calls (the skill midtraining is for), half in plain text
-    train = TaskMixture([OfflineProblems("train", n=n, levels=levels(args), use_tools=True),
-                         OfflineProblems("train", n=n, seed=1, levels=levels(args)),
-                         SpellingBee("train", size=n // 4),
-                         OfflineChat("train", n=n // 2)] + identity(args), seed=args.seed)
+    train = TaskMixture(
+        [
+            OfflineProblems("train", n=n, levels=levels(args), use_tools=True),
+            OfflineProblems("train", n=n, seed=1, levels=levels(args)),
+            SpellingBee("train", size=n // 4),
+            OfflineChat("train", n=n // 2),
+        ]
+        + identity(args),
+        seed=args.seed,
+    )
     val = TaskMixture([OfflineProblems("test", n=300, levels=levels(args)), OfflineChat("test", n=200)], seed=args.seed)
     return train, val
 
 
 def hub_mixture(args, paths):
-    train = TaskMixture([SmolTalk("train", path=paths.get("smoltalk")),
-                         MMLU("train", subset="auxiliary_train", path=paths.get("mmlu-aux")),
-                         GSM8K("train", path=paths.get("gsm8k")),
-                         SpellingBee("train", size=50_000),
-                         OfflineProblems("train", n=args.num_examples, use_tools=True)] + identity(args),
-                        seed=args.seed)
-    val = TaskMixture([SmolTalk("test", path=paths.get("smoltalk"), stop=5000),
-                       MMLU("test", path=paths.get("mmlu"), stop=2000),
-                       GSM8K("test", path=paths.get("gsm8k"), stop=500)], seed=args.seed)
+    train = TaskMixture(
+        [
+            SmolTalk("train", path=paths.get("smoltalk")),
+            MMLU("train", subset="auxiliary_train", path=paths.get("mmlu-aux")),
+            GSM8K("train", path=paths.get("gsm8k")),
+            SpellingBee("train", size=50_000),
+            OfflineProblems("train", n=args.num_examples, use_tools=True),
+        ]
+        + identity(args),
+        seed=args.seed,
+    )
+    val = TaskMixture(
+        [
+            SmolTalk("test", path=paths.get("smoltalk"), stop=5000),
+            MMLU("test", path=paths.get("mmlu"), stop=2000),
+            GSM8K("test", path=paths.get("gsm8k"), stop=500),
+        ],
+        seed=args.seed,
+    )
     return train, val
 
 

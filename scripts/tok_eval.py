@@ -4,6 +4,7 @@ encodings when tiktoken can load them (it downloads them once; offline, that is 
 
     python -m scripts.tok_eval
 """
+
 import itertools
 
 from nanorl.common import ArgumentParser, positive_int, print0
@@ -12,7 +13,12 @@ from nanorl.report import log_section
 from nanorl.tokenizer import get_tokenizer
 
 parser = ArgumentParser(description="Evaluate tokenizer compression")
-parser.add_argument("--data-dir", type=str, default=None, help="directory of parquet/jsonl/txt files (default: downloaded shards, else synthetic)")
+parser.add_argument(
+    "--data-dir",
+    type=str,
+    default=None,
+    help="directory of parquet/jsonl/txt files (default: downloaded shards, else synthetic)",
+)
 parser.add_argument("--num-docs", type=positive_int, default=200, help="held-out documents to measure on")
 args = parser.parse_args()
 
@@ -35,10 +41,13 @@ encoders = {"ours": get_tokenizer().encode}
 for name in ("gpt2", "cl100k_base"):
     try:
         import tiktoken
+
         enc = tiktoken.get_encoding(name)
         encoders[name] = enc.encode_ordinary
     except Exception as e:  # no network and no cache: say so instead of failing
-        print0(f"note: could not load tiktoken's {name} encoding ({type(e).__name__}); comparing against ours only (offline)")
+        print0(
+            f"note: could not load tiktoken's {name} encoding ({type(e).__name__}); comparing against ours only (offline)"
+        )
 
 rows = {}
 header = f"{'text':<14}{'bytes':>9}" + "".join(f"{n + ' tok':>16}{'B/tok':>8}" for n in encoders)

@@ -5,6 +5,7 @@ Tasks: datasets rendered as conversations, and their graders.
     task = get_task("gsm8k", "test", path="gsm8k/")   # a local jsonl/parquet instead of the Hub
     conv = task.get_example(0); task.evaluate(conv, "... #### 18")
 """
+
 from nanorl.errors import BadValue
 from tasks.arc import ARC
 from tasks.common import Task, TaskMixture, TaskSequence
@@ -44,5 +45,21 @@ def get_task(name, split, **kw):
     return TASKS[key](split=split, **kw)
 
 
-__all__ = ["Task", "TaskMixture", "TaskSequence", "get_task", "TASKS", "RANDOM_BASELINE", "CHATCORE_TASKS",
-           "ARC", "CustomJSON", "GSM8K", "HumanEval", "MMLU", "OfflineChat", "OfflineProblems", "SmolTalk", "SpellingBee"]
+__all__ = [
+    "Task",
+    "TaskMixture",
+    "TaskSequence",
+    "get_task",
+    "TASKS",
+    "RANDOM_BASELINE",
+    "CHATCORE_TASKS",
+    "ARC",
+    "CustomJSON",
+    "GSM8K",
+    "HumanEval",
+    "MMLU",
+    "OfflineChat",
+    "OfflineProblems",
+    "SmolTalk",
+    "SpellingBee",
+]

@@ -2,6 +2,7 @@
 ARC (allenai/ai2_arc): grade-school science multiple choice, ARC-Easy and ARC-Challenge.
 Choices are relabelled A, B, C... by position (a few rows use 1/2/3/4).
 """
+
 from tasks.common import Task, evaluate_mc, load_rows, render_mc
 
 

@@ -6,6 +6,7 @@ the reference answer; extra keys carry what graders need ("label" = the final an
 choices of a multiple-choice question). eval_type says how chat_eval scores it: "generative" (sample a
 response, then evaluate(conversation, text)) or "categorical" (compare the logits of the letters).
 """
+
 import json
 import os
 import random
@@ -59,6 +60,7 @@ class TaskMixture(Task):
     Several tasks, interleaved by one deterministic shuffle, so a training run sees every task throughout
     rather than one after the other. List a task twice to oversample it.
     """
+
     def __init__(self, tasks, seed=42, **kw):
         super().__init__(**kw)
         self.tasks = list(tasks)
@@ -75,6 +77,7 @@ class TaskMixture(Task):
 
 class TaskSequence(Task):
     """Several tasks one after the other (a curriculum), in the given order."""
+
     def __init__(self, tasks, **kw):
         super().__init__(**kw)
         self.tasks = list(tasks)
@@ -99,12 +102,16 @@ LETTERS = "ABCDEFGHIJ"
 def render_mc(question, choices, answer_index, **extra):
     """A multiple-choice question as a conversation whose reference answer is one letter.
     Each letter starts its own line, so it is the same token in the prompt as in the answer."""
-    letters = list(LETTERS[:len(choices)])
+    letters = list(LETTERS[: len(choices)])
     lines = [question.strip(), ""] + [f"{l}. {c}" for l, c in zip(letters, choices)]
     lines += ["", "Answer with the letter of the correct choice only."]
     label = letters[answer_index]
-    return {"messages": [{"role": "user", "content": "\n".join(lines)}, {"role": "assistant", "content": label}],
-            "letters": letters, "label": label, **extra}
+    return {
+        "messages": [{"role": "user", "content": "\n".join(lines)}, {"role": "assistant", "content": label}],
+        "letters": letters,
+        "label": label,
+        **extra,
+    }
 
 
 def evaluate_mc(conversation, response_text):
@@ -116,8 +123,10 @@ def evaluate_mc(conversation, response_text):
 # -----------------------------------------------------------------------------------------------
 # loading rows: a local jsonl/parquet file (or a directory of them), else the Hugging Face Hub
 
+
 class BadRows:
     """Counts skipped rows and remembers the first bad one, so a dirty file is reported once, clearly."""
+
     def __init__(self, path):
         self.path, self.count, self.first_line, self.first_reason = path, 0, None, None
 
@@ -128,7 +137,9 @@ class BadRows:
 
     def report(self):
         if self.count:
-            print(f"warning: skipped {self.count} malformed row(s) of {self.path}; first at line {self.first_line}: {self.first_reason}")
+            print(
+                f"warning: skipped {self.count} malformed row(s) of {self.path}; first at line {self.first_line}: {self.first_reason}"
+            )
 
 
 def read_jsonl(path, bad=None):
@@ -149,6 +160,7 @@ def read_jsonl(path, bad=None):
 
 def read_parquet(path):
     import pyarrow.parquet as pq
+
     return pq.read_table(path).to_pylist()
 
 
@@ -159,8 +171,11 @@ def split_file(path, split):
     if not os.path.isdir(path):
         raise MissingFile(f"{path} does not exist")
     names = sorted(os.listdir(path))
-    found = [os.path.join(path, n) for n in names
-             if n.endswith((".jsonl", ".parquet")) and (n.split(".")[0] == split or n.startswith(split + "-"))]
+    found = [
+        os.path.join(path, n)
+        for n in names
+        if n.endswith((".jsonl", ".parquet")) and (n.split(".")[0] == split or n.startswith(split + "-"))
+    ]
     if not found:
         raise MissingFile(f"no {split}.jsonl or {split}.parquet in {path} (it has: {', '.join(names) or 'nothing'})")
     return found
@@ -205,12 +220,14 @@ def load_rows(hf_name, hf_config, hf_split, path=None, split=None, flag="--task-
         raise Unreadable(f"the `datasets` package is not installed: {how}") from e
     if offline:  # in case datasets was imported before the environment variable was set
         import huggingface_hub.constants
+
         datasets.config.HF_HUB_OFFLINE = huggingface_hub.constants.HF_HUB_OFFLINE = True
     try:
         ds = datasets.load_dataset(hf_name, hf_config, split=hf_split)
     except Exception as e:  # no network and no cache shows up as ConnectionError, ValueError, FileNotFoundError...
-        raise Unreadable(f"could not load {hf_name} ({hf_config}, {hf_split}): {type(e).__name__}: {e}\n"
-                           f"no network? {how}") from e
+        raise Unreadable(
+            f"could not load {hf_name} ({hf_config}, {hf_split}): {type(e).__name__}: {e}\nno network? {how}"
+        ) from e
     return [dict(row) for row in ds]
 
 

@@ -9,6 +9,7 @@ the last `####` (an optional `$`, thousands commas and trailing punctuation allo
 word after it, has no answer and is wrong ("The answer is 18." included). The offline curriculum and
 SpellingBee use the same convention: their labels are integers.
 """
+
 import re
 
 from nanorl.errors import BadValue
@@ -26,7 +27,7 @@ def answer_to_parts(answer):
             continue  # not a calculator call: stays as plain text
         expr, result = m.group(1).rsplit("=", 1)
         if m.start() > pos:
-            parts.append({"type": "text", "text": answer[pos:m.start()]})
+            parts.append({"type": "text", "text": answer[pos : m.start()]})
         parts.append({"type": "python", "text": expr})
         parts.append({"type": "python_output", "text": result})
         pos = m.end()
@@ -87,18 +88,25 @@ class GSM8K(Task):
             missing = [k for k in ("question", "answer") if not isinstance(row.get(k), str)]
             if missing or extract_answer(row["answer"]) is None:
                 where = ", ".join(split_file(path, split)) if path else f"openai/gsm8k ({split})"
-                what = f"no {' or '.join(repr(k) for k in missing)}" if missing else "an 'answer' without a final '#### N'"
-                raise BadValue(f"{where}: row {i + 1} has {what} (GSM8K rows need a 'question' and an 'answer' "
-                                 f"ending in '#### N')")
+                what = (
+                    f"no {' or '.join(repr(k) for k in missing)}" if missing else "an 'answer' without a final '#### N'"
+                )
+                raise BadValue(
+                    f"{where}: row {i + 1} has {what} (GSM8K rows need a 'question' and an 'answer' ending in '#### N')"
+                )
 
     def num_examples(self):
         return len(self.rows)
 
     def example(self, index):
         row = self.rows[index]
-        return {"messages": [{"role": "user", "content": row["question"]},
-                             {"role": "assistant", "content": answer_to_parts(row["answer"])}],
-                "label": extract_answer(row["answer"])}
+        return {
+            "messages": [
+                {"role": "user", "content": row["question"]},
+                {"role": "assistant", "content": answer_to_parts(row["answer"])},
+            ],
+            "label": extract_answer(row["answer"]),
+        }
 
     def evaluate(self, conversation, response_text):
         return is_correct(response_text, conversation["label"])

@@ -2,6 +2,7 @@
 HumanEval (openai/openai_humaneval): 164 Python functions to complete, graded by running the dataset's
 unit tests on the model's code in nanorl.execution's sandbox (a subprocess with time and memory limits).
 """
+
 import re
 
 from tasks.common import Task, load_rows
@@ -42,11 +43,21 @@ class HumanEval(Task):
 
     def example(self, index):
         r = self.rows[index]
-        return {"messages": [{"role": "user", "content": r["prompt"]},
-                             {"role": "assistant", "content": r["prompt"] + r["canonical_solution"]}],
-                "prompt": r["prompt"], "test": r["test"], "entry_point": r["entry_point"], "task_id": r.get("task_id", "")}
+        return {
+            "messages": [
+                {"role": "user", "content": r["prompt"]},
+                {"role": "assistant", "content": r["prompt"] + r["canonical_solution"]},
+            ],
+            "prompt": r["prompt"],
+            "test": r["test"],
+            "entry_point": r["entry_point"],
+            "task_id": r.get("task_id", ""),
+        }
 
     def evaluate(self, conversation, response_text):
         from nanorl.execution import execute_code  # the sandbox (rewards branch); only needed to grade
-        result = execute_code(build_program(conversation, response_text), timeout=self.timeout, max_memory_mb=self.max_memory_mb)
+
+        result = execute_code(
+            build_program(conversation, response_text), timeout=self.timeout, max_memory_mb=self.max_memory_mb
+        )
         return bool(result.success)

@@ -2,6 +2,7 @@
 MMLU (cais/mmlu): 4-way multiple choice over 57 subjects. split "test"/"validation"/"dev" of the "all"
 subset, or subset="auxiliary_train" (~100K questions from other exams) for midtraining.
 """
+
 from tasks.common import Task, evaluate_mc, load_rows, render_mc
 
 
@@ -13,7 +14,9 @@ class MMLU(Task):
         if subset == "auxiliary_train":
             split = "train"  # the only split it has
         if split not in ("train", "test", "validation", "dev") or (split == "train" and subset != "auxiliary_train"):
-            raise ValueError(f"MMLU subset {subset!r} has no split {split!r} (all: test/validation/dev; auxiliary_train: train)")
+            raise ValueError(
+                f"MMLU subset {subset!r} has no split {split!r} (all: test/validation/dev; auxiliary_train: train)"
+            )
         rows = load_rows("cais/mmlu", subset, split, path=path, split=split)
         # auxiliary_train nests each row under a "train" key on the Hub
         self.rows = [r["train"] if isinstance(r.get("train"), dict) else r for r in rows]

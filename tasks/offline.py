@@ -4,6 +4,7 @@ counting, levels 1-4, GSM8K's `#### N` format, optional tool calls) and small ch
 No download: the default of every script when no data is given. Train/test are disjoint by construction.
 Problems are graded by GSM8K's rule (tasks/gsm8k.py): the integer right after the last `####`.
 """
+
 from nanorl import synthetic
 from tasks.common import Task
 from tasks.gsm8k import is_correct
@@ -12,7 +13,9 @@ DEFAULT_SIZE = {"train": 20000, "test": 500}
 
 
 class OfflineProblems(Task):
-    def __init__(self, split="train", n=None, seed=0, levels=(1, 2, 3, 4), kinds=("arith", "count"), use_tools=None, **kw):
+    def __init__(
+        self, split="train", n=None, seed=0, levels=(1, 2, 3, 4), kinds=("arith", "count"), use_tools=None, **kw
+    ):
         super().__init__(**kw)
         split = "test" if split in ("val", "validation") else split
         n = DEFAULT_SIZE.get(split, 500) if n is None else n

@@ -4,6 +4,7 @@ for a model that sees tokens, not letters, so the reference answer spells the wo
 letter at a time; half of the examples also check the count with a python tool call.
 Train and test never share a (word, letter) pair.
 """
+
 import random
 import zlib
 
@@ -11,8 +12,13 @@ from nanorl.synthetic import WORDS
 from tasks.common import Task
 from tasks.gsm8k import is_correct
 
-TEMPLATES = ["How many {l} are in {w}?", "How many times does the letter {l} appear in {w}?",
-             "Count the number of {l}'s in the word {w}.", "how many {l}'s in {w}", "In the word '{w}', how many '{l}' are there?"]
+TEMPLATES = [
+    "How many {l} are in {w}?",
+    "How many times does the letter {l} appear in {w}?",
+    "Count the number of {l}'s in the word {w}.",
+    "how many {l}'s in {w}",
+    "In the word '{w}', how many '{l}' are there?",
+]
 
 
 def pair_split(word, letter):
@@ -49,14 +55,20 @@ class SpellingBee(Task):
         text = f"Spelling out {word}: {'-'.join(word)}.\nCounting each {letter}: {' '.join(marks)}.\n"
         tools = rng.random() < 0.5 if self.use_tools is None else self.use_tools
         if tools:
-            content = [{"type": "text", "text": text + "Let me check with python: "},
-                       {"type": "python", "text": f"'{word}'.count('{letter}')"},
-                       {"type": "python_output", "text": str(count)},
-                       {"type": "text", "text": f"\nThe letter {letter} appears {count} times in {word}.\n#### {count}"}]
+            content = [
+                {"type": "text", "text": text + "Let me check with python: "},
+                {"type": "python", "text": f"'{word}'.count('{letter}')"},
+                {"type": "python_output", "text": str(count)},
+                {"type": "text", "text": f"\nThe letter {letter} appears {count} times in {word}.\n#### {count}"},
+            ]
         else:
             content = text + f"The letter {letter} appears {count} times in {word}.\n#### {count}"
-        return {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": content}],
-                "label": str(count), "word": word, "letter": letter}
+        return {
+            "messages": [{"role": "user", "content": question}, {"role": "assistant", "content": content}],
+            "label": str(count),
+            "word": word,
+            "letter": letter,
+        }
 
     def evaluate(self, conversation, response_text):
         return is_correct(response_text, conversation["label"])

@@ -4,6 +4,7 @@ The tests not marked `gpu` run on the CPU by construction, also on a GPU machine
 the CPU (in this process, where CUDA may already be initialised, and in every script or worker a test starts), and
 CUDA_VISIBLE_DEVICES="" hides the GPU from those processes. Tests marked `gpu` see the environment as it was.
 """
+
 import os
 
 import pytest

@@ -1,5 +1,6 @@
 """A reward for RL tests on random-weight models: the fraction of vowels in the response, so rewards
 differ within a group and advantages are not all zero."""
+
 import itertools
 import os
 
@@ -24,6 +25,7 @@ def failing_generate(cfg, engine, tokenizer, prompts, seeds):
 
     from nanorl.engine import Request
     from nanorl.samples import Sample, extend_sample
+
     CALLS["n"] += 1
     if CALLS["n"] >= int(os.environ["FAIL_AT"]) and os.environ.get("RANK", "0") == os.environ["FAIL_RANK"]:
         if os.environ["FAIL_MODE"] == "hang":
@@ -32,15 +34,31 @@ def failing_generate(cfg, engine, tokenizer, prompts, seeds):
     groups = []
     for p, seed in zip(prompts, seeds):
         ids = tokenizer.render_for_completion(p["conversation"])
-        comps = engine.generate([Request(ids, num_samples=cfg.n_samples_per_prompt, max_tokens=cfg.max_response_len, seed=seed)])[0]
-        groups.append([extend_sample(Sample(prompt=p["conversation"], tokens=list(ids), label=p["label"], index=i,
-                                            metadata=dict(p["metadata"])), c) for i, c in enumerate(comps)])
+        comps = engine.generate(
+            [Request(ids, num_samples=cfg.n_samples_per_prompt, max_tokens=cfg.max_response_len, seed=seed)]
+        )[0]
+        groups.append(
+            [
+                extend_sample(
+                    Sample(
+                        prompt=p["conversation"],
+                        tokens=list(ids),
+                        label=p["label"],
+                        index=i,
+                        metadata=dict(p["metadata"]),
+                    ),
+                    c,
+                )
+                for i, c in enumerate(comps)
+            ]
+        )
     return groups
 
 
 def no_logprob_generate(cfg, engine, tokenizer, prompts, seeds):
     """A custom rollout that does not report the sampler's log-probs."""
     import os
+
     os.environ.update(FAIL_AT="1000000", FAIL_RANK="-1", FAIL_MODE="raise")
     groups = failing_generate(cfg, engine, tokenizer, prompts, seeds)
     for g in groups:

@@ -1,5 +1,6 @@
 """A reward server for tests, on 127.0.0.1 in a thread: the path picks how it behaves (a good answer, a
 500, a hang, malformed JSON, ...), so the remote-reward client and the RL loop meet every failure for real."""
+
 import json
 import threading
 import time

@@ -4,6 +4,7 @@
 It is a bigram model: the blocks' output projections are zero, so each position sees only its own token,
 whose one-hot embedding picks a row of the lm_head's logit table. `noise` perturbs every weight, so
 attention and positions matter too (cached decode and full forwards then really have to agree)."""
+
 import itertools
 
 import torch
@@ -11,7 +12,9 @@ import torch
 from nanorl.gpt import GPTConfig, build_model
 
 
-def tool_user_model(tokenizer, code, after_output, vocab_size, strength=15.0, noise=0.0, n_embd=64, seq_len=256, seed=0):
+def tool_user_model(
+    tokenizer, code, after_output, vocab_size, strength=15.0, noise=0.0, n_embd=64, seq_len=256, seed=0
+):
     sp = tokenizer.encode_special
     chain = [sp("<|assistant_start|>"), sp("<|python_start|>"), *tokenizer.encode(code), sp("<|python_end|>")]
     next_of = dict(itertools.pairwise(chain))
@@ -26,7 +29,7 @@ def tool_user_model(tokenizer, code, after_output, vocab_size, strength=15.0, no
         model.lm_head.weight.zero_()
         for i, (a, b) in enumerate(next_of.items()):
             model.transformer.wte.weight[a, i] = 1.0  # norm() makes it sqrt(n_embd) on dimension i
-            model.lm_head.weight[b, i] = strength / n_embd ** 0.5
+            model.lm_head.weight[b, i] = strength / n_embd**0.5
         for p in model.parameters():
             p.add_(noise * torch.randn_like(p))
     return model.eval()

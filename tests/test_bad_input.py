@@ -6,6 +6,7 @@ The table runs each script in this process (runpy, as `python -m` would, with th
 sys.excepthook exactly as the interpreter hands it): a subprocess per case would spend ~10 s importing torch. A few
 cases run as real subprocesses to show that the hook is installed in a fresh interpreter.
 """
+
 import contextlib
 import io
 import json
@@ -31,12 +32,14 @@ TAG, STEP = "t", 1
 # -----------------------------------------------------------------------------------------------
 # fixtures: one tiny pipeline (tokenizer, base/mid/sft/rl checkpoints, an exported HF directory), copied per case
 
+
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory):
     """A base dir with a 300-token tokenizer and the same 1-layer model saved as every stage's step 1 (optimizer
     and extra state included, so --resume finds them), plus that model exported as a HF directory."""
     from nanorl import synthetic
     from nanorl.hf import export_hf
+
     base = tmp_path_factory.mktemp("pipeline")
     docs = [d for _, d in zip(range(300), synthetic.pretrain_documents("train"))]
     tok = Tokenizer.train(iter(docs), 300)
@@ -57,15 +60,20 @@ def pipeline(tmp_path_factory):
 
 def ck(stage, kind):
     """A file of the fixture's step: kind model / meta / optim / extra."""
-    name = {"model": "model_{:06d}.safetensors", "meta": "meta_{:06d}.json", "optim": "optim_{:06d}_rank0.pt",
-            "extra": "extra_{:06d}_rank0.pt"}[kind].format(STEP)
+    name = {
+        "model": "model_{:06d}.safetensors",
+        "meta": "meta_{:06d}.json",
+        "optim": "optim_{:06d}_rank0.pt",
+        "extra": "extra_{:06d}_rank0.pt",
+    }[kind].format(STEP)
     return f"{stage}_checkpoints/{TAG}/{name}"
 
 
 def truncate(rel):
     def damage(base):
         p = base / rel
-        p.write_bytes(p.read_bytes()[:len(p.read_bytes()) // 2])
+        p.write_bytes(p.read_bytes()[: len(p.read_bytes()) // 2])
+
     return damage
 
 
@@ -85,6 +93,7 @@ def edit_json(rel, fn):
     def damage(base):
         p = base / rel
         p.write_text(json.dumps(fn(json.loads(p.read_text()))))
+
     return damage
 
 
@@ -121,12 +130,43 @@ def run_script(module, argv, env):
 # -----------------------------------------------------------------------------------------------
 # the table: (script, argv, damage or None, what the one line must say). {base} is the case's base directory.
 
-TINY_BASE = ["--depth", "1", "--aspect-ratio", "32", "--head-dim", "16", "--max-seq-len", "512",
-             "--device-batch-size", "1", "--total-batch-size", "512", "--num-iterations", "1", "--eval-every", "-1",
-             "--sample-every", "-1"]
+TINY_BASE = [
+    "--depth",
+    "1",
+    "--aspect-ratio",
+    "32",
+    "--head-dim",
+    "16",
+    "--max-seq-len",
+    "512",
+    "--device-batch-size",
+    "1",
+    "--total-batch-size",
+    "512",
+    "--num-iterations",
+    "1",
+    "--eval-every",
+    "-1",
+    "--sample-every",
+    "-1",
+]
 TINY_SFT = ["--num-examples", "20", "--num-iterations", "1", "--device-batch-size", "1", "--eval-tokens", "64"]
-TINY_RL = ["--num-rollouts", "1", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
-           "--eval-max-problems", "2", "--n-samples-per-eval-prompt", "1", "--pass-k", "1", "--max-new-tokens", "4"]
+TINY_RL = [
+    "--num-rollouts",
+    "1",
+    "--rollout-batch-size",
+    "2",
+    "--n-samples-per-prompt",
+    "2",
+    "--eval-max-problems",
+    "2",
+    "--n-samples-per-eval-prompt",
+    "1",
+    "--pass-k",
+    "1",
+    "--max-new-tokens",
+    "4",
+]
 RESUME = TINY_BASE + ["--model-tag", TAG, "--resume"]
 CUDA = ["--device-type", "cuda"]
 HF, TOKENIZER = "{base}/hf", "tokenizer/tokenizer.json"
@@ -148,8 +188,12 @@ CASES = [
     ("base_train", RESUME, remove(ck("base", "extra")), ck("base", "extra") + " is missing"),
     ("base_train", RESUME, truncate(ck("base", "optim")), ck("base", "optim") + " is corrupt"),
     ("base_train", RESUME, write(ck("base", "meta"), "{oops"), ck("base", "meta") + " is corrupt"),
-    ("base_train", RESUME, edit_json(ck("base", "meta"), drop("model_config")),
-     ck("base", "meta") + " has no model_config"),
+    (
+        "base_train",
+        RESUME,
+        edit_json(ck("base", "meta"), drop("model_config")),
+        ck("base", "meta") + " has no model_config",
+    ),
     ("base_eval", ["--model-tag", "nope"], None, "no base checkpoint tagged 'nope'"),
     ("base_eval", ["--model-step", "7"], None, "checkpoint step 7 is incomplete or missing"),
     ("base_eval", [], truncate(ck("base", "model")), ck("base", "model") + " is corrupt"),
@@ -159,8 +203,12 @@ CASES = [
     ("base_eval", ["--eval", "bpb", "--data-dir", "{base}/nowhere"], None, "--data-dir {base}/nowhere does not exist"),
     ("base_eval", CUDA, None, "--device-type cuda"),
     ("mid_train", TINY_SFT + ["--identity-path", "{base}/nowhere.jsonl"], None, "{base}/nowhere.jsonl does not exist"),
-    ("mid_train", TINY_SFT + ["--identity-path", "{base}/garbage.jsonl"], None,
-     "{base}/garbage.jsonl has no valid conversations"),
+    (
+        "mid_train",
+        TINY_SFT + ["--identity-path", "{base}/garbage.jsonl"],
+        None,
+        "{base}/garbage.jsonl has no valid conversations",
+    ),
     ("mid_train", TINY_SFT + ["--levels", "9"], None, "argument --levels: 9 is out of range"),
     ("mid_train", TINY_SFT + ["--levels", "one"], None, "argument --levels: 'one' is not"),
     ("mid_train", TINY_SFT + ["--resume"], remove(ck("mid", "optim")), ck("mid", "optim") + " is missing"),
@@ -174,8 +222,12 @@ CASES = [
     ("chat_sft", TINY_SFT, empty(ck("mid", "model")), ck("mid", "model") + " is corrupt"),
     ("chat_sft", TINY_SFT, write(ck("mid", "meta"), "[]"), ck("mid", "meta") + " is corrupt"),
     ("chat_sft", TINY_SFT + ["--hf-model", HF], truncate("hf/model.safetensors"), HF + "/model.safetensors is corrupt"),
-    ("chat_sft", TINY_SFT + ["--hf-model", HF], edit_json("hf/config.json", lambda c: {**c, "model_type": "llama"}),
-     HF + "/config.json: architectures[0] NanoChatForCausalLM contradicts model_type 'llama'"),
+    (
+        "chat_sft",
+        TINY_SFT + ["--hf-model", HF],
+        edit_json("hf/config.json", lambda c: {**c, "model_type": "llama"}),
+        HF + "/config.json: architectures[0] NanoChatForCausalLM contradicts model_type 'llama'",
+    ),
     ("chat_rl", TINY_RL + ["--task", "nope"], None, "unknown task 'nope'"),
     ("chat_rl", TINY_RL + ["--levels", "9"], None, "argument --levels: 9 is out of range"),
     ("chat_rl", TINY_RL + ["--levels", "2,x"], None, "argument --levels: '2,x' is not"),
@@ -184,8 +236,12 @@ CASES = [
     ("chat_rl", TINY_RL + ["--model-tag", "nope"], None, "no sft checkpoint tagged 'nope'"),
     ("chat_rl", TINY_RL, truncate(ck("sft", "model")), ck("sft", "model") + " is corrupt"),
     ("chat_rl", TINY_RL + ["--hf-model", HF], truncate("hf/model.safetensors"), HF + "/model.safetensors is corrupt"),
-    ("chat_rl", TINY_RL + ["--hf-model", HF], edit_json("hf/config.json", drop("hidden_size")),
-     HF + "/config.json lacks hidden_size"),
+    (
+        "chat_rl",
+        TINY_RL + ["--hf-model", HF],
+        edit_json("hf/config.json", drop("hidden_size")),
+        HF + "/config.json lacks hidden_size",
+    ),
     ("chat_rl", TINY_RL + ["--resume"], remove(ck("rl", "optim")), ck("rl", "optim") + " is missing"),
     ("chat_eval", ["-a", "nope"], None, "unknown task 'nope'"),
     ("chat_eval", ["--levels", "9"], None, "argument --levels: 9 is out of range"),
@@ -193,10 +249,18 @@ CASES = [
     ("chat_eval", ["-g", "nope"], None, "no sft checkpoint tagged 'nope'"),
     ("chat_eval", ["-s", "9"], None, "checkpoint step 9 is incomplete or missing"),
     ("chat_eval", [], write(ck("sft", "meta"), "{"), ck("sft", "meta") + " is corrupt"),
-    ("chat_eval", [], edit_json(ck("sft", "meta"), lambda m: {**m, "model_config": {"n_layer": 1, "wings": 2}}),
-     ck("sft", "meta") + " has a model_config"),
-    ("chat_eval", ["--hf-model", HF], edit_json("hf/config.json", lambda c: {**c, "architectures": ["GPT2Model"]}),
-     HF + "/config.json: architecture GPT2Model is not supported"),
+    (
+        "chat_eval",
+        [],
+        edit_json(ck("sft", "meta"), lambda m: {**m, "model_config": {"n_layer": 1, "wings": 2}}),
+        ck("sft", "meta") + " has a model_config",
+    ),
+    (
+        "chat_eval",
+        ["--hf-model", HF],
+        edit_json("hf/config.json", lambda c: {**c, "architectures": ["GPT2Model"]}),
+        HF + "/config.json: architecture GPT2Model is not supported",
+    ),
     ("chat_eval", ["--hf-model", HF], write("hf/tokenizer_config.json", "{"), HF + "/tokenizer_config.json is corrupt"),
     ("chat_eval", ["--hf-model", "{base}/nowhere"], None, "--hf-model {base}/nowhere: no such directory"),
     ("chat_eval", CUDA, None, "--device-type cuda"),
@@ -240,21 +304,25 @@ def test_bad_input_is_one_line(case, pipeline, tmp_path):
 # -----------------------------------------------------------------------------------------------
 # the hook itself: one line on rank 0, the traceback for anything else or under NANORL_DEBUG=1
 
+
 def test_hook_prints_one_line_on_rank_zero_and_falls_back_otherwise(monkeypatch, capsys):
     from nanorl.errors import MissingFile, excepthook
+
     fallback_calls = []
 
     def fallback(*exc):
         fallback_calls.append(exc[0])
+
     monkeypatch.setattr(sys, "argv", ["/x/scripts/chat_eval.py"])
     monkeypatch.delenv("NANORL_DEBUG", raising=False)
     msg = "checkpoint file c/extra_000001_rank1.pt is missing"
     err = MissingFile(msg)
     for rank, local_rank, every_rank, want in [
-            ("0", "0", False, f"chat_eval.py: error: {msg}\n"),
-            ("1", "1", False, ""),  # rank 0 says the same
-            ("1", "1", True, f"[rank 1] chat_eval.py: error: {msg}\n"),  # its own file
-            ("8", "0", False, f"[rank 8] chat_eval.py: error: {msg}\n")]:  # the first rank of another node
+        ("0", "0", False, f"chat_eval.py: error: {msg}\n"),
+        ("1", "1", False, ""),  # rank 0 says the same
+        ("1", "1", True, f"[rank 1] chat_eval.py: error: {msg}\n"),  # its own file
+        ("8", "0", False, f"[rank 8] chat_eval.py: error: {msg}\n"),
+    ]:  # the first rank of another node
         monkeypatch.setenv("RANK", rank)
         monkeypatch.setenv("LOCAL_RANK", local_rank)
         err.every_rank = every_rank
@@ -278,9 +346,17 @@ def test_a_fresh_interpreter_has_the_hook(pipeline, tmp_path):
         "bug": ([sys.executable, "-c", "import nanorl; 1 / 0"], {}),
         "script": ([sys.executable, "-m", "scripts.chat_eval", "-g", "nope"], {"NANORL_BASE_DIR": str(pipeline)}),
     }
-    procs = {k: subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "NANORL_DEBUG": "", "OMP_NUM_THREADS": "1", **env},
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for k, (cmd, env) in runs.items()}
+    procs = {
+        k: subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            env={**os.environ, "NANORL_DEBUG": "", "OMP_NUM_THREADS": "1", **env},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for k, (cmd, env) in runs.items()
+    }
     out = {k: (p.communicate(timeout=300), p.returncode) for k, p in procs.items()}
     assert out["bad input"] == (("", "error: --levels 9: out of range\n"), 1)
     (_, err), code = out["debug"]
@@ -296,12 +372,14 @@ def test_a_fresh_interpreter_has_the_hook(pipeline, tmp_path):
 # -----------------------------------------------------------------------------------------------
 # the undamaged fixture runs: the table's failures come from the damage, not from the fixture
 
+
 def test_chat_eval_says_what_it_evaluates_before_it_starts(pipeline, tmp_path):
     base = prepare(pipeline, tmp_path, None)
     argv = ["-a", "offline", "--levels", "2,3", "-x", "2", "-n", "2", "-t", "0.7", "--top-k", "5", "-m", "3", "-k", "1"]
     code, out, err = run_script("scripts.chat_eval", argv, {"NANORL_BASE_DIR": str(base), "HOME": str(tmp_path)})
     assert code == 0, err[-3000:]
-    assert out.splitlines()[0] == ("evaluating sft checkpoint t step 1 on offline (levels 2,3) (at most 2 problems per "
-                                   "task): temperature 0.7, top-k 5, 2 samples per problem, at most 3 new tokens")
+    assert out.splitlines()[0] == (
+        "evaluating sft checkpoint t step 1 on offline (levels 2,3) (at most 2 problems per "
+        "task): temperature 0.7, top-k 5, 2 samples per problem, at most 3 new tokens"
+    )
     assert "offline: accuracy" in out
-

@@ -1,4 +1,5 @@
 """scripts/bench.py on the CPU: tiny sizes, the final JSON line parsed and checked against the table above it."""
+
 import json
 import os
 import re
@@ -10,16 +11,42 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def bench(*args):
-    out = subprocess.run([sys.executable, "-m", "scripts.bench", *args], check=False, cwd=ROOT, capture_output=True, text=True,
-                         timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    out = subprocess.run(
+        [sys.executable, "-m", "scripts.bench", *args],
+        check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
     return lines, json.loads(lines[-1])
 
 
 def test_bench_train_cpu_smoke():
-    lines, r = bench("train", "--depth", "2", "--batch", "2", "--seq-len", "32", "--head-dim", "64", "--vocab-size", "512",
-                     "--warmup", "1", "--steps", "4", "--threads", "1", "--device-type", "cpu")
+    lines, r = bench(
+        "train",
+        "--depth",
+        "2",
+        "--batch",
+        "2",
+        "--seq-len",
+        "32",
+        "--head-dim",
+        "64",
+        "--vocab-size",
+        "512",
+        "--warmup",
+        "1",
+        "--steps",
+        "4",
+        "--threads",
+        "1",
+        "--device-type",
+        "cpu",
+    )
     assert r["bench"] == "train" and r["device"] == "cpu" and r["batch"] == 2 and r["seq_len"] == 32 and r["steps"] == 4
     assert r["compiled"] is False and r["mfu"] is None and r["peak_mem_gb"] > 0  # no peak FLOP/s for a CPU
     rows = [ln for ln in lines if re.match(r"\s+\d+ \|", ln)]
@@ -36,19 +63,53 @@ def test_bench_train_cpu_smoke():
 
 
 def test_bench_decode_still_works():
-    _, r = bench("decode", "--depth", "2", "--batch", "2", "--prompt-len", "8", "--new-tokens", "4", "--vocab-size", "512",
-                 "--threads", "1", "--device-type", "cpu")
+    _, r = bench(
+        "decode",
+        "--depth",
+        "2",
+        "--batch",
+        "2",
+        "--prompt-len",
+        "8",
+        "--new-tokens",
+        "4",
+        "--vocab-size",
+        "512",
+        "--threads",
+        "1",
+        "--device-type",
+        "cpu",
+    )
     assert r["bench"] == "decode" and r["ms_per_step"] > 0 and r["peak_mem_gb"] > 0
     # the path chat_rl takes: the engine samples from its own copy of the fp32 model (fp32 on the CPU) and
     # refreshes it from the model; the weights a step reads are that copy's (matmul weights, 4 bytes each)
     assert r["engine_weights"] == "float32" and r["weight_refresh_ms"] > 0 and r["requests"] == 2
     n_embd, vocab = 128, 512
-    assert r["weight_bytes"] == 4 * (2 * 12 * n_embd ** 2 + vocab * n_embd)
+    assert r["weight_bytes"] == 4 * (2 * 12 * n_embd**2 + vocab * n_embd)
 
 
 def test_bench_decode_one_request_on_a_big_engine():
-    lines, r = bench("decode", "--depth", "1", "--head-dim", "32", "--batch", "64", "--requests", "1", "--prompt-len", "8",
-                     "--new-tokens", "6", "--vocab-size", "512", "--threads", "1", "--device-type", "cpu")
+    lines, r = bench(
+        "decode",
+        "--depth",
+        "1",
+        "--head-dim",
+        "32",
+        "--batch",
+        "64",
+        "--requests",
+        "1",
+        "--prompt-len",
+        "8",
+        "--new-tokens",
+        "6",
+        "--vocab-size",
+        "512",
+        "--threads",
+        "1",
+        "--device-type",
+        "cpu",
+    )
     assert r["batch"] == 64 and r["requests"] == 1
     assert abs(r["decode_tok_per_s"] - 1 / (r["ms_per_step"] / 1e3)) < 0.01 * r["decode_tok_per_s"]
     assert any("requests 1" in line for line in lines)
@@ -58,7 +119,9 @@ RL_TINY = ["rl", "--depth", "1", "--head-dim", "32", "--vocab-size", "512", "--d
 
 
 def test_bench_rl_cpu_smoke():
-    _, r = bench(*RL_TINY, "--prompts", "3", "--samples", "4", "--prompt-len", "10", "--new-tokens", "6", "--steps", "2")
+    _, r = bench(
+        *RL_TINY, "--prompts", "3", "--samples", "4", "--prompt-len", "10", "--new-tokens", "6", "--steps", "2"
+    )
     assert r["bench"] == "rl" and r["device"] == "cpu" and r["steps"] == 2
     # no stop tokens: every response runs to the full budget, and training sees prompt + response
     assert r["generated_tokens"] == 3 * 4 * 6
@@ -81,30 +144,82 @@ def test_bench_rl_micro_batches_match_one_batch():
 
 def test_bench_rl_bad_flags():
     for flag, value, message in [("--samples", "1", "--samples must be >= 2"), ("--new-tokens", "0", "--new-tokens")]:
-        out = subprocess.run([sys.executable, "-m", "scripts.bench", *RL_TINY, flag, value], check=False, cwd=ROOT,
-                             capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        out = subprocess.run(
+            [sys.executable, "-m", "scripts.bench", *RL_TINY, flag, value],
+            check=False,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
         assert out.returncode != 0 and message in out.stderr
 
 
 def test_bench_train_fsdp_is_the_same_step():
     """--fsdp over one rank (no torchrun: the bench makes its own one-process group) trains exactly as the plain step
     (fp32 on the CPU), and times the sampler's weight gather."""
-    args = ["train", "--depth", "2", "--batch", "2", "--seq-len", "32", "--head-dim", "64", "--vocab-size", "512",
-            "--warmup", "1", "--steps", "2", "--threads", "1", "--device-type", "cpu"]
+    args = [
+        "train",
+        "--depth",
+        "2",
+        "--batch",
+        "2",
+        "--seq-len",
+        "32",
+        "--head-dim",
+        "64",
+        "--vocab-size",
+        "512",
+        "--warmup",
+        "1",
+        "--steps",
+        "2",
+        "--threads",
+        "1",
+        "--device-type",
+        "cpu",
+    ]
     lines, sharded = bench(*args, "--fsdp")
     _, plain = bench(*args)
     assert sharded["fsdp"] is True and plain["fsdp"] is False and plain["gather_ms"] is None
     assert sharded["params"] == plain["params"] and sharded["flops_per_token"] == plain["flops_per_token"]
-    assert abs(sharded["loss_first"] - plain["loss_first"]) < 1e-3 and abs(sharded["loss_last"] - plain["loss_last"]) < 1e-3
+    assert (
+        abs(sharded["loss_first"] - plain["loss_first"]) < 1e-3
+        and abs(sharded["loss_last"] - plain["loss_last"]) < 1e-3
+    )
     assert sharded["gather_ms"] > 0 and any("sampler weight gather" in ln for ln in lines)
 
 
 def test_bench_hf_tiny_cpu():
     """bench hf on the tiny Qwen2 shape: nanorl's engine and transformers' generate pick the same greedy tokens
     (fp32), the parameter count is the HF model's, the GRPO step's token counts are its shape's."""
-    lines, r = bench("hf", "--arch", "qwen2", "--size", "tiny", "--batches", "1", "3", "--prompt-len", "6", "--new-tokens", "7",
-                     "--rl-prompts", "2", "--rl-samples", "3", "--rl-prompt-len", "5", "--rl-new-tokens", "4",
-                     "--device-type", "cpu", "--threads", "1")
+    lines, r = bench(
+        "hf",
+        "--arch",
+        "qwen2",
+        "--size",
+        "tiny",
+        "--batches",
+        "1",
+        "3",
+        "--prompt-len",
+        "6",
+        "--new-tokens",
+        "7",
+        "--rl-prompts",
+        "2",
+        "--rl-samples",
+        "3",
+        "--rl-prompt-len",
+        "5",
+        "--rl-new-tokens",
+        "4",
+        "--device-type",
+        "cpu",
+        "--threads",
+        "1",
+    )
     assert r["bench"] == "hf" and r["arch"] == "qwen2" and r["vocab_size"] == 512 and r["tokenizer_vocab"] == 300
     # hidden 64, 2 layers, 4 heads of 16 (2 KV heads), MLP 96, tied embedding; q/k/v biases and RMSNorm weights
     h, kv, mlp = 64, 2 * 16, 96

@@ -1,5 +1,6 @@
 """scripts/chat_cli.py: leaving out the oldest turns, messages that cannot fit, the /commands, the banner, and a
 long session in a pseudo-terminal on a tiny model."""
+
 import os
 import select
 import subprocess
@@ -19,13 +20,19 @@ def tiny(tmp_path_factory):
     """A trained tokenizer and a 1-layer sft checkpoint 't' at step 7, context 256, in a fresh base dir."""
     d = tmp_path_factory.mktemp("cli")
     env = {**os.environ, "NANORL_BASE_DIR": str(d), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, "-m", "scripts.tok_train", "--vocab-size", "600", "--max-chars", "300000"],
-                   cwd=ROOT, env=env, check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "scripts.tok_train", "--vocab-size", "600", "--max-chars", "300000"],
+        cwd=ROOT,
+        env=env,
+        check=True,
+        capture_output=True,
+    )
     import torch
 
     from nanorl.checkpoint import checkpoint_root, save_checkpoint
     from nanorl.gpt import GPTConfig, build_model
     from nanorl.tokenizer import get_tokenizer
+
     old = os.environ.get("NANORL_BASE_DIR")
     os.environ["NANORL_BASE_DIR"] = str(d)
     try:
@@ -49,9 +56,13 @@ def words(msgs):
 
 
 def test_turns_to_drop_keeps_the_newest_turns_that_fit():
-    msgs = [{"role": "user", "content": "a b c"}, {"role": "assistant", "content": "a b c d e"},
-            {"role": "user", "content": "a b"}, {"role": "assistant", "content": "a b c d"},
-            {"role": "user", "content": "a b c d e f"}]  # 3 + 5 + 2 + 4 + 6 = 20 words
+    msgs = [
+        {"role": "user", "content": "a b c"},
+        {"role": "assistant", "content": "a b c d e"},
+        {"role": "user", "content": "a b"},
+        {"role": "assistant", "content": "a b c d"},
+        {"role": "user", "content": "a b c d e f"},
+    ]  # 3 + 5 + 2 + 4 + 6 = 20 words
     assert turns_to_drop(msgs, words, 20) == 0
     assert turns_to_drop(msgs, words, 19) == 1  # the first pair goes: 12 left
     assert turns_to_drop(msgs, words, 12) == 1
@@ -63,9 +74,13 @@ def test_turns_to_drop_keeps_the_newest_turns_that_fit():
 
 def test_fit_prompt_leaves_out_pairs_and_names_a_message_too_long(tiny):
     tok = tiny["tokenizer"]
-    msgs = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "hi, how are you"},
-            {"role": "user", "content": "fine thanks"}, {"role": "assistant", "content": "good"},
-            {"role": "user", "content": "what did I say first?"}]
+    msgs = [
+        {"role": "user", "content": "hello there"},
+        {"role": "assistant", "content": "hi, how are you"},
+        {"role": "user", "content": "fine thanks"},
+        {"role": "assistant", "content": "good"},
+        {"role": "user", "content": "what did I say first?"},
+    ]
     full = len(tok.render_for_completion({"messages": msgs}))
     two = len(tok.render_for_completion({"messages": msgs[2:]}))
     last = len(tok.render_for_completion({"messages": msgs[4:]}))
@@ -82,6 +97,7 @@ def test_fit_prompt_leaves_out_pairs_and_names_a_message_too_long(tiny):
 
 class SpyEngine:
     """Records the request chat_turn makes and answers nothing."""
+
     max_len = 256
 
     def __init__(self):
@@ -100,8 +116,13 @@ def test_temperature_command_changes_the_sampling_temperature(tiny):
     assert command("/temperature hot", settings) == "/temperature takes a number from 0 to 2, got 'hot'"
     assert settings["temperature"] == 1.25
     engine = SpyEngine()
-    chat_turn(engine, tiny["tokenizer"], {"messages": [{"role": "user", "content": "hi"}]}, out=open(os.devnull, "w"),
-              **settings)
+    chat_turn(
+        engine,
+        tiny["tokenizer"],
+        {"messages": [{"role": "user", "content": "hi"}]},
+        out=open(os.devnull, "w"),
+        **settings,
+    )
     assert engine.requests[0].temperature == 1.25 and engine.requests[0].max_tokens == 16
     assert command("/clear", settings) == command("clear", settings) == "clear"
     assert command("quit", settings) == command("/quit", settings) == command("exit", settings) == "quit"
@@ -113,24 +134,35 @@ def test_one_shot_with_an_overlong_prompt_is_one_line_and_fails(tiny):
     prompt = "the cat sat on the mat " * 100
     n = len(tiny["tokenizer"].render_for_completion({"messages": [{"role": "user", "content": prompt}]}))
     assert n > 256
-    r = subprocess.run([sys.executable, "-m", "scripts.chat_cli", "-p", prompt, "--device-type", "cpu"], cwd=ROOT,
-                       env=tiny["env"], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "scripts.chat_cli", "-p", prompt, "--device-type", "cpu"],
+        cwd=ROOT,
+        env=tiny["env"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 1
     assert "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1] == (
-        f"chat_cli.py: error: this message alone is {n} tokens (context 256): shorten it")
+        f"chat_cli.py: error: this message alone is {n} tokens (context 256): shorten it"
+    )
 
 
 def test_eight_turns_help_and_temperature_in_a_terminal(tiny):
     """chat_cli in a pseudo-terminal on the 256-token model: 8 turns of 40-token replies overflow the context, the
     oldest turns are left out with one notice and no turn is refused; /help and /temperature answer locally."""
     import pty
+
     env = {**tiny["env"], "TERM": "xterm", "INPUTRC": "/dev/null"}
     pid, fd = pty.fork()
     if pid == 0:  # the child: chat_cli on the terminal (exec at once)
         os.chdir(ROOT)
-        os.execve(sys.executable, [sys.executable, "-m", "scripts.chat_cli", "-i", "sft", "-t", "0", "-m", "40",
-                                   "--device-type", "cpu"], env)
+        os.execve(
+            sys.executable,
+            [sys.executable, "-m", "scripts.chat_cli", "-i", "sft", "-t", "0", "-m", "40", "--device-type", "cpu"],
+            env,
+        )
     seen = b""
 
     def expect(text, count=1, timeout=60):
@@ -182,5 +214,6 @@ def test_banner_names_a_hugging_face_directory():
     from argparse import Namespace
 
     from scripts.chat_cli import loaded_what
+
     args = Namespace(hf_model="/models/Qwen2.5-0.5B", source="sft", model_step=None)
     assert loaded_what(args, {"model_tag": "Qwen2.5-0.5B"}) == "Hugging Face model /models/Qwen2.5-0.5B"

@@ -5,8 +5,8 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from nanorl.tokenizer import SPLIT_PATTERN, Tokenizer
 from nanorl.rl import pass_at_k
+from nanorl.tokenizer import SPLIT_PATTERN, Tokenizer
 from scripts.chat_eval import Progress, centered, evaluate, letter_token, run_categorical, run_header
 from tasks import Task, TaskMixture
 from tasks.common import render_mc
@@ -32,6 +32,7 @@ class ListTask(Task):
 
 def test_progress_lines(capsys):
     from nanorl.common import print0
+
     progress = Progress("gsm8k", 20, log=print0, tty=False)  # a log file: a line every tenth of the problems
     for i in range(20):
         progress.add(float(i % 2 == 0))
@@ -41,8 +42,13 @@ def test_progress_lines(capsys):
     for v in (1.0, 0.0, 0.5):
         progress.add(v)
     out = capsys.readouterr().out
-    assert out == "".join(f"\r\033[K[gsm8k] {n}/3 problems, running accuracy {a:.4f}" for n, a in
-                          ((1, 1.0), (2, 0.5), (3, 0.5))) + "\n"
+    assert (
+        out
+        == "".join(
+            f"\r\033[K[gsm8k] {n}/3 problems, running accuracy {a:.4f}" for n, a in ((1, 1.0), (2, 0.5), (3, 0.5))
+        )
+        + "\n"
+    )
 
 
 def test_centered_mean():
@@ -55,6 +61,7 @@ class LetterFavouringModel(torch.nn.Module):
     """At position t the fake model's favourite answer letter is letters[t % n]; a non-letter token beats
     every letter everywhere, so only an eval that restricts to the letters, at each row's last prompt
     position, gets the expected answers."""
+
     def __init__(self, tok, letters="ABCD"):
         super().__init__()
         self.w = torch.nn.Parameter(torch.zeros(1))
@@ -99,6 +106,7 @@ def test_categorical_eval_on_a_model_that_knows_the_answer(tok):
                 text = tok.decode([t for t in idx[b].tolist() if t < 256])
                 logits[b, :, letter_token(tok, text.split("hint=")[1][0])] = 5.0
             return logits
+
     convs = [render_mc(f"hint={l} what?", ["1", "2", "3", "4", "5"], "ABCDE".index(l)) for l in "EBDAC"]
     assert run_categorical(Oracle(), tok, ListTask(convs, "categorical"), [0, 1, 2, 3, 4], batch_size=2) == [True] * 5
 
@@ -123,6 +131,7 @@ def test_generative_eval_batches_grades_and_shows_progress(tok, monkeypatch):
         mask: list = field(default_factory=list)
         status: str = "completed"
         prompt_len: int = 0
+
     fake = types.ModuleType("nanorl.engine")
     fake.Request = Request
     monkeypatch.setitem(sys.modules, "nanorl.engine", fake)
@@ -150,6 +159,7 @@ def test_generative_eval_batches_grades_and_shows_progress(tok, monkeypatch):
             # problem j: the first j of 4 samples are right (capped at 4)
             texts = [f"#### {label if s < j else label + 1}" for s in range(r.num_samples)]
             return Handle(self, [Completion(tokens=tok.encode(t) + [end]) for t in texts])
+
     lines = []
     progress = Progress("offline", 6, log=lambda line, **kw: lines.append(line))
     engine = FakeEngine()
@@ -161,7 +171,7 @@ def test_generative_eval_batches_grades_and_shows_progress(tok, monkeypatch):
         assert sums[f"pass@{k}"] == pytest.approx(sum(pass_at_k(4, x, k) for x in c))
     assert texts[0][0] == f"#### {int(task.get_example(0)['label']) + 1}"  # <|assistant_end|> dropped
     # per-problem progress with the running accuracy (mean fraction of right samples so far), by hand
-    running = [sum(x / 4 for x in c[:i + 1]) / (i + 1) for i in range(6)]
+    running = [sum(x / 4 for x in c[: i + 1]) / (i + 1) for i in range(6)]
     assert lines == [f"[offline] {i + 1}/6 problems, running accuracy {running[i]:.4f}" for i in range(6)]
     # a prompt that leaves the engine no room is scored wrong and counted, not sent (the engine would raise)
     lengths = [len(tok.render_for_completion(task.get_example(j))) for j in range(6)]
@@ -169,7 +179,9 @@ def test_generative_eval_batches_grades_and_shows_progress(tok, monkeypatch):
     engine.max_len = sorted(lengths)[3]  # the 3 longest prompts do not fit
     engine.submit = lambda r: engine.submitted.append(r) or Handle(engine, [Completion(tokens=[end])] * r.num_samples)
     sums, _ = evaluate(task, None, tok, engine, list(range(6)), num_samples=2, ks=(1,))
-    assert sums["too_long"] == sum(n >= engine.max_len for n in lengths) and len(engine.submitted) == 6 - sums["too_long"]
+    assert (
+        sums["too_long"] == sum(n >= engine.max_len for n in lengths) and len(engine.submitted) == 6 - sums["too_long"]
+    )
     assert sums["problems"] == 6 and sums["correct"] == 0
 
 
@@ -182,6 +194,7 @@ def test_offline_test_split_is_held_out_from_the_sft_mixture():
 
 def test_a_pass_k_above_the_sample_count_stops_before_any_model_loads(tmp_path, monkeypatch, capsys):
     from scripts.chat_eval import parse_args
+
     monkeypatch.setenv("NANORL_BASE_DIR", str(tmp_path))  # no checkpoint anywhere: the flags alone must fail
     monkeypatch.setattr(sys, "argv", ["chat_eval.py", "-i", "rl", "-n", "2", "-k", "4,1"])
     with pytest.raises(SystemExit) as e:
@@ -193,13 +206,16 @@ def test_a_pass_k_above_the_sample_count_stops_before_any_model_loads(tmp_path, 
 
 
 def test_run_header_names_the_model_tasks_levels_decoding_and_length():
-    args = types.SimpleNamespace(hf_model=None, source="rl", levels="1,2,3,4", top_k=None, num_samples=1,
-                                 max_problems=None, max_new_tokens=256)
+    args = types.SimpleNamespace(
+        hf_model=None, source="rl", levels="1,2,3,4", top_k=None, num_samples=1, max_problems=None, max_new_tokens=256
+    )
     meta = {"model_tag": "d20", "step": 1400}
     assert run_header(args, meta, ["offline", "gsm8k"], 0.0) == (
         "evaluating rl checkpoint d20 step 1400 on offline (levels 1,2,3,4), gsm8k (all problems): greedy, "
-        "1 sample per problem, at most 256 new tokens")
+        "1 sample per problem, at most 256 new tokens"
+    )
     args.hf_model, args.top_k, args.num_samples, args.max_problems = "/m/qwen", 50, 8, 100
     assert run_header(args, {}, ["gsm8k"], 1.0) == (
         "evaluating Hugging Face model /m/qwen on gsm8k (at most 100 problems per task): temperature 1, top-k 50, "
-        "8 samples per problem, at most 256 new tokens")
+        "8 samples per problem, at most 256 new tokens"
+    )

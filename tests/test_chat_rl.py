@@ -1,4 +1,5 @@
 """End-to-end runs of scripts/chat_rl.py on a tiny random-weight model (CPU, fp32)."""
+
 import json
 import os
 import shutil
@@ -18,8 +19,13 @@ RM = f"{ROOT / 'tests' / 'rl_fixture_reward.py'}:vowel_reward"
 def base_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("rl")
     env = {**os.environ, "NANORL_BASE_DIR": str(d)}
-    subprocess.run([sys.executable, "-m", "scripts.tok_train", "--vocab-size", "600", "--max-chars", "300000"],
-                   cwd=ROOT, env=env, check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "scripts.tok_train", "--vocab-size", "600", "--max-chars", "300000"],
+        cwd=ROOT,
+        env=env,
+        check=True,
+        capture_output=True,
+    )
     code = (
         "import torch\n"
         "from nanorl.gpt import GPTConfig, build_model\n"
@@ -34,7 +40,8 @@ def base_dir(tmp_path_factory):
         "torch.manual_seed(1); teacher = build_model(cfg, 'cpu')\n"  # a different model to distil from
         "with torch.no_grad():\n"
         "    teacher.lm_head.weight.normal_(0, 0.5)\n"
-        "save_checkpoint(checkpoint_root('sft') + '/teacher', 0, teacher.state_dict(), meta={'model_config': cfg.to_dict()})\n")
+        "save_checkpoint(checkpoint_root('sft') + '/teacher', 0, teacher.state_dict(), meta={'model_config': cfg.to_dict()})\n"
+    )
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True, capture_output=True)
     return d
 
@@ -49,7 +56,8 @@ def tool_model(base_dir):
         "from nanorl.checkpoint import save_checkpoint, checkpoint_root\n"
         "tok = get_tokenizer()\n"
         "m = tool_user_model(tok, '2+3', tok.encode_special('<|python_start|>'), tok.vocab_size, strength=10.0, noise=0.01)\n"
-        "save_checkpoint(checkpoint_root('sft') + '/tools', 0, m.state_dict(), meta={'model_config': m.config.to_dict()})\n")
+        "save_checkpoint(checkpoint_root('sft') + '/tools', 0, m.state_dict(), meta={'model_config': m.config.to_dict()})\n"
+    )
     env = {**os.environ, "NANORL_BASE_DIR": str(base_dir)}
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True, capture_output=True)
     return "tools"
@@ -57,11 +65,43 @@ def tool_model(base_dir):
 
 def run_rl(base_dir, *extra, nproc=1, check=True, env=None, rm=RM):
     env = {**os.environ, "NANORL_BASE_DIR": str(base_dir), "OMP_NUM_THREADS": "1", **(env or {})}
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else [sys.executable]
-    cmd = launch + ["-m", "scripts.chat_rl", "--source", "sft", "--model-tag", "t", "--levels", "1", "--rollout-batch-size", "4",
-                    "--n-samples-per-prompt", "4", "--max-response-len", "12", "--eval-interval", "100", "--eval-max-problems", "4",
-                    "--n-samples-per-eval-prompt", "2", "--pass-k", "1,2", "--lr-scale", "1.0", "--engine-batch-size", "16",
-                    "--device-type", "cpu", *(["--custom-rm-path", rm] if rm else []), *extra]
+    launch = (
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+        if nproc > 1
+        else [sys.executable]
+    )
+    cmd = launch + [
+        "-m",
+        "scripts.chat_rl",
+        "--source",
+        "sft",
+        "--model-tag",
+        "t",
+        "--levels",
+        "1",
+        "--rollout-batch-size",
+        "4",
+        "--n-samples-per-prompt",
+        "4",
+        "--max-response-len",
+        "12",
+        "--eval-interval",
+        "100",
+        "--eval-max-problems",
+        "4",
+        "--n-samples-per-eval-prompt",
+        "2",
+        "--pass-k",
+        "1,2",
+        "--lr-scale",
+        "1.0",
+        "--engine-batch-size",
+        "16",
+        "--device-type",
+        "cpu",
+        *(["--custom-rm-path", rm] if rm else []),
+        *extra,
+    ]
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     if not check:
         return out
@@ -72,6 +112,7 @@ def run_rl(base_dir, *extra, nproc=1, check=True, env=None, rm=RM):
 
 def final_weights(base_dir, tag):
     from nanorl.checkpoint import load_checkpoint
+
     return load_checkpoint(str(base_dir / "rl_checkpoints" / tag))[0]
 
 
@@ -89,19 +130,30 @@ def test_first_step_is_exactly_on_policy(base_dir):
     assert "eval/pass@1" in hist["eval"][0] and len(hist["eval"]) == 2  # before the first and after the last
 
 
-@pytest.mark.parametrize("tag,flags", [
-    ("grpo", []),
-    ("ppo", ["--advantage-estimator", "ppo", "--critic-lr", "1e-3", "--lambd", "0.9"]),
-    # the aborted samples parked at a checkpoint continue into the same tokens after the resume
-    ("partial", ["--partial-rollout", "--over-sampling-batch-size", "8", "--use-tis", "--max-response-len", "24"]),
-])
+@pytest.mark.parametrize(
+    "tag,flags",
+    [
+        ("grpo", []),
+        ("ppo", ["--advantage-estimator", "ppo", "--critic-lr", "1e-3", "--lambd", "0.9"]),
+        # the aborted samples parked at a checkpoint continue into the same tokens after the resume
+        ("partial", ["--partial-rollout", "--over-sampling-batch-size", "8", "--use-tis", "--max-response-len", "24"]),
+    ],
+)
 def test_resume_gives_identical_steps(base_dir, tag, flags):
     full, _ = run_rl(base_dir, "--num-rollouts", "4", "--save-interval", "2", "--output-tag", f"full_{tag}", *flags)
     run_rl(base_dir, "--num-rollouts", "2", "--save-interval", "2", "--output-tag", f"resumed_{tag}", *flags)
-    res, log = run_rl(base_dir, "--num-rollouts", "4", "--save-interval", "2", "--output-tag", f"resumed_{tag}", "--resume", *flags)
+    res, log = run_rl(
+        base_dir, "--num-rollouts", "4", "--save-interval", "2", "--output-tag", f"resumed_{tag}", "--resume", *flags
+    )
     assert "resumed from" in log and [h["step"] for h in res["train"]] == [1, 2, 3, 4]
     for a, b in zip(full["train"][2:], res["train"][2:]):
-        for k in ("rollout/reward_mean", "train/pg_loss", "train/grad_norm", "rollout/response_len_mean", *(["train/vf_loss"] if tag == "ppo" else [])):
+        for k in (
+            "rollout/reward_mean",
+            "train/pg_loss",
+            "train/grad_norm",
+            "rollout/response_len_mean",
+            *(["train/vf_loss"] if tag == "ppo" else []),
+        ):
             assert a[k] == b[k], (k, a[k], b[k])
     fw, rw = final_weights(base_dir, f"full_{tag}"), final_weights(base_dir, f"resumed_{tag}")
     if tag == "partial":  # parked samples were continued, and some of them were generated by an older policy
@@ -131,30 +183,97 @@ def test_dynamic_sampling_when_the_ranks_filters_disagree(base_dir):
     # rank 0: step 1 keeps 3 (1 to the buffer), step 2 takes 1 from the buffer + 3 new; drops nothing.
     # rank 1: 2 rounds drop 6 groups (all correct), 2 of them fill the batch: dropped 4, unfiltered fill 2.
     rm = f"{ROOT / 'tests' / 'rl_fixture_reward.py'}:constant_on_rank1_reward"
-    hist, log = run_rl(base_dir, "--num-rollouts", "2", "--output-tag", "filters", "--over-sampling-batch-size", "6",
-                       "--max-sampling-rounds", "2", nproc=2, rm=rm)
+    hist, log = run_rl(
+        base_dir,
+        "--num-rollouts",
+        "2",
+        "--output-tag",
+        "filters",
+        "--over-sampling-batch-size",
+        "6",
+        "--max-sampling-rounds",
+        "2",
+        nproc=2,
+        rm=rm,
+    )
     assert len(hist["train"]) == 2 and log.count("| dropped 2 |") == 2
     for h, from_buffer in zip(hist["train"], (0 + 0, 1 + 0)):  # (rank 0 + rank 1) / 2
-        want = {"groups_dropped": (0 + 4) / 2, "dropped_all_correct": (0 + 6) / 2, "rounds": (1 + 2) / 2,
-                "groups_unfiltered_fill": (0 + 2) / 2, "groups_generated": (3 + 6) / 2,
-                "groups_from_buffer": from_buffer / 2}
+        want = {
+            "groups_dropped": (0 + 4) / 2,
+            "dropped_all_correct": (0 + 6) / 2,
+            "rounds": (1 + 2) / 2,
+            "groups_unfiltered_fill": (0 + 2) / 2,
+            "groups_generated": (3 + 6) / 2,
+            "groups_from_buffer": from_buffer / 2,
+        }
         assert {k for k in h if k.startswith("rollout/dropped_")} == {"rollout/dropped_all_correct"}
         assert {k: h[f"rollout/{k}"] for k in want} == want
 
 
-@pytest.mark.parametrize("flags", [
-    ["--advantage-estimator", "rloo", "--loss-aggregation", "seq_mean_token_mean", "--use-kl-loss", "--kl-loss-coef", "0.1"],
-    ["--advantage-estimator", "reinforce_plus_plus_baseline", "--kl-coef", "0.05", "--loss-aggregation", "seq_mean_token_sum_norm"],
-    ["--disable-grpo-std-normalization", "--eps-clip-high", "0.28", "--eps-clip-c", "3", "--num-steps-per-rollout", "2",
-     "--normalize-advantages", "--entropy-coef", "0.01", "--overlong-buffer-len", "4", "--mask-truncated-samples"],
-    ["--over-sampling-batch-size", "8", "--max-sampling-rounds", "2"],
-    ["--advantage-estimator", "gspo", "--num-steps-per-rollout", "2", "--eps-clip", "0.0003", "--eps-clip-high", "0.0004"],
-    ["--advantage-estimator", "cispo", "--eps-clip-high", "0.28", "--use-tis", "--tis-mode", "icepop"],
-    ["--advantage-estimator", "reinforce_plus_plus", "--gamma", "0.99", "--kl-coef", "0.01", "--use-tis"],
-    ["--advantage-estimator", "ppo", "--critic-lr", "1e-3", "--lambd", "0.95", "--num-steps-per-rollout", "2", "--normalize-advantages",
-     "--kl-coef", "0.01"],
-    ["--use-opd", "--opd-teacher-load", "sft:teacher", "--opd-kl-coef", "0.5"],
-])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        [
+            "--advantage-estimator",
+            "rloo",
+            "--loss-aggregation",
+            "seq_mean_token_mean",
+            "--use-kl-loss",
+            "--kl-loss-coef",
+            "0.1",
+        ],
+        [
+            "--advantage-estimator",
+            "reinforce_plus_plus_baseline",
+            "--kl-coef",
+            "0.05",
+            "--loss-aggregation",
+            "seq_mean_token_sum_norm",
+        ],
+        [
+            "--disable-grpo-std-normalization",
+            "--eps-clip-high",
+            "0.28",
+            "--eps-clip-c",
+            "3",
+            "--num-steps-per-rollout",
+            "2",
+            "--normalize-advantages",
+            "--entropy-coef",
+            "0.01",
+            "--overlong-buffer-len",
+            "4",
+            "--mask-truncated-samples",
+        ],
+        ["--over-sampling-batch-size", "8", "--max-sampling-rounds", "2"],
+        [
+            "--advantage-estimator",
+            "gspo",
+            "--num-steps-per-rollout",
+            "2",
+            "--eps-clip",
+            "0.0003",
+            "--eps-clip-high",
+            "0.0004",
+        ],
+        ["--advantage-estimator", "cispo", "--eps-clip-high", "0.28", "--use-tis", "--tis-mode", "icepop"],
+        ["--advantage-estimator", "reinforce_plus_plus", "--gamma", "0.99", "--kl-coef", "0.01", "--use-tis"],
+        [
+            "--advantage-estimator",
+            "ppo",
+            "--critic-lr",
+            "1e-3",
+            "--lambd",
+            "0.95",
+            "--num-steps-per-rollout",
+            "2",
+            "--normalize-advantages",
+            "--kl-coef",
+            "0.01",
+        ],
+        ["--use-opd", "--opd-teacher-load", "sft:teacher", "--opd-kl-coef", "0.5"],
+    ],
+)
 def test_estimators_and_options_run(base_dir, flags):
     hist, log = run_rl(base_dir, "--num-rollouts", "2", "--output-tag", "opts", *flags)
     for h in hist["train"]:
@@ -178,19 +297,50 @@ def test_remote_rewards_survive_a_failing_server(base_dir, mode):
     # the server answers some responses, and fails the others with a 500, a hang past --rm-timeout or bad JSON
     with reward_server() as url:
         RewardHandler.payloads.clear()
-        hist, log = run_rl(base_dir, "--num-rollouts", "1", "--output-tag", f"remote_{mode}", "--rm-type", "remote",
-                           "--rm-url", url + "/mixed", "--rm-timeout", "0.5", "--rm-retries", "1", "--rm-failure", mode, rm=None)
+        hist, log = run_rl(
+            base_dir,
+            "--num-rollouts",
+            "1",
+            "--output-tag",
+            f"remote_{mode}",
+            "--rm-type",
+            "remote",
+            "--rm-url",
+            url + "/mixed",
+            "--rm-timeout",
+            "0.5",
+            "--rm-retries",
+            "1",
+            "--rm-failure",
+            mode,
+            rm=None,
+        )
         payload = RewardHandler.payloads[0]
     first = hist["train"][0]
     assert first["rollout/reward_failures"] > 0 and f"rewards failed ({mode})" in log
     assert first["train/grad_norm"] > 0 and first["rollout/reward_std"] > 0  # the good answers still train
-    assert set(payload) == {"prompt", "response", "label", "metadata"} and payload["prompt"]["messages"][0]["role"] == "user"
+    assert (
+        set(payload) == {"prompt", "response", "label", "metadata"}
+        and payload["prompt"]["messages"][0]["role"] == "user"
+    )
     assert payload["metadata"]["task"] == "offline" and isinstance(payload["response"], str)
 
 
 def test_multi_turn_tool_rl(base_dir, tool_model):
-    hist, log = run_rl(base_dir, "--model-tag", tool_model, "--num-rollouts", "2", "--output-tag", "multiturn", "--multi-turn",
-                       "--max-turns", "2", "--max-response-len", "24")
+    hist, log = run_rl(
+        base_dir,
+        "--model-tag",
+        tool_model,
+        "--num-rollouts",
+        "2",
+        "--output-tag",
+        "multiturn",
+        "--multi-turn",
+        "--max-turns",
+        "2",
+        "--max-response-len",
+        "24",
+    )
     first = hist["train"][0]
     assert first["rollout/tool_calls_mean"] > 0 and first["rollout/max_turns_hit_mean"] > 0 and "| tools " in log
     assert first["rollout/tool_errors_mean"] < first["rollout/tool_calls_mean"]  # mostly 2+3, sometimes a sampled typo
@@ -199,37 +349,63 @@ def test_multi_turn_tool_rl(base_dir, tool_model):
     assert first["train/grad_norm"] > 0
 
 
-@pytest.mark.parametrize("flags,msg", [
-    (["--custom-rm-path", "no_such_mod:fn"], "could not import"),
-    (["--rollout-batch-size", "3", "--num-steps-per-rollout", "5"], "--num-steps-per-rollout"),
-    (["--global-batch-size", "7"], "--global-batch-size"),
-    (["--rm-type", "bogus", "--custom-rm-path", ""], "bogus"),
-    (["--advantage-estimator", "ppo"], "--critic-lr"),
-    (["--critic-lr", "1e-3"], "--critic-lr"),
-    (["--use-opd"], "--opd-teacher-load"),
-    (["--rollout-num-gpus", "1"], "--async"),
-    (["--partial-rollout"], "--over-sampling-batch-size"),
-    (["--rm-type", "remote", "--custom-rm-path", ""], "--rm-type remote needs --rm-url"),
-    (["--rm-type", "remote", "--rm-url", "http://127.0.0.1:1/r"], "--custom-rm-path both pick the reward"),
-    (["--rm-type", "remote", "--rm-url", "127.0.0.1:1", "--custom-rm-path", ""], "must start with http://"),
-    (["--rm-url", "http://127.0.0.1:1/r"], "only used with --rm-type remote"),
-    (["--max-turns", "3"], "only used with --multi-turn"),
-    (["--multi-turn", "--max-turns", "0"], "argument --max-turns: 0 is out of range: must be an integer >= 1"),
-    # print takes any arguments, so it passes the signature check and the clash is what fails
-    (["--multi-turn", "--custom-generate-function-path", "builtins:print"], "--multi-turn and --custom-generate-function-path"),
-    (["--rm-type", "remote", "--rm-url", "http://127.0.0.1:1/r", "--custom-rm-path", "", "--rm-timeout", "0"], "argument --rm-timeout: 0 is out of range: must be a number > 0"),
-    (["--multi-turn", "--partial-rollout", "--rollout-batch-size", "4", "--over-sampling-batch-size", "8"], "--multi-turn and --partial-rollout"),
-    # numbers out of range are refused by argparse, naming the flag and the range, before any work
-    (["--rollout-batch-size", "0"], "argument --rollout-batch-size: 0 is out of range: must be an integer >= 1"),
-    (["--n-samples-per-prompt", "0"], "argument --n-samples-per-prompt: 0 is out of range"),
-    (["--pass-k", "0"], "argument --pass-k: 0 must hold integers >= 1"),
-    (["--temperature", "-1"], "argument --temperature/--rollout-temperature: -1 is out of range: must be a number > 0"),
-    (["--temperature", "nan"], "argument --temperature/--rollout-temperature: nan is out of range"),
-    (["--eps-clip-c", "0.5"], "argument --eps-clip-c: 0.5 is out of range: must be a number > 1"),
-])
+@pytest.mark.parametrize(
+    "flags,msg",
+    [
+        (["--custom-rm-path", "no_such_mod:fn"], "could not import"),
+        (["--rollout-batch-size", "3", "--num-steps-per-rollout", "5"], "--num-steps-per-rollout"),
+        (["--global-batch-size", "7"], "--global-batch-size"),
+        (["--rm-type", "bogus", "--custom-rm-path", ""], "bogus"),
+        (["--advantage-estimator", "ppo"], "--critic-lr"),
+        (["--critic-lr", "1e-3"], "--critic-lr"),
+        (["--use-opd"], "--opd-teacher-load"),
+        (["--rollout-num-gpus", "1"], "--async"),
+        (["--partial-rollout"], "--over-sampling-batch-size"),
+        (["--rm-type", "remote", "--custom-rm-path", ""], "--rm-type remote needs --rm-url"),
+        (["--rm-type", "remote", "--rm-url", "http://127.0.0.1:1/r"], "--custom-rm-path both pick the reward"),
+        (["--rm-type", "remote", "--rm-url", "127.0.0.1:1", "--custom-rm-path", ""], "must start with http://"),
+        (["--rm-url", "http://127.0.0.1:1/r"], "only used with --rm-type remote"),
+        (["--max-turns", "3"], "only used with --multi-turn"),
+        (["--multi-turn", "--max-turns", "0"], "argument --max-turns: 0 is out of range: must be an integer >= 1"),
+        # print takes any arguments, so it passes the signature check and the clash is what fails
+        (
+            ["--multi-turn", "--custom-generate-function-path", "builtins:print"],
+            "--multi-turn and --custom-generate-function-path",
+        ),
+        (
+            ["--rm-type", "remote", "--rm-url", "http://127.0.0.1:1/r", "--custom-rm-path", "", "--rm-timeout", "0"],
+            "argument --rm-timeout: 0 is out of range: must be a number > 0",
+        ),
+        (
+            ["--multi-turn", "--partial-rollout", "--rollout-batch-size", "4", "--over-sampling-batch-size", "8"],
+            "--multi-turn and --partial-rollout",
+        ),
+        # numbers out of range are refused by argparse, naming the flag and the range, before any work
+        (["--rollout-batch-size", "0"], "argument --rollout-batch-size: 0 is out of range: must be an integer >= 1"),
+        (["--n-samples-per-prompt", "0"], "argument --n-samples-per-prompt: 0 is out of range"),
+        (["--pass-k", "0"], "argument --pass-k: 0 must hold integers >= 1"),
+        (
+            ["--temperature", "-1"],
+            "argument --temperature/--rollout-temperature: -1 is out of range: must be a number > 0",
+        ),
+        (["--temperature", "nan"], "argument --temperature/--rollout-temperature: nan is out of range"),
+        (["--eps-clip-c", "0.5"], "argument --eps-clip-c: 0.5 is out of range: must be a number > 1"),
+    ],
+)
 def test_bad_flags_fail_early(base_dir, flags, msg):
     env = {**os.environ, "NANORL_BASE_DIR": str(base_dir)}
-    cmd = [sys.executable, "-m", "scripts.chat_rl", "--source", "sft", "--model-tag", "t", "--custom-rm-path", RM, *flags]
+    cmd = [
+        sys.executable,
+        "-m",
+        "scripts.chat_rl",
+        "--source",
+        "sft",
+        "--model-tag",
+        "t",
+        "--custom-rm-path",
+        RM,
+        *flags,
+    ]
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and msg in out.stderr and "saved checkpoint" not in out.stdout, out.stderr[-2000:]
 
@@ -240,8 +416,20 @@ def test_failed_or_hung_rollout_saves_and_exits_nonzero(base_dir, mode, nproc):
     # --rollout-timeout. Every rank stops, the state after step 1 is saved, and the report names what was in flight.
     gen = f"{ROOT / 'tests' / 'rl_fixture_reward.py'}:failing_generate"
     env = {"FAIL_AT": "3", "FAIL_RANK": str(nproc - 1), "FAIL_MODE": mode}
-    out = run_rl(base_dir, "--num-rollouts", "4", "--output-tag", f"fail_{mode}", "--custom-generate-function-path", gen,
-                 "--rollout-timeout", "5", nproc=nproc, check=False, env=env)
+    out = run_rl(
+        base_dir,
+        "--num-rollouts",
+        "4",
+        "--output-tag",
+        f"fail_{mode}",
+        "--custom-generate-function-path",
+        gen,
+        "--rollout-timeout",
+        "5",
+        nproc=nproc,
+        check=False,
+        env=env,
+    )
     assert out.returncode != 0
     err = out.stdout + out.stderr
     assert f"rank {nproc - 1}: rollout 2 failed" in err and "in flight" in err and "'row':" in err, err[-3000:]
@@ -266,22 +454,73 @@ def test_async_two_processes_trains_and_ships_weights_every_step(base_dir):
 
 def test_tis_without_rollout_logprobs_fails_naming_both_flags(base_dir):
     gen = f"{ROOT / 'tests' / 'rl_fixture_reward.py'}:no_logprob_generate"
-    out = run_rl(base_dir, "--num-rollouts", "1", "--output-tag", "nolp", "--use-tis", "--custom-generate-function-path", gen, check=False)
-    assert out.returncode != 0 and "--use-tis needs the rollout's log-probs" in out.stderr and "--custom-generate-function-path" in out.stderr
+    out = run_rl(
+        base_dir,
+        "--num-rollouts",
+        "1",
+        "--output-tag",
+        "nolp",
+        "--use-tis",
+        "--custom-generate-function-path",
+        gen,
+        check=False,
+    )
+    assert (
+        out.returncode != 0
+        and "--use-tis needs the rollout's log-probs" in out.stderr
+        and "--custom-generate-function-path" in out.stderr
+    )
 
 
 def test_slime_style_prompt_data_and_flags(base_dir, tmp_path):
     # a slime command line ports with its own flag names: a jsonl of prompts + labels, the chat template, slime's
     # names for the response length, the temperature and the number of rollouts; the built-in math grader scores it
     data = tmp_path / "prompts.jsonl"
-    rows = [{"question": f"What is {a} + {b}?", "answer": str(a + b)} for a, b in [(1, 2), (3, 4), (2, 2), (5, 1), (6, 2)]]
+    rows = [
+        {"question": f"What is {a} + {b}?", "answer": str(a + b)} for a, b in [(1, 2), (3, 4), (2, 2), (5, 1), (6, 2)]
+    ]
     data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     env = {**os.environ, "NANORL_BASE_DIR": str(base_dir), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "scripts.chat_rl", "--source", "sft", "--model-tag", "t", "--prompt-data", str(data),
-           "--input-key", "question", "--label-key", "answer", "--apply-chat-template", "--rollout-max-response-len", "8",
-           "--rollout-temperature", "0.9", "--num-rollout", "2", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
-           "--rm-type", "math", "--eval-max-problems", "2", "--n-samples-per-eval-prompt", "2", "--pass-k", "1",
-           "--output-tag", "slime", "--device-type", "cpu", "--engine-batch-size", "8"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "scripts.chat_rl",
+        "--source",
+        "sft",
+        "--model-tag",
+        "t",
+        "--prompt-data",
+        str(data),
+        "--input-key",
+        "question",
+        "--label-key",
+        "answer",
+        "--apply-chat-template",
+        "--rollout-max-response-len",
+        "8",
+        "--rollout-temperature",
+        "0.9",
+        "--num-rollout",
+        "2",
+        "--rollout-batch-size",
+        "4",
+        "--n-samples-per-prompt",
+        "2",
+        "--rm-type",
+        "math",
+        "--eval-max-problems",
+        "2",
+        "--n-samples-per-eval-prompt",
+        "2",
+        "--pass-k",
+        "1",
+        "--output-tag",
+        "slime",
+        "--device-type",
+        "cpu",
+        "--engine-batch-size",
+        "8",
+    ]
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     hist = json.loads((base_dir / "report" / "rl_history.json").read_text())
@@ -298,13 +537,49 @@ def test_rollout_timeout_holds_whatever_the_reward_workers_do(base_dir):
     # the run) on time: the worker threads still blocked in their HTTP calls must not hold the exit. Timed from the
     # line printed just before the first eval, so a slow start-up on a busy machine does not count.
     import time
+
     env = {**os.environ, "NANORL_BASE_DIR": str(base_dir), "OMP_NUM_THREADS": "1"}
     with reward_server() as url:
-        cmd = [sys.executable, "-u", "-m", "scripts.chat_rl", "--source", "sft", "--model-tag", "t", "--levels", "1",
-               "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--max-response-len", "8", "--eval-max-problems", "4",
-               "--n-samples-per-eval-prompt", "2", "--pass-k", "1", "--device-type", "cpu", "--num-rollouts", "1",
-               "--output-tag", "timeout", "--rm-type", "remote", "--rm-url", url + "/hang", "--rm-timeout", "60",
-               "--rm-retries", "0", "--rollout-timeout", "3"]
+        cmd = [
+            sys.executable,
+            "-u",
+            "-m",
+            "scripts.chat_rl",
+            "--source",
+            "sft",
+            "--model-tag",
+            "t",
+            "--levels",
+            "1",
+            "--rollout-batch-size",
+            "4",
+            "--n-samples-per-prompt",
+            "2",
+            "--max-response-len",
+            "8",
+            "--eval-max-problems",
+            "4",
+            "--n-samples-per-eval-prompt",
+            "2",
+            "--pass-k",
+            "1",
+            "--device-type",
+            "cpu",
+            "--num-rollouts",
+            "1",
+            "--output-tag",
+            "timeout",
+            "--rm-type",
+            "remote",
+            "--rm-url",
+            url + "/hang",
+            "--rm-timeout",
+            "60",
+            "--rm-retries",
+            "0",
+            "--rollout-timeout",
+            "3",
+        ]
         p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         lines, t_ready = [], None
         for line in p.stdout:
@@ -320,9 +595,24 @@ def test_rollout_timeout_holds_whatever_the_reward_workers_do(base_dir):
 
 def test_python_tool_rl_names_its_sandbox(base_dir, tool_model):
     # with the python tool the log says which sandbox runs the model's code (bubblewrap namespaces, or the guard)
-    hist, log = run_rl(base_dir, "--model-tag", tool_model, "--num-rollouts", "1", "--output-tag", "pytool", "--multi-turn",
-                       "--tool", "python", "--max-turns", "1", "--max-response-len", "16")
+    hist, log = run_rl(
+        base_dir,
+        "--model-tag",
+        tool_model,
+        "--num-rollouts",
+        "1",
+        "--output-tag",
+        "pytool",
+        "--multi-turn",
+        "--tool",
+        "python",
+        "--max-turns",
+        "1",
+        "--max-response-len",
+        "16",
+    )
     from nanorl.execution import sandbox_mode
+
     assert f"python sandbox: {sandbox_mode()}" in log
     assert hist["train"][0]["rollout/tool_calls_mean"] > 0
 
@@ -339,7 +629,9 @@ def test_eval_reward_failures_are_not_the_rollouts(base_dir):
 @pytest.mark.slow
 def test_fsdp_two_processes_equal_replicated_and_sample_the_trained_weights(base_dir):
     ref, _ = run_rl(base_dir, "--num-rollouts", "3", "--output-tag", "rep2", nproc=2)
-    sharded, log = run_rl(base_dir, "--num-rollouts", "3", "--save-interval", "2", "--output-tag", "fsdp2", "--fsdp", nproc=2)
+    sharded, log = run_rl(
+        base_dir, "--num-rollouts", "3", "--save-interval", "2", "--output-tag", "fsdp2", "--fsdp", nproc=2
+    )
     assert (base_dir / "rl_checkpoints" / "fsdp2" / "dcp_000002").is_dir()  # saved as shards
     assert [h["step"] for h in sharded["train"]] == [1, 2, 3]
     for a, b in zip(ref["train"], sharded["train"]):
@@ -357,20 +649,39 @@ def test_fsdp_two_processes_equal_replicated_and_sample_the_trained_weights(base
     shutil.copytree(ckpt / "fsdp2", ckpt / "fsdp2_resumed")
     for f in (ckpt / "fsdp2_resumed").glob("*000003*"):
         shutil.rmtree(f) if f.is_dir() else f.unlink()
-    resumed, log = run_rl(base_dir, "--num-rollouts", "3", "--save-interval", "2", "--output-tag", "fsdp2_resumed", "--fsdp", "--resume", nproc=2)
+    resumed, log = run_rl(
+        base_dir,
+        "--num-rollouts",
+        "3",
+        "--save-interval",
+        "2",
+        "--output-tag",
+        "fsdp2_resumed",
+        "--fsdp",
+        "--resume",
+        nproc=2,
+    )
     assert "resumed from" in log and [h["step"] for h in resumed["train"]] == [1, 2, 3]
-    assert resumed["train"][2] == {**sharded["train"][2], **{k: v for k, v in resumed["train"][2].items() if k.startswith(("time/", "perf/"))}}
+    assert resumed["train"][2] == {
+        **sharded["train"][2],
+        **{k: v for k, v in resumed["train"][2].items() if k.startswith(("time/", "perf/"))},
+    }
     # each rank's place in the prompt order is its own: another number of ranks is refused before anything loads
     out = run_rl(base_dir, "--num-rollouts", "4", "--output-tag", "fsdp2_resumed", "--resume", check=False)
-    assert out.returncode != 0 and "was written by 2 rank(s), this run has 1; resume with --nproc_per_node=2" in out.stderr, out.stderr[-2000:]
+    assert (
+        out.returncode != 0 and "was written by 2 rank(s), this run has 1; resume with --nproc_per_node=2" in out.stderr
+    ), out.stderr[-2000:]
 
 
-@pytest.mark.parametrize("flags,msg", [
-    (["--fsdp", "--use-kl-loss", "--kl-loss-coef", "0.1"], "--fsdp does not work with --use-kl-loss / --kl-coef"),
-    (["--fsdp", "--async"], "--fsdp does not work with --async"),
-    (["--fsdp"], "--fsdp needs torchrun"),
-    (["--cpu-offload"], "--activation-checkpointing and --cpu-offload only apply with --fsdp"),
-])
+@pytest.mark.parametrize(
+    "flags,msg",
+    [
+        (["--fsdp", "--use-kl-loss", "--kl-loss-coef", "0.1"], "--fsdp does not work with --use-kl-loss / --kl-coef"),
+        (["--fsdp", "--async"], "--fsdp does not work with --async"),
+        (["--fsdp"], "--fsdp needs torchrun"),
+        (["--cpu-offload"], "--activation-checkpointing and --cpu-offload only apply with --fsdp"),
+    ],
+)
 def test_fsdp_flags_fail_early(base_dir, flags, msg):
     out = run_rl(base_dir, *flags, check=False)
     assert out.returncode != 0 and msg in out.stderr, out.stderr[-2000:]

@@ -1,14 +1,15 @@
 """scripts/chat_web.py on a tiny random-weight model (CPU): API schema, validation, concurrency, disconnects, a browser."""
+
 import base64
 import contextlib
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
 import sys
 import threading
-import re
 import time
 import urllib.request
 from pathlib import Path
@@ -24,14 +25,21 @@ def server(tmp_path_factory):
     """A real uvicorn server on 127.0.0.1 (port 0) in a background thread, over one engine with 8 slots."""
     d = tmp_path_factory.mktemp("web")
     env = {**os.environ, "NANORL_BASE_DIR": str(d)}
-    subprocess.run([sys.executable, "-m", "scripts.tok_train", "--vocab-size", "600", "--max-chars", "300000"],
-                   cwd=ROOT, env=env, check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "scripts.tok_train", "--vocab-size", "600", "--max-chars", "300000"],
+        cwd=ROOT,
+        env=env,
+        check=True,
+        capture_output=True,
+    )
     import torch
+
     from nanorl.checkpoint import checkpoint_root, load_model_dir, save_checkpoint
     from nanorl.engine import Engine
-    from nanorl.gpt import GPTConfig, build_model as build_gpt
-    from nanorl.tokenizer import get_tokenizer
+    from nanorl.gpt import GPTConfig
+    from nanorl.gpt import build_model as build_gpt
     from nanorl.openai_api import ServeConfig
+    from nanorl.tokenizer import get_tokenizer
     from scripts.chat_web import create_app
 
     old = os.environ.get("NANORL_BASE_DIR")
@@ -61,7 +69,9 @@ def server(tmp_path_factory):
 def serve(app, header_timeout=10.0):
     """Run app on a real uvicorn server as chat_web configures it, 127.0.0.1 and a free port, in a background thread."""
     import uvicorn
+
     from scripts.chat_web import server_config
+
     srv = uvicorn.Server(server_config(app, "127.0.0.1", 0, header_timeout))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
@@ -96,8 +106,13 @@ def wait_idle(engine, timeout=10):
 
 # --- the API ------------------------------------------------------------------------------------
 
+
 def test_openai_non_streaming_schema(server):
-    r = httpx.post(server["url"] + "/v1/chat/completions", json={"messages": user(), "max_tokens": 10, "n": 2, "seed": 1}, timeout=30)
+    r = httpx.post(
+        server["url"] + "/v1/chat/completions",
+        json={"messages": user(), "max_tokens": 10, "n": 2, "seed": 1},
+        timeout=30,
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["id"].startswith("chatcmpl-") and body["object"] == "chat.completion" and body["model"] == "tiny"
@@ -106,15 +121,27 @@ def test_openai_non_streaming_schema(server):
         assert c["index"] == i and c["message"]["role"] == "assistant" and isinstance(c["message"]["content"], str)
         assert c["finish_reason"] in ("stop", "length")
     u = body["usage"]
-    assert u["prompt_tokens"] > 0 and 1 <= u["completion_tokens"] <= 20 and u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+    assert (
+        u["prompt_tokens"] > 0
+        and 1 <= u["completion_tokens"] <= 20
+        and u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+    )
     # a seed makes it reproducible, whatever else shares the batch
-    again = httpx.post(server["url"] + "/v1/chat/completions", json={"messages": user(), "max_tokens": 10, "n": 2, "seed": 1}, timeout=30).json()
+    again = httpx.post(
+        server["url"] + "/v1/chat/completions",
+        json={"messages": user(), "max_tokens": 10, "n": 2, "seed": 1},
+        timeout=30,
+    ).json()
     assert [c["message"] for c in again["choices"]] == [c["message"] for c in body["choices"]]
 
 
 def test_openai_streaming_schema(server):
-    with httpx.stream("POST", server["url"] + "/v1/chat/completions", timeout=30,
-                      json={"messages": user(), "max_tokens": 8, "stream": True, "temperature": 0.0}) as r:
+    with httpx.stream(
+        "POST",
+        server["url"] + "/v1/chat/completions",
+        timeout=30,
+        json={"messages": user(), "max_tokens": 8, "stream": True, "temperature": 0.0},
+    ) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         data = sse_data(r.read().decode())
     assert data[-1] == "[DONE]"
@@ -124,7 +151,11 @@ def test_openai_streaming_schema(server):
     assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
     # greedy streaming equals greedy non-streaming
-    full = httpx.post(server["url"] + "/v1/chat/completions", json={"messages": user(), "max_tokens": 8, "temperature": 0.0}, timeout=30).json()
+    full = httpx.post(
+        server["url"] + "/v1/chat/completions",
+        json={"messages": user(), "max_tokens": 8, "temperature": 0.0},
+        timeout=30,
+    ).json()
     assert text == full["choices"][0]["message"]["content"]
 
 
@@ -136,36 +167,57 @@ def test_stop_strings_and_length(server):
         assert full["usage"]["completion_tokens"] == 30
     if len(text) >= 6:
         stop = text[3:6]
-        cut = httpx.post(url, json={"messages": user(), "max_tokens": 30, "temperature": 0.0, "stop": [stop]}, timeout=30).json()
-        assert cut["choices"][0]["message"]["content"] == text[:text.find(stop)]
+        cut = httpx.post(
+            url, json={"messages": user(), "max_tokens": 30, "temperature": 0.0, "stop": [stop]}, timeout=30
+        ).json()
+        assert cut["choices"][0]["message"]["content"] == text[: text.find(stop)]
         assert cut["choices"][0]["finish_reason"] == "stop"
-        with httpx.stream("POST", url, json={"messages": user(), "max_tokens": 30, "temperature": 0.0, "stop": stop, "stream": True}, timeout=30) as r:
+        with httpx.stream(
+            "POST",
+            url,
+            json={"messages": user(), "max_tokens": 30, "temperature": 0.0, "stop": stop, "stream": True},
+            timeout=30,
+        ) as r:
             chunks = [json.loads(x) for x in sse_data(r.read().decode())[:-1]]
-        assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == text[:text.find(stop)]
+        assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == text[: text.find(stop)]
     assert wait_idle(server["engine"])  # the rows cut short by a stop string were cancelled
 
 
 def test_page_stream_and_index(server):
     r = httpx.get(server["url"] + "/")
-    assert r.status_code == 200 and "<textarea" in r.text and "http" not in r.text.split("<script>")[0].lower().replace("http-equiv", "")
+    assert (
+        r.status_code == 200
+        and "<textarea" in r.text
+        and "http" not in r.text.split("<script>")[0].lower().replace("http-equiv", "")
+    )
     r = httpx.post(server["url"] + "/ui/chat", json={"messages": user(), "max_tokens": 5}, timeout=30)
     data = sse_data(r.text)
     assert data[-1] == "[DONE]"
     events = [json.loads(x) for x in data[:-1]]
     prompt = server["tokenizer"].render_for_completion({"messages": user()})
     assert events[0] == {"prompt_tokens": len(prompt), "dropped": 0, "context": 256}
-    assert any("token" in e for e in events) and all(e.get("type", "text") in ("text", "python", "python_output") for e in events)
+    assert any("token" in e for e in events) and all(
+        e.get("type", "text") in ("text", "python", "python_output") for e in events
+    )
 
 
 def test_tool_parts_are_typed(server):
     # force a tool call through the parts renderer directly: <|python_start|>2+3<|python_end|><|output_start|>5<|output_end|>
     from nanorl.serving import SampleText as _SampleText
+
     tok = server["tokenizer"]
     sp = tok.encode_special
     s = _SampleText(tok, [], parts=True)
     out = []
-    for t in tok.encode("So ") + [sp("<|python_start|>")] + tok.encode("2+3") + [sp("<|python_end|>"), sp("<|output_start|>")] \
-            + tok.encode("5") + [sp("<|output_end|>")] + tok.encode(" done"):
+    for t in (
+        tok.encode("So ")
+        + [sp("<|python_start|>")]
+        + tok.encode("2+3")
+        + [sp("<|python_end|>"), sp("<|output_start|>")]
+        + tok.encode("5")
+        + [sp("<|output_end|>")]
+        + tok.encode(" done")
+    ):
         out += s.push(t)
     out += s.end("completed")
     merged = []
@@ -176,109 +228,240 @@ def test_tool_parts_are_typed(server):
             merged.append([kind, text])
     assert merged == [["text", "So "], ["python", "2+3"], ["python_output", "5"], ["text", " done"]]
     plain = _SampleText(tok, [], parts=False)  # the API shows it in GSM8K's notation
-    text = "".join(x for t in [sp("<|python_start|>")] + tok.encode("2+3") + [sp("<|python_end|>"), sp("<|output_start|>")]
-                   + tok.encode("5") + [sp("<|output_end|>")] for _, x in plain.push(t))
+    text = "".join(
+        x
+        for t in [sp("<|python_start|>")]
+        + tok.encode("2+3")
+        + [sp("<|python_end|>"), sp("<|output_start|>")]
+        + tok.encode("5")
+        + [sp("<|output_end|>")]
+        for _, x in plain.push(t)
+    )
     assert text == "<<2+3=5>>"
 
 
 # Malformed requests: (method, path, body, status, a fragment of the error message). A str body is sent raw.
 DEEP = "[" * 100000 + "]" * 100000
-MALFORMED = [
-    ("POST", "/v1/chat/completions", "{not json", 400, "malformed JSON"),
-    ("POST", "/v1/chat/completions", "", 400, "malformed JSON"),
-    ("POST", "/v1/chat/completions", b"\xff\xfe{}", 400, "malformed JSON"),
-    ("POST", "/v1/chat/completions", "[1, 2]", 400, "JSON object"),
-    ("POST", "/v1/chat/completions", DEEP, 400, "nested too deeply"),
-    ("POST", "/v1/chat/completions", '{"messages": ' + DEEP + '}', 400, "nested too deeply"),
-    ("POST", "/v1/chat/completions", '{"messages": [], "seed": ' + "9" * 5000 + "}", 400, "malformed JSON"),
-    ("POST", "/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400, "finite"),
-    ("POST", "/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "top_p": NaN}', 400, "finite"),
-    ("POST", "/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "temperature": Infinity}', 400, "finite"),
-    ("POST", "/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "top_p": 1e999}', 400, "finite"),
-    ("POST", "/v1/chat/completions", {"messages": []}, 400, "'messages'"),
-    ("POST", "/v1/chat/completions", {}, 400, "'messages': Field required"),
-    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}] * 250 + [{"role": "user", "content": "c"}]}, 400, "at most 500"),
-    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 8001}]}, 400, "too long"),
-    ("POST", "/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, 400, "'messages.0.role'"),
-    ("POST", "/v1/chat/completions", {"messages": [{"role": "tool", "content": "5", "tool_call_id": "x"}]}, 400, "tool_call_id"),
-    ("POST", "/v1/chat/completions", {"messages": [{"role": "tool", "content": "5"}]}, 400, "role 'tool' is not supported"),
-    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages.0.content"),
-    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "python", "text": "1+1"}]}]}, 400, "parts must have type 'text'"),
-    ("POST", "/v1/chat/completions", {"messages": [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "hi"}]}, 400, "expected 'user'"),
-    # consecutive messages of one role are merged (as OpenAI accepts them), so a system message between two user
-    # messages is what breaks the user/assistant alternation
-    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}, {"role": "system", "content": "x"},
-                                                   {"role": "user", "content": "hi"}]}, 400, "expected 'assistant'"),
-    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": 7}]}, 400, "messages.0.content"),
-    ("POST", "/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages.0.content"),
-    ("POST", "/v1/chat/completions", {"messages": [{"role": "system", "content": "be nice"}]}, 400, "last message must be from the user"),
-    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hi"}]}, 400, "last message must be from the user"),
-    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 1500}]}, 400, "over the context"),
-] + [("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], **extra}, 400, fragment) for extra, fragment in [
-    ({"max_tokens": 0}, "'max_tokens'"),
-    ({"max_tokens": 65}, "'max_tokens' must be <= 64"),
-    ({"max_completion_tokens": 65}, "'max_completion_tokens' must be <= 64"),
-    ({"max_completion_tokens": 0}, "'max_completion_tokens'"),
-    ({"max_tokens": 5, "max_completion_tokens": 6}, "disagree"),
-    ({"max_tokens": 2.5}, "'max_tokens'"),
-    ({"max_tokens": "10"}, "'max_tokens'"),
-    ({"max_tokens": True}, "'max_tokens'"),
-    ({"temperature": 2.5}, "'temperature'"),
-    ({"temperature": -0.1}, "'temperature'"),
-    ({"temperature": "hot"}, "'temperature'"),
-    ({"top_k": 0}, "'top_k'"),
-    ({"top_p": 0}, "'top_p'"),
-    ({"top_p": 1.5}, "'top_p'"),
-    ({"n": 0}, "'n'"),
-    ({"n": 9}, "'n'"),
-    ({"seed": 2**63}, "'seed'"),
-    ({"stop": 5}, "'stop'"),
-    ({"stop": ["a", "b", "c", "d", "e"]}, "'stop'"),
-    ({"stop": ""}, "'stop'"),
-    ({"stream": "yes"}, "'stream'"),
-    ({"stream_options": {"include_usage": True}}, "only allowed with stream"),
-    ({"stream": True, "stream_options": {"include_usage": True, "x": 1}}, "'stream_options.x'"),
-    ({"logprobs": True, "top_logprobs": 21}, "'top_logprobs'"),
-    ({"top_logprobs": 2}, "needs logprobs"),
-    ({"response_format": {"type": "json_object"}}, "unsupported parameter 'response_format'"),
-    ({"presence_penalty": 0.5}, "penalties are not implemented"),
-    ({"frequency_penalty": -1}, "penalties are not implemented"),
-    ({"logit_bias": {"50": 100}}, "unsupported parameter 'logit_bias'"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "unsupported parameter 'tools'"),
-    ({"tool_choice": "auto"}, "unsupported parameter 'tool_choice'"),
-    ({"functions": []}, "unsupported parameter 'functions'"),
-    ({"min_p": 0.1}, "unsupported parameter 'min_p'"),
-    ({"reasoning_effort": "low"}, "unsupported parameter 'reasoning_effort'"),
-    ({"model": 5}, "'model'"),
-]] + [
-    ("POST", "/ui/chat", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "unsupported parameter 'n'"),
-    ("POST", "/ui/chat", {"messages": [{"role": "user", "content": "hi"}], "temperature": 3}, 400, "'temperature'"),
-    ("POST", "/ui/chat", "{not json", 400, "malformed JSON"),
-    ("POST", "/ui/chat", '{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400, "finite"),
-    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4o"}, 404, "does not exist"),
-    ("GET", "/v1/models/gpt-4o", None, 404, "does not exist"),
-    ("POST", "/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, 404, "base_url ends in /v1"),
-    ("GET", "/models", None, 404, "under /v1"),
-    ("GET", "/nope", None, 404, "Not Found"),
-    ("GET", "/v1/chat/completions", None, 405, "Method Not Allowed"),
-    ("DELETE", "/v1/models", None, 405, "Method Not Allowed"),
-    ("PUT", "/ui/chat", "{}", 405, "Method Not Allowed"),
-]
+MALFORMED = (
+    [
+        ("POST", "/v1/chat/completions", "{not json", 400, "malformed JSON"),
+        ("POST", "/v1/chat/completions", "", 400, "malformed JSON"),
+        ("POST", "/v1/chat/completions", b"\xff\xfe{}", 400, "malformed JSON"),
+        ("POST", "/v1/chat/completions", "[1, 2]", 400, "JSON object"),
+        ("POST", "/v1/chat/completions", DEEP, 400, "nested too deeply"),
+        ("POST", "/v1/chat/completions", '{"messages": ' + DEEP + "}", 400, "nested too deeply"),
+        ("POST", "/v1/chat/completions", '{"messages": [], "seed": ' + "9" * 5000 + "}", 400, "malformed JSON"),
+        (
+            "POST",
+            "/v1/chat/completions",
+            '{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}',
+            400,
+            "finite",
+        ),
+        (
+            "POST",
+            "/v1/chat/completions",
+            '{"messages": [{"role": "user", "content": "hi"}], "top_p": NaN}',
+            400,
+            "finite",
+        ),
+        (
+            "POST",
+            "/v1/chat/completions",
+            '{"messages": [{"role": "user", "content": "hi"}], "temperature": Infinity}',
+            400,
+            "finite",
+        ),
+        (
+            "POST",
+            "/v1/chat/completions",
+            '{"messages": [{"role": "user", "content": "hi"}], "top_p": 1e999}',
+            400,
+            "finite",
+        ),
+        ("POST", "/v1/chat/completions", {"messages": []}, 400, "'messages'"),
+        ("POST", "/v1/chat/completions", {}, 400, "'messages': Field required"),
+        (
+            "POST",
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}] * 250
+                + [{"role": "user", "content": "c"}]
+            },
+            400,
+            "at most 500",
+        ),
+        ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 8001}]}, 400, "too long"),
+        ("POST", "/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, 400, "'messages.0.role'"),
+        (
+            "POST",
+            "/v1/chat/completions",
+            {"messages": [{"role": "tool", "content": "5", "tool_call_id": "x"}]},
+            400,
+            "tool_call_id",
+        ),
+        (
+            "POST",
+            "/v1/chat/completions",
+            {"messages": [{"role": "tool", "content": "5"}]},
+            400,
+            "role 'tool' is not supported",
+        ),
+        (
+            "POST",
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            400,
+            "messages.0.content",
+        ),
+        (
+            "POST",
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "python", "text": "1+1"}]}]},
+            400,
+            "parts must have type 'text'",
+        ),
+        (
+            "POST",
+            "/v1/chat/completions",
+            {"messages": [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "hi"}]},
+            400,
+            "expected 'user'",
+        ),
+        # consecutive messages of one role are merged (as OpenAI accepts them), so a system message between two user
+        # messages is what breaks the user/assistant alternation
+        (
+            "POST",
+            "/v1/chat/completions",
+            {
+                "messages": [
+                    {"role": "user", "content": "hi"},
+                    {"role": "system", "content": "x"},
+                    {"role": "user", "content": "hi"},
+                ]
+            },
+            400,
+            "expected 'assistant'",
+        ),
+        ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": 7}]}, 400, "messages.0.content"),
+        ("POST", "/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages.0.content"),
+        (
+            "POST",
+            "/v1/chat/completions",
+            {"messages": [{"role": "system", "content": "be nice"}]},
+            400,
+            "last message must be from the user",
+        ),
+        (
+            "POST",
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hi"}]},
+            400,
+            "last message must be from the user",
+        ),
+        (
+            "POST",
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "word " * 1500}]},
+            400,
+            "over the context",
+        ),
+    ]
+    + [
+        ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], **extra}, 400, fragment)
+        for extra, fragment in [
+            ({"max_tokens": 0}, "'max_tokens'"),
+            ({"max_tokens": 65}, "'max_tokens' must be <= 64"),
+            ({"max_completion_tokens": 65}, "'max_completion_tokens' must be <= 64"),
+            ({"max_completion_tokens": 0}, "'max_completion_tokens'"),
+            ({"max_tokens": 5, "max_completion_tokens": 6}, "disagree"),
+            ({"max_tokens": 2.5}, "'max_tokens'"),
+            ({"max_tokens": "10"}, "'max_tokens'"),
+            ({"max_tokens": True}, "'max_tokens'"),
+            ({"temperature": 2.5}, "'temperature'"),
+            ({"temperature": -0.1}, "'temperature'"),
+            ({"temperature": "hot"}, "'temperature'"),
+            ({"top_k": 0}, "'top_k'"),
+            ({"top_p": 0}, "'top_p'"),
+            ({"top_p": 1.5}, "'top_p'"),
+            ({"n": 0}, "'n'"),
+            ({"n": 9}, "'n'"),
+            ({"seed": 2**63}, "'seed'"),
+            ({"stop": 5}, "'stop'"),
+            ({"stop": ["a", "b", "c", "d", "e"]}, "'stop'"),
+            ({"stop": ""}, "'stop'"),
+            ({"stream": "yes"}, "'stream'"),
+            ({"stream_options": {"include_usage": True}}, "only allowed with stream"),
+            ({"stream": True, "stream_options": {"include_usage": True, "x": 1}}, "'stream_options.x'"),
+            ({"logprobs": True, "top_logprobs": 21}, "'top_logprobs'"),
+            ({"top_logprobs": 2}, "needs logprobs"),
+            ({"response_format": {"type": "json_object"}}, "unsupported parameter 'response_format'"),
+            ({"presence_penalty": 0.5}, "penalties are not implemented"),
+            ({"frequency_penalty": -1}, "penalties are not implemented"),
+            ({"logit_bias": {"50": 100}}, "unsupported parameter 'logit_bias'"),
+            ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "unsupported parameter 'tools'"),
+            ({"tool_choice": "auto"}, "unsupported parameter 'tool_choice'"),
+            ({"functions": []}, "unsupported parameter 'functions'"),
+            ({"min_p": 0.1}, "unsupported parameter 'min_p'"),
+            ({"reasoning_effort": "low"}, "unsupported parameter 'reasoning_effort'"),
+            ({"model": 5}, "'model'"),
+        ]
+    ]
+    + [
+        (
+            "POST",
+            "/ui/chat",
+            {"messages": [{"role": "user", "content": "hi"}], "n": 2},
+            400,
+            "unsupported parameter 'n'",
+        ),
+        ("POST", "/ui/chat", {"messages": [{"role": "user", "content": "hi"}], "temperature": 3}, 400, "'temperature'"),
+        ("POST", "/ui/chat", "{not json", 400, "malformed JSON"),
+        ("POST", "/ui/chat", '{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400, "finite"),
+        (
+            "POST",
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4o"},
+            404,
+            "does not exist",
+        ),
+        ("GET", "/v1/models/gpt-4o", None, 404, "does not exist"),
+        ("POST", "/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, 404, "base_url ends in /v1"),
+        ("GET", "/models", None, 404, "under /v1"),
+        ("GET", "/nope", None, 404, "Not Found"),
+        ("GET", "/v1/chat/completions", None, 405, "Method Not Allowed"),
+        ("DELETE", "/v1/models", None, 405, "Method Not Allowed"),
+        ("PUT", "/ui/chat", "{}", 405, "Method Not Allowed"),
+    ]
+)
 
 
 def test_malformed_requests_get_openai_errors(server):
     """Every malformed request gets its 4xx and an OpenAI error object naming what is wrong; the server stays up."""
     wrong = []
     for method, path, body, status, fragment in MALFORMED:
-        kw = {} if body is None else {"content": body, "headers": {"content-type": "application/json"}} \
-            if isinstance(body, (str, bytes)) else {"json": body}
+        kw = (
+            {}
+            if body is None
+            else {"content": body, "headers": {"content-type": "application/json"}}
+            if isinstance(body, (str, bytes))
+            else {"json": body}
+        )
         r = httpx.request(method, server["url"] + path, timeout=30, **kw)
         err = r.json().get("error") if r.headers.get("content-type") == "application/json" else None
-        if not (r.status_code == status and isinstance(err, dict) and set(err) == {"message", "type", "param", "code"}
-                and fragment in err["message"] and err["type"] == "invalid_request_error"
-                and isinstance(err["code"], str) and err["code"]):  # every error names a code
+        if not (
+            r.status_code == status
+            and isinstance(err, dict)
+            and set(err) == {"message", "type", "param", "code"}
+            and fragment in err["message"]
+            and err["type"] == "invalid_request_error"
+            and isinstance(err["code"], str)
+            and err["code"]
+        ):  # every error names a code
             wrong.append((method, path, str(body)[:80], r.status_code, r.text[:300]))
-    print(f"{len(MALFORMED)} malformed requests tried, {len(MALFORMED) - len(wrong)} got their 4xx with an OpenAI error")
+    print(
+        f"{len(MALFORMED)} malformed requests tried, {len(MALFORMED) - len(wrong)} got their 4xx with an OpenAI error"
+    )
     assert not wrong, wrong
     assert httpx.get(server["url"] + "/health").json()["status"] == "ok"
     # the error names the field in param too
@@ -291,6 +474,7 @@ def test_malformed_requests_get_openai_errors(server):
 def test_base_model_prompt(server):
     # a base model gets the last message as plain text after <|bos|>, no chat tokens
     from nanorl.openai_api import ChatRequest, ServeConfig, prepare
+
     tok = server["tokenizer"]
     body = json.dumps({"messages": user("The sky is"), "max_tokens": 5}).encode()
     req, ids, settings, dropped = prepare(body, tok, ServeConfig(base=True), 256, ChatRequest)
@@ -318,6 +502,7 @@ def test_bench_serve_load_test(server, capsys):
     """`bench serve`: 6 streaming clients at once; the tokens it reports are what /stats counted for them (each
     client's completion_tokens), and every client saw a first token."""
     from scripts.bench import bench_serve, load_test
+
     r = load_test(server["url"], 6, 5)
     assert r["errors"] == [] and 6 <= r["tokens"] <= 30 and r["wall"] > 0
     assert 0 < r["ttft_p50"] <= r["ttft_p95"] <= r["wall"]
@@ -330,6 +515,7 @@ def test_bench_serve_load_test(server, capsys):
 
 # --- concurrency and disconnects ----------------------------------------------------------------
 
+
 def test_twenty_concurrent_clients(server):
     """20 streaming clients on 8 slots: all finish, through the continuous batch (several in a batch at once)."""
     engine, results, peak = server["engine"], [None] * 20, [0]
@@ -341,8 +527,12 @@ def test_twenty_concurrent_clients(server):
             time.sleep(0.002)
 
     def client(i):
-        with httpx.stream("POST", server["url"] + "/v1/chat/completions", timeout=60,
-                          json={"messages": user(f"client {i}"), "max_tokens": 24, "stream": True, "seed": i}) as r:
+        with httpx.stream(
+            "POST",
+            server["url"] + "/v1/chat/completions",
+            timeout=60,
+            json={"messages": user(f"client {i}"), "max_tokens": 24, "stream": True, "seed": i},
+        ) as r:
             results[i] = sse_data(r.read().decode())
 
     w = threading.Thread(target=watch)
@@ -362,14 +552,18 @@ def test_twenty_concurrent_clients(server):
 
 def test_disconnect_frees_the_slot(server, caplog):
     import logging
+
     caplog.set_level(logging.INFO, logger="nanorl.serve")
     engine, stats = server["engine"], server["app"].state.nanorl.stats
     cancelled = stats.cancelled
     body = json.dumps({"messages": user(), "max_tokens": 64, "stream": True}).encode()
     port = int(server["url"].rsplit(":", 1)[1])
     s = socket.create_connection(("127.0.0.1", port))  # a raw socket, so the disconnect is abrupt
-    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-              + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    s.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
     assert b"200 OK" in s.recv(4096)
     t0 = time.time()
     while not any(sl is not None for sl in engine.slots):
@@ -392,12 +586,15 @@ def test_replicas_share_the_load(server):
     from nanorl.engine import Engine
     from nanorl.openai_api import ServeConfig
     from scripts.chat_web import create_app
+
     engines = [Engine(server["model"], server["tokenizer"], batch_size=4) for _ in range(2)]
     app = create_app(engines, server["tokenizer"], ServeConfig(max_tokens=64))
     replicas = app.state.nanorl.replicas
     with serve(app) as url:
+
         def client(i):
             httpx.post(url + "/v1/chat/completions", json={"messages": user(), "max_tokens": 32, "seed": i}, timeout=60)
+
         threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
         with engines[0].step_lock, engines[1].step_lock:  # freeze both, so all 8 are in flight at once
             for t in threads:
@@ -415,16 +612,21 @@ def test_replicas_share_the_load(server):
 
 # --- a real browser -----------------------------------------------------------------------------
 
+
 class CDP:
     """A minimal Chrome DevTools Protocol client over a stdlib websocket (text frames only)."""
 
     def __init__(self, ws_url):
-        host_port, path = ws_url[len("ws://"):].split("/", 1)
+        host_port, path = ws_url[len("ws://") :].split("/", 1)
         host, port = host_port.split(":")
         self.sock = socket.create_connection((host, int(port)), timeout=30)
         key = base64.b64encode(os.urandom(16)).decode()
-        self.sock.sendall((f"GET /{path} HTTP/1.1\r\nHost: {host_port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-                           f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n").encode())
+        self.sock.sendall(
+            (
+                f"GET /{path} HTTP/1.1\r\nHost: {host_port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n"
+            ).encode()
+        )
         resp = b""
         while b"\r\n\r\n" not in resp:
             resp += self.sock.recv(1)
@@ -458,8 +660,13 @@ class CDP:
         payload = json.dumps({"id": self.next_id, "method": method, "params": params}).encode()
         mask = os.urandom(4)  # client frames must be masked
         n = len(payload)
-        head = bytes([0x81]) + (bytes([0x80 | n]) if n < 126 else bytes([0x80 | 126]) + n.to_bytes(2, "big") if n < 65536
-                                else bytes([0x80 | 127]) + n.to_bytes(8, "big"))
+        head = bytes([0x81]) + (
+            bytes([0x80 | n])
+            if n < 126
+            else bytes([0x80 | 126]) + n.to_bytes(2, "big")
+            if n < 65536
+            else bytes([0x80 | 127]) + n.to_bytes(8, "big")
+        )
         self.sock.sendall(head + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(payload)))
         while True:
             msg = self._recv_message()
@@ -479,13 +686,30 @@ def browser_page(url, tmp_path, model):
     if chromium is None:
         pytest.skip("no chromium on PATH (tests/run.sh installs Debian's chromium when run as root)")
     profile = tmp_path / "profile"
-    proc = subprocess.Popen([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                             "--disable-component-update", "--no-first-run", "--disable-dev-shm-usage",
-                             f"--user-data-dir={profile}", "--remote-debugging-port=0", "--window-size=420,800",
-                             url + "/"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            chromium,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--no-first-run",
+            "--disable-dev-shm-usage",
+            f"--user-data-dir={profile}",
+            "--remote-debugging-port=0",
+            "--window-size=420,800",
+            url + "/",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         t0 = time.time()
-        while not (profile / "DevToolsActivePort").exists() or len((profile / "DevToolsActivePort").read_text().split()) < 2:
+        while (
+            not (profile / "DevToolsActivePort").exists()
+            or len((profile / "DevToolsActivePort").read_text().split()) < 2
+        ):
             assert time.time() - t0 < 30 and proc.poll() is None, "chromium did not start"
             time.sleep(0.1)
         port = (profile / "DevToolsActivePort").read_text().split()[0]
@@ -518,8 +742,9 @@ def page_send(cdp, text, timeout=40):
     cdp.eval(f"document.getElementById('input').value = {json.dumps(text)}")
     cdp.eval("document.getElementById('send').click()")
     t0 = time.time()
-    while cdp.eval("document.querySelectorAll('.msg.assistant').length") == n \
-            or cdp.eval("!!document.querySelector('.msg.assistant.streaming')"):
+    while cdp.eval("document.querySelectorAll('.msg.assistant').length") == n or cdp.eval(
+        "!!document.querySelector('.msg.assistant.streaming')"
+    ):
         assert time.time() - t0 < timeout, "the reply did not finish"
         time.sleep(0.05)
     return cdp.eval("[...document.querySelectorAll('.msg.assistant')].pop().textContent")
@@ -536,7 +761,9 @@ def test_browser_chat(server, tmp_path):
         text = ""
         while time.time() - t0 < 40:
             text = cdp.eval("(document.querySelector('.msg.assistant') || {}).textContent || ''")
-            done = cdp.eval("!document.querySelector('.msg.assistant.streaming') && !!document.querySelector('.msg.assistant')")
+            done = cdp.eval(
+                "!document.querySelector('.msg.assistant.streaming') && !!document.querySelector('.msg.assistant')"
+            )
             if text and done:
                 break
             time.sleep(0.1)
@@ -562,14 +789,20 @@ def test_browser_chat(server, tmp_path):
             time.sleep(0.05)
         assert cdp.eval("document.getElementById('send').disabled") is False
         # a conversation that no longer fits: the server leaves out the oldest turns, the page says so and forgets them
-        long_turns = json.dumps([{"role": r, "content": f"{r} {i} " + "word " * 40} for i in range(4) for r in ("user", "assistant")])
+        long_turns = json.dumps(
+            [{"role": r, "content": f"{r} {i} " + "word " * 40} for i in range(4) for r in ("user", "assistant")]
+        )
         cdp.eval(f"conversation = {long_turns}; bubbles = conversation.map(m => bubble(m.role, m.content))")
         cdp.eval("document.getElementById('input').value = 'And now?'")
         cdp.eval("document.getElementById('send').click()")
-        while not cdp.eval("!!document.querySelector('.notice') && !document.querySelector('.msg.assistant.streaming')"):
+        while not cdp.eval(
+            "!!document.querySelector('.notice') && !document.querySelector('.msg.assistant.streaming')"
+        ):
             assert time.time() - t0 < 40, "no notice about the left-out turns"
             time.sleep(0.05)
-        assert "no longer fit the model's 256-token context" in cdp.eval("document.querySelector('.notice').textContent")
+        assert "no longer fit the model's 256-token context" in cdp.eval(
+            "document.querySelector('.notice').textContent"
+        )
         dropped = cdp.eval("document.querySelectorAll('.msg.dropped').length")
         assert dropped >= 2 and cdp.eval("conversation.length") == 8 - dropped + 2
         assert cdp.eval("conversation[conversation.length - 2].content") == "And now?"
@@ -587,8 +820,12 @@ def test_browser_keeps_history_on_a_small_context(server, tmp_path):
     from nanorl.engine import Engine
     from nanorl.openai_api import ServeConfig
     from scripts.chat_web import create_app
-    app = create_app([Engine(server["model"], server["tokenizer"], batch_size=2)], server["tokenizer"],
-                     ServeConfig(max_tokens=512, model="small"))
+
+    app = create_app(
+        [Engine(server["model"], server["tokenizer"], batch_size=2)],
+        server["tokenizer"],
+        ServeConfig(max_tokens=512, model="small"),
+    )
     with serve(app) as url, browser_page(url, tmp_path, "small") as cdp:
         assert cdp.eval("document.getElementById('maxtokens').value") == "64"
         assert cdp.eval("document.getElementById('maxtokens').max") == "512"
@@ -613,10 +850,12 @@ def test_browser_keeps_history_on_a_small_context(server, tmp_path):
 
 # --- the official openai client -------------------------------------------------------------------
 
+
 def test_openai_client(server):
     """The real `openai` package against the server: everything a client of an OpenAI-compatible server uses."""
     import openai
     import torch
+
     client = openai.OpenAI(base_url=server["url"] + "/v1", api_key="none", max_retries=0, timeout=30)
     assert [m.id for m in client.models.list()] == ["tiny"]
     assert client.models.retrieve("tiny").id == "tiny"
@@ -626,7 +865,9 @@ def test_openai_client(server):
         client.chat.completions.create(model="gpt-4o", messages=user())
     # the trap: a base_url without /v1 gets an error, never the page's raw stream
     with pytest.raises(openai.NotFoundError, match="/v1"):
-        openai.OpenAI(base_url=server["url"], api_key="none", max_retries=0).chat.completions.create(model="tiny", messages=user())
+        openai.OpenAI(base_url=server["url"], api_key="none", max_retries=0).chat.completions.create(
+            model="tiny", messages=user()
+        )
 
     # n, seed, max_completion_tokens
     r = client.chat.completions.create(model="tiny", messages=user(), n=3, seed=7, max_completion_tokens=9)
@@ -636,9 +877,13 @@ def test_openai_client(server):
     again = client.chat.completions.create(model="tiny", messages=user(), n=3, seed=7, max_completion_tokens=9)
     assert [c.message.content for c in again.choices] == [c.message.content for c in r.choices]
     # max_completion_tokens binds: greedy, the first 3 tokens of the longer reply, ended by "length"
-    short = client.chat.completions.create(model="tiny", messages=user(), seed=1, max_completion_tokens=3, temperature=0)
+    short = client.chat.completions.create(
+        model="tiny", messages=user(), seed=1, max_completion_tokens=3, temperature=0
+    )
     long = client.chat.completions.create(model="tiny", messages=user(), seed=1, max_tokens=40, temperature=0)
-    assert long.usage.completion_tokens > 3  # the tiny model does not stop that early (else the next lines test nothing)
+    assert (
+        long.usage.completion_tokens > 3
+    )  # the tiny model does not stop that early (else the next lines test nothing)
     assert short.usage.completion_tokens == 3 and short.choices[0].finish_reason == "length"
     assert long.choices[0].message.content.startswith(short.choices[0].message.content)
 
@@ -646,18 +891,28 @@ def test_openai_client(server):
     text = long.choices[0].message.content
     assert len(text) >= 6
     cut = client.chat.completions.create(model="tiny", messages=user(), max_tokens=40, temperature=0, stop=[text[3:6]])
-    assert cut.choices[0].message.content == text[:text.find(text[3:6])] and cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].message.content == text[: text.find(text[3:6])] and cut.choices[0].finish_reason == "stop"
 
     # developer is OpenAI's newer name for system
     sys_msg = [{"role": "system", "content": "Be brief."}] + user()
     dev_msg = [{"role": "developer", "content": "Be brief."}] + user()
     a = client.chat.completions.create(model="tiny", messages=sys_msg, max_tokens=12, temperature=0)
     b = client.chat.completions.create(model="tiny", messages=dev_msg, max_tokens=12, temperature=0)
-    assert a.choices[0].message.content == b.choices[0].message.content and a.usage.prompt_tokens == b.usage.prompt_tokens
+    assert (
+        a.choices[0].message.content == b.choices[0].message.content and a.usage.prompt_tokens == b.usage.prompt_tokens
+    )
 
     # streaming with the usage chunk: the same text as non-streaming, usage last with no choices
-    chunks = list(client.chat.completions.create(model="tiny", messages=user(), max_tokens=40, temperature=0, stream=True,
-                                                 stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=user(),
+            max_tokens=40,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == long.usage.completion_tokens
     assert chunks[-1].usage.prompt_tokens == long.usage.prompt_tokens and all(c.usage is None for c in chunks[:-1])
@@ -665,17 +920,21 @@ def test_openai_client(server):
     assert all(c.usage is None for c in plain) and plain[-1].choices[0].finish_reason in ("stop", "length")
 
     # logprobs and top_logprobs against a forward of the model itself
-    r = client.chat.completions.create(model="tiny", messages=user(), max_tokens=8, temperature=0, logprobs=True, top_logprobs=3)
+    r = client.chat.completions.create(
+        model="tiny", messages=user(), max_tokens=8, temperature=0, logprobs=True, top_logprobs=3
+    )
     content = r.choices[0].logprobs.content
     assert len(content) >= 4
     tok, model = server["tokenizer"], server["model"]
     by_bytes = {tok.enc.decode_single_token_bytes(i): i for i in range(tok.vocab_size)}
     ids = [by_bytes[bytes(e.bytes)] for e in content]
     assert tok.decode(ids) == r.choices[0].message.content  # greedy text with no tool calls: the tokens are the text
-    assert len(content) == r.usage.completion_tokens - (r.choices[0].finish_reason == "stop")  # the stop token is not listed
+    assert len(content) == r.usage.completion_tokens - (
+        r.choices[0].finish_reason == "stop"
+    )  # the stop token is not listed
     prompt = tok.render_for_completion({"messages": user()})
     with torch.no_grad():
-        ref = torch.log_softmax(model(torch.tensor([prompt + ids]))[0, len(prompt) - 1:-1].float(), -1)
+        ref = torch.log_softmax(model(torch.tensor([prompt + ids]))[0, len(prompt) - 1 : -1].float(), -1)
     for t, (e, row) in enumerate(zip(content, ref)):
         assert abs(e.logprob - row[ids[t]].item()) < 1e-4
         top = row.topk(3)
@@ -683,11 +942,17 @@ def test_openai_client(server):
         assert all(abs(x.logprob - v) < 1e-4 for x, v in zip(e.top_logprobs, top.values.tolist()))
         assert e.top_logprobs[0].token == e.token  # greedy: the sampled token is the most likely one
     # streamed: the same log-probs, with the sample's finish_reason
-    streamed = [c for c in client.chat.completions.create(model="tiny", messages=user(), max_tokens=8, temperature=0,
-                                                           logprobs=True, top_logprobs=3, stream=True) if c.choices and c.choices[0].logprobs]
+    streamed = [
+        c
+        for c in client.chat.completions.create(
+            model="tiny", messages=user(), max_tokens=8, temperature=0, logprobs=True, top_logprobs=3, stream=True
+        )
+        if c.choices and c.choices[0].logprobs
+    ]
     assert len(streamed) == 1 and streamed[0].choices[0].finish_reason == r.choices[0].finish_reason
-    assert [(e.token, round(e.logprob, 5)) for e in streamed[0].choices[0].logprobs.content] == \
-        [(e.token, round(e.logprob, 5)) for e in content]
+    assert [(e.token, round(e.logprob, 5)) for e in streamed[0].choices[0].logprobs.content] == [
+        (e.token, round(e.logprob, 5)) for e in content
+    ]
     just = client.chat.completions.create(model="tiny", messages=user(), max_tokens=8, temperature=0, logprobs=True)
     assert [e.top_logprobs for e in just.choices[0].logprobs.content] == [[]] * len(content)
 
@@ -704,6 +969,7 @@ def test_openai_client_habits(server):
     role, content as a list of text parts, top_k -1; an image part is a 400 naming the part; a lone surrogate is a
     400, not a 500."""
     import openai
+
     client = openai.OpenAI(base_url=server["url"] + "/v1", api_key="none", max_retries=0, timeout=30)
 
     def chat(messages, **kw):
@@ -714,35 +980,71 @@ def test_openai_client_habits(server):
     # a speaker name: accepted; nanorl's chat format has no place for it, so the prompt is the same
     assert chat([{"role": "user", "content": "hello", "name": "ada"}]) == plain
     # text parts join into the text
-    assert chat([{"role": "user", "content": [{"type": "text", "text": "hel"}, {"type": "text", "text": "lo"}]}]) == plain
+    assert (
+        chat([{"role": "user", "content": [{"type": "text", "text": "hel"}, {"type": "text", "text": "lo"}]}]) == plain
+    )
     # consecutive messages of one role become one, joined by a blank line (system and developer are one role)
-    merged = chat([{"role": "system", "content": "Be brief."}, {"role": "developer", "content": "Be kind."},
-                   {"role": "user", "content": "hi"}, {"role": "user", "content": "there"}])
-    assert merged == chat([{"role": "system", "content": "Be brief.\n\nBe kind."}, {"role": "user", "content": "hi\n\nthere"}])
+    merged = chat(
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "developer", "content": "Be kind."},
+            {"role": "user", "content": "hi"},
+            {"role": "user", "content": "there"},
+        ]
+    )
+    assert merged == chat(
+        [{"role": "system", "content": "Be brief.\n\nBe kind."}, {"role": "user", "content": "hi\n\nthere"}]
+    )
     tok = server["tokenizer"]
-    want = tok.render_for_completion({"messages": [{"role": "system", "content": "Be brief.\n\nBe kind."},
-                                                   {"role": "user", "content": "hi\n\nthere"}]})
+    want = tok.render_for_completion(
+        {
+            "messages": [
+                {"role": "system", "content": "Be brief.\n\nBe kind."},
+                {"role": "user", "content": "hi\n\nthere"},
+            ]
+        }
+    )
     assert merged[1] == len(want)
-    two = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "assistant", "content": "c"},
-           {"role": "user", "content": "d"}]
-    assert chat(two) == chat([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b\n\nc"},
-                              {"role": "user", "content": "d"}])
+    two = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b"},
+        {"role": "assistant", "content": "c"},
+        {"role": "user", "content": "d"},
+    ]
+    assert chat(two) == chat(
+        [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b\n\nc"}, {"role": "user", "content": "d"}]
+    )
     # top_k -1 is "no top-k": the same sample as sending none
-    sample = lambda **kw: client.chat.completions.create(model="tiny", messages=user(), max_tokens=12, temperature=1.0,
-                                                         seed=5, **kw).choices[0].message.content
+    sample = lambda **kw: (
+        client.chat.completions.create(model="tiny", messages=user(), max_tokens=12, temperature=1.0, seed=5, **kw)
+        .choices[0]
+        .message.content
+    )
     assert sample(extra_body={"top_k": -1}) == sample()
     with pytest.raises(openai.BadRequestError, match="top_k") as e:
         sample(extra_body={"top_k": 0})
     assert e.value.body["code"] == "invalid_value"
     # an image part: a 400 naming the part
     with pytest.raises(openai.BadRequestError, match="part 1 has type 'image_url': this model reads text only") as e:
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": [
-            {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "data:,"}}]}])
+        client.chat.completions.create(
+            model="tiny",
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "what is this?"},
+                        {"type": "image_url", "image_url": {"url": "data:,"}},
+                    ],
+                }
+            ],
+        )
     assert e.value.body["param"] == "messages" and e.value.body["code"] == "invalid_value"
     # a lone surrogate, in a content or in a key: 400 naming where (the client's own JSON encoder cannot send one)
     url = server["url"] + "/v1/chat/completions"
-    for body, where in [('{"messages": [{"role": "user", "content": "hi \\ud800"}]}', "'messages.0.content': character 3"),
-                        ('{"messages": [{"role": "user", "content": "hi"}], "\\udc00x": 1}', "'\\udc00x': character 0")]:
+    for body, where in [
+        ('{"messages": [{"role": "user", "content": "hi \\ud800"}]}', "'messages.0.content': character 3"),
+        ('{"messages": [{"role": "user", "content": "hi"}], "\\udc00x": 1}', "'\\udc00x': character 0"),
+    ]:
         r = httpx.post(url, content=body, headers={"content-type": "application/json"}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_unicode", r.text
         assert r.json()["error"]["message"].startswith(where + " is a lone surrogate"), r.text
@@ -751,6 +1053,7 @@ def test_openai_client_habits(server):
 def greedy_ids(model, ids, n, stop):
     """The model's own greedy continuation of ids, n tokens or up to stop: the reference the engine must match."""
     import torch
+
     out = []
     with torch.no_grad():
         for _ in range(n):
@@ -766,40 +1069,55 @@ def test_text_completions(server):
     greedy = the model's own argmax tokens; token-id prompts, streaming with usage, n, stop, legacy logprobs."""
     import openai
     import torch
+
     client = openai.OpenAI(base_url=server["url"] + "/v1", api_key="none", max_retries=0, timeout=30)
     tok, model = server["tokenizer"], server["model"]
     ids = tok.encode("The sky is", prepend="<|bos|>")
     ref = greedy_ids(model, ids, 10, tok.get_bos_token_id())
     from nanorl.tokenizer import SPECIAL_TOKENS
+
     assert len(ref) == 10 and all(t < tok.vocab_size - len(SPECIAL_TOKENS) for t in ref)  # no special tokens
     r = client.completions.create(model="tiny", prompt="The sky is", max_tokens=10, temperature=0)
     assert r.object == "text_completion" and r.id.startswith("cmpl-") and r.model == "tiny"
     assert r.choices[0].text == tok.decode(ref) and r.choices[0].finish_reason == "length"
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), 10)
-    assert client.completions.create(model="tiny", prompt=ids, max_tokens=10, temperature=0).choices[0].text == \
-        r.choices[0].text  # token ids are taken as they are
-    assert client.completions.create(model="tiny", prompt=[ids], max_tokens=10, temperature=0).choices[0].text == \
-        r.choices[0].text
+    assert (
+        client.completions.create(model="tiny", prompt=ids, max_tokens=10, temperature=0).choices[0].text
+        == r.choices[0].text
+    )  # token ids are taken as they are
+    assert (
+        client.completions.create(model="tiny", prompt=[ids], max_tokens=10, temperature=0).choices[0].text
+        == r.choices[0].text
+    )
     d = client.completions.create(model="tiny", prompt="The sky is", temperature=0)  # OpenAI's default: 16 tokens
     assert d.usage.completion_tokens == 16 and d.choices[0].text.startswith(r.choices[0].text)
     # streaming, with the usage chunk last
-    chunks = list(client.completions.create(model="tiny", prompt="The sky is", max_tokens=10, temperature=0,
-                                            stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model="tiny",
+            prompt="The sky is",
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
     # n samples with a seed, reproducible; a stop string
     two = client.completions.create(model="tiny", prompt="Hi", max_tokens=6, n=2, seed=3)
     assert [c.index for c in two.choices] == [0, 1]
-    assert [c.text for c in client.completions.create(model="tiny", prompt="Hi", max_tokens=6, n=2, seed=3).choices] \
-        == [c.text for c in two.choices]
+    assert [
+        c.text for c in client.completions.create(model="tiny", prompt="Hi", max_tokens=6, n=2, seed=3).choices
+    ] == [c.text for c in two.choices]
     text = r.choices[0].text
     cut = client.completions.create(model="tiny", prompt="The sky is", max_tokens=10, temperature=0, stop=text[3:5])
-    assert cut.choices[0].text == text[:text.find(text[3:5])] and cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == text[: text.find(text[3:5])] and cut.choices[0].finish_reason == "stop"
     # the legacy API's logprobs against a forward of the model
     lp = client.completions.create(model="tiny", prompt="The sky is", max_tokens=4, temperature=0, logprobs=2)
     got = lp.choices[0].logprobs
     with torch.no_grad():
-        want = torch.log_softmax(model(torch.tensor([ids + ref[:4]]))[0, len(ids) - 1:-1].float(), -1)
+        want = torch.log_softmax(model(torch.tensor([ids + ref[:4]]))[0, len(ids) - 1 : -1].float(), -1)
     assert "".join(got.tokens) == lp.choices[0].text and got.text_offset[0] == 0
     assert got.text_offset == [sum(len(t) for t in got.tokens[:i]) for i in range(4)]
     for t, row in enumerate(want):
@@ -807,12 +1125,14 @@ def test_text_completions(server):
         top = row.topk(2)
         assert list(got.top_logprobs[t].values()) == pytest.approx(top.values.tolist(), abs=1e-4)
     # what it refuses, each with its own error
-    for kw, cls, fragment in [(dict(prompt=["a", "b"]), openai.BadRequestError, "one prompt per request (got 2)"),
-                              (dict(prompt=[1, 10**6]), openai.BadRequestError, "token 1000000 at 1 is not in"),
-                              (dict(prompt="hi", max_tokens=65), openai.BadRequestError, "'max_tokens' must be <= 64"),
-                              (dict(prompt="word " * 1500), openai.BadRequestError, "over the context of 256"),
-                              (dict(prompt="hi", echo=True), openai.BadRequestError, "unsupported parameter 'echo'"),
-                              (dict(prompt="hi", model="gpt-4o"), openai.NotFoundError, "does not exist")]:
+    for kw, cls, fragment in [
+        (dict(prompt=["a", "b"]), openai.BadRequestError, "one prompt per request (got 2)"),
+        (dict(prompt=[1, 10**6]), openai.BadRequestError, "token 1000000 at 1 is not in"),
+        (dict(prompt="hi", max_tokens=65), openai.BadRequestError, "'max_tokens' must be <= 64"),
+        (dict(prompt="word " * 1500), openai.BadRequestError, "over the context of 256"),
+        (dict(prompt="hi", echo=True), openai.BadRequestError, "unsupported parameter 'echo'"),
+        (dict(prompt="hi", model="gpt-4o"), openai.NotFoundError, "does not exist"),
+    ]:
         with pytest.raises(cls, match=re.escape(fragment)) as e:
             client.completions.create(**{"model": "tiny", **kw})
         assert e.value.body["code"]
@@ -821,10 +1141,15 @@ def test_text_completions(server):
 def test_tokenize_detokenize(server):
     url, tok = server["url"], server["tokenizer"]
     ids = tok.encode("The sky is", prepend="<|bos|>")
-    assert httpx.post(url + "/tokenize", json={"prompt": "The sky is"}).json() == \
-        {"tokens": ids, "count": len(ids), "max_model_len": 256}
-    assert httpx.post(url + "/tokenize", json={"prompt": "The sky is", "add_special_tokens": False}).json()["tokens"] \
+    assert httpx.post(url + "/tokenize", json={"prompt": "The sky is"}).json() == {
+        "tokens": ids,
+        "count": len(ids),
+        "max_model_len": 256,
+    }
+    assert (
+        httpx.post(url + "/tokenize", json={"prompt": "The sky is", "add_special_tokens": False}).json()["tokens"]
         == ids[1:]
+    )
     # messages: the prompt the chat endpoint generates from (its usage.prompt_tokens), even over the context
     conv = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
     got = httpx.post(url + "/tokenize", json={"messages": conv}).json()
@@ -833,10 +1158,12 @@ def test_tokenize_detokenize(server):
     assert chat["usage"]["prompt_tokens"] == got["count"]
     assert httpx.post(url + "/tokenize", json={"prompt": "word " * 1500}).json()["count"] > 256
     assert httpx.post(url + "/detokenize", json={"tokens": ids[1:]}).json() == {"prompt": "The sky is"}
-    for path, body, fragment in [("/tokenize", {}, "either 'prompt' or 'messages'"),
-                                 ("/tokenize", {"prompt": "a", "messages": conv}, "either 'prompt' or 'messages'"),
-                                 ("/detokenize", {"tokens": [5, -1]}, "'tokens': token -1 at 1 is not in"),
-                                 ("/detokenize", {"tokens": "abc"}, "'tokens'")]:
+    for path, body, fragment in [
+        ("/tokenize", {}, "either 'prompt' or 'messages'"),
+        ("/tokenize", {"prompt": "a", "messages": conv}, "either 'prompt' or 'messages'"),
+        ("/detokenize", {"tokens": [5, -1]}, "'tokens': token -1 at 1 is not in"),
+        ("/detokenize", {"tokens": "abc"}, "'tokens'"),
+    ]:
         r = httpx.post(url + path, json=body)
         assert r.status_code == 400 and fragment in r.json()["error"]["message"] and r.json()["error"]["code"], r.text
 
@@ -845,13 +1172,19 @@ def test_metrics_version_and_a_log_line_per_request(server, caplog):
     """/metrics in Prometheus' text format (read by prometheus_client's own parser) counts what was served; every
     request logs one line with its id (the x-request-id header), status, tokens in/out and time."""
     import logging
+
     from prometheus_client.parser import text_string_to_metric_families
+
     from nanorl.engine import Engine
     from nanorl.openai_api import ServeConfig
     from scripts.chat_web import create_app
+
     caplog.set_level(logging.INFO, logger="nanorl.serve")
-    app = create_app([Engine(server["model"], server["tokenizer"], batch_size=2)], server["tokenizer"],
-                     ServeConfig(max_tokens=16, model="m"))
+    app = create_app(
+        [Engine(server["model"], server["tokenizer"], batch_size=2)],
+        server["tokenizer"],
+        ServeConfig(max_tokens=16, model="m"),
+    )
     with serve(app) as url:
         chat = httpx.post(url + "/v1/chat/completions", json={"messages": user(), "max_tokens": 5}, timeout=30)
         body = {"messages": user("x"), "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}}
@@ -863,8 +1196,11 @@ def test_metrics_version_and_a_log_line_per_request(server, caplog):
         version = httpx.get(url + "/version").json()
         r = httpx.get(url + "/metrics")
     assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for fam in text_string_to_metric_families(r.text) for s in fam.samples}
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(r.text)
+        for s in fam.samples
+    }
     route = lambda path, status: ("nanorl_http_requests_total", (("route", path), ("status", status)))  # noqa: E731
     assert samples[route("/v1/chat/completions", "200")] == 2 and samples[route("/v1/chat/completions", "400")] == 1
     assert samples[route("/v1/completions", "200")] == 1 and samples[route("other", "404")] == 1
@@ -886,14 +1222,18 @@ def test_metrics_version_and_a_log_line_per_request(server, caplog):
     assert chat.json()["id"] == f"chatcmpl-{rid}"
     line = next(x for x in lines if x.startswith(rid))
     u = chat.json()["usage"]
-    assert re.fullmatch(rf"{rid} POST /v1/chat/completions 200 in={u['prompt_tokens']} "
-                        rf"out={u['completion_tokens']} ttft=\d+\.\d{{3}}s \d+\.\d{{3}}s", line), line
+    assert re.fullmatch(
+        rf"{rid} POST /v1/chat/completions 200 in={u['prompt_tokens']} "
+        rf"out={u['completion_tokens']} ttft=\d+\.\d{{3}}s \d+\.\d{{3}}s",
+        line,
+    ), line
     assert any(x.startswith(bad.headers["x-request-id"] + " POST /v1/chat/completions 400 ") for x in lines)
     assert any(x.startswith(missing.headers["x-request-id"] + " GET /nope 404 ") for x in lines)
 
 
 def test_histogram_counts_by_hand():
     from nanorl.serving import Histogram
+
     h = Histogram([0.01, 0.1, 1])
     for x in (0.005, 0.01, 0.03, 0.3, 50):
         h.observe(x)
@@ -905,25 +1245,36 @@ def test_api_key(server, tmp_path):
     """--api-key: the API and the page's stream need the bearer key; the page, /health, /metrics and /version
     do not. The page shows a key field and sends what is typed there."""
     import openai
+
     from nanorl.engine import Engine
     from nanorl.openai_api import ServeConfig
     from scripts.chat_web import create_app
-    app = create_app([Engine(server["model"], server["tokenizer"], batch_size=2)], server["tokenizer"],
-                     ServeConfig(max_tokens=8, model="k", api_key="sekret"))
+
+    app = create_app(
+        [Engine(server["model"], server["tokenizer"], batch_size=2)],
+        server["tokenizer"],
+        ServeConfig(max_tokens=8, model="k", api_key="sekret"),
+    )
     with serve(app) as url:
         with pytest.raises(openai.AuthenticationError, match="API key") as e:
             openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
         assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
         client = openai.OpenAI(base_url=url + "/v1", api_key="sekret", max_retries=0, timeout=30)
         assert [m.id for m in client.models.list()] == ["k"]
-        assert client.chat.completions.create(model="k", messages=user(), max_tokens=2).choices[0].message.role \
+        assert (
+            client.chat.completions.create(model="k", messages=user(), max_tokens=2).choices[0].message.role
             == "assistant"
+        )
         assert client.completions.create(model="k", prompt="a", max_tokens=2).usage.completion_tokens >= 1
         for path in ("/ui/chat", "/tokenize", "/detokenize", "/v1/chat/completions"):
             r = httpx.post(url + path, json={"messages": user()})
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (path, r.text)
-        ok = httpx.post(url + "/ui/chat", json={"messages": user(), "max_tokens": 2},
-                        headers={"Authorization": "Bearer sekret"}, timeout=30)
+        ok = httpx.post(
+            url + "/ui/chat",
+            json={"messages": user(), "max_tokens": 2},
+            headers={"Authorization": "Bearer sekret"},
+            timeout=30,
+        )
         assert ok.status_code == 200 and sse_data(ok.text)[-1] == "[DONE]"
         for path in ("/", "/health", "/metrics", "/version"):
             assert httpx.get(url + path).status_code == 200, path
@@ -939,6 +1290,7 @@ def test_api_key(server, tmp_path):
 
 
 # --- hardening: slow clients, big conversations, a failing request --------------------------------
+
 
 def _port(url):
     return int(url.rsplit(":", 1)[1])
@@ -960,6 +1312,7 @@ def test_slow_clients_are_cut_off(server):
     from nanorl.engine import Engine
     from nanorl.openai_api import ServeConfig
     from scripts.chat_web import create_app
+
     engine = Engine(server["model"], server["tokenizer"], batch_size=2)
     app = create_app([engine], server["tokenizer"], ServeConfig(max_tokens=8, body_timeout=1.0))
     with serve(app, header_timeout=1.0) as url:
@@ -968,8 +1321,10 @@ def test_slow_clients_are_cut_off(server):
         headers = socket.create_connection(("127.0.0.1", port))
         headers.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")  # never finishes its headers
         body = socket.create_connection(("127.0.0.1", port))
-        body.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: 100\r\n\r\n{\"messages\"")  # 11 of 100 bytes, then a byte every 0.3 s
+        body.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 100\r\n\r\n{"messages"'
+        )  # 11 of 100 bytes, then a byte every 0.3 s
 
         def trickle():
             for _ in range(20):
@@ -978,6 +1333,7 @@ def test_slow_clients_are_cut_off(server):
                     body.sendall(b" ")
                 except OSError:
                     return
+
         threading.Thread(target=trickle, daemon=True).start()
         t0 = time.time()
         assert httpx.get(url + "/health", timeout=5).json()["status"] == "ok"  # others are served meanwhile
@@ -1006,8 +1362,11 @@ def test_slow_clients_are_cut_off(server):
         # and its kept-alive connection is timed again afterwards
         with httpx.Client(timeout=10) as c:
             with engine.step_lock:
-                slow = threading.Thread(target=lambda: results.append(
-                    c.post(url + "/v1/chat/completions", json={"messages": user(), "max_tokens": 4})))
+                slow = threading.Thread(
+                    target=lambda: results.append(
+                        c.post(url + "/v1/chat/completions", json={"messages": user(), "max_tokens": 4})
+                    )
+                )
                 results = []
                 slow.start()
                 time.sleep(1.6)
@@ -1035,6 +1394,7 @@ def test_tokenising_does_not_block_the_server(server):
     from nanorl.engine import Engine
     from nanorl.openai_api import ServeConfig
     from scripts.chat_web import create_app
+
     slow = SlowTokenizer(server["tokenizer"])
     app = create_app([Engine(server["model"], server["tokenizer"], batch_size=4)], slow, ServeConfig(max_tokens=4))
     with serve(app) as url:
@@ -1042,8 +1402,14 @@ def test_tokenising_does_not_block_the_server(server):
         # clients made up front: a new httpx client builds an SSL context (~0.1 s of CPU, in this process), which
         # would be counted as the server's latency
         posts, polls = httpx.Client(timeout=30), httpx.Client(timeout=5)
-        threads = [threading.Thread(target=lambda: done.append(posts.post(
-            url + "/v1/chat/completions", json={"messages": user(), "max_tokens": 2}).status_code)) for _ in range(4)]
+        threads = [
+            threading.Thread(
+                target=lambda: done.append(
+                    posts.post(url + "/v1/chat/completions", json={"messages": user(), "max_tokens": 2}).status_code
+                )
+            )
+            for _ in range(4)
+        ]
         for t in threads:
             t.start()
         time.sleep(0.1)
@@ -1078,12 +1444,14 @@ def test_an_engine_failure_ends_only_its_request(server):
             results[name] = sse_data(r.read().decode())
 
     with engine.step_lock:  # frozen: both requests queue, then one of them is failed the way the engine fails one
-        threads = [threading.Thread(target=post, args=("bad", {"messages": user("one"), "max_tokens": 8})),
-                   threading.Thread(target=post, args=("good", {"messages": user("two"), "max_tokens": 8, "seed": 3}))]
+        threads = [
+            threading.Thread(target=post, args=("bad", {"messages": user("one"), "max_tokens": 8})),
+            threading.Thread(target=post, args=("good", {"messages": user("two"), "max_tokens": 8, "seed": 3})),
+        ]
         for t in threads:
             t.start()
             t0 = time.time()
-            while len(engine.pending) < len(threads[:threads.index(t) + 1]):
+            while len(engine.pending) < len(threads[: threads.index(t) + 1]):
                 assert time.time() - t0 < 10
                 time.sleep(0.01)
         engine.pending[0].handle.events.put({"sample": 0, "status": "error", "completion": None})
@@ -1096,10 +1464,20 @@ def test_an_engine_failure_ends_only_its_request(server):
     for t in threads + [ts]:
         t.join(30)
     assert results["bad"].status_code == 500
-    assert results["bad"].json()["error"] == {"message": "the engine failed while generating this request",
-                                             "type": "server_error", "param": None, "code": "engine_error"}
-    assert results["good"].status_code == 200 and results["good"].json()["choices"][0]["finish_reason"] in ("stop", "length")
-    assert json.loads(results["bad_stream"][-2])["error"]["type"] == "server_error" and results["bad_stream"][-1] == "[DONE]"
+    assert results["bad"].json()["error"] == {
+        "message": "the engine failed while generating this request",
+        "type": "server_error",
+        "param": None,
+        "code": "engine_error",
+    }
+    assert results["good"].status_code == 200 and results["good"].json()["choices"][0]["finish_reason"] in (
+        "stop",
+        "length",
+    )
+    assert (
+        json.loads(results["bad_stream"][-2])["error"]["type"] == "server_error"
+        and results["bad_stream"][-1] == "[DONE]"
+    )
     assert json.loads(results["bad_stream"][-2])["error"]["code"] == "engine_error"
     assert wait_idle(engine)
     again = httpx.post(url, json={"messages": user("two"), "max_tokens": 8, "seed": 3}, timeout=30)
@@ -1111,8 +1489,10 @@ def test_page_drops_the_oldest_turns_to_fit(server):
     tok = server["tokenizer"]
     conv = []
     for i in range(6):
-        conv += [{"role": "user", "content": f"question {i} " + "word " * 15},
-                 {"role": "assistant", "content": [{"type": "text", "text": f"answer {i} " + "more " * 15}]}]
+        conv += [
+            {"role": "user", "content": f"question {i} " + "word " * 15},
+            {"role": "assistant", "content": [{"type": "text", "text": f"answer {i} " + "more " * 15}]},
+        ]
     conv += user("the last question")
     length = lambda drop: len(tok.render_for_completion({"messages": conv[drop:]}))
     assert length(0) + 64 > 256 and length(len(conv) - 1) + 64 <= 256  # the test needs some, not all, to go
@@ -1121,7 +1501,9 @@ def test_page_drops_the_oldest_turns_to_fit(server):
     first = json.loads(sse_data(r.text)[0])
     assert first == {"prompt_tokens": length(want), "dropped": want, "context": 256} and want >= 2
     # the API refuses instead: a client of the OpenAI API decides what to leave out
-    r = httpx.post(server["url"] + "/v1/chat/completions", json={"messages": conv[:-1] * 3 + user(), "max_tokens": 64}, timeout=30)
+    r = httpx.post(
+        server["url"] + "/v1/chat/completions", json={"messages": conv[:-1] * 3 + user(), "max_tokens": 64}, timeout=30
+    )
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
 
 
@@ -1130,19 +1512,26 @@ def test_cli_flags(monkeypatch, capsys):
     from scripts.chat_web import main
 
     monkeypatch.setenv("COLUMNS", "300")  # one line per flag's help
+
     def run(*args):
         monkeypatch.setattr(sys, "argv", ["chat_web", *args])
         with pytest.raises(SystemExit) as e:
             main()
         out = capsys.readouterr()
         return e.value.code, out.out, out.err
+
     code, out, _ = run("--help")
     assert code == 0 and "-p PORT, --port PORT" in out and "(default: 8000)" in out and "(default: 10.0)" in out
     helps = out.split("options:")[1].split("\n  -")[1:]  # one entry per flag: its names, then its help text
     assert len(helps) >= 14 and all("(default: " in h for h in helps[1:]), helps  # [0] is -h itself
-    for args, flag in [(("--port", "99999"), "-p/--port"), (("-p", "-1"), "-p/--port"), (("-b", "0"), "-b/--batch-size"),
-                       (("-m", "0"), "-m/--max-tokens"), (("--header-timeout", "0"), "--header-timeout"),
-                       (("-n", "x"), "-n/--num-gpus")]:
+    for args, flag in [
+        (("--port", "99999"), "-p/--port"),
+        (("-p", "-1"), "-p/--port"),
+        (("-b", "0"), "-b/--batch-size"),
+        (("-m", "0"), "-m/--max-tokens"),
+        (("--header-timeout", "0"), "--header-timeout"),
+        (("-n", "x"), "-n/--num-gpus"),
+    ]:
         code, _, err = run(*args)
         assert code == 2 and err.splitlines()[-1].startswith(f"chat_web: error: argument {flag}:"), err
 
@@ -1159,8 +1548,14 @@ def test_port_in_use_is_one_line_and_port_0_is_reported(server):
         out = subprocess.run(cmd + ["-p", str(port)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and out.stdout == "", out
     assert out.stderr == f"port {port} is in use on 127.0.0.1: stop the server there or pick another --port\n"
-    proc = subprocess.Popen(cmd + ["-p", "0"], cwd=ROOT, env={**env, "NANORL_API_KEY": "k3y"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        cmd + ["-p", "0"],
+        cwd=ROOT,
+        env={**env, "NANORL_API_KEY": "k3y"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = proc.stdout.readline()
         assert line.startswith("serving nanorl-sft-t on 1 replica(s) (cpu) at http://127.0.0.1:"), line
@@ -1184,19 +1579,30 @@ def test_port_in_use_is_one_line_and_port_0_is_reported(server):
 
 # --- chat_cli in a terminal -------------------------------------------------------------------------
 
+
 def test_chat_cli_line_editing(server):
     """chat_cli in a pseudo-terminal: Ctrl-C at the prompt clears the line (and the CLI stays), the up arrow recalls
     the last message, Ctrl-D leaves, and the history is saved."""
     import pty
     import select
-    env = {**os.environ, "NANORL_BASE_DIR": str(server["base_dir"]), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
-           "TERM": "xterm", "INPUTRC": "/dev/null"}
+
+    env = {
+        **os.environ,
+        "NANORL_BASE_DIR": str(server["base_dir"]),
+        "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": "1",
+        "TERM": "xterm",
+        "INPUTRC": "/dev/null",
+    }
     history = server["base_dir"] / "chat_history"
     pid, fd = pty.fork()
     if pid == 0:  # the child: chat_cli on the terminal (exec at once: the test process has threads)
         os.chdir(ROOT)
-        os.execve(sys.executable, [sys.executable, "-m", "scripts.chat_cli", "-i", "sft", "-t", "0", "-m", "4",
-                                   "--device-type", "cpu"], env)
+        os.execve(
+            sys.executable,
+            [sys.executable, "-m", "scripts.chat_cli", "-i", "sft", "-t", "0", "-m", "4", "--device-type", "cpu"],
+            env,
+        )
     seen = b""
 
     def expect(text, count=1, timeout=60):

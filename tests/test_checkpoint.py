@@ -4,7 +4,15 @@ import random
 import pytest
 import torch
 
-from nanorl.checkpoint import delete_step, find_last_step, load_checkpoint, load_model_dir, load_weights, resume_point, save_checkpoint
+from nanorl.checkpoint import (
+    delete_step,
+    find_last_step,
+    load_checkpoint,
+    load_model_dir,
+    load_weights,
+    resume_point,
+    save_checkpoint,
+)
 from nanorl.gpt import GPTConfig
 from nanorl.gpt import build_model as build_gpt
 
@@ -22,13 +30,27 @@ def test_weights_are_safetensors_and_state_loads_with_weights_only(tmp_path):
     model(torch.randint(0, 40, (2, 16)), targets=torch.randint(0, 40, (2, 16))).backward()
     opt.step()
     random.seed(7)
-    extra = {"loader": {"epoch": 1, "pool": [3, 4]}, "py_rng": random.getstate(), "torch_rng": torch.get_rng_state(), "cuda_rng": None}
-    save_checkpoint(str(tmp_path), 5, model.state_dict(), opt.state_dict(), {"model_config": CFG.to_dict(), "step": 5}, extra)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["extra_000005_rank0.pt", "meta_000005.json", "model_000005.safetensors",
-                                                         "optim_000005_rank0.pt"]
+    extra = {
+        "loader": {"epoch": 1, "pool": [3, 4]},
+        "py_rng": random.getstate(),
+        "torch_rng": torch.get_rng_state(),
+        "cuda_rng": None,
+    }
+    save_checkpoint(
+        str(tmp_path), 5, model.state_dict(), opt.state_dict(), {"model_config": CFG.to_dict(), "step": 5}, extra
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "extra_000005_rank0.pt",
+        "meta_000005.json",
+        "model_000005.safetensors",
+        "optim_000005_rank0.pt",
+    ]
     from safetensors.torch import load_file  # an independent reader: the weights file is plain safetensors
+
     raw = load_file(str(tmp_path / "model_000005.safetensors"))
-    assert raw.keys() == model.state_dict().keys() and all(torch.equal(raw[k], v) for k, v in model.state_dict().items())
+    assert raw.keys() == model.state_dict().keys() and all(
+        torch.equal(raw[k], v) for k, v in model.state_dict().items()
+    )
     for name in ("optim_000005_rank0.pt", "extra_000005_rank0.pt"):
         torch.load(tmp_path / name, weights_only=True)  # no arbitrary code to run
     ms, optim_state, meta, got = load_checkpoint(str(tmp_path), load_optimizer=True)
@@ -42,14 +64,18 @@ def test_weights_are_safetensors_and_state_loads_with_weights_only(tmp_path):
     random.setstate(got["py_rng"])  # python's RNG state survives the plain-types round trip
     a = random.random()
     random.seed(7)
-    assert a == random.random() and torch.equal(got["torch_rng"], extra["torch_rng"]) and got["loader"] == extra["loader"]
+    assert (
+        a == random.random() and torch.equal(got["torch_rng"], extra["torch_rng"]) and got["loader"] == extra["loader"]
+    )
     assert meta == {"model_config": CFG.to_dict(), "step": 5}
 
 
 def test_atomic_keep_last_and_corruption(tmp_path):
     d = tmp_path / "ck"
     for step in (1, 2, 3):
-        save_checkpoint(str(d), step, {"w": torch.full((2,), float(step))}, {"o": step}, {"step": step}, {"e": step}, keep_last=2)
+        save_checkpoint(
+            str(d), step, {"w": torch.full((2,), float(step))}, {"o": step}, {"step": step}, {"e": step}, keep_last=2
+        )
     assert find_last_step(str(d)) == 3 and not list(d.glob("*_000001*"))
     # an incomplete save (weights written, no meta) is never "latest"
     (d / "model_000004.safetensors").write_bytes((d / "model_000003.safetensors").read_bytes())
@@ -113,8 +139,13 @@ def test_files_orphaned_by_a_kill_during_deletion_are_cleaned_at_the_next_save(t
     (tmp_path / "model_000009.safetensors").write_bytes(b"x")  # a later incomplete step: will be overwritten, untouched
     assert find_last_step(d) is None
     save_checkpoint(d, 3, {"w": torch.ones(1)}, {"o": 3}, {"step": 3}, {"e": 3})
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["extra_000003_rank0.pt", "meta_000003.json", "model_000003.safetensors",
-                                                         "model_000009.safetensors", "optim_000003_rank0.pt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "extra_000003_rank0.pt",
+        "meta_000003.json",
+        "model_000003.safetensors",
+        "model_000009.safetensors",
+        "optim_000003_rank0.pt",
+    ]
     delete_step(d, 9)
     assert find_last_step(d) == 3
 
@@ -124,7 +155,9 @@ def test_resume_point_refuses_no_step_another_world_size_or_fsdp_setting(tmp_pat
         resume_point(str(tmp_path), 2, True)
     save_checkpoint(str(tmp_path), 3, {"w": torch.zeros(2)}, meta={"world_size": 2, "sharded": True, "x": 1})
     assert resume_point(str(tmp_path), 2, True) == (3, {"world_size": 2, "sharded": True, "x": 1})
-    with pytest.raises(SystemExit, match=r"step 3 in .* was written by 2 rank\(s\), this run has 4; resume with --nproc_per_node=2"):
+    with pytest.raises(
+        SystemExit, match=r"step 3 in .* was written by 2 rank\(s\), this run has 4; resume with --nproc_per_node=2"
+    ):
         resume_point(str(tmp_path), 4, True)
     with pytest.raises(SystemExit, match=r"step 3 in .* was saved with --fsdp; resume with it"):
         resume_point(str(tmp_path), 2, False)
@@ -137,6 +170,7 @@ def test_resume_point_refuses_no_step_another_world_size_or_fsdp_setting(tmp_pat
 def test_save_then_resume_restores_weights_optimizer_extra_and_rngs(tmp_path):
     from nanorl.checkpoint import resume, rng_state, save, set_rng_state
     from nanorl.optim import build_optimizer
+
     model = tiny_model()
     opt = build_optimizer(model)
     model(torch.randint(0, 40, (2, 16)), targets=torch.randint(0, 40, (2, 16))).backward()
@@ -169,20 +203,23 @@ def test_model_flags_pick_the_checkpoint_that_load_model_reads(tmp_path, monkeyp
     from nanorl.checkpoint import add_model_args, checkpoint_root, load_model_from_args
     from nanorl.common import ArgumentParser
     from nanorl.tokenizer import SPLIT_PATTERN, Tokenizer
+
     monkeypatch.setenv("NANORL_BASE_DIR", str(tmp_path))
     # 31 byte tokens + the 9 specials = the tiny model's vocabulary of 40
     tok = Tokenizer.from_ranks({bytes([i]): i for i in range(31)}, SPLIT_PATTERN)
     monkeypatch.setattr("nanorl.tokenizer.get_tokenizer", lambda: tok)
     for tag, step, seed in (("a", 1, 1), ("a", 2, 2), ("b", 5, 3)):
-        save_checkpoint(f"{checkpoint_root('mid')}/{tag}", step, tiny_model(seed).state_dict(),
-                        meta={"model_config": CFG.to_dict()})
+        save_checkpoint(
+            f"{checkpoint_root('mid')}/{tag}", step, tiny_model(seed).state_dict(), meta={"model_config": CFG.to_dict()}
+        )
     p = ArgumentParser(prog="x")
     add_model_args(p, "mid", short=True)
     args = p.parse_args(["-g", "a", "-s", "1"])
     assert (args.source, args.model_tag, args.model_step, args.hf_model) == ("mid", "a", 1, None)
     model, _, meta = load_model_from_args(args, "cpu")
-    assert meta["model_tag"] == "a" and all(torch.equal(u, v) for u, v in zip(model.state_dict().values(),
-                                                                               tiny_model(1).state_dict().values()))
+    assert meta["model_tag"] == "a" and all(
+        torch.equal(u, v) for u, v in zip(model.state_dict().values(), tiny_model(1).state_dict().values())
+    )
     p = ArgumentParser(prog="x")
     add_model_args(p, source=None, hf_model=False)  # base_eval's: no --source, no --hf-model, no short flags
     args = p.parse_args(["--model-tag", "b", "--step", "5"])

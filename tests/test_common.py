@@ -8,8 +8,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanorl.common import (ETA, ArgumentParser, Logger, autodetect_device_type, fraction, get_logger, int_or_off,
-                           load_function, number_in, positive_float, positive_int)
+from nanorl.common import (
+    ETA,
+    ArgumentParser,
+    Logger,
+    autodetect_device_type,
+    fraction,
+    get_logger,
+    int_or_off,
+    load_function,
+    number_in,
+    positive_float,
+    positive_int,
+)
 
 
 def parse_error(parser, argv, capsys):
@@ -26,20 +37,23 @@ def test_number_flags_name_the_flag_and_the_range_on_one_line(capsys):
     p.add_argument("--ratio", type=fraction, default=0.2, help="a share")
     p.add_argument("--every", type=int_or_off, default=-1, help="interval")
     p.add_argument("--port", type=number_in(int, 1, 65535), default=8000, help="TCP port")
-    assert vars(p.parse_args(["--batch", "3", "--temperature", "0.5", "--ratio", "1", "--every", "-1", "--port", "65535"])) == \
-        {"batch": 3, "temperature": 0.5, "ratio": 1.0, "every": -1, "port": 65535}
-    cases = [(["--batch", "0"], "argument --batch: 0 is out of range: must be an integer >= 1"),
-             (["--batch", "-4"], "argument --batch: -4 is out of range: must be an integer >= 1"),
-             (["--batch", "2.5"], "argument --batch: '2.5' is not an integer"),
-             (["--temperature", "0"], "argument --temperature: 0 is out of range: must be a number > 0"),
-             (["--temperature", "nan"], "argument --temperature: nan is out of range"),
-             (["--temperature", "inf"], "argument --temperature: inf is out of range"),
-             (["--ratio", "1.5"], "argument --ratio: 1.5 is out of range: must be a number >= 0 and <= 1"),
-             (["--every", "-2"], "argument --every: -2 is out of range: must be an integer >= -1"),
-             (["--port", "99999"], "argument --port: 99999 is out of range: must be an integer >= 1 and <= 65535")]
+    assert vars(
+        p.parse_args(["--batch", "3", "--temperature", "0.5", "--ratio", "1", "--every", "-1", "--port", "65535"])
+    ) == {"batch": 3, "temperature": 0.5, "ratio": 1.0, "every": -1, "port": 65535}
+    cases = [
+        (["--batch", "0"], "argument --batch: 0 is out of range: must be an integer >= 1"),
+        (["--batch", "-4"], "argument --batch: -4 is out of range: must be an integer >= 1"),
+        (["--batch", "2.5"], "argument --batch: '2.5' is not an integer"),
+        (["--temperature", "0"], "argument --temperature: 0 is out of range: must be a number > 0"),
+        (["--temperature", "nan"], "argument --temperature: nan is out of range"),
+        (["--temperature", "inf"], "argument --temperature: inf is out of range"),
+        (["--ratio", "1.5"], "argument --ratio: 1.5 is out of range: must be a number >= 0 and <= 1"),
+        (["--every", "-2"], "argument --every: -2 is out of range: must be an integer >= -1"),
+        (["--port", "99999"], "argument --port: 99999 is out of range: must be an integer >= 1 and <= 65535"),
+    ]
     for argv, message in cases:
         code, err = parse_error(p, argv, capsys)
-        assert code == 2 and err == f"prog: error: {message}" + err[len("prog: error: ") + len(message):]
+        assert code == 2 and err == f"prog: error: {message}" + err[len("prog: error: ") + len(message) :]
         assert err.count("\n") == 1 and err.endswith(" (see --help)\n"), err  # one line, no usage dump
 
 
@@ -74,6 +88,7 @@ def test_eta_averages_recent_steps_by_hand():
 
 def test_tensorboard_event_files_hold_the_logged_scalars(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     logger = get_logger("dummy", tensorboard_dir=str(tmp_path / "tb"))
     logger.log({"train/loss": 2.5, "train/lrm": 1.0}, step=1)
     logger.log({"step": 2, "train/loss": 2.25, "note": "text is skipped"})
@@ -96,6 +111,7 @@ def test_wandb_without_a_key_fails_at_once_naming_offline_mode(monkeypatch, tmp_
     assert isinstance(get_logger("dummy"), Logger) and isinstance(get_logger("myrun", master_process=False), Logger)
     (tmp_path / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password abc\n")
     from nanorl.common import wandb_has_credentials
+
     assert wandb_has_credentials()
 
 
@@ -105,6 +121,7 @@ def run_script(module, argv, monkeypatch):
     import io
     import runpy
     import sys
+
     monkeypatch.setattr(sys, "argv", [module.split(".")[-1] + ".py", *argv])
     out, err = io.StringIO(), io.StringIO()
     with pytest.raises(SystemExit) as e, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -125,30 +142,71 @@ def test_every_flag_has_help_and_its_default(script, monkeypatch):
             current.append(line)
     entries = [" ".join(" ".join(e).split()) for e in entries if not e[0].startswith("  -h, --help")]
     usage = out.split("options:", 1)[0]
-    assert {e.split()[0].rstrip(",") for e in entries} == set(re.findall(r"\[(--[\w-]+)", usage))  # every flag has an entry
+    assert {e.split()[0].rstrip(",") for e in entries} == set(
+        re.findall(r"\[(--[\w-]+)", usage)
+    )  # every flag has an entry
     for entry in entries:
         flag, _, text = entry.partition(" ")
         assert "default" in text and len(text.split()) >= 3, f"{script} {flag}: {text!r}"
 
 
-@pytest.mark.parametrize("script,argv,message", [
-    ("base_train", ["--device-batch-size", "0"], "argument --device-batch-size: 0 is out of range: must be an integer >= 1"),
-    ("base_train", ["--device-batch-size", "-4"], "argument --device-batch-size: -4 is out of range: must be an integer >= 1"),
-    ("base_train", ["--max-seq-len", "0"], "argument --max-seq-len: 0 is out of range: must be an integer >= 1"),
-    ("base_train", ["--max-seq-len", "-64"], "argument --max-seq-len: -64 is out of range: must be an integer >= 1"),
-    ("base_train", ["--head-dim", "0"], "argument --head-dim: 0 is out of range: must be an integer >= 1"),
-    ("base_train", ["--total-batch-size", "0"], "argument --total-batch-size: 0 is out of range: must be an integer >= 1"),
-    ("base_train", ["--total-batch-size", "-256"], "argument --total-batch-size: -256 is out of range: must be an integer >= 1"),
-    ("base_train", ["--depth", "2", "--aspect-ratio", "32", "--head-dim", "48"], "--depth 2 x aspect ratio 32 = model dim 64, "
-     "which is not a multiple of head_dim 48; pick a depth/aspect ratio/head dim that divides"),
-    ("chat_sft", ["--device-batch-size", "0"], "argument --device-batch-size: 0 is out of range: must be an integer >= 1"),
-    ("chat_sft", ["--device-batch-size", "-2"], "argument --device-batch-size: -2 is out of range: must be an integer >= 1"),
-    ("chat_sft", ["--num-epochs", "0"], "argument --num-epochs: 0 is out of range: must be a number > 0"),
-    ("mid_train", ["--warmdown-ratio", "2"], "argument --warmdown-ratio: 2 is out of range: must be a number >= 0 and <= 1"),
-    ("tok_train", ["--vocab-size", "0"], "argument --vocab-size: 0 is out of range: must be an integer >= 1"),
-    ("tok_eval", ["--num-docs", "-1"], "argument --num-docs: -1 is out of range: must be an integer >= 1"),
-    ("base_eval", ["--split-tokens", "0"], "argument --split-tokens: 0 is out of range: must be an integer >= 1"),
-])
+@pytest.mark.parametrize(
+    "script,argv,message",
+    [
+        (
+            "base_train",
+            ["--device-batch-size", "0"],
+            "argument --device-batch-size: 0 is out of range: must be an integer >= 1",
+        ),
+        (
+            "base_train",
+            ["--device-batch-size", "-4"],
+            "argument --device-batch-size: -4 is out of range: must be an integer >= 1",
+        ),
+        ("base_train", ["--max-seq-len", "0"], "argument --max-seq-len: 0 is out of range: must be an integer >= 1"),
+        (
+            "base_train",
+            ["--max-seq-len", "-64"],
+            "argument --max-seq-len: -64 is out of range: must be an integer >= 1",
+        ),
+        ("base_train", ["--head-dim", "0"], "argument --head-dim: 0 is out of range: must be an integer >= 1"),
+        (
+            "base_train",
+            ["--total-batch-size", "0"],
+            "argument --total-batch-size: 0 is out of range: must be an integer >= 1",
+        ),
+        (
+            "base_train",
+            ["--total-batch-size", "-256"],
+            "argument --total-batch-size: -256 is out of range: must be an integer >= 1",
+        ),
+        (
+            "base_train",
+            ["--depth", "2", "--aspect-ratio", "32", "--head-dim", "48"],
+            "--depth 2 x aspect ratio 32 = model dim 64, "
+            "which is not a multiple of head_dim 48; pick a depth/aspect ratio/head dim that divides",
+        ),
+        (
+            "chat_sft",
+            ["--device-batch-size", "0"],
+            "argument --device-batch-size: 0 is out of range: must be an integer >= 1",
+        ),
+        (
+            "chat_sft",
+            ["--device-batch-size", "-2"],
+            "argument --device-batch-size: -2 is out of range: must be an integer >= 1",
+        ),
+        ("chat_sft", ["--num-epochs", "0"], "argument --num-epochs: 0 is out of range: must be a number > 0"),
+        (
+            "mid_train",
+            ["--warmdown-ratio", "2"],
+            "argument --warmdown-ratio: 2 is out of range: must be a number >= 0 and <= 1",
+        ),
+        ("tok_train", ["--vocab-size", "0"], "argument --vocab-size: 0 is out of range: must be an integer >= 1"),
+        ("tok_eval", ["--num-docs", "-1"], "argument --num-docs: -1 is out of range: must be an integer >= 1"),
+        ("base_eval", ["--split-tokens", "0"], "argument --split-tokens: 0 is out of range: must be an integer >= 1"),
+    ],
+)
 def test_bad_numbers_stop_the_scripts_with_one_line(script, argv, message, monkeypatch):
     code, out, err = run_script(f"scripts.{script}", argv, monkeypatch)
     assert code == 2 and out == "" and err == f"{script}.py: error: {message} (see --help)\n"
@@ -170,12 +228,39 @@ def test_tests_not_marked_gpu_run_on_the_cpu_even_where_torch_sees_a_gpu(monkeyp
     assert os.environ["CUDA_VISIBLE_DEVICES"] == ""  # hidden from every process a test starts
     assert autodetect_device_type() == "cpu"  # in this process, where CUDA may already be initialised
     # a script launched as the tests launch them (their environment, no --device-type), in a process that sees a GPU
-    argv = ["bench", "train", "--depth", "1", "--batch", "1", "--seq-len", "8", "--head-dim", "64",
-            "--vocab-size", "64", "--warmup", "0", "--steps", "1", "--threads", "1"]
-    code = ("import runpy, sys, torch; torch.cuda.is_available = lambda: True; "
-            f"sys.argv = {argv!r}; runpy.run_module('scripts.bench', run_name='__main__')")
-    out = subprocess.run([sys.executable, "-c", code], check=False, cwd=Path(__file__).resolve().parents[1],
-                         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    argv = [
+        "bench",
+        "train",
+        "--depth",
+        "1",
+        "--batch",
+        "1",
+        "--seq-len",
+        "8",
+        "--head-dim",
+        "64",
+        "--vocab-size",
+        "64",
+        "--warmup",
+        "0",
+        "--steps",
+        "1",
+        "--threads",
+        "1",
+    ]
+    code = (
+        "import runpy, sys, torch; torch.cuda.is_available = lambda: True; "
+        f"sys.argv = {argv!r}; runpy.run_module('scripts.bench', run_name='__main__')"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        check=False,
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads(out.stdout.strip().splitlines()[-1])["device"] == "cpu"
     monkeypatch.delenv("NANORL_DEVICE_TYPE")

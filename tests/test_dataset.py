@@ -1,4 +1,5 @@
 """Shard download (offline: file:// URLs and fake openers) and reading past corrupt files."""
+
 import io
 import multiprocessing
 import os
@@ -54,12 +55,25 @@ def test_download_shards_from_file_url_and_skip_present(source, tmp_path, capsys
 
 def test_cli_reports_the_failed_shard_and_exits_nonzero(source, tmp_path):
     dst = tmp_path / "data"
-    out = subprocess.run([sys.executable, "-m", "nanorl.dataset", "-n", "4", "--base-url", f"file://{source}", "--data-dir", str(dst)],
-                         check=False, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "nanorl.dataset", "-n", "4", "--base-url", f"file://{source}", "--data-dir", str(dst)],
+        check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     # shard 3 is not on the "hub": a missing file is permanent, so it fails at once, named, with a non-zero exit
     assert out.returncode != 0 and "FAILED shard_00003.parquet" in out.stderr and "1 of 4 shard(s) failed" in out.stderr
     assert leftovers(dst) == [shard_name(i) for i in range(3)]  # the good ones are kept, nothing partial
-    bad = subprocess.run([sys.executable, "-m", "nanorl.dataset", "-n", "0"], check=False, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(
+        [sys.executable, "-m", "nanorl.dataset", "-n", "0"],
+        check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode == 2 and "-n 0: must be between 1 and 1823" in bad.stderr
 
 
@@ -86,7 +100,11 @@ def test_always_failing_gives_up_and_leaves_nothing(tmp_path):
         raise TimeoutError("timed out")
 
     failed = download_shards([5], str(tmp_path), "https://example.invalid", opener=down, backoff=0.0)
-    assert list(failed) == [shard_name(5)] and "5 attempt(s)" in failed[shard_name(5)] and "timed out" in failed[shard_name(5)]
+    assert (
+        list(failed) == [shard_name(5)]
+        and "5 attempt(s)" in failed[shard_name(5)]
+        and "timed out" in failed[shard_name(5)]
+    )
     assert len(calls) == 5 and leftovers(tmp_path) == []
 
 
@@ -95,12 +113,23 @@ def test_truncated_download_never_becomes_a_shard(source, tmp_path):
     dst = tmp_path / "data"
     # the server says how long the file is but the connection drops halfway
     with pytest.raises(RuntimeError, match="truncated: got"):
-        download_file("u", dst / "a.parquet", opener=lambda url, timeout: Response(data[:len(data) // 2], len(data)),
-                      attempts=2, backoff=0.0)
+        download_file(
+            "u",
+            dst / "a.parquet",
+            opener=lambda url, timeout: Response(data[: len(data) // 2], len(data)),
+            attempts=2,
+            backoff=0.0,
+        )
     # no Content-Length to compare against: the parquet footer check catches it
     with pytest.raises(RuntimeError, match="a.parquet"):
-        download_file("u", dst / "a.parquet", opener=lambda url, timeout: Response(data[:len(data) // 2]),
-                      attempts=2, backoff=0.0, validate=parquet_ok)
+        download_file(
+            "u",
+            dst / "a.parquet",
+            opener=lambda url, timeout: Response(data[: len(data) // 2]),
+            attempts=2,
+            backoff=0.0,
+            validate=parquet_ok,
+        )
     assert leftovers(dst) == []
 
 
@@ -110,6 +139,7 @@ def _slow_download(src, dst, log):
             f.write(f"{os.getpid()}\n")
         time.sleep(0.5)  # long enough for the other process to reach the lock
         return Response(Path(src).read_bytes())
+
     download_file("u", dst, opener=opener, backoff=0.0)
 
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from nanorl.engine import Engine, Request
 from nanorl.calculator import calculator
+from nanorl.engine import Engine, Request
 from nanorl.gpt import GPTConfig, build_model
 from nanorl.sampling import sample_tokens
 from nanorl.tokenizer import SPLIT_PATTERN, Tokenizer
@@ -17,7 +17,9 @@ from nanorl.toolcalls import assistant_parts
 TOK = Tokenizer.from_ranks({bytes([i]): i for i in range(256)}, SPLIT_PATTERN)
 SP = TOK.encode_special
 BOS, A_END = TOK.get_bos_token_id(), SP("<|assistant_end|>")
-PY_START, PY_END, OUT_START, OUT_END = (SP(f"<|{n}|>") for n in ("python_start", "python_end", "output_start", "output_end"))
+PY_START, PY_END, OUT_START, OUT_END = (
+    SP(f"<|{n}|>") for n in ("python_start", "python_end", "output_start", "output_end")
+)
 VOCAB = 272  # > the tokenizer's 265: the model's vocab may be padded
 
 
@@ -41,17 +43,17 @@ def tiny(n_kv_head=2, seq=64, seed=0):
     return model.eval()
 
 
-def bigram(next_of, default=ord("z")):
+def bigram(next_of, default=122):  # 122: "z"
     """A rigged GPT whose next token depends only on the current one: blocks are the identity (zero output
     projections), the embedding is one-hot, and the lm_head holds a logit table. Deterministic at T=0."""
     C = 288
     cfg = GPTConfig(sequence_len=64, vocab_size=VOCAB, n_layer=1, n_head=4, n_kv_head=2, n_embd=C)
     model = build_model(cfg, "cpu")
     with torch.no_grad():
-        model.transformer.wte.weight.copy_(torch.eye(VOCAB, C) * C ** 0.5)  # norm() keeps it as is
+        model.transformer.wte.weight.copy_(torch.eye(VOCAB, C) * C**0.5)  # norm() keeps it as is
         model.lm_head.weight.zero_()
         for x in range(VOCAB):
-            model.lm_head.weight[next_of.get(x, default), x] = 12 / C ** 0.5
+            model.lm_head.weight[next_of.get(x, default), x] = 12 / C**0.5
     return model.eval()
 
 
@@ -61,7 +63,7 @@ def greedy_reference(model, prompt, n):
     with torch.no_grad():
         for _ in range(n):
             seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
-    return seq[len(prompt):]
+    return seq[len(prompt) :]
 
 
 def prompts(lengths, seed=1):
@@ -74,8 +76,12 @@ def test_greedy_with_cache_equals_full_forwards(n_kv_head):
     model = tiny(n_kv_head)
     engine = Engine(model, TOK, batch_size=4)
     ps = prompts([5, 12, 1, 30])
-    out = engine.generate([Request(p, num_samples=1 + (i == 1) * 2, max_tokens=12, temperature=0, stop_tokens=[])
-                           for i, p in enumerate(ps)])
+    out = engine.generate(
+        [
+            Request(p, num_samples=1 + (i == 1) * 2, max_tokens=12, temperature=0, stop_tokens=[])
+            for i, p in enumerate(ps)
+        ]
+    )
     for p, cs in zip(ps, out):
         for c in cs:  # the 3 samples of prompt 1 share its prefill (copied rows)
             assert c.tokens == greedy_reference(model, p, 12)
@@ -86,7 +92,7 @@ def trainer_logprobs(model, prompt, tokens, temperature):
     """The trainer's log-probs of tokens after prompt (GPT.token_logprobs at the rollout temperature), fp32."""
     seq = torch.tensor([list(prompt) + list(tokens)])
     with torch.no_grad():
-        return model.token_logprobs(seq[:, :-1], seq[:, 1:], temperature=temperature)[0, len(prompt) - 1:]
+        return model.token_logprobs(seq[:, :-1], seq[:, 1:], temperature=temperature)[0, len(prompt) - 1 :]
 
 
 def check_invariants(engine):
@@ -122,10 +128,22 @@ def test_logprobs_are_the_trainers_at_the_sampling_temperature(temperature):
     with torch.no_grad():
         model.lm_head.weight.mul_(0.2)  # a spread distribution: the temperature matters for every token
     engine = Engine(model, TOK, batch_size=3)
-    reqs = [Request(p, num_samples=2, max_tokens=15, temperature=temperature, seed=i, stop_tokens=[])
-            for i, p in enumerate(prompts([4, 9, 17]))]
-    reqs.append(Request(prompts([5])[0], num_samples=2, max_tokens=15, temperature=temperature, top_k=50, top_p=0.9, seed=9,
-                        stop_tokens=[]))  # top-k/top-p change what is drawn, not the recorded log-probs (off-policy)
+    reqs = [
+        Request(p, num_samples=2, max_tokens=15, temperature=temperature, seed=i, stop_tokens=[])
+        for i, p in enumerate(prompts([4, 9, 17]))
+    ]
+    reqs.append(
+        Request(
+            prompts([5])[0],
+            num_samples=2,
+            max_tokens=15,
+            temperature=temperature,
+            top_k=50,
+            top_p=0.9,
+            seed=9,
+            stop_tokens=[],
+        )
+    )  # top-k/top-p change what is drawn, not the recorded log-probs (off-policy)
     for req, cs in zip(reqs, run_checked(engine, reqs)):
         for c in cs:
             lp = trainer_logprobs(model, req.prompt_ids, c.tokens, temperature)
@@ -137,7 +155,7 @@ def test_logprobs_are_the_trainers_at_the_sampling_temperature(temperature):
 def test_greedy_logprobs_are_at_temperature_one():
     model = tiny()
     p = prompts([6])[0]
-    (c,), = Engine(model, TOK, batch_size=2).generate([Request(p, max_tokens=10, temperature=0, stop_tokens=[])])
+    ((c,),) = Engine(model, TOK, batch_size=2).generate([Request(p, max_tokens=10, temperature=0, stop_tokens=[])])
     torch.testing.assert_close(torch.tensor(c.logprobs), trainer_logprobs(model, p, c.tokens, 1.0), atol=1e-5, rtol=0)
 
 
@@ -155,15 +173,18 @@ def test_seeds_reproducible_and_samples_differ_from_first_token():
     others = [Request(q, num_samples=3, max_tokens=7, seed=9, stop_tokens=[]) for q in prompts([3, 20], seed=5)]
     b = Engine(model, TOK, batch_size=3).generate(others + [req])[-1]
     assert [c.tokens for c in a] == [c.tokens for c in b]
-    c = Engine(model, TOK, batch_size=8).generate([Request(p, num_samples=8, max_tokens=10, seed=124, stop_tokens=[])])[0]
+    c = Engine(model, TOK, batch_size=8).generate([Request(p, num_samples=8, max_tokens=10, seed=124, stop_tokens=[])])[
+        0
+    ]
     assert [x.tokens for x in c] != [x.tokens for x in a]
 
 
 def test_mixed_lengths_and_continuous_batching_equal_one_at_a_time():
     model = tiny()
     ps = prompts([3, 25, 8, 1, 14, 6, 40])
-    reqs = [Request(p, num_samples=1 + i % 2, max_tokens=4 + 3 * i, temperature=0, stop_tokens=[])
-            for i, p in enumerate(ps)]
+    reqs = [
+        Request(p, num_samples=1 + i % 2, max_tokens=4 + 3 * i, temperature=0, stop_tokens=[]) for i, p in enumerate(ps)
+    ]
     alone = [Engine(model, TOK, batch_size=2).generate([r])[0] for r in reqs]
     batched = Engine(model, TOK, batch_size=3, prefill_tokens=64).generate(reqs)  # 10 samples through 3 slots
     for r, a, b in zip(reqs, alone, batched):
@@ -174,27 +195,33 @@ def test_mixed_lengths_and_continuous_batching_equal_one_at_a_time():
 def test_context_limit_truncates():
     model = tiny(seq=32)
     engine = Engine(model, TOK, batch_size=2, max_len=20)
-    (c,), = engine.generate([Request(prompts([15])[0], max_tokens=100, temperature=0, stop_tokens=[])])
+    ((c,),) = engine.generate([Request(prompts([15])[0], max_tokens=100, temperature=0, stop_tokens=[])])
     assert c.status == "truncated" and c.prompt_len + len(c.tokens) == 20
 
 
 def test_stop_tokens():
     model = bigram({BOS: ord("a"), ord("a"): ord("b"), ord("b"): A_END})
     engine = Engine(model, TOK, batch_size=2)
-    (c,), = engine.generate([Request([BOS], max_tokens=10, temperature=0)])
+    ((c,),) = engine.generate([Request([BOS], max_tokens=10, temperature=0)])
     assert c.tokens == [ord("a"), ord("b"), A_END] and c.status == "completed"
-    (c,), = engine.generate([Request([BOS], max_tokens=10, temperature=0, stop_tokens=[ord("b")])])
+    ((c,),) = engine.generate([Request([BOS], max_tokens=10, temperature=0, stop_tokens=[ord("b")])])
     assert c.tokens == [ord("a"), ord("b")] and c.status == "completed"
-    (c,), = engine.generate([Request([BOS], max_tokens=2, temperature=0)])
+    ((c,),) = engine.generate([Request([BOS], max_tokens=2, temperature=0)])
     assert c.tokens == [ord("a"), ord("b")] and c.status == "truncated"
 
 
 def test_tool_call_forces_output_with_mask_zero():
-    script = {BOS: PY_START, PY_START: ord("2"), ord("2"): ord("+"), ord("+"): ord("3"), ord("3"): PY_END,
-              OUT_END: A_END}
+    script = {
+        BOS: PY_START,
+        PY_START: ord("2"),
+        ord("2"): ord("+"),
+        ord("+"): ord("3"),
+        ord("3"): PY_END,
+        OUT_END: A_END,
+    }
     model = bigram(script)
     engine = Engine(model, TOK, batch_size=2)
-    (c,), = engine.generate([Request([BOS], max_tokens=20, temperature=0)])
+    ((c,),) = engine.generate([Request([BOS], max_tokens=20, temperature=0)])
     assert c.tokens == [PY_START, ord("2"), ord("+"), ord("3"), PY_END, OUT_START, ord("5"), OUT_END, A_END]
     assert c.mask == [1, 1, 1, 1, 1, 0, 0, 0, 1] and c.status == "completed"
     # forced tokens carry their real log-prob under the model (low here: it wanted "z")
@@ -205,18 +232,21 @@ def test_tool_call_forces_output_with_mask_zero():
     assert max(c.logprobs[5:8]) < -5 < -0.05 < min(c.logprobs[:5])
     assert assistant_parts(TOK, c.tokens) == [{"type": "python", "text": "2+3"}, {"type": "python_output", "text": "5"}]
     # at T = 0.7 every token, forced ones included, has the trainer's log-prob at 0.7
-    (c7,), = Engine(model, TOK, batch_size=2).generate([Request([BOS], max_tokens=20, temperature=0.7, seed=3)])
+    ((c7,),) = Engine(model, TOK, batch_size=2).generate([Request([BOS], max_tokens=20, temperature=0.7, seed=3)])
     assert c7.mask == c.mask
-    torch.testing.assert_close(torch.tensor(c7.logprobs), trainer_logprobs(model, [BOS], c7.tokens, 0.7), atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor(c7.logprobs), trainer_logprobs(model, [BOS], c7.tokens, 0.7), atol=1e-5, rtol=0
+    )
     # without tools the same model just goes on writing
-    (c,), = engine.generate([Request([BOS], max_tokens=8, temperature=0, use_tools=False)])
+    ((c,),) = engine.generate([Request([BOS], max_tokens=8, temperature=0, use_tools=False)])
     assert c.mask == [1] * 8 and OUT_START not in c.tokens
 
 
 def test_tool_errors_are_contained_and_timeout_enforced():
-    model = bigram({BOS: PY_START, PY_START: ord("1"), ord("1"): ord("/"), ord("/"): ord("0"), ord("0"): PY_END,
-                    OUT_END: A_END})
-    (c,), = Engine(model, TOK, batch_size=1, tool=calculator).generate([Request([BOS], max_tokens=80, temperature=0)])
+    model = bigram(
+        {BOS: PY_START, PY_START: ord("1"), ord("1"): ord("/"), ord("/"): ord("0"), ord("0"): PY_END, OUT_END: A_END}
+    )
+    ((c,),) = Engine(model, TOK, batch_size=1, tool=calculator).generate([Request([BOS], max_tokens=80, temperature=0)])
     out = assistant_parts(TOK, c.tokens)[1]
     assert out["type"] == "python_output" and out["text"] == "Error: division by zero"
     assert c.status == "completed" and c.tokens[-1] == A_END
@@ -227,24 +257,27 @@ def test_tool_errors_are_contained_and_timeout_enforced():
 
     engine = Engine(model, TOK, batch_size=1, tool=slow, tool_timeout=0.2)
     t0 = time.time()
-    (c,), = engine.generate([Request([BOS], max_tokens=80, temperature=0)])
+    ((c,),) = engine.generate([Request([BOS], max_tokens=80, temperature=0)])
     assert time.time() - t0 < 2
     assert assistant_parts(TOK, c.tokens)[1] == {"type": "python_output", "text": "Error: timed out after 0.2s"}
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(prompt_ids=[]), "empty prompt"),
-    (dict(prompt_ids=[1] * 64), "too long"),
-    (dict(prompt_ids=[1, VOCAB]), "unknown token"),
-    (dict(prompt_ids=[1, -1]), "unknown token"),
-    (dict(prompt_ids=[1], max_tokens=0), "max_tokens"),
-    (dict(prompt_ids=[1], temperature=-0.1), "temperature"),
-    (dict(prompt_ids=[1], top_p=0.0), "top_p"),
-    (dict(prompt_ids=[1], top_p=1.5), "top_p"),
-    (dict(prompt_ids=[1], top_k=0), "top_k"),
-    (dict(prompt_ids=[1], num_samples=0), "num_samples"),
-    (dict(prompt_ids=[1], stop_tokens=[VOCAB]), "stop_tokens"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(prompt_ids=[]), "empty prompt"),
+        (dict(prompt_ids=[1] * 64), "too long"),
+        (dict(prompt_ids=[1, VOCAB]), "unknown token"),
+        (dict(prompt_ids=[1, -1]), "unknown token"),
+        (dict(prompt_ids=[1], max_tokens=0), "max_tokens"),
+        (dict(prompt_ids=[1], temperature=-0.1), "temperature"),
+        (dict(prompt_ids=[1], top_p=0.0), "top_p"),
+        (dict(prompt_ids=[1], top_p=1.5), "top_p"),
+        (dict(prompt_ids=[1], top_k=0), "top_k"),
+        (dict(prompt_ids=[1], num_samples=0), "num_samples"),
+        (dict(prompt_ids=[1], stop_tokens=[VOCAB]), "stop_tokens"),
+    ],
+)
 def test_bad_requests_are_clear_errors(kwargs, match):
     engine = Engine(tiny(), TOK, batch_size=2)
     good = Request([1, 2], max_tokens=2)
@@ -303,7 +336,7 @@ def test_stream_yields_the_same_as_generate():
     model = tiny()
     engine = Engine(model, TOK, batch_size=4)
     req = Request(prompts([9])[0], max_tokens=12, temperature=1.0, top_k=20, seed=7, stop_tokens=[])
-    (want,), = engine.generate([req])
+    ((want,),) = engine.generate([req])
     events = list(engine.stream(req))
     assert [e["token"] for e in events[:-1]] == want.tokens
     assert [e["logprob"] for e in events[:-1]] == want.logprobs and [e["mask"] for e in events[:-1]] == want.mask
@@ -319,7 +352,10 @@ def test_stream_yields_the_same_as_generate():
 def test_serve_forever_batches_concurrent_users():
     model = tiny()
     engine = Engine(model, TOK, batch_size=3)
-    reqs = [Request(p, max_tokens=5 + i, temperature=0.9, seed=i, stop_tokens=[]) for i, p in enumerate(prompts([3, 8, 5, 12, 2]))]
+    reqs = [
+        Request(p, max_tokens=5 + i, temperature=0.9, seed=i, stop_tokens=[])
+        for i, p in enumerate(prompts([3, 8, 5, 12, 2]))
+    ]
     want = [c[0].tokens for c in Engine(model, TOK, batch_size=5).generate(reqs)]
     server = threading.Thread(target=engine.serve_forever, daemon=True)
     server.start()
@@ -344,16 +380,29 @@ def test_chat_cli_turn_streams_tool_use_and_renders_back():
     import io
 
     from scripts.chat_cli import chat_turn
+
     a_start = SP("<|assistant_start|>")
-    model = bigram({a_start: PY_START, PY_START: ord("2"), ord("2"): ord("*"), ord("*"): ord("3"), ord("3"): PY_END,
-                    OUT_END: ord("!"), ord("!"): A_END})
+    model = bigram(
+        {
+            a_start: PY_START,
+            PY_START: ord("2"),
+            ord("2"): ord("*"),
+            ord("*"): ord("3"),
+            ord("3"): PY_END,
+            OUT_END: ord("!"),
+            ord("!"): A_END,
+        }
+    )
     engine = Engine(model, TOK, batch_size=1)
     conv = {"messages": [{"role": "user", "content": "2*3?"}]}
     out = io.StringIO()
     reply = chat_turn(engine, TOK, conv, temperature=0, out=out)
     assert out.getvalue() == "<<2*3=6>>!\n"
-    assert reply["content"] == [{"type": "python", "text": "2*3"}, {"type": "python_output", "text": "6"},
-                                {"type": "text", "text": "!"}]
+    assert reply["content"] == [
+        {"type": "python", "text": "2*3"},
+        {"type": "python_output", "text": "6"},
+        {"type": "text", "text": "!"},
+    ]
     conv["messages"] += [reply, {"role": "user", "content": "again"}]
     ids = TOK.render_for_completion(conv)  # the reply renders back into the next prompt
     assert ids.count(PY_START) == 1 and ids.count(OUT_START) == 1
@@ -363,8 +412,12 @@ def test_static_shape_decode_equals_eager():
     # what each CUDA graph records, run eagerly here: the batch is a ladder size, every row reads a fixed
     # attention-length bucket (with stale KV past its position masked out), idle rows decode garbage at position 0
     model = tiny(seq=256)
-    reqs = [Request(p, num_samples=2 if i < 4 else 1, max_tokens=70 + 10 * (i == 4), temperature=0.7, seed=i, stop_tokens=[])
-            for i, p in enumerate(prompts([3, 50, 100, 20, 9]))]
+    reqs = [
+        Request(
+            p, num_samples=2 if i < 4 else 1, max_tokens=70 + 10 * (i == 4), temperature=0.7, seed=i, stop_tokens=[]
+        )
+        for i, p in enumerate(prompts([3, 50, 100, 20, 9]))
+    ]
     want = Engine(model, TOK, batch_size=3, max_len=200).generate(reqs)
     engine = Engine(model, TOK, batch_size=3, max_len=200)
     assert engine.buckets == [64, 128, 200] and engine.sizes == [1, 2, 3]
@@ -395,13 +448,16 @@ def test_aborted_sample_continues_into_the_uninterrupted_sequence(temperature):
     # (first_sample, start_counter) draws the same random stream, so it finishes exactly as if never interrupted,
     # with the trainer's log-probs at the rollout temperature; the slots stay consistent through abort + resubmit
     from nanorl.samples import Sample, extend_sample
+
     model = tiny(seq=64)
     prompt = [BOS, 65, 66, 67]
     req = dict(max_tokens=40, temperature=temperature, seed=7, stop_tokens=[], use_tools=False)
     full = Engine(model, TOK, batch_size=4).generate([Request(prompt, num_samples=3, **req)])[0]
     eng = Engine(model, TOK, batch_size=4)
     h = eng.submit(Request(prompt, num_samples=3, **req))
-    eng.submit(Request([BOS, 70], num_samples=2, max_tokens=30, seed=1, stop_tokens=[]))  # queued behind it, aborted too
+    eng.submit(
+        Request([BOS, 70], num_samples=2, max_tokens=30, seed=1, stop_tokens=[])
+    )  # queued behind it, aborted too
     for _ in range(9):
         eng.step()
         check_invariants(eng)
@@ -412,23 +468,36 @@ def test_aborted_sample_continues_into_the_uninterrupted_sequence(temperature):
     parts = [extend_sample(Sample(tokens=list(prompt)), c) for c in h.completions]
     assert all(s.status == "aborted" and 0 < s.response_length < 40 for s in parts)
     other = eng.submit(Request([BOS, 71], num_samples=2, max_tokens=12, seed=2, stop_tokens=[]))  # shares the batch
-    cont = run_checked(eng, [Request(list(s.tokens), max_tokens=40 - s.response_length, first_sample=i,
-                                     start_counter=s.response_length, **{k: v for k, v in req.items() if k != "max_tokens"})
-                             for i, s in enumerate(parts)])
+    cont = run_checked(
+        eng,
+        [
+            Request(
+                list(s.tokens),
+                max_tokens=40 - s.response_length,
+                first_sample=i,
+                start_counter=s.response_length,
+                **{k: v for k, v in req.items() if k != "max_tokens"},
+            )
+            for i, s in enumerate(parts)
+        ],
+    )
     assert [c.status for c in other.completions] == ["truncated"] * 2
     for s, c, ref in zip(parts, cont, full):
         extend_sample(s, c[0])
-        assert s.tokens[len(prompt):] == ref.tokens and s.status == ref.status == "truncated"
+        assert s.tokens[len(prompt) :] == ref.tokens and s.status == ref.status == "truncated"
         torch.testing.assert_close(torch.tensor(s.rollout_log_probs), torch.tensor(ref.logprobs), atol=1e-5, rtol=0)
-        lp = trainer_logprobs(model, prompt, s.tokens[len(prompt):], temperature)
+        lp = trainer_logprobs(model, prompt, s.tokens[len(prompt) :], temperature)
         torch.testing.assert_close(torch.tensor(s.rollout_log_probs), lp, atol=1e-5, rtol=0)
 
 
 def test_aborted_sample_inside_a_tool_call_is_cut_before_the_call():
     from nanorl.engine import Completion
     from nanorl.samples import Sample, extend_sample
+
     resp = [65, PY_START, 49, 43, 49, PY_END, OUT_START, 50]  # aborted while the output was being forced in
-    s = extend_sample(Sample(tokens=[BOS]), Completion(resp, [-1.0] * 8, [1, 1, 1, 1, 1, 1, 0, 0], "aborted", 1), PY_START, OUT_END)
+    s = extend_sample(
+        Sample(tokens=[BOS]), Completion(resp, [-1.0] * 8, [1, 1, 1, 1, 1, 1, 0, 0], "aborted", 1), PY_START, OUT_END
+    )
     assert s.tokens == [BOS, 65] and s.loss_mask == [1] and s.rollout_log_probs == [-1.0] and s.response_length == 1
     done = resp[:7] + [50, OUT_END, 66]  # a finished call is kept
     s = extend_sample(Sample(tokens=[BOS]), Completion(done, [0.0] * 10, [1] * 10, "aborted", 1), PY_START, OUT_END)
@@ -440,14 +509,14 @@ def test_request_after_a_cancel_equals_it_on_an_idle_engine():
     # exactly as on an idle engine (it used to be reset to position 0 at every later step)
     model = tiny()
     req = Request(prompts([7])[0], max_tokens=20, temperature=0.8, seed=5, stop_tokens=[])
-    (want,), = Engine(model, TOK, batch_size=2).generate([req])
+    ((want,),) = Engine(model, TOK, batch_size=2).generate([req])
     engine = Engine(model, TOK, batch_size=2)
     running = [engine.submit(Request(p, max_tokens=40, seed=i, stop_tokens=[])) for i, p in enumerate(prompts([3, 5]))]
     for _ in range(3):
         engine.step()
         check_invariants(engine)
     running[0].cancel()
-    (got,), = run_checked(engine, [req])
+    ((got,),) = run_checked(engine, [req])
     assert got.tokens == want.tokens and got.status == "truncated"
     torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-5, rtol=0)
     assert running[0].completions[0].status == "aborted" and running[1].completions[0].status == "truncated"
@@ -465,7 +534,7 @@ def test_one_request_on_a_big_engine_equals_a_batch_one_engine():
     decode = big._decode_logits
     big._decode_logits = lambda size, need: sizes.append(size) or decode(size, need)
     for r, want in zip(reqs, small):
-        (got,), = run_checked(big, [r])
+        ((got,),) = run_checked(big, [r])
         assert got.tokens == want.tokens
         torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-5, rtol=0)
     assert set(sizes) == {1}
@@ -475,10 +544,25 @@ def test_compaction_moves_rows_without_changing_any_sample():
     # requests of different lengths end at different steps: the last busy rows move into the holes and the
     # batch shrinks down the ladder (5 busy -> 8 rows, 2 -> 2 ...); each sample equals itself alone on a batch-1 engine
     model = tiny()
-    reqs = [Request(p, num_samples=1 + i % 2, max_tokens=3 + 4 * i, temperature=0.8, top_k=40 if i == 2 else None, seed=i,
-                    stop_tokens=[]) for i, p in enumerate(prompts([4, 11, 2, 7, 5]))]
-    alone = [[Engine(model, TOK, batch_size=1).generate([replace(r, num_samples=1, first_sample=j)])[0][0]
-              for j in range(r.num_samples)] for r in reqs]
+    reqs = [
+        Request(
+            p,
+            num_samples=1 + i % 2,
+            max_tokens=3 + 4 * i,
+            temperature=0.8,
+            top_k=40 if i == 2 else None,
+            seed=i,
+            stop_tokens=[],
+        )
+        for i, p in enumerate(prompts([4, 11, 2, 7, 5]))
+    ]
+    alone = [
+        [
+            Engine(model, TOK, batch_size=1).generate([replace(r, num_samples=1, first_sample=j)])[0][0]
+            for j in range(r.num_samples)
+        ]
+        for r in reqs
+    ]
     engine = Engine(model, TOK, batch_size=8)
     sizes = []
     decode = engine._decode_logits
@@ -490,29 +574,53 @@ def test_compaction_moves_rows_without_changing_any_sample():
     assert sizes[0] == 8 and sizes[-1] == 1 and sizes == sorted(sizes, reverse=True) and 4 in sizes
 
 
-@pytest.mark.parametrize("kwargs", [dict(top_p=1e-50), dict(top_p=1e-46), dict(temperature=1e-40), dict(top_k=1, top_p=1e-45),
-                                    dict(temperature=1e-40, top_p=1e-50)])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(top_p=1e-50),
+        dict(top_p=1e-46),
+        dict(temperature=1e-40),
+        dict(top_k=1, top_p=1e-45),
+        dict(temperature=1e-40, top_p=1e-50),
+    ],
+)
 def test_extreme_sampling_settings_are_greedy_and_fail_nothing_else(kwargs):
     # top_p 1e-50 is 0 in float32 and 1e-40 a denormal temperature: the sampler still keeps the top token (greedy),
     # and other requests sharing the batch are untouched
     model = tiny()
     p, q = prompts([6, 9])
-    (greedy,), = Engine(model, TOK, batch_size=1).generate([Request(p, max_tokens=8, temperature=0, stop_tokens=[])])
+    ((greedy,),) = Engine(model, TOK, batch_size=1).generate([Request(p, max_tokens=8, temperature=0, stop_tokens=[])])
     other = Request(q, max_tokens=8, temperature=1.0, seed=4, stop_tokens=[])
-    (want,), = Engine(model, TOK, batch_size=1).generate([other])
-    [(c,), (o,)] = run_checked(Engine(model, TOK, batch_size=2), [Request(p, max_tokens=8, seed=1, stop_tokens=[], **kwargs), other])
+    ((want,),) = Engine(model, TOK, batch_size=1).generate([other])
+    [(c,), (o,)] = run_checked(
+        Engine(model, TOK, batch_size=2), [Request(p, max_tokens=8, seed=1, stop_tokens=[], **kwargs), other]
+    )
     assert c.status == "truncated" and c.tokens == greedy.tokens and o.tokens == want.tokens
     assert all(lp <= 0 and lp == lp for lp in c.logprobs)
     V = 50
     logits = torch.randn(4, V)
-    for u in (0.0, 0.5, 1 - 2 ** -53):
-        t = sample_tokens(logits, torch.full((4,), kwargs.get("temperature", 1.0)), torch.full((4,), kwargs.get("top_k", V)),
-                          torch.full((4,), kwargs.get("top_p", 1.0)), torch.full((4,), u, dtype=torch.float64))
+    for u in (0.0, 0.5, 1 - 2**-53):
+        t = sample_tokens(
+            logits,
+            torch.full((4,), kwargs.get("temperature", 1.0)),
+            torch.full((4,), kwargs.get("top_k", V)),
+            torch.full((4,), kwargs.get("top_p", 1.0)),
+            torch.full((4,), u, dtype=torch.float64),
+        )
         assert t.tolist() == logits.argmax(-1).tolist()
 
 
-@pytest.mark.parametrize("field,value", [("temperature", float("nan")), ("temperature", float("inf")), ("top_p", float("nan")),
-                                         ("top_p", float("inf")), ("top_k", float("inf")), ("temperature", "0.5")])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("temperature", float("nan")),
+        ("temperature", float("inf")),
+        ("top_p", float("nan")),
+        ("top_p", float("inf")),
+        ("top_k", float("inf")),
+        ("temperature", "0.5"),
+    ],
+)
 def test_non_finite_sampling_values_are_refused_naming_the_field(field, value):
     engine = Engine(tiny(), TOK, batch_size=1)
     with pytest.raises(ValueError, match=field):
@@ -524,7 +632,10 @@ def test_a_failing_request_ends_alone():
     # a failure that belongs to one request (here its prefill, then its tool call) ends it with "error";
     # the requests sharing the engine carry on and get exactly what they get alone
     model = tiny()
-    good = [Request(p, num_samples=2, max_tokens=10, temperature=0.8, seed=i, stop_tokens=[]) for i, p in enumerate(prompts([4, 8]))]
+    good = [
+        Request(p, num_samples=2, max_tokens=10, temperature=0.8, seed=i, stop_tokens=[])
+        for i, p in enumerate(prompts([4, 8]))
+    ]
     want = Engine(model, TOK, batch_size=4).generate(good)
     BAD = VOCAB - 1  # no byte: the good prompts never hold it
     engine = Engine(model, TOK, batch_size=4)
@@ -541,9 +652,18 @@ def test_a_failing_request_ends_alone():
     assert [c.status for c in bad.completions] == ["error"] * 3 and "breaks the model" in bad.error
     assert [[c.tokens for c in cs] for cs in got] == [[c.tokens for c in cs] for cs in want]
     # a tool whose output cannot be tokenized fails its own request only
-    script = {BOS: PY_START, PY_START: ord("2"), ord("2"): ord("+"), ord("+"): ord("3"), ord("3"): PY_END, OUT_END: A_END}
+    script = {
+        BOS: PY_START,
+        PY_START: ord("2"),
+        ord("2"): ord("+"),
+        ord("+"): ord("3"),
+        ord("3"): PY_END,
+        OUT_END: A_END,
+    }
     engine = Engine(bigram(script), TOK, batch_size=4, tool=lambda expr: "5")
-    engine.markup.tokenizer = type("Tok", (), {"encode": lambda self, text: 1 / 0, "decode": lambda self, ids: TOK.decode(ids)})()
+    engine.markup.tokenizer = type(
+        "Tok", (), {"encode": lambda self, text: 1 / 0, "decode": lambda self, ids: TOK.decode(ids)}
+    )()
     calls = engine.submit(Request([BOS], max_tokens=20, temperature=0))
     plain = run_checked(engine, [Request([BOS], max_tokens=8, temperature=0, use_tools=False)])
     assert calls.completions[0].status == "error" and "ZeroDivisionError" in calls.error
@@ -559,7 +679,10 @@ def test_inference_copy_and_load_weights():
     shared = Engine(model, TOK, batch_size=2, share_weights=True)
     assert engine.model is not model and shared.model is model
     assert engine.flat_weights.numel() == model.num_params() and engine.flat_weights.dtype == torch.float32
-    assert all(p.untyped_storage().data_ptr() == engine.flat_weights.untyped_storage().data_ptr() for p in engine.model.parameters())
+    assert all(
+        p.untyped_storage().data_ptr() == engine.flat_weights.untyped_storage().data_ptr()
+        for p in engine.model.parameters()
+    )
     before = engine.generate([req])[0][0]
     assert before.tokens == shared.generate([req])[0][0].tokens
     with torch.no_grad():
@@ -569,7 +692,9 @@ def test_inference_copy_and_load_weights():
     engine.load_weights(model)
     after = engine.generate([req])[0][0]
     assert after.tokens == shared.generate([req])[0][0].tokens != before.tokens
-    torch.testing.assert_close(torch.tensor(after.logprobs), trainer_logprobs(model, req.prompt_ids, after.tokens, 0.9), atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor(after.logprobs), trainer_logprobs(model, req.prompt_ids, after.tokens, 0.9), atol=1e-5, rtol=0
+    )
     bf16 = Engine(model, TOK, batch_size=2, dtype=torch.bfloat16)
     assert {p.dtype for p in bf16.model.parameters()} == {torch.bfloat16}
     with pytest.raises(ValueError, match="share_weights"):
@@ -588,8 +713,17 @@ def test_random_traffic_keeps_the_invariants_and_every_sample():
     model = tiny()
     g = torch.Generator().manual_seed(3)
     rnd = lambda n: int(torch.randint(0, n, (), generator=g))  # noqa: E731
-    reqs = [Request(prompts([1 + rnd(20)], seed=i)[0], num_samples=1 + rnd(3), max_tokens=1 + rnd(12), temperature=rnd(2) * 0.9,
-                    seed=i, stop_tokens=[rnd(256)] if rnd(2) else []) for i in range(14)]
+    reqs = [
+        Request(
+            prompts([1 + rnd(20)], seed=i)[0],
+            num_samples=1 + rnd(3),
+            max_tokens=1 + rnd(12),
+            temperature=rnd(2) * 0.9,
+            seed=i,
+            stop_tokens=[rnd(256)] if rnd(2) else [],
+        )
+        for i in range(14)
+    ]
     engine = Engine(model, TOK, batch_size=4)
     handles, cancelled = [], set()
     for i, r in enumerate(reqs):
@@ -617,6 +751,7 @@ def test_prefill_and_decode_attention_kernels_are_pinned(monkeypatch):
     from torch.nn.attention import SDPBackend
 
     import nanorl.engine as engine_module
+
     active, seen = [], []
     real = engine_module.sdpa_kernel
 
@@ -641,11 +776,14 @@ def test_prefill_and_decode_attention_kernels_are_pinned(monkeypatch):
     engine.generate([Request([1, 2, 3, 4, 5], max_tokens=3, stop_tokens=[])])
     cpu_prefill, cpu_decode = [SDPBackend.FLASH_ATTENTION], [SDPBackend.MATH]
     assert seen == [(5, cpu_prefill), (1, cpu_decode), (1, cpu_decode)]
-    assert engine.attention_kernels() == "engine attention: prefill = SDPA flash (CPU), decode = SDPA math (both pinned)"
+    assert (
+        engine.attention_kernels() == "engine attention: prefill = SDPA flash (CPU), decode = SDPA math (both pinned)"
+    )
     engine.device, engine.use_cuda_graph = torch.device("cuda"), True  # what a CUDA engine picks (no GPU needed)
     assert engine.prefill_attention() == engine.decode_attention() == [SDPBackend.EFFICIENT_ATTENTION]
-    assert engine.attention_kernels() == ("engine attention: prefill = SDPA memory-efficient, "
-                                          "decode = SDPA memory-efficient, CUDA graphs (both pinned)")
+    assert engine.attention_kernels() == (
+        "engine attention: prefill = SDPA memory-efficient, decode = SDPA memory-efficient, CUDA graphs (both pinned)"
+    )
 
 
 def test_decode_touches_in_python_only_the_rows_that_need_it():

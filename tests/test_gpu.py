@@ -3,6 +3,7 @@ GPU readiness. Tests marked `gpu` need a CUDA GPU and are skipped without one; `
 them and puts the figures they print (lines starting "gpu_check ") in its table. The others run on the CPU: the
 tensor devices of the collectives (nanorl.common.strict_collective_device) and the CPU mode of dev/gpu_check.sh.
 """
+
 import json
 import math
 import os
@@ -37,6 +38,7 @@ def report(check, **figures):
 # -----------------------------------------------------------------------------
 # collectives: every tensor on the compute device (NCCL refuses CPU tensors; gloo does not)
 
+
 def _whiten_data():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(5, 6, generator=g) * 3 + 1
@@ -46,9 +48,17 @@ def _whiten_data():
 
 def _rollout(rank):
     # two groups of two samples, responses of different lengths, rewards 0/1: a rank's share of a GRPO rollout
-    return [Sample(tokens=[5, 6, 7] + [8 + k] * (k + 1 + rank), response_length=k + 1 + rank,
-                   loss_mask=[1] * (k + 1 + rank), reward=float(k % 2), group_index=k // 2, index=k % 2)
-            for k in range(4)]
+    return [
+        Sample(
+            tokens=[5, 6, 7] + [8 + k] * (k + 1 + rank),
+            response_length=k + 1 + rank,
+            loss_mask=[1] * (k + 1 + rank),
+            reward=float(k % 2),
+            group_index=k // 2,
+            index=k % 2,
+        )
+        for k in range(4)
+    ]
 
 
 def _advantages(samples, device):
@@ -66,11 +76,14 @@ WHITENED = [("grpo", {"normalize_advantages": True}), ("reinforce_plus_plus", {}
 
 def _trainer_advantages(rank, device, est, options):
     """chat_rl's own advantage code, rl_trainer.Trainer.compute_advantages, with a KL penalty in the reward."""
-    cfg = rl_trainer.TrainerConfig(advantage_estimator=est, n_samples_per_prompt=2, max_response_len=8, kl_coef=0.1,
-                                   **options)
+    cfg = rl_trainer.TrainerConfig(
+        advantage_estimator=est, n_samples_per_prompt=2, max_response_len=8, kl_coef=0.1, **options
+    )
     trainer = rl_trainer.Trainer(cfg, None, None, torch.device(device), distributed=True)
     samples = _rollout(rank)
-    lp = [torch.zeros(len(s.tokens) - 1, device=device) for s in samples]  # old/ref log-probs, as the trainer holds them
+    lp = [
+        torch.zeros(len(s.tokens) - 1, device=device) for s in samples
+    ]  # old/ref log-probs, as the trainer holds them
     return trainer.compute_advantages(samples, lp, lp, None)
 
 
@@ -104,7 +117,9 @@ def _collective_checks(rank, world, device):
     for p in model.parameters():
         p.grad = torch.full_like(p, rank + 1.0)
     build_optimizer(model).average_gradients()
-    out["grads"] = None if device == "meta" else sorted({v for p in model.parameters() for v in p.grad.unique().tolist()})
+    out["grads"] = (
+        None if device == "meta" else sorted({v for p in model.parameters() for v in p.grad.unique().tolist()})
+    )
     return out
 
 
@@ -131,8 +146,13 @@ def _collective_worker(rank, world, init_file, out_dir, backend, devices):
 def _run_two_ranks(tmp_path, backend, devices):
     # fork (where available and CUDA is not in use) skips re-importing torch in the children: ~0.1 s, not ~7 s
     method = "fork" if backend == "gloo" and "fork" in mp.get_all_start_methods() else "spawn"
-    mp.start_processes(_collective_worker, args=(2, str(tmp_path / "init"), str(tmp_path), backend, devices),
-                       nprocs=2, join=True, start_method=method)
+    mp.start_processes(
+        _collective_worker,
+        args=(2, str(tmp_path / "init"), str(tmp_path), backend, devices),
+        nprocs=2,
+        join=True,
+        start_method=method,
+    )
     return [torch.load(tmp_path / f"collectives{r}.pt") for r in range(2)]
 
 
@@ -181,25 +201,48 @@ def test_two_rank_nccl(tmp_path):
 # -----------------------------------------------------------------------------
 # dev/gpu_check.sh: its CPU mode, so the one GPU command cannot rot
 
+
 @pytest.mark.slow  # ~40 s: seven subprocesses, each importing torch
 def test_gpu_check_cpu_mode(tmp_path):
     out = tmp_path / "gpu_check.md"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHON": sys.executable}
-    res = subprocess.run(["bash", str(REPO / "dev" / "gpu_check.sh"), str(out), "--cpu"], cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=600)
+    res = subprocess.run(
+        ["bash", str(REPO / "dev" / "gpu_check.sh"), str(out), "--cpu"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     text = out.read_text()
     lines = [ln for ln in text.splitlines() if ln.startswith("|")]
     header = [c.strip() for c in lines[0].strip("|").split("|")]
     assert header == ["check", "figure", "unit", "MFU / % of bandwidth bound", "peak memory (GB)"]
     rows = {c[0]: c for c in ([x.strip() for x in ln.strip("|").split("|")] for ln in lines[2:])}
-    want = ["train d2", "decode d2 batch 1", "decode d2 batch 2", "decode d2 batch 4", "rl d2 step (2x2)", "train d2 --fsdp"]
-    hf = ["hf qwen2 tiny: --hf-model load", "hf qwen2 tiny: decode batch 1", "hf qwen2 tiny: decode batch 2",
-          "hf qwen2 tiny: decode batch 4", "hf qwen2 tiny: GRPO step (2x2)"]
-    lora = ["hf qwen2 tiny --lora-rank 4: --hf-model load", "hf qwen2 tiny --lora-rank 4: decode batch 1",
-            "hf qwen2 tiny --lora-rank 4: decode batch 2", "hf qwen2 tiny --lora-rank 4: GRPO step (2x2)"]
+    want = [
+        "train d2",
+        "decode d2 batch 1",
+        "decode d2 batch 2",
+        "decode d2 batch 4",
+        "rl d2 step (2x2)",
+        "train d2 --fsdp",
+    ]
+    hf = [
+        "hf qwen2 tiny: --hf-model load",
+        "hf qwen2 tiny: decode batch 1",
+        "hf qwen2 tiny: decode batch 2",
+        "hf qwen2 tiny: decode batch 4",
+        "hf qwen2 tiny: GRPO step (2x2)",
+    ]
+    lora = [
+        "hf qwen2 tiny --lora-rank 4: --hf-model load",
+        "hf qwen2 tiny --lora-rank 4: decode batch 1",
+        "hf qwen2 tiny --lora-rank 4: decode batch 2",
+        "hf qwen2 tiny --lora-rank 4: GRPO step (2x2)",
+    ]
     tail = want + ["train d2 --fsdp: sampler weight gather"] + hf + lora
-    assert list(rows)[-len(tail):] == tail, list(rows)
+    assert list(rows)[-len(tail) :] == tail, list(rows)
     assert all(float(rows[name][1]) > 0 for name in lora)
     for name in want:
         row = rows[name]
@@ -210,7 +253,9 @@ def test_gpu_check_cpu_mode(tmp_path):
     assert all(float(rows[name][1]) > 0 for name in hf)
     assert [rows[name][2] for name in hf] == ["s", "tok/s", "tok/s", "tok/s", "s/step"]
     for name in hf[1:4]:  # nanorl's greedy tokens against transformers' in the same run: all equal in fp32
-        assert re.fullmatch(r"transformers [\d.]+ tok/s \([\d.]+x\); same greedy tokens 100%", rows[name][3]), rows[name]
+        assert re.fullmatch(r"transformers [\d.]+ tok/s \([\d.]+x\); same greedy tokens 100%", rows[name][3]), rows[
+            name
+        ]
     # the gpu tests ran (and were skipped here): the table says how many
     assert re.fullmatch(r"0 passed, 0 failed, \d+ skipped", rows["gpu tests"][1]), rows["gpu tests"]
     assert "CPU mode" in text
@@ -218,6 +263,7 @@ def test_gpu_check_cpu_mode(tmp_path):
 
 # -----------------------------------------------------------------------------
 # the GPU checks themselves (bash dev/gpu_check.sh runs these first)
+
 
 def _random_model(depth=4, vocab=4096, seq=512, lm_std=0.05):
     """A random model (d4: width 256, 4 heads of 64, 2 KV heads) whose every layer matters (init zeroes the output
@@ -233,13 +279,17 @@ def _random_model(depth=4, vocab=4096, seq=512, lm_std=0.05):
 
 def _byte_tokenizer():
     from nanorl.tokenizer import SPLIT_PATTERN, Tokenizer
+
     return Tokenizer.from_ranks({bytes([i]): i for i in range(256)}, SPLIT_PATTERN)
 
 
 def _generate(engine, prompts, temperature, n_new=32):
     from nanorl.engine import Request
-    reqs = [Request(p, max_tokens=n_new, temperature=temperature, seed=i, stop_tokens=[], use_tools=False)
-            for i, p in enumerate(prompts)]
+
+    reqs = [
+        Request(p, max_tokens=n_new, temperature=temperature, seed=i, stop_tokens=[], use_tools=False)
+        for i, p in enumerate(prompts)
+    ]
     return [c[0] for c in engine.generate(reqs)]
 
 
@@ -253,6 +303,7 @@ def test_cuda_graph_engine_equals_eager():
     that is allowed in at most one of the 8 rows, only where both engines' chosen tokens are within the
     tolerance of each other (a true tie), and the row is compared up to there."""
     from nanorl.engine import Engine
+
     model, tok = _random_model(lm_std=0.5), _byte_tokenizer()
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 40, 17, 100, 1, 64, 33, 8)]
@@ -277,6 +328,7 @@ def test_cuda_graph_engine_equals_eager():
 @gpu
 def test_bf16_engine_vs_trainer_logprob_gap():
     from nanorl.engine import Engine
+
     model, tok = _random_model(), _byte_tokenizer()
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 256, (20,), generator=g).tolist() for _ in range(8)]
@@ -356,8 +408,22 @@ def test_packed_sft_step_d20_peak_memory():
 @gpu
 def test_grpo_step_d12():
     # one GRPO step (rollout, rewards, advantages, policy loss, optimizer step) of a random-init d12 on the GPU
-    cmd = [sys.executable, "-m", "scripts.bench", "rl", "--depth", "12", "--prompts", "4", "--samples", "4",
-           "--prompt-len", "64", "--new-tokens", "64"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "scripts.bench",
+        "rl",
+        "--depth",
+        "12",
+        "--prompts",
+        "4",
+        "--samples",
+        "4",
+        "--prompt-len",
+        "64",
+        "--new-tokens",
+        "64",
+    ]
     res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     r = json.loads(res.stdout.strip().splitlines()[-1])

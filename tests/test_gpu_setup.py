@@ -1,6 +1,7 @@
 """A GPU machine's setup, tested on the CPU with a fake nvidia-smi: the torch wheel its driver runs, the one-line
 failure when torch cannot see the GPU (compute_init, gpu_check), the packages torch.compile needs, and the device
 batch search that keeps base_train within memory."""
+
 import os
 import re
 import subprocess
@@ -50,12 +51,25 @@ def gpu_env(tmp_path, **extra):
 # ----------------------------------------------------------------------------------------------
 # the driver -> wheel mapping
 
-@pytest.mark.parametrize("driver_cuda, build", [
-    ((12, 2), (12, 6)), ((12, 0), (12, 6)), ((12, 4), (12, 6)),  # 525-550: the oldest 12.x, by minor compatibility
-    ((12, 6), (12, 6)), ((12, 8), (12, 8)), ((12, 9), (12, 8)),  # 560-575: the newest build not newer than it
-    ((13, 0), (13, 0)), ((13, 1), (13, 0)), ((13, 2), (13, 2)), ((13, 4), (13, 2)), ((14, 0), (13, 2)),
-    ((11, 8), None), ((11, 4), None),  # no torch 2.11-2.13 wheel runs there
-])
+
+@pytest.mark.parametrize(
+    "driver_cuda, build",
+    [
+        ((12, 2), (12, 6)),
+        ((12, 0), (12, 6)),
+        ((12, 4), (12, 6)),  # 525-550: the oldest 12.x, by minor compatibility
+        ((12, 6), (12, 6)),
+        ((12, 8), (12, 8)),
+        ((12, 9), (12, 8)),  # 560-575: the newest build not newer than it
+        ((13, 0), (13, 0)),
+        ((13, 1), (13, 0)),
+        ((13, 2), (13, 2)),
+        ((13, 4), (13, 2)),
+        ((14, 0), (13, 2)),
+        ((11, 8), None),
+        ((11, 4), None),  # no torch 2.11-2.13 wheel runs there
+    ],
+)
 def test_pick_wheel_takes_the_newest_build_the_driver_runs(driver_cuda, build):
     assert gpu_setup.pick_wheel(driver_cuda) == build
 
@@ -73,31 +87,42 @@ def test_read_driver_parses_nvidia_smi(tmp_path, monkeypatch):
 
 
 def test_wheel_command_names_the_build_and_why(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "nanorl.gpu_setup", "wheel"], env=gpu_env(tmp_path), cwd=ROOT,
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "nanorl.gpu_setup", "wheel"],
+        env=gpu_env(tmp_path),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["12.6", CU126, "torch>=2.11,<2.14"]
     assert "driver 535.183.01 runs CUDA up to 12.2: torch built for CUDA 12.6" in out.stderr
     env = gpu_env(tmp_path)
     env["PATH"] = f"{fake_smi(tmp_path / 'old', '470.256.02', '11.4')}:{env['PATH']}"
-    old = subprocess.run([sys.executable, "-m", "nanorl.gpu_setup", "wheel"], env=env, cwd=ROOT,
-                         capture_output=True, text=True)
+    old = subprocess.run(
+        [sys.executable, "-m", "nanorl.gpu_setup", "wheel"], env=env, cwd=ROOT, capture_output=True, text=True
+    )
     assert old.returncode == 1 and old.stdout == ""
-    assert old.stderr.strip() == ("driver 470.256.02: no torch>=2.11,<2.14 wheel runs on CUDA 11.4: upgrade the "
-                                  "NVIDIA driver to one for CUDA >= 12.0")
+    assert old.stderr.strip() == (
+        "driver 470.256.02: no torch>=2.11,<2.14 wheel runs on CUDA 11.4: upgrade the "
+        "NVIDIA driver to one for CUDA >= 12.0"
+    )
 
 
 # ----------------------------------------------------------------------------------------------
 # torch must see the GPU that the machine shows
+
 
 def test_no_gpu_message_names_the_build_the_driver_and_the_fix():
     # PyPI's default wheel (CUDA 13.0) on a 535 driver: torch.cuda.is_available() is False
     driver = gpu_setup.Driver("535.183.01", (12, 2), 8)
     assert gpu_setup.no_gpu_message("2.13.0+cu130", "13.0", driver) == (
         "nvidia-smi shows 8 GPU(s), driver 535.183.01 (CUDA up to 12.2), but torch 2.13.0+cu130 (built for CUDA 13.0) "
-        f"sees none: install the build this driver runs: pip install 'torch>=2.11,<2.14' --index-url {CU126}")
+        f"sees none: install the build this driver runs: pip install 'torch>=2.11,<2.14' --index-url {CU126}"
+    )
     assert gpu_setup.no_gpu_message("2.13.0+cu130", "13.0", gpu_setup.Driver("570.86.15", (12, 8), 1)).endswith(
-        "--index-url https://download.pytorch.org/whl/cu128")
+        "--index-url https://download.pytorch.org/whl/cu128"
+    )
 
 
 def test_compute_init_stops_when_torch_cannot_see_the_gpu(tmp_path, monkeypatch):
@@ -108,9 +133,11 @@ def test_compute_init_stops_when_torch_cannot_see_the_gpu(tmp_path, monkeypatch)
         with pytest.raises(SystemExit) as e:
             compute_init(device_type)
         build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
-        assert str(e.value) == (f"nvidia-smi shows 8 GPU(s), driver 535.183.01 (CUDA up to 12.2), but torch "
-                                f"{torch.__version__} ({build}) sees none: install the build this driver runs: pip install 'torch>=2.11,<2.14' "
-                                f"--index-url {CU126}")
+        assert str(e.value) == (
+            f"nvidia-smi shows 8 GPU(s), driver 535.183.01 (CUDA up to 12.2), but torch "
+            f"{torch.__version__} ({build}) sees none: install the build this driver runs: pip install 'torch>=2.11,<2.14' "
+            f"--index-url {CU126}"
+        )
     assert compute_init("cpu")[-1] == torch.device("cpu")  # asked for explicitly: no objection
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # every GPU hidden on purpose: the CPU, as asked
     assert compute_init()[-1].type in ("cpu", "mps")
@@ -128,8 +155,11 @@ def test_nvidia_tools_without_a_gpu_are_no_gpu(tmp_path, monkeypatch):
     assert gpu_setup.read_driver() is None and not gpu_setup.gpu_visible()
     assert compute_init()[-1].type in ("cpu", "mps")
     monkeypatch.setattr(gpu_setup, "glob", SimpleNamespace(glob=lambda pattern: ["/dev/nvidia3"]))  # a GPU's node
-    with pytest.raises(SystemExit, match=r"^an NVIDIA GPU is present \(/dev/nvidia\*\) but torch .* sees none and "
-                                         r"nvidia-smi does not answer"):
+    with pytest.raises(
+        SystemExit,
+        match=r"^an NVIDIA GPU is present \(/dev/nvidia\*\) but torch .* sees none and "
+        r"nvidia-smi does not answer",
+    ):
         compute_init()
 
 
@@ -159,8 +189,14 @@ def test_compute_init_refuses_more_local_ranks_than_gpus(monkeypatch):
 
 
 def test_gpu_check_fails_instead_of_measuring_the_cpu(tmp_path):
-    out = subprocess.run(["bash", "dev/gpu_check.sh", str(tmp_path / "x.md")], cwd=ROOT, env=gpu_env(tmp_path),
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        ["bash", "dev/gpu_check.sh", str(tmp_path / "x.md")],
+        cwd=ROOT,
+        env=gpu_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 1
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "driver 535.183.01" in lines[0] and f"--index-url {CU126}" in lines[0], out.stderr
@@ -169,6 +205,7 @@ def test_gpu_check_fails_instead_of_measuring_the_cpu(tmp_path):
 
 # ----------------------------------------------------------------------------------------------
 # a minimal image: what torch.compile needs
+
 
 def test_missing_packages_names_the_debian_packages(tmp_path):
     headers = tmp_path / "include"
@@ -186,11 +223,13 @@ def test_missing_packages_names_the_debian_packages(tmp_path):
 # ----------------------------------------------------------------------------------------------
 # base_train's device batch: the largest that fits, the same on every rank
 
+
 def oom_above(limit, calls):
     def try_step(batch):
         calls.append(batch)
         if batch > limit:
             raise torch.OutOfMemoryError(f"CUDA out of memory at batch {batch}")
+
     return try_step
 
 

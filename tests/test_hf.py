@@ -1,4 +1,5 @@
 """Hugging Face import/export: tiny random Llama / Qwen2 / Qwen3 / NanoChat models built with transformers."""
+
 import json
 import os
 
@@ -20,29 +21,48 @@ QWEN_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
     "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 LLAMA_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
     "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
-CORPUS = ["What is 12 plus 30? The answer is 42.", "Hello there, how are you today?", "I am fine, thanks.",
-          "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May."] * 20
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+CORPUS = [
+    "What is 12 plus 30? The answer is 42.",
+    "Hello there, how are you today?",
+    "I am fine, thanks.",
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.",
+] * 20
 
 
 def tiny_tokenizer(directory, family="qwen"):
     """A byte-level BPE trained with `tokenizers` on a few sentences, saved as tokenizer.json + template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] if family == "qwen" else \
-        ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+
+    specials = (
+        ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+        if family == "qwen"
+        else ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+    )
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
-                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        CORPUS,
+        trainers.BpeTrainer(
+            vocab_size=300, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
     os.makedirs(directory, exist_ok=True)
     tok.save(os.path.join(directory, "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": QWEN_TEMPLATE,
-              "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "chat_template": QWEN_TEMPLATE,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "bos_token": None,
+    }
     if family == "llama":  # the template in chat_template.jinja, where newer transformers save it
         config.update(bos_token="<|begin_of_text|>", eos_token="<|eot_id|>")
         del config["chat_template"]
@@ -52,22 +72,42 @@ def tiny_tokenizer(directory, family="qwen"):
         json.dump(config, f)
     return tok.get_vocab_size()
 
-CONVERSATION = {"messages": [
-    {"role": "user", "content": "What is 12 plus 30?"},
-    {"role": "assistant", "content": "The answer is 42."},
-    {"role": "user", "content": "Hello there, how are you today?"},
-    {"role": "assistant", "content": "I am fine, thanks."}]}
+
+CONVERSATION = {
+    "messages": [
+        {"role": "user", "content": "What is 12 plus 30?"},
+        {"role": "assistant", "content": "The answer is 42."},
+        {"role": "user", "content": "Hello there, how are you today?"},
+        {"role": "assistant", "content": "I am fine, thanks."},
+    ]
+}
 
 
 def tiny_hf(kind, directory, seed=0, vocab=VOCAB, context=128):
     """A tiny random HF model saved to `directory`; norms and biases randomised too (their init is trivial)."""
     torch.manual_seed(seed)
-    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=context,
+    )
     if kind == "llama":
-        cfg = transformers.LlamaConfig(**common, rms_norm_eps=1e-5, rope_parameters={
-            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 16})
+        cfg = transformers.LlamaConfig(
+            **common,
+            rms_norm_eps=1e-5,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
+        )
         model = transformers.LlamaForCausalLM(cfg)
     elif kind == "qwen2":
         cfg = transformers.Qwen2Config(**common, tie_word_embeddings=True)
@@ -76,7 +116,7 @@ def tiny_hf(kind, directory, seed=0, vocab=VOCAB, context=128):
         cfg = transformers.Qwen3Config(**common, head_dim=32)  # wider heads than hidden/heads, as Qwen3
         model = transformers.Qwen3ForCausalLM(cfg)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.ndim == 1:
                 p.add_(0.3 * torch.randn_like(p))
     model.save_pretrained(directory)
@@ -112,13 +152,20 @@ def test_engine_greedy_and_logprobs_match_transformers(kind, tmp_path):
     with torch.no_grad():
         # an explicit attention mask: else generate masks out every prompt token equal to pad_token_id
         x = torch.tensor([prompt])
-        want = ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=16, do_sample=False,
-                            min_new_tokens=16, eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-    (c,), = Engine(model, tok, batch_size=2).generate([Request(prompt, max_tokens=16, temperature=0, stop_tokens=[])])
+        want = ref.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=16,
+            do_sample=False,
+            min_new_tokens=16,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(prompt) :].tolist()
+    ((c,),) = Engine(model, tok, batch_size=2).generate([Request(prompt, max_tokens=16, temperature=0, stop_tokens=[])])
     assert c.tokens == want
     seq = torch.tensor([prompt + c.tokens])
     with torch.no_grad():
-        lp = model.token_logprobs(seq[:, :-1], seq[:, 1:])[0, len(prompt) - 1:]
+        lp = model.token_logprobs(seq[:, :-1], seq[:, 1:])[0, len(prompt) - 1 :]
     torch.testing.assert_close(torch.tensor(c.logprobs), lp, atol=1e-4, rtol=0)
 
 
@@ -136,12 +183,17 @@ def test_chat_template_ids_and_mask(family, tmp_path):
     trained = [i for i, m in zip(ids, mask) if m]
     assert tok.decode(trained) == "The answer is 42." + end + "I am fine, thanks." + end
     prompt = tok.render_for_completion(CONVERSATION)  # the last reply dropped, a new assistant turn opened
-    want = ref.apply_chat_template(CONVERSATION["messages"][:3], tokenize=True, add_generation_prompt=True, return_dict=False)
+    want = ref.apply_chat_template(
+        CONVERSATION["messages"][:3], tokenize=True, add_generation_prompt=True, return_dict=False
+    )
     want = want["input_ids"] if hasattr(want, "keys") else want
     assert prompt == list(want)
     assert tok.encode_special("<|assistant_end|>") == ref.convert_tokens_to_ids(end)
     assert tok.encode_special("<|python_start|>") is None  # no tool tokens: no tool calls
-    assert tok.encode("a <|im_end|> b") == ref("a <|im_end|> b", add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    assert (
+        tok.encode("a <|im_end|> b")
+        == ref("a <|im_end|> b", add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    )
     assert tok.decode(tok.encode("Hello there, 42!")) == "Hello there, 42!"
     ids = tok.encode("Natalia sold clips – half as many ✓")
     assert b"".join(tok.decode_token_bytes(i) for i in ids) == "Natalia sold clips – half as many ✓".encode()
@@ -157,7 +209,8 @@ def test_chat_template_that_rewrites_history_is_refused(tmp_path):
     cfg["chat_template"] = (
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' and loop.last %}"
         "<think>\n\n</think>\n\n{% endif %}{{ m['content'] }}<|im_end|>\n{% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
     cfg_path.write_text(json.dumps(cfg))
     tok = HFTokenizer.load(str(tmp_path))
     ids, mask = tok.render_conversation({"messages": CONVERSATION["messages"][:2]})
@@ -182,7 +235,9 @@ def test_export_round_trip(kind, tmp_path):
     again, _ = load_hf_model(str(out))
     a, b = model.state_dict(), again.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert HFTokenizer.load(str(out)).render_conversation(CONVERSATION) == HFTokenizer.load(str(src)).render_conversation(CONVERSATION)
+    assert HFTokenizer.load(str(out)).render_conversation(CONVERSATION) == HFTokenizer.load(
+        str(src)
+    ).render_conversation(CONVERSATION)
 
 
 def test_export_nanorl_arch_as_nanochat(tmp_path):
@@ -190,9 +245,12 @@ def test_export_nanorl_arch_as_nanochat(tmp_path):
     converted), its tokenizer as a real tokenizers file, and imports back to the same tensors."""
     from nanorl.gpt import GPTConfig, build_model
     from nanorl.tokenizer import Tokenizer
+
     tok = Tokenizer.train(iter(CORPUS), 300)
     torch.manual_seed(0)
-    model = build_model(GPTConfig(sequence_len=64, vocab_size=tok.vocab_size, n_layer=2, n_head=4, n_kv_head=2, n_embd=64), "cpu")
+    model = build_model(
+        GPTConfig(sequence_len=64, vocab_size=tok.vocab_size, n_layer=2, n_head=4, n_kv_head=2, n_embd=64), "cpu"
+    )
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.1 * torch.randn_like(p))  # the zero-init output projections would hide attention/rotary
@@ -202,8 +260,11 @@ def test_export_nanorl_arch_as_nanochat(tmp_path):
         cfg = json.load(f)
     assert cfg["architectures"] == ["NanoChatForCausalLM"] and cfg["max_position_embeddings"] == 64
     with open(tmp_path / "generation_config.json") as f:  # a reply ends at <|assistant_end|>; padding is <|bos|>
-        assert json.load(f) == {"bos_token_id": tok.get_bos_token_id(), "pad_token_id": tok.get_bos_token_id(),
-                                "eos_token_id": tok.encode_special("<|assistant_end|>")}
+        assert json.load(f) == {
+            "bos_token_id": tok.get_bos_token_id(),
+            "pad_token_id": tok.get_bos_token_id(),
+            "eos_token_id": tok.encode_special("<|assistant_end|>"),
+        }
     back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
     ids = torch.randint(0, tok.vocab_size, (1, 40), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
@@ -237,11 +298,18 @@ def test_errors_name_the_file(tmp_path):
     # a sharded checkpoint whose index names a tensor its shard does not have
     os.rename(tmp_path / "model.safetensors", tmp_path / "model-00001-of-00001.safetensors")
     from safetensors import safe_open
+
     with safe_open(str(tmp_path / "model-00001-of-00001.safetensors"), "pt") as f:
         weight_map = {k: "model-00001-of-00001.safetensors" for k in f.keys()}
     index = tmp_path / "model.safetensors.index.json"
-    index.write_text(json.dumps({"weight_map": {**weight_map, "model.layers.9.mlp.up_proj.weight": "model-00001-of-00001.safetensors"}}))
-    with pytest.raises(ValueError, match="model-00001-of-00001.safetensors does not match model.safetensors.index.json"):
+    index.write_text(
+        json.dumps(
+            {"weight_map": {**weight_map, "model.layers.9.mlp.up_proj.weight": "model-00001-of-00001.safetensors"}}
+        )
+    )
+    with pytest.raises(
+        ValueError, match="model-00001-of-00001.safetensors does not match model.safetensors.index.json"
+    ):
         load_hf_model(str(tmp_path))
     index.write_text(json.dumps({"weight_map": {**weight_map, "lm_head.weight": "model-00002-of-00002.safetensors"}}))
     with pytest.raises(FileNotFoundError, match="lists shard model-00002-of-00002.safetensors"):
@@ -262,11 +330,18 @@ def test_architecture_from_architectures_or_model_type(tmp_path):
     cfg_path.write_text(json.dumps({**bare, "model_type": "qwen2"}))
     model, got = load_hf_model(str(tmp_path))
     assert got["architectures"] == ["Qwen2ForCausalLM"] and model.config.attn_bias  # Qwen2's q/k/v biases
-    cases = [({**cfg, "model_type": "llama"}, f"{cfg_path}: architectures[0] Qwen2ForCausalLM contradicts model_type "
-                                              "'llama' (a Qwen2ForCausalLM has model_type 'qwen2')"),
-             (bare, f"{cfg_path} names no architecture (neither 'architectures' nor 'model_type')"),
-             ({**bare, "model_type": "gpt2"},
-              f"{cfg_path}: model_type 'gpt2' is not supported (supported: llama, qwen2, qwen3, nanochat)")]
+    cases = [
+        (
+            {**cfg, "model_type": "llama"},
+            f"{cfg_path}: architectures[0] Qwen2ForCausalLM contradicts model_type "
+            "'llama' (a Qwen2ForCausalLM has model_type 'qwen2')",
+        ),
+        (bare, f"{cfg_path} names no architecture (neither 'architectures' nor 'model_type')"),
+        (
+            {**bare, "model_type": "gpt2"},
+            f"{cfg_path}: model_type 'gpt2' is not supported (supported: llama, qwen2, qwen3, nanochat)",
+        ),
+    ]
     for bad, message in cases:
         cfg_path.write_text(json.dumps(bad))
         with pytest.raises(ValueError) as e:
@@ -274,7 +349,7 @@ def test_architecture_from_architectures_or_model_type(tmp_path):
         assert str(e.value) == message
     cfg_path.write_text(json.dumps(cfg))
     weights = tmp_path / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[:len(weights.read_bytes()) // 2])
+    weights.write_bytes(weights.read_bytes()[: len(weights.read_bytes()) // 2])
     with pytest.raises(RuntimeError, match=f"^{weights} is corrupt or truncated \\(SafetensorError: "):
         load_hf_model(str(tmp_path))
 
@@ -286,14 +361,22 @@ def test_export_keeps_the_declared_context_every_eos_id_pad_and_generation_confi
     import sys
 
     from nanorl.checkpoint import load_model, save_checkpoint
+
     src, base, out = tmp_path / "src", tmp_path / "base", tmp_path / "out"
     tiny_hf("llama", src)
     tiny_tokenizer(src, "llama")  # <|begin_of_text|> 0 ... <|eot_id|> 3
     cfg = json.loads((src / "config.json").read_text())
-    (src / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 131072, "eos_token_id": [0, 3],
-                                                 "pad_token_id": 2}))
-    generation = {"bos_token_id": 0, "eos_token_id": [0, 3], "do_sample": True, "temperature": 0.6, "top_p": 0.9,
-                  "transformers_version": "5"}
+    (src / "config.json").write_text(
+        json.dumps({**cfg, "max_position_embeddings": 131072, "eos_token_id": [0, 3], "pad_token_id": 2})
+    )
+    generation = {
+        "bos_token_id": 0,
+        "eos_token_id": [0, 3],
+        "do_sample": True,
+        "temperature": 0.6,
+        "top_p": 0.9,
+        "transformers_version": "5",
+    }
     (src / "generation_config.json").write_text(json.dumps(generation))
     monkeypatch.setenv("NANORL_BASE_DIR", str(base))
     model, _, meta = load_model("sft", "cpu", hf_model=str(src))
@@ -306,8 +389,13 @@ def test_export_keeps_the_declared_context_every_eos_id_pad_and_generation_confi
     assert back.config.eos_token_id == [0, 3] and back.config.pad_token_id == 2
     assert back.config.bos_token_id == cfg["bos_token_id"]  # (LlamaConfig's default, 1: the source's word is kept)
     gen = back.generation_config
-    assert (gen.eos_token_id, gen.pad_token_id, gen.do_sample, gen.temperature, gen.top_p) == \
-        ([0, 3], 2, True, 0.6, 0.9)
+    assert (gen.eos_token_id, gen.pad_token_id, gen.do_sample, gen.temperature, gen.top_p) == (
+        [0, 3],
+        2,
+        True,
+        0.6,
+        0.9,
+    )
     ids = torch.randint(0, VOCAB, (1, 20), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         assert (back(ids).logits - model(ids)).abs().max().item() < 1e-4
@@ -318,8 +406,10 @@ def test_load_model_hf_checkpoint_and_export_script(tmp_path, monkeypatch):
     -> scripts.export_hf writes it back in its architecture (Qwen2, tied embeddings) with equal logits."""
     import subprocess
     import sys
+
     from nanorl.checkpoint import load_model, save_checkpoint
     from nanorl.optim import build_optimizer
+
     src, base = tmp_path / "qwen", tmp_path / "base"
     tiny_hf("qwen2", src)
     tiny_tokenizer(src)
@@ -339,7 +429,9 @@ def test_load_model_hf_checkpoint_and_export_script(tmp_path, monkeypatch):
         want = model(ids)
         assert torch.equal(again(ids), want)
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "NANORL_BASE_DIR": str(base)}
-    subprocess.run([sys.executable, "-m", "scripts.export_hf", "-i", "rl", "-o", str(tmp_path / "out")], env=env, check=True)
+    subprocess.run(
+        [sys.executable, "-m", "scripts.export_hf", "-i", "rl", "-o", str(tmp_path / "out")], env=env, check=True
+    )
     back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
     assert type(back).__name__ == "Qwen2ForCausalLM" and back.config.tie_word_embeddings
     with torch.no_grad():
@@ -350,9 +442,11 @@ def test_chat_web_serves_an_open_model(tmp_path):
     """chat_web's app on a --hf-model load answers a chat request with what transformers' greedy generate
     writes for the same chat, cut at the model's end-of-turn token."""
     from fastapi.testclient import TestClient
+
     from nanorl.checkpoint import load_model
     from nanorl.openai_api import ServeConfig
     from scripts.chat_web import create_app
+
     # no spare embedding rows here: a random model would otherwise write tokens that decode to nothing
     ref = tiny_hf("qwen2", tmp_path, vocab=tiny_tokenizer(tmp_path))
     model, tok, meta = load_model("sft", "cpu", hf_model=str(tmp_path))
@@ -360,8 +454,9 @@ def test_chat_web_serves_an_open_model(tmp_path):
     x = torch.tensor([tok.render_for_completion({"messages": messages})])
     end = tok.encode_special("<|assistant_end|>")
     with torch.no_grad():
-        out = ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=12, do_sample=False,
-                           eos_token_id=end, pad_token_id=end)[0, x.size(1):].tolist()
+        out = ref.generate(
+            x, attention_mask=torch.ones_like(x), max_new_tokens=12, do_sample=False, eos_token_id=end, pad_token_id=end
+        )[0, x.size(1) :].tolist()
     want = tok.decode([t for t in out if t != end])
     assert len(want) > 5  # a real reply to compare, not an immediate end of turn
     app = create_app([Engine(model, tok, batch_size=2)], tok, ServeConfig(max_tokens=64, model=meta["model_tag"]))
@@ -380,13 +475,43 @@ def test_chat_rl_on_an_open_model(tmp_path):
     exports back to a Qwen2 directory that transformers loads."""
     import subprocess
     import sys
+
     src, base = tmp_path / "qwen", tmp_path / "base"
     tiny_hf("qwen2", src, vocab=tiny_tokenizer(src), context=1024)  # offline prompts + Qwen's system turn: ~310 tokens
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "NANORL_BASE_DIR": str(base), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "scripts.chat_rl", "--hf-model", str(src), "--levels", "1", "--num-rollouts", "3",
-           "--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--max-new-tokens", "8", "--eval-max-problems", "2",
-           "--n-samples-per-eval-prompt", "2", "--pass-k", "1", "--engine-batch-size", "8", "--output-tag", "qwen",
-           "--rm-type", "format", "--device-type", "cpu", "--lr-scale", "0.01"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "scripts.chat_rl",
+        "--hf-model",
+        str(src),
+        "--levels",
+        "1",
+        "--num-rollouts",
+        "3",
+        "--rollout-batch-size",
+        "2",
+        "--n-samples-per-prompt",
+        "4",
+        "--max-new-tokens",
+        "8",
+        "--eval-max-problems",
+        "2",
+        "--n-samples-per-eval-prompt",
+        "2",
+        "--pass-k",
+        "1",
+        "--engine-batch-size",
+        "8",
+        "--output-tag",
+        "qwen",
+        "--rm-type",
+        "format",
+        "--device-type",
+        "cpu",
+        "--lr-scale",
+        "0.01",
+    ]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     hist = json.loads((base / "report" / "rl_history.json").read_text())
@@ -394,6 +519,8 @@ def test_chat_rl_on_an_open_model(tmp_path):
     assert all(h["train/train_rollout_logprob_abs_diff"] < 1e-4 for h in hist["train"])
     meta = json.loads(next((base / "rl_checkpoints" / "qwen").glob("meta_*.json")).read_text())
     assert meta["tokenizer_dir"] == str(src)
-    subprocess.run([sys.executable, "-m", "scripts.export_hf", "-i", "rl", "-o", str(tmp_path / "out")], env=env, check=True)
+    subprocess.run(
+        [sys.executable, "-m", "scripts.export_hf", "-i", "rl", "-o", str(tmp_path / "out")], env=env, check=True
+    )
     back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
     assert type(back).__name__ == "Qwen2ForCausalLM"

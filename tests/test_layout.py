@@ -39,8 +39,12 @@ def imports_of(path):
 
 
 def test_the_package_never_imports_tasks_or_scripts():
-    bad = [f"{p.relative_to(ROOT)} imports {m}" for p in sources("nanorl") for m in sorted(imports_of(p))
-           if m.split(".")[0] in ("tasks", "scripts")]
+    bad = [
+        f"{p.relative_to(ROOT)} imports {m}"
+        for p in sources("nanorl")
+        for m in sorted(imports_of(p))
+        if m.split(".")[0] in ("tasks", "scripts")
+    ]
     assert not bad, "\n".join(bad)
 
 

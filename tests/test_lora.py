@@ -1,5 +1,6 @@
 """LoRA (nanorl/lora.py): the adapted forward against the dense W + (alpha/r) B A, exact step 0, frozen base,
 the engine sampling through the live adapters, merge and the checkpoint/PEFT formats."""
+
 import copy
 import os
 
@@ -140,7 +141,7 @@ def test_reference_is_the_base_with_adapters_off():
 def trainer_logprobs(model, prompt, tokens, temperature):
     seq = torch.tensor([list(prompt) + list(tokens)])
     with torch.no_grad():
-        return model.token_logprobs(seq[:, :-1], seq[:, 1:], temperature=temperature)[0, len(prompt) - 1:]
+        return model.token_logprobs(seq[:, :-1], seq[:, 1:], temperature=temperature)[0, len(prompt) - 1 :]
 
 
 def test_engine_samples_through_the_live_adapters():
@@ -173,8 +174,9 @@ def test_merge_gives_a_plain_model_with_the_same_outputs():
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     engine = Engine(merged, TOK, batch_size=2)  # a merged model is an ordinary GPT: the engine's own copy works
     out = engine.generate([Request([1, 2, 3], max_tokens=5, temperature=0.9, seed=1, stop_tokens=[])])[0][0]
-    torch.testing.assert_close(torch.tensor(out.logprobs), trainer_logprobs(model, [1, 2, 3], out.tokens, 0.9),
-                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor(out.logprobs), trainer_logprobs(model, [1, 2, 3], out.tokens, 0.9), atol=1e-5, rtol=0
+    )
 
 
 def test_adapter_state_round_trips_and_a_wrong_rank_is_named():
@@ -208,12 +210,14 @@ from test_chat_rl import RM, base_dir, final_weights, run_rl  # noqa: E402,F401 
 
 def test_chat_rl_lora_resumes_bit_for_bit_and_saves_only_adapters(base_dir):  # noqa: F811
     import json
+
     # with a KL loss: its reference is the policy with the adapters off
     flags = ["--lora-rank", "4", "--lora-lr", "3e-2", "--temperature", "0.7", "--use-kl-loss", "--kl-loss-coef", "0.1"]
     full, _ = run_rl(base_dir, "--num-rollouts", "4", "--save-interval", "2", "--output-tag", "lora_full", *flags)
     run_rl(base_dir, "--num-rollouts", "2", "--save-interval", "2", "--output-tag", "lora_resumed", *flags)
-    res, log = run_rl(base_dir, "--num-rollouts", "4", "--save-interval", "2", "--output-tag", "lora_resumed",
-                      "--resume", *flags)
+    res, log = run_rl(
+        base_dir, "--num-rollouts", "4", "--save-interval", "2", "--output-tag", "lora_resumed", "--resume", *flags
+    )
     assert "resumed from" in log and [h["step"] for h in res["train"]] == [1, 2, 3, 4]
     first = full["train"][0]
     assert first["train/first_step_ppo_kl"] == 0.0 and first["time/weight_sync"] < 1e-3  # nothing to sync
@@ -237,6 +241,7 @@ def test_lora_checkpoint_loads_merged_and_exports(base_dir, monkeypatch):  # noq
     import sys
 
     from nanorl.checkpoint import load_model
+
     monkeypatch.setenv("NANORL_BASE_DIR", str(base_dir))
     if not (base_dir / "rl_checkpoints" / "lora_full").exists():
         run_rl(base_dir, "--num-rollouts", "2", "--output-tag", "lora_full", "--lora-rank", "4", "--lora-lr", "3e-2")
@@ -250,12 +255,32 @@ def test_lora_checkpoint_loads_merged_and_exports(base_dir, monkeypatch):  # noq
         torch.testing.assert_close(merged(ids), want(ids), atol=1e-5, rtol=1e-5)
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "NANORL_BASE_DIR": str(base_dir)}
     out = base_dir / "lora_export"
-    subprocess.run([sys.executable, "-m", "scripts.export_hf", "-i", "rl", "-g", "lora_full", "-o", str(out)],
-                   env=env, check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "scripts.export_hf", "-i", "rl", "-g", "lora_full", "-o", str(out)],
+        env=env,
+        check=True,
+        capture_output=True,
+    )
     from safetensors.torch import load_file
+
     assert len(load_file(out / "model.safetensors")) == len(merged.state_dict())
-    peft = subprocess.run([sys.executable, "-m", "scripts.export_hf", "-i", "rl", "-g", "lora_full", "--peft",
-                           "-o", str(base_dir / "peft")], env=env, capture_output=True, text=True)
+    peft = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "scripts.export_hf",
+            "-i",
+            "rl",
+            "-g",
+            "lora_full",
+            "--peft",
+            "-o",
+            str(base_dir / "peft"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert peft.returncode != 0 and "not a Hugging Face model: export merged" in peft.stderr
 
 
@@ -271,18 +296,52 @@ def test_chat_rl_lora_on_an_open_model_exports_merged_and_peft(tmp_path):
     # adapter directory loads with peft onto the original model, both with the logits of base + adapters
     import subprocess
     import sys
+
     transformers = pytest.importorskip("transformers")
     from test_hf import CONVERSATION, tiny_hf, tiny_tokenizer
+
     src, base = tmp_path / "qwen", tmp_path / "base"
     tiny_hf("qwen2", src, vocab=tiny_tokenizer(src), context=1024)
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "NANORL_BASE_DIR": str(base), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "scripts.chat_rl", "--hf-model", str(src), "--levels", "1", "--num-rollouts", "1",
-           "--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--max-new-tokens", "8", "--eval-max-problems",
-           "2", "--n-samples-per-eval-prompt", "2", "--pass-k", "1", "--engine-batch-size", "8", "--output-tag",
-           "qwen", "--custom-rm-path", RM, "--device-type", "cpu", "--lora-rank", "4", "--lora-targets", "qkv,o,mlp"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "scripts.chat_rl",
+        "--hf-model",
+        str(src),
+        "--levels",
+        "1",
+        "--num-rollouts",
+        "1",
+        "--rollout-batch-size",
+        "2",
+        "--n-samples-per-prompt",
+        "4",
+        "--max-new-tokens",
+        "8",
+        "--eval-max-problems",
+        "2",
+        "--n-samples-per-eval-prompt",
+        "2",
+        "--pass-k",
+        "1",
+        "--engine-batch-size",
+        "8",
+        "--output-tag",
+        "qwen",
+        "--custom-rm-path",
+        RM,
+        "--device-type",
+        "cpu",
+        "--lora-rank",
+        "4",
+        "--lora-targets",
+        "qkv,o,mlp",
+    ]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     from nanorl.checkpoint import load_checkpoint, load_hf
+
     adapters = load_checkpoint(str(base / "rl_checkpoints" / "qwen"))[0]
     ours, tok, _ = load_hf(str(src), "cpu")
     apply_lora(ours, LoraConfig(rank=4, alpha=8))
@@ -292,8 +351,21 @@ def test_chat_rl_lora_on_an_open_model_exports_merged_and_peft(tmp_path):
     with torch.no_grad():
         want = ours(ids)
     for how in ("merged", "peft"):
-        subprocess.run([sys.executable, "-m", "scripts.export_hf", "-i", "rl", "-o", str(tmp_path / how),
-                        *(["--peft"] if how == "peft" else [])], env=env, check=True, capture_output=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "scripts.export_hf",
+                "-i",
+                "rl",
+                "-o",
+                str(tmp_path / how),
+                *(["--peft"] if how == "peft" else []),
+            ],
+            env=env,
+            check=True,
+            capture_output=True,
+        )
     merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()
     with torch.no_grad():
         assert (merged(ids).logits - want).abs().max().item() < 1e-4
@@ -312,16 +384,50 @@ def test_chat_sft_lora_trains_adapters_and_resumes_bit_for_bit(base_dir):  # noq
 
     def sft(tag, *extra):
         env = {**os.environ, "NANORL_BASE_DIR": str(base_dir), "OMP_NUM_THREADS": "1"}
-        cmd = [sys.executable, "-m", "scripts.chat_sft", "--source", "sft", "--model-tag", "t", "--levels", "1",
-               "--num-examples", "200", "--num-iterations", "4", "--save-every", "2", "--keep-last", "5",
-               "--device-batch-size", "2", "--max-seq-len", "128", "--eval-every", "100", "--eval-tokens", "256",
-               "--device-type", "cpu", "--output-tag", tag, "--lora-rank", "4", "--lora-lr", "1e-2", *extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "scripts.chat_sft",
+            "--source",
+            "sft",
+            "--model-tag",
+            "t",
+            "--levels",
+            "1",
+            "--num-examples",
+            "200",
+            "--num-iterations",
+            "4",
+            "--save-every",
+            "2",
+            "--keep-last",
+            "5",
+            "--device-batch-size",
+            "2",
+            "--max-seq-len",
+            "128",
+            "--eval-every",
+            "100",
+            "--eval-tokens",
+            "256",
+            "--device-type",
+            "cpu",
+            "--output-tag",
+            tag,
+            "--lora-rank",
+            "4",
+            "--lora-lr",
+            "1e-2",
+            *extra,
+        ]
         out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         return out.stdout
+
     import shutil
 
     from nanorl.checkpoint import load_checkpoint
+
     sft("lora_sft_full")
     d = base_dir / "sft_checkpoints"
     shutil.copytree(d / "lora_sft_full", d / "lora_sft_resumed")  # "killed" after step 2: step 4's files dropped
@@ -339,9 +445,34 @@ def test_bench_hf_with_lora_cpu():
     # bench hf --lora-rank: step 0 is the base model (greedy tokens exactly transformers'), the GRPO step trains the
     # adapters through the engine that shares the model; the parameter count is the base's
     from test_bench import bench
-    _, r = bench("hf", "--arch", "qwen2", "--size", "tiny", "--batches", "2", "--prompt-len", "6", "--new-tokens", "5",
-                 "--rl-prompts", "2", "--rl-samples", "3", "--rl-prompt-len", "5", "--rl-new-tokens", "4",
-                 "--device-type", "cpu", "--threads", "1", "--lora-rank", "4")
+
+    _, r = bench(
+        "hf",
+        "--arch",
+        "qwen2",
+        "--size",
+        "tiny",
+        "--batches",
+        "2",
+        "--prompt-len",
+        "6",
+        "--new-tokens",
+        "5",
+        "--rl-prompts",
+        "2",
+        "--rl-samples",
+        "3",
+        "--rl-prompt-len",
+        "5",
+        "--rl-new-tokens",
+        "4",
+        "--device-type",
+        "cpu",
+        "--threads",
+        "1",
+        "--lora-rank",
+        "4",
+    )
     h, kv, mlp = 64, 2 * 16, 96
     layer = (h * h + h) + 2 * (h * kv + kv) + h * h + 3 * h * mlp + 2 * h
     assert r["lora_rank"] == 4 and r["params"] == 512 * h + 2 * layer + h

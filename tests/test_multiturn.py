@@ -1,4 +1,5 @@
 """Multi-turn tool rollouts (nanorl/multiturn.py) on rigged models that call a tool."""
+
 import time
 
 import pytest
@@ -27,7 +28,9 @@ def output_span(text):
 def test_tool_episode_masks_exactly_the_model_tokens(tool, code):
     model = tool_user_model(TOK, code, A_END, VOCAB, strength=8.0, noise=0.02)
     engine = Engine(model, TOK, batch_size=4)
-    [[c, c2]] = multi_turn_generate(engine, [Request(PROMPT, num_samples=2, max_tokens=40, temperature=0)], 3, make_tool(tool))
+    [[c, c2]] = multi_turn_generate(
+        engine, [Request(PROMPT, num_samples=2, max_tokens=40, temperature=0)], 3, make_tool(tool)
+    )
     call = [PY_START, *TOK.encode(code), PY_END]
     assert c.tokens == call + output_span("5") + [A_END] and c.tokens == c2.tokens
     assert c.mask == [1] * len(call) + [0] * 3 + [1]  # the tool's tokens are not the model's
@@ -36,7 +39,7 @@ def test_tool_episode_masks_exactly_the_model_tokens(tool, code):
     # the engine's log-probs (first turn decoded from the cache, second re-prefilled) are the trainer's
     seq = torch.tensor([PROMPT + c.tokens])
     with torch.no_grad():
-        lp = model.token_logprobs(seq[:, :-1], seq[:, 1:])[0, len(PROMPT) - 1:]
+        lp = model.token_logprobs(seq[:, :-1], seq[:, 1:])[0, len(PROMPT) - 1 :]
     mask = torch.tensor(c.mask, dtype=torch.bool)
     assert torch.allclose(lp[mask], torch.tensor(c.logprobs)[mask], atol=1e-5)
     assert lp[mask].std() > 0.01  # the noise makes it a real comparison, not all the same number
@@ -55,6 +58,7 @@ def test_calls_of_one_step_run_at_once():
     def slow_tool(src):
         time.sleep(0.3)
         return "5"
+
     engine = Engine(tool_user_model(TOK, "2+3", A_END, VOCAB), TOK, batch_size=8)
     t = time.monotonic()
     [res] = multi_turn_generate(engine, [Request(PROMPT, num_samples=8, max_tokens=40, temperature=0)], 1, slow_tool)
@@ -78,7 +82,9 @@ def test_tool_errors_and_the_length_budget():
 
 def test_without_tool_calls_it_is_engine_generate():
     torch.manual_seed(0)
-    model = build_model(GPTConfig(sequence_len=64, vocab_size=VOCAB, n_layer=1, n_head=2, n_kv_head=1, n_embd=32), "cpu").eval()
+    model = build_model(
+        GPTConfig(sequence_len=64, vocab_size=VOCAB, n_layer=1, n_head=2, n_kv_head=1, n_embd=32), "cpu"
+    ).eval()
     with torch.no_grad():
         model.lm_head.weight.normal_(0, 0.2)
     engine = Engine(model, TOK, batch_size=8)
@@ -88,7 +94,12 @@ def test_without_tool_calls_it_is_engine_generate():
     pairs = [(a, b) for ga, gb in zip(plain, multi) for a, b in zip(ga, gb) if PY_END not in a.tokens]
     assert len(pairs) >= 8
     for a, b in pairs:
-        assert (a.tokens, a.logprobs, a.mask, a.status) == (b.tokens, b.logprobs, b.mask, b.status) and b.tool_calls == 0
+        assert (a.tokens, a.logprobs, a.mask, a.status) == (
+            b.tokens,
+            b.logprobs,
+            b.mask,
+            b.status,
+        ) and b.tool_calls == 0
 
 
 def test_bad_arguments():
@@ -106,13 +117,17 @@ def test_every_turn_records_the_trainers_logprobs_at_the_rollout_temperature(tem
     # forced tool output) carry log_softmax(logits / T): the trainer's log-probs at T, so TIS weights are 1
     model = tool_user_model(TOK, "2+3", A_END, VOCAB, strength=10.0, noise=0.02)
     engine = Engine(model, TOK, batch_size=4)
-    [cs] = multi_turn_generate(engine, [Request(PROMPT, num_samples=4, max_tokens=40, temperature=temperature, seed=3)], 2,
-                               make_tool("calculator"))
+    [cs] = multi_turn_generate(
+        engine,
+        [Request(PROMPT, num_samples=4, max_tokens=40, temperature=temperature, seed=3)],
+        2,
+        make_tool("calculator"),
+    )
     assert sum(c.tool_calls for c in cs) >= 2  # responses with a forced tool output and a second turn
     for c in cs:
         seq = torch.tensor([PROMPT + c.tokens])
         with torch.no_grad():
-            lp = model.token_logprobs(seq[:, :-1], seq[:, 1:], temperature=temperature)[0, len(PROMPT) - 1:]
+            lp = model.token_logprobs(seq[:, :-1], seq[:, 1:], temperature=temperature)[0, len(PROMPT) - 1 :]
         mask = torch.tensor(c.mask, dtype=torch.bool)
         torch.testing.assert_close(torch.tensor(c.logprobs)[mask], lp[mask], atol=1e-5, rtol=0)
         assert torch.exp(lp[mask] - torch.tensor(c.logprobs)[mask]).sub(1).abs().max() < 1e-5

@@ -1,4 +1,5 @@
 """The distributed optimizer paths: torch DDP (bucketed all-reduce during backward) + Muon split across ranks."""
+
 from contextlib import nullcontext
 
 import torch
@@ -18,10 +19,12 @@ def tiny_model():
 
 def _ddp_worker(rank, world, init_file, x, out_path):
     import torch.distributed as dist
+
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     model = tiny_model()
-    ddp = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True,
-                                                    bucket_cap_mb=0.01)  # tiny buckets: several all-reduces overlap backward
+    ddp = torch.nn.parallel.DistributedDataParallel(
+        model, gradient_as_bucket_view=True, bucket_cap_mb=0.01
+    )  # tiny buckets: several all-reduces overlap backward
     opt = build_optimizer(model)
     calls = []
     orig = dist.all_reduce
@@ -70,14 +73,17 @@ def test_each_rank_reads_only_its_share_of_the_text(tmp_path, monkeypatch):
     import pyarrow.parquet as pq
 
     from nanorl.dataset import iter_documents
+
     docs = [f"doc {i}" for i in range(12)]
     for f in range(2):  # two train files of 3 row groups x 2 documents, then a val file
-        pq.write_table(pa.table({"text": docs[6 * f:6 * f + 6]}), tmp_path / f"shard_{f}.parquet", row_group_size=2)
+        pq.write_table(pa.table({"text": docs[6 * f : 6 * f + 6]}), tmp_path / f"shard_{f}.parquet", row_group_size=2)
     pq.write_table(pa.table({"text": ["val"]}), tmp_path / "shard_9.parquet")
     read = []
     orig = pq.ParquetFile.read_row_group
     monkeypatch.setattr(pq.ParquetFile, "read_row_group", lambda self, i, **kw: read.append(i) or orig(self, i, **kw))
-    take = lambda rank, world: [d for _, d in zip(range(12 // world), iter_documents("train", str(tmp_path), rank=rank, world_size=world))]  # noqa: E731
+    take = lambda rank, world: [
+        d for _, d in zip(range(12 // world), iter_documents("train", str(tmp_path), rank=rank, world_size=world))
+    ]  # noqa: E731
     assert take(0, 1) == docs
     read.clear()
     r0, r1 = take(0, 2), take(1, 2)

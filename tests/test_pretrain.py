@@ -25,7 +25,9 @@ def test_adamw_groups_match_torch_adamw():
     ref = tiny_model()
     opt = build_optimizer(model, weight_decay=0.0)
     head_group = next(g for g in opt.param_groups if g["params"][0] is model.lm_head.weight)
-    ref_opt = torch.optim.AdamW([ref.lm_head.weight], lr=head_group["lr"], betas=head_group["betas"], eps=head_group["eps"], weight_decay=0.0)
+    ref_opt = torch.optim.AdamW(
+        [ref.lm_head.weight], lr=head_group["lr"], betas=head_group["betas"], eps=head_group["eps"], weight_decay=0.0
+    )
     x = torch.randint(0, 40, (2, 16))
     for _ in range(3):
         for m, o in ((model, opt), (ref, ref_opt)):
@@ -65,8 +67,11 @@ def test_muon_update_matches_hand_reference():
         def __init__(self):
             super().__init__()
             self.config = GPTConfig(n_embd=768)
-            self.transformer = torch.nn.ModuleDict({"wte": torch.nn.Embedding(2, 2), "h": torch.nn.ModuleList([torch.nn.Linear(4, 8, bias=False)])})
+            self.transformer = torch.nn.ModuleDict(
+                {"wte": torch.nn.Embedding(2, 2), "h": torch.nn.ModuleList([torch.nn.Linear(4, 8, bias=False)])}
+            )
             self.lm_head = torch.nn.Linear(2, 2, bias=False)
+
     m = Tiny()
     m.transformer.h[0].weight.data.copy_(W)
     opt = build_optimizer(m, matrix_lr=lr, muon_momentum=mom)
@@ -81,6 +86,7 @@ def test_muon_update_matches_hand_reference():
 
 def _ddp_worker(rank, world, init_file, x, out_path):
     import torch.distributed as dist
+
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     model = tiny_model()
     opt = build_optimizer(model)
@@ -115,19 +121,49 @@ def test_ddp_two_processes_equal_one(tmp_path):
 def base_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("nanorl")
     env = {**os.environ, "NANORL_BASE_DIR": str(d)}
-    subprocess.run([sys.executable, "-m", "scripts.tok_train", "--vocab-size", "600", "--max-chars", "300000"],
-                   cwd=ROOT, env=env, check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "scripts.tok_train", "--vocab-size", "600", "--max-chars", "300000"],
+        cwd=ROOT,
+        env=env,
+        check=True,
+        capture_output=True,
+    )
     return d
 
 
-TINY = ["--depth", "2", "--aspect-ratio", "32", "--head-dim", "32", "--max-seq-len", "64", "--device-batch-size", "2",
-        "--total-batch-size", "256", "--eval-every", "-1", "--sample-every", "-1", "--keep-last", "5"]
+TINY = [
+    "--depth",
+    "2",
+    "--aspect-ratio",
+    "32",
+    "--head-dim",
+    "32",
+    "--max-seq-len",
+    "64",
+    "--device-batch-size",
+    "2",
+    "--total-batch-size",
+    "256",
+    "--eval-every",
+    "-1",
+    "--sample-every",
+    "-1",
+    "--keep-last",
+    "5",
+]
 
 
 def base_train(base_dir, *extra, launcher=(sys.executable, "-m")):
     env = {**os.environ, "NANORL_BASE_DIR": str(base_dir), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([*launcher, "scripts.base_train", *(["--"] if len(launcher) > 2 else []), *TINY, *extra],
-                          check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [*launcher, "scripts.base_train", *(["--"] if len(launcher) > 2 else []), *TINY, *extra],
+        check=False,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def run_base_train(base_dir, *extra):
@@ -138,13 +174,18 @@ def run_base_train(base_dir, *extra):
 
 def test_loss_drops_and_kill_resume_is_exact(base_dir):
     tb = base_dir / "tb_full"
-    losses, log = run_base_train(base_dir, "--num-iterations", "40", "--save-every", "20", "--model-tag", "full", "--tensorboard", str(tb))
+    losses, log = run_base_train(
+        base_dir, "--num-iterations", "40", "--save-every", "20", "--model-tag", "full", "--tensorboard", str(tb)
+    )
     assert losses[40] < 0.7 * losses[1]
     # the TensorBoard event files hold the same per-step losses the log printed (to its 4 decimals)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     events = EventAccumulator(str(tb)).Reload().Scalars("train/loss")
     assert [e.step for e in events] == list(range(1, 41))
-    assert all(abs(e.value - losses[e.step]) <= 5e-5 for e in events), [(e.step, e.value, losses[e.step]) for e in events]
+    assert all(abs(e.value - losses[e.step]) <= 5e-5 for e in events), [
+        (e.step, e.value, losses[e.step]) for e in events
+    ]
     # the ETA: a number from step 1 on (no "nan"), from the pace of recent steps
     etas = re.findall(r"\| eta (\S+)", log)
     assert len(etas) == 40 and all(re.fullmatch(r"\d+\.\dm", e) for e in etas) and etas[-1] == "0.0m", etas
@@ -153,7 +194,9 @@ def test_loss_drops_and_kill_resume_is_exact(base_dir):
     run_base_train(base_dir, "--num-iterations", "40", "--save-every", "20", "--model-tag", "resumed")
     for p in ck.glob("*_000040*"):
         p.unlink()
-    resumed, log = run_base_train(base_dir, "--num-iterations", "40", "--save-every", "20", "--model-tag", "resumed", "--resume")
+    resumed, log = run_base_train(
+        base_dir, "--num-iterations", "40", "--save-every", "20", "--model-tag", "resumed", "--resume"
+    )
     assert "resumed from" in log and min(resumed) == 21
     assert all(resumed[s] == losses[s] for s in range(21, 41)), [(s, resumed[s], losses[s]) for s in range(21, 41)]
 
@@ -165,12 +208,14 @@ def test_bad_batch_flags(base_dir):
 
 def test_auto_device_batch_keeps_the_tokens_per_step(base_dir):
     # off CUDA auto takes the largest of 32, 16, 8, ... whose micro-steps add up to the step: 256 tokens of 64 = 4 rows
-    losses, log = run_base_train(base_dir, "--device-batch-size", "auto", "--num-iterations", "2",
-                                 "--model-tag", "auto")
+    losses, log = run_base_train(
+        base_dir, "--device-batch-size", "auto", "--num-iterations", "2", "--model-tag", "auto"
+    )
     assert "device batch (auto): 4 rows\n" in log and "2 steps x 256 tokens (1 micro-steps each)" in log
     assert len(losses) == 2
-    _, log = run_base_train(base_dir, "--device-batch-size", "auto", "--max-seq-len", "16", "--num-iterations", "1",
-                            "--model-tag", "auto16")
+    _, log = run_base_train(
+        base_dir, "--device-batch-size", "auto", "--max-seq-len", "16", "--num-iterations", "1", "--model-tag", "auto16"
+    )
     assert "device batch (auto): 16 rows\n" in log and "(1 micro-steps each)" in log  # 256 / 16 = 16 rows
     out = base_train(base_dir, "--device-batch-size", "big")
     assert out.returncode == 2 and "argument --device-batch-size: 'big' is not an integer" in out.stderr
@@ -179,19 +224,31 @@ def test_auto_device_batch_keeps_the_tokens_per_step(base_dir):
 def test_wandb_without_a_key_stops_before_the_model_is_built(base_dir, tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("WANDB_API_KEY", "WANDB_MODE", "NETRC")}
     env.update(NANORL_BASE_DIR=str(base_dir), OMP_NUM_THREADS="1", HOME=str(tmp_path))  # HOME: no ~/.netrc
-    out = subprocess.run([sys.executable, "-m", "scripts.base_train", *TINY, "--num-iterations", "2", "--run", "myrun"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "scripts.base_train", *TINY, "--num-iterations", "2", "--run", "myrun"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 1 and "model d2" not in out.stdout  # the model line comes after the build: never reached
-    assert out.stderr.splitlines() == ["--run 'myrun' logs to wandb but no wandb API key is set (WANDB_API_KEY or `wandb login`): "
-                                       "set WANDB_MODE=offline to log locally, or use --run dummy"]
+    assert out.stderr.splitlines() == [
+        "--run 'myrun' logs to wandb but no wandb API key is set (WANDB_API_KEY or `wandb login`): "
+        "set WANDB_MODE=offline to log locally, or use --run dummy"
+    ]
 
 
 def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(base_dir):
     # an absurd embedding LR overflows the RMSNorm of step 3's forward (a natural trigger, no injection flag);
     # the checkpoint saved just before that step holds the weights that blew up, so it goes; step 1 stays
-    out = base_train(base_dir, "--num-iterations", "10", "--embedding-lr", "1e36", "--save-every", "1", "--model-tag", "nan")
+    out = base_train(
+        base_dir, "--num-iterations", "10", "--embedding-lr", "1e36", "--save-every", "1", "--model-tag", "nan"
+    )
     assert out.returncode != 0
-    assert "step 3/10: training loss is nan; stopping. The last good checkpoint, step 1 in" in out.stderr, out.stderr[-2000:]
+    assert "step 3/10: training loss is nan; stopping. The last good checkpoint, step 1 in" in out.stderr, out.stderr[
+        -2000:
+    ]
     ck = base_dir / "base_checkpoints" / "nan"
     assert find_last_step(str(ck)) == 1 and not list(ck.glob("*_000002*"))
     model_state = load_checkpoint(str(ck), 1)[0]
@@ -201,10 +258,21 @@ def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(base_dir):
 def test_resume_with_another_config_or_world_size_is_refused(base_dir):
     run_base_train(base_dir, "--num-iterations", "2", "--model-tag", "mismatch")
     out = base_train(base_dir, "--num-iterations", "4", "--model-tag", "mismatch", "--resume", "--aspect-ratio", "64")
-    assert out.returncode != 0 and "--resume: the checkpoint's model config" in out.stderr and "differs from this run's" in out.stderr
+    assert (
+        out.returncode != 0
+        and "--resume: the checkpoint's model config" in out.stderr
+        and "differs from this run's" in out.stderr
+    )
     # 2 gloo ranks on the CPU resuming a 1-rank run: the data order was sharded for 1 rank
-    out = base_train(base_dir, "--num-iterations", "4", "--model-tag", "mismatch", "--resume",
-                     launcher=(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m"))
+    out = base_train(
+        base_dir,
+        "--num-iterations",
+        "4",
+        "--model-tag",
+        "mismatch",
+        "--resume",
+        launcher=(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m"),
+    )
     assert out.returncode != 0
     assert "written by 1 rank(s), this run has 2; resume with --nproc_per_node=1" in out.stdout + out.stderr
 
@@ -212,6 +280,7 @@ def test_resume_with_another_config_or_world_size_is_refused(base_dir):
 def test_loader_refuses_another_world_size():
     from nanorl.dataloader import PretrainLoader
     from nanorl.tokenizer import SPLIT_PATTERN, Tokenizer
+
     tok = Tokenizer.from_ranks({bytes([i]): i for i in range(256)}, SPLIT_PATTERN)
     loader = PretrainLoader(tok, 2, 16, world_size=1)
     loader.next_batch()

@@ -1,5 +1,6 @@
 """RL prompts: from a task object or a jsonl file, with their labels and metadata; the PromptSource's shards, epochs
 and resume."""
+
 import json
 
 import pytest
@@ -9,10 +10,17 @@ from nanorl.prompts import PromptSource, jsonl_prompts, task_prompts
 
 class FakeTask:
     """Three examples: a label of its own, a reference reply to take the answer from, and neither."""
-    rows = [{"messages": [{"role": "user", "content": "1+1?"}], "label": "2"},
-            {"messages": [{"role": "user", "content": "2+3?"}, {"role": "assistant", "content": "so\n#### 5"}]},
-            {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant",
-                                                               "content": [{"type": "text", "text": "hello"}]}]}]
+
+    rows = [
+        {"messages": [{"role": "user", "content": "1+1?"}], "label": "2"},
+        {"messages": [{"role": "user", "content": "2+3?"}, {"role": "assistant", "content": "so\n#### 5"}]},
+        {
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": [{"type": "text", "text": "hello"}]},
+            ]
+        },
+    ]
 
     def __len__(self):
         return len(self.rows)

@@ -1,4 +1,5 @@
 """--rm-timeout is a deadline per attempt: a reward server that trickles its answer can not stall a rollout."""
+
 import socket
 import threading
 import time
@@ -30,7 +31,7 @@ def trickle_server():
                 for i in range(len(reply)):
                     if stop.wait(0.5):
                         return
-                    conn.sendall(reply[i:i + 1])
+                    conn.sendall(reply[i : i + 1])
             except OSError:
                 pass  # the client hung up: that is the point
 

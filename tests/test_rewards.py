@@ -8,12 +8,24 @@ from rl_fixture_server import RewardHandler
 from rl_fixture_server import reward_server as serve_rewards
 
 from nanorl.remote_rewards import remote_rewards
-from nanorl.rewards import (boxed_reward, exact_match, extract_answer, extract_choice, f1_reward,
-                            format_reward, make_reward, math_reward, mc_reward, normalize_number, parse_rm_type,
-                            safe_reward, set_rewards)
+from nanorl.rewards import (
+    boxed_reward,
+    exact_match,
+    extract_answer,
+    extract_choice,
+    f1_reward,
+    format_reward,
+    make_reward,
+    math_reward,
+    mc_reward,
+    normalize_number,
+    parse_rm_type,
+    safe_reward,
+    set_rewards,
+)
 from nanorl.samples import Sample
-from tasks import GSM8K as GSM8KTask
 from tasks import ARC, OfflineChat, OfflineProblems, SpellingBee
+from tasks import GSM8K as GSM8KTask
 
 GSM8K = Path(__file__).resolve().parents[1].parent / "shared/data/gsm8k"
 
@@ -21,74 +33,105 @@ GSM8K = Path(__file__).resolve().parents[1].parent / "shared/data/gsm8k"
 # -----------------------------------------------------------------------------------------------
 # answers and numbers
 
-@pytest.mark.parametrize("response,label,want", [
-    ("so 3 + 4 = 7\n#### 7", "7", 1.0),
-    ("#### 1,000", "1000", 1.0),
-    ("#### 1,000", "1,000", 1.0),
-    ("#### 1,234,567", "1234567", 1.0),
-    ("#### -5", "-5", 1.0),
-    ("#### 5", "-5", 0.0),
-    ("The temperature dropped to -12 degrees.", "-12", 1.0),
-    ("#### 2.50", "2.5", 1.0),
-    ("#### 12.0", "12", 1.0),
-    ("#### 0", "0", 1.0),
-    ("#### 10", "1", 0.0),
-    ("#### 3/4", "0.75", 1.0),
-    ("#### 22/7", "22/7", 1.0),
-    ("#### 1/3", "0.3333333333", 1.0),
-    ("#### 0.333333", "1/3", 1.0),  # within 1e-6 relative
-    ("#### 0.33", "1/3", 0.0),
-    ("#### 192000001", "192000000", 0.0),  # whole numbers compare exactly
-    ("\\boxed{\\frac{1}{2}}", "0.5", 1.0),
-    ("so the answer is $\\boxed{\\dfrac{3}{4}}$.", "3/4", 1.0),
-    ("\\boxed{-\\frac{1}{2}}", "-0.5", 1.0),
-    ("\\boxed{{12}}", "12", 1.0),
-    ("first \\boxed{3} then \\boxed{4}", "4", 1.0),
-    ("The answer is $5.00", "5", 1.0),
-    ("#### $5.00", "5", 1.0),
-    ("#### \\$18", "18", 1.0),
-    ("He has 12 apples.", "12", 1.0),
-    ("#### 12 apples.", "12", 1.0),
-    ("#### 7.", "7", 1.0),
-    ("12 apples, then 13 apples", "13", 1.0),  # the last number
-    ("12 apples, then 13 apples", "12", 0.0),
-    ("first #### 3 then #### 4", "4", 1.0),  # the last ####
-    ("#### 4\nHope this helps! 5 stars.", "4", 1.0),  # only the #### line counts
-    ("#### 45%", "45", 1.0),
-    ("#### 45%", "0.45", 1.0),
-    ("x = 3.14159", "3.14159", 1.0),
-    ("5-3=2", "2", 1.0),
-    ("no number at all", "3", 0.0),
-    ("", "3", 0.0),
-    (None, "3", 0.0),
-    ("#### 7", "", 0.0),  # an unusable label never pays
-    ("#### 7", 7, 1.0),  # numeric labels
-    ("#### 7", "Tom has 3 + 4 = 7.\n#### 7", 1.0),  # a worked solution as the label
-])
+
+@pytest.mark.parametrize(
+    "response,label,want",
+    [
+        ("so 3 + 4 = 7\n#### 7", "7", 1.0),
+        ("#### 1,000", "1000", 1.0),
+        ("#### 1,000", "1,000", 1.0),
+        ("#### 1,234,567", "1234567", 1.0),
+        ("#### -5", "-5", 1.0),
+        ("#### 5", "-5", 0.0),
+        ("The temperature dropped to -12 degrees.", "-12", 1.0),
+        ("#### 2.50", "2.5", 1.0),
+        ("#### 12.0", "12", 1.0),
+        ("#### 0", "0", 1.0),
+        ("#### 10", "1", 0.0),
+        ("#### 3/4", "0.75", 1.0),
+        ("#### 22/7", "22/7", 1.0),
+        ("#### 1/3", "0.3333333333", 1.0),
+        ("#### 0.333333", "1/3", 1.0),  # within 1e-6 relative
+        ("#### 0.33", "1/3", 0.0),
+        ("#### 192000001", "192000000", 0.0),  # whole numbers compare exactly
+        ("\\boxed{\\frac{1}{2}}", "0.5", 1.0),
+        ("so the answer is $\\boxed{\\dfrac{3}{4}}$.", "3/4", 1.0),
+        ("\\boxed{-\\frac{1}{2}}", "-0.5", 1.0),
+        ("\\boxed{{12}}", "12", 1.0),
+        ("first \\boxed{3} then \\boxed{4}", "4", 1.0),
+        ("The answer is $5.00", "5", 1.0),
+        ("#### $5.00", "5", 1.0),
+        ("#### \\$18", "18", 1.0),
+        ("He has 12 apples.", "12", 1.0),
+        ("#### 12 apples.", "12", 1.0),
+        ("#### 7.", "7", 1.0),
+        ("12 apples, then 13 apples", "13", 1.0),  # the last number
+        ("12 apples, then 13 apples", "12", 0.0),
+        ("first #### 3 then #### 4", "4", 1.0),  # the last ####
+        ("#### 4\nHope this helps! 5 stars.", "4", 1.0),  # only the #### line counts
+        ("#### 45%", "45", 1.0),
+        ("#### 45%", "0.45", 1.0),
+        ("x = 3.14159", "3.14159", 1.0),
+        ("5-3=2", "2", 1.0),
+        ("no number at all", "3", 0.0),
+        ("", "3", 0.0),
+        (None, "3", 0.0),
+        ("#### 7", "", 0.0),  # an unusable label never pays
+        ("#### 7", 7, 1.0),  # numeric labels
+        ("#### 7", "Tom has 3 + 4 = 7.\n#### 7", 1.0),  # a worked solution as the label
+    ],
+)
 def test_math_reward_tricky(response, label, want):
     assert math_reward(response, label) == want
 
 
-@pytest.mark.parametrize("text,want", [
-    ("1,234", 1234.0), ("-5", -5.0), ("+5", 5.0), ("3.50", 3.5), ("12.0", 12.0), (".5", 0.5), ("3/4", 0.75),
-    ("-3/4", -0.75), ("\\frac{3}{4}", 0.75), ("\\frac12", 0.5), ("\\boxed{7}", 7.0), ("$12", 12.0),
-    ("$1,234.50", 1234.5), ("-$5", -5.0), ("12 apples", 12.0), ("12.", 12.0), ("45%", 45.0), ("1{,}000", 1000.0),
-    ("x = 7", 7.0), ("1/0", None), ("abc", None), ("", None), (None, None), (3, 3.0), (float("nan"), None),
-])
+@pytest.mark.parametrize(
+    "text,want",
+    [
+        ("1,234", 1234.0),
+        ("-5", -5.0),
+        ("+5", 5.0),
+        ("3.50", 3.5),
+        ("12.0", 12.0),
+        (".5", 0.5),
+        ("3/4", 0.75),
+        ("-3/4", -0.75),
+        ("\\frac{3}{4}", 0.75),
+        ("\\frac12", 0.5),
+        ("\\boxed{7}", 7.0),
+        ("$12", 12.0),
+        ("$1,234.50", 1234.5),
+        ("-$5", -5.0),
+        ("12 apples", 12.0),
+        ("12.", 12.0),
+        ("45%", 45.0),
+        ("1{,}000", 1000.0),
+        ("x = 7", 7.0),
+        ("1/0", None),
+        ("abc", None),
+        ("", None),
+        (None, None),
+        (3, 3.0),
+        (float("nan"), None),
+    ],
+)
 def test_normalize_number(text, want):
     assert normalize_number(text) == want
 
 
-@pytest.mark.parametrize("text,want", [
-    ("a 1 b 2", "2"),
-    ("x \\boxed{a{b}c} y", "a{b}c"),
-    ("\\boxed{\\frac{1}{2}} and more", "\\frac{1}{2}"),
-    ("work\n#### 1,000\n", "1,000"),
-    ("#### ", None),  # nothing after ####, and no number anywhere
-    ("####\n42", "42"),
-    ("it costs $1,000.", "1,000"),
-    ("no numbers", None),
-])
+@pytest.mark.parametrize(
+    "text,want",
+    [
+        ("a 1 b 2", "2"),
+        ("x \\boxed{a{b}c} y", "a{b}c"),
+        ("\\boxed{\\frac{1}{2}} and more", "\\frac{1}{2}"),
+        ("work\n#### 1,000\n", "1,000"),
+        ("#### ", None),  # nothing after ####, and no number anywhere
+        ("####\n42", "42"),
+        ("it costs $1,000.", "1,000"),
+        ("no numbers", None),
+    ],
+)
 def test_extract_answer(text, want):
     assert extract_answer(text) == want
 
@@ -96,12 +139,28 @@ def test_extract_answer(text, want):
 # -----------------------------------------------------------------------------------------------
 # multiple choice, exact, f1, format
 
-@pytest.mark.parametrize("response,want", [
-    ("B", "B"), ("(B)", "B"), ("B.", "B"), ("Answer: B", "B"), ("the answer is B.", "B"), ("The answer is (C).", "C"),
-    ("A is wrong, so the answer is (C)", "C"), ("ANSWER: d", None), ("#### D", "D"), ("\\boxed{E}", "E"),
-    ("B) because it is blue", "B"), ("I think it's J", "J"), ("Option (G) looks right", "G"),
-    ("A cat sat on the mat", None), ("no idea", None), ("", None),
-])
+
+@pytest.mark.parametrize(
+    "response,want",
+    [
+        ("B", "B"),
+        ("(B)", "B"),
+        ("B.", "B"),
+        ("Answer: B", "B"),
+        ("the answer is B.", "B"),
+        ("The answer is (C).", "C"),
+        ("A is wrong, so the answer is (C)", "C"),
+        ("ANSWER: d", None),
+        ("#### D", "D"),
+        ("\\boxed{E}", "E"),
+        ("B) because it is blue", "B"),
+        ("I think it's J", "J"),
+        ("Option (G) looks right", "G"),
+        ("A cat sat on the mat", None),
+        ("no idea", None),
+        ("", None),
+    ],
+)
 def test_extract_choice(response, want):
     assert extract_choice(response) == want
 
@@ -131,11 +190,23 @@ def test_exact_and_f1_hand_computed():
     assert f1_reward("red", ["blue", "red cat"]) == pytest.approx(2 / 3)  # best of the labels
 
 
-@pytest.mark.parametrize("response,want", [
-    ("blah\n#### 42", 1.0), ("#### 42", 1.0), ("x\n#### -3.5\n", 1.0), ("x\n#### 1,000", 1.0), ("42", 0.0),
-    ("#### 42 apples", 0.0), ("#### 42\nmore text", 0.0), ("so #### 42", 0.0), ("#### 12,34", 0.0), ("####", 0.0),
-    ("#### $42", 0.0), ("", 0.0),
-])
+@pytest.mark.parametrize(
+    "response,want",
+    [
+        ("blah\n#### 42", 1.0),
+        ("#### 42", 1.0),
+        ("x\n#### -3.5\n", 1.0),
+        ("x\n#### 1,000", 1.0),
+        ("42", 0.0),
+        ("#### 42 apples", 0.0),
+        ("#### 42\nmore text", 0.0),
+        ("so #### 42", 0.0),
+        ("#### 12,34", 0.0),
+        ("####", 0.0),
+        ("#### $42", 0.0),
+        ("", 0.0),
+    ],
+)
 def test_format_reward(response, want):
     assert format_reward(response) == want
 
@@ -161,6 +232,7 @@ def test_weighted_mix_and_rm_type_errors():
 
 # -----------------------------------------------------------------------------------------------
 # custom reward functions
+
 
 def test_safe_reward():
     def boom(*a):
@@ -190,6 +262,7 @@ def test_safe_reward():
 # -----------------------------------------------------------------------------------------------
 # GSM8K: every reference solution grades correct against its own label, and wrong against label + 1
 
+
 @pytest.mark.skipif(not (GSM8K / "test.jsonl").exists(), reason=f"GSM8K not found at {GSM8K} (../shared/data/gsm8k)")
 def test_gsm8k_reference_answers_grade_correct():
     counts = Counter()
@@ -209,9 +282,31 @@ def test_gsm8k_reference_answers_grade_correct():
 # -----------------------------------------------------------------------------------------------
 # one grader per task: the RL reward (--rm-type task, the hub) is the eval's verdict, response for response
 
-TRICKY = ["#### 18", "#### 18.5", "#### 18.0", "#### $18", "#### 18.", "#### 1,8", "#### -18", "The answer is 18.",
-          "18", "\\boxed{18}", "#### 18 apples", "####18", "#### eighteen 18", "#### 18\n#### 19", "#### 19\n#### 18",
-          "#### 3/4", "#### 18%", "", "####", "#### " + "9" * 400, "work 18\n#### 017", "#### +18", "#### 18,000"]
+TRICKY = [
+    "#### 18",
+    "#### 18.5",
+    "#### 18.0",
+    "#### $18",
+    "#### 18.",
+    "#### 1,8",
+    "#### -18",
+    "The answer is 18.",
+    "18",
+    "\\boxed{18}",
+    "#### 18 apples",
+    "####18",
+    "#### eighteen 18",
+    "#### 18\n#### 19",
+    "#### 19\n#### 18",
+    "#### 3/4",
+    "#### 18%",
+    "",
+    "####",
+    "#### " + "9" * 400,
+    "work 18\n#### 017",
+    "#### +18",
+    "#### 18,000",
+]
 
 
 def seam_cases(task, n):
@@ -258,10 +353,14 @@ def test_the_three_graders_that_used_to_disagree():
     # a non-integer final answer is wrong: the offline eval used to read the integer prefix ("18" of "18.5")
     assert not task.evaluate(conv, f"#### {label}.5") and reward_fn(f"#### {label}.5", label, {"row": row}) == 0.0
     # no ####: wrong for the eval, and now for the default reward too (math_reward, an explicit choice, still pays)
-    assert not task.evaluate(conv, f"The answer is {label}.") and reward_fn(f"The answer is {label}.", label, {"row": row}) == 0.0
+    assert (
+        not task.evaluate(conv, f"The answer is {label}.")
+        and reward_fn(f"The answer is {label}.", label, {"row": row}) == 0.0
+    )
     assert math_reward(f"The answer is {label}.", label) == 1.0
     # a 400-digit answer is a wrong answer, not an OverflowError that ends chat_eval
     from tasks.gsm8k import extract_answer as gsm8k_answer
+
     assert gsm8k_answer("#### " + "9" * 400) == "9" * 400
     assert not task.evaluate(conv, "#### " + "9" * 400) and reward_fn("#### " + "9" * 400, label, {"row": row}) == 0.0
 
@@ -271,9 +370,13 @@ def test_make_reward_types_names_and_errors(tmp_path):
     conv = task.get_example(0)
     label = conv["label"]
     for rm_type, name, response, want in [
-        ("math", "math", f"so it is {label}", 1.0), ("boxed", "boxed", f"\\boxed{{{label}}}", 1.0),
-        ("boxed", "boxed", f"#### {label}", 0.0), ("format", "format", "x\n#### 5", 1.0), ("mc", "mc", "(B)", 0.0),
-        ("exact", "exact", f"#### {label}", 1.0), ("f1", "f1", f"{label} {label}x", 2 / 3),
+        ("math", "math", f"so it is {label}", 1.0),
+        ("boxed", "boxed", f"\\boxed{{{label}}}", 1.0),
+        ("boxed", "boxed", f"#### {label}", 0.0),
+        ("format", "format", "x\n#### 5", 1.0),
+        ("mc", "mc", "(B)", 0.0),
+        ("exact", "exact", f"#### {label}", 1.0),
+        ("f1", "f1", f"{label} {label}x", 2 / 3),
     ]:
         fn, got_name = make_reward(rm_type, task=task)
         assert got_name == name and fn(response, label, {"row": 0}) == pytest.approx(want), rm_type
@@ -286,11 +389,14 @@ def test_make_reward_types_names_and_errors(tmp_path):
     fn, name = make_reward("task", task=task, custom_path=f"{custom}:rm")  # a custom path replaces the default
     assert name == f"custom:{custom}:rm" and fn("abc", None, None) == 3.0
     assert make_reward("custom", custom_path=f"{custom}:rm")[0]("ab", None, None) == 2.0
-    for kw, msg in [(dict(rm_type="math", custom_path=f"{custom}:rm"), "both pick the reward"),
-                    (dict(rm_type="custom"), "needs --custom-rm-path"), (dict(rm_type="remote"), "remote_rewards"),
-                    (dict(rm_type="task"), "there is no task"), (dict(rm_type="task", task=OfflineChat("test", n=3)),
-                                                                  "OfflineChat has no grader"),
-                    (dict(rm_type="bogus"), "valid: task, math")]:
+    for kw, msg in [
+        (dict(rm_type="math", custom_path=f"{custom}:rm"), "both pick the reward"),
+        (dict(rm_type="custom"), "needs --custom-rm-path"),
+        (dict(rm_type="remote"), "remote_rewards"),
+        (dict(rm_type="task"), "there is no task"),
+        (dict(rm_type="task", task=OfflineChat("test", n=3)), "OfflineChat has no grader"),
+        (dict(rm_type="bogus"), "valid: task, math"),
+    ]:
         with pytest.raises(ValueError, match=msg):
             make_reward(**kw)
     # the task grader reads its example by row: a row of another task/split is refused, not graded wrongly
@@ -301,8 +407,14 @@ def test_make_reward_types_names_and_errors(tmp_path):
 
 
 def test_mc_task_reward_is_its_eval_verdict(tmp_path):
-    rows = [{"question": f"Q{i}?", "choices": {"text": ["w", "x", "y", "z"], "label": list("ABCD")}, "answerKey": "ABCD"[i % 4]}
-            for i in range(8)]
+    rows = [
+        {
+            "question": f"Q{i}?",
+            "choices": {"text": ["w", "x", "y", "z"], "label": list("ABCD")},
+            "answerKey": "ABCD"[i % 4],
+        }
+        for i in range(8)
+    ]
     (tmp_path / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     task = ARC("ARC-Easy", "test", path=str(tmp_path))
     reward_fn, name = make_reward("task", task=task)
@@ -317,16 +429,25 @@ def test_mc_task_reward_is_its_eval_verdict(tmp_path):
     assert 0 < sum(verdicts) < len(verdicts)
 
 
-@pytest.mark.parametrize("response,label,want", [
-    ("so \\boxed{\\frac{1}{2}}", "0.5", 1.0), ("\\boxed{x + 1}", "x+1", 1.0), ("\\boxed{x+2}", "x+1", 0.0),
-    ("\\boxed{}", "", 0.0), ("no box 5", "5", 0.0), ("\\boxed{7}", "solution \\boxed{7}", 1.0), ("\\boxed{7}", None, 0.0),
-])
+@pytest.mark.parametrize(
+    "response,label,want",
+    [
+        ("so \\boxed{\\frac{1}{2}}", "0.5", 1.0),
+        ("\\boxed{x + 1}", "x+1", 1.0),
+        ("\\boxed{x+2}", "x+1", 0.0),
+        ("\\boxed{}", "", 0.0),
+        ("no box 5", "5", 0.0),
+        ("\\boxed{7}", "solution \\boxed{7}", 1.0),
+        ("\\boxed{7}", None, 0.0),
+    ],
+)
 def test_boxed_reward(response, label, want):
     assert boxed_reward(response, label) == want
 
 
 # -----------------------------------------------------------------------------------------------
 # remote rewards against a real HTTP server on 127.0.0.1
+
 
 @pytest.fixture(scope="module")
 def reward_server():
@@ -347,15 +468,17 @@ def test_remote_rewards_success_in_order(reward_server):
 
 def test_remote_rewards_concurrency(reward_server):
     t = time.monotonic()
-    results = remote_rewards(reward_server + "/slow", [{"id": f"c{i}", "sleep": 0.3} for i in range(8)],
-                             concurrency=8, timeout=2)
+    results = remote_rewards(
+        reward_server + "/slow", [{"id": f"c{i}", "sleep": 0.3} for i in range(8)], concurrency=8, timeout=2
+    )
     assert _errors(results) == 0
     assert time.monotonic() - t < 1.5  # 8 x 0.3 s one after another would be 2.4 s
 
 
 def test_remote_rewards_retries_5xx(reward_server):
-    results = remote_rewards(reward_server + "/flaky", [{"id": f"f{i}"} for i in range(3)], retries=3, backoff=0.01,
-                             timeout=1)
+    results = remote_rewards(
+        reward_server + "/flaky", [{"id": f"f{i}"} for i in range(3)], retries=3, backoff=0.01, timeout=1
+    )
     assert results == [(1.0, None)] * 3
     assert all(RewardHandler.hits["/flaky", f"f{i}"] == 3 for i in range(3))
     # too few retries: the 500s win, and the reason says so
@@ -369,8 +492,13 @@ def test_remote_rewards_failures_are_counted_not_raised(reward_server):
     assert results[0][0] is None and "gave up after 2 attempts" in results[0][1]
     assert time.monotonic() - t < 1.2  # two 0.3 s timeouts, not the server's 1.5 s
 
-    for path, why in [("/badjson", "malformed JSON"), ("/string", "not a finite number"), ("/nan", "not a finite"),
-                      ("/nokey", "no 'reward' key"), ("/missing", "HTTP 404")]:
+    for path, why in [
+        ("/badjson", "malformed JSON"),
+        ("/string", "not a finite number"),
+        ("/nan", "not a finite"),
+        ("/nokey", "no 'reward' key"),
+        ("/missing", "HTTP 404"),
+    ]:
         results = remote_rewards(reward_server + path, [{"id": i} for i in range(3)], retries=3, backoff=0.01)
         assert _errors(results) == 3 and all(v is None and why in err for v, err in results), (path, results)
         assert RewardHandler.hits[path, 0] == 1  # a bad answer is not retried
@@ -381,6 +509,7 @@ def test_remote_rewards_failures_are_counted_not_raised(reward_server):
 
 def test_remote_rewards_connection_refused():
     import socket
+
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
@@ -395,10 +524,15 @@ def test_remote_scoring_path_of_the_rl_loop(reward_server):
     # what chat_rl does with a rollout: one batched call, then set_rewards; /mixed answers by response length:
     # 0 mod 5 -> HTTP 500, 1 -> hangs past the timeout, 2 -> malformed JSON, 3 and 4 -> the vowel fraction
     texts = ["ab" * k + "c" * (k % 2) for k in range(10)]
-    samples = [Sample(tokens=[0] * (len(t) + 2), response_length=len(t) + 1, loss_mask=[1] * (len(t) + 1),
-                      metadata={"row": i}) for i, t in enumerate(texts)]
+    samples = [
+        Sample(tokens=[0] * (len(t) + 2), response_length=len(t) + 1, loss_mask=[1] * (len(t) + 1), metadata={"row": i})
+        for i, t in enumerate(texts)
+    ]
     groups = [samples[:5], samples[5:]]
-    payloads = [{"prompt": {"messages": []}, "response": t, "label": None, "metadata": s.metadata} for s, t in zip(samples, texts)]
+    payloads = [
+        {"prompt": {"messages": []}, "response": t, "label": None, "metadata": s.metadata}
+        for s, t in zip(samples, texts)
+    ]
     t0 = time.monotonic()
     results = remote_rewards(reward_server + "/mixed", payloads, concurrency=10, timeout=0.3, retries=1, backoff=0.01)
     assert time.monotonic() - t0 < 2.0  # the hanging ones time out, twice, all at once

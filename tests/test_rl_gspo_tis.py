@@ -3,6 +3,7 @@ GSPO under rollout importance weights (TIS truncate, IcePop): the sequence ratio
 token of its row and is weighted per token afterwards (slime's order), so each token of a row is pushed by the row's
 mean weight. Checked against hand values and against an independent reference written from slime's formula.
 """
+
 import math
 
 import pytest
@@ -18,8 +19,9 @@ def close(a, b, tol=1e-5):
 
 def gspo_grad(lp, old, A, m, tis, agg="seq_mean_token_mean", eps=0.2):
     logp = lp.clone().requires_grad_()
-    loss, _ = rl.policy_loss(logp, old, A, m, kind="gspo", eps_clip=eps, loss_agg=agg, max_len=lp.size(1),
-                             tis_weights=tis)
+    loss, _ = rl.policy_loss(
+        logp, old, A, m, kind="gspo", eps_clip=eps, loss_agg=agg, max_len=lp.size(1), tis_weights=tis
+    )
     loss.backward()
     return loss.detach(), logp.grad
 

@@ -26,7 +26,7 @@ def close(actual, expected, tol=1e-5):
 def whiten_py(values):
     """plain-python whitening with the unbiased (n-1) std"""
     mean, std = statistics.fmean(values), statistics.stdev(values)
-    return [(v - mean) / math.sqrt(std ** 2 + 1e-8) for v in values]
+    return [(v - mean) / math.sqrt(std**2 + 1e-8) for v in values]
 
 
 def t(x):
@@ -82,8 +82,9 @@ def test_masked_whiten_distributed_equals_concatenated(tmp_path):
     # torch.multiprocessing's spawn API; fork (where available) skips re-importing torch in the
     # children: ~0.1 s instead of ~7 s on a 2-core box. The children only touch CPU tensors.
     method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-    mp.start_processes(_whiten_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True,
-                       start_method=method)
+    mp.start_processes(
+        _whiten_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True, start_method=method
+    )
     got = torch.cat([torch.load(tmp_path / "whiten0.pt"), torch.load(tmp_path / "whiten1.pt")])
     x, m = _whiten_data()
     # independent reference: plain-python whitening of the masked values of the whole batch
@@ -289,8 +290,9 @@ def test_policy_loss_dual_clip_and_tis():
         rl.policy_loss(ratio.log(), torch.zeros(1, 3), A, m, eps_clip_c=0.5)
     # tis weights scale the per-token loss: on-policy, A = 1, 2, weights .5, 2 -> (-.5 - 4) / 2
     lp = torch.zeros(1, 2, requires_grad=True)
-    loss, _ = rl.policy_loss(lp, torch.zeros(1, 2), t([[1.0, 2.0]]), torch.ones(1, 2),
-                             tis_weights=t([[0.5, 2.0]]).requires_grad_())
+    loss, _ = rl.policy_loss(
+        lp, torch.zeros(1, 2), t([[1.0, 2.0]]), torch.ones(1, 2), tis_weights=t([[0.5, 2.0]]).requires_grad_()
+    )
     close(loss, -2.25)
     loss.backward()
     close(lp.grad, [[-0.25, -2.0]])
@@ -341,8 +343,9 @@ def test_gspo_gradient_matches_sequence_form_random():
     m = t([[1, 1, 1, 1, 1], [0, 1, 1, 1, 0], [0, 0, 1, 1, 1]])
     A = t([0.7, -1.3, 0.4])
     logp = lr.clone().requires_grad_()
-    loss, _ = rl.policy_loss(logp, old, A, m, kind="gspo", eps_clip=0.1, eps_clip_high=0.15,
-                             loss_agg="seq_mean_token_mean")
+    loss, _ = rl.policy_loss(
+        logp, old, A, m, kind="gspo", eps_clip=0.1, eps_clip_high=0.15, loss_agg="seq_mean_token_mean"
+    )
     loss.backward()
     logp2 = lr.clone().requires_grad_()
     s = torch.exp(((logp2 - old) * m).sum(-1) / m.sum(-1))
@@ -369,7 +372,9 @@ def test_cispo_loss():
     close(met["clipfrac"], 2 / 3)
 
 
-def _reference_loss(kind, lp, old, A, m, ent, ref, eps, eps_high, eps_c, tis, agg, max_len, ent_coef, kl_coef, lp0=None):
+def _reference_loss(
+    kind, lp, old, A, m, ent, ref, eps, eps_high, eps_c, tis, agg, max_len, ent_coef, kl_coef, lp0=None
+):
     """The one loss path written out token by token in plain python floats (an independent reference). lp0: where the
     stop-gradient parts are frozen (CISPO's weight) when differentiating numerically; GSPO's sequence ratio is not
     frozen: it carries its gradient to every token of the row (slime's form)."""
@@ -415,11 +420,15 @@ def test_every_policy_loss_through_every_option(kind, agg, tis_mode, extras):
     KL to the reference, dual clip) equals the token-by-token reference above; the gradient is checked too."""
     if extras == "dual_clip" and kind == "cispo":
         with pytest.raises(ValueError, match="CISPO"):
-            rl.policy_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2), kind=kind, eps_clip_c=3.0)
+            rl.policy_loss(
+                torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2), kind=kind, eps_clip_c=3.0
+            )
         return
     g = torch.Generator().manual_seed(7)
     B, T = 4, 6
-    m = t([[0, 1, 1, 1, 1, 0], [0, 0, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1], [0, 1, 0, 1, 1, 0]])  # left prompt, hole, padding
+    m = t(
+        [[0, 1, 1, 1, 1, 0], [0, 0, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1], [0, 1, 0, 1, 1, 0]]
+    )  # left prompt, hole, padding
     old = -torch.rand(B, T, generator=g) * 2
     lp = old + 0.4 * torch.randn(B, T, generator=g)
     A = (torch.randn(B, 1, generator=g) * 2).expand(B, T).clone() * m
@@ -432,17 +441,61 @@ def test_every_policy_loss_through_every_option(kind, agg, tis_mode, extras):
     eps_c = 2.0 if extras == "dual_clip" else None
     ent_coef, kl_coef = (0.03, 0.2) if extras == "entropy_kl" else (0.0, 0.0)
     logp = lp.clone().requires_grad_()
-    loss, met = rl.policy_loss(logp, old, A, m, kind=kind, eps_clip=eps, eps_clip_high=eps_high, eps_clip_c=eps_c,
-                               loss_agg=agg, max_len=T, tis_weights=tis, entropy=ent, entropy_coef=ent_coef,
-                               ref_logp=ref, kl_type="k3", kl_coef=kl_coef)
+    loss, met = rl.policy_loss(
+        logp,
+        old,
+        A,
+        m,
+        kind=kind,
+        eps_clip=eps,
+        eps_clip_high=eps_high,
+        eps_clip_c=eps_c,
+        loss_agg=agg,
+        max_len=T,
+        tis_weights=tis,
+        entropy=ent,
+        entropy_coef=ent_coef,
+        ref_logp=ref,
+        kl_type="k3",
+        kl_coef=kl_coef,
+    )
     L = lambda x: x.tolist()
-    expected = _reference_loss(kind, L(lp), L(old), L(A), L(m), L(ent), L(ref), eps, eps_high, eps_c,
-                               L(tis) if tis is not None else None, agg, T, ent_coef, kl_coef)
+    expected = _reference_loss(
+        kind,
+        L(lp),
+        L(old),
+        L(A),
+        L(m),
+        L(ent),
+        L(ref),
+        eps,
+        eps_high,
+        eps_c,
+        L(tis) if tis is not None else None,
+        agg,
+        T,
+        ent_coef,
+        kl_coef,
+    )
     close(loss, expected)
     if tis_mode:  # the weights really were applied: without them the loss differs
-        plain, _ = rl.policy_loss(lp, old, A, m, kind=kind, eps_clip=eps, eps_clip_high=eps_high, eps_clip_c=eps_c,
-                                  loss_agg=agg, max_len=T, entropy=ent, entropy_coef=ent_coef, ref_logp=ref,
-                                  kl_type="k3", kl_coef=kl_coef)
+        plain, _ = rl.policy_loss(
+            lp,
+            old,
+            A,
+            m,
+            kind=kind,
+            eps_clip=eps,
+            eps_clip_high=eps_high,
+            eps_clip_c=eps_c,
+            loss_agg=agg,
+            max_len=T,
+            entropy=ent,
+            entropy_coef=ent_coef,
+            ref_logp=ref,
+            kl_type="k3",
+            kl_coef=kl_coef,
+        )
         assert abs(float(plain) - expected) > 1e-4
     if extras == "entropy_kl":
         assert "kl_loss" in met and "entropy_loss" in met
@@ -454,9 +507,24 @@ def test_every_policy_loss_through_every_option(kind, agg, tis_mode, extras):
         up, dn = lp.clone(), lp.clone()
         up[i, tt] += h
         dn[i, tt] -= h
-        ref_args = (L(old), L(A), L(m), L(ent), L(ref), eps, eps_high, eps_c, L(tis) if tis is not None else None, agg, T,
-                    ent_coef, kl_coef)
-        fd = (_reference_loss(kind, L(up), *ref_args, lp0=L(lp)) - _reference_loss(kind, L(dn), *ref_args, lp0=L(lp))) / (2 * h)
+        ref_args = (
+            L(old),
+            L(A),
+            L(m),
+            L(ent),
+            L(ref),
+            eps,
+            eps_high,
+            eps_c,
+            L(tis) if tis is not None else None,
+            agg,
+            T,
+            ent_coef,
+            kl_coef,
+        )
+        fd = (
+            _reference_loss(kind, L(up), *ref_args, lp0=L(lp)) - _reference_loss(kind, L(dn), *ref_args, lp0=L(lp))
+        ) / (2 * h)
         close(logp.grad[i, tt], fd, tol=2e-3)
 
 
@@ -488,8 +556,10 @@ def test_tis_truncate_and_icepop():
     w, met = rl.tis_weights(old, rollout, m, clip=2.0, clip_low=0.1, mode="truncate")
     close(w, [[2.0, 0.5, 1.5, 0.1, 0.0]])
     assert not w.requires_grad
-    close([float(met[k]) for k in ("tis_mean", "tis_min", "tis_max", "tis_clipfrac")],
-          [(3 + 0.5 + 1.5 + 0.05) / 4, 0.05, 3.0, 0.5])
+    close(
+        [float(met[k]) for k in ("tis_mean", "tis_min", "tis_max", "tis_clipfrac")],
+        [(3 + 0.5 + 1.5 + 0.05) / 4, 0.05, 3.0, 0.5],
+    )
     w, met = rl.tis_weights(old, rollout, m, clip=2.0, clip_low=0.1, mode="icepop")
     close(w, [[0.0, 0.5, 1.5, 0.0, 0.0]])
     close(met["tis_clipfrac"], 0.5)
@@ -538,8 +608,16 @@ def test_estimator_table_rows():
     rewards = torch.tensor([1.0, 0.0, 0.5, 0.5])
     mask = torch.tensor([[0, 1, 1], [0, 1, 0], [1, 1, 1], [0, 0, 1]], dtype=torch.float32)
     kl = 0.5 * mask  # summed per row: 1.0, 0.5, 1.5, 0.5
-    inputs = dict(group_size=2, kl=kl, kl_coef=0.2, std_normalize=False, gamma=1.0, lambd=1.0,
-                  values=torch.zeros(4, 3), distributed=False)
+    inputs = dict(
+        group_size=2,
+        kl=kl,
+        kl_coef=0.2,
+        std_normalize=False,
+        gamma=1.0,
+        lambd=1.0,
+        values=torch.zeros(4, 3),
+        distributed=False,
+    )
     # Dr. GRPO on the penalised rewards [0.8, -0.1, 0.2, 0.4]: group means 0.35 and 0.3
     adv, returns = rl.ESTIMATORS["grpo"].advantages(rewards, mask, **inputs)
     assert torch.allclose(adv, torch.tensor([0.45, -0.45, -0.1, 0.1])[:, None] * mask) and returns is None

@@ -4,6 +4,7 @@ batch is cut into micro-batches, for every estimator and aggregation, and packin
 log-probs, values and update as padding each sample on its own row; the sampler's log-probs are the trainer's at
 any temperature; flag combinations without meaning fail naming both flags.
 """
+
 import argparse
 import copy
 
@@ -32,7 +33,9 @@ def tiny_model(seed=0):
 
 
 def trainer_config(estimator="grpo", n=4, max_len=12, **kw):
-    return rl_trainer.TrainerConfig(advantage_estimator=estimator, n_samples_per_prompt=n, max_response_len=max_len, **kw)
+    return rl_trainer.TrainerConfig(
+        advantage_estimator=estimator, n_samples_per_prompt=n, max_response_len=max_len, **kw
+    )
 
 
 def parse_trainer_flags(*flags, estimator="grpo"):
@@ -50,14 +53,24 @@ def make_samples(lengths, n=4, seed=0):
     for i, L in enumerate(lengths):
         P = 3 + i % 2
         toks = torch.randint(0, V, (P + L,), generator=g).tolist()
-        out.append(Sample(tokens=toks, response_length=L, loss_mask=[1] * L, rollout_log_probs=[-1.0] * L,
-                          reward=float(torch.rand(1, generator=g) > 0.5) + 0.1 * i, index=i % n, metadata={"row": i}))
+        out.append(
+            Sample(
+                tokens=toks,
+                response_length=L,
+                loss_mask=[1] * L,
+                rollout_log_probs=[-1.0] * L,
+                reward=float(torch.rand(1, generator=g) > 0.5) + 0.1 * i,
+                index=i % n,
+                metadata={"row": i},
+            )
+        )
     return out
 
 
 class PaddedTrainer(rl_trainer.Trainer):
     """The reference: the scheme before packing, each sample on its own row padded to the micro-batch's longest
     (sorted by length, rows x longest within --max-tokens-per-gpu), plain causal attention, no document ids."""
+
     def micro_batches(self, samples, m):
         order, mb = sorted(range(len(samples)), key=lambda i: len(samples[i].tokens)), []
         for i in order + [None]:
@@ -66,8 +79,14 @@ class PaddedTrainer(rl_trainer.Trainer):
                 B, T = b["inputs"].shape
                 index = torch.arange(B * T).view(B, T)
                 index[torch.arange(T) >= torch.tensor([len(samples[j].tokens) - 1 for j in mb])[:, None]] = -1
-                yield {**b, "packed_inputs": b["inputs"], "packed_targets": b["targets"], "doc_ids": None, "unpack": index,
-                       "order": mb}
+                yield {
+                    **b,
+                    "packed_inputs": b["inputs"],
+                    "packed_targets": b["targets"],
+                    "doc_ids": None,
+                    "unpack": index,
+                    "order": mb,
+                }
                 mb = []
             mb.append(i)
 
@@ -88,16 +107,30 @@ def step_grads(args, samples, trainer_cls=rl_trainer.Trainer):
     optimizer, critic_optimizer = build_optimizer(model), None
     optimizer.step = lambda: grads.update({k: p.grad.clone() for k, p in model.named_parameters()})
     if critic:
-        critic_optimizer = MuonAdamW([dict(params=list(critic.parameters()), kind="adamw", lr=1e-3, initial_lr=1e-3,
-                                           betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)])
-        critic_optimizer.step = lambda: grads.update({"critic." + k: p.grad.clone() for k, p in critic.named_parameters()
-                                                      if p.grad is not None})
+        critic_optimizer = MuonAdamW(
+            [
+                dict(
+                    params=list(critic.parameters()),
+                    kind="adamw",
+                    lr=1e-3,
+                    initial_lr=1e-3,
+                    betas=(0.9, 0.95),
+                    eps=1e-8,
+                    weight_decay=0.0,
+                )
+            ]
+        )
+        critic_optimizer.step = lambda: grads.update(
+            {"critic." + k: p.grad.clone() for k, p in critic.named_parameters() if p.grad is not None}
+        )
     trainer = trainer_cls(args, model, optimizer, torch.device("cpu"), critic=critic, critic_optimizer=critic_optimizer)
     m = trainer.train_step(0, copy.deepcopy(samples), Timer())
     return grads, m
 
 
-@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gspo", "cispo"])
+@pytest.mark.parametrize(
+    "estimator", ["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gspo", "cispo"]
+)
 @pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
 def test_step_does_not_depend_on_micro_batching(estimator, agg):
     """4 short + 4 long samples in one micro-batch or several (--max-tokens-per-gpu): the same update, for every
@@ -173,15 +206,21 @@ def test_gspo_rows_weigh_equally_under_sequence_mean():
     batch = collate(samples)
     logp = model.token_logprobs(batch["inputs"], batch["targets"].clamp(min=0))
     mask = batch["loss_mask"]
-    ref = -(torch.stack(adv)[:, :mask.size(1)] * logp * mask).sum(-1) / mask.sum(-1)
+    ref = -(torch.stack(adv)[:, : mask.size(1)] * logp * mask).sum(-1) / mask.sum(-1)
     ref.mean().backward()
     want = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     for mb in [[0, 1, 2, 3], [4, 5, 6, 7]]:  # the trainer's own loss path, two micro-batches of 4 samples, one row each
         b = collate_packed(samples, [mb])
         lp, _ = trainer.forward_logp(model, b)
-        loss, _ = rl.policy_loss(lp, lp.detach(), pad_like([adv[i] for i in mb], lp.size(1)), b["loss_mask"],
-                                 kind="gspo", loss_agg="seq_mean_token_mean")
+        loss, _ = rl.policy_loss(
+            lp,
+            lp.detach(),
+            pad_like([adv[i] for i in mb], lp.size(1)),
+            b["loss_mask"],
+            kind="gspo",
+            loss_agg="seq_mean_token_mean",
+        )
         (loss * len(mb) / 8).backward()
     for w, p in zip(want, model.parameters()):
         assert torch.allclose(w, p.grad, atol=1e-7, rtol=1e-5)
@@ -195,28 +234,38 @@ def test_sampler_logprobs_are_the_trainers_at_any_temperature(temperature):
     tok = Tokenizer.from_ranks({bytes([i]): i for i in range(256)}, SPLIT_PATTERN)
     engine = Engine(model, tok, batch_size=8, max_len=40)
     prompt = [tok.get_bos_token_id(), 5, 6, 7]
-    comps = engine.generate([Request(prompt, num_samples=4, max_tokens=20, temperature=temperature, seed=1, stop_tokens=[])])[0]
+    comps = engine.generate(
+        [Request(prompt, num_samples=4, max_tokens=20, temperature=temperature, seed=1, stop_tokens=[])]
+    )[0]
     samples = [extend_sample(Sample(tokens=list(prompt), reward=float(i % 2), index=i), c) for i, c in enumerate(comps)]
     args = trainer_config(use_tis=True, max_len=20, temperature=temperature)
     trainer = rl_trainer.Trainer(args, model, build_optimizer(model), torch.device("cpu"))
     lp = trainer.logp_of(model, samples)
     for s, row in zip(samples, lp):
-        got = row[s.prompt_length - 1:s.prompt_length - 1 + s.response_length]
-        assert torch.allclose(got, torch.tensor(s.rollout_log_probs), atol=1e-5), (got - torch.tensor(s.rollout_log_probs)).abs().max()
+        got = row[s.prompt_length - 1 : s.prompt_length - 1 + s.response_length]
+        assert torch.allclose(got, torch.tensor(s.rollout_log_probs), atol=1e-5), (
+            (got - torch.tensor(s.rollout_log_probs)).abs().max()
+        )
     m = trainer.train_step(0, samples, Timer())
     assert m["train/train_rollout_logprob_abs_diff"] < 1e-5
     assert m["train/tis_mean"] == pytest.approx(1.0, abs=1e-5) and m["train/tis_clipfrac"] == 0.0
 
 
-@pytest.mark.parametrize("flags,msg", [
-    (["--eps-clip-c", "3"], "--eps-clip-c (dual clip) has no meaning with --advantage-estimator cispo"),
-    (["--tis-mode", "icepop"], "--tis-mode icepop has no effect without --use-tis"),
-    (["--kl-loss-coef", "0.1"], "--use-kl-loss and --kl-loss-coef go together"),
-    (["--use-kl-loss"], "--use-kl-loss and --kl-loss-coef go together"),
-    (["--lambd", "0.9"], "--lambd 0.9 has no effect with --advantage-estimator cispo"),
-    (["--opd-kl-coef", "0.5"], "--opd-kl-coef 0.5 has no effect without --use-opd"),
-    (["--overlong-penalty-factor", "2"], "--overlong-penalty-factor 2.0 has no effect without --overlong-buffer-len"),
-])
+@pytest.mark.parametrize(
+    "flags,msg",
+    [
+        (["--eps-clip-c", "3"], "--eps-clip-c (dual clip) has no meaning with --advantage-estimator cispo"),
+        (["--tis-mode", "icepop"], "--tis-mode icepop has no effect without --use-tis"),
+        (["--kl-loss-coef", "0.1"], "--use-kl-loss and --kl-loss-coef go together"),
+        (["--use-kl-loss"], "--use-kl-loss and --kl-loss-coef go together"),
+        (["--lambd", "0.9"], "--lambd 0.9 has no effect with --advantage-estimator cispo"),
+        (["--opd-kl-coef", "0.5"], "--opd-kl-coef 0.5 has no effect without --use-opd"),
+        (
+            ["--overlong-penalty-factor", "2"],
+            "--overlong-penalty-factor 2.0 has no effect without --overlong-buffer-len",
+        ),
+    ],
+)
 def test_meaningless_flag_combinations_fail_naming_both(flags, msg, capsys):
     with pytest.raises(SystemExit) as e:
         parse_trainer_flags(*flags, estimator="cispo")
@@ -235,16 +284,19 @@ def test_samples_carry_their_temperature_and_the_trainer_checks_it():
     model = tiny_model(3)
     tok = Tokenizer.from_ranks({bytes([i]): i for i in range(256)}, SPLIT_PATTERN)
     engine = Engine(model, tok, batch_size=8, max_len=40)
-    worker = RolloutWorker(RolloutConfig(n_samples_per_prompt=2, temperature=0.7, max_response_len=8), engine, tok,
-                           None, RewardConfig())
+    worker = RolloutWorker(
+        RolloutConfig(n_samples_per_prompt=2, temperature=0.7, max_response_len=8), engine, tok, None, RewardConfig()
+    )
     items = [{"text": t, "label": None, "metadata": {"row": i}} for i, t in enumerate(["ab", "cde"])]
     samples = [s for g in worker.generate(items, [1, 2], 0.7, 2, 0) for s in g]
     assert [s.temperature for s in samples] == [0.7] * 4
     for i, s in enumerate(samples):  # (the tiny model's vocabulary is larger than the tokenizer's: no text to grade)
         s.reward = float(i % 2)
     with pytest.raises(ValueError, match="sampled at temperature 0.7, but the trainer computes log-probs at 1"):
-        rl_trainer.Trainer(trainer_config(n=2, max_len=8), model, build_optimizer(model), torch.device("cpu")).train_step(
-            0, copy.deepcopy(samples), Timer())
-    trainer = rl_trainer.Trainer(trainer_config(n=2, max_len=8, temperature=0.7), model, build_optimizer(model),
-                                 torch.device("cpu"))
+        rl_trainer.Trainer(
+            trainer_config(n=2, max_len=8), model, build_optimizer(model), torch.device("cpu")
+        ).train_step(0, copy.deepcopy(samples), Timer())
+    trainer = rl_trainer.Trainer(
+        trainer_config(n=2, max_len=8, temperature=0.7), model, build_optimizer(model), torch.device("cpu")
+    )
     assert trainer.train_step(0, samples, Timer())["train/train_rollout_logprob_abs_diff"] < 1e-5

@@ -1,4 +1,5 @@
 """Dynamic sampling: the group filter, filling a rollout from the buffer and new rounds, the buffer's state."""
+
 import random
 
 from nanorl.rollout import RolloutBuffer, fill_rollout, keep_nonconstant_group
@@ -6,8 +7,10 @@ from nanorl.samples import Sample
 
 
 def group(rewards, gi=0):
-    return [Sample(tokens=[1, 2, 3], response_length=1, reward=r, loss_mask=[1], group_index=gi, index=i)
-            for i, r in enumerate(rewards)]
+    return [
+        Sample(tokens=[1, 2, 3], response_length=1, reward=r, loss_mask=[1], group_index=gi, index=i)
+        for i, r in enumerate(rewards)
+    ]
 
 
 def test_filter_keeps_and_drops_the_right_groups():
@@ -45,6 +48,7 @@ def test_fill_rollout_tops_up_after_max_rounds():
     def make_groups():
         calls.append(1)
         return [group([0, 0])]
+
     kept, stats = fill_rollout(2, RolloutBuffer(), make_groups, keep_nonconstant_group, max_rounds=3)
     assert len(calls) == 3 and len(kept) == 2
     assert stats["groups_unfiltered_fill"] == 2 and stats["groups_dropped"] == 1 and stats["dropped_all_wrong"] == 3

@@ -1,5 +1,6 @@
 """The Sample's tensor layout: collate's next-token alignment, packing samples into rows and micro-batches, and the
 packed tensors' round trip back to collate()'s layout."""
+
 import torch
 
 from nanorl.samples import Sample, collate, collate_packed, pack_micro_batches, unpack
@@ -35,9 +36,11 @@ def test_pack_micro_batches_respects_budget():
 
 
 def test_collate_packed_round_trips_to_collate():
-    s = [Sample(tokens=[5, 6, 7, 8, 9, 10], response_length=3, loss_mask=[1, 0, 1], rollout_log_probs=[-0.1, 0.0, -0.3]),
-         Sample(tokens=[1, 2, 3], response_length=1, loss_mask=[1], rollout_log_probs=[-0.5]),
-         Sample(tokens=[4, 4, 11, 12], response_length=2, loss_mask=[1, 1])]
+    s = [
+        Sample(tokens=[5, 6, 7, 8, 9, 10], response_length=3, loss_mask=[1, 0, 1], rollout_log_probs=[-0.1, 0.0, -0.3]),
+        Sample(tokens=[1, 2, 3], response_length=1, loss_mask=[1], rollout_log_probs=[-0.5]),
+        Sample(tokens=[4, 4, 11, 12], response_length=2, loss_mask=[1, 1]),
+    ]
     b = collate_packed(s, [[0], [2, 1]])
     assert b["order"] == [0, 2, 1]
     assert b["packed_inputs"].tolist() == [[5, 6, 7, 8, 9], [4, 4, 11, 1, 2]]

@@ -1,4 +1,5 @@
 """The engine's sampling math (nanorl/sampling.py): hand-computed draws, the inverse CDF, the counter hash."""
+
 import math
 
 import torch
@@ -12,16 +13,16 @@ def test_top_k_top_p_and_temperature_by_hand():
     V = 4
     # (temperature, top_k, top_p, uniform) -> the token inverse-CDF sampling must pick, worked out by hand
     rows = [
-        (1.0, V, 1.0, 0.05, 0),   # no filter: vocab order, cdf 0.1 0.5 0.8 1.0
+        (1.0, V, 1.0, 0.05, 0),  # no filter: vocab order, cdf 0.1 0.5 0.8 1.0
         (1.0, V, 1.0, 0.55, 2),
-        (1.0, 2, 1.0, 0.50, 1),   # top-2 keeps 1, 2 renormalised to 4/7, 3/7: cdf 0.571 1.0
+        (1.0, 2, 1.0, 0.50, 1),  # top-2 keeps 1, 2 renormalised to 4/7, 3/7: cdf 0.571 1.0
         (1.0, 2, 1.0, 0.60, 2),
         (1.0, V, 0.75, 0.70, 2),  # top-p 0.75 keeps 1, 2, 3 (mass before each: 0, 0.4, 0.7): cdf 0.444 0.778 1.0
         (1.0, V, 0.75, 0.80, 3),
         (1.0, V, 0.65, 0.60, 2),  # top-p 0.65 drops token 3 (0.7 before it): 1, 2 as top-2
-        (0.5, V, 1.0, 0.30, 1),   # T = 0.5 squares then renormalises: 1/30, 16/30, 9/30, 4/30: cdf 0.033 0.567 0.867
+        (0.5, V, 1.0, 0.30, 1),  # T = 0.5 squares then renormalises: 1/30, 16/30, 9/30, 4/30: cdf 0.033 0.567 0.867
         (0.5, V, 1.0, 0.57, 2),
-        (0.0, V, 1.0, 0.99, 1),   # greedy: the argmax whatever the uniform
+        (0.0, V, 1.0, 0.99, 1),  # greedy: the argmax whatever the uniform
     ]
     T, k, p, u, want = (torch.tensor(c) for c in zip(*rows))
     got = sample_tokens(logits, T.float(), k.long(), p.float(), u.double())
@@ -46,7 +47,9 @@ def test_sampling_is_exact_inverse_cdf():
     L = logits.expand(N, 50)
 
     def freq(temperature=1.0, top_k=50, top_p=1.0, filtered=True):
-        t = sample_tokens(L, torch.full((N,), temperature), torch.full((N,), top_k), torch.full((N,), top_p), u, filtered)
+        t = sample_tokens(
+            L, torch.full((N,), temperature), torch.full((N,), top_k), torch.full((N,), top_p), u, filtered
+        )
         return torch.bincount(t, minlength=50).double() / N
 
     p = torch.softmax(logits[0] / 0.7, -1).double()
@@ -77,16 +80,17 @@ def test_counter_hash_matches_splitmix64():
     assert u.tolist() == [splitmix(s, c) for s, c in zip(seeds, counters)]
 
 
-
-
 def test_the_engine_shortcuts_change_nothing():
     # greedy=False (no row at T = 0) skips an argmax, unit=True (every row at T = 1 or 0) skips a division:
     # both promise what holds, and then the tokens and log-probs are exactly those of the general path
     torch.manual_seed(0)
     logits, u = torch.randn(6, 300) * 3, torch.rand(6, dtype=torch.float64)
     k, p = torch.tensor([300, 5, 300, 300, 40, 300]), torch.tensor([1.0, 1.0, 0.9, 1.0, 0.5, 1.0])
-    for T, greedy, unit in [(torch.ones(6), False, True), (torch.tensor([1.0, 0, 1, 0, 1, 1]), True, True),
-                            (torch.tensor([0.7, 1.3, 0.7, 1, 1, 0.2]), False, False)]:
+    for T, greedy, unit in [
+        (torch.ones(6), False, True),
+        (torch.tensor([1.0, 0, 1, 0, 1, 1]), True, True),
+        (torch.tensor([0.7, 1.3, 0.7, 1, 1, 0.2]), False, False),
+    ]:
         for filtered in (True, False):
             want = sample_with_logprobs(logits, T, k, p, u, filtered)
             got = sample_with_logprobs(logits, T, k, p, u, filtered, greedy=greedy, unit=unit)

@@ -32,15 +32,22 @@ class ListTask(Task):
         return self.conversations[i]
 
 
-TOOL_CONV = {"messages": [
-    {"role": "user", "content": "What is 12*7?"},
-    {"role": "assistant", "content": [{"type": "text", "text": "Let me compute "},
-                                      {"type": "python", "text": "12*7"},
-                                      {"type": "python_output", "text": "84"},
-                                      {"type": "text", "text": " so 84.\n#### 84"}]},
-    {"role": "user", "content": "thanks"},
-    {"role": "assistant", "content": "You're welcome."},
-]}
+TOOL_CONV = {
+    "messages": [
+        {"role": "user", "content": "What is 12*7?"},
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "text", "text": "Let me compute "},
+                {"type": "python", "text": "12*7"},
+                {"type": "python_output", "text": "84"},
+                {"type": "text", "text": " so 84.\n#### 84"},
+            ],
+        },
+        {"role": "user", "content": "thanks"},
+        {"role": "assistant", "content": "You're welcome."},
+    ]
+}
 
 
 def test_targets_are_exactly_what_the_assistant_wrote(tok):
@@ -48,8 +55,19 @@ def test_targets_are_exactly_what_the_assistant_wrote(tok):
     ids, _ = tok.render_conversation(TOOL_CONV)
     assert not truncated and inputs == ids[:-1] and len(targets) == len(inputs)
     # independently rebuild who wrote each token, from the special tokens that delimit the turns
-    sp = {n: tok.encode_special(n) for n in ["<|user_start|>", "<|user_end|>", "<|assistant_start|>", "<|assistant_end|>",
-                                             "<|python_start|>", "<|python_end|>", "<|output_start|>", "<|output_end|>"]}
+    sp = {
+        n: tok.encode_special(n)
+        for n in [
+            "<|user_start|>",
+            "<|user_end|>",
+            "<|assistant_start|>",
+            "<|assistant_end|>",
+            "<|python_start|>",
+            "<|python_end|>",
+            "<|output_start|>",
+            "<|output_end|>",
+        ]
+    }
     writer, in_assistant, in_output = [], False, False
     for t in ids:
         if t == sp["<|assistant_start|>"]:
@@ -77,7 +95,9 @@ def test_targets_are_exactly_what_the_assistant_wrote(tok):
 
 def random_model(vocab_size, seq_len=1024, seed=0):
     torch.manual_seed(seed)
-    model = build_model(GPTConfig(sequence_len=seq_len, vocab_size=vocab_size, n_layer=2, n_head=2, n_kv_head=1, n_embd=32), "cpu")
+    model = build_model(
+        GPTConfig(sequence_len=seq_len, vocab_size=vocab_size, n_layer=2, n_head=2, n_kv_head=1, n_embd=32), "cpu"
+    )
     with torch.no_grad():  # init_weights zeroes the residual projections: randomise everything so attention matters
         for p in model.parameters():
             p.normal_(0, 0.3)
@@ -158,7 +178,9 @@ def test_truncation_is_counted(tok):
     assert loader.stats["no_target"] == 1  # the truncated prompt left nothing to learn: skipped and counted
     assert sum(int((y >= 0).sum()) for _, y, _ in batches) == (64 - 5) + len("hello") + 1
     with pytest.raises(ValueError, match="no conversation"):  # nothing to learn at all: an error, not a hang
-        SFTLoader(ListTask([prompt_only]), tok, batch_size=1, seq_len=64).next_batch()  # 65 ids kept; the first 6 (bos, user turn, <|assistant_start|>) are not the assistant's
+        SFTLoader(
+            ListTask([prompt_only]), tok, batch_size=1, seq_len=64
+        ).next_batch()  # 65 ids kept; the first 6 (bos, user turn, <|assistant_start|>) are not the assistant's
 
 
 def test_ddp_shards_are_disjoint_and_cover_the_data(tok):
@@ -172,6 +194,7 @@ def test_ddp_shards_are_disjoint_and_cover_the_data(tok):
         def spy(i, orig=orig, idx=idx):
             idx.append(i)
             return orig(i)
+
         loader._render = spy
         list(loader)
         seen.append(idx)
@@ -211,10 +234,44 @@ def test_lr_multiplier():
 
 ROOT = Path(__file__).resolve().parents[1]
 # a small base model, trained briefly: SFT has format and arithmetic to teach it, in a minute of CPU
-E2E_BASE = ["--depth", "4", "--aspect-ratio", "32", "--head-dim", "32", "--max-seq-len", "256", "--device-batch-size", "16",
-            "--total-batch-size", "4096", "--num-iterations", "50", "--eval-every", "0", "--sample-every", "0"]
-E2E_SFT = ["--source", "base", "--levels", "1", "--num-examples", "1000", "--num-iterations", "60", "--init-lr-frac", "1.0",
-           "--device-batch-size", "16", "--eval-every", "1000", "--eval-tokens", "4096"]
+E2E_BASE = [
+    "--depth",
+    "4",
+    "--aspect-ratio",
+    "32",
+    "--head-dim",
+    "32",
+    "--max-seq-len",
+    "256",
+    "--device-batch-size",
+    "16",
+    "--total-batch-size",
+    "4096",
+    "--num-iterations",
+    "50",
+    "--eval-every",
+    "0",
+    "--sample-every",
+    "0",
+]
+E2E_SFT = [
+    "--source",
+    "base",
+    "--levels",
+    "1",
+    "--num-examples",
+    "1000",
+    "--num-iterations",
+    "60",
+    "--init-lr-frac",
+    "1.0",
+    "--device-batch-size",
+    "16",
+    "--eval-every",
+    "1000",
+    "--eval-tokens",
+    "4096",
+]
 
 
 @pytest.mark.slow
@@ -222,21 +279,31 @@ def test_sft_beats_the_base_model_on_held_out_offline_problems(tmp_path, monkeyp
     """The whole point of SFT, on a CPU: tokenizer -> tiny base model -> SFT on the offline curriculum, then both
     models answer the same 100 held-out level-1 problems (greedy, through the engine); SFT must be >= 0.2 better."""
     env = {**os.environ, "NANORL_BASE_DIR": str(tmp_path), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
-    for cmd in (["scripts.tok_train", "--vocab-size", "1024", "--max-chars", "300000"],
-                ["scripts.base_train", *E2E_BASE], ["scripts.chat_sft", *E2E_SFT]):
-        out = subprocess.run([sys.executable, "-m", *cmd], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    for cmd in (
+        ["scripts.tok_train", "--vocab-size", "1024", "--max-chars", "300000"],
+        ["scripts.base_train", *E2E_BASE],
+        ["scripts.chat_sft", *E2E_SFT],
+    ):
+        out = subprocess.run(
+            [sys.executable, "-m", *cmd], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
+        )
         assert out.returncode == 0, f"{cmd[0]} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
     # SFT's progress line has an ETA from step 1 on (its progress moves unevenly: it is epochs of packed rows)
-    assert re.search(r"step     1 \| .* \| eta \d+\.\dm", out.stdout) and "eta nan" not in out.stdout, out.stdout[-2000:]
+    assert re.search(r"step     1 \| .* \| eta \d+\.\dm", out.stdout) and "eta nan" not in out.stdout, out.stdout[
+        -2000:
+    ]
     from nanorl.checkpoint import load_model
     from nanorl.engine import Engine
     from scripts.chat_eval import evaluate
+
     monkeypatch.setenv("NANORL_BASE_DIR", str(tmp_path))
     task = OfflineProblems("test", n=100, levels=(1,))
     acc = {}
     for source in ("base", "sft"):
         model, tok, _ = load_model(source, "cpu")
-        sums, _ = evaluate(task, model, tok, Engine(model, tok, batch_size=100), list(range(len(task))), max_tokens=64, temperature=0.0)
+        sums, _ = evaluate(
+            task, model, tok, Engine(model, tok, batch_size=100), list(range(len(task))), max_tokens=64, temperature=0.0
+        )
         acc[source] = sums["correct"] / sums["problems"]
     print(f"held-out level-1 accuracy: base {acc['base']:.2f}, sft {acc['sft']:.2f}")
     assert acc["sft"] >= acc["base"] + 0.2, acc

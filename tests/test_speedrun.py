@@ -1,4 +1,5 @@
 """The whole tiny pipeline, end to end, with the smallest settings (NANORL_SMOKE=1)."""
+
 import os
 import re
 import subprocess
@@ -13,19 +14,40 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_tiny_speedrun_end_to_end(tmp_path):
     report = tmp_path / "report.md"
-    env = {**os.environ, "NANORL_TINY": "1", "NANORL_SMOKE": "1", "NANORL_SKIP_INSTALL": "1",
-           "NANORL_BASE_DIR": str(tmp_path / "base"), "NANORL_REPORT": str(report), "OMP_NUM_THREADS": "2"}
+    env = {
+        **os.environ,
+        "NANORL_TINY": "1",
+        "NANORL_SMOKE": "1",
+        "NANORL_SKIP_INSTALL": "1",
+        "NANORL_BASE_DIR": str(tmp_path / "base"),
+        "NANORL_REPORT": str(report),
+        "OMP_NUM_THREADS": "2",
+    }
     out = subprocess.run(["bash", "speedrun.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     assert "no CUDA GPU" in out.stdout  # it says up front that this is the tiny offline run
     # and at the end, the next step: the venv to activate (a new shell lacks it), then how to chat
     tail = out.stdout.strip().splitlines()[-5:]
     assert tail[0].endswith(f"the report card is in {report} ==") and tail[1:3] == [
-        "Chat with the RL model it trained:", "  source .venv/bin/activate"]
-    assert tail[3].startswith("  python -m scripts.chat_cli -i rl") and tail[4].startswith("  python -m scripts.chat_web")
+        "Chat with the RL model it trained:",
+        "  source .venv/bin/activate",
+    ]
+    assert tail[3].startswith("  python -m scripts.chat_cli -i rl") and tail[4].startswith(
+        "  python -m scripts.chat_web"
+    )
     text = report.read_text()
-    for section in ["## Environment", "## Report card", "## Time and cost", "## Plots", "## Tokenizer training",
-                    "## Base model training", "## Base model evaluation", "## Midtraining", "## Chat SFT", "## Chat RL"]:
+    for section in [
+        "## Environment",
+        "## Report card",
+        "## Time and cost",
+        "## Plots",
+        "## Tokenizer training",
+        "## Base model training",
+        "## Base model evaluation",
+        "## Midtraining",
+        "## Chat SFT",
+        "## Chat RL",
+    ]:
         assert section in text, section
     # every card row names its task, its size and greedy/sampled; the tiny run evaluates one task, so no ChatCORE
     card = text.split("## Report card")[1].split("\n## ")[0]
@@ -53,28 +75,39 @@ def test_tiny_speedrun_end_to_end(tmp_path):
 # the GPU branch on a machine whose torch cannot use the GPU: nvidia-smi (faked) shows 8 H100s on driver 535
 # (CUDA 12.2), the .venv holds a CPU build of torch, and NANORL_SKIP_INSTALL=1 keeps it from installing another
 
+
 def gpu_env(tmp_path, **extra):
     return fake_gpu_env(tmp_path, NANORL_SKIP_INSTALL="1", NANORL_REPORT=str(tmp_path / "report.md"), **extra)
 
 
 def test_speedrun_stops_before_any_stage_when_torch_cannot_see_the_gpus(tmp_path):
-    out = subprocess.run(["bash", "speedrun.sh"], cwd=ROOT, env=gpu_env(tmp_path), capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run(
+        ["bash", "speedrun.sh"], cwd=ROOT, env=gpu_env(tmp_path), capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 1, out.stdout + out.stderr
     # it said which torch build the driver runs, then stopped in one line naming the driver and the fix
-    assert "driver 535.183.01 runs CUDA up to 12.2: torch built for CUDA 12.6, from " \
-           "https://download.pytorch.org/whl/cu126" in out.stderr
+    assert (
+        "driver 535.183.01 runs CUDA up to 12.2: torch built for CUDA 12.6, from "
+        "https://download.pytorch.org/whl/cu126" in out.stderr
+    )
     last = out.stderr.strip().splitlines()[-1]
-    assert last.startswith("nvidia-smi shows 8 GPU(s), driver 535.183.01 (CUDA up to 12.2), but torch ") \
-        and last.endswith("--index-url https://download.pytorch.org/whl/cu126"), out.stderr
+    assert last.startswith(
+        "nvidia-smi shows 8 GPU(s), driver 535.183.01 (CUDA up to 12.2), but torch "
+    ) and last.endswith("--index-url https://download.pytorch.org/whl/cu126"), out.stderr
     assert "-- " not in out.stdout and "the full pipeline" not in out.stdout  # no stage started
     assert os.listdir(tmp_path / "base" / "logs") == [] and os.listdir(tmp_path / "base" / "done") == []
 
 
 def test_speedrun_names_the_packages_a_minimal_image_lacks(tmp_path):
     # $CC names a compiler that is not there (Triton would use it): with installs off, stop and name the package
-    out = subprocess.run(["bash", "speedrun.sh"], cwd=ROOT, env=gpu_env(tmp_path, CC="/nonexistent/cc"),
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        ["bash", "speedrun.sh"],
+        cwd=ROOT,
+        env=gpu_env(tmp_path, CC="/nonexistent/cc"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 1, out.stdout + out.stderr
     assert out.stderr.strip() == "!! torch.compile needs a C compiler and Python's headers: apt-get install gcc"
     assert out.stdout == ""

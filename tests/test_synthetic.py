@@ -14,6 +14,7 @@ OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast
 
 def safe_eval(expr):
     """An independent evaluator for the <<expr=val>> annotations: integers, + - * /, and 'word'.count('x')."""
+
     def ev(node):
         if isinstance(node, ast.Expression):
             return ev(node.body)
@@ -24,6 +25,7 @@ def safe_eval(expr):
         if isinstance(node, ast.Call) and node.func.attr == "count":
             return ev(node.func.value).count(ev(node.args[0]))
         raise ValueError(ast.dump(node))
+
     return ev(ast.parse(expr, mode="eval"))
 
 

@@ -6,8 +6,19 @@ import pytest
 import tasks.common
 from nanorl import synthetic
 from nanorl.tokenizer import validate_conversation
-from tasks import (ARC, GSM8K, MMLU, CustomJSON, HumanEval, OfflineProblems, SmolTalk, SpellingBee, TaskMixture,
-                   TaskSequence, get_task)
+from tasks import (
+    ARC,
+    GSM8K,
+    MMLU,
+    CustomJSON,
+    HumanEval,
+    OfflineProblems,
+    SmolTalk,
+    SpellingBee,
+    TaskMixture,
+    TaskSequence,
+    get_task,
+)
 from tasks.gsm8k import answer_to_parts, extract_answer, parts_to_answer
 from tasks.humaneval import build_program
 
@@ -26,6 +37,7 @@ def write_jsonl(path, lines):
 
 
 # --- the Task interface ------------------------------------------------------------------------
+
 
 def test_slicing_mixture_and_sequence():
     t = SpellingBee("train", size=10)
@@ -54,6 +66,7 @@ def test_bad_task_name_lists_the_valid_ones():
 
 # --- GSM8K ---------------------------------------------------------------------------------------
 
+
 def test_gsm8k_annotation_round_trip_on_a_made_up_answer():
     answer = "She sold 48/2 = <<48/2=24>>24 clips.\nIn all 48+24 = <<48+24=72>>72.\n#### 72"
     parts = answer_to_parts(answer)
@@ -64,12 +77,29 @@ def test_gsm8k_annotation_round_trip_on_a_made_up_answer():
     assert extract_answer("no marker 12") is None
 
 
-@pytest.mark.parametrize("text,want", [
-    ("#### 18", "18"), ("#### 18.5", "18.5"), ("#### 18.50", "18.5"), ("#### 18.0", "18"), ("#### $1,080.", "1080"),
-    ("#### 007", "7"), ("#### -0", "0"), ("####18", "18"), ("#### 18\nHope it helps: 5", "18"), ("#### 3\n#### 4", "4"),
-    ("The answer is 18.", None), ("#### eighteen", None), ("#### 3/4", None), ("#### 18%", None), ("#### 12,34", None),
-    ("####", None), (None, None), ("#### " + "9" * 400, "9" * 400),  # exact strings: no float, no OverflowError
-])
+@pytest.mark.parametrize(
+    "text,want",
+    [
+        ("#### 18", "18"),
+        ("#### 18.5", "18.5"),
+        ("#### 18.50", "18.5"),
+        ("#### 18.0", "18"),
+        ("#### $1,080.", "1080"),
+        ("#### 007", "7"),
+        ("#### -0", "0"),
+        ("####18", "18"),
+        ("#### 18\nHope it helps: 5", "18"),
+        ("#### 3\n#### 4", "4"),
+        ("The answer is 18.", None),
+        ("#### eighteen", None),
+        ("#### 3/4", None),
+        ("#### 18%", None),
+        ("#### 12,34", None),
+        ("####", None),
+        (None, None),
+        ("#### " + "9" * 400, "9" * 400),  # exact strings: no float, no OverflowError
+    ],
+)
 def test_gsm8k_answer_convention(text, want):
     # the number right after the last ####, whole; anything else is no answer (wrong)
     assert extract_answer(text) == want
@@ -112,6 +142,7 @@ def test_hub_task_without_network_or_path_says_what_to_do(monkeypatch):
 
     def offline(*a, **k):
         raise ConnectionError("Couldn't reach 'openai/gsm8k' on the Hub")
+
     monkeypatch.setattr(tasks.common, "hub_reachable", lambda *a, **k: False)
     monkeypatch.setattr(datasets, "load_dataset", offline)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -124,11 +155,15 @@ def test_hub_task_without_network_or_path_says_what_to_do(monkeypatch):
 
 # --- local files for Hub tasks -------------------------------------------------------------------
 
+
 def test_mmlu_and_arc_from_local_files(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
-    rows = [{"question": "2+2?", "subject": "math", "choices": ["3", "4", "5", "6"], "answer": 1},
-            {"question": "Sky?", "subject": "misc", "choices": ["green", "red", "blue", "black"], "answer": 2}]
+
+    rows = [
+        {"question": "2+2?", "subject": "math", "choices": ["3", "4", "5", "6"], "answer": 1},
+        {"question": "Sky?", "subject": "misc", "choices": ["green", "red", "blue", "black"], "answer": 2},
+    ]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "test.parquet")
     mmlu = MMLU("test", path=str(tmp_path))
     assert mmlu.eval_type == "categorical" and len(mmlu) == 2
@@ -139,7 +174,14 @@ def test_mmlu_and_arc_from_local_files(tmp_path):
     aux = tmp_path / "aux.jsonl"  # auxiliary_train nests each row under "train" on the Hub
     write_jsonl(aux, [{"train": rows[0]}])
     assert MMLU("train", subset="auxiliary_train", path=str(aux)).get_example(0)["label"] == "B"
-    arc_rows = [{"id": "x", "question": "Which?", "choices": {"text": ["a", "b", "c"], "label": ["1", "2", "3"]}, "answerKey": "3"}]
+    arc_rows = [
+        {
+            "id": "x",
+            "question": "Which?",
+            "choices": {"text": ["a", "b", "c"], "label": ["1", "2", "3"]},
+            "answerKey": "3",
+        }
+    ]
     arc = ARC("ARC-Challenge", "train", path=write_jsonl(tmp_path / "train.jsonl", arc_rows))
     assert arc.get_example(0)["label"] == "C" and arc.get_example(0)["letters"] == ["A", "B", "C"]
 
@@ -151,7 +193,13 @@ def test_local_directory_without_the_split_is_a_clear_error(tmp_path):
 
 
 def test_smoltalk_skips_conversations_that_do_not_alternate(tmp_path, capsys):
-    good = {"messages": [{"role": "system", "content": "be nice"}, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    good = {
+        "messages": [
+            {"role": "system", "content": "be nice"},
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello"},
+        ]
+    }
     bad = {"messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": "again"}]}
     task = SmolTalk("train", path=write_jsonl(tmp_path / "s.jsonl", [good, bad, good, "{oops"]))
     assert len(task) == 2 and task.bad.count == 1 and task.bad.first_line == 2
@@ -161,15 +209,23 @@ def test_smoltalk_skips_conversations_that_do_not_alternate(tmp_path, capsys):
 
 # --- CustomJSON -----------------------------------------------------------------------------------
 
+
 def test_customjson_counts_malformed_rows_with_the_first_bad_line(tmp_path, capsys):
     ok = {"messages": [{"role": "user", "content": "Who are you?"}, {"role": "assistant", "content": "nanorl."}]}
-    lines = [ok,
-             [{"role": "user", "content": "bare list"}, {"role": "assistant", "content": "fine"}],
-             '{"messages": [{"role": "user", "content": "cut off"',  # line 3: not JSON
-             "",  # blank lines are not errors
-             {"messages": [{"role": "assistant", "content": "I speak first"}]},  # line 5: wrong order
-             {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": [{"type": "sql", "text": "x"}]}]},
-             ok]
+    lines = [
+        ok,
+        [{"role": "user", "content": "bare list"}, {"role": "assistant", "content": "fine"}],
+        '{"messages": [{"role": "user", "content": "cut off"',  # line 3: not JSON
+        "",  # blank lines are not errors
+        {"messages": [{"role": "assistant", "content": "I speak first"}]},  # line 5: wrong order
+        {
+            "messages": [
+                {"role": "user", "content": "a"},
+                {"role": "assistant", "content": [{"type": "sql", "text": "x"}]},
+            ]
+        },
+        ok,
+    ]
     task = CustomJSON(path=write_jsonl(tmp_path / "identity.jsonl", lines))
     assert len(task) == 3 and task.skipped == 3 and task.first_bad_line == 3
     assert "line 3" in capsys.readouterr().out
@@ -183,6 +239,7 @@ def test_customjson_counts_malformed_rows_with_the_first_bad_line(tmp_path, caps
 
 
 # --- generated tasks ------------------------------------------------------------------------------
+
 
 def test_spellingbee_references_are_right_and_splits_disjoint():
     pairs = {}
@@ -214,21 +271,27 @@ def test_offline_problems_grade_their_references():
     kinds = [isinstance(task.get_example(i)["messages"][1]["content"], list) for i in range(4)]
     assert kinds == [True, False, True, False]
     assert {p["question"] for p in OfflineProblems("train", n=500).problems}.isdisjoint(
-        {p["question"] for p in OfflineProblems("test", n=200).problems})
+        {p["question"] for p in OfflineProblems("test", n=200).problems}
+    )
 
 
 # --- HumanEval (grading runs the sandbox) -----------------------------------------------------------
 
-FAKE_HUMANEVAL = {"task_id": "fake/0", "entry_point": "add",
-                  "prompt": "from typing import List\n\n\ndef add(xs: List[int]) -> int:\n    \"\"\"Sum of xs.\"\"\"\n",
-                  "canonical_solution": "    return sum(xs)\n",
-                  "test": "def check(candidate):\n    assert candidate([1, 2, 3]) == 6\n    assert candidate([]) == 0\n"}
+FAKE_HUMANEVAL = {
+    "task_id": "fake/0",
+    "entry_point": "add",
+    "prompt": 'from typing import List\n\n\ndef add(xs: List[int]) -> int:\n    """Sum of xs."""\n',
+    "canonical_solution": "    return sum(xs)\n",
+    "test": "def check(candidate):\n    assert candidate([1, 2, 3]) == 6\n    assert candidate([]) == 0\n",
+}
 
 
 def test_humaneval_program_assembly():
     body = build_program(FAKE_HUMANEVAL, "    return sum(xs)\n")
     assert body.startswith(FAKE_HUMANEVAL["prompt"]) and body.rstrip().endswith("check(add)")
-    full = build_program(FAKE_HUMANEVAL, "Here:\n```python\ndef add(xs: List[int]) -> int:\n    return sum(xs)\n```\nDone.")
+    full = build_program(
+        FAKE_HUMANEVAL, "Here:\n```python\ndef add(xs: List[int]) -> int:\n    return sum(xs)\n```\nDone."
+    )
     assert "from typing import List" in full and "Here:" not in full and "Done." not in full
 
 

@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from nanorl.tokenizer import SPECIAL_TOKENS, Tokenizer
 from nanorl import synthetic
+from nanorl.tokenizer import SPECIAL_TOKENS, Tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -21,8 +21,18 @@ def test_trains_on_synthetic_text(tok):
     assert len(tok.encode(text)) < 0.5 * len(text.encode("utf-8"))
 
 
-@pytest.mark.parametrize("text", ["hello world", "", "  spaces\n\nand\ttabs ", "ünïcödé ✓ 日本語 🤖🚀",
-                                  "numbers 1234567 3.14159 -42", "<|bos|> is plain text here", "a" * 500])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "hello world",
+        "",
+        "  spaces\n\nand\ttabs ",
+        "ünïcödé ✓ 日本語 🤖🚀",
+        "numbers 1234567 3.14159 -42",
+        "<|bos|> is plain text here",
+        "a" * 500,
+    ],
+)
 def test_roundtrip(tok, text):
     ids = tok.encode(text)
     assert tok.decode(ids) == text
@@ -38,16 +48,21 @@ def test_special_tokens_are_not_produced_by_text(tok):
 
 
 def test_conversation_masks_with_tool_call(tok):
-    conv = {"messages": [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "What is 3*4+1?"},
-        {"role": "assistant", "content": [
-            {"type": "text", "text": "First "},
-            {"type": "python", "text": "3*4"},
-            {"type": "python_output", "text": "12"},
-            {"type": "text", "text": " then 13.\n#### 13"},
-        ]},
-    ]}
+    conv = {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "What is 3*4+1?"},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "text", "text": "First "},
+                    {"type": "python", "text": "3*4"},
+                    {"type": "python_output", "text": "12"},
+                    {"type": "text", "text": " then 13.\n#### 13"},
+                ],
+            },
+        ]
+    }
     ids, mask = tok.render_conversation(conv)
     assert len(ids) == len(mask)
     sp = {s: tok.encode_special(s) for s in SPECIAL_TOKENS}
@@ -57,6 +72,7 @@ def test_conversation_masks_with_tool_call(tok):
     def add(x, m):
         exp_ids.extend(x)
         exp_mask.extend([m] * len(x))
+
     add([sp["<|user_start|>"]] + tok.encode("Be brief.\n\nWhat is 3*4+1?") + [sp["<|user_end|>"]], 0)
     add([sp["<|assistant_start|>"]], 0)
     add(tok.encode("First "), 1)
@@ -68,17 +84,23 @@ def test_conversation_masks_with_tool_call(tok):
     own = tok.decode([i for i, m in zip(ids, mask) if m])
     assert own == "First <|python_start|>3*4<|python_end|> then 13.\n#### 13<|assistant_end|>"
     prompt = tok.render_for_completion(conv)
-    assert prompt == ids[:ids.index(sp["<|assistant_start|>"]) + 1]
+    assert prompt == ids[: ids.index(sp["<|assistant_start|>"]) + 1]
 
 
-@pytest.mark.parametrize("conv,msg", [
-    ({"messages": []}, "no messages"),
-    ({"messages": [{"role": "assistant", "content": "hi"}]}, "expected 'user'"),
-    ({"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}, "message 1"),
-    ({"messages": [{"role": "user", "content": "a"}, {"role": "bot", "content": "b"}]}, "role 'bot'"),
-    ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": [{"type": "img"}]}]}, "part 0"),
-    ("not a dict", "dict"),
-])
+@pytest.mark.parametrize(
+    "conv,msg",
+    [
+        ({"messages": []}, "no messages"),
+        ({"messages": [{"role": "assistant", "content": "hi"}]}, "expected 'user'"),
+        ({"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}, "message 1"),
+        ({"messages": [{"role": "user", "content": "a"}, {"role": "bot", "content": "b"}]}, "role 'bot'"),
+        (
+            {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": [{"type": "img"}]}]},
+            "part 0",
+        ),
+        ("not a dict", "dict"),
+    ],
+)
 def test_bad_conversations(tok, conv, msg):
     with pytest.raises(ValueError, match=msg):
         tok.render_conversation(conv)

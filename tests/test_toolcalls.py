@@ -1,4 +1,5 @@
 """Tool-call markup and the tool runner (nanorl/toolcalls.py): the one reader of <|python_start|>...<|output_end|>."""
+
 from nanorl.calculator import calculator
 from nanorl.tokenizer import SPLIT_PATTERN, Tokenizer
 from nanorl.toolcalls import MarkupStream, ToolMarkup, assistant_parts, run_tool
@@ -12,13 +13,22 @@ A_END = SP("<|assistant_end|>")
 
 
 def test_render_helpers():
-    conv = {"messages": [{"role": "user", "content": "hi"},
-                         {"role": "assistant", "content": [{"type": "text", "text": "sum: "},
-                                                           {"type": "python", "text": "2+3"},
-                                                           {"type": "python_output", "text": "5"},
-                                                           {"type": "text", "text": " done é"}]}]}
+    conv = {
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "text", "text": "sum: "},
+                    {"type": "python", "text": "2+3"},
+                    {"type": "python_output", "text": "5"},
+                    {"type": "text", "text": " done é"},
+                ],
+            },
+        ]
+    }
     ids, mask = TOK.render_conversation(conv)
-    reply = ids[ids.index(SP("<|assistant_start|>")) + 1:]
+    reply = ids[ids.index(SP("<|assistant_start|>")) + 1 :]
     assert assistant_parts(TOK, reply) == conv["messages"][1]["content"]
     ms = MarkupStream(TOK, inline=True)
     assert "".join(ms.text(t) for t in reply) + ms.text_flush() == "sum: <<2+3=5>> done é"
@@ -30,8 +40,17 @@ def test_calculator():
     assert run_tool('"strawberry".count("r")', tool=calculator) == "3"
     assert run_tool("(7 - 1) * 3 / 4", tool=calculator) == "4.5"
     assert run_tool("2 ** 10 % 1000", tool=calculator) == "24"
-    for bad in ["__import__('os').system('ls')", "open('x')", "2 ** 10 ** 10", "(10**999)**9", "x + 1", "",
-                "'a' * 10**9", "1/0", "(" * 500 + ")" * 500]:
+    for bad in [
+        "__import__('os').system('ls')",
+        "open('x')",
+        "2 ** 10 ** 10",
+        "(10**999)**9",
+        "x + 1",
+        "",
+        "'a' * 10**9",
+        "1/0",
+        "(" * 500 + ")" * 500,
+    ]:
         assert run_tool(bad, tool=calculator).startswith("Error"), bad
     assert run_tool("[].count(1)").startswith("Error")
     assert run_tool("1", tool=lambda e: 1 / 0).startswith("Error: ZeroDivisionError")
@@ -68,8 +87,11 @@ def test_markup_stream_pieces_hold_split_characters():
     assert merged == [("text", "a é"), ("python", "1+1"), ("python_output", "2"), ("text", "z")]
     inline = MarkupStream(TOK, inline=True)
     assert "".join(inline.text(t) for t in reply) + inline.text_flush() == "a é<<1+1=2>>z"
-    assert assistant_parts(TOK, reply) == [{"type": "text", "text": "a é"}, {"type": "python", "text": "1+1"},
-                                           {"type": "python_output", "text": "2"}]  # stops at <|assistant_end|>
+    assert assistant_parts(TOK, reply) == [
+        {"type": "text", "text": "a é"},
+        {"type": "python", "text": "1+1"},
+        {"type": "python_output", "text": "2"},
+    ]  # stops at <|assistant_end|>
     assert assistant_parts(TOK, [PY_START, PY_END]) == [{"type": "python", "text": ""}]
 
 
