@@ -2,6 +2,8 @@
 scripts/, no import cycles among its modules. A rule broken here is named with the file and line."""
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,9 +92,6 @@ def test_the_layout_checks_catch_what_they_claim(tmp_path):
 
 def test_ruff_lints_and_formats_clean():
     # the style is the formatter's: `ruff format .` and `ruff check --fix .` make this pass
-    import subprocess
-    import sys
-
     for args in (["check", "."], ["format", "--check", "."]):
         out = subprocess.run([sys.executable, "-m", "ruff", *args], cwd=ROOT, capture_output=True, text=True)
         assert out.returncode == 0, f"ruff {' '.join(args)}:\n{out.stdout[-3000:]}{out.stderr[-1000:]}"
