@@ -256,84 +256,62 @@ def parse_args():
     return args
 
 
-def main():
-    from nanorl.checkpoint import load_model_from_args
-    from nanorl.common import autocast_ctx, compute_cleanup, compute_init, print0
-    from nanorl.engine import Engine
-    from nanorl.report import eval_label, log_section, record_metrics
+def load_task(name, args, paths, skipped):
+    """The task's test split, or None for a Hub task that cannot be read here (no network, no --task-path): it is
+    recorded in `skipped` with why, and the other tasks go on. A malformed data file stops with its name and row."""
+    from nanorl.common import print0
+    from nanorl.sft_data import levels
+
+    kw = {"path": paths[name]} if name in paths else {}
+    if name == "offline":
+        kw["levels"] = levels(args)
+    try:
+        return get_task(name, "test", **kw)
+    except RuntimeError as e:
+        print0(f"skipping {name}: {e}")
+        skipped[name] = str(e).splitlines()[0][:200]
+        return None
+    except ValueError as e:
+        raise SystemExit(f"{name}: {e}")
+
+
+def task_result(name, task, sums):
+    """All ranks' sums -> the task's means: accuracy, pass@k, the centred score, and which grader judged it."""
     from nanorl.rewards import make_reward
-    from nanorl.sft_data import levels, task_paths
 
-    args = parse_args()
+    res = {
+        "accuracy": sums["correct"] / max(sums["problems"], 1),
+        "problems": int(sums["problems"]),
+        "too long for the context": int(sums["too_long"]),
+    }
+    res.update({k: v / max(sums["problems"], 1) for k, v in sums.items() if k.startswith("pass@")})
+    res["centered"] = centered(res["accuracy"], RANDOM_BASELINE.get(name, 0.0))
+    res["grader"] = "letter logits" if task.eval_type == "categorical" else make_reward("task", task=task)[1]
+    return res
 
-    _, rank, _, world_size, device = compute_init(args.device_type)
-    autocast = autocast_ctx(device.type)
-    model, tokenizer, meta = load_model_from_args(args, device, phase="eval")
-    engine = Engine(model, tokenizer, batch_size=args.batch_size)
-    print0(engine.attention_kernels())
-    n = args.num_samples
-    ks = sorted(set(args.pass_k)) if args.pass_k else sorted({1, n})
-    temperature = args.temperature if args.temperature is not None else (0.0 if n == 1 else 1.0)
-    paths = task_paths(args)
-    results, skipped, t_all = {}, {}, time.time()
-    names = [t.strip().lower() for t in args.tasks.split(",") if t.strip()]
-    print0(run_header(args, meta, names, temperature))
-    for name in names:
-        kw = {"path": paths[name]} if name in paths else {}
-        if name == "offline":
-            kw["levels"] = levels(args)
-        try:
-            task = get_task(name, "test", **kw)
-        except RuntimeError as e:  # a Hub task with no network and no --task-path: skip it, say why, go on
-            print0(f"skipping {name}: {e}")
-            skipped[name] = str(e).splitlines()[0][:200]
-            continue
-        except ValueError as e:  # a malformed data file: its name and row, not a traceback
-            raise SystemExit(f"{name}: {e}")
-        N = len(task) if args.max_problems is None else min(len(task), args.max_problems)
-        indices = list(range(rank, N, world_size))  # each rank a strided slice
-        t0 = time.time()
-        progress = Progress(name, len(indices), print0)
-        sums, texts = evaluate(
-            task,
-            model,
-            tokenizer,
-            engine,
-            indices,
-            n,
-            ks,
-            args.max_new_tokens,
-            temperature,
-            args.top_k,
-            args.seed,
-            args.batch_size,
-            autocast,
-            progress,
-        )
-        sums = all_reduce_sums(sums, device)
-        res = {
-            "accuracy": sums["correct"] / max(sums["problems"], 1),
-            "problems": int(sums["problems"]),
-            "too long for the context": int(sums["too_long"]),
-        }
-        res.update({k: v / max(sums["problems"], 1) for k, v in sums.items() if k.startswith("pass@")})
-        res["centered"] = centered(res["accuracy"], RANDOM_BASELINE.get(name, 0.0))
-        res["grader"] = "letter logits" if task.eval_type == "categorical" else make_reward("task", task=task)[1]
-        results[name] = res
-        shown = next((t[0] for t in texts or [] if t), None)
-        if shown is not None:
-            print0(f"[{name}] example response: {shown[:300]!r}")
-        too_long = (
-            f" ({res['too long for the context']} too long for the context)" if res["too long for the context"] else ""
-        )
-        print0(
-            f"{name}: accuracy {res['accuracy']:.4f} on {res['problems']} problems{too_long}"
-            + "".join(f", {k} {v:.4f}" for k, v in res.items() if k.startswith("pass@"))
-            + f" ({time.time() - t0:.1f}s)"
-        )
-    if not results:
-        raise SystemExit(f"no task could be evaluated ({', '.join(skipped)}); with no network, use -a offline")
-    # every number is labelled with its task, its size and greedy/sampled, so no two measurements share a row
+
+def print_result(name, res, texts, t0):
+    """One response to read, then the task's line: accuracy, pass@k, seconds since t0."""
+    from nanorl.common import print0
+
+    shown = next((t[0] for t in texts or [] if t), None)
+    if shown is not None:
+        print0(f"[{name}] example response: {shown[:300]!r}")
+    n_long = res["too long for the context"]
+    too_long = f" ({n_long} too long for the context)" if n_long else ""
+    print0(
+        f"{name}: accuracy {res['accuracy']:.4f} on {res['problems']} problems{too_long}"
+        + "".join(f", {k} {v:.4f}" for k, v in res.items() if k.startswith("pass@"))
+        + f" ({time.time() - t0:.1f}s)"
+    )
+
+
+def score_card(results, args, n, temperature):
+    """-> (the metrics card, one row per task saying how it was graded). Every number is labelled with its task,
+    its size and greedy/sampled, so no two measurements share a row; ChatCORE joins them when it can be computed."""
+    from nanorl.common import print0
+    from nanorl.report import eval_label
+
     card_names = {
         "gsm8k": "GSM8K",
         "arc-easy": "ARC-Easy",
@@ -352,19 +330,55 @@ def main():
         if greedy or r["grader"] == "letter logits":  # a letter's logits are read, never sampled: always greedy
             card[eval_label(task_name, "accuracy", r["problems"])] = r["accuracy"]
         else:  # sampled: pass@k rows (RL optimises pass@1, the expected reward), beside the greedy ones
-            card.update(
-                {
-                    eval_label(task_name, k, r["problems"], n, temperature): v
-                    for k, v in r.items()
-                    if k.startswith("pass@")
-                }
-            )
+            sampled = {k: v for k, v in r.items() if k.startswith("pass@")}
+            card.update({eval_label(task_name, k, r["problems"], n, temperature): v for k, v in sampled.items()})
     # ChatCORE is the centred mean over its own tasks: computed only when every one of them ran greedily
     if greedy and all(t in results for t in CHATCORE_TASKS):
         chatcore = sum(results[t]["centered"] for t in CHATCORE_TASKS) / len(CHATCORE_TASKS)
         per_task = "" if args.max_problems is None else f", at most {args.max_problems} problems each"
         card[f"ChatCORE (greedy, {len(CHATCORE_TASKS)} tasks{per_task})"] = chatcore
         print0(f"ChatCORE (centred mean over {', '.join(CHATCORE_TASKS)}): {chatcore:.4f}")
+    return card, rows
+
+
+def main():
+    from nanorl.checkpoint import load_model_from_args
+    from nanorl.common import autocast_ctx, compute_cleanup, compute_init, print0
+    from nanorl.engine import Engine
+    from nanorl.report import log_section, record_metrics
+    from nanorl.sft_data import task_paths
+
+    args = parse_args()
+
+    _, rank, _, world_size, device = compute_init(args.device_type)
+    model, tokenizer, meta = load_model_from_args(args, device, phase="eval")
+    engine = Engine(model, tokenizer, batch_size=args.batch_size)
+    print0(engine.attention_kernels())
+    n = args.num_samples
+    ks = sorted(set(args.pass_k)) if args.pass_k else sorted({1, n})
+    temperature = args.temperature if args.temperature is not None else (0.0 if n == 1 else 1.0)
+    # how every task is decoded and batched: evaluate()'s keyword arguments
+    decode = dict(num_samples=n, ks=ks, max_tokens=args.max_new_tokens, temperature=temperature, top_k=args.top_k)
+    decode.update(seed=args.seed, batch_size=args.batch_size, autocast=autocast_ctx(device.type))
+    paths = task_paths(args)
+    results, skipped, t_all = {}, {}, time.time()
+    names = [t.strip().lower() for t in args.tasks.split(",") if t.strip()]
+    print0(run_header(args, meta, names, temperature))
+    for name in names:
+        task = load_task(name, args, paths, skipped)
+        if task is None:
+            continue
+        N = len(task) if args.max_problems is None else min(len(task), args.max_problems)
+        indices = list(range(rank, N, world_size))  # each rank a strided slice
+        t0 = time.time()
+        progress = Progress(name, len(indices), print0)
+        sums, texts = evaluate(task, model, tokenizer, engine, indices, progress=progress, **decode)
+        results[name] = task_result(name, task, all_reduce_sums(sums, device))
+        print_result(name, results[name], texts, t0)
+    if not results:
+        raise SystemExit(f"no task could be evaluated ({', '.join(skipped)}); with no network, use -a offline")
+    card, rows = score_card(results, args, n, temperature)
+    greedy = n == 1 and temperature == 0
     print0(f"total {time.time() - t_all:.1f}s")
     record_metrics(args.source, card, rank=rank)
     log_section(

@@ -15,6 +15,7 @@ main() close the file.
 
 import os
 import time
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -56,6 +57,23 @@ def add_train_args(parser, stage, source, init_lr_frac, warmdown_ratio, num_epoc
     a = parser.add_argument
     add_model_args(parser, source)
     a("--output-tag", default=None, help=f"save under {stage}_checkpoints/<tag> (default: the source's tag)")
+    add_data_args(parser)
+    add_optim_args(parser, init_lr_frac, warmdown_ratio, num_epochs)
+    add_run_args(parser, stage)
+    add_logging_args(parser)
+    a("--device-type", default=None, choices=["cuda", "cpu", "mps"], help="default: autodetect")
+    a(
+        "--no-compile",
+        action="store_true",
+        help="train eagerly on CUDA (default: torch.compile of the model, one graph: every batch is B x T)",
+    )
+    fsdp.add_args(parser)
+    lora.add_args(parser)
+
+
+def add_data_args(parser):
+    """Which conversations: the offline curriculum or the Hub datasets, and local files for them."""
+    a = parser.add_argument
     a(
         "--data",
         default="offline",
@@ -77,6 +95,11 @@ def add_train_args(parser, stage, source, init_lr_frac, warmdown_ratio, num_epoc
         default="1,2,3,4",
         help="offline curriculum: difficulty levels of the problems (e.g. 1,2 to start easy)",
     )
+
+
+def add_optim_args(parser, init_lr_frac, warmdown_ratio, num_epochs):
+    """How long, in what batches, at which learning rates (the defaults are the stage's)."""
+    a = parser.add_argument
     a(
         "--num-epochs",
         type=positive_float,
@@ -108,6 +131,11 @@ def add_train_args(parser, stage, source, init_lr_frac, warmdown_ratio, num_epoc
         default=warmdown_ratio,
         help="fraction of training over which the LR decays to 0",
     )
+
+
+def add_run_args(parser, stage):
+    """When to evaluate and save, resuming, the seed."""
+    a = parser.add_argument
     a(
         "--eval-every",
         "--eval-interval",
@@ -126,15 +154,6 @@ def add_train_args(parser, stage, source, init_lr_frac, warmdown_ratio, num_epoc
     a("--keep-last", type=positive_int, default=2, help="keep only the newest N checkpoints of this run")
     a("--resume", action="store_true", help=f"continue from the latest checkpoint in {stage}_checkpoints/<tag>")
     a("--seed", type=nonneg_int, default=42, help="seed of the weights' RNG and the data order")
-    add_logging_args(parser)
-    a("--device-type", default=None, choices=["cuda", "cpu", "mps"], help="default: autodetect")
-    a(
-        "--no-compile",
-        action="store_true",
-        help="train eagerly on CUDA (default: torch.compile of the model, one graph: every batch is B x T)",
-    )
-    fsdp.add_args(parser)
-    lora.add_args(parser)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -237,77 +256,92 @@ def agreed_progress(step, loader, args, device):
     return p
 
 
+def row_length(args, model):
+    """T, the tokens of every packed row: --max-seq-len, at most the model's context (default: all of it)."""
+    T = args.max_seq_len or model.config.sequence_len
+    if T > model.config.sequence_len:
+        raise SystemExit(f"--max-seq-len {T} exceeds the model's context {model.config.sequence_len}")
+    return T
+
+
+def make_optimizer(model, args, lora_base):
+    """--lora-rank: AdamW on the adapters alone; else Muon and AdamW at the base model's LRs times --init-lr-frac."""
+    if lora_base:
+        return lora.build_lora_optimizer(model, args.lora_lr, args.weight_decay)
+    return build_optimizer(
+        model,
+        matrix_lr=args.matrix_lr,
+        embedding_lr=args.embedding_lr,
+        unembedding_lr=args.unembedding_lr,
+        weight_decay=args.weight_decay,
+        lr_scale=args.init_lr_frac,
+    )
+
+
+def make_loaders(args, train_task, val_task, tokenizer, T, rank, world_size, device):
+    """-> (the endless shuffled training loader, a function that makes a fresh held-out loader for each eval)."""
+    B = args.device_batch_size
+    loader = SFTLoader(train_task, tokenizer, B, T, rank, world_size, seed=args.seed, device=device)
+    # pool_size=1 packs in order: best-fit would put the longest conversations first, and an eval that stops after
+    # eval_batches would then measure a length-biased subset
+    val_loader = partial(
+        SFTLoader, val_task, tokenizer, B, T, rank, world_size, shuffle=False, epochs=1, pool_size=1, device=device
+    )
+    return loader, val_loader
+
+
+def checkpointer(args, stage, meta, model, optimizer, loader, lora_base, rank, world_size):
+    """-> (this run's checkpoint folder, checkpoint(step) that saves there). Under --fsdp every rank writes its
+    shards; `python -m nanorl.fsdp consolidate` joins them."""
+    output_tag = args.output_tag or meta.get("model_tag") or args.model_tag or "d"
+    ckpt_dir = os.path.join(get_base_dir(), f"{stage}_checkpoints", output_tag)
+
+    def checkpoint(step):
+        ck_meta = {**meta, "model_tag": output_tag, "step": step, "stage": stage, f"{stage}_args": vars(args)}
+        ck_meta["world_size"] = world_size  # (not the source model's)
+        if lora_base:  # the adapters alone, and where their base is
+            ck_meta["lora"] = lora.checkpoint_meta(model, lora_base)
+        save(ckpt_dir, step, model, optimizer, ck_meta, {"loader": loader.state_dict()}, rank, args.keep_last)
+
+    return ckpt_dir, checkpoint
+
+
+@dataclass
+class Plan:
+    """How the stage's tokens are laid out: this rank of world_size, rows of T tokens, `total` tokens per optimizer
+    step in grad_accum micro-batches per rank."""
+
+    rank: int
+    world_size: int
+    T: int
+    total: int
+    grad_accum: int
+
+
 def train(args, stage, train_task, val_task, data_desc):
     """Midtraining or SFT (stage "mid" or "sft") on these conversations; every rank calls it.
     -> {"step", "val_losses", "checkpoint_dir", "stats"}"""
     # CPU offload steps the optimizer on CPU tensors: those collectives need gloo beside NCCL
     _, rank, _, world_size, device = compute_init(args.device_type, seed=args.seed, cpu_collectives=args.cpu_offload)
     # before the model: a wandb run that cannot log stops here, not after minutes of loading
+    master = rank == 0
     logger = get_logger(
-        args.run,
-        project=f"nanorl-{stage}",
-        config=vars(args),
-        master_process=rank == 0,
-        tensorboard_dir=args.tensorboard,
+        args.run, project=f"nanorl-{stage}", config=vars(args), master_process=master, tensorboard_dir=args.tensorboard
     )
     autocast = autocast_ctx(device.type)
     model, tokenizer, meta = load_model_from_args(args, device, phase="train")
     lora_base = lora.setup(args, model, meta)  # --lora-rank: a frozen base and trained adapters (nanorl/lora.py)
-    T = args.max_seq_len or model.config.sequence_len
-    if T > model.config.sequence_len:
-        raise SystemExit(f"--max-seq-len {T} exceeds the model's context {model.config.sequence_len}")
+    T = row_length(args, model)
     print0(
         f"{stage}: {len(train_task):,} training / {len(val_task):,} held-out conversations ({data_desc}), "
         f"{world_size} rank(s) on {device}, rows of {T} tokens"
     )
     compiled = shard_and_compile(model, args, device, world_size)
-    total, grad_accum = batch_plan(args.device_batch_size, args.total_batch_size, T, world_size)
-    if lora_base:
-        optimizer = lora.build_lora_optimizer(model, args.lora_lr, args.weight_decay)
-    else:
-        optimizer = build_optimizer(
-            model,
-            matrix_lr=args.matrix_lr,
-            embedding_lr=args.embedding_lr,
-            unembedding_lr=args.unembedding_lr,
-            weight_decay=args.weight_decay,
-            lr_scale=args.init_lr_frac,
-        )
-    loader = SFTLoader(
-        train_task, tokenizer, args.device_batch_size, T, rank, world_size, seed=args.seed, device=device
-    )
-    # a fresh one per eval; pool_size=1 packs in order: best-fit would put the longest conversations first, and an
-    # eval that stops after eval_batches would then measure a length-biased subset
-    val_loader = partial(
-        SFTLoader,
-        val_task,
-        tokenizer,
-        args.device_batch_size,
-        T,
-        rank,
-        world_size,
-        shuffle=False,
-        epochs=1,
-        pool_size=1,
-        device=device,
-    )
-    eval_batches = max(1, args.eval_tokens // (total // grad_accum))
-
-    output_tag = args.output_tag or meta.get("model_tag") or args.model_tag or "d"
-    ckpt_dir = os.path.join(get_base_dir(), f"{stage}_checkpoints", output_tag)
-
-    def checkpoint(step):  # under --fsdp every rank writes its shards; `python -m nanorl.fsdp consolidate` joins them
-        ck_meta = {
-            **meta,
-            "model_tag": output_tag,
-            "step": step,
-            "stage": stage,
-            f"{stage}_args": vars(args),
-            "world_size": world_size,
-        }  # (not the source model's)
-        if lora_base:  # the adapters alone, and where their base is
-            ck_meta["lora"] = lora.checkpoint_meta(model, lora_base)
-        save(ckpt_dir, step, model, optimizer, ck_meta, {"loader": loader.state_dict()}, rank, args.keep_last)
+    plan = Plan(rank, world_size, T, *batch_plan(args.device_batch_size, args.total_batch_size, T, world_size))
+    optimizer = make_optimizer(model, args, lora_base)
+    loader, val_loader = make_loaders(args, train_task, val_task, tokenizer, T, rank, world_size, device)
+    eval_batches = max(1, args.eval_tokens // (plan.total // plan.grad_accum))
+    ckpt_dir, checkpoint = checkpointer(args, stage, meta, model, optimizer, loader, lora_base, rank, world_size)
 
     step = 0
     if args.resume:  # model and optimizer (or their shards), this rank's data position beside them
@@ -331,7 +365,7 @@ def train(args, stage, train_task, val_task, data_desc):
         for g in optimizer.param_groups:
             g["lr"] = g["initial_lr"] * lrm
         t_step = time.time()
-        batches = [loader.next_batch() for _ in range(grad_accum)]  # an endless loader never returns None
+        batches = [loader.next_batch() for _ in range(plan.grad_accum)]  # an endless loader never returns None
         step_loss = train_step(compiled, optimizer, batches, autocast, world_size)
         step += 1
         dt = time.time() - t_step
@@ -349,51 +383,16 @@ def train(args, stage, train_task, val_task, data_desc):
         if args.save_every > 0 and step % args.save_every == 0 and not progress >= 1.0:
             checkpoint(step)  # (the last step is saved below, once)
     checkpoint(step)
-    report(
-        args,
-        stage,
-        meta,
-        data_desc,
-        train_task,
-        val_task,
-        loader,
-        rank,
-        world_size,
-        T,
-        total,
-        grad_accum,
-        step,
-        train_time,
-        time.time() - t0,
-        val_losses,
-        ckpt_dir,
-    )
+    times = (train_time, time.time() - t0)
+    report(args, stage, meta, data_desc, train_task, val_task, loader, plan, step, times, val_losses, ckpt_dir)
     logger.finish()
     compute_cleanup()
     return {"step": step, "val_losses": val_losses, "checkpoint_dir": ckpt_dir, "stats": loader.stats}
 
 
-def report(
-    args,
-    stage,
-    meta,
-    data_desc,
-    train_task,
-    val_task,
-    loader,
-    rank,
-    world_size,
-    T,
-    total,
-    grad_accum,
-    step,
-    train_time,
-    wall_time,
-    val_losses,
-    ckpt_dir,
-):
-    """The closing line and the stage's report section."""
-    s = loader.stats
+def report(args, stage, meta, data_desc, train_task, val_task, loader, plan, step, times, val_losses, ckpt_dir):
+    """The closing line and the stage's report section; times is (train time, wall time) in seconds."""
+    s, (train_time, wall_time) = loader.stats, times
     print0(
         f"done: {step} steps in {train_time:.0f}s, final val loss {val_losses[-1][1]:.4f}, "
         f"padding {loader.padding_fraction():.1%}, truncated {s['truncated']} of {s['conversations']} "
@@ -407,15 +406,15 @@ def report(
                 "data": data_desc,
                 "train conversations": len(train_task),
                 "held-out conversations": len(val_task),
-                "ranks": world_size,
-                "row length": T,
-                "tokens per step": total,
-                "grad accumulation": grad_accum,
+                "ranks": plan.world_size,
+                "row length": plan.T,
+                "tokens per step": plan.total,
+                "grad accumulation": plan.grad_accum,
                 "init lr frac": args.init_lr_frac,
             },
             {
                 "steps": step,
-                "data seen": data_seen(s["conversations"] - len(loader.pool), len(train_task), world_size),
+                "data seen": data_seen(s["conversations"] - len(loader.pool), len(train_task), plan.world_size),
                 "train time (s)": round(train_time, 1),
                 "wall time (s)": round(wall_time, 1),
                 "val loss (start)": val_losses[0][1],
@@ -425,10 +424,12 @@ def report(
                 "conversations with nothing to train on (rank 0)": s["no_target"],
             },
         ],
-        rank=rank,
+        rank=plan.rank,
         config=vars(args),
     )
-    log_json(f"{stage}_val_loss", {"step": [st for st, _ in val_losses], "loss": [v for _, v in val_losses]}, rank=rank)
+    log_json(
+        f"{stage}_val_loss", {"step": [st for st, _ in val_losses], "loss": [v for _, v in val_losses]}, rank=plan.rank
+    )
 
 
 # -----------------------------------------------------------------------------------------------
