@@ -7,7 +7,8 @@ then importance weights, aggregation, entropy and KL, all in nanorl.rl.policy_lo
 The Trainer takes a TrainerConfig; its flags live here too (add_args, config_from_args), next to the code they
 configure. Outside chat_rl build the config directly: TrainerConfig(n_samples_per_prompt=4, max_response_len=64).
 """
-from dataclasses import dataclass
+
+from dataclasses import dataclass, fields
 
 import torch
 import torch.distributed as dist
@@ -17,9 +18,11 @@ from nanorl import rl
 from nanorl.common import autocast_ctx, fraction, nonneg_float, nonneg_int, number_in, positive_float, positive_int
 from nanorl.samples import TRUNCATED, collate, collate_packed, pack_micro_batches, pad_like, unpack
 
+
 @dataclass
 class TrainerConfig:
     """What one training step reads. The defaults are chat_rl's flag defaults."""
+
     advantage_estimator: str = "grpo"  # a row of rl.ESTIMATORS: the advantage function and the policy loss
     n_samples_per_prompt: int = 8  # the group size: groups are consecutive samples
     temperature: float = 1.0  # the rollout's: the trainer's log-probs are log_softmax(logits / temperature)
@@ -66,81 +69,90 @@ class TrainerConfig:
 def add_args(parser):
     c = TrainerConfig
     g = parser.add_argument_group("training step (nanorl/rl_trainer.py)")
-    g.add_argument("--global-batch-size", type=positive_int, default=None,
-                   help="samples per optimizer step (default: the whole rollout)")
-    g.add_argument("--num-steps-per-rollout", type=positive_int, default=c.num_steps_per_rollout,
-                   help="optimizer steps per rollout (>1 is off-policy: uses the ratio)")
-    g.add_argument("--max-tokens-per-gpu", type=positive_int, default=c.max_tokens_per_gpu,
-                   help="tokens per training micro-batch: samples are packed end to end into rows (at most the "
-                        "model's context each) and rows into micro-batches of this many positions, padding included")
+    g.add_argument(
+        "--global-batch-size",
+        type=positive_int,
+        default=None,
+        help="samples per optimizer step (default: the whole rollout)",
+    )
+    g.add_argument(
+        "--num-steps-per-rollout",
+        type=positive_int,
+        default=c.num_steps_per_rollout,
+        help="optimizer steps per rollout (>1 is off-policy: uses the ratio)",
+    )
+    g.add_argument(
+        "--max-tokens-per-gpu",
+        type=positive_int,
+        default=c.max_tokens_per_gpu,
+        help="tokens per training micro-batch: samples are packed end to end into rows (at most the "
+        "model's context each) and rows into micro-batches of this many positions, padding included",
+    )
     g.add_argument("--weight-decay", type=nonneg_float, default=0.0, help="optimizer weight decay")
-    g.add_argument("--grad-clip", type=nonneg_float, default=c.grad_clip,
-                   help="clip the global gradient norm (0 = off)")
-    g.add_argument("--warmup-rollouts", type=nonneg_int, default=c.warmup_rollouts,
-                   help="linear LR warmup over this many rollouts")
+    g.add_argument("--grad-clip", type=nonneg_float, default=c.grad_clip, help="clip the grad norm (0 = off)")
+    g.add_argument("--warmup-rollouts", type=nonneg_int, default=c.warmup_rollouts, help="linear LR warmup (rollouts)")
     g = parser.add_argument_group("advantages and loss (nanorl/rl_trainer.py, nanorl/rl.py)")
-    g.add_argument("--advantage-estimator", default=c.advantage_estimator, choices=list(rl.ESTIMATORS),
-                   help="gspo / cispo: GRPO advantages with GSPO's sequence-level ratio or CISPO's clipped-weight loss")
-    g.add_argument("--gamma", type=fraction, default=c.gamma,
-                   help="discount of reinforce_plus_plus returns and of ppo's GAE")
-    g.add_argument("--lambd", type=fraction, default=c.lambd,
-                   help="ppo: GAE lambda (1 = Monte Carlo returns minus the critic's baseline)")
-    g.add_argument("--critic-lr", type=positive_float, default=None,
-                   help="ppo: AdamW learning rate of the critic (required with ppo)")
-    g.add_argument("--value-clip", type=nonneg_float, default=c.value_clip,
-                   help="ppo: clip the critic's values to within this of the rollout's (0 = off)")
-    g.add_argument("--disable-grpo-std-normalization", action="store_true",
-                   help="Dr. GRPO: no division by the group std")
+    g.add_argument(
+        "--advantage-estimator",
+        default=c.advantage_estimator,
+        choices=list(rl.ESTIMATORS),
+        help="gspo / cispo: GRPO advantages with GSPO's sequence-level ratio or CISPO's clipped-weight loss",
+    )
+    g.add_argument("--gamma", type=fraction, default=c.gamma, help="discount of reinforce_plus_plus and ppo returns")
+    g.add_argument("--lambd", type=fraction, default=c.lambd, help="ppo: GAE lambda (1: Monte Carlo returns)")
+    g.add_argument("--critic-lr", type=positive_float, default=None, help="ppo: the critic's AdamW LR (required)")
+    g.add_argument("--value-clip", type=nonneg_float, default=c.value_clip, help="ppo: critic value clip (0 = off)")
+    g.add_argument("--disable-grpo-std-normalization", action="store_true", help="Dr. GRPO: no group-std division")
     g.add_argument("--normalize-advantages", action="store_true", help="whiten advantages across all training ranks")
-    g.add_argument("--eps-clip", type=number_in(float, 0, 1, lo_open=True), default=c.eps_clip,
-                   help="PPO clip range (the lower one with --eps-clip-high)")
-    g.add_argument("--eps-clip-high", type=positive_float, default=None,
-                   help="clip-higher (DAPO); default = --eps-clip")
-    g.add_argument("--eps-clip-c", type=number_in(float, 1, lo_open=True), default=None,
-                   help="dual clip constant (> 1) for negative advantages")
+    g.add_argument("--eps-clip", type=number_in(float, 0, 1, lo_open=True), default=c.eps_clip, help="PPO clip range")
+    g.add_argument("--eps-clip-high", type=positive_float, default=None, help="clip-higher (DAPO); default --eps-clip")
+    g.add_argument(
+        "--eps-clip-c", type=number_in(float, 1, lo_open=True), default=None, help="dual clip (>1) for A < 0"
+    )
     g.add_argument("--entropy-coef", type=nonneg_float, default=c.entropy_coef, help="entropy bonus coefficient")
-    g.add_argument("--loss-aggregation", default=c.loss_aggregation, choices=rl.LOSS_AGGS,
-                   help="how per-token losses become one number")
-    g.add_argument("--overlong-buffer-len", type=nonneg_int, default=c.overlong_buffer_len,
-                   help="DAPO overlong shaping: penalise the last N tokens before the max length")
-    g.add_argument("--overlong-penalty-factor", type=nonneg_float, default=c.overlong_penalty_factor,
-                   help="the overlong penalty at the max length")
+    g.add_argument(
+        "--loss-aggregation",
+        default=c.loss_aggregation,
+        choices=rl.LOSS_AGGS,
+        help="how per-token losses become one number",
+    )
+    g.add_argument(
+        "--overlong-buffer-len",
+        type=nonneg_int,
+        default=c.overlong_buffer_len,
+        help="DAPO overlong shaping: penalise the last N tokens before the max length",
+    )
+    g.add_argument(
+        "--overlong-penalty-factor",
+        type=nonneg_float,
+        default=c.overlong_penalty_factor,
+        help="the overlong penalty at the max length",
+    )
     g.add_argument("--mask-truncated-samples", action="store_true", help="truncated responses are not trained on")
     g.add_argument("--use-kl-loss", action="store_true", help="add a KL(policy || reference) loss")
-    g.add_argument("--kl-loss-coef", type=nonneg_float, default=c.kl_loss_coef,
-                   help="weight of the KL loss (needs --use-kl-loss)")
-    g.add_argument("--kl-loss-type", default=c.kl_loss_type, choices=["k1", "k2", "k3", "low_var_kl"],
-                   help="KL estimator of the KL loss")
+    g.add_argument("--kl-loss-coef", type=nonneg_float, default=c.kl_loss_coef, help="KL loss weight (--use-kl-loss)")
+    g.add_argument(
+        "--kl-loss-type",
+        default=c.kl_loss_type,
+        choices=["k1", "k2", "k3", "low_var_kl"],
+        help="KL estimator of the KL loss",
+    )
     g.add_argument("--kl-coef", type=nonneg_float, default=c.kl_coef, help="KL penalty (k1) folded into the reward")
-    g.add_argument("--use-opd", action="store_true",
-                   help="on-policy distillation: a teacher's log-probs pull the advantages")
-    g.add_argument("--opd-kl-coef", type=nonneg_float, default=c.opd_kl_coef,
-                   help="OPD: A -= coef * (logp_student - logp_teacher)")
-    g.add_argument("--opd-teacher-load", default=None,
-                   help="OPD teacher: a checkpoint directory, or source[:tag] e.g. sft:d8")
-    g.add_argument("--use-tis", action="store_true",
-                   help="truncated importance weights between trainer (old) and rollout log-probs")
+    g.add_argument("--use-opd", action="store_true", help="on-policy distillation: teacher log-probs shift advantages")
+    g.add_argument("--opd-kl-coef", type=nonneg_float, default=c.opd_kl_coef, help="OPD: A -= coef * (lp - lp_teacher)")
+    g.add_argument("--opd-teacher-load", default=None, help="OPD teacher: checkpoint dir or source[:tag]")
+    g.add_argument("--use-tis", action="store_true", help="truncated importance weights, trainer vs rollout log-probs")
     g.add_argument("--tis-clip", type=positive_float, default=c.tis_clip, help="TIS: upper bound of the weights")
     g.add_argument("--tis-clip-low", type=nonneg_float, default=c.tis_clip_low, help="TIS: lower bound of the weights")
-    g.add_argument("--tis-mode", default=c.tis_mode, choices=["truncate", "icepop"],
-                   help="icepop: weights outside the band are 0")
+    g.add_argument("--tis-mode", default=c.tis_mode, choices=["truncate", "icepop"], help="icepop: 0 outside the band")
 
 
 def config_from_args(args, parser):
     """The TrainerConfig of the flags (and of chat_rl's --n-samples-per-prompt, --temperature, --max-response-len),
     after checking that they agree: a combination without meaning fails here, before any work, naming both flags."""
-    cfg = TrainerConfig(
-        advantage_estimator=args.advantage_estimator, n_samples_per_prompt=args.n_samples_per_prompt,
-        temperature=args.temperature, max_response_len=args.max_response_len,
-        num_steps_per_rollout=args.num_steps_per_rollout, max_tokens_per_gpu=args.max_tokens_per_gpu,
-        grad_clip=args.grad_clip, warmup_rollouts=args.warmup_rollouts, gamma=args.gamma, lambd=args.lambd,
-        value_clip=args.value_clip, disable_grpo_std_normalization=args.disable_grpo_std_normalization,
-        normalize_advantages=args.normalize_advantages, eps_clip=args.eps_clip, eps_clip_high=args.eps_clip_high,
-        eps_clip_c=args.eps_clip_c, entropy_coef=args.entropy_coef, loss_aggregation=args.loss_aggregation,
-        overlong_buffer_len=args.overlong_buffer_len, overlong_penalty_factor=args.overlong_penalty_factor,
-        mask_truncated_samples=args.mask_truncated_samples, kl_loss_coef=args.kl_loss_coef if args.use_kl_loss else 0.0,
-        kl_loss_type=args.kl_loss_type, kl_coef=args.kl_coef, opd_kl_coef=args.opd_kl_coef, use_tis=args.use_tis,
-        tis_clip=args.tis_clip, tis_clip_low=args.tis_clip_low, tis_mode=args.tis_mode)
+    # every field is a flag of the same name, but the KL loss is off unless --use-kl-loss
+    kw = {f.name: getattr(args, f.name) for f in fields(TrainerConfig)}
+    cfg = TrainerConfig(**{**kw, "kl_loss_coef": args.kl_loss_coef if args.use_kl_loss else 0.0})
     check_estimator_flags(cfg, args, parser)
     if args.use_kl_loss != (args.kl_loss_coef > 0):
         parser.error("--use-kl-loss and --kl-loss-coef go together: give both (a positive coefficient) or neither")
@@ -152,8 +164,13 @@ def config_from_args(args, parser):
         for flag, field in (("--tis-clip", "tis_clip"), ("--tis-clip-low", "tis_clip_low"), ("--tis-mode", "tis_mode")):
             unused(parser, flag, getattr(cfg, field), getattr(TrainerConfig, field), "without --use-tis")
     if cfg.overlong_buffer_len == 0:
-        unused(parser, "--overlong-penalty-factor", cfg.overlong_penalty_factor, TrainerConfig.overlong_penalty_factor,
-               "without --overlong-buffer-len")
+        unused(
+            parser,
+            "--overlong-penalty-factor",
+            cfg.overlong_penalty_factor,
+            TrainerConfig.overlong_penalty_factor,
+            "without --overlong-buffer-len",
+        )
     return cfg
 
 
@@ -171,19 +188,33 @@ def check_estimator_flags(cfg, args, parser):
     if args.critic_lr is not None and "critic" not in est.uses:
         parser.error(f"--critic-lr is only used by --advantage-estimator {users['critic']}, not {name}")
     if "lambd" not in est.uses:
-        unused(parser, "--lambd", cfg.lambd, TrainerConfig.lambd, f"with --advantage-estimator {name} "
-               f"(only {users['lambd']} uses it)")
+        unused(
+            parser,
+            "--lambd",
+            cfg.lambd,
+            TrainerConfig.lambd,
+            f"with --advantage-estimator {name} (only {users['lambd']} uses it)",
+        )
     if "gamma" not in est.uses:
-        unused(parser, "--gamma", cfg.gamma, TrainerConfig.gamma, f"with --advantage-estimator {name} "
-               f"(it discounts the returns of {users['gamma']} only)")
+        unused(
+            parser,
+            "--gamma",
+            cfg.gamma,
+            TrainerConfig.gamma,
+            f"with --advantage-estimator {name} (it discounts the returns of {users['gamma']} only)",
+        )
     if cfg.disable_grpo_std_normalization and "std_normalize" not in est.uses:
-        parser.error(f"--disable-grpo-std-normalization has no effect with --advantage-estimator {name} "
-                     f"({', '.join(n for n, e in rl.ESTIMATORS.items() if 'std_normalize' in e.uses)})")
+        parser.error(
+            f"--disable-grpo-std-normalization has no effect with --advantage-estimator {name} "
+            f"({', '.join(n for n, e in rl.ESTIMATORS.items() if 'std_normalize' in e.uses)})"
+        )
     if cfg.normalize_advantages and est.whitened:
         parser.error(f"--normalize-advantages with --advantage-estimator {name}: its advantages are already whitened")
     if cfg.eps_clip_c is not None and est.loss == "cispo":
-        parser.error(f"--eps-clip-c (dual clip) has no meaning with --advantage-estimator {name}: "
-                     f"its weights are already clipped")
+        parser.error(
+            f"--eps-clip-c (dual clip) has no meaning with --advantage-estimator {name}: "
+            f"its weights are already clipped"
+        )
 
 
 class Trainer:
@@ -192,8 +223,21 @@ class Trainer:
     reference (KL), the critic (ppo) and the teacher (OPD) when those are on, and the process group the
     training ranks average over (None: all ranks; only --async gives the trainers a group of their own).
     """
-    def __init__(self, cfg, model, optimizer, device, ref_model=None, critic=None, critic_optimizer=None, teacher=None,
-                 group=None, world=1, distributed=False):
+
+    def __init__(
+        self,
+        cfg,
+        model,
+        optimizer,
+        device,
+        ref_model=None,
+        critic=None,
+        critic_optimizer=None,
+        teacher=None,
+        group=None,
+        world=1,
+        distributed=False,
+    ):
         self.cfg, self.model, self.optimizer, self.device = cfg, model, optimizer, device
         self.ref_model, self.critic, self.critic_optimizer, self.teacher = ref_model, critic, critic_optimizer, teacher
         self.group, self.world, self.distributed = group, world, distributed
@@ -205,8 +249,10 @@ class Trainer:
         """The samples packed into micro-batches (collate_packed), rows no longer than model m's context. The model
         runs on the packed rows; the loss reads per-sample (B, T) rows, unpacked from its outputs."""
         max_tokens = self.cfg.max_tokens_per_gpu
-        batches = [collate_packed(samples, rows, self.device)
-                   for rows in pack_micro_batches(samples, max_tokens, min(max_tokens, m.config.sequence_len))]
+        batches = [
+            collate_packed(samples, rows, self.device)
+            for rows in pack_micro_batches(samples, max_tokens, min(max_tokens, m.config.sequence_len))
+        ]
         if isinstance(m, FSDPModule) and self.distributed:
             # every forward/backward of a sharded model gathers weights with the other ranks: all must run as many
             # micro-batches; a rank with fewer repeats its last one as a "dummy" (run, never counted)
@@ -219,8 +265,13 @@ class Trainer:
         """Log-probs and entropies at the rollout temperature (the engine records its log-probs at that temperature),
         per sample (B, T)."""
         with self.autocast:
-            logp, ent = m.token_logprobs(batch["packed_inputs"], batch["packed_targets"].clamp(min=0), doc_ids=batch["doc_ids"],
-                                         temperature=self.cfg.temperature, return_entropy=True)
+            logp, ent = m.token_logprobs(
+                batch["packed_inputs"],
+                batch["packed_targets"].clamp(min=0),
+                doc_ids=batch["doc_ids"],
+                temperature=self.cfg.temperature,
+                return_entropy=True,
+            )
         return unpack(logp.float(), batch["unpack"]), unpack(ent.float(), batch["unpack"])
 
     def forward_values(self, batch):
@@ -252,7 +303,11 @@ class Trainer:
             lens = torch.tensor([s.response_length for s in samples], dtype=torch.float32)
             pen = rl.overlong_penalty(lens, a.max_response_len, a.overlong_buffer_len, a.overlong_penalty_factor)
             for s, p in zip(samples, pen.tolist()):
-                s.reward = {**s.reward, "overlong": p, "total": s.reward["total"] + p} if isinstance(s.reward, dict) else s.reward + p
+                s.reward = (
+                    {**s.reward, "overlong": p, "total": s.reward["total"] + p}
+                    if isinstance(s.reward, dict)
+                    else s.reward + p
+                )
         if a.mask_truncated_samples:
             for s in samples:
                 if s.status == TRUNCATED:
@@ -273,9 +328,17 @@ class Trainer:
         if ref_lp is not None and a.kl_coef > 0:
             kl = rl.kl_estimate(pad_like(old_lp, T), pad_like(ref_lp, T), "k1") * mask
         adv, returns = a.estimator.advantages(
-            rewards, mask, group_size=a.n_samples_per_prompt, kl=kl, kl_coef=a.kl_coef,
-            std_normalize=not a.disable_grpo_std_normalization, gamma=a.gamma, lambd=a.lambd,
-            values=pad_like(old_values, T) if old_values is not None else None, distributed=dist_group)
+            rewards,
+            mask,
+            group_size=a.n_samples_per_prompt,
+            kl=kl,
+            kl_coef=a.kl_coef,
+            std_normalize=not a.disable_grpo_std_normalization,
+            gamma=a.gamma,
+            lambd=a.lambd,
+            values=pad_like(old_values, T) if old_values is not None else None,
+            distributed=dist_group,
+        )
         if a.normalize_advantages:
             adv = rl.masked_whiten(adv, mask, distributed=dist_group) * mask
         if self.teacher is not None:  # on-policy distillation: tokens the teacher likes more get pushed up
@@ -291,12 +354,16 @@ class Trainer:
         a = self.cfg
         other = next((s for s in samples if s.temperature is not None and s.temperature != a.temperature), None)
         if other is not None:  # the log-prob ratios would compare two different distributions
-            raise ValueError(f"a sample ({other.metadata}) was sampled at temperature {other.temperature:g}, but the "
-                             f"trainer computes log-probs at {a.temperature:g}: give it the rollout's temperature")
+            raise ValueError(
+                f"a sample ({other.metadata}) was sampled at temperature {other.temperature:g}, but the "
+                f"trainer computes log-probs at {a.temperature:g}: give it the rollout's temperature"
+            )
         bad = next((s for s in samples if len(s.rollout_log_probs) != s.response_length), None)
         if a.use_tis and bad is not None:  # TIS compares against the sampler's log-probs: without them it is garbage
-            raise SystemExit(f"--use-tis needs the rollout's log-probs, but a sample ({bad.metadata}) has {len(bad.rollout_log_probs)} for "
-                             f"{bad.response_length} response tokens: --custom-generate-function-path must fill Sample.rollout_log_probs")
+            raise SystemExit(
+                f"--use-tis needs the rollout's log-probs, but a sample ({bad.metadata}) has {len(bad.rollout_log_probs)} for "
+                f"{bad.response_length} response tokens: --custom-generate-function-path must fill Sample.rollout_log_probs"
+            )
         self.shape_rewards(samples)
         ref_lp = old_lp = old_values = None
         if self.ref_model is not None:
@@ -321,8 +388,17 @@ class Trainer:
             for k in range(a.num_steps_per_rollout):  # the rollout cut into mini-batches of whole groups
                 sl = slice(k * per_step, (k + 1) * per_step)
                 pick = lambda rows: rows[sl] if rows is not None else None
-                results.append(self.train_minibatch(samples[sl], adv[sl], pick(old_lp) if off_policy else None, pick(ref_lp),
-                                                    lr_mult, pick(returns), pick(old_values)))
+                results.append(
+                    self.train_minibatch(
+                        samples[sl],
+                        adv[sl],
+                        pick(old_lp) if off_policy else None,
+                        pick(ref_lp),
+                        lr_mult,
+                        pick(returns),
+                        pick(old_values),
+                    )
+                )
         m = {f"train/{k}": sum(r[k] for r in results) / len(results) for k in results[0]}
         m["train/first_step_ppo_kl"] = results[0].get("ppo_kl", 0.0)
         if self.opd_kl is not None:
@@ -330,8 +406,13 @@ class Trainer:
         A = torch.stack(adv)
         first = (A != 0).to(torch.int64).argmax(-1)  # each sample's advantage at its first trained token
         seq_adv = A.gather(1, first[:, None]).squeeze(1).cpu()
-        m.update({"rollout/adv_mean": seq_adv.mean().item(), "rollout/adv_std": seq_adv.std().item() if len(seq_adv) > 1 else 0.0,
-                  "rollout/adv_abs_max": seq_adv.abs().max().item()})
+        m.update(
+            {
+                "rollout/adv_mean": seq_adv.mean().item(),
+                "rollout/adv_std": seq_adv.std().item() if len(seq_adv) > 1 else 0.0,
+                "rollout/adv_abs_max": seq_adv.abs().max().item(),
+            }
+        )
         return m
 
     def train_minibatch(self, samples, adv, old_lp, ref_lp, lr_mult, returns=None, old_values=None):
@@ -356,12 +437,27 @@ class Trainer:
             old = rows(old_lp) if old_lp is not None else logp.detach()
             tis = None
             if a.use_tis:
-                tis, tis_metrics = rl.tis_weights(old, batch["rollout_logp"], mask, a.tis_clip, a.tis_clip_low, a.tis_mode)
-            loss, m = rl.policy_loss(logp, old, rows(adv), mask, kind=a.estimator.loss,
-                                     eps_clip=a.eps_clip, eps_clip_high=a.eps_clip_high, eps_clip_c=a.eps_clip_c,
-                                     loss_agg=a.loss_aggregation, max_len=a.max_response_len, tis_weights=tis,
-                                     entropy=ent, entropy_coef=a.entropy_coef, ref_logp=rows(ref_lp) if ref_lp else None,
-                                     kl_type=a.kl_loss_type, kl_coef=a.kl_loss_coef)
+                tis, tis_metrics = rl.tis_weights(
+                    old, batch["rollout_logp"], mask, a.tis_clip, a.tis_clip_low, a.tis_mode
+                )
+            loss, m = rl.policy_loss(
+                logp,
+                old,
+                rows(adv),
+                mask,
+                kind=a.estimator.loss,
+                eps_clip=a.eps_clip,
+                eps_clip_high=a.eps_clip_high,
+                eps_clip_c=a.eps_clip_c,
+                loss_agg=a.loss_aggregation,
+                max_len=a.max_response_len,
+                tis_weights=tis,
+                entropy=ent,
+                entropy_coef=a.entropy_coef,
+                ref_logp=rows(ref_lp) if ref_lp else None,
+                kl_type=a.kl_loss_type,
+                kl_coef=a.kl_loss_coef,
+            )
             if tis is not None:
                 m.update(tis_metrics)
             # each micro-batch's loss is re-weighted to its share of the global batch, by the aggregation's own unit
@@ -372,8 +468,15 @@ class Trainer:
             (loss * share * self.world).backward()
             if self.critic is not None:
                 values = self.forward_values(batch)
-                vf_loss, vm = rl.value_loss(values, rows(old_values), rows(returns), mask, a.value_clip or None,
-                                            loss_agg=a.loss_aggregation, max_len=a.max_response_len)
+                vf_loss, vm = rl.value_loss(
+                    values,
+                    rows(old_values),
+                    rows(returns),
+                    mask,
+                    a.value_clip or None,
+                    loss_agg=a.loss_aggregation,
+                    max_len=a.max_response_len,
+                )
                 (vf_loss * share * self.world).backward()
                 m.update(vm, vf_loss=vf_loss.detach())
             m["entropy"] = rl.masked_mean(ent.detach(), mask)
@@ -381,7 +484,9 @@ class Trainer:
             for k, v in m.items():
                 sums[k] = sums.get(k, 0.0) + float(v) * mb_tok
         out = {k: v / max(local_tok, 1) for k, v in sums.items()}
-        out["padding_frac"] = 1 - sum(len(s.tokens) - 1 for s in samples) / max(positions, 1)  # of the positions the model ran
+        out["padding_frac"] = 1 - sum(len(s.tokens) - 1 for s in samples) / max(
+            positions, 1
+        )  # of the positions the model ran
         out["grad_norm"] = self.optimizer_step(model, self.optimizer, lr_mult)
         if self.critic is not None:
             out["critic_grad_norm"] = self.optimizer_step(self.critic, self.critic_optimizer, 1.0)
