@@ -96,7 +96,8 @@ for on, flag in (
 lora.check_args(args, parser)  # before fsdp's: --lora-rank with --fsdp is refused whatever the launcher
 fsdp.check_args(args, "chat_rl")
 pass_ks, n = args.pass_k, args.n_samples_per_prompt
-if max(pass_ks) > args.n_samples_per_eval_prompt:
+n_eval, t_eval = args.n_samples_per_eval_prompt, args.eval_temperature  # samples per eval prompt, and their T
+if max(pass_ks) > n_eval:
     parser.error(f"--pass-k {','.join(map(str, pass_ks))} needs --n-samples-per-eval-prompt >= {max(pass_ks)}")
 if args.prompt_data is None and (args.eval_prompt_data or args.apply_chat_template):
     parser.error("--eval-prompt-data and --apply-chat-template only apply with --prompt-data")
@@ -134,9 +135,7 @@ if args.prompt_data:
     train_items, train_task = file_prompts(args.prompt_data, "train")
     eval_items, eval_task = file_prompts(eval_name, "test") if args.eval_prompt_data else (train_items, None)
     if not args.eval_prompt_data:
-        print0(
-            f"no --eval-prompt-data: the eval reads the first {args.eval_max_problems} training prompts (not held out)"
-        )
+        print0(f"no --eval-prompt-data: eval reads the first {args.eval_max_problems} training prompts (not held out)")
 else:
     eval_name = args.eval_task or args.task
     train_items, train_task = task_prompts(args.task, "train")
@@ -173,10 +172,8 @@ for what, k in (("sampling ranks", roles.sworld), ("training ranks", roles.tworl
     if args.rollout_batch_size % k:
         parser.error(f"--rollout-batch-size {args.rollout_batch_size} must divide by the number of {what} {k}")
 if global_batch % (roles.tworld * n):
-    parser.error(
-        f"--global-batch-size {global_batch} must be a multiple of training ranks x --n-samples-per-prompt "
-        f"= {roles.tworld * n}"
-    )
+    unit = f"training ranks x --n-samples-per-prompt = {roles.tworld * n}"
+    parser.error(f"--global-batch-size {global_batch} must be a multiple of {unit}")
 if over_sampling % roles.sworld:
     parser.error(f"--over-sampling-batch-size {over_sampling} must divide by the sampling ranks {roles.sworld}")
 
@@ -234,9 +231,8 @@ def reward_fn(response, label, metadata):
     return rewards.safe_reward(reward_fns[metadata["split"]], response, label, metadata)
 
 
-worker = rollout.RolloutWorker(
-    rollout_cfg, engine, tokenizer, None if reward_cfg.remote else reward_fn, reward_cfg, custom_generate
-)
+local_reward = None if reward_cfg.remote else reward_fn
+worker = rollout.RolloutWorker(rollout_cfg, engine, tokenizer, local_reward, reward_cfg, custom_generate)
 buffer = rollout.RolloutBuffer(buffer_filter)
 print0(attention_backend(device))
 if rollout_cfg.multi_turn and rollout_cfg.tool == "python":  # bwrap: kernel namespaces; guard: the in-process fallback
@@ -264,11 +260,11 @@ def do_rollout(step, version):
 
     model.eval()
     groups, fstats, failure, t0 = [], {}, None, time.time()
-    my_batch = args.rollout_batch_size // roles.sworld
+    share = args.rollout_batch_size // roles.sworld  # this rank's groups
     try:
         with rollout.deadline(args.rollout_timeout):
             groups, fstats = rollout.fill_rollout(
-                my_batch,
+                share,
                 buffer,
                 make_groups,
                 group_filter,
@@ -315,20 +311,17 @@ def train(step, groups, m):
 
 def log_step(step, m, dt):
     eta.step(dt, (step + 1) / args.num_rollouts)
+    tools = ""
+    if rollout_cfg.multi_turn:
+        tools = f" | tools {m['rollout/tool_calls_mean']:.2f} err {m['rollout/tool_errors_mean']:.2f} "
+        tools += f"max_turns {m['rollout/max_turns_hit_mean']:.2f}"
     print0(
         f"step {step + 1:05d}/{args.num_rollouts} | reward {m['rollout/reward_mean']:.3f} "
-        f"| len {m['rollout/response_len_mean']:.1f} | pg {m['train/pg_loss']:+.4f} "
-        f"| clip {m['train/clipfrac']:.3f} "
+        f"| len {m['rollout/response_len_mean']:.1f} | pg {m['train/pg_loss']:+.4f} | clip {m['train/clipfrac']:.3f} "
         f"| ppo_kl {m['train/ppo_kl']:+.2e} | ent {m['train/entropy']:.3f} | gnorm {m['train/grad_norm']:.3f} "
         f"| lp_diff {m['train/train_rollout_logprob_abs_diff']:.1e} | pad {m['train/padding_frac']:.0%} "
         f"| dropped {int(m.get('rollout/groups_dropped', 0))} | dt {dt:.1f}s "
-        f"(rollout {m.get('time/rollout', 0):.1f}s, waiting {m['perf/idle_frac']:.0%}) | eta {eta}"
-        + (
-            f" | tools {m['rollout/tool_calls_mean']:.2f} err {m['rollout/tool_errors_mean']:.2f} "
-            f"max_turns {m['rollout/max_turns_hit_mean']:.2f}"
-            if rollout_cfg.multi_turn
-            else ""
-        )
+        f"(rollout {m.get('time/rollout', 0):.1f}s, waiting {m['perf/idle_frac']:.0%}) | eta {eta}{tools}"
     )
     history.append({"step": step + 1, **m})
     logger.log(m, step=step + 1)
@@ -346,24 +339,12 @@ def evaluate(step):
     my_items = eval_items[roles.srank :: roles.sworld]
     seeds = [10_000_000 + roles.srank + roles.sworld * i for i in range(len(my_items))]  # the prompt's global index
     where = f"rank {rank}: the eval at step {step}"
-    local = rl_eval.local_pass_at_k(
-        worker,
-        my_items,
-        seeds,
-        args.n_samples_per_eval_prompt,
-        args.eval_temperature,
-        pass_ks,
-        step,
-        args.rollout_timeout,
-        where,
-    )
+    local = rl_eval.local_pass_at_k(worker, my_items, seeds, n_eval, t_eval, pass_ks, step, args.rollout_timeout, where)
     out, n_prompts, n_failed = rl_eval.reduce_pass_at_k(local, pass_ks, device, roles.sgroup, ddp)
     if n_failed:
         stop_after_failure(step, n_failed)
-    print0(
-        f"step {step:05d} | eval on {n_prompts} prompts x {args.n_samples_per_eval_prompt} samples "
-        f"(T={args.eval_temperature:g}) | " + " | ".join(f"{k} {v:.4f}" for k, v in out.items())
-    )
+    passes = " | ".join(f"{k} {v:.4f}" for k, v in out.items())
+    print0(f"step {step:05d} | eval on {n_prompts} prompts x {n_eval} samples (T={t_eval:g}) | {passes}")
     return out
 
 
@@ -531,7 +512,6 @@ idle_line = ", ".join(f"{k} {v:.1%}" for k, v in idle_frac.items())
 print0(f"idle fraction (time a {device.type.upper()} rank waited on other ranks): {idle_line}")
 log_json("rl_history", {"train": history, "eval": eval_history, "idle": idle_frac}, rank=rank)
 if master and eval_history:
-    n_eval, t_eval = args.n_samples_per_eval_prompt, args.eval_temperature
     evals = rl_eval_rows(eval_history, eval_name, len(eval_items), n_eval, t_eval)
     wall = {"wall_time_s": round(time.time() - t_start, 1), **idle_frac}
     log_section("Chat RL", [{"reward": rm_name}, evals, wall], config=vars(args))
