@@ -8,7 +8,7 @@ The Trainer takes a TrainerConfig; its flags live here too (add_args, config_fro
 configure. Outside chat_rl build the config directly: TrainerConfig(n_samples_per_prompt=4, max_response_len=64).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.distributed as dist
@@ -89,12 +89,8 @@ def add_args(parser):
         "model's context each) and rows into micro-batches of this many positions, padding included",
     )
     g.add_argument("--weight-decay", type=nonneg_float, default=0.0, help="optimizer weight decay")
-    g.add_argument(
-        "--grad-clip", type=nonneg_float, default=c.grad_clip, help="clip the global gradient norm (0 = off)"
-    )
-    g.add_argument(
-        "--warmup-rollouts", type=nonneg_int, default=c.warmup_rollouts, help="linear LR warmup over this many rollouts"
-    )
+    g.add_argument("--grad-clip", type=nonneg_float, default=c.grad_clip, help="clip the grad norm (0 = off)")
+    g.add_argument("--warmup-rollouts", type=nonneg_int, default=c.warmup_rollouts, help="linear LR warmup (rollouts)")
     g = parser.add_argument_group("advantages and loss (nanorl/rl_trainer.py, nanorl/rl.py)")
     g.add_argument(
         "--advantage-estimator",
@@ -102,45 +98,16 @@ def add_args(parser):
         choices=list(rl.ESTIMATORS),
         help="gspo / cispo: GRPO advantages with GSPO's sequence-level ratio or CISPO's clipped-weight loss",
     )
-    g.add_argument(
-        "--gamma", type=fraction, default=c.gamma, help="discount of reinforce_plus_plus returns and of ppo's GAE"
-    )
-    g.add_argument(
-        "--lambd",
-        type=fraction,
-        default=c.lambd,
-        help="ppo: GAE lambda (1 = Monte Carlo returns minus the critic's baseline)",
-    )
-    g.add_argument(
-        "--critic-lr",
-        type=positive_float,
-        default=None,
-        help="ppo: AdamW learning rate of the critic (required with ppo)",
-    )
-    g.add_argument(
-        "--value-clip",
-        type=nonneg_float,
-        default=c.value_clip,
-        help="ppo: clip the critic's values to within this of the rollout's (0 = off)",
-    )
-    g.add_argument(
-        "--disable-grpo-std-normalization", action="store_true", help="Dr. GRPO: no division by the group std"
-    )
+    g.add_argument("--gamma", type=fraction, default=c.gamma, help="discount of reinforce_plus_plus and ppo returns")
+    g.add_argument("--lambd", type=fraction, default=c.lambd, help="ppo: GAE lambda (1: Monte Carlo returns)")
+    g.add_argument("--critic-lr", type=positive_float, default=None, help="ppo: the critic's AdamW LR (required)")
+    g.add_argument("--value-clip", type=nonneg_float, default=c.value_clip, help="ppo: critic value clip (0 = off)")
+    g.add_argument("--disable-grpo-std-normalization", action="store_true", help="Dr. GRPO: no group-std division")
     g.add_argument("--normalize-advantages", action="store_true", help="whiten advantages across all training ranks")
+    g.add_argument("--eps-clip", type=number_in(float, 0, 1, lo_open=True), default=c.eps_clip, help="PPO clip range")
+    g.add_argument("--eps-clip-high", type=positive_float, default=None, help="clip-higher (DAPO); default --eps-clip")
     g.add_argument(
-        "--eps-clip",
-        type=number_in(float, 0, 1, lo_open=True),
-        default=c.eps_clip,
-        help="PPO clip range (the lower one with --eps-clip-high)",
-    )
-    g.add_argument(
-        "--eps-clip-high", type=positive_float, default=None, help="clip-higher (DAPO); default = --eps-clip"
-    )
-    g.add_argument(
-        "--eps-clip-c",
-        type=number_in(float, 1, lo_open=True),
-        default=None,
-        help="dual clip constant (> 1) for negative advantages",
+        "--eps-clip-c", type=number_in(float, 1, lo_open=True), default=None, help="dual clip (>1) for A < 0"
     )
     g.add_argument("--entropy-coef", type=nonneg_float, default=c.entropy_coef, help="entropy bonus coefficient")
     g.add_argument(
@@ -163,9 +130,7 @@ def add_args(parser):
     )
     g.add_argument("--mask-truncated-samples", action="store_true", help="truncated responses are not trained on")
     g.add_argument("--use-kl-loss", action="store_true", help="add a KL(policy || reference) loss")
-    g.add_argument(
-        "--kl-loss-coef", type=nonneg_float, default=c.kl_loss_coef, help="weight of the KL loss (needs --use-kl-loss)"
-    )
+    g.add_argument("--kl-loss-coef", type=nonneg_float, default=c.kl_loss_coef, help="KL loss weight (--use-kl-loss)")
     g.add_argument(
         "--kl-loss-type",
         default=c.kl_loss_type,
@@ -173,61 +138,21 @@ def add_args(parser):
         help="KL estimator of the KL loss",
     )
     g.add_argument("--kl-coef", type=nonneg_float, default=c.kl_coef, help="KL penalty (k1) folded into the reward")
-    g.add_argument(
-        "--use-opd", action="store_true", help="on-policy distillation: a teacher's log-probs pull the advantages"
-    )
-    g.add_argument(
-        "--opd-kl-coef", type=nonneg_float, default=c.opd_kl_coef, help="OPD: A -= coef * (logp_student - logp_teacher)"
-    )
-    g.add_argument(
-        "--opd-teacher-load", default=None, help="OPD teacher: a checkpoint directory, or source[:tag] e.g. sft:d8"
-    )
-    g.add_argument(
-        "--use-tis",
-        action="store_true",
-        help="truncated importance weights between trainer (old) and rollout log-probs",
-    )
+    g.add_argument("--use-opd", action="store_true", help="on-policy distillation: teacher log-probs shift advantages")
+    g.add_argument("--opd-kl-coef", type=nonneg_float, default=c.opd_kl_coef, help="OPD: A -= coef * (lp - lp_teacher)")
+    g.add_argument("--opd-teacher-load", default=None, help="OPD teacher: checkpoint dir or source[:tag]")
+    g.add_argument("--use-tis", action="store_true", help="truncated importance weights, trainer vs rollout log-probs")
     g.add_argument("--tis-clip", type=positive_float, default=c.tis_clip, help="TIS: upper bound of the weights")
     g.add_argument("--tis-clip-low", type=nonneg_float, default=c.tis_clip_low, help="TIS: lower bound of the weights")
-    g.add_argument(
-        "--tis-mode", default=c.tis_mode, choices=["truncate", "icepop"], help="icepop: weights outside the band are 0"
-    )
+    g.add_argument("--tis-mode", default=c.tis_mode, choices=["truncate", "icepop"], help="icepop: 0 outside the band")
 
 
 def config_from_args(args, parser):
     """The TrainerConfig of the flags (and of chat_rl's --n-samples-per-prompt, --temperature, --max-response-len),
     after checking that they agree: a combination without meaning fails here, before any work, naming both flags."""
-    cfg = TrainerConfig(
-        advantage_estimator=args.advantage_estimator,
-        n_samples_per_prompt=args.n_samples_per_prompt,
-        temperature=args.temperature,
-        max_response_len=args.max_response_len,
-        num_steps_per_rollout=args.num_steps_per_rollout,
-        max_tokens_per_gpu=args.max_tokens_per_gpu,
-        grad_clip=args.grad_clip,
-        warmup_rollouts=args.warmup_rollouts,
-        gamma=args.gamma,
-        lambd=args.lambd,
-        value_clip=args.value_clip,
-        disable_grpo_std_normalization=args.disable_grpo_std_normalization,
-        normalize_advantages=args.normalize_advantages,
-        eps_clip=args.eps_clip,
-        eps_clip_high=args.eps_clip_high,
-        eps_clip_c=args.eps_clip_c,
-        entropy_coef=args.entropy_coef,
-        loss_aggregation=args.loss_aggregation,
-        overlong_buffer_len=args.overlong_buffer_len,
-        overlong_penalty_factor=args.overlong_penalty_factor,
-        mask_truncated_samples=args.mask_truncated_samples,
-        kl_loss_coef=args.kl_loss_coef if args.use_kl_loss else 0.0,
-        kl_loss_type=args.kl_loss_type,
-        kl_coef=args.kl_coef,
-        opd_kl_coef=args.opd_kl_coef,
-        use_tis=args.use_tis,
-        tis_clip=args.tis_clip,
-        tis_clip_low=args.tis_clip_low,
-        tis_mode=args.tis_mode,
-    )
+    # every field is a flag of the same name, but the KL loss is off unless --use-kl-loss
+    kw = {f.name: getattr(args, f.name) for f in fields(TrainerConfig)}
+    cfg = TrainerConfig(**{**kw, "kl_loss_coef": args.kl_loss_coef if args.use_kl_loss else 0.0})
     check_estimator_flags(cfg, args, parser)
     if args.use_kl_loss != (args.kl_loss_coef > 0):
         parser.error("--use-kl-loss and --kl-loss-coef go together: give both (a positive coefficient) or neither")

@@ -9,8 +9,8 @@ with the reward hub, compute advantages, then take --num-steps-per-rollout optim
 The parts live where their names say: prompts in nanorl/prompts.py, generating and scoring samples in
 nanorl/rollout.py (the Sample record and its tensor layout in nanorl/samples.py), graders in nanorl/rewards.py,
 advantages and the one loss path in nanorl/rl_trainer.py (the math and the estimator table in nanorl/rl.py), the
---async roles in nanorl/rl_async.py. Each of those files holds its own flags and config (`--help` lists them by
-group).
+critic and the teacher in nanorl/rl_models.py, the pass@k eval in nanorl/rl_eval.py, the --async roles in
+nanorl/rl_async.py. The parts with flags hold them and their config (`--help` lists them by group).
 
     python -m scripts.chat_rl                                   # offline curriculum, CPU-sized defaults
     torchrun --standalone --nproc_per_node=8 -m scripts.chat_rl -- --task gsm8k --rollout-batch-size 64
@@ -26,30 +26,15 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from nanorl import checkpoint, fsdp, lora, prompts, rewards, rl, rl_async, rl_trainer, rollout
-from nanorl.checkpoint import add_model_args, load_model, load_model_dir, load_model_from_args, rng_state, set_rng_state
-from nanorl.common import (
-    ETA,
-    ArgumentParser,
-    Timer,
-    add_logging_args,
-    compute_cleanup,
-    compute_init,
-    get_base_dir,
-    get_logger,
-    int_list,
-    load_function,
-    mean_over_ranks,
-    nonneg_float,
-    positive_float,
-    positive_int,
-    print0,
-)
+from nanorl import checkpoint, common, fsdp, lora, prompts, rewards, rl_async, rl_eval, rl_trainer, rollout
+from nanorl.checkpoint import add_model_args, load_model_from_args, rng_state, set_rng_state
+from nanorl.common import ETA, ArgumentParser, Timer, nonneg_float, positive_float, positive_int, print0
 from nanorl.engine import Engine
 from nanorl.execution import require_sandbox, sandbox_mode
-from nanorl.gpt import Critic, attention_backend
-from nanorl.optim import MuonAdamW, build_optimizer
+from nanorl.gpt import attention_backend
+from nanorl.optim import build_optimizer
 from nanorl.report import load_json, log_json, log_section, rl_eval_rows
+from nanorl.rl_models import build_critic, load_teacher
 from nanorl.synthetic import levels_flag
 from tasks import get_task
 
@@ -68,45 +53,21 @@ g = parser.add_argument_group("rollouts")
 g.add_argument("--num-rollouts", "--num-rollout", type=positive_int, default=60, help="number of rollouts (= RL steps)")
 g.add_argument("--rollout-batch-size", type=positive_int, default=16, help="prompts per rollout (global)")
 g.add_argument("--n-samples-per-prompt", type=positive_int, default=8, help="group size")
-g.add_argument(
-    "--max-new-tokens",
-    "--max-response-len",
-    "--rollout-max-response-len",
-    dest="max_response_len",
-    type=positive_int,
-    default=256,
-    help="max tokens per response",
-)
-g.add_argument(
-    "--temperature",
-    "--rollout-temperature",
-    type=positive_float,
-    default=1.0,
-    help="rollout temperature; the engine records log-probs of the distribution it samples from and the "
-    "trainer divides its logits by the same temperature",
-)
-g.add_argument(
-    "--lr-scale", type=positive_float, default=0.05, help="multiplier on the base optimizer LRs (RL wants small steps)"
-)
+max_len_flags = ("--max-new-tokens", "--max-response-len", "--rollout-max-response-len")
+g.add_argument(*max_len_flags, dest="max_response_len", type=positive_int, default=256, help="max tokens per response")
+# the engine records log-probs of the distribution it samples from; the trainer divides its logits by the same T
+g.add_argument("--temperature", "--rollout-temperature", type=positive_float, default=1.0, help="rollout temperature")
+g.add_argument("--lr-scale", type=positive_float, default=0.05, help="multiplier on the base LRs (RL: small steps)")
 g = parser.add_argument_group("eval, saving, misc")
-g.add_argument(
-    "--eval-every",
-    "--eval-interval",
-    type=positive_int,
-    default=10,
-    help="evaluate every N rollouts (and before the first and after the last)",
-)
+# the eval also runs before the first rollout and after the last; a save also after the last
+g.add_argument("--eval-every", "--eval-interval", type=positive_int, default=10, help="evaluate every N rollouts")
 g.add_argument("--eval-max-problems", type=positive_int, default=200, help="held-out prompts per eval")
-g.add_argument(
-    "--n-samples-per-eval-prompt", type=positive_int, default=4, help="samples per eval prompt (pass@k needs k of them)"
-)
+g.add_argument("--n-samples-per-eval-prompt", type=positive_int, default=4, help="per eval prompt (>= max k)")
 g.add_argument("--eval-temperature", type=nonneg_float, default=1.0, help="eval sampling temperature")
-g.add_argument("--pass-k", type=int_list, default="1,4", help="comma-separated k for pass@k")
-g.add_argument(
-    "--save-every", "--save-interval", type=positive_int, default=20, help="save every N rollouts (and after the last)"
-)
+g.add_argument("--pass-k", type=common.int_list, default="1,4", help="comma-separated k for pass@k")
+g.add_argument("--save-every", "--save-interval", type=positive_int, default=20, help="save every N rollouts")
 g.add_argument("--resume", action="store_true", help="continue from the latest RL checkpoint")
-add_logging_args(g)
+common.add_logging_args(g)
 g.add_argument("--device-type", default=None, help="cuda | cpu | mps (default: autodetect)")
 g.add_argument("--seed", type=int, default=42, help="seed of the prompt order and of every sample's random stream")
 rollout.add_args(parser)
@@ -135,26 +96,19 @@ for on, flag in (
 lora.check_args(args, parser)  # before fsdp's: --lora-rank with --fsdp is refused whatever the launcher
 fsdp.check_args(args, "chat_rl")
 pass_ks, n = args.pass_k, args.n_samples_per_prompt
-if max(pass_ks) > args.n_samples_per_eval_prompt:
+n_eval, t_eval = args.n_samples_per_eval_prompt, args.eval_temperature  # samples per eval prompt, and their T
+if max(pass_ks) > n_eval:
     parser.error(f"--pass-k {','.join(map(str, pass_ks))} needs --n-samples-per-eval-prompt >= {max(pass_ks)}")
 if args.prompt_data is None and (args.eval_prompt_data or args.apply_chat_template):
     parser.error("--eval-prompt-data and --apply-chat-template only apply with --prompt-data")
 over_sampling = args.over_sampling_batch_size or args.rollout_batch_size  # prompts sampled per round
-group_filter = (
-    load_function(args.dynamic_sampling_filter_path, ["group"], "--dynamic-sampling-filter-path")
-    if args.over_sampling_batch_size is not None
-    else rollout.keep_all_groups
-)
-buffer_filter = load_function(args.buffer_filter_path, ["buffer", "n"], "--buffer-filter-path")
-custom_generate = (
-    load_function(
-        args.custom_generate_function_path,
-        ["config", "engine", "tokenizer", "prompts", "seeds"],
-        "--custom-generate-function-path",
-    )
-    if args.custom_generate_function_path
-    else None
-)
+group_filter, custom_generate = rollout.keep_all_groups, None
+if args.over_sampling_batch_size is not None:
+    group_filter = common.load_function(args.dynamic_sampling_filter_path, ["group"], "--dynamic-sampling-filter-path")
+buffer_filter = common.load_function(args.buffer_filter_path, ["buffer", "n"], "--buffer-filter-path")
+if args.custom_generate_function_path:
+    keys = ["config", "engine", "tokenizer", "prompts", "seeds"]
+    custom_generate = common.load_function(args.custom_generate_function_path, keys, "--custom-generate-function-path")
 
 # -----------------------------------------------------------------------------------------------
 # the prompts and the reward, before any model is built: a bad task, data file or reward flag fails at once
@@ -172,9 +126,8 @@ def task_prompts(name, split):
 
 def file_prompts(path, split):
     """--prompt-data / --eval-prompt-data: prompts from a jsonl, and no task (no grader of their own)."""
-    return prompts.jsonl_prompts(
-        path, split, args.input_key, args.label_key, args.apply_chat_template, label_needed
-    ), None
+    items = prompts.jsonl_prompts(path, split, args.input_key, args.label_key, args.apply_chat_template, label_needed)
+    return items, None
 
 
 if args.prompt_data:
@@ -182,9 +135,7 @@ if args.prompt_data:
     train_items, train_task = file_prompts(args.prompt_data, "train")
     eval_items, eval_task = file_prompts(eval_name, "test") if args.eval_prompt_data else (train_items, None)
     if not args.eval_prompt_data:
-        print0(
-            f"no --eval-prompt-data: the eval reads the first {args.eval_max_problems} training prompts (not held out)"
-        )
+        print0(f"no --eval-prompt-data: eval reads the first {args.eval_max_problems} training prompts (not held out)")
 else:
     eval_name = args.eval_task or args.task
     train_items, train_task = task_prompts(args.task, "train")
@@ -204,41 +155,30 @@ if (args.multi_turn and args.tool == "python") or any(getattr(t, "runs_code", Fa
 # -----------------------------------------------------------------------------------------------
 # setup: ranks and their roles, then the batch sizes that depend on them
 # collectives give up on a missing rank after a while (a hang in native code, a dead node) rather than block forever
-ddp, rank, local_rank, world_size, device = compute_init(
-    args.device_type,
-    seed=args.seed,
-    timeout_s=2 * args.rollout_timeout + 600 if args.rollout_timeout > 0 else None,
-    cpu_collectives=args.cpu_offload,
-)  # (CPU offload: gloo beside NCCL)
+timeout_s = 2 * args.rollout_timeout + 600 if args.rollout_timeout > 0 else None
+ddp, rank, local_rank, world_size, device = common.compute_init(  # (CPU offload: gloo collectives beside NCCL)
+    args.device_type, seed=args.seed, timeout_s=timeout_s, cpu_collectives=args.cpu_offload
+)
 master = rank == 0
 roles = rl_async.split_ranks(args, parser, rank, world_size)
 rollout_samples, steps = args.rollout_batch_size * n, args.num_steps_per_rollout
+rollout_size = f"--rollout-batch-size x --n-samples-per-prompt = {rollout_samples}"
 if args.global_batch_size is None and rollout_samples % steps:
-    parser.error(
-        f"--rollout-batch-size x --n-samples-per-prompt = {rollout_samples} does not divide by "
-        f"--num-steps-per-rollout {steps}"
-    )
+    parser.error(f"{rollout_size} does not divide by --num-steps-per-rollout {steps}")
 global_batch = args.global_batch_size or rollout_samples // steps  # samples per optimizer step
 if global_batch * steps != rollout_samples:
-    parser.error(
-        f"--global-batch-size {global_batch} x --num-steps-per-rollout {steps} must equal "
-        f"--rollout-batch-size x --n-samples-per-prompt = {rollout_samples}"
-    )
+    parser.error(f"--global-batch-size {global_batch} x --num-steps-per-rollout {steps} must equal {rollout_size}")
 for what, k in (("sampling ranks", roles.sworld), ("training ranks", roles.tworld)):
     if args.rollout_batch_size % k:
         parser.error(f"--rollout-batch-size {args.rollout_batch_size} must divide by the number of {what} {k}")
 if global_batch % (roles.tworld * n):
-    parser.error(
-        f"--global-batch-size {global_batch} must be a multiple of training ranks x --n-samples-per-prompt "
-        f"= {roles.tworld * n}"
-    )
+    unit = f"training ranks x --n-samples-per-prompt = {roles.tworld * n}"
+    parser.error(f"--global-batch-size {global_batch} must be a multiple of {unit}")
 if over_sampling % roles.sworld:
-    parser.error(
-        f"--over-sampling-batch-size {over_sampling} must divide by the number of sampling ranks {roles.sworld}"
-    )
+    parser.error(f"--over-sampling-batch-size {over_sampling} must divide by the sampling ranks {roles.sworld}")
 
 # logging first: a missing wandb key stops the run before any model is built
-logger = get_logger(
+logger = common.get_logger(
     args.run, project="nanorl-rl", config=vars(args), master_process=master, tensorboard_dir=args.tensorboard
 )
 
@@ -246,40 +186,18 @@ logger = get_logger(
 model, tokenizer, meta = load_model_from_args(args, device, phase="train")
 if rollout_cfg.multi_turn and tokenizer.encode_special("<|python_start|>") is None:
     parser.error(f"--multi-turn: this model's tokenizer has no tool-call tokens ({args.hf_model or args.source})")
-ref_model = (
-    copy.deepcopy(model).eval().requires_grad_(False)
-    if trainer_cfg.needs_reference and roles.is_trainer and not args.lora_rank
-    else None
-)
-critic = critic_optimizer = teacher = None
+ref_model = critic = critic_optimizer = teacher = None
+if trainer_cfg.needs_reference and roles.is_trainer and not args.lora_rank:
+    ref_model = copy.deepcopy(model).eval().requires_grad_(False)
 if trainer_cfg.needs_critic and roles.is_trainer:
-    critic = Critic(model).to(device)
-    critic_optimizer = MuonAdamW(
-        [
-            dict(
-                params=list(critic.parameters()),
-                kind="adamw",
-                lr=args.critic_lr,
-                initial_lr=args.critic_lr,
-                betas=(0.9, 0.95),
-                eps=1e-8,
-                weight_decay=0.0,
-            )
-        ]
-    )
+    critic, critic_optimizer = build_critic(model, args.critic_lr, device)
 if args.use_opd and roles.is_trainer:
-    t = args.opd_teacher_load
-    if os.path.isdir(t):
-        teacher, _, _ = load_model_dir(t, device=device)
-    else:
-        src, _, tag = t.partition(":")
-        teacher, _, _ = load_model(src, device, model_tag=tag or None)
+    teacher = load_teacher(args.opd_teacher_load, device)
     if teacher.config.vocab_size != model.config.vocab_size:
         parser.error(
-            f"--opd-teacher-load {t}: vocab {teacher.config.vocab_size} differs from the student's "
-            f"{model.config.vocab_size}"
+            f"--opd-teacher-load {args.opd_teacher_load}: vocab {teacher.config.vocab_size} differs from the "
+            f"student's {model.config.vocab_size}"
         )
-    teacher.requires_grad_(False)
 longest_prompt = max(len(prompts.prompt_ids(tokenizer, p)) for p in train_items + eval_items)
 if longest_prompt + 1 > model.config.sequence_len:
     raise SystemExit(
@@ -289,42 +207,21 @@ if longest_prompt + 1 > model.config.sequence_len:
 lora_base = lora.setup(args, model, meta)
 if lora_base and trainer_cfg.needs_reference and roles.is_trainer:
     ref_model = lora.Reference(model)  # the KL reference is the policy with its adapters off: no second copy
-engine = (
-    Engine(
-        model,
-        tokenizer,
-        batch_size=args.engine_batch_size,
-        share_weights=bool(lora_base),
-        max_len=min(model.config.sequence_len, longest_prompt + args.max_response_len),
-    )
-    if roles.is_sampler
-    else None
-)
+engine = trainer = None
+if roles.is_sampler:
+    max_len = min(model.config.sequence_len, longest_prompt + args.max_response_len)
+    engine = Engine(model, tokenizer, batch_size=args.engine_batch_size, share_weights=bool(lora_base), max_len=max_len)
 if args.fsdp:  # the engine copied the whole model above; now shard the policy, before the optimizer is built on it
     fsdp.shard_model(model, device, args.activation_checkpointing, args.cpu_offload)
 if lora_base:  # AdamW on the adapters alone, at its own rate (--lora-lr)
     optimizer = lora.build_lora_optimizer(model, args.lora_lr, args.weight_decay)
 else:
     optimizer = build_optimizer(model, weight_decay=args.weight_decay, lr_scale=args.lr_scale)
-trainer = (
-    rl_trainer.Trainer(
-        trainer_cfg,
-        model,
-        optimizer,
-        device,
-        ref_model,
-        critic,
-        critic_optimizer,
-        teacher,
-        group=roles.tgroup,
-        world=roles.tworld,
-        distributed=ddp,
-    )
-    if roles.is_trainer
-    else None
-)
+if roles.is_trainer:
+    extra_models = (ref_model, critic, critic_optimizer, teacher)
+    trainer = rl_trainer.Trainer(trainer_cfg, model, optimizer, device, *extra_models, roles.tgroup, roles.tworld, ddp)
 output_tag = args.output_tag or meta.get("model_tag") or args.model_tag or "d"
-ckpt_dir = os.path.join(get_base_dir(), "rl_checkpoints", output_tag)
+ckpt_dir = os.path.join(common.get_base_dir(), "rl_checkpoints", output_tag)
 
 source = prompts.PromptSource(train_items, seed=args.seed, rank=roles.srank, world_size=roles.sworld)
 
@@ -334,9 +231,8 @@ def reward_fn(response, label, metadata):
     return rewards.safe_reward(reward_fns[metadata["split"]], response, label, metadata)
 
 
-worker = rollout.RolloutWorker(
-    rollout_cfg, engine, tokenizer, None if reward_cfg.remote else reward_fn, reward_cfg, custom_generate
-)
+local_reward = None if reward_cfg.remote else reward_fn
+worker = rollout.RolloutWorker(rollout_cfg, engine, tokenizer, local_reward, reward_cfg, custom_generate)
 buffer = rollout.RolloutBuffer(buffer_filter)
 print0(attention_backend(device))
 if rollout_cfg.multi_turn and rollout_cfg.tool == "python":  # bwrap: kernel namespaces; guard: the in-process fallback
@@ -364,10 +260,11 @@ def do_rollout(step, version):
 
     model.eval()
     groups, fstats, failure, t0 = [], {}, None, time.time()
+    share = args.rollout_batch_size // roles.sworld  # this rank's groups
     try:
         with rollout.deadline(args.rollout_timeout):
             groups, fstats = rollout.fill_rollout(
-                args.rollout_batch_size // roles.sworld,
+                share,
                 buffer,
                 make_groups,
                 group_filter,
@@ -408,26 +305,23 @@ def train(step, groups, m):
     m.update({f"time/{k}": v for k, v in timer.times.items()})
     m["perf/train_tok_per_s"] = sum(len(s.tokens) for s in samples) / max(timer.times.get("train", 1e-9), 1e-9)
     if ddp:  # the ranks' names may differ (a filter that dropped groups on one rank only): the union is averaged
-        m = mean_over_ranks(m, device, group=roles.tgroup)
+        m = common.mean_over_ranks(m, device, group=roles.tgroup)
     return m
 
 
 def log_step(step, m, dt):
     eta.step(dt, (step + 1) / args.num_rollouts)
+    tools = ""
+    if rollout_cfg.multi_turn:
+        tools = f" | tools {m['rollout/tool_calls_mean']:.2f} err {m['rollout/tool_errors_mean']:.2f} "
+        tools += f"max_turns {m['rollout/max_turns_hit_mean']:.2f}"
     print0(
         f"step {step + 1:05d}/{args.num_rollouts} | reward {m['rollout/reward_mean']:.3f} "
-        f"| len {m['rollout/response_len_mean']:.1f} | pg {m['train/pg_loss']:+.4f} "
-        f"| clip {m['train/clipfrac']:.3f} "
+        f"| len {m['rollout/response_len_mean']:.1f} | pg {m['train/pg_loss']:+.4f} | clip {m['train/clipfrac']:.3f} "
         f"| ppo_kl {m['train/ppo_kl']:+.2e} | ent {m['train/entropy']:.3f} | gnorm {m['train/grad_norm']:.3f} "
         f"| lp_diff {m['train/train_rollout_logprob_abs_diff']:.1e} | pad {m['train/padding_frac']:.0%} "
         f"| dropped {int(m.get('rollout/groups_dropped', 0))} | dt {dt:.1f}s "
-        f"(rollout {m.get('time/rollout', 0):.1f}s, waiting {m['perf/idle_frac']:.0%}) | eta {eta}"
-        + (
-            f" | tools {m['rollout/tool_calls_mean']:.2f} err {m['rollout/tool_errors_mean']:.2f} "
-            f"max_turns {m['rollout/max_turns_hit_mean']:.2f}"
-            if rollout_cfg.multi_turn
-            else ""
-        )
+        f"(rollout {m.get('time/rollout', 0):.1f}s, waiting {m['perf/idle_frac']:.0%}) | eta {eta}{tools}"
     )
     history.append({"step": step + 1, **m})
     logger.log(m, step=step + 1)
@@ -444,32 +338,13 @@ def evaluate(step):
     model.eval()
     my_items = eval_items[roles.srank :: roles.sworld]
     seeds = [10_000_000 + roles.srank + roles.sworld * i for i in range(len(my_items))]  # the prompt's global index
-    sums, failed = [0.0] * (len(pass_ks) + 1), 0.0
-    try:
-        with rollout.deadline(args.rollout_timeout, "the eval"):
-            groups = worker.generate(my_items, seeds, args.eval_temperature, args.n_samples_per_eval_prompt, step)
-            groups = worker.score(groups, count_failures=False)
-        correct = [[s.scalar_reward() >= 0.5 for s in g] for g in groups]
-        sums = [sum(rl.pass_at_k(len(c), sum(c), k) for c in correct) for k in pass_ks] + [len(correct)]
-    except (Exception, rollout.RolloutTimeout) as e:
-        traceback.print_exc()
-        print(
-            f"rank {rank}: the eval at step {step} failed: {type(e).__name__}: {e}\n  in flight: {worker.inflight}",
-            file=sys.stderr,
-            flush=True,
-        )
-        failed = 1.0
-    worker.inflight.clear()
-    vec = torch.tensor(sums + [failed], dtype=torch.float64, device=device)
-    if ddp:
-        dist.all_reduce(vec, group=roles.sgroup)
-    if vec[-1].item():
-        stop_after_failure(step, int(vec[-1].item()))
-    out = {f"eval/pass@{k}": (vec[i] / max(vec[-2], 1)).item() for i, k in enumerate(pass_ks)}
-    print0(
-        f"step {step:05d} | eval on {int(vec[-2])} prompts x {args.n_samples_per_eval_prompt} samples "
-        f"(T={args.eval_temperature:g}) | " + " | ".join(f"{k} {v:.4f}" for k, v in out.items())
-    )
+    where = f"rank {rank}: the eval at step {step}"
+    local = rl_eval.local_pass_at_k(worker, my_items, seeds, n_eval, t_eval, pass_ks, step, args.rollout_timeout, where)
+    out, n_prompts, n_failed = rl_eval.reduce_pass_at_k(local, pass_ks, device, roles.sgroup, ddp)
+    if n_failed:
+        stop_after_failure(step, n_failed)
+    passes = " | ".join(f"{k} {v:.4f}" for k, v in out.items())
+    print0(f"step {step:05d} | eval on {n_prompts} prompts x {n_eval} samples (T={t_eval:g}) | {passes}")
     return out
 
 
@@ -488,13 +363,8 @@ def save(step):
     extra = {"source": source.state_dict(), "buffer": buffer.state_dict(), **rng_state(device)}
     if critic is not None:  # every training rank keeps the same critic (averaged gradients): each saves it
         extra.update(critic=critic.state_dict(), critic_optim=critic_optimizer.state_dict())
-    ck_meta = {
-        **meta,
-        "model_tag": output_tag,
-        "step": step,
-        "rl_args": vars(args),
-        "world_size": world_size,
-    }  # (not the source model's flags)
+    # rl_args: this run's flags (meta's args are the source model's)
+    ck_meta = {**meta, "model_tag": output_tag, "step": step, "rl_args": vars(args), "world_size": world_size}
     if lora_base:  # the adapters alone, and where their base is
         ck_meta["lora"] = lora.checkpoint_meta(model, lora_base)
     # --fsdp: every rank writes its shards (DCP; `python -m nanorl.fsdp consolidate` makes the single file)
@@ -523,10 +393,8 @@ if args.resume:
     old_args = ck_meta.get("rl_args", {})
     diffs = {k: (old_args.get(k), v) for k, v in vars(args).items() if k != "resume" and old_args.get(k) != v}
     if diffs:
-        print0(
-            "warning: resuming with changed RL flags: "
-            + ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in diffs.items())
-        )
+        changed = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in diffs.items())
+    print0(f"warning: resuming with changed RL flags: {changed}")
     print0(f"resumed from {ckpt_dir} step {last}")
 
 # -----------------------------------------------------------------------------------------------
@@ -564,12 +432,8 @@ def sample_payload(step, version):
     """This sampler's share of rollout step+1, as it travels to the trainers."""
     groups, fstats, failure, rollout_s = do_rollout(step, version)
     samples = [s for g in groups for s in g]
-    return {
-        "groups": groups,
-        "failure": failure,
-        "rollout_s": rollout_s,
-        "metrics": worker.metrics(fstats, samples, rollout_s, buffer) if samples else {},
-    }
+    metrics = worker.metrics(fstats, samples, rollout_s, buffer) if samples else {}
+    return {"groups": groups, "failure": failure, "rollout_s": rollout_s, "metrics": metrics}
 
 
 def trainer_loop():
@@ -644,22 +508,12 @@ else:
 # -----------------------------------------------------------------------------------------------
 # report: time each role spent waiting on the others, pass@k before and after
 idle_frac = rl_async.idle_fractions(roles, idle_s, time.time() - t_start, ddp)
-print0(
-    f"idle fraction (time a {device.type.upper()} rank waited on other ranks): "
-    + ", ".join(f"{k} {v:.1%}" for k, v in idle_frac.items())
-)
+idle_line = ", ".join(f"{k} {v:.1%}" for k, v in idle_frac.items())
+print0(f"idle fraction (time a {device.type.upper()} rank waited on other ranks): {idle_line}")
 log_json("rl_history", {"train": history, "eval": eval_history, "idle": idle_frac}, rank=rank)
 if master and eval_history:
-    log_section(
-        "Chat RL",
-        [
-            {"reward": rm_name},
-            rl_eval_rows(
-                eval_history, eval_name, len(eval_items), args.n_samples_per_eval_prompt, args.eval_temperature
-            ),
-            {"wall_time_s": round(time.time() - t_start, 1), **idle_frac},
-        ],
-        config=vars(args),
-    )
+    evals = rl_eval_rows(eval_history, eval_name, len(eval_items), n_eval, t_eval)
+    wall = {"wall_time_s": round(time.time() - t_start, 1), **idle_frac}
+    log_section("Chat RL", [{"reward": rm_name}, evals, wall], config=vars(args))
 logger.finish()
-compute_cleanup()
+common.compute_cleanup()
