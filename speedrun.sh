@@ -104,6 +104,8 @@ gpu_stage() {
 }
 
 # --- the stages ------------------------------------------------------------------------------------
+# chat_rl gets --overwrite: a rerun (--force, or after a failed attempt) starts RL afresh and moves the earlier
+# attempt's steps aside to rl_checkpoints/<tag>.old-<time> rather than letting them hide the new run's
 # tiny-run sizes; NANORL_SMOKE=1 shrinks them to a couple of minutes (the CI test of the whole pipeline)
 if [ "${NANORL_SMOKE:-0}" = "1" ]; then
     BASE_ITERS=20; MID_ITERS=6; SFT_ITERS=6; RL_ROLLOUTS=2; RL_PROMPTS=4; EVAL_N=16; RL_EVAL_N=8; GEN=48; NUM_EX=1000; EVAL_TOK=4096
@@ -123,7 +125,7 @@ if [ $TINY = 1 ]; then
     stage chat_sft   $PY -m scripts.chat_sft --num-iterations $SFT_ITERS --device-batch-size 16 --eval-every $(( SFT_ITERS / 2 )) --eval-tokens $EVAL_TOK --num-examples $NUM_EX --run "$WANDB_RUN"
     stage eval_sft   $PY -m scripts.chat_eval -i sft -a offline -x $EVAL_N -m $GEN --levels 1,2
     stage eval_sft_sampled $PY -m scripts.chat_eval -i sft -a offline -x $EVAL_N -m $GEN --levels 1,2 -n 4 -t 1.0
-    stage chat_rl    $PY -m scripts.chat_rl --levels 1,2 --num-rollouts $RL_ROLLOUTS --rollout-batch-size $RL_PROMPTS --n-samples-per-prompt 8 \
+    stage chat_rl    $PY -m scripts.chat_rl --overwrite --levels 1,2 --num-rollouts $RL_ROLLOUTS --rollout-batch-size $RL_PROMPTS --n-samples-per-prompt 8 \
         --max-response-len $GEN --eval-interval 8 --eval-max-problems $RL_EVAL_N --n-samples-per-eval-prompt 4 --save-interval 8 --run "$WANDB_RUN"
     stage eval_rl    $PY -m scripts.chat_eval -i rl -a offline -x $EVAL_N -m $GEN --levels 1,2
     stage eval_rl_sampled $PY -m scripts.chat_eval -i rl -a offline -x $EVAL_N -m $GEN --levels 1,2 -n 4 -t 1.0
@@ -150,7 +152,7 @@ else
     # 16 samples per prompt, 256 new tokens, T=1, on-policy with advantages r - mean and a token-mean loss (Dr. GRPO:
     # nanochat's objective); the held-out pass@k is nanochat's too: 400 test problems x 8 samples at T=1. Estimated
     # ~10 min on 8xH100 (dev/LOG.md, derived from FLOPs and decode latency, not measured yet).
-    gpu_stage chat_rl    scripts.chat_rl --task gsm8k --num-rollouts 467 --rollout-batch-size 16 --n-samples-per-prompt 16 \
+    gpu_stage chat_rl    scripts.chat_rl --overwrite --task gsm8k --num-rollouts 467 --rollout-batch-size 16 --n-samples-per-prompt 16 \
         --max-response-len 256 --disable-grpo-std-normalization --eval-every 60 --eval-max-problems 400 \
         --n-samples-per-eval-prompt 8 --pass-k 1,8 --save-every 60 --run "$WANDB_RUN"
     gpu_stage eval_rl    scripts.chat_eval -i rl -a arc-easy,arc-challenge,mmlu,gsm8k,humaneval,spellingbee,offline

@@ -21,6 +21,7 @@ import pickle
 import random
 import re
 import shutil
+import time
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -345,11 +346,54 @@ def set_rng_state(extra, device):
 # loading a model to evaluate, serve or train further: a stage's checkpoint or a Hugging Face directory
 
 
+def claim_output_dir(checkpoint_dir, resume, overwrite, rank=0):
+    """A fresh run (no --resume) must not write into a directory holding an earlier run's steps: the chat tools load a
+    tag's latest step, so an old step 60 would hide this run's step 24. Such steps refuse the run in one line naming
+    the ways out; overwrite moves the old directory aside to <dir>.old-<time> (rank 0) rather than deleting it, so
+    nothing is lost if the new run fails before its first save. -> the path it was moved to, or None."""
+    if resume:
+        if overwrite:
+            raise SystemExit("--overwrite starts a new run and --resume continues the old one: pass one of them")
+        return None
+    steps = sorted(_steps_with_files(checkpoint_dir))
+    if not steps:
+        return None
+    held = f"step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps[:5]))}{' ...' if len(steps) > 5 else ''}"
+    if not overwrite:
+        raise SystemExit(
+            f"{checkpoint_dir} already holds {held} of an earlier run, which would hide this run's "
+            f"steps: pass --resume to continue it, another --output-tag, or --overwrite to move it aside"
+        )
+    moved = stamp = f"{checkpoint_dir.rstrip(os.sep)}.old-{time.strftime('%Y%m%d-%H%M%S')}"
+    for i in range(1, 100):  # two runs moved aside within one second keep both
+        if not os.path.exists(moved):
+            break
+        moved = f"{stamp}-{i}"
+    if rank == 0:
+        os.rename(checkpoint_dir, moved)
+        print0(f"--overwrite: moved the earlier run's {held} aside to {moved}")
+    return moved
+
+
+def describe_checkpoint(checkpoint_dir, step):
+    """ "sft checkpoint d4 step 80" for <base>/sft_checkpoints/d4 (a directory elsewhere: "checkpoint step 80")."""
+    parent, tag = os.path.split(os.path.abspath(checkpoint_dir))
+    source = os.path.basename(parent).removesuffix("_checkpoints")
+    return f"{source} checkpoint {tag} step {step}" if source in SOURCES else f"checkpoint step {step}"
+
+
 def load_model_dir(checkpoint_dir, step=None, device="cpu", phase="eval"):
-    """Rebuild the GPT from a checkpoint's metadata and weights, plus the tokenizer. -> (model, tokenizer, meta)"""
+    """Rebuild the GPT from a checkpoint's metadata and weights, plus the tokenizer, and say which step it loaded
+    (a run never silently uses another step than the one its user meant). -> (model, tokenizer, meta)"""
+    step = find_last_step(checkpoint_dir) if step is None else step
+    loaded = _load_model_dir(checkpoint_dir, step, device, phase)
+    print0(f"loaded {describe_checkpoint(checkpoint_dir, step)} from {os.path.abspath(checkpoint_dir)}")
+    return loaded
+
+
+def _load_model_dir(checkpoint_dir, step, device, phase):
     from nanorl.tokenizer import get_tokenizer
 
-    step = find_last_step(checkpoint_dir) if step is None else step
     model_state, _, meta, _ = load_checkpoint(checkpoint_dir, step, device=device)
     if meta.get("lora"):  # adapters only, and a pointer to their base: nanorl/lora.py builds the merged model
         from nanorl.lora import load_lora_checkpoint
@@ -400,6 +444,7 @@ def load_hf(directory, device, phase="eval"):
         )
     model.train() if phase == "train" else model.eval()
     directory = os.path.abspath(directory)
+    print0(f"loaded Hugging Face model {directory}")
     meta = {
         "model_config": model.config.to_dict(),
         "model_tag": os.path.basename(directory.rstrip("/")),

@@ -464,6 +464,14 @@ class ETA:
 
     def __init__(self, progress=0.0, window=20):
         self.progress, self.recent = progress, deque(maxlen=window)  # (seconds, progress gained) per step
+        self.last = time.time()  # tick's clock
+
+    def tick(self, progress, now=None):
+        """Record a step by the wall clock since the previous tick (or since this ETA was made): whatever ran between
+        two step lines (an eval, a save) counts, so the estimate includes their share of the time left."""
+        now = time.time() if now is None else now
+        self.step(now - self.last, progress)
+        self.last = now
 
     def step(self, seconds, progress, timed=True):
         """Record a step that took `seconds` and left the run at `progress`; timed=False for warm-up steps

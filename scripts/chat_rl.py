@@ -26,7 +26,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from nanorl import checkpoint, common, fsdp, lora, prompts, rewards, rl_async, rl_eval, rl_trainer, rollout
+from nanorl import checkpoint, common, fsdp, lora, prompts, rewards, rl_async, rl_eval, rl_progress, rl_trainer, rollout
 from nanorl.checkpoint import add_model_args, load_model_from_args, rng_state, set_rng_state
 from nanorl.common import ETA, ArgumentParser, Timer, nonneg_float, positive_float, positive_int, print0
 from nanorl.engine import Engine
@@ -40,7 +40,7 @@ from tasks import get_task
 
 # -----------------------------------------------------------------------------------------------
 # flags: the core ones here; rollout, reward, training-step and async flags next to the code they configure
-parser = ArgumentParser(description="RL on a chat model (GRPO family)")
+parser = ArgumentParser(description="RL on a chat model (GRPO family)", epilog=rl_progress.step_legend())
 g = parser.add_argument_group("model and data")
 add_model_args(g, "sft")  # --source, --model-tag, --model-step, --hf-model
 g.add_argument("--task", default="offline", help="RL prompts: offline (the synthetic curriculum) or gsm8k")
@@ -67,6 +67,9 @@ g.add_argument("--eval-temperature", type=nonneg_float, default=1.0, help="eval 
 g.add_argument("--pass-k", type=common.int_list, default="1,4", help="comma-separated k for pass@k")
 g.add_argument("--save-every", "--save-interval", type=positive_int, default=20, help="save every N rollouts")
 g.add_argument("--resume", action="store_true", help="continue from the latest RL checkpoint")
+g.add_argument(
+    "--overwrite", action="store_true", help="a new run into a tag holding steps: move them to <tag>.old-<time>"
+)
 common.add_logging_args(g)
 g.add_argument("--device-type", default=None, help="cuda | cpu | mps (default: autodetect)")
 g.add_argument("--seed", type=int, default=42, help="seed of the prompt order and of every sample's random stream")
@@ -222,6 +225,7 @@ if roles.is_trainer:
     trainer = rl_trainer.Trainer(trainer_cfg, model, optimizer, device, *extra_models, roles.tgroup, roles.tworld, ddp)
 output_tag = args.output_tag or meta.get("model_tag") or args.model_tag or "d"
 ckpt_dir = os.path.join(common.get_base_dir(), "rl_checkpoints", output_tag)
+checkpoint.claim_output_dir(ckpt_dir, args.resume, args.overwrite, rank)  # an old run's steps never hide this one's
 
 source = prompts.PromptSource(train_items, seed=args.seed, rank=roles.srank, world_size=roles.sworld)
 
@@ -241,6 +245,7 @@ print0(
     f"RL on {len(train_items)} prompts ({args.prompt_data or args.task}), eval on {len(eval_items)} ({eval_name}), "
     f"{world_size} rank(s), device {device}"
 )
+print0(rl_progress.step_legend())
 
 # -----------------------------------------------------------------------------------------------
 # rollout: this rank's share of one rollout, and what happens when a rank's rollout fails
@@ -310,7 +315,7 @@ def train(step, groups, m):
 
 
 def log_step(step, m, dt):
-    eta.step(dt, (step + 1) / args.num_rollouts)
+    eta.tick((step + 1) / args.num_rollouts)  # wall clock between step lines: evals and saves count
     tools = ""
     if rollout_cfg.multi_turn:
         tools = f" | tools {m['rollout/tool_calls_mean']:.2f} err {m['rollout/tool_errors_mean']:.2f} "
@@ -469,7 +474,7 @@ prev = load_json("rl_history", {}) if start_step > 0 else {}
 history = [h for h in prev.get("train", []) if h["step"] <= start_step]
 eval_history = [e for e in prev.get("eval", []) if e["step"] <= start_step]
 if start_step == 0 and roles.is_sampler:
-    eval_history.append({"step": 0, **evaluate(0)})
+    rl_progress.log_eval(logger, eval_history, 0, evaluate(0))  # the curves' "before" point
 idle_s = 0.0  # seconds this rank spent waiting on other ranks instead of computing
 
 if roles.async_mode:
@@ -508,12 +513,13 @@ else:
 # -----------------------------------------------------------------------------------------------
 # report: time each role spent waiting on the others, pass@k before and after
 idle_frac = rl_async.idle_fractions(roles, idle_s, time.time() - t_start, ddp)
-idle_line = ", ".join(f"{k} {v:.1%}" for k, v in idle_frac.items())
-print0(f"idle fraction (time a {device.type.upper()} rank waited on other ranks): {idle_line}")
+if idle_line := rl_progress.idle_line(idle_frac, device.type, world_size):  # one rank waits on nobody
+    print0(idle_line)
 log_json("rl_history", {"train": history, "eval": eval_history, "idle": idle_frac}, rank=rank)
 if master and eval_history:
     evals = rl_eval_rows(eval_history, eval_name, len(eval_items), n_eval, t_eval)
     wall = {"wall_time_s": round(time.time() - t_start, 1), **idle_frac}
     log_section("Chat RL", [{"reward": rm_name}, evals, wall], config=vars(args))
+print0(rl_progress.rl_summary(eval_history, ckpt_dir, checkpoint.find_last_step(ckpt_dir), output_tag))
 logger.finish()
 common.compute_cleanup()

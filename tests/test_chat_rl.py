@@ -120,7 +120,19 @@ def test_first_step_is_exactly_on_policy(base_dir):
     # at a rollout temperature != 1 too: the engine records the log-probs of the distribution it samples from, the
     # trainer computes them at the same temperature, so TIS weights are 1; and on every step, not only the first:
     # the engine's own copy of the weights is refreshed after each optimizer step
-    hist, log = run_rl(base_dir, "--num-rollouts", "2", "--output-tag", "onpolicy", "--temperature", "0.7", "--use-tis")
+    tb = base_dir / "tb_onpolicy"
+    hist, log = run_rl(
+        base_dir,
+        "--num-rollouts",
+        "2",
+        "--output-tag",
+        "onpolicy",
+        "--temperature",
+        "0.7",
+        "--use-tis",
+        "--tensorboard",
+        str(tb),
+    )
     first = hist["train"][0]
     assert first["train/first_step_ppo_kl"] == 0.0 and first["train/clipfrac"] == 0.0
     for h in hist["train"]:
@@ -128,6 +140,33 @@ def test_first_step_is_exactly_on_policy(base_dir):
         assert abs(h["train/tis_mean"] - 1.0) < 1e-4 and h["train/tis_clipfrac"] == 0.0
     assert first["rollout/reward_std"] > 0 and first["train/grad_norm"] > 0
     assert "eval/pass@1" in hist["eval"][0] and len(hist["eval"]) == 2  # before the first and after the last
+    # the run explains itself: the step line's legend first, the summary last; one rank prints no idle fractions
+    ev, ck = hist["eval"], base_dir / "rl_checkpoints" / "onpolicy"
+    assert "step line: reward = " in log.split("step 00001/")[0] and "idle fraction" not in log
+    assert log.rstrip().endswith(
+        f"  pass@1: {ev[0]['eval/pass@1']:.4f} -> {ev[1]['eval/pass@1']:.4f} "
+        f"({100 * (ev[1]['eval/pass@1'] - ev[0]['eval/pass@1']):+.1f} pts, step 0 -> 2)\n"
+        f"  pass@2: {ev[0]['eval/pass@2']:.4f} -> {ev[1]['eval/pass@2']:.4f} "
+        f"({100 * (ev[1]['eval/pass@2'] - ev[0]['eval/pass@2']):+.1f} pts, step 0 -> 2)\n"
+        f"  saved: step 2 in {ck}\n  chat with it: python -m scripts.chat_cli -i rl -g onpolicy"
+    )
+    assert f"loaded sft checkpoint t step 0 from {base_dir / 'sft_checkpoints' / 't'}" in log
+    # the logger's curves start at a "before" point: the step-0 eval
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tb))
+    acc.Reload()
+    points = acc.Scalars("eval/pass@1")
+    assert [e.step for e in points] == [0, 2]
+    assert [e.value for e in points] == pytest.approx([ev[0]["eval/pass@1"], ev[1]["eval/pass@1"]])
+    # a fresh run into the same tag would hide behind step 2: refused in one line, before any rollout
+    out = run_rl(base_dir, "--num-rollouts", "1", "--output-tag", "onpolicy", check=False)
+    assert out.returncode == 1 and "step 00001" not in out.stdout, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"{ck} already holds step 2 of an earlier run, which would hide this "
+        "run's steps: pass --resume to continue it, another --output-tag, "
+        "or --overwrite to move it aside"
+    )
 
 
 @pytest.mark.parametrize(
@@ -275,7 +314,9 @@ def test_dynamic_sampling_when_the_ranks_filters_disagree(base_dir):
     ],
 )
 def test_estimators_and_options_run(base_dir, flags):
-    hist, log = run_rl(base_dir, "--num-rollouts", "2", "--output-tag", "opts", *flags)
+    hist, log = run_rl(
+        base_dir, "--num-rollouts", "2", "--output-tag", "opts", "--overwrite", *flags
+    )  # one tag for all
     for h in hist["train"]:
         assert all(v == v for v in h.values() if isinstance(v, float))  # no NaN anywhere
     if "--num-steps-per-rollout" in flags:

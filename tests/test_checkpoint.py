@@ -225,3 +225,66 @@ def test_model_flags_pick_the_checkpoint_that_load_model_reads(tmp_path, monkeyp
     args = p.parse_args(["--model-tag", "b", "--step", "5"])
     assert vars(args) == {"model_tag": "b", "model_step": 5}
     assert load_model_from_args(args, "cpu", source="mid")[2]["model_tag"] == "b"
+
+
+def _save_tiny(d, step):
+    model = tiny_model()
+    save_checkpoint(str(d), step, model.state_dict(), None, {"model_config": CFG.to_dict(), "step": step})
+
+
+def test_a_fresh_run_refuses_a_folder_with_an_earlier_runs_steps(tmp_path):
+    from nanorl.checkpoint import claim_output_dir
+
+    d = tmp_path / "rl_checkpoints" / "d4"
+    assert claim_output_dir(str(d), resume=False, overwrite=False) is None  # no folder yet
+    d.mkdir(parents=True)
+    (d / "notes.txt").write_text("x")
+    assert claim_output_dir(str(d), resume=False, overwrite=False) is None  # a folder with no steps
+    _save_tiny(d, 20)
+    _save_tiny(d, 60)
+    with pytest.raises(SystemExit) as e:
+        claim_output_dir(str(d), resume=False, overwrite=False)
+    msg = str(e.value)
+    assert "\n" not in msg and f"{d} already holds steps 20, 60 of an earlier run" in msg
+    assert all(w in msg for w in ("--resume", "--output-tag", "--overwrite"))
+    assert claim_output_dir(str(d), resume=True, overwrite=False) is None and find_last_step(str(d)) == 60
+    with pytest.raises(SystemExit, match="pass one of them"):
+        claim_output_dir(str(d), resume=True, overwrite=True)
+
+
+def test_overwrite_moves_the_old_steps_aside_not_away(tmp_path, capsys):
+    from nanorl.checkpoint import claim_output_dir
+
+    d = tmp_path / "d4"
+    _save_tiny(d, 60)
+    assert claim_output_dir(str(d), resume=False, overwrite=True, rank=1) is not None and d.exists()  # rank 0 moves
+    moved = claim_output_dir(str(d), resume=False, overwrite=True)
+    assert not d.exists() and moved.startswith(str(d) + ".old-") and find_last_step(moved) == 60
+    assert f"moved the earlier run's step 60 aside to {moved}" in capsys.readouterr().out
+    _save_tiny(d, 5)  # a second overwrite within the same second keeps both old folders
+    again = claim_output_dir(str(d), resume=False, overwrite=True)
+    assert again != moved and find_last_step(again) == 5 and find_last_step(moved) == 60
+
+
+def test_loading_a_checkpoint_says_which_source_tag_and_step(tmp_path, monkeypatch, capsys):
+    import types
+
+    import nanorl.tokenizer
+    from nanorl.checkpoint import load_model
+
+    monkeypatch.setattr(nanorl.tokenizer, "get_tokenizer", lambda: types.SimpleNamespace(vocab_size=CFG.vocab_size))
+    d = tmp_path / "sft_checkpoints" / "d4"
+    for step in (40, 80):
+        _save_tiny(d, step)
+    monkeypatch.setenv("NANORL_BASE_DIR", str(tmp_path))
+    capsys.readouterr()
+    load_model("sft", "cpu")
+    assert capsys.readouterr().out == f"loaded sft checkpoint d4 step 80 from {d}\n"
+    load_model("sft", "cpu", model_tag="d4", step=40)
+    assert capsys.readouterr().out == f"loaded sft checkpoint d4 step 40 from {d}\n"
+    load_model_dir(str(d), 40)
+    assert capsys.readouterr().out == f"loaded sft checkpoint d4 step 40 from {d}\n"
+    elsewhere = tmp_path / "teacher"
+    d.rename(elsewhere)
+    load_model_dir(str(elsewhere))
+    assert capsys.readouterr().out == f"loaded checkpoint step 80 from {elsewhere}\n"

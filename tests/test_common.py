@@ -298,3 +298,13 @@ def test_load_function_errors(tmp_path):
         load_function(f"{f}:rm", ["a", "b", "c"], "--custom-rm-path")
     with pytest.raises(ValueError, match="module:function"):
         load_function("justaname", ["a"], "--x")
+
+
+def test_eta_tick_counts_the_time_between_step_lines():
+    # what runs between two step lines (an eval, a save) is part of the pace: 3 steps of 10 s with a 30 s eval after
+    # the second -> 60 s for 0.3 of progress; 0.7 left -> 140 s
+    eta = ETA(window=5)
+    eta.last = 1000.0
+    for now, progress in [(1010.0, 0.1), (1020.0, 0.2), (1060.0, 0.3)]:
+        eta.tick(progress, now=now)
+    assert eta.minutes() == pytest.approx(60 / 0.3 * 0.7 / 60) and eta.last == 1060.0
