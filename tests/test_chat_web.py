@@ -1557,6 +1557,8 @@ def test_port_in_use_is_one_line_and_port_0_is_reported(server):
         text=True,
     )
     try:
+        loaded = proc.stdout.readline()  # checkpoint.load_model names what it loaded first
+        assert loaded.startswith("loaded sft checkpoint t step 0 from "), loaded
         line = proc.stdout.readline()
         assert line.startswith("serving nanorl-sft-t on 1 replica(s) (cpu) at http://127.0.0.1:"), line
         url = line.split(" at ")[1].split()[0]
