@@ -8,8 +8,6 @@ import json
 import logging
 import time
 
-from fastapi.responses import JSONResponse
-
 from nanorl.openai_api import error_body
 from nanorl.serving import Trace
 
@@ -135,6 +133,8 @@ class BodyGuard:
                 conn.arm()
 
     def _refuse(self, status, message, code):
+        from fastapi.responses import JSONResponse  # fastapi only where a server runs
+
         return JSONResponse(error_body(message, code=code), status, headers={"connection": "close"})
 
     async def _call(self, scope, receive, send):

@@ -15,7 +15,6 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
-from fastapi.responses import StreamingResponse
 
 from nanorl.engine import Request
 from nanorl.openai_api import BadRequest, ServeConfig, error_body
@@ -335,6 +334,8 @@ def sse(obj):
 
 
 def event_stream(events):
+    from fastapi.responses import StreamingResponse  # fastapi only where a server runs
+
     return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
