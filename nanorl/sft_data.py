@@ -96,7 +96,11 @@ class SFTLoader:
     @property
     def progress(self):
         """Epochs done, fractional: the LR schedule and the stopping rule follow it."""
-        return self.epoch + self.cursor / len(self.order)
+        return self.progress_at(self.state_dict())
+
+    def progress_at(self, state):
+        """Epochs done at a state_dict() (the training loop reads the loader one step ahead of the model)."""
+        return state["epoch"] + state["cursor"] / len(self.order)
 
     def next_batch(self):
         """(inputs, targets, doc_ids), each (B, T) long tensors on the device; None when the data is used up."""
@@ -124,6 +128,8 @@ class SFTLoader:
             return None
         self.stats["positions"] += B * T
         self.stats["loss_tokens"] += int((targets >= 0).sum())
+        if torch.device(self.device).type == "cuda":  # a copy from pinned memory that does not wait for the device
+            return tuple(t.pin_memory().to(self.device, non_blocking=True) for t in (inputs, targets, doc_ids))
         return inputs.to(self.device), targets.to(self.device), doc_ids.to(self.device)
 
     def __iter__(self):
@@ -131,7 +137,7 @@ class SFTLoader:
             yield batch
 
     def padding_fraction(self):
-        return self.stats["padding"] / max(self.stats["positions"], 1)
+        return padding_fraction(self.state_dict())
 
     def state_dict(self):
         return {
@@ -146,6 +152,11 @@ class SFTLoader:
         self.order = self._make_order()
         self.pool = [self._render(i) for i in state["pool"]]
         self.stats = dict(state["stats"])
+
+
+def padding_fraction(state):
+    """The fraction of packed positions that are padding, at a loader's state_dict()."""
+    return state["stats"]["padding"] / max(state["stats"]["positions"], 1)
 
 
 # -----------------------------------------------------------------------------------------------

@@ -44,7 +44,7 @@ from nanorl.common import (
 from nanorl.gpt import attention_backend
 from nanorl.optim import build_optimizer
 from nanorl.report import data_seen, log_json, log_section
-from nanorl.sft_data import SFTLoader, build_data, levels
+from nanorl.sft_data import SFTLoader, build_data, levels, padding_fraction
 from nanorl.synthetic import levels_flag
 from tasks import ARC, GSM8K, CustomJSON, OfflineChat, OfflineProblems, SmolTalk, SpellingBee, TaskMixture
 
@@ -196,14 +196,14 @@ def eval_loss(model, loader, max_batches, autocast):
 
 
 def train_step(model, optimizer, batches, autocast, world_size):
-    """One optimizer step over the grad-accumulation micro-batches -> the step's token-mean loss over all ranks.
+    """One optimizer step over the grad-accumulation micro-batches -> the step's token-mean loss over all ranks, a
+    device tensor: nothing here waits for the device, so the caller packs the next batches while it works.
     Each micro-batch's summed loss is divided by the step's token count on all ranks (times world size, since the
     optimizer averages gradients across ranks): every target token of the step weighs the same."""
-    device = batches[0][0].device
-    n_tok = torch.tensor(float(sum(int((y >= 0).sum()) for _, y, _ in batches)), device=device)
+    n_tok = sum((y >= 0).sum() for _, y, _ in batches).float()  # counted on the device: no host sync
     if dist.is_initialized():
         dist.all_reduce(n_tok)
-    loss_sum = torch.zeros((), device=device)
+    loss_sum = torch.zeros((), device=n_tok.device)
     for x, y, d in batches:
         with autocast:
             loss = model(x, y, doc_ids=d, loss_reduction="sum")
@@ -211,10 +211,9 @@ def train_step(model, optimizer, batches, autocast, world_size):
         loss_sum += loss.detach()
     if dist.is_initialized():
         dist.all_reduce(loss_sum)  # the logged loss is the whole step's, not rank 0's share
-    step_loss = (loss_sum / n_tok.clamp(min=1)).item()
     optimizer.step()
     model.zero_grad(set_to_none=True)
-    return step_loss
+    return loss_sum / n_tok.clamp(min=1)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -245,10 +244,10 @@ def batch_plan(device_batch_size, total_batch_size, T, world_size):
     return total, total // tokens_per_micro
 
 
-def agreed_progress(step, loader, args, device):
+def agreed_progress(step, epochs_done, args, device):
     """Training progress 0..1 by steps or epochs. Every rank must agree on the LR and on when to stop: all take the
     furthest rank's progress."""
-    p = step / args.num_iterations if args.num_iterations > 0 else loader.progress / args.num_epochs
+    p = step / args.num_iterations if args.num_iterations > 0 else epochs_done / args.num_epochs
     if dist.is_initialized():
         t = torch.tensor(p, dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -290,18 +289,18 @@ def make_loaders(args, train_task, val_task, tokenizer, T, rank, world_size, dev
     return loader, val_loader
 
 
-def checkpointer(args, stage, meta, model, optimizer, loader, lora_base, rank, world_size):
-    """-> (this run's checkpoint folder, checkpoint(step) that saves there). Under --fsdp every rank writes its
+def checkpointer(args, stage, meta, model, optimizer, lora_base, rank, world_size):
+    """-> (this run's checkpoint folder, checkpoint(step, loader state) that saves there). Under --fsdp every rank writes its
     shards; `python -m nanorl.fsdp consolidate` joins them."""
     output_tag = args.output_tag or meta.get("model_tag") or args.model_tag or "d"
     ckpt_dir = os.path.join(get_base_dir(), f"{stage}_checkpoints", output_tag)
 
-    def checkpoint(step):
+    def checkpoint(step, loader_state):
         ck_meta = {**meta, "model_tag": output_tag, "step": step, "stage": stage, f"{stage}_args": vars(args)}
         ck_meta["world_size"] = world_size  # (not the source model's)
         if lora_base:  # the adapters alone, and where their base is
             ck_meta["lora"] = lora.checkpoint_meta(model, lora_base)
-        save(ckpt_dir, step, model, optimizer, ck_meta, {"loader": loader.state_dict()}, rank, args.keep_last)
+        save(ckpt_dir, step, model, optimizer, ck_meta, {"loader": loader_state}, rank, args.keep_last)
 
     return ckpt_dir, checkpoint
 
@@ -341,7 +340,7 @@ def train(args, stage, train_task, val_task, data_desc):
     optimizer = make_optimizer(model, args, lora_base)
     loader, val_loader = make_loaders(args, train_task, val_task, tokenizer, T, rank, world_size, device)
     eval_batches = max(1, args.eval_tokens // (plan.total // plan.grad_accum))
-    ckpt_dir, checkpoint = checkpointer(args, stage, meta, model, optimizer, loader, lora_base, rank, world_size)
+    ckpt_dir, checkpoint = checkpointer(args, stage, meta, model, optimizer, lora_base, rank, world_size)
 
     step = 0
     if args.resume:  # model and optimizer (or their shards), this rank's data position beside them
@@ -350,7 +349,11 @@ def train(args, stage, train_task, val_task, data_desc):
         print0(f"resumed from {ckpt_dir} step {step} (epoch {loader.epoch}, {loader.cursor} conversations in)")
 
     val_losses, t0, train_time, smooth = [], time.time(), 0.0, None
-    progress = agreed_progress(step, loader, args, device)
+    # the loader runs one step ahead (below): `consumed` is its position after the steps done so far, what a checkpoint
+    # resumes from and what the LR schedule reads; `batches` are the next step's rows, already packed
+    consumed = loader.state_dict()
+    batches = [loader.next_batch() for _ in range(plan.grad_accum)]  # an endless loader never returns None
+    progress = agreed_progress(step, loader.progress_at(consumed), args, device)
     eta = ETA(progress)
     while True:
         last_step = progress >= 1.0
@@ -365,37 +368,43 @@ def train(args, stage, train_task, val_task, data_desc):
         for g in optimizer.param_groups:
             g["lr"] = g["initial_lr"] * lrm
         t_step = time.time()
-        batches = [loader.next_batch() for _ in range(plan.grad_accum)]  # an endless loader never returns None
-        step_loss = train_step(compiled, optimizer, batches, autocast, world_size)
+        loss = train_step(compiled, optimizer, batches, autocast, world_size)
         step += 1
+        # pack the next step's rows on the host while the device still works through this one, as base_train does
+        consumed = loader.state_dict()
+        batches = [loader.next_batch() for _ in range(plan.grad_accum)]
+        step_loss = loss.item()  # the step's one wait for the device
         dt = time.time() - t_step
         train_time += dt
         smooth = step_loss if smooth is None else 0.9 * smooth + 0.1 * step_loss
-        progress = agreed_progress(step, loader, args, device)  # after the step: what the ETA and the stop rule see
+        progress = agreed_progress(
+            step, loader.progress_at(consumed), args, device
+        )  # after the step: what the ETA and the stop rule see
         eta.step(dt, progress)
         if step % 10 == 0 or step == 1:
             print0(
                 f"step {step:5d} | loss {step_loss:.4f} (ema {smooth:.4f}) | lrm {lrm:.3f} "
-                f"| progress {progress:.3f} | {dt * 1000:.0f} ms | padding {loader.padding_fraction():.1%} "
+                f"| progress {progress:.3f} | {dt * 1000:.0f} ms | padding {padding_fraction(consumed):.1%} "
                 f"| eta {eta}"
             )
         logger.log({"step": step, "train/loss": step_loss, "train/lrm": lrm, "train/progress": progress})
         if args.save_every > 0 and step % args.save_every == 0 and not progress >= 1.0:
-            checkpoint(step)  # (the last step is saved below, once)
-    checkpoint(step)
+            checkpoint(step, consumed)  # (the last step is saved below, once)
+    checkpoint(step, consumed)
     times = (train_time, time.time() - t0)
-    report(args, stage, meta, data_desc, train_task, val_task, loader, plan, step, times, val_losses, ckpt_dir)
+    report(args, stage, meta, data_desc, train_task, val_task, consumed, plan, step, times, val_losses, ckpt_dir)
     logger.finish()
     compute_cleanup()
-    return {"step": step, "val_losses": val_losses, "checkpoint_dir": ckpt_dir, "stats": loader.stats}
+    return {"step": step, "val_losses": val_losses, "checkpoint_dir": ckpt_dir, "stats": consumed["stats"]}
 
 
-def report(args, stage, meta, data_desc, train_task, val_task, loader, plan, step, times, val_losses, ckpt_dir):
-    """The closing line and the stage's report section; times is (train time, wall time) in seconds."""
-    s, (train_time, wall_time) = loader.stats, times
+def report(args, stage, meta, data_desc, train_task, val_task, consumed, plan, step, times, val_losses, ckpt_dir):
+    """The closing line and the stage's report section; consumed is the loader's state after the last step, times is
+    (train time, wall time) in seconds."""
+    s, (train_time, wall_time) = consumed["stats"], times
     print0(
         f"done: {step} steps in {train_time:.0f}s, final val loss {val_losses[-1][1]:.4f}, "
-        f"padding {loader.padding_fraction():.1%}, truncated {s['truncated']} of {s['conversations']} "
+        f"padding {padding_fraction(consumed):.1%}, truncated {s['truncated']} of {s['conversations']} "
         f"conversations; saved to {ckpt_dir}"
     )
     log_section(
@@ -414,12 +423,12 @@ def report(args, stage, meta, data_desc, train_task, val_task, loader, plan, ste
             },
             {
                 "steps": step,
-                "data seen": data_seen(s["conversations"] - len(loader.pool), len(train_task), plan.world_size),
+                "data seen": data_seen(s["conversations"] - len(consumed["pool"]), len(train_task), plan.world_size),
                 "train time (s)": round(train_time, 1),
                 "wall time (s)": round(wall_time, 1),
                 "val loss (start)": val_losses[0][1],
                 "val loss (end)": val_losses[-1][1],
-                "padding fraction (rank 0)": loader.padding_fraction(),
+                "padding fraction (rank 0)": padding_fraction(consumed),
                 "truncated conversations (rank 0)": f"{s['truncated']} of {s['conversations']}",
                 "conversations with nothing to train on (rank 0)": s["no_target"],
             },

@@ -12,6 +12,7 @@ from nanorl.sft_data import SFTLoader, render_example
 from nanorl.tokenizer import SPLIT_PATTERN, Tokenizer
 from scripts.chat_sft import lr_multiplier
 from tasks import OfflineChat, OfflineProblems, Task, TaskMixture
+from test_chat_rl import base_dir  # noqa: F401  (a tokenizer and a tiny 'sft' checkpoint, tag t)
 
 
 @pytest.fixture(scope="module")
@@ -307,3 +308,44 @@ def test_sft_beats_the_base_model_on_held_out_offline_problems(tmp_path, monkeyp
         acc[source] = sums["correct"] / sums["problems"]
     print(f"held-out level-1 accuracy: base {acc['base']:.2f}, sft {acc['sft']:.2f}")
     assert acc["sft"] >= acc["base"] + 0.2, acc
+
+
+def test_sft_packs_the_next_step_while_the_device_works(base_dir, monkeypatch):  # noqa: F811
+    """The loop packs step s+1's rows after launching step s and before waiting for its loss (on a GPU the host packs
+    while the device computes), and its checkpoint holds the loader's position after step s, not the prefetched one."""
+    from argparse import ArgumentParser
+
+    import scripts.chat_sft as chat_sft
+    from nanorl.checkpoint import load_checkpoint
+    from nanorl.tokenizer import get_tokenizer
+
+    monkeypatch.setenv("NANORL_BASE_DIR", str(base_dir))
+    events, real_next, real_step = [], SFTLoader.next_batch, chat_sft.train_step
+
+    def next_batch(self):
+        if self.shuffle:  # the training loader (the held-out one reads in order)
+            events.append("pack")
+        return real_next(self)
+
+    class Loss:  # the step's loss, recording when the loop waits for it
+        def __init__(self, t):
+            self.t = t
+
+        def item(self):
+            events.append("wait")
+            return self.t.item()
+
+    monkeypatch.setattr(SFTLoader, "next_batch", next_batch)
+    monkeypatch.setattr(chat_sft, "train_step", lambda *a: Loss(real_step(*a)))
+    parser = ArgumentParser()
+    chat_sft.add_train_args(parser, "sft", source="sft", init_lr_frac=0.02, warmdown_ratio=1.0, num_epochs=1)
+    argv = "--model-tag t --levels 1 --num-examples 100 --num-iterations 3 --device-batch-size 2 --max-seq-len 128"
+    args = parser.parse_args(argv.split() + "--eval-every 100 --eval-tokens 256 --output-tag prefetch".split())
+    train, val, desc = chat_sft.build_data(args, chat_sft.hub_mixture, chat_sft.offline_mixture)
+    out = chat_sft.train(args, "sft", train, val, desc)
+    assert events == ["pack"] + ["pack", "wait"] * 3, events
+    fresh = SFTLoader(train, get_tokenizer(), 2, 128, seed=args.seed)
+    for _ in range(3):
+        real_next(fresh)
+    saved = load_checkpoint(out["checkpoint_dir"], 3, load_optimizer=True)[3]["loader"]
+    assert saved == fresh.state_dict() and out["stats"] == fresh.stats
