@@ -49,6 +49,9 @@ HF_MODULES = {
 }
 
 
+DEFAULT_LR = 1e-3  # AdamW on the adapters; chosen by the sweep in dev/LOG.md
+
+
 @dataclass
 class LoraConfig:
     rank: int = 16
@@ -249,7 +252,9 @@ def add_args(parser):
     g.add_argument(
         "--lora-dropout", type=float, default=0.0, help="dropout on the adapters' input (training forwards only)"
     )
-    g.add_argument("--lora-lr", type=float, default=1e-3, help="AdamW LR of the adapters (--lr-scale does not apply)")
+    g.add_argument(
+        "--lora-lr", type=float, default=DEFAULT_LR, help="AdamW LR of the adapters (--lr-scale does not apply)"
+    )
 
 
 def config_from_args(args):

@@ -9,6 +9,7 @@ Benchmarks on a random-init model of a given size: print the numbers, then one f
     python -m scripts.bench train --depth 20 --batch 32 --seq-len 2048 --fsdp  # one process: FSDP2 over one rank
     python -m scripts.bench rl --depth 20 --prompts 16 --samples 16 --prompt-len 150 --new-tokens 256
     python -m scripts.bench rl --depth 2 --prompts 4 --samples 4 --prompt-len 32 --new-tokens 32 --vocab-size 4096 --threads 1  # CPU
+    python -m scripts.bench rl --depth 20 --prompts 16 --samples 16 --prompt-len 150 --new-tokens 256 --lora-rank 16
     python -m scripts.bench hf --arch qwen2 --size 0.5b --batches 1 64 256  # Qwen2.5-0.5B's shape, random weights
     python -m scripts.bench hf --size 7b --batches 1 64 --lora-rank 16  # Qwen2.5-7B's shape, RL with LoRA on one GPU
     python -m scripts.bench hf --size tiny --batches 1 2 --prompt-len 8 --new-tokens 8 --rl-prompt-len 8 --rl-new-tokens 8  # CPU
@@ -23,6 +24,7 @@ import os
 
 import torch
 
+from nanorl import lora
 from nanorl.benchmark import (
     byte_tokenizer,
     decode_step_bytes,
@@ -269,8 +271,18 @@ def bench_rl(args):
     )
     # like chat_rl: fp32 master weights, bf16 autocast on CUDA for both the engine and the trainer
     model = build_model(cfg, device)
-    optimizer = build_optimizer(model, lr_scale=args.lr_scale)
-    engine = Engine(model, byte_tokenizer(), batch_size=args.engine_batch_size or n_prompts * n, max_len=P + N)
+    if args.lora_rank:  # like chat_rl --lora-rank: a frozen base (bf16 on CUDA), AdamW on the adapters, one model
+        lora.apply_lora(model, lora.LoraConfig(args.lora_rank, 2.0 * args.lora_rank))
+        optimizer = lora.build_lora_optimizer(model, args.lora_lr)
+    else:
+        optimizer = build_optimizer(model, lr_scale=args.lr_scale)
+    engine = Engine(
+        model,
+        byte_tokenizer(),
+        batch_size=args.engine_batch_size or n_prompts * n,
+        max_len=P + N,
+        share_weights=bool(args.lora_rank),  # LoRA: the engine samples through the trainer's model, nothing to sync
+    )
     prompts = torch.randint(0, 256, (n_prompts, P), generator=torch.Generator().manual_seed(1)).tolist()
     rl_step = grpo_stepper(model, optimizer, engine, prompts, n, N, args.max_tokens_per_gpu, device)
 
@@ -283,8 +295,11 @@ def bench_rl(args):
     peak_mem = peak_memory_gb(device_type)
     name = device_name(device_type)
 
+    params = sum(p.numel() for k, p in model.named_parameters() if ".lora_" not in k)  # the base's
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    lora_note = f" | LoRA rank {args.lora_rank} ({trainable / 1e6:.2f}M trained)" if args.lora_rank else ""
     print(
-        f"rl | {name} | depth {args.depth} ({model.num_params() / 1e6:.1f}M params) | {n_prompts} prompts x {n} "
+        f"rl | {name} | depth {args.depth} ({params / 1e6:.1f}M params){lora_note} | {n_prompts} prompts x {n} "
         f"samples | prompt {P} | new {N} (forced) | engine batch {engine.batch_size} | "
         f"cuda graph {'on' if engine.use_cuda_graph else 'off'} | mean of {len(runs)} step(s) after a warm-up"
     )
@@ -296,7 +311,8 @@ def bench_rl(args):
         f"generated {gen_tok:,} tokens, trained on {train_tok:,} (prompt + response); mean reward {reward:.3f}; "
         f"peak memory {peak_mem:.2f} GB"
     )
-    result = dict(bench="rl", device=name, depth=args.depth, params=model.num_params(), prompts=n_prompts, samples=n)
+    result = dict(bench="rl", device=name, depth=args.depth, params=params, prompts=n_prompts, samples=n)
+    result.update(lora_rank=args.lora_rank, trainable_params=trainable)
     result.update(prompt_len=P, new_tokens=N, steps=len(runs), rollout_s=round(t_roll, 6))
     result.update(train_s=round(t_train, 6), total_s=round(t_roll + t_train, 6))
     result.update(rollout_tok_per_s=round(gen_tok / t_roll, 1), train_tok_per_s=round(train_tok / t_train, 1))
@@ -400,6 +416,8 @@ def add_rl(sub):
     p.add_argument(
         "--lr-scale", type=positive_float, default=0.05, help="multiplier on the optimizer LRs (chat_rl's default)"
     )
+    p.add_argument("--lora-rank", type=int, default=0, help="train rank-R adapters (alpha 2R) on a frozen base")
+    p.add_argument("--lora-lr", type=positive_float, default=lora.DEFAULT_LR, help="the adapters' AdamW LR")
     model_and_device_args(p)
     p.set_defaults(func=bench_rl)
 

@@ -170,9 +170,9 @@ def grpo_step(args, model, tokenizer, tok_vocab, g, device):
     n_prompts, n, RP, RN = args.rl_prompts, args.rl_samples, args.rl_prompt_len, args.rl_new_tokens
     prompts = torch.randint(0, tok_vocab, (n_prompts, RP), generator=g).tolist()
     if args.lora_rank:  # adapters only (the engine then samples through the trainer's model: nothing to sync)
-        from nanorl.lora import build_lora_optimizer
+        from nanorl.lora import DEFAULT_LR, build_lora_optimizer
 
-        optimizer = build_lora_optimizer(model, 1e-3)
+        optimizer = build_lora_optimizer(model, DEFAULT_LR)
     else:
         optimizer = build_optimizer(model, lr_scale=0.05)  # chat_rl's default --lr-scale
     engine = Engine(model, tokenizer, batch_size=n_prompts * n, max_len=RP + RN, share_weights=bool(args.lora_rank))

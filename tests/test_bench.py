@@ -133,6 +133,21 @@ def test_bench_rl_cpu_smoke():
     assert r["grad_norm"] > 0 and r["peak_mem_gb"] > 0
 
 
+def test_bench_rl_lora_trains_only_the_adapters():
+    """--lora-rank: the parameter count is the base's, the trained count is the adapters' (rank x (in + out) for each
+    of depth 1's q, k, v, o and its relu^2 MLP's up and down projections; width 64, 2 kv heads of 32), and it trains."""
+    _, full = bench(*RL_TINY, "--prompts", "2", "--samples", "4", "--prompt-len", "10", "--new-tokens", "6")
+    _, r = bench(
+        *RL_TINY, "--prompts", "2", "--samples", "4", "--prompt-len", "10", "--new-tokens", "6", "--lora-rank", "4"
+    )
+    assert r["lora_rank"] == 4 and r["params"] == full["params"] and full["lora_rank"] == 0
+    hidden = 4 * 64
+    shapes = [(64, 64), (64, 64), (64, 64), (64, 64), (64, hidden), (hidden, 64)]
+    assert r["trainable_params"] == sum(4 * (i + o) for i, o in shapes)
+    assert full["trainable_params"] == full["params"]
+    assert r["grad_norm"] > 0 and r["generated_tokens"] == full["generated_tokens"] == 2 * 4 * 6
+
+
 def test_bench_rl_micro_batches_match_one_batch():
     """Split into micro-batches of 4 rows x 16 tokens or trained as one, the step's gradient is the same."""
     args = [*RL_TINY, "--prompts", "2", "--samples", "4", "--prompt-len", "10", "--new-tokens", "6"]
