@@ -32,13 +32,13 @@ SPEEDRUN_RL = [
     "--num-rollouts",
     "24",
     "--rollout-batch-size",
-    "8",
+    "16",
     "--n-samples-per-prompt",
     "8",
     "--max-response-len",
     "128",
     "--eval-interval",
-    "8",
+    "24",
     "--eval-max-problems",
     "64",
     "--n-samples-per-eval-prompt",
@@ -175,8 +175,19 @@ def cmd_curves(a):
         print("eval", e)
 
 
-def se(p, n):
-    return math.sqrt(max(p * (1 - p), 1e-12) / n)
+def standard_errors(e):
+    """(greedy, pass@1, pass@4) standard errors over the problems: a binomial one for greedy accuracy and pass@4
+    (one 0/1 outcome per problem; pass@4 from 4 samples is exactly "any of the 4 right"), and for pass@1 the spread
+    of each problem's fraction of right samples (its 4 samples are not independent draws across problems)."""
+    n, k = len(e["greedy"]), CARD["samples"]
+    fractions = [c / k for c in e["sampled"]]
+    mean = sum(fractions) / n
+    var = sum((f - mean) ** 2 for f in fractions) / (n - 1)
+    return (
+        math.sqrt(e["accuracy"] * (1 - e["accuracy"]) / n),
+        math.sqrt(var / n),
+        math.sqrt(e["pass@4"] * (1 - e["pass@4"]) / n),
+    )
 
 
 def cmd_table(a):
@@ -193,12 +204,12 @@ def cmd_table(a):
         if os.path.exists(os.path.join(root, name, "run.json")):
             with open(os.path.join(root, name, "run.json")) as f:
                 run = json.load(f)
-        f = flips(sft, e)
+        f, (sg, s1, s4) = flips(sft, e), standard_errors(e)
         print(
-            f"| {name} | {run.get('seed', '')} | {' '.join(run.get('extra', []))} | {e['accuracy']:.4f} "
-            f"({e['accuracy'] - sft['accuracy']:+.3f}) | {e['pass@1']:.4f} ({e['pass@1'] - sft['pass@1']:+.3f}) | "
-            f"{e['pass@4']:.4f} ({e['pass@4'] - sft['pass@4']:+.3f}) | {f['greedy right->wrong']} / "
-            f"{f['greedy wrong->right']} | {run.get('wall_s', '')} |"
+            f"| {name} | {run.get('seed', '')} | {' '.join(run.get('extra', []))} | {e['accuracy']:.3f} ± {sg:.3f} "
+            f"({e['accuracy'] - sft['accuracy']:+.3f}) | {e['pass@1']:.3f} ± {s1:.3f} "
+            f"({e['pass@1'] - sft['pass@1']:+.3f}) | {e['pass@4']:.3f} ± {s4:.3f} ({e['pass@4'] - sft['pass@4']:+.3f}) "
+            f"| {f['greedy right->wrong']} / {f['greedy wrong->right']} | {run.get('wall_s', '')} |"
         )
 
 
