@@ -68,7 +68,8 @@ fi
 if [ $TINY = 1 ]; then
     echo "== nanorl speedrun: no CUDA GPU (or NANORL_TINY=1): tiny model on the offline curriculum, CPU, no network =="
     export CUDA_VISIBLE_DEVICES=""  # the CPU also on a GPU machine: torch and every stage's GPU check see no GPU
-    export OMP_NUM_THREADS=$(nproc --all)  # --all: plain nproc echoes OMP_NUM_THREADS back
+    # every core, unless the caller chose (--all: plain nproc echoes OMP_NUM_THREADS back)
+    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(nproc --all)}
     RUN="$PY -m"
 else
     # one rank per GPU that torch sees (nvidia-smi -L also lists MIG instances and ignores CUDA_VISIBLE_DEVICES);
@@ -108,21 +109,21 @@ gpu_stage() {
 # attempt's steps aside to rl_checkpoints/<tag>.old-<time> rather than letting them hide the new run's
 # tiny-run sizes; NANORL_SMOKE=1 shrinks them to a couple of minutes (the CI test of the whole pipeline)
 if [ "${NANORL_SMOKE:-0}" = "1" ]; then
-    BASE_ITERS=20; MID_ITERS=6; SFT_ITERS=6; RL_ROLLOUTS=2; RL_PROMPTS=4; RL_EVAL_EVERY=8; EVAL_N=16; RL_EVAL_N=8; GEN=48; NUM_EX=1000; EVAL_TOK=4096
+    BASE_ITERS=20; MID_ITERS=6; SFT_ITERS=6; RL_ROLLOUTS=2; RL_PROMPTS=4; RL_EVAL_EVERY=8; EVAL_N=16; RL_EVAL_N=8; GEN=48; NUM_EX=1000; EVAL_TOK=2048; ROWS=4
 else
-    BASE_ITERS=250; MID_ITERS=80; SFT_ITERS=80; RL_ROLLOUTS=24; RL_PROMPTS=16; RL_EVAL_EVERY=24; EVAL_N=200; RL_EVAL_N=64; GEN=128; NUM_EX=20000; EVAL_TOK=16384
+    BASE_ITERS=250; MID_ITERS=80; SFT_ITERS=80; RL_ROLLOUTS=24; RL_PROMPTS=16; RL_EVAL_EVERY=24; EVAL_N=200; RL_EVAL_N=64; GEN=128; NUM_EX=20000; EVAL_TOK=16384; ROWS=16
 fi
 if [ $TINY = 1 ]; then
     stage tok_train  $PY -m scripts.tok_train --vocab-size 4096 --max-chars 20000000
     stage tok_eval   $PY -m scripts.tok_eval
-    stage base_train $PY -m scripts.base_train --depth 4 --head-dim 64 --max-seq-len 256 --device-batch-size 16 \
-        --total-batch-size 4096 --num-iterations $BASE_ITERS --warmdown-ratio 0.3 --eval-every $(( BASE_ITERS / 2 )) --eval-tokens $EVAL_TOK --sample-every $BASE_ITERS --run "$WANDB_RUN"
+    stage base_train $PY -m scripts.base_train --depth 4 --head-dim 64 --max-seq-len 256 --device-batch-size $ROWS \
+        --total-batch-size $(( ROWS * 256 )) --num-iterations $BASE_ITERS --warmdown-ratio 0.3 --eval-every $(( BASE_ITERS / 2 )) --eval-tokens $EVAL_TOK --sample-every $BASE_ITERS --run "$WANDB_RUN"
     # no CORE offline: the eval bundle is a download, and its 22 tasks would take the tiny run minutes on a CPU
-    stage base_eval  $PY -m scripts.base_eval --eval bpb,sample --device-batch-size 16 --split-tokens $EVAL_TOK
-    stage mid_train  $PY -m scripts.mid_train --num-iterations $MID_ITERS --device-batch-size 16 --eval-every $(( MID_ITERS / 2 )) --eval-tokens $EVAL_TOK --num-examples $NUM_EX --run "$WANDB_RUN"
+    stage base_eval  $PY -m scripts.base_eval --eval bpb,sample --device-batch-size $ROWS --split-tokens $EVAL_TOK
+    stage mid_train  $PY -m scripts.mid_train --num-iterations $MID_ITERS --device-batch-size $ROWS --eval-every $(( MID_ITERS / 2 )) --eval-tokens $EVAL_TOK --num-examples $NUM_EX --run "$WANDB_RUN"
     stage eval_mid   $PY -m scripts.chat_eval -i mid -a offline -x $EVAL_N -m $GEN --levels 1,2
     stage eval_mid_sampled $PY -m scripts.chat_eval -i mid -a offline -x $EVAL_N -m $GEN --levels 1,2 -n 4 -t 1.0
-    stage chat_sft   $PY -m scripts.chat_sft --num-iterations $SFT_ITERS --device-batch-size 16 --eval-every $(( SFT_ITERS / 2 )) --eval-tokens $EVAL_TOK --num-examples $NUM_EX --run "$WANDB_RUN"
+    stage chat_sft   $PY -m scripts.chat_sft --num-iterations $SFT_ITERS --device-batch-size $ROWS --eval-every $(( SFT_ITERS / 2 )) --eval-tokens $EVAL_TOK --num-examples $NUM_EX --run "$WANDB_RUN"
     stage eval_sft   $PY -m scripts.chat_eval -i sft -a offline -x $EVAL_N -m $GEN --levels 1,2
     stage eval_sft_sampled $PY -m scripts.chat_eval -i sft -a offline -x $EVAL_N -m $GEN --levels 1,2 -n 4 -t 1.0
     # RL: 16 prompts a rollout, not 8: a step of 8 groups was a full-size optimizer step in a noisy direction and moved

@@ -11,6 +11,12 @@ import pytest
 import torch
 
 HIDE = {"NANORL_DEVICE_TYPE": "cpu", "CUDA_VISIBLE_DEVICES": ""}
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # tests/run.sh runs tests in parallel workers (pytest -n): one thread each, here and in the scripts a test starts,
+    # or the workers' threads fight over the cores
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 AT_START = {k: os.environ.get(k) for k in HIDE}
 
 # CUDA reads CUDA_VISIBLE_DEVICES once, when this process first asks for a device: ask now, so that a first ask made
@@ -29,3 +35,9 @@ def _cpu_unless_marked_gpu(request, monkeypatch):
 def device_env_at_start():
     """NANORL_DEVICE_TYPE and CUDA_VISIBLE_DEVICES as pytest started (None: unset)."""
     return dict(AT_START)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The slow end-to-end tests first: the parallel workers then share out the short ones and finish together,
+    instead of one worker starting a four-minute test when the others are nearly done."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # a stable sort: file order otherwise

@@ -30,7 +30,10 @@ if ! command -v g++ >/dev/null 2>&1 && [ "$(id -u)" = "0" ] && command -v apt-ge
         || echo "warning: could not install g++; the compiled-FSDP test will be skipped"
 fi
 set +e
-$PY -m pytest -q --durations=15 "$@"
+# tests run in parallel: one worker per core (at most 8), each test on one thread, handed out one at a time with
+# the slow ones first (tests/conftest.py) so the workers finish together
+WORKERS=$(nproc); [ "$WORKERS" -gt 8 ] && WORKERS=8
+$PY -m pytest -q -n "$WORKERS" --dist load --maxschedchunk 1 --durations=15 "$@"
 rc=$?
 set -e
 if [ $rc -eq 5 ]; then

@@ -242,6 +242,7 @@ def test_bad_bundle_rows_are_named(tmp_path):
         core_eval.load_tasks(str(b))
 
 
+@pytest.mark.slow
 def test_base_eval_script(tmp_path):
     """The script end to end on a tiny checkpoint: bpb, samples, CORE from --bundle-dir; then offline with no bundle."""
     env = {**os.environ, "NANORL_BASE_DIR": str(tmp_path / "base"), "OMP_NUM_THREADS": "1"}

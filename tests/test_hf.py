@@ -469,6 +469,7 @@ def test_chat_web_serves_an_open_model(tmp_path):
     assert r.json()["choices"][0]["message"]["content"] == want
 
 
+@pytest.mark.slow
 def test_chat_rl_on_an_open_model(tmp_path):
     """chat_rl --hf-model: 3 GRPO steps on a tiny random Qwen2 directory with the offline curriculum, rendered with
     Qwen's chat template; sampler and trainer agree on-policy, the RL checkpoint keeps the model's tokenizer and

@@ -291,6 +291,7 @@ def test_lora_with_fsdp_is_refused_in_one_line(base_dir):  # noqa: F811
     assert out.returncode != 0 and "unknown LoRA targets ffn" in out.stderr
 
 
+@pytest.mark.slow
 def test_chat_rl_lora_on_an_open_model_exports_merged_and_peft(tmp_path):
     # chat_rl --hf-model --lora-rank on a tiny random Qwen2; the merged export loads in transformers and the PEFT
     # adapter directory loads with peft onto the original model, both with the logits of base + adapters

@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_chat_rl import base_dir  # noqa: F401  (a tokenizer and a tiny 'sft' checkpoint, tag t)
 
 from nanorl.gpt import GPTConfig, build_model
 from nanorl.sft_data import SFTLoader, render_example
 from nanorl.tokenizer import SPLIT_PATTERN, Tokenizer
 from scripts.chat_sft import lr_multiplier
 from tasks import OfflineChat, OfflineProblems, Task, TaskMixture
-from test_chat_rl import base_dir  # noqa: F401  (a tokenizer and a tiny 'sft' checkpoint, tag t)
 
 
 @pytest.fixture(scope="module")
