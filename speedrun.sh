@@ -9,6 +9,7 @@ cd "$(dirname "$0")"
 FORCE=0
 [ "${1:-}" = "--force" ] && FORCE=1
 export NANORL_BASE_DIR="${NANORL_BASE_DIR:-$HOME/.cache/nanorl}"
+CALLER_OMP="${OMP_NUM_THREADS:-}"  # the tiny CPU run below uses every core unless the caller set this
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export NANORL_PIPELINE=1  # the stages write the pipeline's report; runs by hand go to report/adhoc/
 mkdir -p "$NANORL_BASE_DIR/logs" "$NANORL_BASE_DIR/done"
@@ -69,7 +70,7 @@ if [ $TINY = 1 ]; then
     echo "== nanorl speedrun: no CUDA GPU (or NANORL_TINY=1): tiny model on the offline curriculum, CPU, no network =="
     export CUDA_VISIBLE_DEVICES=""  # the CPU also on a GPU machine: torch and every stage's GPU check see no GPU
     # every core, unless the caller chose (--all: plain nproc echoes OMP_NUM_THREADS back)
-    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(nproc --all)}
+    export OMP_NUM_THREADS=${CALLER_OMP:-$(nproc --all)}
     RUN="$PY -m"
 else
     # one rank per GPU that torch sees (nvidia-smi -L also lists MIG instances and ignores CUDA_VISIBLE_DEVICES);
