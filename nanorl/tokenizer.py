@@ -276,6 +276,7 @@ class HFTokenizer:
         self.plain = HFTok.from_str(tok.to_str())  # special-looking text is plain text: what encode() takes
         self.plain.encode_special_tokens = True
         self.chat_template, self.special_map, self.config = chat_template, special_map, config or {}
+        self._template = None  # the compiled chat template, made on first use
         self.bos_token_id = self.encode_special("<|bos|>")
         self.assistant_end = self.special_map.get("<|assistant_end|>")
         self.added = {t.content for t in tok.get_added_tokens_decoder().values()}
@@ -371,6 +372,18 @@ class HFTokenizer:
         """The chat template's text, rendered the way transformers' apply_chat_template renders it."""
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template (no chat_template in tokenizer_config.json)")
+        if self._template is None:  # compiled once: compiling is ~90% of a render's time
+            self._template = self._compile_template()
+        specials = {
+            k: (v.get("content") if isinstance(v, dict) else v)
+            for k, v in self.config.items()
+            if k.endswith("_token") and isinstance(v, (str, dict))
+        }
+        return self._template.render(
+            messages=messages, add_generation_prompt=add_generation_prompt, tools=None, **specials
+        )
+
+    def _compile_template(self):
         import jinja2.sandbox
 
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(
@@ -385,14 +398,7 @@ class HFTokenizer:
 
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: __import__("datetime").datetime.now().strftime(fmt)
-        specials = {
-            k: (v.get("content") if isinstance(v, dict) else v)
-            for k, v in self.config.items()
-            if k.endswith("_token") and isinstance(v, (str, dict))
-        }
-        return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, tools=None, **specials
-        )
+        return env.from_string(self.chat_template)
 
     def _messages(self, conversation):
         """nanorl conversation -> template messages. Tool parts need tool tokens this tokenizer lacks, so
