@@ -290,8 +290,8 @@ def make_loaders(args, train_task, val_task, tokenizer, T, rank, world_size, dev
 
 
 def checkpointer(args, stage, meta, model, optimizer, lora_base, rank, world_size):
-    """-> (this run's checkpoint folder, checkpoint(step, loader state) that saves there). Under --fsdp every rank writes its
-    shards; `python -m nanorl.fsdp consolidate` joins them."""
+    """-> (this run's checkpoint folder, checkpoint(step, loader state) that saves there). Under --fsdp every rank
+    writes its shards; `python -m nanorl.fsdp consolidate` joins them."""
     output_tag = args.output_tag or meta.get("model_tag") or args.model_tag or "d"
     ckpt_dir = os.path.join(get_base_dir(), f"{stage}_checkpoints", output_tag)
 
@@ -377,9 +377,8 @@ def train(args, stage, train_task, val_task, data_desc):
         dt = time.time() - t_step
         train_time += dt
         smooth = step_loss if smooth is None else 0.9 * smooth + 0.1 * step_loss
-        progress = agreed_progress(
-            step, loader.progress_at(consumed), args, device
-        )  # after the step: what the ETA and the stop rule see
+        # after the step: what the ETA and the stop rule see
+        progress = agreed_progress(step, loader.progress_at(consumed), args, device)
         eta.step(dt, progress)
         if step % 10 == 0 or step == 1:
             print0(
