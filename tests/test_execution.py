@@ -180,6 +180,12 @@ _SPAWN = (
 )
 
 
+def _marker(seconds, mode):
+    """A sleep length no other test process uses: xdist runs the bwrap and guard cases side by side, and each
+    counts the sleepers whose command line holds its marker (fixed width, so one is never a prefix of another)."""
+    return f"{seconds}.{os.getpid():08d}{'12'[mode == 'guard']}"
+
+
 def _processes_with(marker):
     """Host pids whose command line contains `marker`."""
     pids = []
@@ -244,7 +250,7 @@ def test_escape_kill_the_trainer_and_read_its_secrets(mode):
 def test_escape_setsid_child_survives_the_kill(mode):
     if mode == "bwrap" and not BWRAP:
         pytest.skip("bubblewrap namespaces are not available here")
-    marker = "31.4159265"
+    marker = _marker(31, mode)
     code = (
         _SPAWN + f"spawn(sleeper('{marker}'), True)\nspawn(sleeper('{marker}'), False)\n"
         f"print('spawned', running('{marker}', 2))"
@@ -265,7 +271,7 @@ def test_escape_setsid_child_survives_the_kill(mode):
 def test_escape_background_child_holding_stdout(mode):
     if mode == "bwrap" and not BWRAP:
         pytest.skip("bubblewrap namespaces are not available here")
-    marker = "27.1828182"
+    marker = _marker(27, mode)
     code = _SPAWN + f"spawn(sleeper('{marker}'), True)\nprint('done', running('{marker}', 1))"
     threads = threading.active_count()
     try:
