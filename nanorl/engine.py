@@ -378,7 +378,8 @@ class Engine:
         """One token for each of the n busy slots 0..n-1, run as the smallest ladder batch that holds them."""
         n = self.n_busy
         size = next(b for b in self.sizes if b >= n)
-        self.cache.pos[n:size] = 0  # the idle rows of the batch decode garbage at position 0, never past the cache
+        if n < size:  # the idle rows of the batch decode garbage at position 0, never past the cache
+            self.cache.pos[n:size] = 0
         logits = self._decode_logits(size, int(self.records.lengths(n).max()))
         forced = None
         if self.forcing:  # tool output waiting: those rows take their next forced token instead of a sampled one
@@ -425,11 +426,12 @@ class Engine:
         index, busy the same as a slice when they are 0..n-1): sampled, or the forced tool token where forced[i]
         >= 0; record it with its log-prob."""
         busy = slots if busy is None else busy
-        u = uniform_from_counter(self.seed[rows], self.counter[rows])
         f = None if forced is None else torch.from_numpy(forced).to(self.device)
         rec = self.records
         filtered, greedy = bool(rec.filtered[busy].any()), bool(rec.greedy[busy].any())
         unit = bool(rec.unit[busy].all())
+        # every row greedy (an eval, a chat at T = 0): no uniforms, the argmax alone
+        u = None if rec.greedy[busy].all() else uniform_from_counter(self.seed[rows], self.counter[rows])
         tok, logp = sample_with_logprobs(
             logits, self.temperature[rows], self.top_k[rows], self.top_p[rows], u, filtered, greedy, f, unit
         )

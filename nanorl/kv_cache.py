@@ -31,7 +31,7 @@ class KVCache:
         # decodes its busy rows 0..n-1 this way) or a LongTensor of rows (gathered: the engine prefills a few new
         # prompts straight into free rows of the big decode cache). None = all rows, in order.
         self.rows = None
-        self.write_pos = None  # (B, T) positions the current forward writes, set by begin()
+        self.write_pos = self.write_rows = None  # (B, T) positions and cache rows the current forward writes (begin())
 
     def _rows(self):
         return slice(None) if self.rows is None else self.rows
@@ -39,6 +39,7 @@ class KVCache:
     def begin(self, T):
         """Positions (B, T) of the next T tokens of each row, and the (B, 1, T, attend_len) attention mask."""
         start = self.pos[self._rows()]
+        B = start.size(0)
         pos = start[:, None] + torch.arange(T, device=start.device)[None, :]
         if not self.static:
             # eager path: read only the used part of the cache (one host sync). A caller that wants
@@ -48,19 +49,19 @@ class KVCache:
                 raise ValueError(f"KV cache is full: position {top - 1} >= max_len {self.max_len}")
             self.attend_len = top
         self.write_pos = pos
+        rows = self._rows()  # the cache row each (b, t) writes to, the same for every layer
+        self.write_rows = (torch.arange(B, device=pos.device) if isinstance(rows, slice) else rows)[:, None].expand(
+            B, T
+        )
         key_pos = torch.arange(self.attend_len, device=pos.device)
         return pos, (key_pos[None, None, :] <= pos[:, :, None])[:, None]
 
     def update(self, layer, k, v):
         """Write one layer's new keys/values (B, H, T, D) at write_pos; return the keys/values to attend over."""
-        B, T = self.write_pos.shape
-        rows, L = self._rows(), self.attend_len
+        rows, L, b_idx = self._rows(), self.attend_len, self.write_rows
         kc, vc = self.k[layer], self.v[layer]
         if isinstance(rows, slice):  # leading rows: write into and read views of the cache
             kc, vc = kc[rows], vc[rows]
-            b_idx = torch.arange(B, device=k.device)[:, None].expand(B, T)
-        else:
-            b_idx = rows[:, None].expand(B, T)
         kc[b_idx, :, self.write_pos] = k.transpose(1, 2).to(kc.dtype)
         vc[b_idx, :, self.write_pos] = v.transpose(1, 2).to(vc.dtype)
         if isinstance(rows, slice):
@@ -69,7 +70,7 @@ class KVCache:
 
     def end(self, T):
         self.pos[self._rows()] += T
-        self.write_pos = None
+        self.write_pos = self.write_rows = None
 
     def reset(self, rows=None):
         if rows is None:
@@ -99,7 +100,7 @@ def attend_cached(q, k, v, mask):
     G = H // Hkv
     dtype = q.dtype
     q = q.to(k.dtype).reshape(B, Hkv, G * T, D)  # query head h = kv_head * G + g, as enable_gqa groups them
-    if G > 1:
+    if G > 1 and T > 1:  # (one token: the (B, 1, 1, L) mask broadcasts over the G folded rows as it is)
         mask = mask.repeat(1, 1, G, 1)  # row g * T + t of the folded query uses token t's mask
     y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     return y.reshape(B, H, T, D).to(dtype)

@@ -78,9 +78,13 @@ def sample_with_logprobs(
     """sample_tokens(), then each row's token replaced by forced[row] where that is >= 0 (tool output), and the
     log-prob of every token under the distribution sampled from: log_softmax(tempered), before top-k/top-p (the
     trainer cannot apply those filters). greedy=False promises no row has temperature 0 (skips an argmax),
-    unit=True that every row's is 1 or 0 (skips a division). -> (tokens (B,) long, log-probs (B,) fp32)."""
+    unit=True that every row's is 1 or 0 (skips a division), uniform=None that every row is greedy (the argmax
+    alone: no softmax, cumsum or search, as an all-greedy eval needs). -> (tokens (B,) long, log-probs (B,) fp32)."""
     x = tempered(logits, temperature, unit)
-    tok = _sample(logits, x, temperature, top_k, top_p, uniform, filtered, greedy)
+    if uniform is None:
+        tok = logits.argmax(-1)
+    else:
+        tok = _sample(logits, x, temperature, top_k, top_p, uniform, filtered, greedy)
     if forced is not None:
         tok = torch.where(forced >= 0, forced, tok)
     return tok, torch.log_softmax(x, dim=-1).gather(1, tok[:, None])[:, 0]

@@ -95,3 +95,10 @@ def test_the_engine_shortcuts_change_nothing():
             want = sample_with_logprobs(logits, T, k, p, u, filtered)
             got = sample_with_logprobs(logits, T, k, p, u, filtered, greedy=greedy, unit=unit)
             assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+    # uniform=None (every row greedy) is the argmax, with the log-prob the general path gives it
+    zero = torch.zeros(6)
+    for filtered in (True, False):
+        want = sample_with_logprobs(logits, zero, k, p, u, filtered)
+        got = sample_with_logprobs(logits, zero, k, p, None, filtered, unit=True)
+        assert torch.equal(want[0], got[0]) and torch.equal(got[0], logits.argmax(-1))
+        assert torch.equal(want[1], got[1])
