@@ -6,12 +6,18 @@ prompts, 128 new tokens at temperature 1, no stop tokens; the timed call is one 
     python dev/engine_speed.py                                     # this checkout alone
     python dev/engine_speed.py --compare-ref main --nanochat /path/to/nanochat --rounds 3
     python dev/engine_speed.py --compare-ref main --engine-only --out /tmp/engine_only.json  # the engine's own work
+    python dev/engine_speed.py --hf --out dev/engine_speed_hf.json  # vs transformers' generate, on one Llama
 
 Each engine runs in its own process (imports never mix); the processes take turns shape by shape and round by
 round, so a busy machine slows them alike, and the medians go to dev/engine_speed.json. For two nanorl checkouts
 it also checks that both gave exactly the same tokens and log-probs (bit_identical). nanochat's model is its own
 architecture at the same depth and width (value embeddings, smear), built with its own init; its engine generates
 one prompt at a time, so "8 distinct prompts" is 8 calls there and one batched call here.
+
+--hf times the same Llama model both ways: a random-weight LlamaForCausalLM of nanorl's width and depth at each shape
+(its MLP as wide in parameters), saved once, then generated from by transformers' `generate` (sampling at T=1, no
+top-k/top-p) and by nanorl's engine after the --hf-model import ("llama" below). Their random draws differ, so their
+tokens are not compared here (bench hf checks greedy tokens equal).
 """
 
 import argparse
@@ -46,7 +52,7 @@ def prompts_for(n, length):
 def nanorl_runner(depth, n_prompts, n_samples, prompt_len, new_tokens, engine_only=False):
     import torch
 
-    from nanorl.engine import Engine, Request
+    from nanorl.engine import Engine
     from nanorl.gpt import build_model, config_from_depth
     from nanorl.tokenizer import SPLIT_PATTERN, Tokenizer
 
@@ -60,7 +66,12 @@ def nanorl_runner(depth, n_prompts, n_samples, prompt_len, new_tokens, engine_on
     if engine_only:  # the decode forward replaced by fixed logits: what is left is the engine's own work per step
         fixed = torch.randn(engine.batch_size, VOCAB)
         engine._decode_logits = lambda size, need: fixed[:size]
-    prompts = prompts_for(n_prompts, prompt_len)
+    return engine_run(engine, prompts_for(n_prompts, prompt_len), n_samples)
+
+
+def engine_run(engine, prompts, n_samples):
+    """run(tokens) for a nanorl engine: n_samples of each prompt at T=1 -> [(tokens, log-probs)] of every sample."""
+    from nanorl.engine import Request
 
     def run(tokens):
         reqs = [
@@ -69,8 +80,63 @@ def nanorl_runner(depth, n_prompts, n_samples, prompt_len, new_tokens, engine_on
             )
             for i, p in enumerate(prompts)
         ]
-        out = engine.generate(reqs)
-        return [(c.tokens, c.logprobs) for cs in out for c in cs]
+        return [(c.tokens, c.logprobs) for cs in engine.generate(reqs) for c in cs]
+
+    return run
+
+
+def save_llama(depth, directory):
+    """A random LlamaForCausalLM of nanorl's shape at `depth` (swiglu MLP with as many parameters as relu2's 4x)."""
+    import torch
+    import transformers
+
+    n_embd = depth * 64
+    cfg = transformers.LlamaConfig(
+        hidden_size=n_embd,
+        num_hidden_layers=depth,
+        num_attention_heads=n_embd // 128,
+        num_key_value_heads=n_embd // 128,
+        intermediate_size=8 * n_embd // 3,
+        vocab_size=VOCAB,
+        max_position_embeddings=SEQ_LEN,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(directory)
+
+
+def llama_runner(directory, n_prompts, n_samples, prompt_len, new_tokens):
+    from nanorl.engine import Engine
+    from nanorl.hf import load_hf_model
+    from nanorl.tokenizer import SPLIT_PATTERN, Tokenizer
+
+    tok = Tokenizer.from_ranks({bytes([i]): i for i in range(256)}, SPLIT_PATTERN)
+    model, _ = load_hf_model(directory, "cpu")
+    engine = Engine(model, tok, batch_size=n_prompts * n_samples)
+    return engine_run(engine, prompts_for(n_prompts, prompt_len), n_samples)
+
+
+def hf_runner(directory, n_prompts, n_samples, prompt_len, new_tokens):
+    import torch
+    import transformers
+
+    model = transformers.LlamaForCausalLM.from_pretrained(directory).eval()
+    x = torch.tensor(prompts_for(n_prompts, prompt_len))  # equal lengths: one batch, no padding
+
+    def run(tokens):
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=x,
+                attention_mask=torch.ones_like(x),
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                num_return_sequences=n_samples,
+                max_new_tokens=tokens,
+                min_new_tokens=tokens,
+            )
+        return [(r, []) for r in out[:, prompt_len:].tolist()]
 
     return run
 
@@ -125,12 +191,19 @@ def worker(kind, path, prompt_len, new_tokens, engine_only):
 
     torch.set_num_threads(1)
     sys.path.insert(0, path)
-    make = nanorl_runner if kind == "nanorl" else nanochat_runner
     runners = {}
     for line in sys.stdin:
-        name = json.loads(line)["shape"]
+        ask = json.loads(line)
+        name = ask["shape"]
         if name not in runners:
-            runners[name] = make(*SHAPES[name], prompt_len, new_tokens, *([engine_only] if engine_only else []))
+            depth, n_prompts, n_samples = SHAPES[name]
+            if kind in ("llama", "hf"):  # the same saved Llama, by nanorl's engine or by transformers
+                make = llama_runner if kind == "llama" else hf_runner
+                runners[name] = make(ask["llama_dir"], n_prompts, n_samples, prompt_len, new_tokens)
+            elif kind == "nanorl":
+                runners[name] = nanorl_runner(depth, n_prompts, n_samples, prompt_len, new_tokens, engine_only)
+            else:
+                runners[name] = nanochat_runner(depth, n_prompts, n_samples, prompt_len, new_tokens)
             runners[name](4)  # warm-up: allocations, first-call paths
         t0 = time.perf_counter()
         out = runners[name](new_tokens)
@@ -175,8 +248,8 @@ def start(kind, path, args):
     return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
 
 
-def ask(proc, shape):
-    proc.stdin.write(json.dumps({"shape": shape}) + "\n")
+def ask(proc, shape, llama_dir=None):
+    proc.stdin.write(json.dumps({"shape": shape, "llama_dir": llama_dir}) + "\n")
     proc.stdin.flush()
     line = proc.stdout.readline()
     if not line:
@@ -199,7 +272,12 @@ def main():
         action="store_true",
         help="nanorl only: fixed logits instead of the decode forward, to time the engine's own work",
     )
-    parser.add_argument("--worker", choices=["nanorl", "nanochat"], help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--hf",
+        action="store_true",
+        help="also time one random Llama through nanorl's engine (--hf-model import) and transformers' generate",
+    )
+    parser.add_argument("--worker", choices=["nanorl", "nanochat", "llama", "hf"], help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -208,8 +286,8 @@ def main():
     unknown = [s for s in shapes if s not in SHAPES]
     if unknown:
         sys.exit(f"--shapes: unknown {unknown}; valid: {', '.join(SHAPES)}")
-    if args.engine_only and args.nanochat:
-        sys.exit("--engine-only replaces nanorl's decode forward; it has no meaning for --nanochat")
+    if args.engine_only and (args.nanochat or args.hf):
+        sys.exit("--engine-only replaces nanorl's decode forward; it has no meaning for --nanochat or --hf")
     if args.nanochat and not os.path.isfile(os.path.join(args.nanochat, "nanochat", "engine.py")):
         sys.exit(f"--nanochat {args.nanochat}: no nanochat/engine.py there")
     with tempfile.TemporaryDirectory() as tmp:
@@ -219,12 +297,18 @@ def main():
             engines["ref"] = start("nanorl", checkout_of(args.compare_ref, tmp), args)
         if args.nanochat:
             engines["nanochat"] = start("nanochat", os.path.abspath(args.nanochat), args)
+        llama_dirs = {}
+        if args.hf:
+            engines["llama"], engines["hf"] = start("llama", here, args), start("hf", here, args)
+            for depth in sorted({SHAPES[s][0] for s in shapes}):
+                llama_dirs[depth] = os.path.join(tmp, f"llama_d{depth}")
+                save_llama(depth, llama_dirs[depth])
         runs = {s: {e: [] for e in engines} for s in shapes}
         for r in range(args.rounds):
             for s in shapes:
                 order = list(engines)[r % len(engines) :] + list(engines)[: r % len(engines)]  # rotate who goes first
                 for e in order:
-                    runs[s][e].append(ask(engines[e], s))
+                    runs[s][e].append(ask(engines[e], s, llama_dirs.get(SHAPES[s][0])))
                     print(f"round {r + 1} {s:28s} {e:8s} {runs[s][e][-1]['seconds']:7.2f} s", flush=True)
         for p in engines.values():
             p.stdin.close()
@@ -238,6 +322,7 @@ def report(args, shapes, runs):
         "compare_ref": args.compare_ref,
         "nanochat": args.nanochat,
         "engine_only": args.engine_only,
+        "hf": args.hf,
         "setup": f"random weights, fp32, 1 thread, CPU, vocab {VOCAB}, {args.prompt_len}-token prompts, "
         f"{args.new_tokens} new tokens at T=1, {args.rounds} interleaved rounds, medians",
         "shapes": {},
@@ -259,6 +344,8 @@ def report(args, shapes, runs):
             row["bit_identical_to_ref"] = all(a["digest"] == b["digest"] for a, b in pairs)
         if "nanochat" in row:
             row["speedup_vs_nanochat"] = round(row["nanochat"]["median_s"] / row["this"]["median_s"], 3)
+        if "hf" in row:  # the same Llama: nanorl's engine on it against transformers' generate
+            row["llama_speedup_vs_hf"] = round(row["hf"]["median_s"] / row["llama"]["median_s"], 3)
         result["shapes"][s] = row
         print(s, {k: v if not isinstance(v, dict) else round(v["median_s"], 3) for k, v in row.items()})
     with open(args.out, "w") as f:
