@@ -1421,7 +1421,8 @@ def test_tokenising_does_not_block_the_server(server):
             time.sleep(0.05)
         assert done == [200] * 4
         print(f"/health took at most {worst * 1000:.0f} ms while 4 conversations were tokenised")
-        assert worst < 0.25, f"/health took {worst:.2f}s while conversations were being tokenised"
+        # tokenising on the event loop would stall it 0.5 s a conversation; the margin is for a loaded CI machine
+        assert worst < 0.4, f"/health took {worst:.2f}s while conversations were being tokenised"
         # a conversation far over the context is refused from its size alone, before the (slow) tokenizer runs
         huge = [{"role": r, "content": "x" * 8000} for _ in range(50) for r in ("user", "assistant")] + user()
         t0 = time.perf_counter()

@@ -62,7 +62,7 @@ def test_calls_of_one_step_run_at_once():
     engine = Engine(tool_user_model(TOK, "2+3", A_END, VOCAB), TOK, batch_size=8)
     t = time.monotonic()
     [res] = multi_turn_generate(engine, [Request(PROMPT, num_samples=8, max_tokens=40, temperature=0)], 1, slow_tool)
-    assert time.monotonic() - t < 1.5  # 8 x 0.3 s one after another would be 2.4 s
+    assert time.monotonic() - t < 2.0  # 8 x 0.3 s one after another would be 2.4 s
     assert all(c.tool_calls == 1 and c.status == "completed" for c in res)
 
 

@@ -55,12 +55,12 @@ def test_timeout_is_a_deadline_per_attempt(trickle_server, path):
     results = remote_rewards(trickle_server + path, [{"id": 0}, {"id": 1}], timeout=1.0, retries=0)
     elapsed = time.monotonic() - t
     assert results == [(None, "gave up after 1 attempts: timed out after 1s")] * 2
-    assert 0.9 < elapsed < 1.3, elapsed  # per socket read it was: never, one byte arrives every 0.5 s
+    assert 0.9 < elapsed < 1.8, elapsed  # per socket read it was: never, one byte arrives every 0.5 s
     t = time.monotonic()
     results = remote_rewards(trickle_server + path, [{"id": 0}], timeout=0.5, retries=2, backoff=0.05)
     elapsed = time.monotonic() - t
     assert results == [(None, "gave up after 3 attempts: timed out after 0.5s")]
-    assert 1.65 - 0.1 < elapsed < 1.65 + 0.4, elapsed  # 3 attempts of 0.5 s + backoff 0.05 + 0.1
+    assert 1.65 - 0.1 < elapsed < 1.65 + 0.8, elapsed  # 3 attempts of 0.5 s + backoff 0.05 + 0.1
 
 
 @pytest.mark.parametrize("on_failure,want", [("drop", [0.0, 0.0]), ("zero", [0.0, 0.0])])

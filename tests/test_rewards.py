@@ -472,7 +472,7 @@ def test_remote_rewards_concurrency(reward_server):
         reward_server + "/slow", [{"id": f"c{i}", "sleep": 0.3} for i in range(8)], concurrency=8, timeout=2
     )
     assert _errors(results) == 0
-    assert time.monotonic() - t < 1.5  # 8 x 0.3 s one after another would be 2.4 s
+    assert time.monotonic() - t < 2.0  # 8 x 0.3 s one after another would be 2.4 s
 
 
 def test_remote_rewards_retries_5xx(reward_server):
@@ -490,7 +490,7 @@ def test_remote_rewards_failures_are_counted_not_raised(reward_server):
     t = time.monotonic()
     results = remote_rewards(reward_server + "/slow", [{"id": "s", "sleep": 1.5}], timeout=0.3, retries=1, backoff=0.01)
     assert results[0][0] is None and "gave up after 2 attempts" in results[0][1]
-    assert time.monotonic() - t < 1.2  # two 0.3 s timeouts, not the server's 1.5 s
+    assert time.monotonic() - t < 1.4  # two 0.3 s timeouts, not the server's 1.5 s
 
     for path, why in [
         ("/badjson", "malformed JSON"),
