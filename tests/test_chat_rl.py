@@ -10,6 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 from rl_fixture_server import RewardHandler, reward_server
+from test_bad_input import run_script
+
+from nanorl import common
 
 ROOT = Path(__file__).resolve().parents[1]
 RM = f"{ROOT / 'tests' / 'rl_fixture_reward.py'}:vowel_reward"
@@ -390,6 +393,10 @@ def test_multi_turn_tool_rl(base_dir, tool_model):
     assert first["train/grad_norm"] > 0
 
 
+# refused once the ranks are known (after compute_init); every other bad flag is refused before it
+CHECKED_WITH_THE_RANKS = ("--num-steps-per-rollout", "--global-batch-size", "--async")
+
+
 @pytest.mark.parametrize(
     "flags,msg",
     [
@@ -433,22 +440,27 @@ def test_multi_turn_tool_rl(base_dir, tool_model):
         (["--eps-clip-c", "0.5"], "argument --eps-clip-c: 0.5 is out of range: must be a number > 1"),
     ],
 )
-def test_bad_flags_fail_early(base_dir, flags, msg):
-    env = {**os.environ, "NANORL_BASE_DIR": str(base_dir)}
-    cmd = [
-        sys.executable,
-        "-m",
-        "scripts.chat_rl",
-        "--source",
-        "sft",
-        "--model-tag",
-        "t",
-        "--custom-rm-path",
-        RM,
-        *flags,
-    ]
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and msg in out.stderr and "saved checkpoint" not in out.stdout, out.stderr[-2000:]
+def test_bad_flags_fail_early(base_dir, flags, msg, monkeypatch):
+    argv = ["--source", "sft", "--model-tag", "t", "--custom-rm-path", RM, *flags]
+    if msg in CHECKED_WITH_THE_RANKS:  # a real process, as torchrun starts one
+        env = {**os.environ, "NANORL_BASE_DIR": str(base_dir)}
+        cmd = [sys.executable, "-m", "scripts.chat_rl", *argv]
+        out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        code, stdout, stderr = out.returncode, out.stdout, out.stderr
+    else:
+        code, stdout, stderr = refused_before_setup(base_dir, argv, monkeypatch)
+    assert code == 2 and msg in stderr and "saved checkpoint" not in stdout, stderr[-2000:]
+
+
+def refused_before_setup(base_dir, argv, monkeypatch):
+    """chat_rl with flags it must refuse before it sets up its ranks, run in this process (a new one would spend
+    ~3 s on imports) -> (exit code, stdout, stderr). Reaching the setup fails the test."""
+
+    def reached_setup(*a, **k):
+        raise AssertionError("these flags were not refused before the ranks were set up")
+
+    monkeypatch.setattr(common, "compute_init", reached_setup)
+    return run_script("scripts.chat_rl", argv, {"NANORL_BASE_DIR": str(base_dir)})
 
 
 @pytest.mark.parametrize("mode,nproc", [("raise", 1), ("hang", 2)])
@@ -723,6 +735,7 @@ def test_fsdp_two_processes_equal_replicated_and_sample_the_trained_weights(base
         (["--cpu-offload"], "--activation-checkpointing and --cpu-offload only apply with --fsdp"),
     ],
 )
-def test_fsdp_flags_fail_early(base_dir, flags, msg):
-    out = run_rl(base_dir, *flags, check=False)
-    assert out.returncode != 0 and msg in out.stderr, out.stderr[-2000:]
+def test_fsdp_flags_fail_early(base_dir, flags, msg, monkeypatch):
+    argv = ["--source", "sft", "--model-tag", "t", "--custom-rm-path", RM, *flags]
+    code, _, stderr = refused_before_setup(base_dir, argv, monkeypatch)
+    assert code != 0 and msg in stderr, stderr[-2000:]
