@@ -49,10 +49,10 @@ class KVCache:
                 raise ValueError(f"KV cache is full: position {top - 1} >= max_len {self.max_len}")
             self.attend_len = top
         self.write_pos = pos
-        rows = self._rows()  # the cache row each (b, t) writes to, the same for every layer
-        self.write_rows = (torch.arange(B, device=pos.device) if isinstance(rows, slice) else rows)[:, None].expand(
-            B, T
-        )
+        # the cache row each (b, t) writes to, the same for every layer (leading rows: the batch's own index)
+        rows = self._rows()
+        b = torch.arange(B, device=pos.device) if isinstance(rows, slice) else rows
+        self.write_rows = b[:, None].expand(B, T)
         key_pos = torch.arange(self.attend_len, device=pos.device)
         return pos, (key_pos[None, None, :] <= pos[:, :, None])[:, None]
 
