@@ -307,10 +307,28 @@ def fit_device_batch(try_step, candidates, device=None):
     )
 
 
+CUDA_DTYPES_ENV = "NANORL_CUDA_DTYPES"
+
+
+def cuda_dtypes(device):
+    """Whether a run on `device` (a torch.device or its type) uses CUDA's dtypes and precision policies: the bf16
+    token embedding, bf16 inference copies and KV caches, bf16 autocast, FSDP's bf16 gathers, Muon's bf16
+    Newton-Schulz. Always on CUDA; on the CPU only with NANORL_CUDA_DTYPES=1, which makes the CPU run exactly the
+    GPU's dtype layout so that its tests find the GPU path's dtype bugs (docs/testing.md). Elsewhere: fp32."""
+    device_type = getattr(device, "type", device)
+    return device_type == "cuda" or (device_type == "cpu" and os.environ.get(CUDA_DTYPES_ENV) == "1")
+
+
+def low_precision_dtype(device):
+    """bf16 where cuda_dtypes(device), else fp32: the dtype of inference copies, KV caches and the bf16 embedding."""
+    return torch.bfloat16 if cuda_dtypes(device) else torch.float32
+
+
 def autocast_ctx(device_type, dtype="bfloat16"):
-    """bf16 autocast on CUDA; fp32 (no autocast) on CPU/MPS, where bf16 is slow or flaky and tests want exact math."""
-    if device_type == "cuda" and dtype == "bfloat16":
-        return torch.amp.autocast(device_type="cuda", dtype=torch.bfloat16)
+    """bf16 autocast where cuda_dtypes (CUDA, or the CPU in CUDA's layout); elsewhere fp32, no autocast (bf16 is slow
+    or flaky on CPU/MPS, and the tests want exact math)."""
+    if dtype == "bfloat16" and cuda_dtypes(device_type):
+        return torch.amp.autocast(device_type=device_type, dtype=torch.bfloat16)
     return nullcontext()
 
 

@@ -41,6 +41,7 @@ import numpy as np
 import torch
 from torch.nn.attention import sdpa_kernel
 
+from nanorl.common import low_precision_dtype
 from nanorl.engine_graphs import KERNEL_NAMES, capture_decode_graphs, decode_backends, engine_autocast, prefill_backends
 from nanorl.engine_memory import inference_copy, new_kv_cache
 from nanorl.inflight import Completion, Handle, Request, Sample, SlotRecords, check_request  # noqa: F401 (re-exported)
@@ -84,7 +85,7 @@ class Engine:
         if share_weights:
             self.model, self.flat_weights = model, None
         else:
-            dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+            dtype = dtype or low_precision_dtype(self.device)
             self.model, self.flat_weights = inference_copy(model, dtype)
         self.tool, self.tool_timeout, self.prefill_tokens = tool, tool_timeout, prefill_tokens
         self.markup = ToolMarkup(tokenizer)

@@ -8,6 +8,8 @@ from contextlib import nullcontext
 import torch
 from torch.nn.attention import SDPBackend
 
+from nanorl.common import cuda_dtypes
+
 KERNEL_NAMES = {
     SDPBackend.MATH: "math",
     SDPBackend.FLASH_ATTENTION: "flash (CPU)",
@@ -38,8 +40,8 @@ def prefill_backends(device):
 def engine_autocast(device, weight_dtype):
     """bf16 autocast only for fp32 weights on CUDA (share_weights); cache_enabled=False: autocast's weight-cast
     cache must not outlive a CUDA graph capture."""
-    if device.type == "cuda" and weight_dtype == torch.float32:
-        return torch.amp.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False)
+    if cuda_dtypes(device) and weight_dtype == torch.float32:
+        return torch.amp.autocast(device.type, dtype=torch.bfloat16, cache_enabled=False)
     return nullcontext()
 
 

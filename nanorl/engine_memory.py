@@ -5,6 +5,8 @@ Engine.load_weights) and its KV cache, sized against the memory that is free bef
 
 import torch
 
+from nanorl.common import low_precision_dtype
+
 
 @torch.no_grad()
 def inference_copy(model, dtype):
@@ -36,7 +38,7 @@ def inference_copy(model, dtype):
 def new_kv_cache(model, batch_size, max_len, device):
     """The engine's KV cache (bf16 on CUDA, fp32 elsewhere), refused in one line when it cannot fit in free memory."""
     cfg = model.config
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = low_precision_dtype(device)
     nbytes = 2 * cfg.n_layer * batch_size * cfg.n_kv_head * max_len * model.head_dim * dtype.itemsize
     avail = _free_memory(device)
     msg = (

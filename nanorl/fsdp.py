@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 
 # until scripts/chat_rl.py calls checkpoint.save / checkpoint.resume, it reaches these two through this module
 from nanorl.checkpoint import dcp_dir, find_last_step, load_sharded, save_checkpoint, save_sharded  # noqa: F401
-from nanorl.common import get_dist_info, synchronize
+from nanorl.common import cuda_dtypes, get_dist_info, synchronize
 from nanorl.gpt import GPTConfig, build_model
 
 
@@ -66,8 +66,8 @@ def check_args(args, script):
 
 def mixed_precision(device_type):
     """The FSDP2 precision policy of a device. CUDA: weights gathered in bf16 for compute, gradients reduced in
-    fp32. Elsewhere: everything fp32 (exact tests)."""
-    if device_type == "cuda":
+    fp32 (also on the CPU in CUDA's layout, common.cuda_dtypes). Elsewhere: everything fp32 (exact tests)."""
+    if cuda_dtypes(device_type):
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return MixedPrecisionPolicy()
 

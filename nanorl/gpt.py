@@ -28,6 +28,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
+from nanorl.common import cuda_dtypes, low_precision_dtype
 from nanorl.kv_cache import KVCache, attend_cached
 
 
@@ -266,9 +267,10 @@ class Block(nn.Module):
 
 
 def embedding_dtype(config, device_type):
-    """The dtype init_weights gives the token embedding on a device: bf16 on CUDA unless it is tied to the head.
-    The embedding is only a lookup: bf16 halves its memory traffic. (FSDP casts it back: see fsdp.shard_model.)"""
-    return torch.bfloat16 if device_type == "cuda" and not config.tie_embeddings else torch.float32
+    """The dtype init_weights gives the token embedding on a device: bf16 on CUDA (and in CUDA's layout on the CPU,
+    common.cuda_dtypes) unless it is tied to the head. The embedding is only a lookup: bf16 halves its memory
+    traffic. (FSDP casts it back: see fsdp.shard_model.)"""
+    return torch.bfloat16 if cuda_dtypes(device_type) and not config.tie_embeddings else torch.float32
 
 
 class GPT(nn.Module):
@@ -429,7 +431,7 @@ class GPT(nn.Module):
     def new_kv_cache(self, batch_size, max_len, dtype=None):
         dev = self.lm_head.weight.device
         if dtype is None:
-            dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+            dtype = low_precision_dtype(dev)
         if max_len > self.config.sequence_len:
             raise ValueError(f"KV cache length {max_len} exceeds the model's context {self.config.sequence_len}")
         return KVCache(self.config.n_layer, batch_size, self.config.n_kv_head, max_len, self.head_dim, dev, dtype)

@@ -20,6 +20,7 @@ import re
 
 import torch
 
+from nanorl.common import low_precision_dtype
 from nanorl.errors import BadValue, MissingFile, Unreadable, read_json_object
 from nanorl.gpt import GPT, GPTConfig
 
@@ -192,7 +193,7 @@ def load_hf_model(directory, device="cpu", dtype=None, sequence_len=None):
     config_path = os.path.join(directory, "config.json")
     config = gpt_config(cfg, config_path, sequence_len)
     device = torch.device(device)
-    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = dtype or low_precision_dtype(device)
     with torch.device("meta"):
         model = GPT(config)
     expected = set(model.state_dict())

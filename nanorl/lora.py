@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from nanorl.common import low_precision_dtype
 from nanorl.errors import BadValue
 from nanorl.optim import MuonAdamW
 
@@ -133,7 +134,7 @@ def apply_lora(model, cfg):
     The adapters are drawn from torch's global RNG (seed it for reproducible adapters)."""
     if is_lora(model):
         raise ValueError("apply_lora: the model already has LoRA adapters")
-    dtype = torch.bfloat16 if model.lm_head.weight.device.type == "cuda" else torch.float32
+    dtype = low_precision_dtype(model.lm_head.weight.device)
     for p in model.parameters():
         p.requires_grad_(False)
         p.data = p.data.to(dtype)  # parameters only: the rotary buffers keep fp32

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from nanorl.common import cuda_dtypes
+
 
 @torch.no_grad()
 def orthogonalize(G, steps=5):
@@ -27,7 +29,7 @@ def orthogonalize(G, steps=5):
     which is all Muon needs. Runs in bf16 on GPU (fast, and accurate enough), fp32 elsewhere.
     """
     a, b, c = 3.4445, -4.7750, 2.0315
-    X = G.bfloat16() if G.is_cuda else G.float()
+    X = G.bfloat16() if cuda_dtypes(G.device) else G.float()
     transposed = X.size(-2) > X.size(-1)
     if transposed:  # iterate on the smaller Gram matrix
         X = X.mT
@@ -80,6 +82,19 @@ class MuonAdamW(torch.optim.Optimizer):
             for gr in same:
                 gr.copy_(flat[off : off + gr.numel()].view_as(gr))
                 off += gr.numel()
+
+    FP32_STATE = ("exp_avg", "exp_avg_sq")  # AdamW's moments: fp32 whatever the parameter's dtype
+
+    def load_state_dict(self, state_dict):
+        """torch.optim.Optimizer.load_state_dict casts floating state to its parameter's dtype: a bf16 parameter (the
+        CUDA embedding) would come back with bf16 moments, and the next step would mix them with fp32 ones. The
+        moments are put back from the saved fp32 values, so a resumed run steps exactly as an uninterrupted one."""
+        super().load_state_dict(state_dict)
+        for saved_group, group in zip(state_dict["param_groups"], self.param_groups):
+            for pid, p in zip(saved_group["params"], group["params"]):
+                for key, value in state_dict["state"].get(pid, {}).items():
+                    if key in self.FP32_STATE:
+                        self.state[p][key] = value.to(device=p.device, dtype=torch.float32)
 
     @torch.no_grad()
     def step(self, closure=None):  # closure: unused, torch.distributed.checkpoint passes it

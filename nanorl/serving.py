@@ -11,11 +11,11 @@ import queue
 import threading
 import time
 import uuid
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
 
+from nanorl.common import autocast_ctx
 from nanorl.engine import Request
 from nanorl.openai_api import BadRequest, ServeConfig, error_body
 from nanorl.toolcalls import MarkupStream
@@ -165,7 +165,7 @@ def top_logprobs(engine, ids, tokens, k, temperature=1.0):
     token's log-prob, so this is one forward of prompt + reply on the engine's model, run between its steps (under its
     step lock: on CUDA also never during a graph replay)."""
     seq = torch.tensor([list(ids) + list(tokens[:-1])], device=engine.device)
-    ctx = torch.amp.autocast("cuda", dtype=torch.bfloat16) if engine.device.type == "cuda" else nullcontext()
+    ctx = autocast_ctx(engine.device.type)
     with engine.step_lock, ctx:
         h = engine.model.hidden_states(seq)[0, len(ids) - 1 :]  # position t predicts token t + 1
         logits = engine.model.logits_from_hidden(h)

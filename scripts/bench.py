@@ -42,6 +42,7 @@ from nanorl.common import (
     autodetect_device_type,
     get_peak_bandwidth,
     get_peak_flops,
+    low_precision_dtype,
     nonneg_float,
     nonneg_int,
     positive_float,
@@ -71,7 +72,7 @@ def gather_ms(model, cfg, device):
     from nanorl.fsdp import gather_full_state
     from nanorl.gpt import build_model
 
-    sampler = build_model(cfg, device).to(torch.bfloat16 if device.type == "cuda" else torch.float32)
+    sampler = build_model(cfg, device).to(low_precision_dtype(device))
     gathers = [gather_full_state(model, sampler) for _ in range(6)][1:]  # the first call warms up
     ms = sorted(gathers)[2] * 1e3  # the median
     print(f"sampler weight gather (nanorl.fsdp.gather_full_state): {ms:.2f} ms (median of 5)")

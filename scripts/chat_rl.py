@@ -399,7 +399,7 @@ if args.resume:
     diffs = {k: (old_args.get(k), v) for k, v in vars(args).items() if k != "resume" and old_args.get(k) != v}
     if diffs:
         changed = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in diffs.items())
-    print0(f"warning: resuming with changed RL flags: {changed}")
+        print0(f"warning: resuming with changed RL flags: {changed}")
     print0(f"resumed from {ckpt_dir} step {last}")
 
 # -----------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MAX_FILE_LINES, MAX_FUNCTION_LINES = 550, 80
+MAX_FILE_LINES, MAX_FUNCTION_LINES = 700, 80  # one concern per file, whole: ~700 lines at most
 
 
 def sources(*dirs):

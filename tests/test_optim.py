@@ -1,5 +1,6 @@
 """The distributed optimizer paths: torch DDP (bucketed all-reduce during backward) + Muon split across ranks."""
 
+import copy
 from contextlib import nullcontext
 
 import torch
@@ -98,3 +99,38 @@ def test_lr_scale_multiplies_every_groups_lr_and_initial_lr():
     assert len(base.param_groups) == len(scaled.param_groups) >= 3
     for b, s in zip(base.param_groups, scaled.param_groups):
         assert s["lr"] == s["initial_lr"] == b["initial_lr"] * 0.05 and b["lr"] == b["initial_lr"]
+
+
+def test_resumed_optimizer_keeps_fp32_moments_for_a_bf16_embedding(monkeypatch):
+    """In CUDA's dtype layout the token embedding is bf16 and AdamW's moments fp32. torch's load_state_dict casts
+    floating state to the parameter's dtype, which left bf16 moments and crashed the first step after every --resume.
+    Loaded moments stay fp32, bit for bit, and the resumed steps equal the uninterrupted ones."""
+    from nanorl.common import CUDA_DTYPES_ENV, autocast_ctx
+
+    monkeypatch.setenv(CUDA_DTYPES_ENV, "1")
+    x = torch.randint(0, 40, (2, 16), generator=torch.Generator().manual_seed(1))
+
+    def step(model, opt):
+        with autocast_ctx("cpu"):
+            loss = model(x, targets=x)
+        loss.backward()
+        opt.step()
+        model.zero_grad(set_to_none=True)
+
+    a = tiny_model()
+    assert a.transformer.wte.weight.dtype == torch.bfloat16  # what init_weights leaves on CUDA
+    opt_a = build_optimizer(a)
+    step(a, opt_a)
+    saved = {k: v.clone() for k, v in opt_a.state[a.transformer.wte.weight].items() if torch.is_tensor(v)}
+    b = tiny_model()
+    b.load_state_dict(a.state_dict())
+    opt_b = build_optimizer(b)
+    opt_b.load_state_dict(copy.deepcopy(opt_a.state_dict()))  # as read from a checkpoint: no tensor shared with opt_a
+    loaded = opt_b.state[b.transformer.wte.weight]
+    for k in ("exp_avg", "exp_avg_sq"):
+        assert loaded[k].dtype == torch.float32 and torch.equal(loaded[k], saved[k])
+    for _ in range(2):  # the crash was here: lerp_ of bf16 moments with an fp32 gradient
+        step(a, opt_a)
+        step(b, opt_b)
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(pa, pb), name
