@@ -99,11 +99,20 @@ def find_last_step(checkpoint_dir):
 
 
 def save_checkpoint(
-    checkpoint_dir, step, model_state, optim_state=None, meta=None, extra=None, rank=0, keep_last=None, group=None
+    checkpoint_dir,
+    step,
+    model_state,
+    optim_state=None,
+    meta=None,
+    extra=None,
+    rank=0,
+    keep_last=None,
+    group=None,
+    lead=None,
 ):
-    """Rank 0 writes the model and meta; every rank writes its own optimizer shard and extra state.
-    extra must hold only tensors and plain Python values (dict, list, tuple, str, int, float, bool, None).
-    group: the process group of the ranks that save (default all; async RL's training ranks)."""
+    """The lead rank (default: rank 0) writes the model and meta; every rank writes its own optimizer shard and extra
+    state (either may be None). extra must hold only tensors and plain Python values (dict, list, tuple, str, int,
+    float, bool, None). group: the process group of the ranks that save (default all)."""
     os.makedirs(checkpoint_dir, exist_ok=True)
     if optim_state is not None:
         _atomic_write(_torch_bytes(optim_state), os.path.join(checkpoint_dir, f"optim_{step:06d}_rank{rank}.pt"))
@@ -111,7 +120,7 @@ def save_checkpoint(
         _atomic_write(_torch_bytes(extra), os.path.join(checkpoint_dir, f"extra_{step:06d}_rank{rank}.pt"))
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier(group=group)  # every rank's files exist before the step is marked complete
-    if rank == 0:
+    if rank == 0 if lead is None else lead:
         if model_state is not None:  # None: the model was saved as shards (save_sharded)
             _atomic_write(
                 _safetensors_bytes(model_state), os.path.join(checkpoint_dir, f"model_{step:06d}.safetensors")
@@ -195,9 +204,10 @@ def resume_point(checkpoint_dir, world_size, fsdp):
     return step, meta
 
 
-def load_checkpoint(checkpoint_dir, step=None, device="cpu", load_optimizer=False, rank=0):
+def load_checkpoint(checkpoint_dir, step=None, device="cpu", load_optimizer=False, rank=0, need_extra=None):
     """(model_state, optim_state, meta, extra) of `step` (default: the latest complete one).
-    load_optimizer=True (resuming) also needs this rank's optimizer and extra-state files."""
+    load_optimizer=True (resuming) also needs this rank's optimizer file, and (need_extra, by default the same) its
+    extra-state file."""
     if step is None:
         step = find_last_step(checkpoint_dir)
         if step is None:
@@ -214,7 +224,7 @@ def load_checkpoint(checkpoint_dir, step=None, device="cpu", load_optimizer=Fals
         _load(os.path.join(checkpoint_dir, f"optim_{step:06d}_rank{rank}.pt"), device) if load_optimizer else None
     )
     extra_path = os.path.join(checkpoint_dir, f"extra_{step:06d}_rank{rank}.pt")
-    if load_optimizer and not os.path.exists(extra_path):
+    if (load_optimizer if need_extra is None else need_extra) and not os.path.exists(extra_path):
         err = MissingFile(f"checkpoint file {extra_path} is missing: step {step} has no data/RNG state to resume from")
         err.every_rank = True
         raise err
@@ -282,10 +292,11 @@ def load_sharded(checkpoint_dir, step, model, optimizer, rank=0):
 # a training run's state, sharded or not: what base_train, mid/SFT and RL save and --resume from
 
 
-def save(checkpoint_dir, step, model, optimizer, meta, extra=None, rank=0, keep_last=None, group=None):
+def save(checkpoint_dir, step, model, optimizer, meta, extra=None, rank=0, keep_last=None, group=None, lead=None):
     """Save a training step: weights, optimizer, this rank's extra state (data position, RNGs) and meta (which gains
     "sharded", checked on resume). An FSDP2-sharded model is written by every rank as DCP shards; any other as one
-    safetensors file by rank 0, each rank adding its optimizer state. group: the ranks that save (default all)."""
+    safetensors file by the lead rank (default rank 0), each rank adding its optimizer state. group: the ranks that
+    save (default all)."""
     if isinstance(model, FSDPModule):
         save_sharded(checkpoint_dir, step, model, optimizer, meta, extra, rank, keep_last)
     else:
@@ -300,13 +311,15 @@ def save(checkpoint_dir, step, model, optimizer, meta, extra=None, rank=0, keep_
             rank,
             keep_last,
             group,
+            lead,
         )
 
 
 def resume(checkpoint_dir, model, optimizer, rank=0, world_size=1, model_config=None):
-    """--resume: load the latest complete step into model and optimizer (sharded or not, as this run is) ->
-    (step, meta, this rank's extra state). Refuses what resume_point refuses and, given model_config (a dict), a
-    checkpoint of another model shape, before reading any weights."""
+    """--resume: load the latest complete step into model and optimizer (sharded or not, as this run is; optimizer
+    None: a rank that does not train, the weights alone) -> (step, meta, this rank's extra state). Refuses what
+    resume_point refuses and, given model_config (a dict), a checkpoint of another model shape, before reading any
+    weights."""
     sharded = isinstance(model, FSDPModule)
     step, meta = resume_point(checkpoint_dir, world_size, sharded)
     if model_config is not None:
@@ -316,12 +329,15 @@ def resume(checkpoint_dir, model, optimizer, rank=0, world_size=1, model_config=
     if sharded:
         return step, meta, load_sharded(checkpoint_dir, step, model, optimizer, rank)
     device = next(model.parameters()).device
-    model_state, optim_state, _, extra = load_checkpoint(checkpoint_dir, step, device, load_optimizer=True, rank=rank)
+    model_state, optim_state, _, extra = load_checkpoint(
+        checkpoint_dir, step, device, load_optimizer=optimizer is not None, rank=rank, need_extra=True
+    )
     if lora.is_lora(model):
         lora.load_lora_state_dict(model, model_state, model_path(checkpoint_dir, step))
     else:
         load_weights(model, model_state, model_path(checkpoint_dir, step))
-    optimizer.load_state_dict(optim_state)
+    if optimizer is not None:
+        optimizer.load_state_dict(optim_state)
     return step, meta, extra
 
 

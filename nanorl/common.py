@@ -11,6 +11,7 @@ import inspect
 import math
 import numbers
 import os
+import random
 import sys
 import time
 from collections import deque
@@ -146,6 +147,7 @@ def compute_init(device_type=None, seed=42, timeout_s=None, cpu_collectives=Fals
             f"(launch at most that many ranks per node, or check CUDA_VISIBLE_DEVICES)"
         )
     torch.manual_seed(seed)
+    random.seed(seed)  # Python's too: a checkpoint saves its state, and a resumed run must restore the same one
     if device_type == "cuda":
         # fewer out-of-memory failures from fragmentation: the allocator grows segments instead of adding new ones.
         # Read when CUDA's allocator starts, which has not happened yet; a value the user set wins

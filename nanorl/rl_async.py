@@ -4,7 +4,9 @@ first --rollout-num-gpus ranks only sample, the others only train. The samplers 
 sample rollout k+1 with the weights they have (one version behind) while the trainers train on rollout k; then the
 first trainer broadcasts the new weights in place (the engine's CUDA graphs see them) with their version and the
 step's metrics. Staleness is at most 1; --use-tis corrects it. Collectives, in order: gather k, weights k,
-gather k+1, ...
+gather k+1, ... A save (every rank, after the weights of its step) is one barrier of all ranks: the trainers write
+weights and optimizer, each sampler its prompt order, buffer, RNGs and the rollout it has already sampled for the next
+step, so that a --resume continues exactly where the run stopped.
 
 The loops of both roles are in scripts/chat_rl.py (sampler_loop, trainer_loop); this file holds their pieces.
 """
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from nanorl.common import positive_int
+from nanorl.samples import Sample
 
 
 def add_args(parser):
@@ -67,11 +70,6 @@ def split_ranks(args, parser, rank, world_size):
                 "device)"
             )
         return Roles(False, True, True, world_size, world_size, rank, rank)
-    if args.resume:
-        parser.error(
-            "--resume with --async is not supported: the prompt order lives on the sampling ranks; resume "
-            "without --async"
-        )
     R = args.rollout_num_gpus or world_size // 2
     if not 1 <= R < world_size:
         parser.error(f"--rollout-num-gpus {R} must leave at least one of the {world_size} ranks to train (--async)")
@@ -87,6 +85,20 @@ def exchange_rollouts(roles, payload):
     gathered = [None] * roles.world
     dist.all_gather_object(gathered, payload)
     return [p for p in gathered if p is not None]
+
+
+def payload_state(payload):
+    """A sampler's payload in plain values, for its checkpoint (None stays None)."""
+    if payload is None:
+        return None
+    return {**payload, "groups": [[s.to_dict() for s in g] for g in payload["groups"]]}
+
+
+def payload_from_state(state):
+    """payload_state's inverse."""
+    if state is None:
+        return None
+    return {**state, "groups": [[Sample(**d) for d in g] for g in state["groups"]]}
 
 
 def sum_payload_metrics(payloads):

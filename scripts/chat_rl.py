@@ -285,10 +285,11 @@ def do_rollout(step, version):
     return groups, fstats, failure, time.time() - t0
 
 
-def stop_after_failure(step, n_failed):
-    """A rollout or eval failed somewhere: save the state before it (a --resume redoes that rollout) and exit non-zero
-    at once: a worker thread still blocked in a reward call or a tool must not hold the exit."""
-    if roles.is_trainer:
+def stop_after_failure(step, n_failed, every_rank=True):
+    """A rollout or eval failed somewhere: save the state before it (a --resume redoes that rollout; --async: on the
+    saved weights, one version newer than the lost rollout's) and exit non-zero at once: a worker thread still blocked
+    in a reward call or a tool must not hold the exit. every_rank: every rank got here (a save is collective)."""
+    if every_rank:
         save(step)
     print0(f"stopped: a rollout failed on {n_failed} rank(s); saved step {step} in {ckpt_dir}")
     sys.stdout.flush()
@@ -346,8 +347,8 @@ def evaluate(step):
     where = f"rank {rank}: the eval at step {step}"
     local = rl_eval.local_pass_at_k(worker, my_items, seeds, n_eval, t_eval, pass_ks, step, args.rollout_timeout, where)
     out, n_prompts, n_failed = rl_eval.reduce_pass_at_k(local, pass_ks, device, roles.sgroup, ddp)
-    if n_failed:
-        stop_after_failure(step, n_failed)
+    if n_failed:  # --async: the trainers are not in this eval, so nothing is saved
+        stop_after_failure(step, n_failed, every_rank=not roles.async_mode)
     passes = " | ".join(f"{k} {v:.4f}" for k, v in out.items())
     print0(f"step {step:05d} | eval on {n_prompts} prompts x {n_eval} samples (T={t_eval:g}) | {passes}")
     return out
@@ -364,28 +365,40 @@ def should_save(step):
     return step % args.save_every == 0 or step == args.num_rollouts
 
 
-def save(step):
-    extra = {"source": source.state_dict(), "buffer": buffer.state_dict(), **rng_state(device)}
-    if critic is not None:  # every training rank keeps the same critic (averaged gradients): each saves it
-        extra.update(critic=critic.state_dict(), critic_optim=critic_optimizer.state_dict())
+def save(step, pending=None):
+    """Every rank: the trainers' weights and optimizer, each sampler's prompt order, buffer and RNGs (in sync RL every
+    rank is both). --async: a sampler also keeps `pending`, the rollout it already sampled for step+1 with the weights
+    before these, which a resumed run hands to the trainers first, as the uninterrupted run does."""
     # rl_args: this run's flags (meta's args are the source model's)
     ck_meta = {**meta, "model_tag": output_tag, "step": step, "rl_args": vars(args), "world_size": world_size}
     if lora_base:  # the adapters alone, and where their base is
         ck_meta["lora"] = lora.checkpoint_meta(model, lora_base)
+    extra = rng_state(device)
+    if roles.is_sampler:
+        extra.update(source=source.state_dict(), buffer=buffer.state_dict())
+    if roles.async_mode and roles.is_sampler:  # its files beside the trainers', which write weights and meta
+        extra["pending"] = rl_async.payload_state(pending)
+        checkpoint.save_checkpoint(ckpt_dir, step, None, None, ck_meta, extra, rank=rank, lead=False)
+        return
+    if critic is not None:  # every training rank keeps the same critic (averaged gradients): each saves it
+        extra.update(critic=critic.state_dict(), critic_optim=critic_optimizer.state_dict())
     # --fsdp: every rank writes its shards (DCP; `python -m nanorl.fsdp consolidate` makes the single file)
-    checkpoint.save(ckpt_dir, step, model, optimizer, ck_meta, extra, rank=roles.trank, group=roles.tgroup)
+    checkpoint.save(ckpt_dir, step, model, optimizer, ck_meta, extra, rank=rank, lead=rank == roles.R)
 
 
 def weights_checksum():
     return sum(p.detach().double().sum().item() for p in model.parameters())
 
 
-start_step = 0
+start_step, pending = 0, None
 if args.resume:
-    # model and optimizer (their shards with --fsdp, the adapters with --lora-rank); this rank's extra state
-    last, ck_meta, extra = checkpoint.resume(ckpt_dir, model, optimizer, rank, world_size)
-    source.load_state_dict(extra["source"])
-    buffer.load_state_dict(extra["buffer"])
+    # model and optimizer (their shards with --fsdp, the adapters with --lora-rank; an --async sampler: the weights
+    # alone); this rank's extra state
+    last, ck_meta, extra = checkpoint.resume(ckpt_dir, model, optimizer if roles.is_trainer else None, rank, world_size)
+    if roles.is_sampler:
+        source.load_state_dict(extra["source"])
+        buffer.load_state_dict(extra["buffer"])
+        pending = rl_async.payload_from_state(extra.get("pending"))
     if critic is not None:
         critic.load_state_dict(extra["critic"])
         critic_optimizer.load_state_dict(extra["critic_optim"])
@@ -410,13 +423,18 @@ def sampler_loop():
     """A sampling rank: hand rollout k to the trainers, sample rollout k+1 with the weights it has (one version
     behind) while they train, then take their new weights. Returns the seconds it waited on the trainers."""
     idle, version = 0.0, start_step
-    payload = sample_payload(start_step, version)
+    before = (source.state_dict(), buffer.state_dict())  # what a failed rollout is redone from
+    if start_step < args.num_rollouts:  # resumed: the rollout sampled before the save, as the trainers expect it
+        payload = pending or sample_payload(start_step, version)
     for step in range(start_step, args.num_rollouts):
         t0 = time.time()
         failures = [p["failure"] for p in rl_async.exchange_rollouts(roles, payload) if p["failure"]]
         wait = time.time() - t0
         if failures:
+            source.load_state_dict(before[0])
+            buffer.load_state_dict(before[1])
             stop_after_failure(step, len(failures))
+        before, payload = (source.state_dict(), buffer.state_dict()), None
         if step + 1 < args.num_rollouts:
             payload = sample_payload(step + 1, version)
         t_wait = time.time()
@@ -429,6 +447,8 @@ def sampler_loop():
         idle += wait
         if roles.srank == 0:
             log_step(step, m, dt)
+        if should_save(step + 1):  # beside the trainers' save of the same step
+            save(step + 1, pending=payload)
         maybe_eval(step)
     return idle
 

@@ -208,27 +208,20 @@ def test_peft_key_names():
 from test_chat_rl import RM, base_dir, final_weights, run_rl  # noqa: E402,F401  (base_dir: a module fixture)
 
 
-def test_chat_rl_lora_resumes_bit_for_bit_and_saves_only_adapters(base_dir):  # noqa: F811
+def test_chat_rl_lora_trains_and_saves_only_adapters(base_dir):  # noqa: F811
+    """(Killed and resumed in tests/test_resume.py.)"""
     import json
 
     # with a KL loss: its reference is the policy with the adapters off
     flags = ["--lora-rank", "4", "--lora-lr", "3e-2", "--temperature", "0.7", "--use-kl-loss", "--kl-loss-coef", "0.1"]
     full, _ = run_rl(base_dir, "--num-rollouts", "4", "--save-interval", "2", "--output-tag", "lora_full", *flags)
-    run_rl(base_dir, "--num-rollouts", "2", "--save-interval", "2", "--output-tag", "lora_resumed", *flags)
-    res, log = run_rl(
-        base_dir, "--num-rollouts", "4", "--save-interval", "2", "--output-tag", "lora_resumed", "--resume", *flags
-    )
-    assert "resumed from" in log and [h["step"] for h in res["train"]] == [1, 2, 3, 4]
     first = full["train"][0]
     assert first["train/first_step_ppo_kl"] == 0.0 and first["time/weight_sync"] < 1e-3  # nothing to sync
     assert first["train/kl_loss"] == 0.0 and full["train"][-1]["train/kl_loss"] > 0  # step 0 is the reference
     for h in full["train"]:  # the engine samples through the live adapters: its log-probs are the trainer's
         assert h["train/train_rollout_logprob_abs_diff"] < 1e-4
-    for a, b in zip(full["train"][2:], res["train"][2:]):
-        for k in ("rollout/reward_mean", "train/pg_loss", "train/grad_norm", "rollout/response_len_mean"):
-            assert a[k] == b[k], (k, a[k], b[k])
-    fw, rw = final_weights(base_dir, "lora_full"), final_weights(base_dir, "lora_resumed")
-    assert fw.keys() == rw.keys() and all(".lora_" in k for k in fw) and all(torch.equal(fw[k], rw[k]) for k in fw)
+    fw = final_weights(base_dir, "lora_full")
+    assert all(".lora_" in k for k in fw)
     assert any(v.abs().sum() > 0 for k, v in fw.items() if ".lora_B." in k)  # the adapters trained
     with open(base_dir / "rl_checkpoints" / "lora_full" / "meta_000004.json") as f:
         meta = json.load(f)["lora"]
