@@ -430,3 +430,30 @@ def test_grpo_step_d12():
     assert r["generated_tokens"] == 4 * 4 * 64 and r["trained_tokens"] == 4 * 4 * (64 + 64)
     assert math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0
     report("GRPO step d12 (4x4, 64 new)", figure=r["total_s"], unit="s/step", peak_mem_gb=r["peak_mem_gb"])
+
+
+# -----------------------------------------------------------------------------
+# recovery on CUDA: the crash every --resume hit there (AdamW's moments cast to the bf16 embedding's dtype on load)
+
+
+@gpu
+def test_kill_and_resume_on_cuda(tmp_path):
+    """base_train and chat_rl killed mid-run and mid-save and rerun with --resume, as tests/test_resume.py does on the
+    CPU in CUDA's layout; here on the GPU itself, within a tolerance (its kernels may sum in another order)."""
+    from test_resume import BASE, RL, adamw_moment_dtypes, kill_and_resume
+
+    env = {**os.environ, "NANORL_BASE_DIR": str(tmp_path)}
+    tok = [sys.executable, "-m", "scripts.tok_train", "--vocab-size", "600", "--max-chars", "300000"]
+    subprocess.run(tok, cwd=REPO, env=env, check=True, capture_output=True)
+    base = BASE.replace("--device-type cpu", "--device-type cuda --no-compile").split()
+    kill_and_resume(tmp_path, "scripts.base_train", base, "base_checkpoints", "--model-tag", "g", 4, 4, 6, atol=1e-2)
+    optim = torch.load(tmp_path / "base_checkpoints" / "g_killed" / "optim_000006_rank0.pt", weights_only=True)
+    assert adamw_moment_dtypes(optim) == {torch.float32}
+    rl_flags = RL.replace("--device-type cpu", "--device-type cuda").split() + [
+        "--source",
+        "base",
+        "--model-tag",
+        "g_full",
+    ]
+    kill_and_resume(tmp_path, "scripts.chat_rl", rl_flags, "rl_checkpoints", "--output-tag", "g", 3, 4, 4, atol=1e-2)
+    report("resume on CUDA", stages="base_train, chat_rl", killed="mid-run and mid-save", resumed="ok")

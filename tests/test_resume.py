@@ -53,19 +53,24 @@ def complete_steps(ckpt):
     return sorted(int(m.group(1)) for p in ckpt.glob("meta_*.json") if (m := re.match(r"meta_(\d+)", p.name)))
 
 
-def same(a, b, where=""):
-    """Recursive equality: tensors bit for bit and of one dtype, everything else with ==. -> the first difference."""
+def same(a, b, where="", atol=0.0):
+    """Recursive equality: tensors of one dtype, bit for bit (atol=0) or within atol, everything else with ==.
+    -> where the first difference is, or None."""
     if torch.is_tensor(a):
-        ok = torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        ok = torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape
+        if ok and atol and a.is_floating_point():
+            ok = torch.allclose(a.float(), b.float(), atol=atol, rtol=0)
+        elif ok:
+            ok = torch.equal(a, b)
         return None if ok else where
     if isinstance(a, dict):
         if not isinstance(b, dict) or a.keys() != b.keys():
             return f"{where} keys"
-        return next((d for k in a if (d := same(a[k], b[k], f"{where}/{k}"))), None)
+        return next((d for k in a if (d := same(a[k], b[k], f"{where}/{k}", atol))), None)
     if isinstance(a, (list, tuple)):
         if len(a) != len(b):
             return f"{where} length"
-        return next((d for i, (x, y) in enumerate(zip(a, b)) if (d := same(x, y, f"{where}[{i}]"))), None)
+        return next((d for i, (x, y) in enumerate(zip(a, b)) if (d := same(x, y, f"{where}[{i}]", atol))), None)
     return None if a == b else where
 
 
@@ -89,9 +94,10 @@ def load_step(ckpt, step):
     return out
 
 
-def kill_and_resume(base_dir, module, args, ckpt_root, tag_flag, tag, between, during, last, nproc=1):
+def kill_and_resume(base_dir, module, args, ckpt_root, tag_flag, tag, between, during, last, nproc=1, atol=0.0):
     """The uninterrupted run and the killed-and-resumed one (`between`: the optimizer step killed mid-run; `during`:
-    the save killed before its meta), compared at their last step. -> (chat_rl's history of the uninterrupted run,
+    the save killed before its meta), compared at their last step: bit for bit, or within atol (on a GPU, whose
+    kernels may sum in another order from run to run). -> (chat_rl's history of the uninterrupted run,
     the outputs of the last two resumed commands)."""
     full = run(base_dir, module, [*args, tag_flag, f"{tag}_full"], nproc=nproc)
     assert full.returncode == 0, full.stdout[-2000:] + full.stderr[-3000:]
@@ -115,7 +121,9 @@ def kill_and_resume(base_dir, module, args, ckpt_root, tag_flag, tag, between, d
     assert max(complete_steps(ckpt)) == last
     a, b = load_step(base_dir / ckpt_root / f"{tag}_full", last), load_step(ckpt, last)
     assert a.keys() == b.keys() and len(a) >= 2, (sorted(a), sorted(b))
-    assert (diff := same(a, b)) is None, f"{tag}: the resumed run differs from the uninterrupted one at {diff}"
+    assert (diff := same(a, b, atol=atol)) is None, (
+        f"{tag}: the resumed run differs from the uninterrupted one at {diff}"
+    )
     return full_history, outs
 
 
