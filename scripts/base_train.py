@@ -133,7 +133,8 @@ state_bytes = (
 
 def trial_step(batch):
     """One forward+backward at `batch` rows with the optimizer's state held aside: whether a training step fits.
-    Under --fsdp it runs the sharded model, whose collectives every rank enters with the same shapes."""
+    Under --fsdp it runs the sharded model, whose collectives every rank enters with the same shapes (and, through
+    fsdp.lockstep_trial, enters in full even when it runs out of memory part-way)."""
     x = torch.zeros(batch, args.max_seq_len, dtype=torch.long, device=device)
     held = torch.empty(state_bytes, dtype=torch.uint8, device=device)
     try:
@@ -155,7 +156,8 @@ if args.device_batch_size == "auto":
         )
     too_big = []
     if device.type == "cuda":  # elsewhere running out of memory is the OS killing us, not an exception to catch
-        args.device_batch_size, too_big = fit_device_batch(trial_step, candidates, device)
+        trial = fsdp.lockstep_trial(trial_step, model) if args.fsdp else trial_step
+        args.device_batch_size, too_big = fit_device_batch(trial, candidates, device)
     else:
         args.device_batch_size = candidates[0]
     print0(
