@@ -39,6 +39,7 @@ from nanorl.dataloader import PretrainLoader
 from nanorl.dataset import describe_source
 from nanorl.fsdp import local_bytes, shard_model
 from nanorl.gpt import attention_backend, build_model, config_from_depth
+from nanorl.kv_cache import greedy_decode
 from nanorl.loss_eval import evaluate_bpb
 from nanorl.optim import build_optimizer
 from nanorl.report import log_json, log_section, record_metrics
@@ -231,20 +232,10 @@ def evaluate_val():
     return bpb
 
 
-@torch.no_grad()
 def sample(prompt, max_tokens=32):
     model.eval()
-    ids = tokenizer.encode(prompt, prepend="<|bos|>")
-    cache = model.new_kv_cache(1, min(len(ids) + max_tokens, config.sequence_len))
-    x = torch.tensor([ids], device=device)
-    out = []
-    with autocast:
-        for _ in range(max_tokens):
-            nxt = int(model(x, kv_cache=cache)[0, -1].argmax())
-            out.append(nxt)
-            if int(cache.pos[0]) >= cache.max_len:
-                break
-            x = torch.tensor([[nxt]], device=device)
+    with autocast:  # on the compute device (with --cpu-offload the weights live in host memory), pinned kernels
+        out = greedy_decode(model, tokenizer.encode(prompt, prepend="<|bos|>"), max_tokens, device)
     model.train()
     return prompt + tokenizer.decode(out)
 

@@ -355,6 +355,30 @@ def test_a_graph_that_replays_nothing_is_caught_at_start(monkeypatch, capfd):
 
 
 @gpu
+def test_training_samples_run_on_the_pinned_kernel():
+    """base_train's samples (nanorl.kv_cache.greedy_decode under bf16 autocast): every forward's masked attention runs
+    with memory-efficient SDPA the only kernel allowed, and that kernel takes these shapes (else SDPA raises "No
+    available kernel"); the first token is the full forward's."""
+    from nanorl.kv_cache import greedy_decode
+
+    model, seen, ids = _random_model(lm_std=0.5), [], list(range(40, 77))
+    with torch.no_grad(), autocast_ctx("cuda"):
+        first = int(model(torch.tensor([ids], device="cuda"))[0, -1].argmax())
+    forward = model.hidden_states
+
+    def hidden_states(idx, **kw):
+        b = torch.backends.cuda
+        seen.append((b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.math_sdp_enabled(), b.cudnn_sdp_enabled()))
+        return forward(idx, **kw)
+
+    model.hidden_states = hidden_states
+    with autocast_ctx("cuda"):
+        out = greedy_decode(model, ids, 16, torch.device("cuda"))
+    assert len(out) == 16 and out[0] == first
+    assert seen == [(False, True, False, False)] * 16  # flash, memory-efficient, math, cuDNN
+
+
+@gpu
 def test_bf16_engine_vs_trainer_logprob_gap():
     from nanorl.engine import Engine
 
