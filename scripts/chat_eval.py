@@ -275,6 +275,25 @@ def load_task(name, args, paths, skipped):
         raise SystemExit(f"{name}: {e}")
 
 
+def skipped_on_any_rank(skipped):
+    """This rank's {task: why it was skipped} merged with every other rank's (the same tasks on all ranks): a task
+    one rank could not load is skipped by all, or each task's closing all-reduce would pair
+    one task's sums with another's (NCCL: a hang until the timeout). Tasks only other ranks skipped get a line."""
+    from nanorl.common import print0
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return skipped
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, skipped)
+    merged = dict(skipped)
+    for rank, theirs in enumerate(every):
+        for name, why in theirs.items():
+            if name not in merged:
+                print0(f"skipping {name}: rank {rank} could not load it ({why})")
+                merged[name] = f"rank {rank}: {why}"
+    return merged
+
+
 def task_result(name, task, sums):
     """All ranks' sums -> the task's means: accuracy, pass@k, the centred score, and which grader judged it."""
     from nanorl.rewards import make_reward
@@ -364,10 +383,13 @@ def main():
     results, skipped, t_all = {}, {}, time.time()
     names = [t.strip().lower() for t in args.tasks.split(",") if t.strip()]
     print0(run_header(args, meta, names, temperature))
+    # every rank loads every task before the first is evaluated, and all skip any that one of them could not load
+    tasks = {name: load_task(name, args, paths, skipped) for name in names}
+    skipped = skipped_on_any_rank(skipped)
     for name in names:
-        task = load_task(name, args, paths, skipped)
-        if task is None:
+        if name in skipped:
             continue
+        task = tasks[name]
         N = len(task) if args.max_problems is None else min(len(task), args.max_problems)
         indices = list(range(rank, N, world_size))  # each rank a strided slice
         t0 = time.time()
