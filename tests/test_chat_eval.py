@@ -299,3 +299,59 @@ def test_a_task_one_rank_cannot_load_is_skipped_by_every_rank(tmp_path):
     assert "skipping gsm8k: rank 1 could not load it (could not reach the Hub (raised by the test))" in r0["log"]
     assert r0["base_eval"]["CORE"] == r1["base_eval"]["CORE"] == "skipped (no eval bundle)"
     assert "skipping CORE: rank 1 could not load it (download failed (raised by the test))" in r0["log"]
+
+
+# --- no sandbox: only what runs the model's code is skipped --------------------------------------
+
+
+def _sandbox(monkeypatch, mode):
+    """This process's sandbox as sandbox_mode() decides it afresh: mode "" with bubblewrap failing its probe (no
+    user namespaces), or "guard" (NANORL_SANDBOX=guard)."""
+    import nanorl.execution as execution
+
+    monkeypatch.setenv("NANORL_SANDBOX", mode)
+    monkeypatch.setattr(execution, "_probe_bwrap", lambda: "bwrap probe failed: No permissions to create new namespace")
+    monkeypatch.setattr(execution, "_mode", None)
+    monkeypatch.setattr(execution, "_unavailable", None)
+
+
+def test_without_a_sandbox_humaneval_is_skipped_with_a_line_and_a_card_row(tmp_path, monkeypatch, capsys):
+    import json
+
+    import nanorl.checkpoint
+    import scripts.chat_eval as chat_eval
+    from nanorl.gpt import GPTConfig, build_model
+
+    _sandbox(monkeypatch, "")
+    monkeypatch.setenv("NANORL_BASE_DIR", str(tmp_path))
+    tok = Tokenizer.from_ranks({bytes([i]): i for i in range(256)}, SPLIT_PATTERN)
+    cfg = GPTConfig(sequence_len=256, vocab_size=tok.vocab_size, n_layer=1, n_head=2, n_kv_head=1, n_embd=32)
+    model = build_model(cfg, "cpu").eval()
+    monkeypatch.setattr(nanorl.checkpoint, "load_model_from_args", lambda *a, **kw: (model, tok, {"model_tag": "t"}))
+    real_get_task = chat_eval.get_task
+
+    def get_task(name, split, **kw):
+        assert name != "humaneval", "a skipped task is not even loaded"
+        return real_get_task(name, split, **kw)
+
+    monkeypatch.setattr(chat_eval, "get_task", get_task)
+    monkeypatch.setattr(sys, "argv", ["chat_eval", "-a", "offline,humaneval", "-x", "2", "-m", "8", "--levels", "1"])
+    results = chat_eval.main()
+    assert list(results) == ["offline"] and results["offline"]["problems"] == 2  # everything else runs
+    why = (
+        "model-written code runs only in the bubblewrap sandbox, which does not work here (bwrap probe failed: No "
+        "permissions to create new namespace): install the bubblewrap package (apt-get install bubblewrap), or set "
+        "NANORL_SANDBOX=guard to run it under the weaker in-process guard"
+    )
+    assert f"\nskipping humaneval: {why}\n" in capsys.readouterr().out
+    card = json.loads(next(tmp_path.rglob("report_card.json")).read_text())["SFT"]
+    assert card["HumanEval"] == "skipped: no sandbox" and len(card) == 2  # beside the offline accuracy row
+    # nothing but HumanEval asked for: the run stops at its start, in the same one line
+    monkeypatch.setattr(sys, "argv", ["chat_eval", "-a", "HumanEval"])
+    with pytest.raises(SystemExit) as e:
+        chat_eval.parse_args()
+    assert str(e.value) == f"error: {why}"
+    # NANORL_SANDBOX=guard opts in: nothing is skipped
+    _sandbox(monkeypatch, "guard")
+    monkeypatch.setattr(sys, "argv", ["chat_eval", "-a", "offline,humaneval"])
+    assert chat_eval.parse_args().unsandboxed == {}
