@@ -240,6 +240,7 @@ def _oom_trial_worker(rank, world, init_file, out_path, lockstep):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_a_rank_out_of_memory_mid_step_leaves_every_rank_in_step(tmp_path):
     # base_train --fsdp --device-batch-size auto: rank 1 runs out of memory above 2 rows, inside the sharded forward
     # (then in backward). Both ranks must agree on 2 rows, the step of one row first (it records the step's
