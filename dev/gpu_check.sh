@@ -46,8 +46,8 @@ step() {
 }
 
 step tests "gpu tests" $PY -m pytest -q -s -m gpu -p no:cacheprovider tests/test_gpu.py
-# (the gpu tests put the engine's CUDA-graph self-check in the table, one row per GPU) With two GPUs visible, chat_web
-# --num-gpus 2: the replica on cuda:1 captures its graphs there and answers exactly as the one on cuda:0
+# the gpu tests above put the engine's CUDA-graph self-check in the table, a row per GPU. With two GPUs visible,
+# chat_web --num-gpus 2: its replica on cuda:1 must capture its graphs there and answer as the one on cuda:0
 if [ $MODE = gpu ] && [ "$($PY -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
     step tests "chat_web --num-gpus 2" $PY -m pytest -q -s -m gpu -p no:cacheprovider tests/test_chat_web.py -k num_gpus_2
 fi
