@@ -46,6 +46,11 @@ step() {
 }
 
 step tests "gpu tests" $PY -m pytest -q -s -m gpu -p no:cacheprovider tests/test_gpu.py
+# the gpu tests above put the engine's CUDA-graph self-check in the table, a row per GPU. With two GPUs visible,
+# chat_web --num-gpus 2: its replica on cuda:1 must capture its graphs there and answer as the one on cuda:0
+if [ $MODE = gpu ] && [ "$($PY -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+    step tests "chat_web --num-gpus 2" $PY -m pytest -q -s -m gpu -p no:cacheprovider tests/test_chat_web.py -k num_gpus_2
+fi
 if [ $MODE = gpu ]; then
     step train "train d12" $PY -m scripts.bench train --depth 12 --batch 32 --seq-len 2048 --warmup 2 --steps 5
     step train "train d20" $PY -m scripts.bench train --depth 20 --n-kv-head 2 --batch 32 --seq-len 2048 --warmup 2 --steps 5

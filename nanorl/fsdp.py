@@ -19,6 +19,8 @@ import argparse
 import json
 import os
 import time
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -111,6 +113,102 @@ def local_bytes(model, optimizer):
 
     total = sum(nbytes(p) + (nbytes(p.grad) if p.grad is not None else 0) for p in model.parameters())
     return total + sum(nbytes(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))
+
+
+# --- the device-batch trial under --fsdp (scripts/base_train.py) -----------------------------------
+
+# the collectives a sharded step issues (torch versions name FSDP2's all-gather and reduce-scatter differently)
+STEP_COLLECTIVES = [
+    n
+    for n in ("all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor", "reduce_scatter_single")
+    + ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+    if hasattr(dist, n)
+]
+
+
+@contextmanager
+def collectives_seen(on_call):
+    """While inside, on_call(name, args, kwargs) after each of STEP_COLLECTIVES has been issued on this rank."""
+    originals = {n: getattr(dist, n) for n in STEP_COLLECTIVES}
+
+    def seen(name, fn):
+        def call(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            on_call(name, args, kwargs)
+            return out
+
+        return call
+
+    for n, fn in originals.items():
+        setattr(dist, n, seen(n, fn))
+    try:
+        yield
+    finally:
+        for n, fn in originals.items():
+            setattr(dist, n, fn)
+
+
+@dataclass(frozen=True)
+class TensorSpec:  # a recorded collective's tensor: its shape, never its memory (it may be a whole gathered block)
+    shape: tuple
+    dtype: torch.dtype
+    device: torch.device
+
+
+def _spec(a):
+    if isinstance(a, torch.Tensor):
+        return TensorSpec(tuple(a.shape), a.dtype, a.device)
+    return [_spec(t) for t in a] if isinstance(a, list) else a
+
+
+def _zeros(a):
+    if isinstance(a, TensorSpec):
+        return torch.zeros(a.shape, dtype=a.dtype, device=a.device)
+    return [_zeros(t) for t in a] if isinstance(a, list) else a
+
+
+def lockstep_trial(try_step, model):
+    """fit_device_batch's try_step for a sharded model: whatever happens on a rank, it leaves the trial having entered
+    the same collectives as the others. A rank out of memory part-way through a step would otherwise enter
+    fit_device_batch's all-reduce while the others wait in FSDP's next all-gather (NCCL: a hang, or a mix-up).
+    A step's all-gathers and reduce-scatters do not depend on the batch, so they are recorded once, as shapes, from a
+    step of one row; a rank whose step then raises torch.OutOfMemoryError enters the ones it had not reached with
+    zeros, so the others finish their step (its gradients are thrown away), resets FSDP's per-step state and raises
+    the error again. A rank out of memory at one row stops the run (one line; torchrun ends the others)."""
+    tape = None
+
+    def step(batch):
+        nonlocal tape
+        if tape is None:
+            tape = []
+
+            def record(name, args, kwargs):
+                tape.append((name, _spec(list(args)), {k: _spec(v) for k, v in kwargs.items()}))
+
+            try:
+                with collectives_seen(record):
+                    try_step(1)
+            except torch.OutOfMemoryError:
+                raise SystemExit("out of memory at a device batch of 1 row: use a smaller model or --max-seq-len")
+        done = 0
+
+        def count(*_):
+            nonlocal done
+            done += 1
+
+        try:
+            with collectives_seen(count):
+                return try_step(batch)
+        except torch.OutOfMemoryError:
+            pass  # out of the except block first: its traceback holds the failed step's tensors
+        for name, args, kwargs in tape[done:]:
+            work = getattr(dist, name)(*_zeros(args), **{k: _zeros(v) for k, v in kwargs.items()})
+            if work is not None:
+                work.wait()
+        model.reset_iter_state()
+        raise torch.OutOfMemoryError(f"out of memory at a device batch of {batch} rows")
+
+    return step
 
 
 @torch.no_grad()

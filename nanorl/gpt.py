@@ -428,8 +428,9 @@ class GPT(nn.Module):
             return logp, torch.cat(ents).reshape(B, T).clone()
         return logp
 
-    def new_kv_cache(self, batch_size, max_len, dtype=None):
-        dev = self.lm_head.weight.device
+    def new_kv_cache(self, batch_size, max_len, dtype=None, device=None):
+        # device: where the forwards that use it compute (under FSDP's CPU offload not where the weights live)
+        dev = self.lm_head.weight.device if device is None else torch.device(device)
         if dtype is None:
             dtype = low_precision_dtype(dev)
         if max_len > self.config.sequence_len:

@@ -4,11 +4,15 @@ The KV cache the engine decodes with, and attention over it.
 KVCache holds every layer's keys and values with its own position per row, so one batch mixes prompts of different
 lengths and rows refilled at different times (continuous batching); GPT.new_kv_cache() makes one, and a forward
 that is given one reads and extends it. attend_cached() is the attention over the cache: grouped-query heads are
-folded into the query length so each KV head is read once, never repeated.
+folded into the query length so each KV head is read once, never repeated. greedy_decode() is its simplest client:
+a training log's sample, a few greedy tokens through a cache of one row.
 """
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import sdpa_kernel
+
+from nanorl.engine_graphs import decode_backends, prefill_backends
 
 
 class KVCache:
@@ -104,3 +108,21 @@ def attend_cached(q, k, v, mask):
         mask = mask.repeat(1, 1, G, 1)  # row g * T + t of the folded query uses token t's mask
     y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     return y.reshape(B, H, T, D).to(dtype)
+
+
+@torch.no_grad()
+def greedy_decode(model, ids, max_tokens, device):
+    """The greedy continuation of the token list ids (at most max_tokens, less where the context ends). `device` is
+    where it computes, which is not where the parameters are under FSDP's --cpu-offload: the cache and the inputs go
+    there, never to a parameter's device. Attention runs on the engine's pinned kernels (nanorl/engine_graphs.py),
+    not on whichever SDPA's dispatcher picks for a masked call."""
+    device = torch.device(device)
+    cache = model.new_kv_cache(1, min(len(ids) + max_tokens, model.config.sequence_len), device=device)
+    x, out, backends = torch.tensor([ids], device=device), [], prefill_backends(device)
+    for _ in range(max_tokens):
+        with sdpa_kernel(backends):
+            out.append(int(model(x, kv_cache=cache)[0, -1].argmax()))
+        if int(cache.pos[0]) >= cache.max_len:
+            break
+        x, backends = torch.tensor([[out[-1]]], device=device), decode_backends(device)
+    return out

@@ -19,6 +19,7 @@ from nanorl.engine import Engine, Request
 from nanorl.loss_eval import evaluate_bpb
 from nanorl.report import log_section, record_metrics
 from nanorl.tokenizer import get_token_bytes
+from scripts.chat_eval import skipped_on_any_rank
 
 # fmt: off
 parser = ArgumentParser(description="Evaluate a base model: bpb, samples, CORE")
@@ -95,13 +96,15 @@ if "sample" in modes and master:
 core = None
 if "core" in modes:
     try:
-        bundle = get_bundle(args.bundle_dir, args.bundle_url)
+        bundle, why = get_bundle(args.bundle_dir, args.bundle_url), None
     except (OSError, RuntimeError) as e:
-        bundle = None
-        summary["CORE"] = "skipped (no eval bundle)"
+        bundle, why = None, str(e)
         print0(
             f"CORE skipped: no eval bundle ({e}). Pass --bundle-dir DIR (an unzipped eval_bundle) to run it offline."
         )
+    # each CORE task ends in an all-reduce: every rank runs CORE or none does (a rank that has no bundle says so)
+    if "CORE" in skipped_on_any_rank({"CORE": why} if why else {}):
+        bundle, summary["CORE"] = None, "skipped (no eval bundle)"
     if bundle is not None:
         tasks = load_tasks(bundle)
         print0(

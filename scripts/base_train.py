@@ -39,6 +39,7 @@ from nanorl.dataloader import PretrainLoader
 from nanorl.dataset import describe_source
 from nanorl.fsdp import local_bytes, shard_model
 from nanorl.gpt import attention_backend, build_model, config_from_depth
+from nanorl.kv_cache import greedy_decode
 from nanorl.loss_eval import evaluate_bpb
 from nanorl.optim import build_optimizer
 from nanorl.report import log_json, log_section, record_metrics
@@ -133,7 +134,8 @@ state_bytes = (
 
 def trial_step(batch):
     """One forward+backward at `batch` rows with the optimizer's state held aside: whether a training step fits.
-    Under --fsdp it runs the sharded model, whose collectives every rank enters with the same shapes."""
+    Under --fsdp it runs the sharded model, whose collectives every rank enters with the same shapes (and, through
+    fsdp.lockstep_trial, enters in full even when it runs out of memory part-way)."""
     x = torch.zeros(batch, args.max_seq_len, dtype=torch.long, device=device)
     held = torch.empty(state_bytes, dtype=torch.uint8, device=device)
     try:
@@ -155,7 +157,8 @@ if args.device_batch_size == "auto":
         )
     too_big = []
     if device.type == "cuda":  # elsewhere running out of memory is the OS killing us, not an exception to catch
-        args.device_batch_size, too_big = fit_device_batch(trial_step, candidates, device)
+        trial = fsdp.lockstep_trial(trial_step, model) if args.fsdp else trial_step
+        args.device_batch_size, too_big = fit_device_batch(trial, candidates, device)
     else:
         args.device_batch_size = candidates[0]
     print0(
@@ -229,20 +232,10 @@ def evaluate_val():
     return bpb
 
 
-@torch.no_grad()
 def sample(prompt, max_tokens=32):
     model.eval()
-    ids = tokenizer.encode(prompt, prepend="<|bos|>")
-    cache = model.new_kv_cache(1, min(len(ids) + max_tokens, config.sequence_len))
-    x = torch.tensor([ids], device=device)
-    out = []
-    with autocast:
-        for _ in range(max_tokens):
-            nxt = int(model(x, kv_cache=cache)[0, -1].argmax())
-            out.append(nxt)
-            if int(cache.pos[0]) >= cache.max_len:
-                break
-            x = torch.tensor([[nxt]], device=device)
+    with autocast:  # on the compute device (with --cpu-offload the weights live in host memory), pinned kernels
+        out = greedy_decode(model, tokenizer.encode(prompt, prepend="<|bos|>"), max_tokens, device)
     model.train()
     return prompt + tokenizer.decode(out)
 

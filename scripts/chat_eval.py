@@ -21,10 +21,12 @@ import torch
 import torch.distributed as dist
 
 from nanorl.common import ArgumentParser, int_list, nonneg_float, nonneg_int, positive_int
-from nanorl.execution import require_sandbox
+from nanorl.execution import require_sandbox, sandbox_missing
 from nanorl.rl import pass_at_k
 from nanorl.synthetic import levels_flag
 from tasks import CHATCORE_TASKS, RANDOM_BASELINE, TASKS, get_task
+
+NO_SANDBOX = "no sandbox"  # why a task that runs the model's code was skipped (nanorl/execution.py says more)
 
 
 def centered(accuracy, baseline):
@@ -251,8 +253,13 @@ def parse_args():
         parser.error(
             f"-k/--pass-k {','.join(map(str, ks))}: each k must be at most -n/--num-samples {args.num_samples}"
         )
-    if any(getattr(TASKS.get(t.strip().lower()), "runs_code", False) for t in args.tasks.split(",")):
-        require_sandbox()  # HumanEval runs the model's code: with no sandbox here, stop now in one line
+    names = [t.strip().lower() for t in args.tasks.split(",") if t.strip()]
+    code = [t for t in names if getattr(TASKS.get(t), "runs_code", False)]  # HumanEval runs the model's code
+    if code and len(code) == len(names):
+        require_sandbox()  # nothing else to evaluate: with no sandbox here, stop now in one line
+    # beside other tasks, only these are skipped where there is no sandbox: {task: why} (a line and a card row each)
+    why = sandbox_missing() if code else None
+    args.unsandboxed = {name: why for name in code} if why else {}
     return args
 
 
@@ -273,6 +280,25 @@ def load_task(name, args, paths, skipped):
         return None
     except ValueError as e:
         raise SystemExit(f"{name}: {e}")
+
+
+def skipped_on_any_rank(skipped):
+    """This rank's {task: why it was skipped} merged with every other rank's (the same tasks on all ranks): a task
+    one rank could not load is skipped by all, or each task's closing all-reduce would pair
+    one task's sums with another's (NCCL: a hang until the timeout). Tasks only other ranks skipped get a line."""
+    from nanorl.common import print0
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return skipped
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, skipped)
+    merged = dict(skipped)
+    for rank, theirs in enumerate(every):
+        for name, why in theirs.items():
+            if name not in merged:
+                print0(f"skipping {name}: rank {rank} could not load it ({why})")
+                merged[name] = f"rank {rank}: {why}"
+    return merged
 
 
 def task_result(name, task, sums):
@@ -306,9 +332,10 @@ def print_result(name, res, texts, t0):
     )
 
 
-def score_card(results, args, n, temperature):
+def score_card(results, args, n, temperature, skipped=None):
     """-> (the metrics card, one row per task saying how it was graded). Every number is labelled with its task,
-    its size and greedy/sampled, so no two measurements share a row; ChatCORE joins them when it can be computed."""
+    its size and greedy/sampled, so no two measurements share a row; ChatCORE joins them when it can be computed.
+    A task skipped for want of a sandbox gets its row too, saying so."""
     from nanorl.common import print0
     from nanorl.report import eval_label
 
@@ -332,6 +359,9 @@ def score_card(results, args, n, temperature):
         else:  # sampled: pass@k rows (RL optimises pass@1, the expected reward), beside the greedy ones
             sampled = {k: v for k, v in r.items() if k.startswith("pass@")}
             card.update({eval_label(task_name, k, r["problems"], n, temperature): v for k, v in sampled.items()})
+    for name, why in (skipped or {}).items():
+        if why.endswith(NO_SANDBOX):  # (on another rank: "rank R: no sandbox")
+            card[card_names.get(name, name)] = "skipped: no sandbox"
     # ChatCORE is the centred mean over its own tasks: computed only when every one of them ran greedily
     if greedy and all(t in results for t in CHATCORE_TASKS):
         chatcore = sum(results[t]["centered"] for t in CHATCORE_TASKS) / len(CHATCORE_TASKS)
@@ -364,10 +394,16 @@ def main():
     results, skipped, t_all = {}, {}, time.time()
     names = [t.strip().lower() for t in args.tasks.split(",") if t.strip()]
     print0(run_header(args, meta, names, temperature))
+    for name, why in args.unsandboxed.items():
+        print0(f"skipping {name}: {why}")
+        skipped[name] = NO_SANDBOX
+    # every rank loads every task before the first is evaluated, and all skip any that one of them could not load
+    tasks = {name: load_task(name, args, paths, skipped) for name in names if name not in skipped}
+    skipped = skipped_on_any_rank(skipped)
     for name in names:
-        task = load_task(name, args, paths, skipped)
-        if task is None:
+        if name in skipped:
             continue
+        task = tasks[name]
         N = len(task) if args.max_problems is None else min(len(task), args.max_problems)
         indices = list(range(rank, N, world_size))  # each rank a strided slice
         t0 = time.time()
@@ -377,7 +413,7 @@ def main():
         print_result(name, results[name], texts, t0)
     if not results:
         raise SystemExit(f"no task could be evaluated ({', '.join(skipped)}); with no network, use -a offline")
-    card, rows = score_card(results, args, n, temperature)
+    card, rows = score_card(results, args, n, temperature, skipped)
     greedy = n == 1 and temperature == 0
     print0(f"total {time.time() - t_all:.1f}s")
     record_metrics(args.source, card, rank=rank)

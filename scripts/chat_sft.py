@@ -169,10 +169,10 @@ def lr_multiplier(progress, warmdown_ratio, final_frac=0.0):
 
 
 @torch.no_grad()
-def eval_loss(model, loader, max_batches, autocast):
-    """Token-mean loss over held-out batches, summed over every rank first."""
+def eval_loss(model, loader, max_batches, autocast, dev):
+    """Token-mean loss over held-out batches, summed over every rank first. dev: the compute device, where the losses
+    are (with --cpu-offload the weights, and so model.lm_head.weight.device, are in host memory)."""
     model.eval()
-    dev = model.lm_head.weight.device
     total, count = torch.zeros((), device=dev, dtype=torch.float64), torch.zeros((), device=dev, dtype=torch.float64)
     batches = iter(loader)
     for _ in range(max_batches):
@@ -358,7 +358,7 @@ def train(args, stage, train_task, val_task, data_desc):
     while True:
         last_step = progress >= 1.0
         if step % args.eval_every == 0 or last_step:
-            vl = eval_loss(model, val_loader(), eval_batches, autocast)
+            vl = eval_loss(model, val_loader(), eval_batches, autocast, device)
             val_losses.append((step, vl))
             print0(f"step {step:5d} | val loss {vl:.4f}")
             logger.log({"step": step, "val/loss": vl})

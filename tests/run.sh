@@ -29,6 +29,12 @@ if ! command -v g++ >/dev/null 2>&1 && [ "$(id -u)" = "0" ] && command -v apt-ge
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++ >/dev/null) \
         || echo "warning: could not install g++; the compiled-FSDP test will be skipped"
 fi
+# not root: nothing was installed; one line names what is missing (the tests that need it are skipped, the rest run)
+if [ "$(id -u)" != "0" ]; then
+    NEED=""
+    for c in chromium:chromium bwrap:bubblewrap g++:g++; do command -v "${c%%:*}" >/dev/null 2>&1 || NEED="$NEED ${c#*:}"; done
+    [ -z "$NEED" ] || echo "note: not root, so not installed:$NEED (apt-get install$NEED); the tests that need them are skipped"
+fi
 set +e
 # tests run in parallel: one worker per core (at most 8), each test on one thread, handed out one at a time with
 # the slow ones first (tests/conftest.py) so the workers finish together

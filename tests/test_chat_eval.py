@@ -219,3 +219,139 @@ def test_run_header_names_the_model_tasks_levels_decoding_and_length():
         "evaluating Hugging Face model /m/qwen on gsm8k (at most 100 problems per task): temperature 1, top-k 50, "
         "8 samples per problem, at most 256 new tokens"
     )
+
+
+# --- ranks agree on what they evaluate -----------------------------------------------------------
+
+
+def _eval_ranks_worker(rank, world, ports, base_dir, bundle, out_path):
+    """chat_eval -a gsm8k,offline and base_eval --eval core on 2 gloo ranks (torchrun's environment), where rank 1
+    cannot load gsm8k nor the CORE bundle (a transient download failure). A tiny random GPT, a byte tokenizer."""
+    import contextlib
+    import io
+    import os
+    import runpy
+
+    import nanorl.checkpoint
+    import nanorl.common
+    import nanorl.core_eval
+    import scripts.chat_eval as chat_eval
+    from nanorl.gpt import GPTConfig, build_model
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
+    os.environ.update(NANORL_BASE_DIR=base_dir, OMP_NUM_THREADS="1")
+    init = nanorl.common.compute_init
+    # a bounded wait: ranks left in different collectives fail in 20 s rather than hang
+    nanorl.common.compute_init = lambda *a, **kw: init(*a, **{**kw, "timeout_s": 20})
+    tok = Tokenizer.from_ranks({bytes([i]): i for i in range(256)}, SPLIT_PATTERN)
+    cfg = GPTConfig(sequence_len=256, vocab_size=tok.vocab_size, n_layer=1, n_head=2, n_kv_head=1, n_embd=32)
+
+    def load_model(args, device, **kw):
+        torch.manual_seed(0)
+        return build_model(cfg, device).eval(), tok, {"model_config": cfg.to_dict(), "model_tag": "t", "step": 0}
+
+    def get_task(name, split, **kw):
+        if name == "gsm8k":
+            if rank == 1:
+                raise RuntimeError("could not reach the Hub (raised by the test)")
+            return OfflineProblems(split, n=4, levels=(1,))  # what rank 0 read: any small task will do
+        return OfflineProblems(split, **kw)
+
+    def get_bundle(*args):
+        if rank == 1:
+            raise OSError("download failed (raised by the test)")
+        return bundle
+
+    nanorl.checkpoint.load_model_from_args = load_model
+    chat_eval.get_task, nanorl.core_eval.get_bundle = get_task, get_bundle
+    out, log = {}, io.StringIO()
+    with contextlib.redirect_stdout(log):
+        os.environ["MASTER_PORT"] = str(ports[0])
+        sys.argv = ["chat_eval", "-a", "gsm8k,offline", "-x", "4", "-m", "8", "--levels", "1"]
+        out["chat_eval"] = chat_eval.main()
+        os.environ["MASTER_PORT"] = str(ports[1])
+        sys.argv = ["base_eval", "--eval", "core"]
+        out["base_eval"] = runpy.run_module("scripts.base_eval", run_name="__main__")["summary"]
+    out["log"] = log.getvalue()
+    torch.save(out, f"{out_path}.{rank}")
+
+
+@pytest.mark.slow
+def test_a_task_one_rank_cannot_load_is_skipped_by_every_rank(tmp_path):
+    # without agreement, rank 0 evaluates gsm8k and all-reduces its sums with rank 1's offline ones, then waits
+    # alone in offline's all-reduce (and in CORE's first task) until the timeout
+    import socket
+
+    import torch.multiprocessing as mp
+    from test_core_eval import write_bundle
+
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    bundle = str(write_bundle(tmp_path))
+    args = (2, ports, str(tmp_path / "base"), bundle, str(tmp_path / "out"))
+    mp.spawn(_eval_ranks_worker, args=args, nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"out.{r}", weights_only=False) for r in (0, 1))
+    assert list(r0["chat_eval"]) == ["offline"] and r0["chat_eval"] == r1["chat_eval"]
+    assert r0["chat_eval"]["offline"]["problems"] == 4  # both ranks' halves
+    assert "skipping gsm8k: rank 1 could not load it (could not reach the Hub (raised by the test))" in r0["log"]
+    assert r0["base_eval"]["CORE"] == r1["base_eval"]["CORE"] == "skipped (no eval bundle)"
+    assert "skipping CORE: rank 1 could not load it (download failed (raised by the test))" in r0["log"]
+
+
+# --- no sandbox: only what runs the model's code is skipped --------------------------------------
+
+
+def _sandbox(monkeypatch, mode):
+    """This process's sandbox as sandbox_mode() decides it afresh: mode "" with bubblewrap failing its probe (no
+    user namespaces), or "guard" (NANORL_SANDBOX=guard)."""
+    import nanorl.execution as execution
+
+    monkeypatch.setenv("NANORL_SANDBOX", mode)
+    monkeypatch.setattr(execution, "_probe_bwrap", lambda: "bwrap probe failed: No permissions to create new namespace")
+    monkeypatch.setattr(execution, "_mode", None)
+    monkeypatch.setattr(execution, "_unavailable", None)
+
+
+def test_without_a_sandbox_humaneval_is_skipped_with_a_line_and_a_card_row(tmp_path, monkeypatch, capsys):
+    import json
+
+    import nanorl.checkpoint
+    import scripts.chat_eval as chat_eval
+    from nanorl.gpt import GPTConfig, build_model
+
+    _sandbox(monkeypatch, "")
+    monkeypatch.setenv("NANORL_BASE_DIR", str(tmp_path))
+    tok = Tokenizer.from_ranks({bytes([i]): i for i in range(256)}, SPLIT_PATTERN)
+    cfg = GPTConfig(sequence_len=256, vocab_size=tok.vocab_size, n_layer=1, n_head=2, n_kv_head=1, n_embd=32)
+    model = build_model(cfg, "cpu").eval()
+    monkeypatch.setattr(nanorl.checkpoint, "load_model_from_args", lambda *a, **kw: (model, tok, {"model_tag": "t"}))
+    real_get_task = chat_eval.get_task
+
+    def get_task(name, split, **kw):
+        assert name != "humaneval", "a skipped task is not even loaded"
+        return real_get_task(name, split, **kw)
+
+    monkeypatch.setattr(chat_eval, "get_task", get_task)
+    monkeypatch.setattr(sys, "argv", ["chat_eval", "-a", "offline,humaneval", "-x", "2", "-m", "8", "--levels", "1"])
+    results = chat_eval.main()
+    assert list(results) == ["offline"] and results["offline"]["problems"] == 2  # everything else runs
+    why = (
+        "model-written code runs only in the bubblewrap sandbox, which does not work here (bwrap probe failed: No "
+        "permissions to create new namespace): install the bubblewrap package (apt-get install bubblewrap), or set "
+        "NANORL_SANDBOX=guard to run it under the weaker in-process guard"
+    )
+    assert f"\nskipping humaneval: {why}\n" in capsys.readouterr().out
+    card = json.loads(next(tmp_path.rglob("report_card.json")).read_text())["SFT"]
+    assert card["HumanEval"] == "skipped: no sandbox" and len(card) == 2  # beside the offline accuracy row
+    # nothing but HumanEval asked for: the run stops at its start, in the same one line
+    monkeypatch.setattr(sys, "argv", ["chat_eval", "-a", "HumanEval"])
+    with pytest.raises(SystemExit) as e:
+        chat_eval.parse_args()
+    assert str(e.value) == f"error: {why}"
+    # NANORL_SANDBOX=guard opts in: nothing is skipped
+    _sandbox(monkeypatch, "guard")
+    monkeypatch.setattr(sys, "argv", ["chat_eval", "-a", "offline,humaneval"])
+    assert chat_eval.parse_args().unsandboxed == {}

@@ -610,6 +610,51 @@ def test_replicas_share_the_load(server):
     assert [p["requests"] for p in per] == [4, 4] and all(p["in_flight_samples"] == 0 for p in per)
 
 
+@pytest.mark.gpu
+def test_num_gpus_2_every_replica_decodes_on_its_own_gpu(monkeypatch):
+    """--num-gpus 2 (bash dev/gpu_check.sh runs it where two GPUs are visible): the second engine lives on cuda:1 and
+    must capture its CUDA graphs there; captured on the current device they record nothing, and it would answer
+    from stale logits with no error. A rigged bigram model (identity blocks, one-hot embedding, a logit table with a
+    margin of 12) answers with a fixed chain of letters whatever the precision: both replicas must give exactly it."""
+    import torch
+
+    import scripts.chat_web as chat_web
+    from nanorl.engine import Request
+    from nanorl.gpt import GPTConfig, build_model
+    from nanorl.tokenizer import SPLIT_PATTERN, Tokenizer
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    tok = Tokenizer.from_ranks({bytes([i]): i for i in range(256)}, SPLIT_PATTERN)
+    V, C = 272, 288
+
+    def nxt(x):
+        return 97 + (x * 7 + 3) % 26  # a-z
+
+    def load(args, device, phase):
+        cfg = GPTConfig(sequence_len=64, vocab_size=V, n_layer=1, n_head=4, n_kv_head=2, n_embd=C)
+        model = build_model(cfg, device)
+        with torch.no_grad():
+            model.transformer.wte.weight.copy_(torch.eye(V, C) * C**0.5)
+            model.lm_head.weight.zero_()
+            for x in range(V):
+                model.lm_head.weight[nxt(x), x] = 12 / C**0.5
+        return model.eval(), tok, {"model_tag": "bigram"}
+
+    monkeypatch.setattr(chat_web, "load_model_from_args", load)
+    args = chat_web.parse_args(["--num-gpus", "2", "--device-type", "cuda", "--batch-size", "4"])
+    engines, _, _, devices = chat_web.load_engines(args)
+    assert devices == [torch.device("cuda", 0), torch.device("cuda", 1)] == [e.device for e in engines]
+    assert all(e.use_cuda_graph for e in engines)  # each passed its start-up check against the eager step
+    want, x = [], 10
+    for _ in range(24):
+        x = nxt(x)
+        want.append(x)
+    for e in engines:
+        reqs = [Request([3, 10], max_tokens=24, temperature=0.0, stop_tokens=[], use_tools=False) for _ in range(3)]
+        assert [g[0].tokens for g in e.generate(reqs)] == [want] * 3, e.device
+
+
 # --- a real browser -----------------------------------------------------------------------------
 
 

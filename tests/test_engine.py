@@ -442,6 +442,61 @@ def test_static_shape_decode_equals_eager():
             torch.testing.assert_close(torch.tensor(ca.logprobs), torch.tensor(cb.logprobs), atol=1e-5, rtol=0)
 
 
+class RecordedGraph:
+    """A CUDA graph stand-in on the CPU: replay() reruns the recorded step into its static logits, as a real graph
+    does; stale=True records nothing, what a capture on another device's stream gives (PyTorch only warns), so
+    every replay returns the logits of the capture run."""
+
+    def __init__(self, step, size, stale):
+        self.step, self.size, self.stale = step, size, stale
+        self.logits = step(size).clone()
+
+    def replay(self):
+        if not self.stale:
+            self.logits.copy_(self.step(self.size))
+
+
+@pytest.mark.parametrize("stale", [False, True])
+def test_a_graph_that_does_not_reproduce_the_eager_step_is_dropped_with_one_warning(monkeypatch, capfd, stale):
+    import nanorl.engine as engine_module
+
+    def capture(forward_step, cache, sizes, buckets, device):
+        # what capture_decode_graphs returns, with the capture's static shapes and an empty cache
+        graphs = {}
+        cache.static = True
+        for size in sizes:
+            for L in buckets:
+                cache.attend_len = L
+                cache.pos.zero_()
+                g = RecordedGraph(forward_step, size, stale)
+                graphs[size, L] = (g, g.logits)
+        cache.static, cache.attend_len = False, None
+        cache.pos.zero_()
+        return graphs
+
+    monkeypatch.setattr(engine_module, "capture_decode_graphs", capture)
+    model = tiny(seq=160)
+    reqs = [Request(p, max_tokens=24, seed=i, stop_tokens=[]) for i, p in enumerate(prompts([3, 70, 9]))]
+    want = Engine(model, TOK, batch_size=4, max_len=150).generate(reqs)
+    capfd.readouterr()
+    engine = Engine(model, TOK, batch_size=4, max_len=150, cuda_graph=True)
+    err = capfd.readouterr().err
+    assert engine.use_cuda_graph is not stale and bool(engine.graphs) is not stale
+    if stale:  # one line, naming the first graph checked (batch 1, the shortest bucket); then eager decoding
+        assert err == (
+            "warning: the CUDA graph of decode batch 1, attention length 64 on cpu does not reproduce the eager step: "
+            "this engine decodes eagerly (same tokens, slower)\n"
+        )
+    else:
+        assert err == ""
+    assert not engine.cache.pos.any() and not engine.input_ids.any()  # the check leaves the engine as it found it
+    got = engine.generate(reqs)
+    for a, b in zip(want, got):
+        assert [c.tokens for c in a] == [c.tokens for c in b]
+        for ca, cb in zip(a, b):
+            torch.testing.assert_close(torch.tensor(ca.logprobs), torch.tensor(cb.logprobs), atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("temperature", [0.7, 1.0])
 def test_aborted_sample_continues_into_the_uninterrupted_sequence(temperature):
     # partial rollouts: a sample aborted mid-way and resubmitted with its tokens, its index and its token count

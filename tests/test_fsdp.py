@@ -193,6 +193,69 @@ def test_compiled_sharded_model_equals_eager(tmp_path):
         torch.testing.assert_close(out["grads"][k], p.grad, atol=1e-5, rtol=1e-4, msg=k)
 
 
+def _oom_trial_worker(rank, world, init_file, out_path, lockstep):
+    import datetime
+
+    import torch.distributed as dist
+
+    from nanorl.common import fit_device_batch
+    from nanorl.fsdp import lockstep_trial, shard_model
+
+    # a bounded wait: ranks left in different collectives fail here in 20 s rather than hang
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=20)
+    )
+    out = {}
+    for where in ("forward", "backward"):
+        model, tried = shard_model(tiny_model(), torch.device("cpu")), []
+
+        def out_of_memory(*_):
+            raise torch.OutOfMemoryError("CUDA out of memory (raised by the test)")
+
+        def oom_past_two_rows(block, inputs, y):  # rank 1 only: rows beyond 2 do not fit there
+            if tried[-1] > 2:
+                if where == "forward":  # inside the sharded forward: block 0's all-gather done, block 1's not yet
+                    out_of_memory()
+                y.register_hook(out_of_memory)  # in backward, after the last block's reduce-scatter
+
+        if rank == 1:
+            model.transformer.h[0].register_forward_hook(oom_past_two_rows)
+
+        def try_step(batch):
+            tried.append(batch)
+            x = torch.zeros(batch, CFG.sequence_len, dtype=torch.long)
+            try:
+                model(x, targets=x).backward()
+            finally:
+                model.zero_grad(set_to_none=True)
+
+        trial = lockstep_trial(try_step, model) if lockstep else try_step
+        batch, too_big = fit_device_batch(trial, [4, 2, 1], torch.device("cpu"))
+        # FSDP's state after the failed step is clean: an ordinary step gives the unsharded model's gradients
+        x = torch.randint(0, 40, (batch, CFG.sequence_len), generator=torch.Generator().manual_seed(5))
+        model(x, targets=x).backward()
+        grads = {k: p.grad.full_tensor() for k, p in model.named_parameters()}
+        out[where] = {"batch": batch, "too_big": too_big, "tried": tried, "grads": grads}
+    torch.save(out, f"{out_path}.{rank}")
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_rank_out_of_memory_mid_step_leaves_every_rank_in_step(tmp_path):
+    # base_train --fsdp --device-batch-size auto: rank 1 runs out of memory above 2 rows, inside the sharded forward
+    # (then in backward). Both ranks must agree on 2 rows, the step of one row first (it records the step's
+    # collectives), and go on training
+    mp.spawn(_oom_trial_worker, args=(2, str(tmp_path / "init"), str(tmp_path / "o"), True), nprocs=2, join=True)
+    model = tiny_model()
+    x = torch.randint(0, 40, (2, CFG.sequence_len), generator=torch.Generator().manual_seed(5))
+    model(x, targets=x).backward()  # each rank's batch is the same x: the mean over ranks is x's gradient
+    for rank in (0, 1):
+        for where, out in torch.load(tmp_path / f"o.{rank}").items():
+            assert (out["batch"], out["too_big"], out["tried"]) == (2, [4], [1, 4, 2]), (rank, where)
+            for k, p in model.named_parameters():
+                torch.testing.assert_close(out["grads"][k], p.grad, atol=1e-5, rtol=1e-4, msg=f"{where} {k}")
+
+
 def _cuda_dtypes_worker(rank, world, init_file, out_path):
     import torch.distributed as dist
 

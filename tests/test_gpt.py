@@ -61,6 +61,74 @@ def test_copy_rows_prefix_sharing():
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+class Offloaded(torch.nn.Module):
+    """FSDP's --cpu-offload as a CPU test can see it: the model computes on one device (the CPU here) while its
+    weights, as model.lm_head.weight.device reports them, are on another ('meta' here; under offload the host
+    memory, with the compute on the GPU)."""
+
+    new_kv_cache = GPT.new_kv_cache
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.config, self.head_dim = model, model.config, model.head_dim
+        self.lm_head = torch.nn.Linear(1, 1, device="meta")
+
+    def forward(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
+
+
+def greedy_reference(model, ids, n):
+    seq = list(ids)
+    with torch.no_grad():
+        for _ in range(n):
+            seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
+    return seq[len(ids) :]
+
+
+def test_greedy_decode_builds_its_cache_on_the_compute_device_not_the_weights():
+    # base_train's samples (with --fsdp --cpu-offload the weights are in host memory, the forwards run on the GPU)
+    from nanorl.kv_cache import greedy_decode
+
+    model = tiny()
+    assert model.new_kv_cache(1, 8, device="meta").k.device.type == "meta"
+    assert greedy_decode(Offloaded(model), [5, 6, 7, 8], 10, torch.device("cpu")) == greedy_reference(
+        model, [5, 6, 7, 8], 10
+    )
+    # the context ends it: 60 prompt tokens leave room for 4 more, and the forward at the last position gives a 5th
+    ids = torch.randint(0, 97, (60,)).tolist()
+    assert greedy_decode(Offloaded(model), ids, 10, "cpu") == greedy_reference(model, ids, 5)
+
+
+def test_greedy_decode_runs_on_the_engines_pinned_kernels():
+    # the one masked attention call outside the engine (base_train's samples): pinned as the engine pins its own,
+    # never left to SDPA's dispatcher. Seen through SDPA's global switches while each forward runs
+    from torch.nn.attention import SDPBackend
+
+    from nanorl.engine_graphs import decode_backends, prefill_backends
+    from nanorl.kv_cache import greedy_decode
+
+    model, seen = tiny(), []
+    forward = model.hidden_states
+    switches = {
+        SDPBackend.FLASH_ATTENTION: torch.backends.cuda.flash_sdp_enabled,
+        SDPBackend.EFFICIENT_ATTENTION: torch.backends.cuda.mem_efficient_sdp_enabled,
+        SDPBackend.MATH: torch.backends.cuda.math_sdp_enabled,
+        SDPBackend.CUDNN_ATTENTION: torch.backends.cuda.cudnn_sdp_enabled,
+    }
+
+    def hidden_states(idx, **kw):
+        seen.append((idx.size(1), [b for b, on in switches.items() if on()]))
+        return forward(idx, **kw)
+
+    model.hidden_states = hidden_states
+    greedy_decode(model, [1, 2, 3], 3, torch.device("cpu"))
+    cpu = torch.device("cpu")
+    assert seen == [(3, prefill_backends(cpu)), (1, decode_backends(cpu)), (1, decode_backends(cpu))]
+    assert seen[0][1] == [SDPBackend.FLASH_ATTENTION] and seen[1][1] == [SDPBackend.MATH]
+    cuda = torch.device("cuda")  # what it pins on a GPU: the engine's kernel, which takes the boolean mask
+    assert prefill_backends(cuda) == decode_backends(cuda) == [SDPBackend.EFFICIENT_ATTENTION]
+
+
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 @pytest.mark.parametrize("backend", ["sdpa_mask", "flex"])
 @pytest.mark.parametrize("n_kv_head,lens", [(2, [5, 9, 3, 7]), (4, [100, 60, 1, 89])])

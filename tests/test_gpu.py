@@ -265,11 +265,11 @@ def test_gpu_check_cpu_mode(tmp_path):
 # the GPU checks themselves (bash dev/gpu_check.sh runs these first)
 
 
-def _random_model(depth=4, vocab=4096, seq=512, lm_std=0.05):
+def _random_model(depth=4, vocab=4096, seq=512, lm_std=0.05, device="cuda"):
     """A random model (d4: width 256, 4 heads of 64, 2 KV heads) whose every layer matters (init zeroes the output
     projections) and whose next-token distributions are far from uniform: logits of std ~ lm_std x 16."""
     torch.manual_seed(0)
-    model = build_model(config_from_depth(depth, vocab, seq, head_dim=64, n_kv_head=2), "cuda")
+    model = build_model(config_from_depth(depth, vocab, seq, head_dim=64, n_kv_head=2), device)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.02 * torch.randn_like(p))
@@ -297,19 +297,27 @@ BF16_LOGPROB_ATOL = 5e-2  # bf16 keeps 8 mantissa bits: ~0.4% of a log-prob of ~
 
 
 @gpu
-def test_cuda_graph_engine_equals_eager():
+@pytest.mark.parametrize("index", [0, 1])
+def test_cuda_graph_engine_equals_eager(index):
     """Greedy tokens equal and log-probs within BF16_LOGPROB_ATOL. The graph pads attention to a static length,
     so its sums run in another order; a bf16 near-tie between the two best tokens may then break the other way:
     that is allowed in at most one of the 8 rows, only where both engines' chosen tokens are within the
-    tolerance of each other (a true tie), and the row is compared up to there."""
+    tolerance of each other (a true tie), and the row is compared up to there. On cuda:1 (chat_web --num-gpus 2's
+    second replica) the graphs must be captured there, not on the current device cuda:0."""
     from nanorl.engine import Engine
 
-    model, tok = _random_model(lm_std=0.5), _byte_tokenizer()
+    if index >= torch.cuda.device_count():
+        pytest.skip(f"needs {index + 1} GPUs")
+    device = torch.device("cuda", index)
+    model, tok = _random_model(lm_std=0.5, device=device), _byte_tokenizer()
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 40, 17, 100, 1, 64, 33, 8)]
     outs = {}
     for graph in (True, False):
         engine = Engine(model, tok, batch_size=8, max_len=160, cuda_graph=graph)
+        if graph:  # the engine's own check, each graph replayed once against the eager step at start (its warning
+            # line, if it failed, is in this step's log)
+            report(f"engine CUDA graph self-check on {device}", figure="passed" if engine.use_cuda_graph else "FAILED")
         assert engine.use_cuda_graph == graph
         outs[graph] = _generate(engine, prompts, temperature=0.0)
     gap, ties = 0.0, 0
@@ -320,9 +328,54 @@ def test_cuda_graph_engine_equals_eager():
             ties += 1
             assert abs(a.logprobs[n] - b.logprobs[n]) <= BF16_LOGPROB_ATOL, (n, a.logprobs[n], b.logprobs[n])
         gap = max([gap] + [abs(x - y) for x, y in zip(a.logprobs[:n], b.logprobs[:n])])
-    report("engine CUDA graph vs eager: max |logprob gap|", figure=gap, unit="nats")
-    report("engine CUDA graph vs eager: rows split at a bf16 tie (of 8)", figure=ties, unit="rows")
+    on = "" if index == 0 else f" on {device}"
+    report(f"engine CUDA graph vs eager{on}: max |logprob gap|", figure=gap, unit="nats")
+    report(f"engine CUDA graph vs eager{on}: rows split at a bf16 tie (of 8)", figure=ties, unit="rows")
     assert gap <= BF16_LOGPROB_ATOL and ties <= 1
+
+
+@gpu
+def test_a_graph_that_replays_nothing_is_caught_at_start(monkeypatch, capfd):
+    """A capture bug whose graphs record nothing (as on the wrong device's stream) is found by the engine's start-up
+    check: one warning line, eager decoding, the eager engine's tokens."""
+    from nanorl.engine import Engine
+
+    model, tok = _random_model(lm_std=0.5), _byte_tokenizer()
+    prompts = [[1, 2, 3], list(range(40, 90))]
+    want = _generate(Engine(model, tok, batch_size=4, max_len=128, cuda_graph=False), prompts, temperature=0.0)
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda self: None)
+    capfd.readouterr()
+    engine = Engine(model, tok, batch_size=4, max_len=128, cuda_graph=True)
+    err = capfd.readouterr().err
+    ours = [line for line in err.splitlines() if line.startswith("warning: the CUDA graph of decode batch")]
+    assert not engine.use_cuda_graph and len(ours) == 1 and ours[0].endswith("decodes eagerly (same tokens, slower)"), (
+        err
+    )
+    assert [c.tokens for c in _generate(engine, prompts, temperature=0.0)] == [c.tokens for c in want]
+
+
+@gpu
+def test_training_samples_run_on_the_pinned_kernel():
+    """base_train's samples (nanorl.kv_cache.greedy_decode under bf16 autocast): every forward's masked attention runs
+    with memory-efficient SDPA the only kernel allowed, and that kernel takes these shapes (else SDPA raises "No
+    available kernel"); the first token is the full forward's."""
+    from nanorl.kv_cache import greedy_decode
+
+    model, seen, ids = _random_model(lm_std=0.5), [], list(range(40, 77))
+    with torch.no_grad(), autocast_ctx("cuda"):
+        first = int(model(torch.tensor([ids], device="cuda"))[0, -1].argmax())
+    forward = model.hidden_states
+
+    def hidden_states(idx, **kw):
+        b = torch.backends.cuda
+        seen.append((b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.math_sdp_enabled(), b.cudnn_sdp_enabled()))
+        return forward(idx, **kw)
+
+    model.hidden_states = hidden_states
+    with autocast_ctx("cuda"):
+        out = greedy_decode(model, ids, 16, torch.device("cuda"))
+    assert len(out) == 16 and out[0] == first
+    assert seen == [(False, True, False, False)] * 16  # flash, memory-efficient, math, cuDNN
 
 
 @gpu

@@ -233,6 +233,35 @@ def test_lr_multiplier():
     assert lr_multiplier(0.5, 0.0) == 1.0
 
 
+class TargetSumModel(torch.nn.Module):
+    """Computes on the CPU while its weights (lm_head.weight.device) are on 'meta': FSDP's --cpu-offload seen from
+    a CPU test, where the weights live in host memory and the losses come out on the GPU. Its summed "loss" is the
+    sum of the batch's target ids, so the token-mean is known by hand."""
+
+    def __init__(self):
+        super().__init__()
+        self.lm_head = torch.nn.Linear(1, 1, device="meta")
+
+    def forward(self, x, y, doc_ids=None, loss_reduction="mean"):
+        assert loss_reduction == "sum"
+        return (y * (y >= 0)).sum().float()
+
+
+def test_eval_loss_accumulates_on_the_compute_device():
+    from contextlib import nullcontext
+
+    from scripts.chat_sft import eval_loss
+
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(3):
+        y = torch.randint(-1, 9, (2, 5), generator=g)  # -1: not a target
+        batches.append((torch.zeros(2, 5, dtype=torch.long), y, torch.zeros(2, 5, dtype=torch.long)))
+    ys = torch.cat([y for _, y, _ in batches[:2]])
+    want = ys[ys >= 0].double().mean().item()  # two batches asked for
+    assert eval_loss(TargetSumModel(), batches, 2, nullcontext(), torch.device("cpu")) == pytest.approx(want)
+
+
 ROOT = Path(__file__).resolve().parents[1]
 # a small base model, trained briefly: SFT has format and arithmetic to teach it, in a minute of CPU
 E2E_BASE = [

@@ -98,6 +98,26 @@ def test_speedrun_stops_before_any_stage_when_torch_cannot_see_the_gpus(tmp_path
     assert os.listdir(tmp_path / "base" / "logs") == [] and os.listdir(tmp_path / "base" / "done") == []
 
 
+def test_speedrun_without_a_sandbox_goes_on_and_says_humaneval_will_be_skipped(tmp_path):
+    # a container without user namespaces: bubblewrap fails its probe. Only HumanEval (the model's code) needs it:
+    # one line says it will be skipped and how to enable it, and the run goes on to its next check (this torch
+    # cannot see the faked GPUs, which stops it there, before any stage)
+    fake = tmp_path / "nobwrap"
+    fake.mkdir()
+    (fake / "bwrap").write_text("#!/bin/sh\necho 'bwrap: No permissions to create new namespace' >&2\nexit 1\n")
+    (fake / "bwrap").chmod(0o755)
+    env = gpu_env(tmp_path)
+    env["PATH"] = f"{fake}:{env['PATH']}"
+    out = subprocess.run(["bash", "speedrun.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    notes = [line for line in out.stdout.splitlines() if "HumanEval" in line]
+    assert notes == [
+        "note: HumanEval will be skipped: model-written code runs only in the bubblewrap sandbox, which does not work "
+        "here (bwrap probe failed: bwrap: No permissions to create new namespace): install the bubblewrap package "
+        "(apt-get install bubblewrap), or set NANORL_SANDBOX=guard to run it under the weaker in-process guard"
+    ], out.stdout + out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith("nvidia-smi shows 8 GPU(s)"), out.stderr
+
+
 def test_speedrun_names_the_packages_a_minimal_image_lacks(tmp_path):
     # $CC names a compiler that is not there (Triton would use it): with installs off, stop and name the package
     out = subprocess.run(
