@@ -173,6 +173,23 @@ def compute_init(device_type=None, seed=42, timeout_s=None, cpu_collectives=Fals
     return ddp, rank, local_rank, world_size, device
 
 
+def skipped_on_any_rank(skipped):
+    """This rank's {task: why it was skipped} merged with every other rank's (the same tasks on all ranks): a task
+    one rank could not load is skipped by all, or each task's closing all-reduce would pair
+    one task's sums with another's (NCCL: a hang until the timeout). Tasks only other ranks skipped get a line."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return skipped
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, skipped)
+    merged = dict(skipped)
+    for rank, theirs in enumerate(every):
+        for name, why in theirs.items():
+            if name not in merged:
+                print0(f"skipping {name}: rank {rank} could not load it ({why})")
+                merged[name] = f"rank {rank}: {why}"
+    return merged
+
+
 def mean_over_ranks(metrics, device, group=None):
     """The mean of a {name: number} dict over the ranks of `group` (default: all), the same dict on every rank.
     Ranks may hold different names (a dynamic-sampling filter's drop reasons, reward components seen on one rank

@@ -11,7 +11,16 @@ metric (22 in-context tasks of the DCLM eval bundle; see nanorl/core_eval.py).
 import time
 
 from nanorl.checkpoint import add_model_args, load_model_from_args
-from nanorl.common import ArgumentParser, autocast_ctx, compute_cleanup, compute_init, int_or_off, positive_int, print0
+from nanorl.common import (
+    ArgumentParser,
+    autocast_ctx,
+    compute_cleanup,
+    compute_init,
+    int_or_off,
+    positive_int,
+    print0,
+    skipped_on_any_rank,
+)
 from nanorl.core_eval import EVAL_BUNDLE_URL, evaluate_core, get_bundle, load_tasks
 from nanorl.dataloader import PretrainLoader
 from nanorl.dataset import describe_source
@@ -19,7 +28,6 @@ from nanorl.engine import Engine, Request
 from nanorl.loss_eval import evaluate_bpb
 from nanorl.report import log_section, record_metrics
 from nanorl.tokenizer import get_token_bytes
-from scripts.chat_eval import skipped_on_any_rank
 
 # fmt: off
 parser = ArgumentParser(description="Evaluate a base model: bpb, samples, CORE")

@@ -20,7 +20,7 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
-from nanorl.common import ArgumentParser, int_list, nonneg_float, nonneg_int, positive_int
+from nanorl.common import ArgumentParser, int_list, nonneg_float, nonneg_int, positive_int, skipped_on_any_rank
 from nanorl.execution import require_sandbox, sandbox_missing
 from nanorl.rl import pass_at_k
 from nanorl.synthetic import levels_flag
@@ -280,25 +280,6 @@ def load_task(name, args, paths, skipped):
         return None
     except ValueError as e:
         raise SystemExit(f"{name}: {e}")
-
-
-def skipped_on_any_rank(skipped):
-    """This rank's {task: why it was skipped} merged with every other rank's (the same tasks on all ranks): a task
-    one rank could not load is skipped by all, or each task's closing all-reduce would pair
-    one task's sums with another's (NCCL: a hang until the timeout). Tasks only other ranks skipped get a line."""
-    from nanorl.common import print0
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return skipped
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, skipped)
-    merged = dict(skipped)
-    for rank, theirs in enumerate(every):
-        for name, why in theirs.items():
-            if name not in merged:
-                print0(f"skipping {name}: rank {rank} could not load it ({why})")
-                merged[name] = f"rank {rank}: {why}"
-    return merged
 
 
 def task_result(name, task, sums):
