@@ -50,6 +50,12 @@ def _hash_split(text, test_frac=0.1):
     return "test" if (h % 1000) < test_frac * 1000 else "train"
 
 
+def letter_count_split(word, letter):
+    """The split of one letter-counting fact: the count problems, the pretraining spelling facts and SpellingBee
+    (tasks/) all decide by it, so a count held out for evaluation is taught by no stage."""
+    return _hash_split(f"{word}|{letter}")
+
+
 def _fmt_step(a, op, b, result):
     return f"{a} {op} {b} = <<{a}{op}{b}={result}>>{result}"
 
@@ -282,7 +288,7 @@ def _spelling(rng, split):
     for _ in range(rng.randint(2, 5)):
         w = rng.choice(WORDS)
         letter = rng.choice(sorted(set(w)))
-        if _hash_split(f"{w}|{letter}") != split:  # never state a held-out count
+        if letter_count_split(w, letter) != split:  # never state a held-out count
             continue
         out.append(
             f"The word {w} is spelled {'-'.join(w)}. It has {len(w)} letters and the letter {letter} appears {w.count(letter)} times."

@@ -6,9 +6,8 @@ Train and test never share a (word, letter) pair.
 """
 
 import random
-import zlib
 
-from nanorl.synthetic import WORDS
+from nanorl.synthetic import WORDS, letter_count_split
 from tasks.common import Task
 from tasks.gsm8k import is_correct
 
@@ -19,11 +18,6 @@ TEMPLATES = [
     "how many {l}'s in {w}",
     "In the word '{w}', how many '{l}' are there?",
 ]
-
-
-def pair_split(word, letter):
-    # a stable hash (not hash(): it changes between processes), 10% of pairs held out
-    return "test" if zlib.crc32(f"{word}:{letter}".encode()) % 10 == 0 else "train"
 
 
 class SpellingBee(Task):
@@ -44,7 +38,7 @@ class SpellingBee(Task):
             word = rng.choice(WORDS)
             # mostly letters of the word, sometimes one it lacks (the answer 0 must be learnable too)
             letter = rng.choice(sorted(set(word))) if rng.random() < 0.9 else rng.choice("abcdefghijklmnopqrstuvwxyz")
-            if pair_split(word, letter) == self.split:
+            if letter_count_split(word, letter) == self.split:  # the offline curriculum's split
                 break
         count = word.count(letter)
         question = rng.choice(TEMPLATES).format(l=letter, w=word)

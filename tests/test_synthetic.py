@@ -109,3 +109,58 @@ def test_levels_get_harder():
         synthetic.make_problem(__import__("random").Random(0), 7)
     with pytest.raises(ValueError, match="too small"):
         synthetic.problems("train", 100000, levels=(1,), kinds=("count",))
+
+
+def _trained_text(conversation):
+    """Every string a training conversation shows the model (user, assistant, tool calls and outputs)."""
+    out = []
+    for m in conversation["messages"]:
+        parts = m["content"] if isinstance(m["content"], list) else [{"text": m["content"]}]
+        out += [p["text"] for p in parts]
+    return "\n".join(out)
+
+
+# every way a stage's data states how often a letter appears in a word -> (word, letter)
+_COUNT_FACTS = [
+    (r"'([a-z]+)'\.count\('([a-z])'\)", (1, 2)),
+    (r"\b([a-z]+)\.count\('([a-z])'\)", (1, 2)),
+    (r"letter ([a-z]) appears \d+ times in ([a-z]+)", (2, 1)),
+    (r"The word ([a-z]+) is spelled [a-z-]+\. It has \d+ letters and the letter ([a-z]) appears", (1, 2)),
+]
+
+
+def _count_facts(text):
+    return {f"{m.group(w)}|{m.group(l)}" for pattern, (w, l) in _COUNT_FACTS for m in re.finditer(pattern, text)}
+
+
+@pytest.mark.slow
+def test_no_stage_trains_on_a_held_out_problem():
+    """The tiny speedrun's held-out problems (chat_eval -a offline: levels 1,2 and 3,4) against what each stage trains
+    on, at the tiny run's sizes: pretraining text (250 steps x 4,096 tokens ~ 4,000 documents; 6,000 read), mid-training's
+    and SFT's mixtures (--num-examples 20000) and RL's prompts. No held-out question appears in any of it (a token
+    sequence that appeared would decode to the question's text, so this also rules out a token-level match), and no
+    stage states the count of a held-out (word, letter) pair in any wording (SpellingBee once split its pairs by
+    another hash and taught 41 of the 46 held-out pairs)."""
+    import types
+
+    import scripts.chat_sft as sft
+    import scripts.mid_train as mid
+    from tasks import get_task
+
+    held_out = [p for lv in ((1, 2), (3, 4)) for p in synthetic.problems("test", 200, levels=lv)]
+    questions = {p["question"] for p in held_out}
+    pairs = {p["split_key"] for p in held_out if p["kind"] == "count"}
+    assert len(held_out) == 400 and len(pairs) > 40
+    texts = {"pretraining": list(itertools.islice(synthetic.pretrain_documents("train"), 6000))}
+    flags = types.SimpleNamespace(num_examples=20000, levels="1,2,3,4", seed=42, identity_path=None)
+    for name, stage in (("mid", mid), ("sft", sft)):
+        train, _ = stage.offline_mixture(flags)
+        texts[name] = [_trained_text(train.get_example(i)) for i in range(train.num_examples())]
+    rl = get_task("offline", "train", levels=(1, 2, 3, 4))
+    texts["rl"] = [_trained_text(rl.get_example(i)) for i in range(rl.num_examples())]
+    for stage, docs in texts.items():
+        joined = "\n".join(docs)
+        seen = [q for q in questions if q in joined]
+        assert not seen, f"{stage} trains on {len(seen)} held-out questions, e.g. {seen[:2]}"
+        taught = pairs & _count_facts(joined)
+        assert not taught, f"{stage} states the count of {len(taught)} held-out pairs, e.g. {sorted(taught)[:4]}"
