@@ -10,11 +10,14 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from nanorl.function_calls import ToolPlan, forced_prefix, tool_format
+
 MAX_MESSAGES = 500  # per conversation
 MAX_MESSAGE_CHARS = 8000  # per message
 MAX_N = 8  # samples per request
 MAX_STOPS = 4  # stop strings per request, as OpenAI
 MAX_TOP_LOGPROBS = 20  # as OpenAI
+MAX_TOOLS = 128  # as OpenAI
 MAX_PROMPT_CHARS = MAX_MESSAGES * MAX_MESSAGE_CHARS  # /v1/completions and /tokenize: as much as a conversation
 DEFAULT_COMPLETION_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI and vLLM
 
@@ -24,7 +27,8 @@ class ServeConfig:
     """What the server allows and how it names itself."""
 
     max_tokens: int = 512  # the most a request may ask for (and its default)
-    model: str = "nanorl"  # the name /v1/models reports; a request that names another model gets a 404
+    model: str | None = "nanorl"  # the name /v1/models reports; a request that names another model gets a 404
+    # (None: any name is this model, as for the agents' endpoint, nanorl/agents.py)
     base: bool = False  # a base model continues the last message's text instead of a chat
     body_timeout: float = 30.0  # seconds a client has to send a request's body, once its headers are in
     max_body_bytes: int = 64 << 20  # 500 messages of 8000 characters, even with every character \u-escaped, fit
@@ -81,11 +85,26 @@ class Part(_Body):
 TEXT_PARTS = ("text", "python", "python_output")
 
 
+class FunctionCall(_Body):
+    name: str = Field(min_length=1, max_length=64)
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Body):
+    """A call an assistant message made (OpenAI's tool_calls[i]), as a client sends it back in the history."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[Part]
+    content: str | list[Part] | None = None  # None: only an assistant message that makes tool calls
     name: str | None = Field(None, min_length=1, max_length=64)  # accepted as OpenAI does; the chat format has
     # no speaker names, so it does not change the prompt
+    tool_calls: list[ToolCall] | None = None  # assistant: the calls it made (function calling)
+    tool_call_id: str | None = None  # tool: the call this message answers
 
     @field_validator("content", mode="before")
     @classmethod
@@ -101,18 +120,42 @@ class Message(_Body):
 
     @model_validator(mode="after")
     def _check(self):
-        if self.role == "tool":
-            raise ValueError(
-                "role 'tool' is not supported: this server has no function calling "
-                "(the model's calculator runs inside the server)"
-            )
-        parts = [Part(text=self.content)] if isinstance(self.content, str) else self.content
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError("tool_call_id belongs to a tool message (role 'tool')")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only an assistant message has tool_calls")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (only an assistant message with tool_calls may leave it out)")
+        parts = [Part(text=self.content)] if isinstance(self.content, str) else self.content or []
         if self.role != "assistant" and any(p.type != "text" for p in parts):
             raise ValueError(f"{self.role} content parts must have type 'text'")
         size = sum(len(p.text) for p in parts)
         if size > MAX_MESSAGE_CHARS:
             raise ValueError(f"message is too long: {size} characters > {MAX_MESSAGE_CHARS}")
         return self
+
+
+class FunctionDef(_Body):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema, shown to the model as the template writes it
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class PageRequest(_Body):
@@ -146,6 +189,8 @@ class ChatRequest(PageRequest):
     presence_penalty: float | None = None  # only 0 (no penalty): clients that always send the default work
     frequency_penalty: float | None = None
     user: str | None = None  # an end-user id for OpenAI's abuse monitoring; it never changes what is generated
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)  # function calling (nanorl/function_calls.py)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
 
     _stop = field_validator("stop")(_check_stop)
     _penalty = field_validator("presence_penalty", "frequency_penalty")(_check_penalty)
@@ -205,23 +250,97 @@ def validation_error(e):
 
 def chat_messages(req):
     """Validated messages -> the tokenizer's conversation messages: 'developer' is OpenAI's newer 'system', and
-    consecutive messages of one role become one, their contents joined by a blank line (as OpenAI and vLLM accept
-    them; the chat format alternates user and assistant)."""
+    consecutive plain messages of one role become one, their contents joined by a blank line (as OpenAI and vLLM accept
+    them; the chat format alternates user and assistant). Tool calls and tool results stay messages of their own."""
     out = []
-    for m in req.messages:
-        role, content = "system" if m.role == "developer" else m.role, m.content
-        if isinstance(content, list):  # assistant turns keep their tool parts; other roles' parts join into text
-            content = [p.model_dump() for p in content] if role == "assistant" else "".join(p.text for p in content)
-        if out and out[-1]["role"] == role:
-            prev = out[-1]["content"]
+    for i, m in enumerate(req.messages):
+        msg = conversation_message(m, i)
+        if out and out[-1]["role"] == msg["role"] and out[-1].keys() == msg.keys() == {"role", "content"}:
+            prev, content = out[-1]["content"], msg["content"]
             if isinstance(prev, str) and isinstance(content, str):
                 out[-1]["content"] = prev + "\n\n" + content
             else:
                 as_parts = lambda c: [{"type": "text", "text": c}] if isinstance(c, str) else c  # noqa: E731
                 out[-1]["content"] = as_parts(prev) + [{"type": "text", "text": "\n\n"}] + as_parts(content)
         else:
-            out.append({"role": role, "content": content})
+            out.append(msg)
     return out
+
+
+def conversation_message(m, i=0):
+    """One validated message -> a conversation message; tool calls get their arguments as objects, which is what chat
+    templates render (as transformers and vLLM hand them over)."""
+    role, content = "system" if m.role == "developer" else m.role, m.content
+    if isinstance(content, list):  # assistant turns keep their tool parts; other roles' parts join into text
+        plain = role == "assistant" and not m.tool_calls
+        content = [p.model_dump() for p in content] if plain else "".join(p.text for p in content)
+    msg = {"role": role, "content": content}
+    if m.tool_calls:
+        msg["tool_calls"] = []
+        for j, call in enumerate(m.tool_calls):
+            try:
+                args = json.loads(call.function.arguments)
+            except ValueError:
+                args = None
+            if not isinstance(args, dict):
+                raise BadRequest(
+                    f"'messages.{i}.tool_calls.{j}.function.arguments' must be a JSON object, got "
+                    f"{call.function.arguments[:100]!r}",
+                    "messages",
+                )
+            msg["tool_calls"].append(
+                {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": args}}
+            )
+    if m.tool_call_id is not None:
+        msg["tool_call_id"] = m.tool_call_id
+    return msg
+
+
+def tool_plan(req, tokenizer):
+    """How a chat request uses function calling: None when it has no tools and no tool messages; else the ToolPlan
+    its reply is read with. BadRequest when the model's chat template cannot render tools (naming why) or the
+    tool_choice names no given tool."""
+    tools = getattr(req, "tools", None)
+    choice = getattr(req, "tool_choice", None)
+    if choice is not None and not tools:
+        raise BadRequest("tool_choice needs tools: the functions the model may call", "tool_choice")
+    if not tools and not any(m.role == "tool" or m.tool_calls for m in req.messages):
+        return None
+    try:
+        fmt = tool_format(tokenizer)
+    except ValueError as e:
+        raise BadRequest(str(e), "tools" if tools else "messages", "tools_not_supported")
+    if isinstance(choice, NamedToolChoice):
+        if choice.function.name not in {t.function.name for t in tools}:
+            raise BadRequest(
+                f"tool_choice names {choice.function.name!r}, which is not one of the tools", "tool_choice"
+            )
+        choice = choice.function.name
+    return ToolPlan(fmt, forced_prefix(fmt, choice), parse=bool(tools) and choice != "none")
+
+
+def tool_prompt(tokenizer, messages, tools, plan, max_len):
+    """A function-calling chat's prompt ids, rendered by the model's template with the tools (none when the reply may
+    not call them), the forced start of the reply last."""
+    if messages[-1]["role"] not in ("user", "tool"):
+        raise BadRequest(
+            f"the last message must be from the user or a tool (the model writes the next assistant turn), "
+            f"got {messages[-1]['role']!r}",
+            "messages",
+        )
+    shown = [t.model_dump(exclude_none=True) for t in tools or []] if plan.parse else None
+    try:
+        ids = tokenizer.render_messages(messages, shown, reply_prefix=plan.prefix)
+    except ValueError as e:
+        raise BadRequest(str(e), "messages")
+    if max_len is not None and len(ids) >= max_len:
+        raise BadRequest(
+            f"the conversation is {len(ids)} tokens, over the context of {max_len} "
+            f"(it needs room for at least one generated token)",
+            "messages",
+            "context_length_exceeded",
+        )
+    return ids
 
 
 # --- prompt fitting ---------------------------------------------------------------------------------------------------
@@ -346,7 +465,7 @@ def parse_body(raw, schema):
 
 
 def check_model(name, config):
-    if name is not None and name != config.model:
+    if name is not None and config.model is not None and name != config.model:
         raise BadRequest(
             f"the model '{name}' does not exist: this server serves '{config.model}'", "model", "model_not_found", 404
         )
@@ -473,9 +592,13 @@ def prepare(raw, tokenizer, config, max_len, schema=ChatRequest, fit=False):
         if req.top_logprobs is not None and not req.logprobs:
             raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
     max_tokens = requested_max_tokens(req, config)
-    ids, dropped = render_prompt(
-        tokenizer, chat_messages(req), max_len, config.base, max_tokens if fit else None, config.token_bytes
-    )
+    plan = tool_plan(req, tokenizer)
+    if plan is not None:
+        ids, dropped = tool_prompt(tokenizer, chat_messages(req), req.tools, plan, max_len), 0
+    else:
+        ids, dropped = render_prompt(
+            tokenizer, chat_messages(req), max_len, config.base, max_tokens if fit else None, config.token_bytes
+        )
     settings = dict(
         max_tokens=min(max_tokens, max_len - len(ids)),  # ending at the context edge is finish_reason "length"
         temperature=req.temperature if req.temperature is not None else (1.0 if api else 0.6),

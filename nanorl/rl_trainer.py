@@ -381,12 +381,14 @@ class Trainer:
         with timer.section("advantages", self.device.type):
             adv, returns = self.compute_advantages(samples, old_lp, ref_lp, old_values)
         lr_mult = min(1.0, (step + 1) / a.warmup_rollouts) if a.warmup_rollouts > 0 else 1.0
-        per_step = len(samples) // a.num_steps_per_rollout
-        off_policy = a.num_steps_per_rollout > 1
+        # the rollout cut into mini-batches of whole groups of n, all of it (an agent's group may be several: agents.py)
+        steps, n = a.num_steps_per_rollout, a.n_samples_per_prompt
+        edges = [k * (len(samples) // n) // steps * n for k in range(steps)] + [len(samples)]
+        off_policy = steps > 1
         results = []
         with timer.section("train", self.device.type):
-            for k in range(a.num_steps_per_rollout):  # the rollout cut into mini-batches of whole groups
-                sl = slice(k * per_step, (k + 1) * per_step)
+            for k in range(steps):
+                sl = slice(edges[k], edges[k + 1])
                 pick = lambda rows: rows[sl] if rows is not None else None
                 results.append(
                     self.train_minibatch(

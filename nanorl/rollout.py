@@ -12,7 +12,7 @@ The Sample record and its tensor layout, which the trainer reads, are in nanorl/
 
 import signal
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -23,6 +23,8 @@ from nanorl.prompts import prompt_ids
 from nanorl.remote_rewards import remote_rewards
 from nanorl.rewards import set_rewards
 from nanorl.samples import ABORTED, TRUNCATED, Sample, extend_sample
+
+AGENT_TIMEOUT = 300.0  # --agent-timeout's default
 
 
 @dataclass
@@ -89,6 +91,18 @@ def add_args(parser):
         "prompts, seeds) -> list of groups (lists) of Sample; config is the RolloutConfig",
     )
     g.add_argument(
+        "--agent",
+        default=None,
+        help="module:function(client, item) -> reward (or file.py:function): RL on an agent written with the openai "
+        "client, one episode per sample, its calls sampled by this run's engine (docs/agents.md)",
+    )
+    g.add_argument(
+        "--agent-timeout",
+        type=nonneg_float,
+        default=None,
+        help=f"--agent: seconds an episode may take before it is lost (default {AGENT_TIMEOUT:g}; 0 = no limit)",
+    )
+    g.add_argument(
         "--multi-turn",
         action="store_true",
         help="run tool calls turn by turn (nanorl/multiturn.py), with per-turn metrics",
@@ -128,6 +142,16 @@ def config_from_args(args, parser):
         parser.error(
             "--partial-rollout drives the engine itself: it cannot be combined with --custom-generate-function-path"
         )
+    if args.agent:
+        for on, flag in (
+            (args.custom_generate_function_path, "--custom-generate-function-path"),
+            (args.multi_turn, "--multi-turn"),
+            (args.partial_rollout, "--partial-rollout"),
+        ):
+            if on:
+                parser.error(f"--agent and {flag} cannot be combined: the agent's episodes are the rollout")
+    elif args.agent_timeout is not None:
+        parser.error("--agent-timeout is only used with --agent")
     if args.multi_turn:
         if args.custom_generate_function_path:
             parser.error("--multi-turn and --custom-generate-function-path both generate the rollout: give one of them")
@@ -293,7 +317,9 @@ class RolloutWorker:
     hangs) and how many rewards have failed in training rollouts (`reward_failures`).
       reward_fn(response_text, label, metadata) -> (value, None) | (None, reason); None with a remote reward
       rewards: the RewardConfig (the remote server, what a failed reward becomes)
-      custom_generate: --custom-generate-function-path, called as fn(cfg, engine, tokenizer, prompts, seeds)
+      custom_generate: --custom-generate-function-path (or --agent's AgentRollout), called as fn(cfg, engine,
+        tokenizer, prompts, seeds) with cfg's n_samples_per_prompt and temperature those of the call (the eval's
+        for the eval); an object with a metrics(samples) method adds its metrics to the rollout's
     """
 
     def __init__(self, cfg, engine, tokenizer, reward_fn, rewards, custom_generate=None):
@@ -337,8 +363,12 @@ class RolloutWorker:
     def generate(self, prompts, seeds, temperature, num_samples, weight_version):
         """The default rollout: one engine call over all prompts, each fanned out to num_samples -> groups."""
         self.inflight["generating"] = [p["metadata"] for p in prompts]
-        if self.custom_generate is not None:
-            return self.custom_generate(self.cfg, self.engine, self.tokenizer, prompts, seeds)
+        if self.custom_generate is not None:  # its config says what to sample: the eval's n and temperature too
+            cfg = replace(self.cfg, temperature=temperature, n_samples_per_prompt=num_samples)
+            groups = self.custom_generate(cfg, self.engine, self.tokenizer, prompts, seeds)
+            for s in (s for g in groups for s in g):
+                s.weight_version = weight_version
+            return groups
         ids_of = [prompt_ids(self.tokenizer, p) for p in prompts]
         reqs = [self.request(ids, seed, num_samples, temperature) for ids, seed in zip(ids_of, seeds)]
         if self.cfg.multi_turn:
@@ -464,4 +494,6 @@ class RolloutWorker:
         if self.cfg.multi_turn:  # per response: tool calls, calls that errored, and whether it ran into --max-turns
             for k in ("tool_calls", "tool_errors", "max_turns_hit"):
                 m[f"rollout/{k}_mean"] = sum(s.metadata.get(k, 0) for s in samples) / len(samples)
+        if hasattr(self.custom_generate, "metrics"):  # a generate function's own counts (--agent's lost episodes)
+            m.update(self.custom_generate.metrics(samples))
         return m

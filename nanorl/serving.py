@@ -174,22 +174,28 @@ def top_logprobs(engine, ids, tokens, k, temperature=1.0):
     return [list(zip(i, v)) for i, v in zip(idx.tolist(), values.tolist())]
 
 
-async def logprob_content(engine, tokenizer, ids, tokens, logprobs, k, temperature):
+def logprob_entries(tokenizer, tokens, logprobs, tops=None):
     """OpenAI's logprobs.content for one sample: token, logprob (the engine's, at the sampling temperature), bytes,
-    top_logprobs."""
+    top_logprobs (tops: top_logprobs()'s alternatives per token, or None)."""
 
     def entry(t, lp):
         b = tokenizer.decode_token_bytes(t)
         return {"token": b.decode("utf-8", errors="replace"), "logprob": lp, "bytes": list(b)}
 
-    tops = [[]] * len(tokens)
-    if k and tokens:
-        loop = asyncio.get_running_loop()
-        tops = await loop.run_in_executor(None, top_logprobs, engine, ids, tokens, k, temperature)
+    tops = tops or [[]] * len(tokens)
     return [
         {**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in top]}
         for t, lp, top in zip(tokens, logprobs, tops)
     ]
+
+
+async def logprob_content(engine, tokenizer, ids, tokens, logprobs, k, temperature):
+    """logprob_entries() with k alternatives per token, their forward run in a worker thread."""
+    tops = None
+    if k and tokens:
+        loop = asyncio.get_running_loop()
+        tops = await loop.run_in_executor(None, top_logprobs, engine, ids, tokens, k, temperature)
+    return logprob_entries(tokenizer, tokens, logprobs, tops)
 
 
 # --- a request on the engines -----------------------------------------------------------------------------------------
@@ -375,9 +381,9 @@ def text_logprobs(content):
 
 
 def openai_stream(st, trace, events, head, with_usage, delta, end, opening=()):
-    """stream: true -> SSE chunks: `opening` choices, a choice delta(sample, text) per text piece, end(sample,
-    finish_reason, logprobs.content) as each sample ends, with include_usage a last chunk of usage and no choices,
-    then [DONE]. events: the generate() stream of this request."""
+    """stream: true -> SSE chunks: `opening` choices, the choices delta(sample, text) gives per text piece (maybe
+    none: text held back), those of end(sample, finish_reason, logprobs.content) as each sample ends, with include_usage
+    a last chunk of usage and no choices, then [DONE]. events: the generate() stream of this request."""
 
     def chunk(choices, **extra):
         return sse({**head, "choices": choices, **({"usage": None} if with_usage else {}), **extra})
@@ -387,10 +393,9 @@ def openai_stream(st, trace, events, head, with_usage, delta, end, opening=()):
             yield chunk([choice])
         try:
             async for ev in events:
-                if ev[0] == "delta":
-                    yield chunk([delta(ev[1], ev[3])])
-                elif ev[0] == "end":  # a sample's log-probs come with its finish_reason, all at once
-                    yield chunk([end(ev[1], ev[2], ev[3])])
+                if ev[0] in ("delta", "end"):  # a sample's log-probs come with its finish_reason, all at once
+                    for choice in delta(ev[1], ev[3]) if ev[0] == "delta" else end(ev[1], ev[2], ev[3]):
+                        yield chunk([choice])
                 elif with_usage:
                     yield chunk([], usage=usage(trace.prompt_tokens, ev[1]))
             st.stats.requests += 1

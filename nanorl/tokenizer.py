@@ -368,7 +368,7 @@ class HFTokenizer:
         ]
 
     # --- chat ---------------------------------------------------------------------------------
-    def apply_template(self, messages, add_generation_prompt):
+    def apply_template(self, messages, add_generation_prompt, tools=None):
         """The chat template's text, rendered the way transformers' apply_chat_template renders it."""
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template (no chat_template in tokenizer_config.json)")
@@ -380,7 +380,7 @@ class HFTokenizer:
             if k.endswith("_token") and isinstance(v, (str, dict))
         }
         return self._template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt, tools=None, **specials
+            messages=messages, add_generation_prompt=add_generation_prompt, tools=tools, **specials
         )
 
     def _compile_template(self):
@@ -449,6 +449,18 @@ class HFTokenizer:
             messages = messages[:-1]
         messages = self._messages({"messages": messages + [{"role": "assistant", "content": ""}]})[:-1]
         return self.tok.encode(self.apply_template(messages, add_generation_prompt=True), add_special_tokens=False).ids
+
+    def render_messages(self, messages, tools=None, add_generation_prompt=True, reply_prefix=""):
+        """OpenAI-style messages (tool calls, tool results) and tools, rendered by the template as they are -> ids,
+        for function calling (nanorl/function_calls.py). The template itself checks the roles' order. reply_prefix:
+        text that opens the assistant's reply (a forced tool call); its tool tokens are the tokenizer's added tokens."""
+        try:
+            text = self.apply_template(messages, add_generation_prompt, tools=tools or None)
+        except ValueError:
+            raise
+        except Exception as e:  # jinja's own errors: a message without a field the template reads, ...
+            raise ValueError(f"the chat template cannot render these messages ({type(e).__name__}: {e})") from e
+        return self.tok.encode(text + reply_prefix, add_special_tokens=False).ids
 
 
 # nanorl's own conversation format as a chat template, for exported nanorl models

@@ -112,6 +112,15 @@ buffer_filter = common.load_function(args.buffer_filter_path, ["buffer", "n"], "
 if args.custom_generate_function_path:
     keys = ["config", "engine", "tokenizer", "prompts", "seeds"]
     custom_generate = common.load_function(args.custom_generate_function_path, keys, "--custom-generate-function-path")
+if args.agent:  # the agent's episodes are the rollout, scored by the agent itself (nanorl/agents.py)
+    if args.rm_type or args.custom_rm_path or args.rm_url:
+        parser.error("--agent scores its own episodes: --rm-type, --custom-rm-path and --rm-url do not apply")
+    try:
+        from nanorl.agents import AgentRollout
+    except ImportError as e:
+        parser.error(f"--agent needs the openai package: pip install openai ({e})")
+    timeout = rollout.AGENT_TIMEOUT if args.agent_timeout is None else args.agent_timeout
+    custom_generate = AgentRollout(common.load_function(args.agent, ["client", "item"], "--agent"), timeout)
 
 # -----------------------------------------------------------------------------------------------
 # the prompts and the reward, before any model is built: a bad task, data file or reward flag fails at once
@@ -144,7 +153,7 @@ else:
     train_items, train_task = task_prompts(args.task, "train")
     eval_items, eval_task = task_prompts(eval_name, "test")
 eval_items = eval_items[: args.eval_max_problems]
-reward_fns, rm_name = {}, f"remote:{reward_cfg.rm_url}"
+reward_fns, rm_name = {}, f"agent:{args.agent}" if args.agent else f"remote:{reward_cfg.rm_url}"
 if not reward_cfg.remote:  # one grader per split: the task's own grader reads the example a prompt came from
     try:
         (reward_fns["train"], rm_name), (reward_fns["test"], _) = (
@@ -213,6 +222,8 @@ if lora_base and trainer_cfg.needs_reference and roles.is_trainer:
 engine = trainer = None
 if roles.is_sampler:
     max_len = min(model.config.sequence_len, longest_prompt + args.max_response_len)
+    if args.agent:  # an episode's later calls hold its earlier turns: they may be longer than any prompt
+        max_len = model.config.sequence_len
     engine = Engine(model, tokenizer, batch_size=args.engine_batch_size, share_weights=bool(lora_base), max_len=max_len)
 if args.fsdp:  # the engine copied the whole model above; now shard the policy, before the optimizer is built on it
     fsdp.shard_model(model, device, args.activation_checkpointing, args.cpu_offload)
@@ -321,6 +332,10 @@ def log_step(step, m, dt):
     if rollout_cfg.multi_turn:
         tools = f" | tools {m['rollout/tool_calls_mean']:.2f} err {m['rollout/tool_errors_mean']:.2f} "
         tools += f"max_turns {m['rollout/max_turns_hit_mean']:.2f}"
+    if args.agent:  # episodes lost (raised, timed out, no number) out of the rollout's, and calls per episode
+        episodes = args.rollout_batch_size * n
+        tools += f" | agent lost {round(m['rollout/agent_lost_frac'] * episodes)}/{episodes} "
+        tools += f"calls {m['rollout/agent_calls_mean']:.2f}"
     print0(
         f"step {step + 1:05d}/{args.num_rollouts} | reward {m['rollout/reward_mean']:.3f} "
         f"| len {m['rollout/response_len_mean']:.1f} | pg {m['train/pg_loss']:+.4f} | clip {m['train/clipfrac']:.3f} "

@@ -45,6 +45,7 @@ from nanorl import openai_api
 from nanorl.checkpoint import add_model_args, load_model_from_args
 from nanorl.common import ArgumentParser, autodetect_device_type, number_in
 from nanorl.engine import Engine
+from nanorl.function_calls import ReplyStream, chat_choice, reply_message
 from nanorl.middleware import BodyGuard, HeaderDeadline, RequestLog
 from nanorl.openai_api import (
     BadRequest,
@@ -56,6 +57,7 @@ from nanorl.openai_api import (
     prepare,
     prepare_completion,
     stop_strings,
+    tool_plan,
     validation_error,
 )
 from nanorl.serving import (
@@ -278,36 +280,31 @@ async def ui_chat(request: HTTPRequest):
 
 @api.post("/v1/chat/completions")
 async def chat_completions(request: HTTPRequest):
+    """Chat, with function calling for the chat templates that render tools (nanorl/function_calls.py)."""
     st, trace = state(request), request.state.trace
     req, ids, settings, _ = await in_thread(request, prepare, st.max_len, ChatRequest)
+    plan = tool_plan(req, st.tokenizer)  # None: no tools
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     events = generate(st, ids, settings, stop_strings(req), logprobs=logprobs, trace=trace)
     head = {"id": f"chatcmpl-{trace.id}", "created": int(time.time()), "model": st.config.model}
     n = settings["num_samples"]
     if req.stream:
+        replies = [ReplyStream(i, plan) for i in range(n)]
         return openai_stream(
             st,
             trace,
             events,
             {**head, "object": "chat.completion.chunk"},
             req.stream_options is not None and req.stream_options.include_usage,
-            delta=lambda i, text: {"index": i, "delta": {"content": text}, "logprobs": None, "finish_reason": None},
-            end=lambda i, why, lp: {"index": i, "delta": {}, "logprobs": chat_logprobs(lp), "finish_reason": why},
+            delta=lambda i, text: replies[i].push(text),
+            end=lambda i, why, lp: replies[i].end(why, chat_logprobs(lp)),
             opening=[
                 {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
                 for i in range(n)
             ],
         )
     texts, finish, contents, tokens = await collect(st, events, n)
-    choices = [
-        {
-            "index": i,
-            "message": {"role": "assistant", "content": texts[i]},
-            "logprobs": chat_logprobs(contents[i]),
-            "finish_reason": finish[i],
-        }
-        for i in range(n)
-    ]
+    choices = [chat_choice(i, reply_message(texts[i], plan), finish[i], chat_logprobs(contents[i])) for i in range(n)]
     return {**head, "object": "chat.completion", "choices": choices, "usage": usage(len(ids), tokens)}
 
 
@@ -330,8 +327,8 @@ async def completions(request: HTTPRequest):
             events,
             head,
             req.stream_options is not None and req.stream_options.include_usage,
-            delta=lambda i, text: {"index": i, "text": text, "logprobs": None, "finish_reason": None},
-            end=lambda i, why, lp: {"index": i, "text": "", "logprobs": text_logprobs(lp), "finish_reason": why},
+            delta=lambda i, text: [{"index": i, "text": text, "logprobs": None, "finish_reason": None}],
+            end=lambda i, why, lp: [{"index": i, "text": "", "logprobs": text_logprobs(lp), "finish_reason": why}],
         )
     n = settings["num_samples"]
     texts, finish, contents, tokens = await collect(st, events, n)
