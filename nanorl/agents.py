@@ -139,6 +139,8 @@ class Endpoint:
                     h.cancel()
 
     def chat(self, raw):
+        """One chat completion: validated and rendered as chat_web does it; its prompt is the recorded ids when it
+        continues a chain; sampled with the rollout's settings, recorded, answered."""
         req, rendered, settings, _ = prepare(raw, self.tokenizer, self.config, self.engine.max_len)
         plan = tool_plan(req, self.tokenizer)
         self._check_sampling(req)

@@ -90,18 +90,12 @@ def add_args(parser):
         help="module:function(config, engine, tokenizer, "
         "prompts, seeds) -> list of groups (lists) of Sample; config is the RolloutConfig",
     )
-    g.add_argument(
-        "--agent",
-        default=None,
-        help="module:function(client, item) -> reward (or file.py:function): RL on an agent written with the openai "
-        "client, one episode per sample, its calls sampled by this run's engine (docs/agents.md)",
+    agent = (
+        "module:function(client, item) -> reward, or file.py:function: an agent on the openai client (docs/agents.md)"
     )
-    g.add_argument(
-        "--agent-timeout",
-        type=nonneg_float,
-        default=None,
-        help=f"--agent: seconds an episode may take before it is lost (default {AGENT_TIMEOUT:g}; 0 = no limit)",
-    )
+    g.add_argument("--agent", default=None, help=agent + ", one episode per sample")
+    timeout = f"--agent: seconds an episode may take before it is lost (default {AGENT_TIMEOUT:g}; 0 = no limit)"
+    g.add_argument("--agent-timeout", type=nonneg_float, default=None, help=timeout)
     g.add_argument(
         "--multi-turn",
         action="store_true",

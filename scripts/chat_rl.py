@@ -119,8 +119,11 @@ if args.agent:  # the agent's episodes are the rollout, scored by the agent itse
         from nanorl.agents import AgentRollout
     except ImportError as e:
         parser.error(f"--agent needs the openai package: pip install openai ({e})")
-    timeout = rollout.AGENT_TIMEOUT if args.agent_timeout is None else args.agent_timeout
-    custom_generate = AgentRollout(common.load_function(args.agent, ["client", "item"], "--agent"), timeout)
+    try:
+        agent = common.load_function(args.agent, ["client", "item"], "--agent")
+    except ValueError as e:
+        parser.error(str(e))
+    custom_generate = AgentRollout(agent, rollout.AGENT_TIMEOUT if args.agent_timeout is None else args.agent_timeout)
 
 # -----------------------------------------------------------------------------------------------
 # the prompts and the reward, before any model is built: a bad task, data file or reward flag fails at once

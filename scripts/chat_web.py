@@ -13,12 +13,13 @@ polled from the event loop, so 64 streaming clients need no 64 threads. A client
 cancels its handle, which frees its slots at the engine's next step.
 
 Endpoints: GET / (the page), GET /ui/info and POST /ui/chat (the page's own stream); the OpenAI API: POST
-/v1/chat/completions, POST /v1/completions (text continuation, for a base model), GET /v1/models, GET /v1/models/{id};
-POST /tokenize and /detokenize (as vLLM's); GET /health, /stats, /metrics (Prometheus text), /version. With
+/v1/chat/completions (function calling too, for an open model whose chat template renders tools), POST
+/v1/completions (text continuation, for a base model), GET /v1/models, GET /v1/models/{id}; POST /tokenize and
+/detokenize (as vLLM's); GET /health, /stats, /metrics (Prometheus text), /version. With
 --api-key, the API, /tokenize, /detokenize and the page's stream need "Authorization: Bearer KEY". Every error is an
 OpenAI error object {"error": {"message", "type", "param", "code"}}; every request logs one line (id, status, tokens
-in/out, time). The request bodies and prompt fitting are in nanorl/openai_api.py, the engine side (replicas, text
-streams, metrics, slow-client guards) in nanorl/serving.py.
+in/out, time). The request bodies and prompt fitting are in nanorl/openai_api.py, tools and tool calls in
+nanorl/function_calls.py, the engine side (replicas, text streams, metrics, slow-client guards) in nanorl/serving.py.
 """
 
 import dataclasses

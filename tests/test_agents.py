@@ -563,6 +563,25 @@ def run_agent_rl(base_dir, *extra, nproc=1, agent="tests/rl_fixture_agent.py:vow
     return json.loads((base_dir / "report" / "rl_history.json").read_text()), out.stdout
 
 
+@pytest.mark.parametrize(
+    "flags,msg",
+    [
+        (["--agent", "no_such_mod:fn"], "--agent 'no_such_mod:fn': could not import 'no_such_mod'"),
+        (["--agent", "examples/retry_agent.py:nope"], "has no function 'nope'; expected nope(client, item)"),
+        (["--agent-timeout", "5"], "--agent-timeout is only used with --agent"),
+        (["--agent", "examples/retry_agent.py:agent", "--multi-turn"], "--agent and --multi-turn cannot be combined"),
+        (["--agent", "builtins:print", "--custom-generate-function-path", "builtins:print"], "cannot be combined"),
+        (["--agent", "examples/retry_agent.py:agent", "--rm-type", "math"], "--agent scores its own episodes"),
+        (["--agent", "examples/retry_agent.py:agent", "--agent-timeout", "-1"], "argument --agent-timeout"),
+    ],
+)
+def test_agent_flags_are_refused_in_one_line(base_dir, flags, msg, monkeypatch):
+    from test_chat_rl import refused_before_setup
+
+    code, stdout, stderr = refused_before_setup(base_dir, ["--source", "sft", "--model-tag", "t", *flags], monkeypatch)
+    assert code == 2 and msg in stderr and "Traceback" not in stderr, stderr[-2000:]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["2 ranks", "async"])
 def test_chat_rl_agent(base_dir, mode):
