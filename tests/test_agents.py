@@ -225,6 +225,25 @@ def test_the_example_agent(tok):
         assert tok.decode(wrong[0].tokens[wrong[0].prompt_length :]).count("wrong, try again") == 1
 
 
+def test_a_layered_rollout_is_trained_whole_in_minibatches_of_whole_groups(tok, random_model):
+    """With --num-steps-per-rollout 2, a rollout of 3 groups of n = 3 (9 Samples, as layers make) is cut into
+    mini-batches of whole groups that cover all of it (the cut once took len // steps Samples each, and dropped the
+    last one)."""
+    from nanorl import rl_trainer
+    from nanorl.common import Timer
+    from nanorl.optim import build_optimizer
+
+    ep = endpoint(random_model, tok)
+    agents.client(ep).chat.completions.create(model="any", messages=USER, max_tokens=4)
+    samples = [s for e in range(9) for s in agents.group([episode_of(ep, float(e % 2), e)], 1.0, [0, 0])]
+    cfg = rl_trainer.TrainerConfig(n_samples_per_prompt=3, max_response_len=64, num_steps_per_rollout=2)
+    trainer = rl_trainer.Trainer(cfg, random_model, build_optimizer(random_model), torch.device("cpu"))
+    seen = []
+    trainer.train_minibatch = lambda batch, *a, **k: seen.append(len(batch)) or {"pg_loss": 0.0}
+    trainer.train_step(0, samples, Timer())
+    assert seen == [3, 6]
+
+
 # --- the rollout: groups, sync and async agents, faults ---------------------------------------------------------------
 
 
