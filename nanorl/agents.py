@@ -147,7 +147,7 @@ class Endpoint:
         messages = chat_messages(req)
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if plan is not None and plan.parse else None
         with self.lock:
-            chain, between = self._continues(messages, tools, rendered)
+            chain, between = self._continues(messages, tools, rendered, plan is not None)
             prompt, used = rendered, 0
             if chain is not None:
                 chain.busy = True
@@ -208,7 +208,7 @@ class Endpoint:
                 "seed",
             )
 
-    def _continues(self, messages, tools, rendered):
+    def _continues(self, messages, tools, rendered, tool_path):
         """(the chain this call continues, the ids between its last reply and this call's reply: the forced end of
         turn if that reply was cut, then the new messages), or (None, None) when it continues none."""
         for chain in reversed(self.chains):
@@ -218,17 +218,18 @@ class Endpoint:
                 continue
             if messages[k] != last.reply:
                 continue
-            head = self._history(messages[: k + 1], tools)
+            head = self._history(messages[: k + 1], tools, tool_path)
             if head is None or rendered[: len(head)] != head:  # the template renders the history differently now
                 continue
             forced = [] if last.tokens and last.tokens[-1] == self.eot else [self.eot]
             return chain, forced + rendered[len(head) :]
         return None, None
 
-    def _history(self, messages, tools):
-        """The re-rendered ids of a conversation that ends with an assistant reply, up to its end-of-turn token."""
+    def _history(self, messages, tools, tool_path):
+        """The re-rendered ids of a conversation that ends with an assistant reply, up to its end-of-turn token,
+        rendered as the call's own prompt was (tool_path: openai_api.tool_prompt's way)."""
         try:
-            if tools is not None or any(m["role"] == "tool" or "tool_calls" in m for m in messages):
+            if tool_path:
                 ids = self.tokenizer.render_messages(messages, tools, add_generation_prompt=False)
             else:
                 ids = self.tokenizer.render_conversation({"messages": messages})[0]
