@@ -394,7 +394,7 @@ class AgentRollout:
     are never trained on (loss mask 0, the group's mean reward: advantage 0), as a failed reward with --rm-failure
     drop. metrics() gives the rollout's agent counts."""
 
-    def __init__(self, agent, timeout=600.0):
+    def __init__(self, agent, timeout):
         self.agent, self.timeout = agent, timeout
         self.is_async = inspect.iscoroutinefunction(agent)
 
