@@ -157,7 +157,7 @@ else:
     eval_items, eval_task = task_prompts(eval_name, "test")
 eval_items = eval_items[: args.eval_max_problems]
 reward_fns, rm_name = {}, f"agent:{args.agent}" if args.agent else f"remote:{reward_cfg.rm_url}"
-if not reward_cfg.remote:  # one grader per split: the task's own grader reads the example a prompt came from
+if not (reward_cfg.remote or args.agent):  # one grader per split: the task's own grader reads its example
     try:
         (reward_fns["train"], rm_name), (reward_fns["test"], _) = (
             rewards.make_reward(reward_cfg.rm_type, t, reward_cfg.custom_rm_path) for t in (train_task, eval_task)
