@@ -76,9 +76,12 @@ def model_path(checkpoint_dir, step):
     return None
 
 
+STEP_FILE = re.compile(r"(?:model|meta|optim|extra|dcp)_(\d+)")  # the files (and DCP folders) of a saved step
+
+
 def _steps_with_files(checkpoint_dir):
     names = os.listdir(checkpoint_dir) if os.path.isdir(checkpoint_dir) else []
-    return {int(m.group(1)) for n in names if (m := re.match(r"(?:model|meta|optim|extra|dcp)_(\d+)", n))}
+    return {int(m.group(1)) for n in names if (m := STEP_FILE.match(n))}
 
 
 def complete_steps(checkpoint_dir):
@@ -142,7 +145,8 @@ def delete_step(checkpoint_dir, step):
     if os.path.exists(meta):
         os.remove(meta)
     for p in glob.glob(os.path.join(checkpoint_dir, f"*_{step:06d}*")):
-        shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
+        if STEP_FILE.match(os.path.basename(p)):  # only the step's own files: a user's notes_000010.txt stays
+            shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
 
 
 def _load(path, device):

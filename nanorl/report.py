@@ -10,8 +10,12 @@ instead, says so, and report.md lists it under "Ad-hoc runs", apart from the car
 
 import datetime
 import os
+import tempfile
 
 from nanorl.common import get_base_dir
+from nanorl.errors import BadValue
+
+REPORT_TITLE = "# nanorl report"  # report.md's first line: how --out knows a file it may replace
 
 
 def report_dir():
@@ -384,7 +388,7 @@ def generate(out_path="report.md", wall_time_s=None, gpu_hourly_usd=3.0):
     stages = _stage_seconds()
     if wall_time_s is None and stages:
         wall_time_s = sum(stages.values())
-    lines = ["# nanorl report", "", "## Environment", ""] + [f"- {k}: {v}" for k, v in env.items()] + [""]
+    lines = [REPORT_TITLE, "", "## Environment", ""] + [f"- {k}: {v}" for k, v in env.items()] + [""]
     lines += ["## Report card", ""] + _card_lines(load_json("report_card", {}, folder=report_dir())) + [""]
     if wall_time_s is not None:
         lines += [f"Total wall time: {wall_time_s / 60:.1f} min.", ""]
@@ -403,11 +407,26 @@ def generate(out_path="report.md", wall_time_s=None, gpu_hourly_usd=3.0):
         lines += ["## Ad-hoc runs", "", f"Runs outside speedrun.sh, kept apart from the card above ({adhoc}).", ""]
         lines += (_card_lines(card) + [""]) if card else []
         lines += [line for text in sections for line in (text.replace("## ", "### ", 1), "")]
-    tmp = out_path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write("\n".join(lines))
-    os.replace(tmp, out_path)
+    _replace_report(out_path, "\n".join(lines))
     return out_path
+
+
+def _replace_report(path, text):
+    """Write report.md through a temp file beside it; a file there that is not a report of ours (its first line) is
+    refused in one line and kept: --out names where the report goes, never what may be lost."""
+    if os.path.lexists(path):
+        try:
+            with open(path) as f:
+                first = f.readline().rstrip("\n")
+        except (OSError, UnicodeDecodeError):
+            first = None
+        if first != REPORT_TITLE:
+            raise BadValue(f"--out {path} exists and is not a nanorl report: it is never replaced; name another file")
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".report.tmp-")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":
