@@ -61,7 +61,7 @@ def _fmt(v):
 # flags whose unset value (None) means something a reader should not have to look up
 _UNSET = {
     "device_type": "autodetect (CUDA if available, else CPU)",
-    "model_tag": "the newest checkpoint",
+    "model_tag": "the tag saved most recently",
     "model_step": "the last step",
     "step": "the last step",
     "output_tag": "the source model's tag",

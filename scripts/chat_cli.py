@@ -11,6 +11,7 @@ context, the oldest turns are left out (as the web page does), and the CLI says 
 """
 
 import atexit
+import contextlib
 import os
 import signal
 import sys
@@ -217,7 +218,13 @@ def main():
     parser.add_argument(
         "-i", "--source", type=str, default="sft", choices=["base", "mid", "sft", "rl"], help="which model"
     )
-    parser.add_argument("-g", "--model-tag", type=str, default=None, help="model tag; None picks the largest")
+    parser.add_argument(
+        "-g",
+        "--model-tag",
+        type=str,
+        default=None,
+        help="checkpoint subdirectory (default: the one saved most recently; named when there are several)",
+    )
     parser.add_argument(
         "-s",
         "--model-step",
@@ -256,14 +263,16 @@ def main():
     except ImportError as e:
         sys.exit(f"chat_cli needs nanorl/checkpoint.py (load_model), which this checkout does not have yet ({e})")
     _, _, _, _, device = compute_init(args.device_type)
-    try:
-        model, tokenizer, meta = load_model(
-            args.source, device, phase="eval", model_tag=args.model_tag, step=args.model_step, hf_model=args.hf_model
-        )
-    except (FileNotFoundError, ValueError) as e:
-        sys.exit(f"could not load the {args.source} model: {e}")
-    engine = Engine(model, tokenizer, batch_size=1)
-    print0(engine.attention_kernels())
+    # status ("loaded ...", the attention kernels) goes to stderr: stdout is the conversation, so -p can be piped
+    with contextlib.redirect_stdout(sys.stderr):
+        try:
+            model, tokenizer, meta = load_model(
+                args.source, device, "eval", args.model_tag, args.model_step, hf_model=args.hf_model
+            )
+        except (FileNotFoundError, ValueError) as e:
+            sys.exit(f"could not load the {args.source} model: {e}")
+        engine = Engine(model, tokenizer, batch_size=1)
+        print0(engine.attention_kernels())
     settings = dict(
         base=args.source == "base",
         temperature=args.temperature,

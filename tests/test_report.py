@@ -257,7 +257,7 @@ def test_flag_values_in_words_and_data_seen(tmp_path, monkeypatch):
     for line in (
         "- run: dummy (no wandb logging)",
         "- device_type: autodetect (CUDA if available, else CPU)",
-        "- model_tag: the newest checkpoint",
+        "- model_tag: the tag saved most recently",
         "- num_epochs: 1 (not used: --num-iterations 80 sets the length)",
         "- no_compile: yes",
         "- resume: no",
