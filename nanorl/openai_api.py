@@ -82,7 +82,7 @@ TEXT_PARTS = ("text", "python", "python_output")
 
 
 class Message(_Body):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant"]
     content: str | list[Part]
     name: str | None = Field(None, min_length=1, max_length=64)  # accepted as OpenAI does; the chat format has
     # no speaker names, so it does not change the prompt
@@ -99,13 +99,19 @@ class Message(_Body):
                 )
         return v
 
-    @model_validator(mode="after")
-    def _check(self):
-        if self.role == "tool":
+    @field_validator("role", mode="before")
+    @classmethod
+    def _no_tool_role(cls, v):
+        # OpenAI's own role, refused with why (before the list of valid roles, which it is not among)
+        if v == "tool":
             raise ValueError(
                 "role 'tool' is not supported: this server has no function calling "
                 "(the model's calculator runs inside the server)"
             )
+        return v
+
+    @model_validator(mode="after")
+    def _check(self):
         parts = [Part(text=self.content)] if isinstance(self.content, str) else self.content
         if self.role != "assistant" and any(p.type != "text" for p in parts):
             raise ValueError(f"{self.role} content parts must have type 'text'")
@@ -278,6 +284,13 @@ def _render_chat(tokenizer, messages, max_len, room, least):
         if hi >= 1:
             ids, dropped = render(2 * hi), 2 * hi
     return ids, dropped
+
+
+def reply_reserve(max_tokens, max_len):
+    """The room a conversation keeps for the reply when the oldest turns are left out to fit (the page, chat_cli): a
+    quarter of the context, or max_tokens if less, so that earlier turns stay in the prompt; the reply itself may
+    still run to max_tokens while the context has room."""
+    return min(max_tokens, max(1, max_len // 4))
 
 
 def render_prompt(tokenizer, messages, max_len, base=False, room=None, token_bytes=None):
@@ -463,7 +476,7 @@ def detokenize(raw, tokenizer, config):
 def prepare(raw, tokenizer, config, max_len, schema=ChatRequest, fit=False):
     """Raw body bytes -> (validated request, prompt ids, engine settings, messages left out). Raises BadRequest.
     For a big conversation this is seconds of CPU (JSON, validation, tokenising): the handlers run it in a worker
-    thread. fit=True (the page) leaves out the oldest turns that do not fit beside max_tokens."""
+    thread. fit=True (the page) leaves out the oldest turns that do not fit beside reply_reserve's room."""
     req = parse_body(raw, schema)
     api = isinstance(req, ChatRequest)
     if api:
@@ -473,9 +486,8 @@ def prepare(raw, tokenizer, config, max_len, schema=ChatRequest, fit=False):
         if req.top_logprobs is not None and not req.logprobs:
             raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
     max_tokens = requested_max_tokens(req, config)
-    ids, dropped = render_prompt(
-        tokenizer, chat_messages(req), max_len, config.base, max_tokens if fit else None, config.token_bytes
-    )
+    room = reply_reserve(max_tokens, max_len) if fit else None
+    ids, dropped = render_prompt(tokenizer, chat_messages(req), max_len, config.base, room, config.token_bytes)
     settings = dict(
         max_tokens=min(max_tokens, max_len - len(ids)),  # ending at the context edge is finish_reason "length"
         temperature=req.temperature if req.temperature is not None else (1.0 if api else 0.6),

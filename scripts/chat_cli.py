@@ -19,6 +19,7 @@ import sys
 from nanorl.common import ArgumentParser, number_in, print0
 from nanorl.engine import Engine, Request
 from nanorl.errors import BadValue
+from nanorl.openai_api import reply_reserve
 from nanorl.toolcalls import MarkupStream, assistant_parts
 
 COMMANDS = {
@@ -31,12 +32,6 @@ COMMANDS = {
 
 class TooLong(BadValue):
     """One message that cannot fit the context whatever is left out."""
-
-
-def reply_reserve(max_tokens, max_len):
-    # as the web page: keep a quarter of the context for the reply (or max_tokens if less), so that earlier turns
-    # stay in the prompt; a reply may still run longer while the context has room
-    return min(max_tokens, max(1, max_len // 4))
 
 
 def turns_to_drop(messages, size, budget):
