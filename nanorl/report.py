@@ -68,6 +68,7 @@ _UNSET = {
     "tensorboard": "off",
     "data_dir": "the default data",
     "max_seq_len": "the model's context",
+    "max_new_tokens": "the task's own (offline 128, others 256)",
 }
 
 
