@@ -106,6 +106,8 @@ gpu_stage() {
     stage "$name" $RUN "$module" -- --device-type cuda "$@"
 }
 
+SETUP_SECONDS=$(( $(date +%s) - T_START ))  # venv and installs: the report shows them apart from the stages
+
 # --- the stages ------------------------------------------------------------------------------------
 # chat_rl gets --overwrite: a rerun (--force, or after a failed attempt) starts RL afresh and moves the earlier
 # attempt's steps aside to rl_checkpoints/<tag>.old-<time> rather than letting them hide the new run's
@@ -170,7 +172,7 @@ fi
 # total = the sum of the stages' own times, so a rerun that skips finished stages still reports the whole pipeline;
 # report.md goes where NANORL_REPORT says, its plots beside the stages' sections in $NANORL_BASE_DIR/report/
 STAGE_SECONDS=$(cat "$NANORL_BASE_DIR"/done/* 2>/dev/null | awk '{s += $1} END {print s + 0}')
-$PY -m nanorl.report --out "${NANORL_REPORT:-report.md}" --wall-time "$STAGE_SECONDS"
+$PY -m nanorl.report --out "${NANORL_REPORT:-report.md}" --wall-time "$STAGE_SECONDS" --setup-time "$SETUP_SECONDS"
 echo "== done in $(( ($(date +%s) - T_START) / 60 )) min; the report card is in ${NANORL_REPORT:-report.md} =="
 # the next step: everything was installed into .venv, so a new shell needs it activated first
 echo "Chat with the RL model it trained:"
