@@ -248,14 +248,16 @@ def load_hf_model(directory, device="cpu", dtype=None, sequence_len=None):
 
 def token_ids(tokenizer, source=None):
     """bos/eos/pad ids of an export: the source model's own where it declared them (every id of an eos list, its
-    pad token), else the tokenizer's (padding with bos); the tokenizer's end of a reply is always among the eos ids,
-    so a model chat-trained from a base model stops where it learned to."""
+    pad token), else the tokenizer's (padding with the end of a reply); the tokenizer's end of a reply is always among
+    the eos ids, so a model chat-trained from a base model stops where it learned to. Not padding with bos: every
+    prompt starts with it, and transformers' generate, given no attention mask, masks out each prompt token equal to
+    the pad id (unless that id is an eos), so the model would answer a prompt without its first token."""
     ids = {}
     if tokenizer is not None:
         ids = {
             "bos_token_id": tokenizer.get_bos_token_id(),
             "eos_token_id": tokenizer.encode_special("<|assistant_end|>"),
-            "pad_token_id": tokenizer.get_bos_token_id(),
+            "pad_token_id": tokenizer.encode_special("<|assistant_end|>"),
         }
     ids.update(
         {

@@ -534,7 +534,7 @@ def save_hf_tokenizer(tokenizer, directory):
         config = {
             "bos_token": "<|bos|>",
             "eos_token": "<|assistant_end|>",
-            "pad_token": "<|bos|>",
+            "pad_token": "<|assistant_end|>",  # as generation_config.json's pad id (nanorl/hf.py: token_ids)
             "chat_template": NANORL_CHAT_TEMPLATE,
             "tokenizer_class": "PreTrainedTokenizerFast",
         }

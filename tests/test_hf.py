@@ -260,10 +260,10 @@ def test_export_nanorl_arch_as_nanochat(tmp_path):
     with open(tmp_path / "config.json") as f:
         cfg = json.load(f)
     assert cfg["architectures"] == ["NanoChatForCausalLM"] and cfg["max_position_embeddings"] == 64
-    with open(tmp_path / "generation_config.json") as f:  # a reply ends at <|assistant_end|>; padding is <|bos|>
+    with open(tmp_path / "generation_config.json") as f:  # a reply ends at <|assistant_end|>, which also pads
         assert json.load(f) == {
             "bos_token_id": tok.get_bos_token_id(),
-            "pad_token_id": tok.get_bos_token_id(),
+            "pad_token_id": tok.encode_special("<|assistant_end|>"),
             "eos_token_id": tok.encode_special("<|assistant_end|>"),
         }
     back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
@@ -275,6 +275,13 @@ def test_export_nanorl_arch_as_nanochat(tmp_path):
     again, _ = load_hf_model(str(tmp_path))
     a, b = model.state_dict(), again.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a) and a.keys() == b.keys()
+    # plain greedy generate, no attention mask (as a user calls it): the engine's tokens. With <|bos|> as the pad id,
+    # generate masked out the prompt's first token and wrote others
+    prompt = tok.render_for_completion({"messages": CONVERSATION["messages"][:1]})
+    engine = Engine(model, tok, batch_size=1)
+    want = engine.generate([Request(prompt, max_tokens=24, temperature=0.0)])[0][0].tokens
+    plain = back.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=24)[0, len(prompt) :].tolist()
+    assert plain == want and len(want) == 24
     hf_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
     text = "Natalia sold 48 clips, then half as many."
     assert hf_tok(text, add_special_tokens=False)["input_ids"] == tok.encode(text)
