@@ -28,7 +28,8 @@ apt_install() { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get ins
 if [ ! -x .venv/bin/python ]; then
     # Debian and Ubuntu ship venv's ensurepip apart, in python3-venv
     if ! python3 -c "import ensurepip" 2>/dev/null && can_apt; then apt_install python3-venv; fi
-    python3 -m venv .venv || { rm -rf .venv; fail "python3 -m venv failed: apt-get install python3-venv"; }
+    VENV_NEW=0; [ -e .venv ] || [ -L .venv ] || VENV_NEW=1  # a failed venv is removed only if we created it: never the user's .venv
+    python3 -m venv .venv || { [ $VENV_NEW = 0 ] || rm -rf .venv; fail "python3 -m venv failed: apt-get install python3-venv"; }
 fi
 PY=.venv/bin/python
 if [ $INSTALL = 1 ]; then $PY -m pip install -q --upgrade pip >/dev/null; fi
@@ -105,6 +106,8 @@ gpu_stage() {
     stage "$name" $RUN "$module" -- --device-type cuda "$@"
 }
 
+SETUP_SECONDS=$(( $(date +%s) - T_START ))  # venv and installs: the report shows them apart from the stages
+
 # --- the stages ------------------------------------------------------------------------------------
 # chat_rl gets --overwrite: a rerun (--force, or after a failed attempt) starts RL afresh and moves the earlier
 # attempt's steps aside to rl_checkpoints/<tag>.old-<time> rather than letting them hide the new run's
@@ -169,7 +172,7 @@ fi
 # total = the sum of the stages' own times, so a rerun that skips finished stages still reports the whole pipeline;
 # report.md goes where NANORL_REPORT says, its plots beside the stages' sections in $NANORL_BASE_DIR/report/
 STAGE_SECONDS=$(cat "$NANORL_BASE_DIR"/done/* 2>/dev/null | awk '{s += $1} END {print s + 0}')
-$PY -m nanorl.report --out "${NANORL_REPORT:-report.md}" --wall-time "$STAGE_SECONDS"
+$PY -m nanorl.report --out "${NANORL_REPORT:-report.md}" --wall-time "$STAGE_SECONDS" --setup-time "$SETUP_SECONDS"
 echo "== done in $(( ($(date +%s) - T_START) / 60 )) min; the report card is in ${NANORL_REPORT:-report.md} =="
 # the next step: everything was installed into .venv, so a new shell needs it activated first
 echo "Chat with the RL model it trained:"

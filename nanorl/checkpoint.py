@@ -21,6 +21,7 @@ import pickle
 import random
 import re
 import shutil
+import sys
 import time
 
 import torch
@@ -76,9 +77,12 @@ def model_path(checkpoint_dir, step):
     return None
 
 
+STEP_FILE = re.compile(r"(?:model|meta|optim|extra|dcp)_(\d+)")  # the files (and DCP folders) of a saved step
+
+
 def _steps_with_files(checkpoint_dir):
     names = os.listdir(checkpoint_dir) if os.path.isdir(checkpoint_dir) else []
-    return {int(m.group(1)) for n in names if (m := re.match(r"(?:model|meta|optim|extra|dcp)_(\d+)", n))}
+    return {int(m.group(1)) for n in names if (m := STEP_FILE.match(n))}
 
 
 def complete_steps(checkpoint_dir):
@@ -142,7 +146,8 @@ def delete_step(checkpoint_dir, step):
     if os.path.exists(meta):
         os.remove(meta)
     for p in glob.glob(os.path.join(checkpoint_dir, f"*_{step:06d}*")):
-        shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
+        if STEP_FILE.match(os.path.basename(p)):  # only the step's own files: a user's notes_000010.txt stays
+            shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
 
 
 def _load(path, device):
@@ -170,7 +175,11 @@ def read_meta(checkpoint_dir, step):
     """meta_<step>.json as a dict; a missing, garbled or non-object file is one line naming it."""
     path = os.path.join(checkpoint_dir, f"meta_{step:06d}.json")
     if not os.path.exists(path):
-        raise MissingFile(f"checkpoint step {step} is incomplete or missing in {checkpoint_dir} (no {path})")
+        have = ", ".join(map(str, complete_steps(checkpoint_dir))) or "none"
+        raise MissingFile(
+            f"checkpoint step {step} is incomplete or missing in {checkpoint_dir} (no {os.path.basename(path)}); "
+            f"the steps there: {have}"
+        )
     return read_json_object(path, "checkpoint metadata")
 
 
@@ -485,7 +494,9 @@ def load_model(source, device, phase="eval", model_tag=None, step=None, hf_model
 
 
 def find_checkpoint_dir(source, model_tag=None):
-    """<base>/{source}_checkpoints/{model_tag}; model_tag None: the newest tag holding a complete step."""
+    """<base>/{source}_checkpoints/{model_tag}; model_tag None: the tag whose last complete step was saved most
+    recently (a hand run into another tag counts too), and when there are several tags, a line on stderr names them
+    and the one taken."""
     root = checkpoint_root(source)
     tags = [
         t
@@ -495,7 +506,17 @@ def find_checkpoint_dir(source, model_tag=None):
     if model_tag is None:
         if not tags:
             raise MissingFile(f"no {source} checkpoint in {root}: run the {source} stage first")
-        model_tag = max(tags, key=lambda t: os.path.getmtime(os.path.join(root, t)))
+
+        def saved_at(t):
+            return os.path.getmtime(os.path.join(root, t, f"meta_{find_last_step(os.path.join(root, t)):06d}.json"))
+
+        model_tag = max(sorted(tags), key=saved_at)
+        if len(tags) > 1:
+            print0(
+                f"{source} checkpoints have {len(tags)} tags ({', '.join(sorted(tags))}): loading {model_tag!r}, the "
+                f"most recently saved; -g/--model-tag picks another",
+                file=sys.stderr,
+            )
     elif model_tag not in tags:
         raise MissingFile(f"no {source} checkpoint tagged {model_tag!r} in {root}; found: {tags or 'none'}")
     return os.path.join(root, model_tag)
@@ -516,7 +537,11 @@ def add_model_args(parser, source="sft", short=False, hf_model=True):
             choices=SOURCES,
             help="the pipeline stage whose checkpoint to load",
         )
-    parser.add_argument(*names("-g", "--model-tag"), default=None, help="checkpoint subdirectory (default: the newest)")
+    parser.add_argument(
+        *names("-g", "--model-tag"),
+        default=None,
+        help="checkpoint subdirectory (default: the one saved most recently; named when there are several)",
+    )
     parser.add_argument(
         *names("-s", "--model-step", "--step"),
         type=nonneg_int,

@@ -4,7 +4,8 @@ Bad input ends a script in one line, not a traceback.
 The loaders raise a UserError (a flag, a file, a row the user can fix; the message names it) and the hook below,
 installed when nanorl is imported, prints `<script>.py: error: <message>` on stderr and exits 1, the way argparse
 answers a bad flag. Every other exception is a bug or a failure we did not foresee and keeps its full traceback;
-NANORL_DEBUG=1 shows the traceback of a UserError too.
+NANORL_DEBUG=1 shows the traceback of a UserError too. A missing dependency (torch, say: a shell that has not activated
+.venv) is one line too, saying so.
 
 Each UserError is also the builtin error it used to be (ValueError, FileNotFoundError, RuntimeError), so code that
 catches those, and tests that expect them, see no change.
@@ -38,13 +39,36 @@ def _prog():
     return f"{name}: " if name.endswith(".py") else ""
 
 
+# pyproject.toml's dependencies (and pydantic, fastapi's): one of them missing means the wrong python is running
+DEPENDENCIES = (
+    "torch", "safetensors", "tiktoken", "numpy", "pyarrow", "datasets", "wandb", "rustbpe", "fastapi", "uvicorn",
+    "pydantic",
+)  # fmt: skip
+
+
+def missing_dependency(value):
+    """The line for a ModuleNotFoundError of a dependency: this python is not nanorl's environment (a new shell that
+    has not activated .venv); None for any other module."""
+    name = (getattr(value, "name", None) or "").split(".")[0]
+    if name not in DEPENDENCIES:
+        return None
+    return (
+        f"no module named {name!r} in {sys.executable}: run nanorl in its virtual environment, "
+        "`source .venv/bin/activate` first (bash speedrun.sh created it)"
+    )
+
+
 def excepthook(kind, value, tb, fallback=None):
     """One line for a UserError; anything else, or NANORL_DEBUG=1, goes to `fallback` (the hook that was there
     before: the full traceback). Under torchrun every rank meets the same bad input, so the first rank of each node
     speaks (another node may lack a file this one has) and the others stay quiet, unless the fault is in the rank's
     own file (its optimizer or extra state)."""
     fallback = fallback or sys.__excepthook__
-    if not issubclass(kind, UserError) or os.environ.get("NANORL_DEBUG", "") not in ("", "0"):
+    debug = os.environ.get("NANORL_DEBUG", "") not in ("", "0")
+    if issubclass(kind, ModuleNotFoundError) and missing_dependency(value) and not debug:
+        print(f"{_prog()}error: {missing_dependency(value)}", file=sys.stderr, flush=True)
+        return
+    if not issubclass(kind, UserError) or debug:
         return fallback(kind, value, tb)
     rank, local_rank = int(os.environ.get("RANK", 0) or 0), int(os.environ.get("LOCAL_RANK", 0) or 0)
     if rank == 0 or local_rank == 0 or value.every_rank:

@@ -6,7 +6,9 @@ model.safetensors.index.json) of a Llama-3, Qwen2/Qwen2.5, Qwen3 or NanoChat mod
 matching config switches. The model is built on the meta device and each shard's tensors are assigned
 straight into it one shard at a time, so loading never holds more than the model plus one shard.
 Export: any GPT back to a directory that transformers' AutoModelForCausalLM loads: nanorl's own
-architecture as NanoChatForCausalLM, imported models in their own architecture.
+architecture as NanoChatForCausalLM, imported models in their own architecture. An export is written beside its
+target and renamed into place, and replaces only an earlier export (its marker file lists what it wrote), never a
+directory we did not write.
 
 Rotary: nanorl rotates the pair (x[i], x[i + d/2]) by +angle, as Llama/Qwen do, so their q/k weights load
 unchanged. NanoChatForCausalLM rotates the same pairs by -angle; negating the second half of each q/k head
@@ -17,6 +19,9 @@ see the sign), so the conversion flips those rows both ways.
 import json
 import os
 import re
+import shutil
+import tempfile
+from contextlib import contextmanager
 
 import torch
 
@@ -243,14 +248,16 @@ def load_hf_model(directory, device="cpu", dtype=None, sequence_len=None):
 
 def token_ids(tokenizer, source=None):
     """bos/eos/pad ids of an export: the source model's own where it declared them (every id of an eos list, its
-    pad token), else the tokenizer's (padding with bos); the tokenizer's end of a reply is always among the eos ids,
-    so a model chat-trained from a base model stops where it learned to."""
+    pad token), else the tokenizer's (padding with the end of a reply); the tokenizer's end of a reply is always among
+    the eos ids, so a model chat-trained from a base model stops where it learned to. Not padding with bos: every
+    prompt starts with it, and transformers' generate, given no attention mask, masks out each prompt token equal to
+    the pad id (unless that id is an eos), so the model would answer a prompt without its first token."""
     ids = {}
     if tokenizer is not None:
         ids = {
             "bos_token_id": tokenizer.get_bos_token_id(),
             "eos_token_id": tokenizer.encode_special("<|assistant_end|>"),
-            "pad_token_id": tokenizer.get_bos_token_id(),
+            "pad_token_id": tokenizer.encode_special("<|assistant_end|>"),
         }
     ids.update(
         {
@@ -352,36 +359,119 @@ def hf_state_dict(model):
     return out
 
 
-def export_hf(model, tokenizer, out_dir, dtype=None, source_config=None, source_generation=None):
+# -----------------------------------------------------------------------------------------------
+# the export directory: an export replaces only what an earlier export wrote
+
+EXPORT_MARKER = "nanorl_export.json"  # in every export: the files it wrote, all that --force may replace
+
+
+def export_files(directory):
+    """The files an earlier export wrote into directory (its marker's list), or None when it holds no marker of ours."""
+    try:
+        with open(os.path.join(directory, EXPORT_MARKER)) as f:
+            files = json.load(f).get("files")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return set(files) if isinstance(files, list) and all(isinstance(x, str) for x in files) else None
+
+
+def check_export_dir(out_dir, force=False):
+    """Refuse, in one line, a target an export must not replace: the current, home or repository directory or any
+    directory holding one of them (e.g. /), a file or link, a directory that is not empty and is not an earlier
+    export (its marker lists every file in it), or an earlier export without force. Absent or empty: fine."""
+    real = os.path.realpath(out_dir)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    kept = {
+        "the current directory": os.getcwd(),
+        "your home directory": os.path.expanduser("~"),
+        "the repository": repo,
+    }
+    for what, path in kept.items():
+        path = os.path.realpath(path)
+        if path == real:
+            raise BadValue(f"-o {out_dir} is {what} ({real}): an export never replaces it; name a new directory")
+        if os.path.commonpath([path, real]) == real:
+            raise BadValue(f"-o {out_dir} ({real}) holds {what}: an export never replaces it; name a new directory")
+    if not os.path.lexists(out_dir):
+        return
+    if os.path.islink(out_dir) or not os.path.isdir(out_dir):
+        raise BadValue(
+            f"-o {out_dir} is a {'link' if os.path.islink(out_dir) else 'file'}, not a directory: name a new one"
+        )
+    names = set(os.listdir(out_dir))
+    if not names:
+        return
+    ours = export_files(out_dir)
+    if ours is None:
+        raise BadValue(
+            f"-o {out_dir} is not empty ({len(names)} entries) and is not an earlier export (no {EXPORT_MARKER}): "
+            "name a new or empty directory"
+        )
+    others = sorted(names - ours - {EXPORT_MARKER})
+    if others:
+        raise BadValue(
+            f"-o {out_dir} holds an earlier export and {len(others)} entries it did not write ({', '.join(others[:3])}"
+            f"{' ...' if len(others) > 3 else ''}): they would be lost; move them or name another directory"
+        )
+    if not force:
+        raise BadValue(f"-o {out_dir} holds an earlier export: --force replaces it, or name another directory")
+
+
+@contextmanager
+def export_directory(out_dir, force=False):
+    """Yield a fresh temp directory beside out_dir to write an export into; when the body finishes it becomes out_dir
+    with a marker listing its files, and only then does an earlier export there go (check_export_dir says which
+    targets are refused, before anything is written). A failure removes the temp directory and leaves out_dir as
+    it was."""
+    check_export_dir(out_dir, force)
+    parent, name = os.path.split(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=parent, prefix=f".{name}.tmp-")
+    old = None
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would hide the export from the other users of a shared disk
+        yield tmp
+        with open(os.path.join(tmp, EXPORT_MARKER), "w") as f:
+            json.dump({"written_by": "nanorl", "files": sorted(os.listdir(tmp))}, f, indent=2)
+        check_export_dir(out_dir, force)  # again: the writing took a while, and out_dir may have changed meanwhile
+        if os.path.isdir(out_dir) and os.listdir(out_dir):  # an earlier export: moved aside, deleted once replaced
+            old = tempfile.mkdtemp(dir=parent, prefix=f".{name}.old-")
+            os.replace(out_dir, old)
+        try:
+            os.replace(tmp, out_dir)  # an empty directory is replaced by the rename itself
+        except OSError:
+            if old is not None:
+                os.replace(old, out_dir)
+            raise
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if old is not None:
+        shutil.rmtree(old)
+
+
+def export_hf(model, tokenizer, out_dir, dtype=None, source_config=None, source_generation=None, force=False):
     """Write model + tokenizer as a HF directory: model.safetensors, config.json, generation_config.json, tokenizer
     files. source_config / source_generation: the config.json and generation_config.json of the model it was
     imported from (a checkpoint's meta keeps them), whose context, eos/pad ids and sampling defaults are kept.
-    Written to a temp directory first and renamed, so a crash never leaves a half-written export."""
+    out_dir is claimed as export_directory says (force: an earlier export there may be replaced)."""
     from safetensors.torch import save_file
 
-    tmp = out_dir.rstrip("/") + ".tmp"
-    if os.path.exists(tmp):
-        import shutil
-
-        shutil.rmtree(tmp)
-    os.makedirs(tmp)
-    state = hf_state_dict(model)
-    if dtype is not None:
-        state = {k: v.to(dtype) for k, v in state.items()}
-    save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-    cfg = hf_config(model, tokenizer, source_config)
-    if dtype is not None:
-        cfg["dtype"] = str(dtype).removeprefix("torch.")
-    with open(os.path.join(tmp, "config.json"), "w") as f:
-        json.dump(cfg, f, indent=2)
-    with open(os.path.join(tmp, "generation_config.json"), "w") as f:
-        json.dump(generation_config(tokenizer, source_config, source_generation), f, indent=2)
     from nanorl.tokenizer import save_hf_tokenizer
 
-    save_hf_tokenizer(tokenizer, tmp)
-    if os.path.exists(out_dir):
-        import shutil
-
-        shutil.rmtree(out_dir)
-    os.replace(tmp, out_dir)
+    with export_directory(out_dir, force) as tmp:
+        state = hf_state_dict(model)
+        if dtype is not None:
+            state = {k: v.to(dtype) for k, v in state.items()}
+        save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        cfg = hf_config(model, tokenizer, source_config)
+        if dtype is not None:
+            cfg["dtype"] = str(dtype).removeprefix("torch.")
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(cfg, f, indent=2)
+        with open(os.path.join(tmp, "generation_config.json"), "w") as f:
+            json.dump(generation_config(tokenizer, source_config, source_generation), f, indent=2)
+        save_hf_tokenizer(tokenizer, tmp)
     return out_dir

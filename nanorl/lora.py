@@ -373,9 +373,11 @@ def save_peft(model, out_dir, base_model_name_or_path=None):
     return out_dir
 
 
-def export_peft(checkpoint_dir, step, out_dir):
-    """A LoRA checkpoint of a Hugging Face base -> a PEFT adapter directory that peft loads onto that base."""
+def export_peft(checkpoint_dir, step, out_dir, force=False):
+    """A LoRA checkpoint of a Hugging Face base -> a PEFT adapter directory that peft loads onto that base. out_dir
+    is claimed as hf.export_directory says (force: an earlier export there may be replaced)."""
     from nanorl.checkpoint import load_checkpoint, model_path
+    from nanorl.hf import check_export_dir, export_directory
 
     state, _, meta, _ = load_checkpoint(checkpoint_dir, step)
     path = model_path(checkpoint_dir, meta.get("step", step))
@@ -386,5 +388,8 @@ def export_peft(checkpoint_dir, step, out_dir):
     hf_dir = meta["lora"]["base"].get("hf_model")
     if not hf_dir:
         raise BadValue(f"{path}: the adapters' base is a nanorl checkpoint, not a Hugging Face model: export merged")
+    check_export_dir(out_dir, force)  # before the model loads: a refused target is one line at once
     model, _, _ = load_lora_checkpoint(meta, state, path, "cpu", merge=False)
-    return save_peft(model, out_dir, hf_dir)
+    with export_directory(out_dir, force) as tmp:
+        save_peft(model, tmp, hf_dir)
+    return out_dir

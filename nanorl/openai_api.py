@@ -399,6 +399,13 @@ def _render_chat(tokenizer, messages, max_len, room, least):
     return ids, dropped
 
 
+def reply_reserve(max_tokens, max_len):
+    """The room a conversation keeps for the reply when the oldest turns are left out to fit (the page, chat_cli): a
+    quarter of the context, or max_tokens if less, so that earlier turns stay in the prompt; the reply itself may
+    still run to max_tokens while the context has room."""
+    return min(max_tokens, max(1, max_len // 4))
+
+
 def render_prompt(tokenizer, messages, max_len, base=False, room=None, token_bytes=None):
     """Messages -> (prompt ids, how many of the oldest messages were left out). room=None: nothing is left out;
     else the fewest oldest user/assistant pairs are (a leading system message stays) so that the prompt leaves
@@ -582,7 +589,7 @@ def detokenize(raw, tokenizer, config):
 def prepare(raw, tokenizer, config, max_len, schema=ChatRequest, fit=False):
     """Raw body bytes -> (validated request, prompt ids, engine settings, messages left out). Raises BadRequest.
     For a big conversation this is seconds of CPU (JSON, validation, tokenising): the handlers run it in a worker
-    thread. fit=True (the page) leaves out the oldest turns that do not fit beside max_tokens."""
+    thread. fit=True (the page) leaves out the oldest turns that do not fit beside reply_reserve's room."""
     req = parse_body(raw, schema)
     api = isinstance(req, ChatRequest)
     if api:
@@ -596,9 +603,8 @@ def prepare(raw, tokenizer, config, max_len, schema=ChatRequest, fit=False):
     if plan is not None:
         ids, dropped = tool_prompt(tokenizer, chat_messages(req), req.tools, plan, max_len), 0
     else:
-        ids, dropped = render_prompt(
-            tokenizer, chat_messages(req), max_len, config.base, max_tokens if fit else None, config.token_bytes
-        )
+        room = reply_reserve(max_tokens, max_len) if fit else None
+        ids, dropped = render_prompt(tokenizer, chat_messages(req), max_len, config.base, room, config.token_bytes)
     settings = dict(
         max_tokens=min(max_tokens, max_len - len(ids)),  # ending at the context edge is finish_reason "length"
         temperature=req.temperature if req.temperature is not None else (1.0 if api else 0.6),

@@ -10,8 +10,12 @@ instead, says so, and report.md lists it under "Ad-hoc runs", apart from the car
 
 import datetime
 import os
+import tempfile
 
 from nanorl.common import get_base_dir
+from nanorl.errors import BadValue
+
+REPORT_TITLE = "# nanorl report"  # report.md's first line: how --out knows a file it may replace
 
 
 def report_dir():
@@ -57,13 +61,14 @@ def _fmt(v):
 # flags whose unset value (None) means something a reader should not have to look up
 _UNSET = {
     "device_type": "autodetect (CUDA if available, else CPU)",
-    "model_tag": "the newest checkpoint",
+    "model_tag": "the tag saved most recently",
     "model_step": "the last step",
     "step": "the last step",
     "output_tag": "the source model's tag",
     "tensorboard": "off",
     "data_dir": "the default data",
     "max_seq_len": "the model's context",
+    "max_new_tokens": "the task's own (offline 128, others 256)",
 }
 
 
@@ -142,9 +147,11 @@ def log_section(name, items, rank=0, config=None):
     if is_adhoc():
         print(
             f"report: this run is outside speedrun.sh, so its section went to {path} (the pipeline's sections "
-            f"and card are untouched; report.md lists it under 'Ad-hoc runs')"
+            f"and card are untouched; `python -m nanorl.report` rewrites report.md with it under 'Ad-hoc runs')"
         )
     else:
+        # the environment of the run the report is about: a report stitched later, from another shell, keeps it
+        log_json("environment", _environment())
         print(f"report: section written to {path}")
     return path
 
@@ -363,12 +370,24 @@ def _sections(folder, out_path):
     return texts
 
 
-def _wall_time_lines(wall_time_s, stages, ngpu, gpu_hourly_usd):
+def _total_line(wall_time_s, setup_time_s):
+    """The card's time: the stages' own times, and the setup before them (venv, installs) apart, when known: a rerun
+    skips finished stages but sets up again, so the two may come from different runs of speedrun.sh."""
+    setup = (
+        "setup and installs not included"
+        if setup_time_s is None
+        else f"the last speedrun.sh's setup (venv, installs) took {setup_time_s / 60:.1f} min more"
+    )
+    return f"Total wall time: {wall_time_s / 60:.1f} min in the stages ({setup})."
+
+
+def _wall_time_lines(wall_time_s, setup_time_s, stages, ngpu, gpu_hourly_usd):
     cost = (
         f"${ngpu * gpu_hourly_usd * wall_time_s / 3600:.2f} at ${gpu_hourly_usd}/GPU-hour" if ngpu else "$0 (CPU only)"
     )
+    setup = "" if setup_time_s is None else f"; the last setup (venv, installs): {setup_time_s / 60:.1f} min more"
     lines = [
-        f"- total wall time: {wall_time_s / 60:.1f} min (the sum of the stages' own times)",
+        f"- total wall time: {wall_time_s / 60:.1f} min (the sum of the stages' own times{setup})",
         f"- estimated cost: {cost}",
     ]
     if stages:
@@ -376,23 +395,31 @@ def _wall_time_lines(wall_time_s, stages, ngpu, gpu_hourly_usd):
     return lines
 
 
-def generate(out_path="report.md", wall_time_s=None, gpu_hourly_usd=3.0):
+def generate(out_path="report.md", wall_time_s=None, gpu_hourly_usd=3.0, setup_time_s=None):
     """Stitch report.md: the environment, the report card, every stage's section in pipeline order, time and
-    cost, plots, then the ad-hoc runs apart. wall_time_s: the sum of the stages' own times (default: summed from
-    speedrun.sh's markers in <base>/done/)."""
-    env = _environment()
+    cost, plots, then the ad-hoc runs apart. The environment is the one the stages recorded (this shell's only when
+    none did). wall_time_s: the sum of the stages' own times (default: summed from speedrun.sh's markers in
+    <base>/done/); setup_time_s: speedrun.sh's setup before them (venv, installs), kept for later reports."""
+    recorded = load_json("environment", folder=report_dir())
+    env = recorded or _environment()
     stages = _stage_seconds()
     if wall_time_s is None and stages:
         wall_time_s = sum(stages.values())
-    lines = ["# nanorl report", "", "## Environment", ""] + [f"- {k}: {v}" for k, v in env.items()] + [""]
+    if setup_time_s is None:
+        setup_time_s = load_json("setup_time", {}, folder=report_dir()).get("seconds")
+    else:
+        _atomic_write_json({"seconds": setup_time_s}, os.path.join(report_dir(), "setup_time.json"))
+    lines = [REPORT_TITLE, "", "## Environment", ""]
+    lines += [f"- {k}: {v}" for k, v in env.items()] + [f"- recorded: {'by the stages' if recorded else 'now'}", ""]
     lines += ["## Report card", ""] + _card_lines(load_json("report_card", {}, folder=report_dir())) + [""]
     if wall_time_s is not None:
-        lines += [f"Total wall time: {wall_time_s / 60:.1f} min.", ""]
+        lines += [_total_line(wall_time_s, setup_time_s), ""]
     for text in _sections(report_dir(), out_path):
         lines += [text, ""]
     if wall_time_s is not None:
         ngpu = int(env["GPUs"].split(" x ")[0]) if " x " in env["GPUs"] else 0
-        lines += ["## Time and cost", ""] + _wall_time_lines(wall_time_s, stages, ngpu, gpu_hourly_usd) + [""]
+        times = _wall_time_lines(wall_time_s, setup_time_s, stages, ngpu, gpu_hourly_usd)
+        lines += ["## Time and cost", ""] + times + [""]
     plots = _plots()
     if plots:
         lines += ["## Plots", ""] + plots + [""]
@@ -403,11 +430,26 @@ def generate(out_path="report.md", wall_time_s=None, gpu_hourly_usd=3.0):
         lines += ["## Ad-hoc runs", "", f"Runs outside speedrun.sh, kept apart from the card above ({adhoc}).", ""]
         lines += (_card_lines(card) + [""]) if card else []
         lines += [line for text in sections for line in (text.replace("## ", "### ", 1), "")]
-    tmp = out_path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write("\n".join(lines))
-    os.replace(tmp, out_path)
+    _replace_report(out_path, "\n".join(lines))
     return out_path
+
+
+def _replace_report(path, text):
+    """Write report.md through a temp file beside it; a file there that is not a report of ours (its first line) is
+    refused in one line and kept: --out names where the report goes, never what may be lost."""
+    if os.path.lexists(path):
+        try:
+            with open(path) as f:
+                first = f.readline().rstrip("\n")
+        except (OSError, UnicodeDecodeError):
+            first = None
+        if first != REPORT_TITLE:
+            raise BadValue(f"--out {path} exists and is not a nanorl report: it is never replaced; name another file")
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".report.tmp-")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":
@@ -421,5 +463,11 @@ if __name__ == "__main__":
         default=None,
         help="the sum of the stages' own times, in seconds (default: summed from <base>/done/)",
     )
+    parser.add_argument(
+        "--setup-time",
+        type=float,
+        default=None,
+        help="seconds of setup before the stages (venv, installs), shown beside them (default: as last recorded)",
+    )
     a = parser.parse_args()
-    print(f"wrote {generate(a.out, a.wall_time)}")
+    print(f"wrote {generate(a.out, a.wall_time, setup_time_s=a.setup_time)}")

@@ -6,6 +6,7 @@ Also renders chat conversations into token ids plus a loss mask.
 import base64
 import json
 import os
+import tempfile
 
 from nanorl.errors import BadValue, MissingFile, read_json_object
 
@@ -28,6 +29,16 @@ SPLIT_PATTERN = (
 )
 
 TOKENIZER_FILE = "tokenizer.json"
+
+
+def _is_ours(path):
+    """Whether path holds a tokenizer Tokenizer.save wrote (its keys), not a Hugging Face one or anything else."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and {"pattern", "special_tokens", "mergeable_ranks"} <= set(data)
 
 
 class Tokenizer:
@@ -80,20 +91,32 @@ class Tokenizer:
         return cls.from_ranks(ranks, pattern)
 
     def save(self, directory):
+        """Write tokenizer.json into directory, replacing only a tokenizer of ours (a Hugging Face tokenizer.json
+        there, or any other file of that name, is refused in one line and kept)."""
         os.makedirs(directory, exist_ok=True)
         path = os.path.join(directory, TOKENIZER_FILE)
+        if os.path.lexists(path) and not _is_ours(path):
+            raise BadValue(
+                f"{path} exists and is not a nanorl tokenizer: it is never replaced; move it aside or save elsewhere "
+                "(tok_train --out-dir)"
+            )
         ranks = sorted(self.enc._mergeable_ranks.items(), key=lambda kv: kv[1])
         data = {
             "pattern": self.enc._pat_str,
             "special_tokens": SPECIAL_TOKENS,
             "mergeable_ranks": [[base64.b64encode(k).decode("ascii"), v] for k, v in ranks],
         }
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:  # temp file + rename: a crash never leaves a half-written tokenizer
-            json.dump(data, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{TOKENIZER_FILE}.tmp-")
+        try:
+            with os.fdopen(fd, "w") as f:  # temp file + rename: a crash never leaves a half-written tokenizer
+                json.dump(data, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, path)
+        except BaseException:
+            os.remove(tmp)
+            raise
         return path
 
     # --- encoding -----------------------------------------------------------------------------
@@ -523,7 +546,7 @@ def save_hf_tokenizer(tokenizer, directory):
         config = {
             "bos_token": "<|bos|>",
             "eos_token": "<|assistant_end|>",
-            "pad_token": "<|bos|>",
+            "pad_token": "<|assistant_end|>",  # as generation_config.json's pad id (nanorl/hf.py: token_ids)
             "chat_template": NANORL_CHAT_TEMPLATE,
             "tokenizer_class": "PreTrainedTokenizerFast",
         }

@@ -11,6 +11,7 @@ context, the oldest turns are left out (as the web page does), and the CLI says 
 """
 
 import atexit
+import contextlib
 import os
 import signal
 import sys
@@ -18,6 +19,7 @@ import sys
 from nanorl.common import ArgumentParser, number_in, print0
 from nanorl.engine import Engine, Request
 from nanorl.errors import BadValue
+from nanorl.openai_api import reply_reserve
 from nanorl.toolcalls import MarkupStream, assistant_parts
 
 COMMANDS = {
@@ -30,12 +32,6 @@ COMMANDS = {
 
 class TooLong(BadValue):
     """One message that cannot fit the context whatever is left out."""
-
-
-def reply_reserve(max_tokens, max_len):
-    # as the web page: keep a quarter of the context for the reply (or max_tokens if less), so that earlier turns
-    # stay in the prompt; a reply may still run longer while the context has room
-    return min(max_tokens, max(1, max_len // 4))
 
 
 def turns_to_drop(messages, size, budget):
@@ -217,7 +213,13 @@ def main():
     parser.add_argument(
         "-i", "--source", type=str, default="sft", choices=["base", "mid", "sft", "rl"], help="which model"
     )
-    parser.add_argument("-g", "--model-tag", type=str, default=None, help="model tag; None picks the largest")
+    parser.add_argument(
+        "-g",
+        "--model-tag",
+        type=str,
+        default=None,
+        help="checkpoint subdirectory (default: the one saved most recently; named when there are several)",
+    )
     parser.add_argument(
         "-s",
         "--model-step",
@@ -256,14 +258,16 @@ def main():
     except ImportError as e:
         sys.exit(f"chat_cli needs nanorl/checkpoint.py (load_model), which this checkout does not have yet ({e})")
     _, _, _, _, device = compute_init(args.device_type)
-    try:
-        model, tokenizer, meta = load_model(
-            args.source, device, phase="eval", model_tag=args.model_tag, step=args.model_step, hf_model=args.hf_model
-        )
-    except (FileNotFoundError, ValueError) as e:
-        sys.exit(f"could not load the {args.source} model: {e}")
-    engine = Engine(model, tokenizer, batch_size=1)
-    print0(engine.attention_kernels())
+    # status ("loaded ...", the attention kernels) goes to stderr: stdout is the conversation, so -p can be piped
+    with contextlib.redirect_stdout(sys.stderr):
+        try:
+            model, tokenizer, meta = load_model(
+                args.source, device, "eval", args.model_tag, args.model_step, hf_model=args.hf_model
+            )
+        except (FileNotFoundError, ValueError) as e:
+            sys.exit(f"could not load the {args.source} model: {e}")
+        engine = Engine(model, tokenizer, batch_size=1)
+        print0(engine.attention_kernels())
     settings = dict(
         base=args.source == "base",
         temperature=args.temperature,

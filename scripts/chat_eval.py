@@ -2,7 +2,7 @@
 Evaluate a chat model on tasks: generative ones by sampling through the engine and grading the text,
 multiple-choice ones by comparing the logits of the answer letters after the prompt.
 
-    python -m scripts.chat_eval -i sft                            # the held-out offline problems
+    python -m scripts.chat_eval -i rl                             # the held-out offline problems, as the card's row
     python -m scripts.chat_eval -i sft -a gsm8k,arc-easy,mmlu --task-path gsm8k=/data/gsm8k
     python -m scripts.chat_eval -i rl -a offline --num-samples 8 -k 1,8 --levels 3,4
     torchrun --nproc_per_node=8 -m scripts.chat_eval -i sft -a gsm8k,humaneval,arc-challenge
@@ -24,7 +24,7 @@ from nanorl.common import ArgumentParser, int_list, nonneg_float, nonneg_int, po
 from nanorl.execution import require_sandbox, sandbox_missing
 from nanorl.rl import pass_at_k
 from nanorl.synthetic import levels_flag
-from tasks import CHATCORE_TASKS, RANDOM_BASELINE, TASKS, get_task
+from tasks import CHATCORE_TASKS, GRADED_TASKS, RANDOM_BASELINE, TASKS, get_task, task_class
 
 NO_SANDBOX = "no sandbox"  # why a task that runs the model's code was skipped (nanorl/execution.py says more)
 
@@ -187,9 +187,18 @@ def run_header(args, meta, task_names, temperature):
     decoding += f", top-k {args.top_k}" if args.top_k and temperature > 0 else ""
     samples = f"{args.num_samples} sample{'s' if args.num_samples > 1 else ''} per problem"
     problems = "all problems" if args.max_problems is None else f"at most {args.max_problems} problems per task"
-    return (
-        f"evaluating {model} on {tasks} ({problems}): {decoding}, {samples}, at most {args.max_new_tokens} new tokens"
+    lengths = {t: max_new_tokens(t, args) for t in task_names}
+    length = (
+        f"at most {lengths[task_names[0]]} new tokens"
+        if len(set(lengths.values())) == 1
+        else "at most " + ", ".join(f"{n} new tokens ({t})" for t, n in lengths.items())
     )
+    return f"evaluating {model} on {tasks} ({problems}): {decoding}, {samples}, {length}"
+
+
+def max_new_tokens(name, args):
+    """-m, else the task's own answer length (the offline problems' is shorter: their answers are one short line)."""
+    return args.max_new_tokens or task_class(name).max_new_tokens
 
 
 def all_reduce_sums(sums, device):
@@ -207,7 +216,10 @@ def parse_args():
     parser = ArgumentParser(description="Evaluate a chat model on tasks")
     add_model_args(parser, "sft", short=True)
     parser.add_argument(
-        "-a", "--tasks", default="offline", help="comma-separated task names (default: the offline problems)"
+        "-a",
+        "--tasks",
+        default="offline",
+        help=f"comma-separated task names, of {', '.join(GRADED_TASKS)} (default: the held-out offline problems)",
     )
     parser.add_argument(
         "--task-path", action="append", default=[], metavar="NAME=PATH", help="local data for a Hub task (repeatable)"
@@ -236,14 +248,17 @@ def parse_args():
         "--max-new-tokens",
         "--max-tokens",
         type=positive_int,
-        default=256,
-        help="the most tokens an answer may have",
+        default=None,
+        help="the most tokens an answer may have (default: the task's own: 128 for offline, 256 for the others)",
     )
     parser.add_argument(
         "-b", "--batch-size", type=positive_int, default=64, help="engine rows / categorical prompts at once"
     )
     parser.add_argument(
-        "--levels", type=levels_flag, default="1,2,3,4", help="offline task: difficulty levels to evaluate"
+        "--levels",
+        type=levels_flag,
+        default="1,2",
+        help="offline task: difficulty levels to evaluate (default: the tiny speedrun's, as its card reports them)",
     )
     parser.add_argument("--seed", type=nonneg_int, default=0, help="seed of the sampled answers")
     parser.add_argument("--device-type", default=None, help="cuda | cpu | mps (default: autodetect)")
@@ -254,6 +269,15 @@ def parse_args():
             f"-k/--pass-k {','.join(map(str, ks))}: each k must be at most -n/--num-samples {args.num_samples}"
         )
     names = [t.strip().lower() for t in args.tasks.split(",") if t.strip()]
+    unknown = [t for t in names if t not in TASKS]
+    if unknown:
+        parser.error(f"-a/--tasks: unknown task {unknown[0]!r}; chat_eval grades {', '.join(GRADED_TASKS)}")
+    ungraded = [t for t in names if t not in GRADED_TASKS]
+    if ungraded:  # chat data (customjson, smoltalk, offline-chat) has no right answer to check a response against
+        parser.error(
+            f"-a/--tasks: {ungraded[0]} is chat data to train on and has no grader, so it cannot be evaluated; "
+            f"chat_eval grades {', '.join(GRADED_TASKS)}"
+        )
     code = [t for t in names if getattr(TASKS.get(t), "runs_code", False)]  # HumanEval runs the model's code
     if code and len(code) == len(names):
         require_sandbox()  # nothing else to evaluate: with no sandbox here, stop now in one line
@@ -369,7 +393,7 @@ def main():
     ks = sorted(set(args.pass_k)) if args.pass_k else sorted({1, n})
     temperature = args.temperature if args.temperature is not None else (0.0 if n == 1 else 1.0)
     # how every task is decoded and batched: evaluate()'s keyword arguments
-    decode = dict(num_samples=n, ks=ks, max_tokens=args.max_new_tokens, temperature=temperature, top_k=args.top_k)
+    decode = dict(num_samples=n, ks=ks, temperature=temperature, top_k=args.top_k)
     decode.update(seed=args.seed, batch_size=args.batch_size, autocast=autocast_ctx(device.type))
     paths = task_paths(args)
     results, skipped, t_all = {}, {}, time.time()
@@ -389,7 +413,8 @@ def main():
         indices = list(range(rank, N, world_size))  # each rank a strided slice
         t0 = time.time()
         progress = Progress(name, len(indices), print0)
-        sums, texts = evaluate(task, model, tokenizer, engine, indices, progress=progress, **decode)
+        tokens = max_new_tokens(name, args)
+        sums, texts = evaluate(task, model, tokenizer, engine, indices, max_tokens=tokens, progress=progress, **decode)
         results[name] = task_result(name, task, all_reduce_sums(sums, device))
         print_result(name, results[name], texts, t0)
     if not results:

@@ -22,6 +22,7 @@ in/out, time). The request bodies and prompt fitting are in nanorl/openai_api.py
 nanorl/function_calls.py, the engine side (replicas, text streams, metrics, slow-client guards) in nanorl/serving.py.
 """
 
+import argparse
 import dataclasses
 import errno
 import functools
@@ -240,14 +241,12 @@ async def detokenize(request: HTTPRequest):
 @router.get("/ui/info")
 async def ui_info(request: HTTPRequest):
     st = state(request)
-    # the page reserves its max_tokens beside the conversation (leaving out the oldest turns to make room): by default
-    # a quarter of the context, so that a small model keeps its history (a 256-token one asked for 512 would keep none)
-    default = min(st.config.max_tokens, max(1, st.max_len // 4))
+    # the page's max-tokens box starts at the server's limit: a reply runs on while the context has room, and only
+    # a quarter of the context is kept free for it when the oldest turns must go (openai_api.reply_reserve)
     return {
         "model": st.config.model,
         "context_length": st.max_len,
         "max_tokens": st.config.max_tokens,
-        "default_max_tokens": default,
         "api_key": st.config.api_key is not None,
     }
 
@@ -403,6 +402,14 @@ def load_engines(args):
     return engines, tokenizer, meta, devices
 
 
+class NoPrompt(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(
+            f"-p {values!r}: chat_web serves the page and the API and takes no prompt (the port is --port); "
+            "a one-shot answer is chat_cli's -p: python -m scripts.chat_cli -i rl -p 'What is 2+2?'"
+        )
+
+
 def parse_args(argv=None):
     parser = ArgumentParser(description="Serve a nanorl model: chat page + OpenAI-compatible API")
     add_model_args(parser, "sft", short=True)
@@ -410,8 +417,10 @@ def parse_args(argv=None):
         "--host", type=str, default="127.0.0.1", help="address to listen on; 0.0.0.0 serves other machines"
     )
     parser.add_argument(
-        "-p", "--port", type=number_in(int, 0, 65535), default=8000, help="port to listen on (0: any free one)"
+        "--port", type=number_in(int, 0, 65535), default=8000, help="port to listen on (0: any free one)"
     )
+    # -p is chat_cli's prompt: here it is refused with where to go, never read as a port
+    parser.add_argument("-p", action=NoPrompt, help=argparse.SUPPRESS)
     parser.add_argument(
         "-n", "--num-gpus", type=number_in(int, 1), default=1, help="one engine replica per GPU (CPU: always one)"
     )

@@ -9,7 +9,8 @@ architecture, with that model's declared context, eos and pad ids and generation
     python -m scripts.export_hf -i rl --dtype bfloat16 -o out/my-model-bf16
     python -m scripts.export_hf -i rl --peft -o out/my-adapter     # a LoRA run on --hf-model: PEFT adapter dir
 
-A LoRA checkpoint (chat_rl --lora-rank) exports merged (base + adapters) unless --peft is given.
+A LoRA checkpoint (chat_rl --lora-rank) exports merged (base + adapters) unless --peft is given. The output is a
+new or empty directory; --force replaces an earlier export there, and nothing else is ever replaced.
 """
 
 import os
@@ -18,12 +19,17 @@ import torch
 
 from nanorl.checkpoint import add_model_args, find_checkpoint_dir, load_model_from_args
 from nanorl.common import ArgumentParser
-from nanorl.hf import export_hf
+from nanorl.hf import check_export_dir, export_hf
 from nanorl.lora import export_peft
 
 parser = ArgumentParser(description="Export a nanorl checkpoint to Hugging Face format")
 add_model_args(parser, "rl", short=True, hf_model=False)
-parser.add_argument("-o", "--output", required=True, help="directory to write (replaced if it exists)")
+parser.add_argument(
+    "-o", "--output", required=True, help="directory to write: a new or empty one (or an earlier export, with --force)"
+)
+parser.add_argument(
+    "--force", action="store_true", help="replace an earlier export in --output (never a directory it did not write)"
+)
 parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of the saved weights")
 parser.add_argument(
     "--peft",
@@ -32,10 +38,11 @@ parser.add_argument(
     "as a PEFT adapter directory (adapter_config.json + adapter_model.safetensors) instead of merged weights",
 )
 args = parser.parse_args()
+check_export_dir(args.output, args.force)  # before anything loads: a target it may not replace is one line at once
 
 if args.peft:  # the adapters alone, in the layout peft's PeftModel.from_pretrained reads
     checkpoint_dir = find_checkpoint_dir(args.source, args.model_tag)
-    out = export_peft(checkpoint_dir, args.model_step, args.output)
+    out = export_peft(checkpoint_dir, args.model_step, args.output, args.force)
     print(
         f"wrote the LoRA adapters of {args.source} ({os.path.basename(checkpoint_dir)}) as a PEFT adapter directory "
         f"to {out}"
@@ -52,5 +59,6 @@ out = export_hf(
     dtype=getattr(torch, args.dtype),
     source_config=meta.get("hf_config"),
     source_generation=meta.get("hf_generation_config"),
+    force=args.force,
 )
 print(f"wrote {args.source} ({meta.get('model_tag')} step {meta.get('step')}) to {out}")

@@ -6,6 +6,8 @@ Tasks: datasets rendered as conversations, and their graders.
     conv = task.get_example(0); task.evaluate(conv, "... #### 18")
 """
 
+from functools import partial
+
 from nanorl.errors import BadValue
 from tasks.arc import ARC
 from tasks.common import Task, TaskMixture, TaskSequence
@@ -17,15 +19,15 @@ from tasks.offline import OfflineChat, OfflineProblems
 from tasks.smoltalk import SmolTalk
 from tasks.spellingbee import SpellingBee
 
-# name -> constructor(split, **kw). Names are matched case-insensitively.
+# name -> constructor(split, **kw): a Task class, or a partial of one. Names are matched case-insensitively.
 TASKS = {
     "offline": OfflineProblems,
     "offline-chat": OfflineChat,
     "smoltalk": SmolTalk,
     "mmlu": MMLU,
-    "mmlu-aux": lambda split, **kw: MMLU(split, subset="auxiliary_train", **kw),
-    "arc-easy": lambda split, **kw: ARC("ARC-Easy", split, **kw),
-    "arc-challenge": lambda split, **kw: ARC("ARC-Challenge", split, **kw),
+    "mmlu-aux": partial(MMLU, subset="auxiliary_train"),
+    "arc-easy": partial(ARC, "ARC-Easy"),
+    "arc-challenge": partial(ARC, "ARC-Challenge"),
     "gsm8k": GSM8K,
     "humaneval": HumanEval,
     "spellingbee": SpellingBee,
@@ -36,6 +38,16 @@ TASKS = {
 RANDOM_BASELINE = {"mmlu": 0.25, "arc-easy": 0.25, "arc-challenge": 0.25}
 # ChatCORE is the centred mean over exactly these (nanochat's six); chat_eval reports it only when all of them ran
 CHATCORE_TASKS = ("arc-easy", "arc-challenge", "mmlu", "gsm8k", "humaneval", "spellingbee")
+
+
+def task_class(name):
+    """The Task class behind a task name (TASKS holds classes and partials of them)."""
+    ctor = TASKS[name.lower()]
+    return getattr(ctor, "func", ctor)
+
+
+# the tasks with a grader (chat_eval can score them, RL be rewarded by them); the others are chat data to train on
+GRADED_TASKS = tuple(name for name in TASKS if task_class(name).evaluate is not Task.evaluate)
 
 
 def get_task(name, split, **kw):
@@ -50,7 +62,9 @@ __all__ = [
     "TaskMixture",
     "TaskSequence",
     "get_task",
+    "task_class",
     "TASKS",
+    "GRADED_TASKS",
     "RANDOM_BASELINE",
     "CHATCORE_TASKS",
     "ARC",

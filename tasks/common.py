@@ -18,6 +18,7 @@ from nanorl.tokenizer import validate_conversation
 
 class Task:
     eval_type = "generative"
+    max_new_tokens = 256  # chat_eval's default answer length (-m) for the task
 
     def __init__(self, start=0, stop=None, step=1):
         # a lazy view over the examples: tasks[start:stop:step], without copying anything

@@ -13,6 +13,8 @@ DEFAULT_SIZE = {"train": 20000, "test": 500}
 
 
 class OfflineProblems(Task):
+    max_new_tokens = 128  # the longest reference answer, of any level, is 85 tokens in the tiny run's tokenizer
+
     def __init__(
         self, split="train", n=None, seed=0, levels=(1, 2, 3, 4), kinds=("arith", "count"), use_tools=None, **kw
     ):

@@ -385,3 +385,25 @@ def test_chat_eval_says_what_it_evaluates_before_it_starts(pipeline, tmp_path):
         "task): temperature 0.7, top-k 5, 2 samples per problem, at most 3 new tokens"
     )
     assert header < next(i for i, line in enumerate(lines) if "offline: accuracy" in line)  # said before it starts
+
+
+def test_a_python_without_the_dependencies_is_told_to_activate_the_venv():
+    """A shell that has not activated .venv runs a python without torch: the script ends in one line saying so (no
+    traceback ending in "No module named 'torch'"); the hook's list of dependencies is pyproject.toml's."""
+    import re
+
+    from nanorl.errors import DEPENDENCIES
+
+    code = (
+        "import sys, runpy; sys.modules['torch'] = None; sys.argv = ['chat_cli.py', '-i', 'rl']; "
+        "runpy.run_module('scripts.chat_cli', run_name='__main__', alter_sys=True)"
+    )
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and r.stdout == "", r.stderr
+    assert r.stderr == (
+        f"chat_cli.py: error: no module named 'torch' in {sys.executable}: run nanorl in its virtual environment, "
+        "`source .venv/bin/activate` first (bash speedrun.sh created it)\n"
+    )
+    listed = (ROOT / "pyproject.toml").read_text().split("\ndependencies = [")[1].split("\n]")[0]
+    names = set(re.findall(r'^\s*"([A-Za-z0-9_-]+)', listed, re.M))
+    assert len(names) >= 10 and names <= set(DEPENDENCIES)

@@ -60,3 +60,16 @@ def test_calculator_errors_are_strings(expr):
     out = calculator(expr)
     assert isinstance(out, str) and out.startswith("Error"), (expr, out)
     assert time.monotonic() - t < 1.0
+
+
+def test_a_malformed_number_is_invalid_syntax_and_prints_nothing():
+    """`3or 4` and `1if 1 else 2` parse in Python with a SyntaxWarning ("invalid decimal literal") that chat_rl used to
+    print mid-run as `<unknown>:1: SyntaxWarning`: here they are invalid syntax, and no warning escapes."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert calculator("3or 4") == "Error: invalid syntax"
+        assert calculator("1if 1 else 2") == "Error: invalid syntax"
+        assert calculator("3 + 4") == "7"
+    assert seen == []

@@ -217,3 +217,29 @@ def test_banner_names_a_hugging_face_directory():
 
     args = Namespace(hf_model="/models/Qwen2.5-0.5B", source="sft", model_step=None)
     assert loaded_what(args, {"model_tag": "Qwen2.5-0.5B"}) == "Hugging Face model /models/Qwen2.5-0.5B"
+
+
+def test_one_shot_writes_only_the_answer_on_stdout(tiny, monkeypatch):
+    """chat_cli -p: stdout is the answer alone (what chat_turn writes for it, greedy), so it can be piped; the
+    status lines (which checkpoint, which attention kernels) go to stderr."""
+    import io
+
+    from nanorl.checkpoint import load_model
+    from nanorl.engine import Engine
+
+    r = subprocess.run(
+        [sys.executable, "-m", "scripts.chat_cli", "-p", "What is 2+2?", "-t", "0", "-m", "12", "--device-type", "cpu"],
+        cwd=ROOT,
+        env=tiny["env"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "loaded sft checkpoint t step 7" in r.stderr and "engine attention" in r.stderr
+    monkeypatch.setenv("NANORL_BASE_DIR", str(tiny["base_dir"]))
+    model, tok, _ = load_model("sft", "cpu")
+    out = io.StringIO()
+    conv = {"messages": [{"role": "user", "content": "What is 2+2?"}]}
+    chat_turn(Engine(model, tok, batch_size=1), tok, conv, temperature=0.0, max_tokens=12, out=out)
+    assert r.stdout == out.getvalue() and r.stdout.count("\n") == 1

@@ -1,6 +1,7 @@
 import sys
 import types
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +12,8 @@ from scripts.chat_eval import Progress, centered, evaluate, letter_token, run_ca
 from tasks import Task, TaskMixture
 from tasks.common import render_mc
 from tasks.offline import OfflineProblems
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -214,6 +217,10 @@ def test_run_header_names_the_model_tasks_levels_decoding_and_length():
         "evaluating rl checkpoint d20 step 1400 on offline (levels 1,2,3,4), gsm8k (all problems): greedy, "
         "1 sample per problem, at most 256 new tokens"
     )
+    args.max_new_tokens = None  # each task's own
+    assert run_header(args, meta, ["offline", "gsm8k"], 0.0).endswith(
+        "at most 128 new tokens (offline), 256 new tokens (gsm8k)"
+    )
     args.hf_model, args.top_k, args.num_samples, args.max_problems = "/m/qwen", 50, 8, 100
     assert run_header(args, {}, ["gsm8k"], 1.0) == (
         "evaluating Hugging Face model /m/qwen on gsm8k (at most 100 problems per task): temperature 1, top-k 50, "
@@ -355,3 +362,44 @@ def test_without_a_sandbox_humaneval_is_skipped_with_a_line_and_a_card_row(tmp_p
     _sandbox(monkeypatch, "guard")
     monkeypatch.setattr(sys, "argv", ["chat_eval", "-a", "offline,humaneval"])
     assert chat_eval.parse_args().unsandboxed == {}
+
+
+def test_defaults_reproduce_the_cards_offline_row_and_help_lists_the_tasks(monkeypatch, capsys):
+    """`chat_eval -i rl -x 200` with no other flag evaluates what the tiny speedrun's card reports: offline levels 1,2,
+    greedy, 128 new tokens (speedrun.sh's eval_rl line); --help names the tasks -a takes."""
+    import re
+
+    from scripts.chat_eval import max_new_tokens, parse_args
+
+    script = (ROOT / "speedrun.sh").read_text()
+    line = next(ln for ln in script.splitlines() if ln.strip().startswith("stage eval_rl "))
+    gen = re.search(r"else\n\s*BASE_ITERS=.*\bGEN=(\d+)", script).group(1)  # the full tiny run's sizes, not smoke's
+    assert "-a offline" in line and "-m $GEN --levels 1,2" in line and gen == "128"
+    monkeypatch.setattr(sys, "argv", ["chat_eval.py", "-i", "rl", "-x", "200"])
+    args = parse_args()
+    assert (args.tasks, args.levels, args.num_samples, args.temperature) == ("offline", "1,2", 1, None)
+    assert max_new_tokens("offline", args) == 128 and max_new_tokens("gsm8k", args) == 256
+    monkeypatch.setenv("COLUMNS", "300")
+    monkeypatch.setattr(sys, "argv", ["chat_eval.py", "--help"])
+    with pytest.raises(SystemExit):
+        parse_args()
+    assert (
+        "task names, of offline, mmlu, mmlu-aux, arc-easy, arc-challenge, gsm8k, humaneval, spellingbee"
+        in capsys.readouterr().out
+    )
+
+
+def test_chat_data_is_refused_in_one_line_naming_the_tasks_that_can_be_graded(tmp_path, monkeypatch, capsys):
+    """-a customjson (chat data: no grader) ends before any model loads, in one line naming the gradable tasks."""
+    from scripts.chat_eval import parse_args
+
+    monkeypatch.setenv("NANORL_BASE_DIR", str(tmp_path))  # no checkpoint anywhere: the flags alone must fail
+    argv = ["chat_eval.py", "-a", "customjson", "--task-path", f"customjson={tmp_path}/chat.jsonl"]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as e:
+        parse_args()
+    assert e.value.code == 2 and capsys.readouterr().err == (
+        "chat_eval.py: error: -a/--tasks: customjson is chat data to train on and has no grader, so it cannot be "
+        "evaluated; chat_eval grades offline, mmlu, mmlu-aux, arc-easy, arc-challenge, gsm8k, humaneval, spellingbee "
+        "(see --help)\n"
+    )

@@ -799,7 +799,7 @@ def page_send(cdp, text, timeout=40):
 def test_browser_chat(server, tmp_path):
     with browser_page(server["url"], tmp_path, "tiny") as cdp:
         t0 = time.time()
-        assert cdp.eval("document.getElementById('maxtokens').value") == "64"  # the server's limit (a quarter of 256)
+        assert cdp.eval("document.getElementById('maxtokens').value") == "64"  # the server's limit (-m)
         assert cdp.eval("document.getElementById('keylabel').offsetParent") is None  # no --api-key: no key field
         cdp.eval("document.getElementById('temperature').value = '1.0'")
         cdp.eval("document.getElementById('input').value = 'Hello there'")
@@ -860,9 +860,9 @@ def test_browser_chat(server, tmp_path):
 
 
 def test_browser_keeps_history_on_a_small_context(server, tmp_path):
-    """A server allowing replies of 512 tokens on a 256-token model (the speedrun's): the page's default max_tokens
-    reserves a quarter of the context, so short turns keep their history (no notice, nothing greyed out); when turns
-    really no longer fit, one notice counts all that was left out."""
+    """A server allowing replies of 512 tokens on a 256-token model (the speedrun's): the page starts at 512 and
+    keeps a quarter of the context for the reply when it fits the conversation, so short turns keep their history (no
+    notice, nothing greyed out); when turns really no longer fit, one notice counts all that was left out."""
     from nanorl.engine import Engine
     from nanorl.openai_api import ServeConfig
     from scripts.chat_web import create_app
@@ -873,8 +873,11 @@ def test_browser_keeps_history_on_a_small_context(server, tmp_path):
         ServeConfig(max_tokens=512, model="small"),
     )
     with serve(app) as url, browser_page(url, tmp_path, "small") as cdp:
-        assert cdp.eval("document.getElementById('maxtokens').value") == "64"
+        # it starts at the server's limit, as chat_cli's -m: a reply runs on while the context has room
+        assert cdp.eval("document.getElementById('maxtokens').value") == "512"
         assert cdp.eval("document.getElementById('maxtokens').max") == "512"
+        # the random model never ends a reply by itself: short replies keep each turn short enough to fit
+        cdp.eval("document.getElementById('maxtokens').value = '64'")
         cdp.eval("document.getElementById('temperature').value = '0'")
         for text in ("Hi", "What did I ask you first?"):
             page_send(cdp, text)
@@ -1558,6 +1561,72 @@ def test_page_drops_the_oldest_turns_to_fit(server):
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
 
 
+def test_page_replies_run_to_the_context_and_keep_the_history_that_fits(server):
+    """The page's default max tokens is the server's limit (512 on a 256-token model, as the speedrun's chat_web): the
+    earlier turns that fit beside a quarter of the context stay in the prompt, and the reply runs to the context's
+    end, not to a quarter of it (the random model never ends a reply by itself)."""
+    from nanorl.engine import Engine
+    from nanorl.openai_api import ServeConfig
+    from scripts.chat_web import create_app
+
+    tok = server["tokenizer"]
+    app = create_app([Engine(server["model"], tok, batch_size=2)], tok, ServeConfig(max_tokens=512, model="small"))
+    conv = [
+        {"role": "user", "content": "question " + "word " * 20},
+        {"role": "assistant", "content": "answer " + "more " * 20},
+        *user("and then?"),
+    ]
+    prompt = len(tok.render_for_completion({"messages": conv}))
+    assert prompt + 64 <= 256
+    with serve(app) as url:
+        info = httpx.get(url + "/ui/info").json()
+        assert info["max_tokens"] == 512 and info["context_length"] == 256
+        r = httpx.post(url + "/ui/chat", json={"messages": conv, "max_tokens": 512, "temperature": 0}, timeout=60)
+    events = [json.loads(x) for x in sse_data(r.text)[:-1]]
+    assert events[0] == {"prompt_tokens": prompt, "dropped": 0, "context": 256}
+    text = "".join(e["token"] for e in events if "token" in e)
+    assert events[-1]["finish_reason"] == "length" and len(tok.encode(text)) > 64
+
+
+def test_p_is_never_the_port_and_a_bad_role_lists_the_roles_that_work(monkeypatch, capsys):
+    """chat_web -p "..." (chat_cli's one-shot prompt) is one line saying where the prompt goes and what the port flag
+    is; a request with role 'bot' lists the roles the server takes, and 'tool' is not among them (it is refused with
+    why)."""
+    from nanorl.openai_api import BadRequest, ChatRequest, parse_body
+    from scripts.chat_web import main
+
+    monkeypatch.setattr(sys, "argv", ["chat_web", "-i", "rl", "-p", "What is 2+2?"])
+    with pytest.raises(SystemExit) as e:
+        main()
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.strip().splitlines()) == 1
+    assert "takes no prompt (the port is --port)" in err and "python -m scripts.chat_cli -i rl -p" in err
+    with pytest.raises(BadRequest) as e:
+        parse_body(json.dumps({"messages": [{"role": "bot", "content": "hi"}]}).encode(), ChatRequest)
+    assert str(e.value) == "'messages.0.role': Input should be 'system', 'developer', 'user' or 'assistant'"
+    with pytest.raises(BadRequest, match="role 'tool' is not supported: this server has no function calling"):
+        parse_body(json.dumps({"messages": [{"role": "tool", "content": "5"}]}).encode(), ChatRequest)
+
+
+def test_browser_a_refused_message_is_marked_not_sent(server, tmp_path):
+    """A message the server refuses (too long) is marked "not sent" on the page, left out of the conversation, and
+    its text is back in the box to shorten; the next message goes out as usual."""
+    with browser_page(server["url"], tmp_path, "tiny") as cdp:
+        long = "word " * 2000  # over the 8,000 characters a message may have
+        cdp.eval(f"document.getElementById('input').value = {json.dumps(long)}")
+        cdp.eval("document.getElementById('send').click()")
+        t0 = time.time()
+        while not cdp.eval("!!document.querySelector('.msg.assistant .error')"):
+            assert time.time() - t0 < 30, "no error shown"
+            time.sleep(0.05)
+        assert "message is too long" in cdp.eval("document.querySelector('.msg.assistant .error').textContent")
+        assert cdp.eval("document.querySelector('.msg.user').classList.contains('unsent')")
+        assert cdp.eval("document.getElementById('input').value") == long.strip()
+        assert cdp.eval("conversation.length") == 0
+        page_send(cdp, "Hello")
+        assert cdp.eval("conversation.length") == 2 and cdp.eval("document.querySelectorAll('.msg.unsent').length") == 1
+
+
 def test_cli_flags(monkeypatch, capsys):
     """chat_web: every flag has help text and --help shows the defaults; out-of-range numbers exit 2 naming the flag."""
     from scripts.chat_web import main
@@ -1572,12 +1641,18 @@ def test_cli_flags(monkeypatch, capsys):
         return e.value.code, out.out, out.err
 
     code, out, _ = run("--help")
-    assert code == 0 and "-p PORT, --port PORT" in out and "(default: 8000)" in out and "(default: 10.0)" in out
+    assert (
+        code == 0
+        and "--port PORT" in out
+        and "-p " not in out
+        and "(default: 8000)" in out
+        and "(default: 10.0)" in out
+    )
     helps = out.split("options:")[1].split("\n  -")[1:]  # one entry per flag: its names, then its help text
     assert len(helps) >= 14 and all("(default: " in h for h in helps[1:]), helps  # [0] is -h itself
     for args, flag in [
-        (("--port", "99999"), "-p/--port"),
-        (("-p", "-1"), "-p/--port"),
+        (("--port", "99999"), "--port"),
+        (("--port", "-1"), "--port"),
         (("-b", "0"), "-b/--batch-size"),
         (("-m", "0"), "-m/--max-tokens"),
         (("--header-timeout", "0"), "--header-timeout"),
@@ -1596,11 +1671,11 @@ def test_port_in_use_is_one_line_and_port_0_is_reported(server):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        out = subprocess.run(cmd + ["-p", str(port)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+        out = subprocess.run(cmd + ["--port", str(port)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and out.stdout == "", out
     assert out.stderr == f"port {port} is in use on 127.0.0.1: stop the server there or pick another --port\n"
     proc = subprocess.Popen(
-        cmd + ["-p", "0"],
+        cmd + ["--port", "0"],
         cwd=ROOT,
         env={**env, "NANORL_API_KEY": "k3y"},
         stdout=subprocess.PIPE,

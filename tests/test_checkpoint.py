@@ -288,3 +288,42 @@ def test_loading_a_checkpoint_says_which_source_tag_and_step(tmp_path, monkeypat
     d.rename(elsewhere)
     load_model_dir(str(elsewhere))
     assert capsys.readouterr().out == f"loaded checkpoint step 80 from {elsewhere}\n"
+
+
+def test_several_tags_the_most_recently_saved_is_loaded_and_named(tmp_path, monkeypatch, capsys):
+    """-i rl with no tag: the tag whose last step was saved last (a directory touched later, e.g. by a file copied
+    into it, does not count), and with several tags one line on stderr names them and the one taken; the help of
+    every tool that takes -g says the same. A step that is not there lists the steps that are."""
+    import os
+    import sys
+    import types
+
+    import nanorl.tokenizer
+    from nanorl.checkpoint import find_checkpoint_dir, load_model
+
+    monkeypatch.setattr(nanorl.tokenizer, "get_tokenizer", lambda: types.SimpleNamespace(vocab_size=CFG.vocab_size))
+    monkeypatch.setenv("NANORL_BASE_DIR", str(tmp_path))
+    root = tmp_path / "rl_checkpoints"
+    _save_tiny(root / "mine", 5)
+    _save_tiny(root / "d4", 24)
+    os.utime(root / "mine" / "meta_000005.json", (1e9, 1e9))  # saved long ago, but its directory touched now
+    (root / "mine" / "notes.txt").write_text("copied in later")
+    capsys.readouterr()
+    assert find_checkpoint_dir("rl") == str(root / "d4")
+    err = capsys.readouterr().err
+    assert (
+        err
+        == "rl checkpoints have 2 tags (d4, mine): loading 'd4', the most recently saved; -g/--model-tag picks another\n"
+    )
+    assert find_checkpoint_dir("rl", "mine") == str(root / "mine") and capsys.readouterr().err == ""
+    with pytest.raises(FileNotFoundError, match="step 99 is incomplete or missing .*; the steps there: 24$"):
+        load_model("rl", "cpu", step=99)
+    from scripts.chat_cli import main as chat_cli
+    from scripts.chat_web import parse_args as chat_web_args
+
+    for parse in (chat_cli, lambda: chat_web_args(["--help"])):
+        monkeypatch.setattr(sys, "argv", ["chat", "--help"])
+        with pytest.raises(SystemExit):
+            parse()
+        out = " ".join(capsys.readouterr().out.split())
+        assert "the one saved most recently; named when there are several" in out and "largest" not in out

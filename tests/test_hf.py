@@ -2,6 +2,7 @@
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -259,10 +260,10 @@ def test_export_nanorl_arch_as_nanochat(tmp_path):
     with open(tmp_path / "config.json") as f:
         cfg = json.load(f)
     assert cfg["architectures"] == ["NanoChatForCausalLM"] and cfg["max_position_embeddings"] == 64
-    with open(tmp_path / "generation_config.json") as f:  # a reply ends at <|assistant_end|>; padding is <|bos|>
+    with open(tmp_path / "generation_config.json") as f:  # a reply ends at <|assistant_end|>, which also pads
         assert json.load(f) == {
             "bos_token_id": tok.get_bos_token_id(),
-            "pad_token_id": tok.get_bos_token_id(),
+            "pad_token_id": tok.encode_special("<|assistant_end|>"),
             "eos_token_id": tok.encode_special("<|assistant_end|>"),
         }
     back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
@@ -274,6 +275,13 @@ def test_export_nanorl_arch_as_nanochat(tmp_path):
     again, _ = load_hf_model(str(tmp_path))
     a, b = model.state_dict(), again.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a) and a.keys() == b.keys()
+    # plain greedy generate, no attention mask (as a user calls it): the engine's tokens. With <|bos|> as the pad id,
+    # generate masked out the prompt's first token and wrote others
+    prompt = tok.render_for_completion({"messages": CONVERSATION["messages"][:1]})
+    engine = Engine(model, tok, batch_size=1)
+    want = engine.generate([Request(prompt, max_tokens=24, temperature=0.0)])[0][0].tokens
+    plain = back.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=24)[0, len(prompt) :].tolist()
+    assert plain == want and len(want) == 24
     hf_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
     text = "Natalia sold 48 clips, then half as many."
     assert hf_tok(text, add_special_tokens=False)["input_ids"] == tok.encode(text)
@@ -525,3 +533,64 @@ def test_chat_rl_on_an_open_model(tmp_path):
     )
     back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
     assert type(back).__name__ == "Qwen2ForCausalLM"
+
+
+def test_the_docs_tool_loop_gives_chat_clis_answer(tmp_path):
+    """docs/open_models.md's transformers loop, run as written on an exported model that calls the calculator: its
+    greedy answer is chat_cli's (chat_turn on the engine, -t 0), character for character; plain `generate`, which
+    runs no tool, is not (it guesses past <|python_end|>). The model is a 1-layer GPT that learned one tool-using
+    reply, the tool's output masked out of the loss as in SFT, so only a caller that runs the tool gets it right."""
+    import io
+    import re
+
+    from nanorl.gpt import GPTConfig, build_model
+    from nanorl.tokenizer import SPLIT_PATTERN, Tokenizer
+    from scripts.chat_cli import chat_turn
+
+    tok = Tokenizer.from_ranks({bytes([i]): i for i in range(256)}, SPLIT_PATTERN)
+    question = "What is 17 * 23?"
+    reply = [
+        {"type": "text", "text": "17 * 23 = "},
+        {"type": "python", "text": "17 * 23"},
+        {"type": "python_output", "text": "391"},
+        {"type": "text", "text": "391.\n#### 391"},
+    ]
+    ids, mask = tok.render_conversation(
+        {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": reply}]}
+    )
+    torch.manual_seed(0)
+    model = build_model(
+        GPTConfig(sequence_len=128, vocab_size=tok.vocab_size, n_layer=1, n_head=2, n_kv_head=2, n_embd=64), "cpu"
+    )
+    x, y = torch.tensor([ids[:-1]]), torch.tensor([[t if m else -1 for t, m in zip(ids[1:], mask[1:])]])
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(200):
+        opt.zero_grad()
+        model(x, y).backward()
+        opt.step()
+    model.eval()
+    out = io.StringIO()
+    chat_turn(
+        Engine(model, tok, batch_size=1),
+        tok,
+        {"messages": [{"role": "user", "content": question}]},
+        temperature=0.0,
+        max_tokens=64,
+        out=out,
+    )
+    assert out.getvalue() == "17 * 23 = <<17 * 23=391>>391.\n#### 391\n"  # it learned the reply, tool call included
+
+    export_hf(model, tok, str(tmp_path / "model"))
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "open_models.md").read_text()
+    code = re.search(r"## The calculator outside nanorl\n.*?```python\n(.*?)```", doc, re.S).group(1)
+    code = code.replace('directory = "out/my-model"', f"directory = {str(tmp_path / 'model')!r}")
+    code = code.replace('print(chat("What is 17 * 23?"))', "")
+    space = {}
+    exec(code, space)
+    assert space["chat"](question, max_tokens=64) + "\n" == out.getvalue()
+    hf, hf_tok = space["model"], space["tok"]
+    prompt = hf_tok.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, return_dict=False
+    )
+    plain = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=64)[0, len(prompt) :]
+    assert "<|python_end|><|output_start|>391" not in hf_tok.decode(plain)  # no tool ran: 391 is not what follows

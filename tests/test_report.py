@@ -231,7 +231,10 @@ def test_adhoc_runs_leave_the_pipelines_report_alone(tmp_path, monkeypatch, caps
     assert "- pipeline accuracy: 0.5" in main and "adhoc accuracy" not in main
     assert "| offline accuracy (greedy, 200 problems) | - | - | 0.5000 | - |" in main
     assert "100 problems" not in main
-    assert "Total wall time: 2.5 min." in main.split("## Report card")[1].split("\n## ")[0]
+    assert (
+        "Total wall time: 2.5 min in the stages (setup and installs not included)."
+        in main.split("## Report card")[1].split("\n## ")[0]
+    )
     assert "- total wall time: 2.5 min (the sum of the stages' own times)" in main
     assert "- per stage: tok_train 2.0 min, base_train 0.5 min" in main
     assert "### Chat eval sft\n" in adhoc and "- adhoc accuracy: 0.25" in adhoc
@@ -257,7 +260,7 @@ def test_flag_values_in_words_and_data_seen(tmp_path, monkeypatch):
     for line in (
         "- run: dummy (no wandb logging)",
         "- device_type: autodetect (CUDA if available, else CPU)",
-        "- model_tag: the newest checkpoint",
+        "- model_tag: the tag saved most recently",
         "- num_epochs: 1 (not used: --num-iterations 80 sets the length)",
         "- no_compile: yes",
         "- resume: no",
@@ -387,3 +390,38 @@ def test_tokenizer_row_explains_a_smaller_vocab(tmp_path):
         f"- vocab_size: {got:,} (asked for 30,000: the training text ran out of byte pairs to merge before that; "
         "more text, --max-chars, gives a larger one)"
     ) in text, text
+
+
+def test_a_later_report_keeps_the_runs_environment_and_says_what_was_outside_it(tmp_path, monkeypatch, capsys):
+    """The pipeline's stages record their environment, and a report stitched later in another shell (other threads,
+    no NANORL_PIPELINE) shows theirs; a hand-run stage says which command puts it in report.md; the setup time
+    (venv, installs) given once is shown beside the stages' time and kept for later reports."""
+    from nanorl import report
+
+    monkeypatch.setenv("NANORL_BASE_DIR", str(tmp_path))
+    monkeypatch.setenv("NANORL_PIPELINE", "1")
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    (tmp_path / "done").mkdir()
+    (tmp_path / "done" / "chat_rl").write_text("840\n")
+    report.log_section("Chat RL", [{"reward": 0.5}])
+    out = tmp_path / "report.md"
+    report.generate(str(out), setup_time_s=90)
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")  # another shell, later
+    monkeypatch.delenv("NANORL_PIPELINE")
+    capsys.readouterr()
+    report.log_section("Chat eval rl", [{"accuracy": 0.25}])
+    said = capsys.readouterr().out
+    assert "`python -m nanorl.report` rewrites report.md with it under 'Ad-hoc runs'" in said
+    report.generate(str(out))
+    text = out.read_text()
+    env = text.split("## Environment")[1].split("\n## ")[0]
+    assert "(OMP_NUM_THREADS=3)" in env and "OMP_NUM_THREADS=7" not in env and "- recorded: by the stages" in env
+    card = text.split("## Report card")[1].split("\n## ")[0]
+    assert (
+        "Total wall time: 14.0 min in the stages (the last speedrun.sh's setup (venv, installs) took 1.5 min more)."
+        in card
+    )
+    assert (
+        "- total wall time: 14.0 min (the sum of the stages' own times; the last setup (venv, installs): 1.5 min"
+        in text
+    )

@@ -69,15 +69,29 @@ def test_sampling_is_exact_inverse_cdf():
 def test_counter_hash_matches_splitmix64():
     M = (1 << 64) - 1
 
-    def splitmix(seed, c):
-        x = (seed + c * 0x9E3779B97F4A7C15) & M
+    def splitmix(seed, c):  # output c + 1 of splitmix64 seeded `seed`: the state advances, then mixes
+        x = (seed + (c + 1) * 0x9E3779B97F4A7C15) & M
         x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & M
         x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & M
         return ((x ^ (x >> 31)) >> 11) / 2**53
 
-    seeds, counters = [_mix64(i) for i in range(1, 7)], [0, 1, 2, 1000, 2**40, 7]
+    seeds, counters = [0] + [_mix64(i) for i in range(1, 7)], [0, 0, 1, 2, 1000, 2**40, 7]
     u = uniform_from_counter(torch.tensor([_signed64(s) for s in seeds]), torch.tensor(counters))
     assert u.tolist() == [splitmix(s, c) for s, c in zip(seeds, counters)]
+    assert u[0] > 0.01  # seed 0's first uniform is not 0 (it was: its first token was token id 0, a NUL byte)
+
+
+def test_a_request_seeded_0_does_not_start_with_token_0():
+    """chat_eval seeds problem i with i: the first sample of problem 0 (the engine's row_seed(0, 0), counter 0) drew
+    u = 0, so token id 0 (the NUL byte) whatever its probability, and its "example response" began with '\\x00'.
+    Now that token is drawn as any other: with token 0 at e^-20 of the others, it is not drawn."""
+    from nanorl.sampling import row_seed
+
+    assert row_seed(0, 0) == 0  # why seed 0 was the one: splitmix64's finalizer maps 0 to 0
+    logits = torch.zeros(1, 300)
+    logits[0, 0] = -20.0
+    u = uniform_from_counter(torch.tensor([row_seed(0, 0)]), torch.tensor([0]))
+    assert sample_tokens(logits, torch.ones(1), torch.tensor([300]), torch.ones(1), u).item() != 0
 
 
 def test_the_engine_shortcuts_change_nothing():

@@ -61,7 +61,7 @@ def test_tiny_speedrun_end_to_end(tmp_path):
     for row in (greedy, *sampled):  # MID, SFT and RL each evaluated both ways; BASE is not a chat model
         assert rows[row][0] == "-" and all(re.fullmatch(r"\d\.\d{4}", v) for v in rows[row][1:]), (row, rows[row])
     assert "ChatCORE" not in text
-    assert "(the sum of the stages' own times)" in text
+    assert "(the sum of the stages' own times; the last setup (venv, installs): " in text  # installs apart
     for png in ("plot_base_loss.png", "plot_rl.png"):  # beside the sections, not loose next to report.md
         assert (tmp_path / "base" / "report" / png).stat().st_size > 1000 and not (tmp_path / png).exists()
     # a rerun skips every finished stage

@@ -1,0 +1,50 @@
+"""README's claims that can be checked without the tiny run's model: its examples are held-out problems graded as it
+says, the accuracy beside them is its card's, and the quick start's time is the one its Results measured."""
+
+import re
+from pathlib import Path
+
+from tasks import get_task
+from tasks.offline import OfflineProblems
+
+README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+
+
+def card_row(metric):
+    row = next(line for line in README.splitlines() if line.startswith(f"| {metric} |"))
+    return [c.strip() for c in row.strip("|").split("|")][1:]
+
+
+def test_examples_are_held_out_graded_as_shown_beside_the_cards_accuracy():
+    """Each example question is a held-out offline problem (levels 1,2, the test split the card evaluates, in none of
+    the training sets mid_train and chat_rl draw), and "right" or "wrong" is its answer against the problem's own;
+    the accuracy quoted is the card's RL greedy row; the chat_cli command asks one of them."""
+    table = README.split("| held-out question | the tiny run's answer |")[1].split("\n\n")[0]
+    rows = re.findall(r"^\| (.+?) \| (.+) \|$", table, re.M)
+    test = get_task("offline", "test", levels=(1, 2))
+    labels = {test.get_example(i)["messages"][0]["content"]: test.get_example(i)["label"] for i in range(len(test))}
+    train = {
+        t.get_example(i)["messages"][0]["content"]
+        for t in (OfflineProblems("train"), OfflineProblems("train", seed=1))
+        for i in range(len(t))
+    }
+    verdicts = []
+    for question, answer in rows:
+        assert question in labels and question not in train, question
+        said = re.search(r"`#### (\d+)`: (right|wrong)", answer)
+        assert said and (said.group(1) == labels[question]) == (said.group(2) == "right"), (question, answer)
+        verdicts.append(said.group(2))
+    assert len(rows) == 3 and verdicts.count("wrong") == 1
+    accuracy = float(re.search(r"It answers ([\d.]+)% of\s+the held-out ones", README).group(1)) / 100
+    assert f"{accuracy:.4f}" == card_row("offline levels 1,2 accuracy (greedy, 200 problems)")[3]  # RL
+    asked = re.search(r'chat_cli -i rl -t 0 -p "(.+?)"', README).group(1)
+    assert asked in [q for q, _ in rows]
+
+
+def test_the_quick_starts_time_is_the_measured_one():
+    """The quick start's minutes are the Results' measured wall time (installs included), rounded."""
+    said = int(re.search(r"about (\d+) minutes on 2 cores", README).group(1))
+    wall, stages, setup = map(
+        float, re.search(r"([\d.]+) min wall, ([\d.]+) of them in the stages, ([\d.]+) in setup", README).groups()
+    )
+    assert said == round(wall) and abs(stages + setup - wall) < 0.11
