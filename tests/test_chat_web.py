@@ -1590,8 +1590,8 @@ def test_page_replies_run_to_the_context_and_keep_the_history_that_fits(server):
 
 def test_p_is_never_the_port_and_a_bad_role_lists_the_roles_that_work(monkeypatch, capsys):
     """chat_web -p "..." (chat_cli's one-shot prompt) is one line saying where the prompt goes and what the port flag
-    is; a request with role 'bot' lists the roles the server takes, and 'tool' is not among them (it is refused with
-    why)."""
+    is; a request with role 'bot' lists the roles the server takes ('tool' among them: it answers a function call,
+    and a model whose chat format has no function calling refuses it saying so)."""
     from nanorl.openai_api import BadRequest, ChatRequest, parse_body
     from scripts.chat_web import main
 
@@ -1603,8 +1603,9 @@ def test_p_is_never_the_port_and_a_bad_role_lists_the_roles_that_work(monkeypatc
     assert "takes no prompt (the port is --port)" in err and "python -m scripts.chat_cli -i rl -p" in err
     with pytest.raises(BadRequest) as e:
         parse_body(json.dumps({"messages": [{"role": "bot", "content": "hi"}]}).encode(), ChatRequest)
-    assert str(e.value) == "'messages.0.role': Input should be 'system', 'developer', 'user' or 'assistant'"
-    with pytest.raises(BadRequest, match="role 'tool' is not supported: this server has no function calling"):
+    assert str(e.value) == "'messages.0.role': Input should be 'system', 'developer', 'user', 'assistant' or 'tool'"
+    # 'tool' answers a function call: a model whose chat format has none refuses it saying so (MALFORMED above)
+    with pytest.raises(BadRequest, match="a tool message needs the tool_call_id of the call it answers"):
         parse_body(json.dumps({"messages": [{"role": "tool", "content": "5"}]}).encode(), ChatRequest)
 
 
