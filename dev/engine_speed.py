@@ -1,7 +1,9 @@
 """
 Engine speed on fixed shapes, A/B interleaved: this checkout's nanorl engine against another nanorl checkout (a git
-ref or a directory) and, when given its directory, nanochat's engine. Random weights, fp32, one thread, 64-token
-prompts, 128 new tokens at temperature 1, no stop tokens; the timed call is one whole generation (prefill included).
+ref or a directory) and, when given its directory, nanochat's engine. Random weights, fp32, one thread, vocab 8192,
+128-wide heads, 64-token prompts, 128 new tokens at temperature 1 (no top-k), no stop tokens, at depths 4 and 8 with
+1 prompt x 1 sample, 1 x 8, 1 x 32 and 8 distinct prompts x 4 samples; the timed call is one whole generation
+(prefill included).
 
     python dev/engine_speed.py                                     # this checkout alone
     python dev/engine_speed.py --compare-ref main --nanochat /path/to/nanochat --rounds 3
@@ -11,10 +13,13 @@ prompts, 128 new tokens at temperature 1, no stop tokens; the timed call is one 
 Each engine runs in its own process (imports never mix); the processes take turns shape by shape and round by
 round, so a busy machine slows them alike, and the medians go to dev/engine_speed.json. For two nanorl checkouts
 it also checks that both gave exactly the same tokens and log-probs (bit_identical). nanochat's model is its own
-architecture at the same depth and width (value embeddings, smear), built with its own init; its engine generates
+architecture at the same depth and width, built with its own init, without value embeddings and with every layer
+over the full context so that it reads the same weights and KV per token as nanorl's (smear and its per-layer
+scalars stay); its engine generates
 one prompt at a time, so "8 distinct prompts" is 8 calls there and one batched call here.
 
---hf times the same Llama model both ways: a random-weight LlamaForCausalLM of nanorl's width and depth at each shape
+--hf times the same Llama model both ways at the shapes of batch 1 and 8: a random-weight LlamaForCausalLM of nanorl's
+width and depth
 (its MLP as wide in parameters), saved once, then generated from by transformers' `generate` (sampling at T=1, no
 top-k/top-p) and by nanorl's engine after the --hf-model import ("llama" below). Their random draws differ, so their
 tokens are not compared here (bench hf checks greedy tokens equal).
@@ -30,13 +35,11 @@ import sys
 import tempfile
 import time
 
-SHAPES = {  # name -> (depth, number of distinct prompts, samples per prompt)
-    "d4_batch1": (4, 1, 1),
-    "d8_batch1": (8, 1, 1),
-    "d8_32_samples_of_1_prompt": (8, 1, 32),
-    "d8_8_distinct_prompts": (8, 8, 1),
-}
-VOCAB, SEQ_LEN = 32768, 2048
+# name -> (depth, number of distinct prompts, samples per prompt): batch 1, the samples of one prompt (GRPO's group)
+# and distinct prompts (a rollout's batch), at two depths
+SHAPES = {f"d{d}_{k}x{n}": (d, k, n) for d in (4, 8) for k, n in ((1, 1), (1, 8), (1, 32), (8, 4))}
+HF_SHAPES = [s for s, (_, k, n) in SHAPES.items() if k * n <= 8]  # generate has no prefix sharing: batch 1 and 8
+VOCAB, SEQ_LEN, HEAD_DIM = 8192, 2048, 128
 
 
 # --- worker: one engine, driven over stdin/stdout ----------------------------------------------
@@ -58,7 +61,7 @@ def nanorl_runner(depth, n_prompts, n_samples, prompt_len, new_tokens, engine_on
 
     tok = Tokenizer.from_ranks({bytes([i]): i for i in range(256)}, SPLIT_PATTERN)
     torch.manual_seed(0)
-    model = build_model(config_from_depth(depth, VOCAB, sequence_len=SEQ_LEN), "cpu")
+    model = build_model(config_from_depth(depth, VOCAB, sequence_len=SEQ_LEN, head_dim=HEAD_DIM), "cpu")
     with torch.no_grad():  # init zeroes the output projections: perturb so attention and MLPs matter
         for p in model.parameters():
             p.add_(0.02 * torch.randn_like(p))
@@ -94,8 +97,8 @@ def save_llama(depth, directory):
     cfg = transformers.LlamaConfig(
         hidden_size=n_embd,
         num_hidden_layers=depth,
-        num_attention_heads=n_embd // 128,
-        num_key_value_heads=n_embd // 128,
+        num_attention_heads=n_embd // HEAD_DIM,
+        num_key_value_heads=n_embd // HEAD_DIM,
         intermediate_size=8 * n_embd // 3,
         vocab_size=VOCAB,
         max_position_embeddings=SEQ_LEN,
@@ -142,9 +145,14 @@ def hf_runner(directory, n_prompts, n_samples, prompt_len, new_tokens):
 
 
 def nanochat_runner(depth, n_prompts, n_samples, prompt_len, new_tokens):
+    import nanochat.gpt
     import torch
     from nanochat.engine import Engine
     from nanochat.gpt import GPT, GPTConfig
+
+    # the same model as nanorl's: no value embeddings (nanochat decides per layer with has_ve) and every layer
+    # attending over the full context (window pattern "L"); smear and the residual scalars stay, a few vectors
+    nanochat.gpt.has_ve = lambda layer_idx, n_layer: False
 
     class Specials:  # ids outside the vocab: never sampled, so no row stops and no tool runs (as stop_tokens=[] here)
         def encode_special(self, s):
@@ -158,15 +166,17 @@ def nanochat_runner(depth, n_prompts, n_samples, prompt_len, new_tokens):
         sequence_len=SEQ_LEN,
         vocab_size=VOCAB,
         n_layer=depth,
-        n_head=n_embd // 128,
-        n_kv_head=n_embd // 128,
+        n_head=n_embd // HEAD_DIM,
+        n_kv_head=n_embd // HEAD_DIM,
         n_embd=n_embd,
+        window_pattern="L",
     )
     torch.manual_seed(0)
     with torch.device("meta"):
         model = GPT(cfg)
     model.to_empty(device="cpu")
     model.init_weights()
+    assert not model.value_embeds, "nanochat still built value embeddings"
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.02 * torch.randn_like(p))
@@ -303,30 +313,53 @@ def main():
             for depth in sorted({SHAPES[s][0] for s in shapes}):
                 llama_dirs[depth] = os.path.join(tmp, f"llama_d{depth}")
                 save_llama(depth, llama_dirs[depth])
-        runs = {s: {e: [] for e in engines} for s in shapes}
+        timed_at = {s: [e for e in engines if e not in ("llama", "hf") or s in HF_SHAPES] for s in shapes}
+        runs = {s: {e: [] for e in timed_at[s]} for s in shapes}
         for r in range(args.rounds):
             for s in shapes:
-                order = list(engines)[r % len(engines) :] + list(engines)[: r % len(engines)]  # rotate who goes first
+                order = (
+                    timed_at[s][r % len(timed_at[s]) :] + timed_at[s][: r % len(timed_at[s])]
+                )  # rotate who goes first
                 for e in order:
                     runs[s][e].append(ask(engines[e], s, llama_dirs.get(SHAPES[s][0])))
-                    print(f"round {r + 1} {s:28s} {e:8s} {runs[s][e][-1]['seconds']:7.2f} s", flush=True)
+                    print(f"round {r + 1} {s:10s} {e:8s} {runs[s][e][-1]['seconds']:7.2f} s", flush=True)
         for p in engines.values():
             p.stdin.close()
             p.wait()
     report(args, shapes, runs)
 
 
+def cpu_model():
+    """The CPU's model name (lscpu's "Model name"), for the record: ratios move with the CPU."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return "unknown"
+
+
+def ratio(runs, slow, fast):
+    """slow's time over fast's, round by round (the two ran back to back, so a busy moment slows both alike) ->
+    (median, min, max) of the per-round ratios."""
+    rs = [a["seconds"] / b["seconds"] for a, b in zip(runs[slow], runs[fast])]
+    return round(statistics.median(rs), 3), round(min(rs), 3), round(max(rs), 3)
+
+
 def report(args, shapes, runs):
     result = {
         "command": " ".join(sys.argv),
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
         "compare_ref": args.compare_ref,
         "nanochat": args.nanochat,
         "engine_only": args.engine_only,
         "hf": args.hf,
-        "setup": f"random weights, fp32, 1 thread, CPU, vocab {VOCAB}, {args.prompt_len}-token prompts, "
-        f"{args.new_tokens} new tokens at T=1, {args.rounds} interleaved rounds, medians",
+        "setup": f"random weights, fp32, 1 thread, CPU, vocab {VOCAB}, head_dim {HEAD_DIM}, {args.prompt_len}-token "
+        f"prompts, {args.new_tokens} new tokens at T=1, no top-k, {args.rounds} interleaved rounds; speed-ups are "
+        "medians of per-round ratios [min, max]",
         "shapes": {},
     }
+    print(f"CPU: {result['cpu']} ({result['cores']} cores)")
     for s in shapes:
         row = {}
         for e, rs in runs[s].items():
@@ -336,18 +369,17 @@ def report(args, shapes, runs):
                 "runs_s": [round(t, 3) for t in seconds],
                 "tokens": rs[0]["tokens"],
             }
-        for e in row:
             row[e]["tokens_per_s"] = round(row[e]["tokens"] / row[e]["median_s"], 1)
         if "ref" in row:
-            row["speedup_vs_ref"] = round(row["ref"]["median_s"] / row["this"]["median_s"], 3)
+            row["speedup_vs_ref"] = ratio(runs[s], "ref", "this")
             pairs = zip(runs[s]["this"], runs[s]["ref"])
             row["bit_identical_to_ref"] = all(a["digest"] == b["digest"] for a, b in pairs)
         if "nanochat" in row:
-            row["speedup_vs_nanochat"] = round(row["nanochat"]["median_s"] / row["this"]["median_s"], 3)
+            row["speedup_vs_nanochat"] = ratio(runs[s], "nanochat", "this")
         if "hf" in row:  # the same Llama: nanorl's engine on it against transformers' generate
-            row["llama_speedup_vs_hf"] = round(row["hf"]["median_s"] / row["llama"]["median_s"], 3)
+            row["llama_speedup_vs_hf"] = ratio(runs[s], "hf", "llama")
         result["shapes"][s] = row
-        print(s, {k: v if not isinstance(v, dict) else round(v["median_s"], 3) for k, v in row.items()})
+        print(s, {k: v if not isinstance(v, dict) else v["tokens_per_s"] for k, v in row.items()})
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {args.out}")
