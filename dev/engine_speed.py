@@ -326,7 +326,13 @@ def main():
         for p in engines.values():
             p.stdin.close()
             p.wait()
-    report(args, shapes, runs)
+    import torch
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's nanorl
+    from nanorl.benchmark import copy_bandwidth  # here, not at the top: a worker imports another checkout's nanorl
+
+    torch.set_num_threads(1)  # the bandwidth each one-thread engine could have had
+    report(args, shapes, runs, copy_bandwidth())
 
 
 def cpu_model():
@@ -338,6 +344,18 @@ def cpu_model():
         return "unknown"
 
 
+def bytes_read(shape, prompt_len, new_tokens, calls):
+    """Bytes a whole generation's decode steps read, made in `calls` engine calls of equal rows: every matmul
+    weight once per step (12 d^2 a layer + the d x V unembedding, fp32; as nanochat's and the Llama's, to a few
+    vectors) and each row's KV so far (P + N/2 tokens on average, keys and values of every layer)."""
+    depth, n_prompts, n_samples = SHAPES[shape]
+    d = depth * 64
+    weights = 4 * (12 * depth * d * d + d * VOCAB)
+    kv_per_token = 4 * 2 * depth * d
+    rows = n_prompts * n_samples // calls
+    return calls * new_tokens * (weights + rows * (prompt_len + new_tokens / 2) * kv_per_token)
+
+
 def ratio(runs, slow, fast):
     """slow's time over fast's, round by round (the two ran back to back, so a busy moment slows both alike) ->
     (median, min, max) of the per-round ratios."""
@@ -345,7 +363,7 @@ def ratio(runs, slow, fast):
     return round(statistics.median(rs), 3), round(min(rs), 3), round(max(rs), 3)
 
 
-def report(args, shapes, runs):
+def report(args, shapes, runs, bandwidth):
     result = {
         "command": " ".join(sys.argv),
         "cpu": cpu_model(),
@@ -357,9 +375,10 @@ def report(args, shapes, runs):
         "setup": f"random weights, fp32, 1 thread, CPU, vocab {VOCAB}, head_dim {HEAD_DIM}, {args.prompt_len}-token "
         f"prompts, {args.new_tokens} new tokens at T=1, no top-k, {args.rounds} interleaved rounds; speed-ups are "
         "medians of per-round ratios [min, max]",
+        "copy_bandwidth_bytes_per_s": round(bandwidth),
         "shapes": {},
     }
-    print(f"CPU: {result['cpu']} ({result['cores']} cores)")
+    print(f"CPU: {result['cpu']} ({result['cores']} cores), copy bandwidth {bandwidth / 1e9:.1f} GB/s on one thread")
     for s in shapes:
         row = {}
         for e, rs in runs[s].items():
@@ -370,6 +389,10 @@ def report(args, shapes, runs):
                 "tokens": rs[0]["tokens"],
             }
             row[e]["tokens_per_s"] = round(row[e]["tokens"] / row[e]["median_s"], 1)
+            # MBU: nanochat's engine takes one call per distinct prompt, so it reads the weights that many times
+            calls = SHAPES[s][1] if e == "nanochat" else 1
+            nbytes = bytes_read(s, args.prompt_len, args.new_tokens, calls)
+            row[e]["mbu"] = round(nbytes / row[e]["median_s"] / bandwidth, 3)
         if "ref" in row:
             row["speedup_vs_ref"] = ratio(runs[s], "ref", "this")
             pairs = zip(runs[s]["this"], runs[s]["ref"])
@@ -379,7 +402,7 @@ def report(args, shapes, runs):
         if "hf" in row:  # the same Llama: nanorl's engine on it against transformers' generate
             row["llama_speedup_vs_hf"] = ratio(runs[s], "hf", "llama")
         result["shapes"][s] = row
-        print(s, {k: v if not isinstance(v, dict) else v["tokens_per_s"] for k, v in row.items()})
+        print(s, {k: v if not isinstance(v, dict) else (v["tokens_per_s"], v["mbu"]) for k, v in row.items()})
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {args.out}")

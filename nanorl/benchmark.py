@@ -1,6 +1,6 @@
 """
 Measurement helpers for scripts/bench.py and scripts/bench_hf.py: wall-clock timing that waits for the device,
-peak memory, the bytes a decode step reads, chat_rl's GRPO step as a timed function, and a load tester for a
+peak memory, the bytes a decode step reads and the memory bandwidth they are measured against, chat_rl's GRPO step as a timed function, and a load tester for a
 running chat_web server.
 """
 
@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from nanorl.common import synchronize
+from nanorl.common import get_peak_bandwidth, synchronize
 
 
 def peak_memory_gb(device_type):
@@ -56,6 +56,28 @@ def decode_step_bytes(engine, rows, prompt_len, new_tokens):
     weight_bytes = sum(p.numel() * p.element_size() for n, p in engine.model.named_parameters() if "wte" not in n)
     kv_per_token = (engine.cache.k.nbytes + engine.cache.v.nbytes) // (engine.batch_size * engine.max_len)
     return weight_bytes, kv_per_token, rows * (prompt_len + new_tokens / 2) * kv_per_token
+
+
+def copy_bandwidth(nbytes=256 * 2**20, runs=5):
+    """The CPU's memory bandwidth as this process sees it, in bytes/s: the fastest of `runs` copies of an nbytes
+    buffer (far larger than the caches) on torch's current threads, counting what is read and what is written
+    (STREAM's "copy"). A CPU has no peak on a data sheet that one process reaches, so MBU is measured against this."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # first touch: page faults are not bandwidth
+    best = min(timed("cpu", dst.copy_, src)[0] for _ in range(runs))
+    return 2 * nbytes / best
+
+
+def bandwidth(device_type, name):
+    """(bytes/s, where it comes from) to measure MBU against: the GPU's peak from its data sheet, the CPU's measured
+    copy bandwidth, or (None, why) where neither is known."""
+    if device_type == "cuda":
+        bw = get_peak_bandwidth(name)
+        return (bw, "peak (data sheet)") if bw else (None, f"no peak bandwidth known for {name}")
+    if device_type == "cpu":
+        return copy_bandwidth(), f"measured copy, {torch.get_num_threads()} thread(s)"
+    return None, f"no bandwidth known for {device_type}"
 
 
 def grpo_stepper(model, optimizer, engine, prompts, n, N, max_tokens_per_gpu, device):

@@ -26,6 +26,7 @@ import torch
 
 from nanorl import lora
 from nanorl.benchmark import (
+    bandwidth,
     byte_tokenizer,
     decode_step_bytes,
     device_name,
@@ -40,7 +41,6 @@ from nanorl.common import (
     ArgumentParser,
     autocast_ctx,
     autodetect_device_type,
-    get_peak_bandwidth,
     get_peak_flops,
     low_precision_dtype,
     nonneg_float,
@@ -221,7 +221,7 @@ def report_decode(args, engine, cfg, R, ttft, ms_step, total, ntok, refresh_ms):
     weight_bytes, kv_per_token, kv_step = decode_step_bytes(engine, R, P, N)
     peak_mem = peak_memory_gb(device_type)
     name = device_name(device_type)
-    bw = get_peak_bandwidth(name) if device_type == "cuda" else None
+    bw, bw_source = bandwidth(device_type, name)
     mbu = (weight_bytes + kv_step) / (ms_step / 1e3) / bw if bw and N > 1 else None
     weights = str(engine.model.lm_head.weight.dtype).removeprefix("torch.")
     params = engine.source.num_params()  # the model the engine was built from
@@ -231,20 +231,24 @@ def report_decode(args, engine, cfg, R, ttft, ms_step, total, ntok, refresh_ms):
         f"cuda graph {'on' if engine.use_cuda_graph else 'off'}"
     )
     print(f"time to first token: {ttft * 1e3:.1f} ms (prefill of all {R} prompts + first token)")
-    print(f"decode: {ms_step:.2f} ms/step, {R / ms_step * 1e3:.0f} tok/s; end to end {ntok / total:.0f} tok/s")
+    mbu_text = f"MBU {mbu:.1%}" if mbu is not None else "MBU n/a"
+    print(
+        f"decode: {ms_step:.2f} ms/step, {R / ms_step * 1e3:.0f} tok/s, {mbu_text}; end to end {ntok / total:.0f} tok/s"
+    )
     print(f"weight refresh (engine.load_weights): {refresh_ms:.2f} ms")
     print(
         f"per step: weights {weight_bytes / 1e6:.1f} MB + KV {kv_step / 1e6:.1f} MB "
         f"({kv_per_token / 1e3:.2f} KB of KV per token); peak memory {peak_mem:.2f} GB"
     )
-    print(f"MBU: {mbu:.1%}" if mbu is not None else "MBU: n/a (no peak bandwidth known for this device)")
+    bw_text = f"{bw / 1e9:.1f} GB/s, {bw_source}" if bw else bw_source
+    print(f"MBU: {mbu:.1%} of {bw_text}" if mbu is not None else f"MBU: n/a ({bw_text})")
     result = dict(bench="decode", device=name, depth=args.depth, batch=B, requests=R, prompt_len=P, new_tokens=N)
     result.update(n_head=cfg.n_head, n_kv_head=cfg.n_kv_head, cuda_graph=engine.use_cuda_graph)
     result.update(ttft_ms=round(ttft * 1e3, 2), ms_per_step=round(ms_step, 3))
     result.update(decode_tok_per_s=round(R / ms_step * 1e3, 1), engine_weights=weights)
     result.update(weight_refresh_ms=round(refresh_ms, 3), tok_per_s=round(ntok / total, 1), weight_bytes=weight_bytes)
     result.update(kv_bytes_per_token=kv_per_token, kv_bytes_per_step=int(kv_step), peak_mem_gb=round(peak_mem, 3))
-    result.update(mbu=None if mbu is None else round(mbu, 4))
+    result.update(mbu=None if mbu is None else round(mbu, 4), bandwidth_bytes_per_s=bw and round(bw), bandwidth_source=bw_source)
     print(json.dumps(result))
 
 

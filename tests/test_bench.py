@@ -86,6 +86,12 @@ def test_bench_decode_still_works():
     assert r["engine_weights"] == "float32" and r["weight_refresh_ms"] > 0 and r["requests"] == 2
     n_embd, vocab = 128, 512
     assert r["weight_bytes"] == 4 * (2 * 12 * n_embd**2 + vocab * n_embd)
+    # MBU on a CPU: the bytes a step reads (weights + 2 rows' KV at 8 + 4/2 tokens) per second over the measured copy
+    assert r["bandwidth_source"].startswith("measured copy") and r["bandwidth_bytes_per_s"] > 1e8
+    assert r["kv_bytes_per_step"] == 2 * 10 * r["kv_bytes_per_token"] and r["kv_bytes_per_token"] == 2 * 2 * n_embd * 4
+    step_bytes = r["weight_bytes"] + r["kv_bytes_per_step"]
+    mbu = step_bytes / (r["ms_per_step"] / 1e3) / r["bandwidth_bytes_per_s"]
+    assert 0 < r["mbu"] and abs(r["mbu"] - mbu) < 1e-3
 
 
 def test_bench_decode_one_request_on_a_big_engine():
