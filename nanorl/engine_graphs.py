@@ -21,9 +21,13 @@ KERNEL_NAMES = {
 def decode_backends(device):
     """The SDPA backends allowed inside a decode step. Pinned, not left to SDPA's choice: a graph freezes whichever
     kernel ran at capture, so a torch or cuDNN upgrade must not swap it silently. Memory-efficient attention is the
-    CUDA kernel that takes a boolean mask (flash takes none); on CPU the plain math kernel."""
+    CUDA kernel that takes a boolean mask (flash takes none); on CPU the fused flash kernel, which takes the mask
+    too and reads each row's keys and values once (the math kernel materialises scores, a float mask and their sum:
+    1.3-1.4x slower at 32 rows of 128-wide heads); math elsewhere."""
     if device.type == "cuda":
         return [SDPBackend.EFFICIENT_ATTENTION]
+    if device.type == "cpu":
+        return [SDPBackend.FLASH_ATTENTION]
     return [SDPBackend.MATH]
 
 
