@@ -6,6 +6,7 @@ ref or a directory) and, when given its directory, nanochat's engine. Random wei
 (prefill included).
 
     python dev/engine_speed.py                                     # this checkout alone
+    python dev/engine_speed.py --nanochat /path/to/nanochat --hf --rounds 3     # the table in docs/benchmarks.md
     python dev/engine_speed.py --compare-ref main --nanochat /path/to/nanochat --rounds 3
     python dev/engine_speed.py --compare-ref main --engine-only --out /tmp/engine_only.json  # the engine's own work
     python dev/engine_speed.py --hf --out dev/engine_speed_hf.json  # vs transformers' generate, on one Llama
@@ -15,12 +16,12 @@ round, so a busy machine slows them alike, and the medians go to dev/engine_spee
 it also checks that both gave exactly the same tokens and log-probs (bit_identical). nanochat's model is its own
 architecture at the same depth and width, built with its own init, without value embeddings and with every layer
 over the full context so that it reads the same weights and KV per token as nanorl's (smear and its per-layer
-scalars stay); its engine generates
-one prompt at a time, so "8 distinct prompts" is 8 calls there and one batched call here.
+scalars stay); its engine generates one prompt at a time, so 8 distinct prompts are 8 calls there and one batched
+call here. Each engine's MBU is the bytes its decode steps read (weights once a step, each row's KV) per second,
+over the one-thread copy bandwidth measured after the runs (nanorl.benchmark.copy_bandwidth).
 
 --hf times the same Llama model both ways at the shapes of batch 1 and 8: a random-weight LlamaForCausalLM of nanorl's
-width and depth
-(its MLP as wide in parameters), saved once, then generated from by transformers' `generate` (sampling at T=1, no
+width and depth (its MLP as wide in parameters), saved once, then generated from by transformers' `generate` (sampling at T=1, no
 top-k/top-p) and by nanorl's engine after the --hf-model import ("llama" below). Their random draws differ, so their
 tokens are not compared here (bench hf checks greedy tokens equal).
 """
