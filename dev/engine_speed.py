@@ -12,7 +12,9 @@ ref or a directory) and, when given its directory, nanochat's engine. Random wei
     python dev/engine_speed.py --hf --out dev/engine_speed_hf.json  # vs transformers' generate, on one Llama
 
 Each engine runs in its own process (imports never mix); the processes take turns shape by shape and round by
-round, so a busy machine slows them alike, and the medians go to dev/engine_speed.json. For two nanorl checkouts
+round, so a busy machine slows them alike. A speed-up is the median of the per-round ratios (each round's runs are
+back to back) with their min and max; they, the medians, MBU and the CPU's name go to dev/engine_speed.json. For two
+nanorl checkouts
 it also checks that both gave exactly the same tokens and log-probs (bit_identical). nanochat's model is its own
 architecture at the same depth and width, built with its own init, without value embeddings and with every layer
 over the full context so that it reads the same weights and KV per token as nanorl's (smear and its per-layer
@@ -21,8 +23,8 @@ call here. Each engine's MBU is the bytes its decode steps read (weights once a 
 over the one-thread copy bandwidth measured after the runs (nanorl.benchmark.copy_bandwidth).
 
 --hf times the same Llama model both ways at the shapes of batch 1 and 8: a random-weight LlamaForCausalLM of nanorl's
-width and depth (its MLP as wide in parameters), saved once, then generated from by transformers' `generate` (sampling at T=1, no
-top-k/top-p) and by nanorl's engine after the --hf-model import ("llama" below). Their random draws differ, so their
+width and depth (its MLP as wide in parameters), saved once, then generated from by transformers' `generate`
+(sampling at T=1, no top-k/top-p) and by nanorl's engine after the --hf-model import ("llama" below). Their random draws differ, so their
 tokens are not compared here (bench hf checks greedy tokens equal).
 """
 
