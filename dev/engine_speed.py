@@ -14,9 +14,8 @@ ref or a directory) and, when given its directory, nanochat's engine. Random wei
 Each engine runs in its own process (imports never mix); the processes take turns shape by shape and round by
 round, so a busy machine slows them alike. A speed-up is the median of the per-round ratios (each round's runs are
 back to back) with their min and max; they, the medians, MBU and the CPU's name go to dev/engine_speed.json. For two
-nanorl checkouts
-it also checks that both gave exactly the same tokens and log-probs (bit_identical). nanochat's model is its own
-architecture at the same depth and width, built with its own init, without value embeddings and with every layer
+nanorl checkouts it also checks that both gave exactly the same tokens and log-probs (bit_identical). nanochat's
+model is its own architecture at the same depth and width, built with its own init, without value embeddings and with every layer
 over the full context so that it reads the same weights and KV per token as nanorl's (smear and its per-layer
 scalars stay); its engine generates one prompt at a time, so 8 distinct prompts are 8 calls there and one batched
 call here. Each engine's MBU is the bytes its decode steps read (weights once a step, each row's KV) per second,
