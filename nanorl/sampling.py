@@ -43,11 +43,10 @@ def _shr(x, s):
 def uniform_from_counter(seed, counter):
     """(B,) int64 row seeds and token counters -> (B,) float64 uniforms in [0, 1): splitmix64 on device.
     Counter-based: token t of a sample gets the same number whatever else is in the batch, and no
-    per-request generator object has to be stepped in Python. splitmix64 maps the state 0 to 0, and row_seed(0, 0)
-    is 0: token 0 of the first sample of a request seeded 0 drew u = 0 exactly, which picks token id 0 whatever its
-    (nonzero) probability. That one state takes another fixed value; every other draw is splitmix64's."""
-    x = seed + counter * _GOLDEN  # int64 arithmetic wraps, as splitmix64 wants
-    x = torch.where(x == 0, _M2, x)
+    per-request generator object has to be stepped in Python. Token t gets splitmix64's output t + 1 (its state
+    advances before it mixes): output 0 of seed 0 would be exactly 0, and u = 0 draws token id 0 whatever its
+    probability (row_seed(0, 0) is 0, so every first sample of a request seeded 0 began with that token)."""
+    x = seed + (counter + 1) * _GOLDEN  # int64 arithmetic wraps, as splitmix64 wants
     x = (x ^ _shr(x, 30)) * _M1
     x = (x ^ _shr(x, 27)) * _M2
     x = x ^ _shr(x, 31)

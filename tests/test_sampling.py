@@ -69,9 +69,8 @@ def test_sampling_is_exact_inverse_cdf():
 def test_counter_hash_matches_splitmix64():
     M = (1 << 64) - 1
 
-    def splitmix(seed, c):
-        x = (seed + c * 0x9E3779B97F4A7C15) & M
-        x = x or 0x94D049BB133111EB  # the one state that would mix to 0 (seed 0, token 0) takes a fixed other value
+    def splitmix(seed, c):  # output c + 1 of splitmix64 seeded `seed`: the state advances, then mixes
+        x = (seed + (c + 1) * 0x9E3779B97F4A7C15) & M
         x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & M
         x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & M
         return ((x ^ (x >> 31)) >> 11) / 2**53
