@@ -72,6 +72,7 @@ RUNS = {
     "lora": (1, ["--lora-rank", "4", "--lora-lr", "3e-2", "--use-kl-loss", "--kl-loss-coef", "0.1"]),
     "ranks2": (2, []),
     "async": (2, ["--async", "--use-tis"]),
+    "fsdp": (2, ["--fsdp", "--temperature", "0.8"]),
     "resume": (1, ["--save-every", "2", "--advantage-estimator", "ppo", "--critic-lr", "1e-3"]),
     "resume_partial": (
         1,
@@ -150,9 +151,14 @@ def tensor_hash(obj):
 
 def last_checkpoint(ckpt):
     sys.path.insert(0, str(ROOT))
-    from nanorl.checkpoint import load_checkpoint
+    from nanorl.checkpoint import find_last_step, load_checkpoint
 
-    model, optim, meta, extra = load_checkpoint(str(ckpt), load_optimizer=True)
+    sharded = (ckpt / f"dcp_{find_last_step(str(ckpt)):06d}").is_dir()
+    if sharded:  # --fsdp: the weights consolidated into one file (the optimizer's shards are left out)
+        subprocess.run(
+            [sys.executable, "-m", "nanorl.fsdp", "consolidate", str(ckpt)], cwd=ROOT, check=True, capture_output=True
+        )
+    model, optim, meta, extra = load_checkpoint(str(ckpt), load_optimizer=not sharded)
     out = {"step": meta["step"], "weights": tensor_hash(model), "optim": tensor_hash(optim)}
     # Python's global RNG is never seeded (a run draws nothing from it): its saved state differs from run to run
     return {**out, **{f"extra/{k}": tensor_hash(v) for k, v in extra.items() if k != "py_rng"}}
