@@ -15,6 +15,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -22,7 +23,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RM = f"{ROOT / 'tests' / 'rl_fixture_reward.py'}:vowel_reward"
+RM = f"{Path(__file__).resolve()}:reward"
 COMMON = [
     "--source", "sft", "--model-tag", "t", "--levels", "1", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
     "--max-new-tokens", "12", "--eval-every", "2", "--eval-max-problems", "4", "--n-samples-per-eval-prompt", "2",
@@ -104,6 +105,11 @@ save('tools', tool_user_model(tok, '2+3', sp, tok.vocab_size, strength=10.0, noi
 """
 
 
+def reward(response, label, metadata):
+    """Twice the share of vowels: rewards spread within a group, and some reach 0.5, so pass@k is not all zeros."""
+    return 2 * sum(c in "aeiou" for c in response) / max(len(response), 1)
+
+
 def build_models(base):
     env = {**os.environ, "NANORL_BASE_DIR": str(base), "OMP_NUM_THREADS": "1"}
     if not (base / "sft_checkpoints" / "tools").is_dir():
@@ -122,7 +128,17 @@ def chat_rl(base, nproc, flags):
         raise SystemExit(
             f"chat_rl {' '.join(flags)} failed:\n{out.stdout.decode()[-2000:]}{out.stderr.decode()[-3000:]}"
         )
-    return json.loads((base / "report" / "rl_history.json").read_text())
+    return json.loads((base / "report" / "rl_history.json").read_text()), printed(out.stdout.decode())
+
+
+def printed(stdout):
+    """What the run printed about its steps and evals, and its summary, with the clock's figures masked."""
+    keep, tail = [], False
+    for line in stdout.splitlines():
+        tail = tail or line.startswith("RL summary:")
+        if line.startswith("step ") or tail:
+            keep.append(re.sub(r"\| dt .*? \| eta \S+", "| dt * | eta *", line))
+    return keep
 
 
 def tensor_hash(obj):
@@ -164,12 +180,13 @@ def last_checkpoint(ckpt):
     return {**out, **{f"extra/{k}": tensor_hash(v) for k, v in extra.items() if k != "py_rng"}}
 
 
-def steady(history):
-    """The history without what depends on the clock."""
+def steady(history, lines):
+    """The history and the printed lines without what depends on the clock."""
     drop = ("time/", "perf/")
     return {
         "train": [{k: v for k, v in h.items() if not k.startswith(drop)} for h in history["train"]],
         "eval": history["eval"],
+        "printed": lines,
     }
 
 
@@ -182,10 +199,10 @@ def record(base, names):
         t0 = time.time()
         if name.startswith("resume"):
             chat_rl(base, nproc, [*flags, "--num-rollouts", "2", "--output-tag", tag, "--overwrite"])
-            hist = chat_rl(base, nproc, [*flags, "--num-rollouts", "4", "--output-tag", tag, "--resume"])
+            hist, lines = chat_rl(base, nproc, [*flags, "--num-rollouts", "4", "--output-tag", tag, "--resume"])
         else:
-            hist = chat_rl(base, nproc, [*flags, "--output-tag", tag, "--overwrite"])
-        out[name] = {**steady(hist), "checkpoint": last_checkpoint(base / "rl_checkpoints" / tag)}
+            hist, lines = chat_rl(base, nproc, [*flags, "--output-tag", tag, "--overwrite"])
+        out[name] = {**steady(hist, lines), "checkpoint": last_checkpoint(base / "rl_checkpoints" / tag)}
         print(
             f"{name}: {len(hist['train'])} steps, weights {out[name]['checkpoint']['weights']} ({time.time() - t0:.0f}s)"
         )
@@ -202,6 +219,11 @@ def compare(a, b):
         for k in sorted(x["checkpoint"].keys() | y["checkpoint"].keys()):
             if x["checkpoint"].get(k) != y["checkpoint"].get(k):
                 diffs.append(f"{name}: final {k} differ")
+        for i, (p, q) in enumerate(zip(x["printed"], y["printed"])):
+            if p != q:
+                diffs.append(f"{name} printed line {i}:\n  {p}\n  {q}")
+        if len(x["printed"]) != len(y["printed"]):
+            diffs.append(f"{name}: {len(x['printed'])} vs {len(y['printed'])} printed lines")
         for part in ("train", "eval"):
             if len(x[part]) != len(y[part]):
                 diffs.append(f"{name}: {len(x[part])} vs {len(y[part])} {part} entries")
