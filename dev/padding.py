@@ -1,13 +1,13 @@
 """
 Padding fraction of RL training micro-batches (padded positions / all positions the model runs): each sample on
 its own row, padded to its micro-batch's longest (the scheme before packing), against samples packed end to end
-into rows (nanorl.samples.pack_micro_batches, what the trainer runs). Rollouts are drawn at random with real
+into rows (nanorl.rl_trainer.pack_micro_batches, what the trainer runs). Rollouts are drawn at random with real
 prompt lengths:
   offline  offline-curriculum prompts; every sample of a group as long as the task's reference answer (capped at
-           --max-response-len): a trained model's stand-in
+           --max-new-tokens): a trained model's stand-in
   gsm8k    GSM8K questions (a jsonl with "question"), rendered as a user turn; responses uniform in --response-len
 
-    python dev/padding.py offline --tokenizer DIR --levels 1,2,3 --max-response-len 128
+    python dev/padding.py offline --tokenizer DIR --levels 1,2,3 --max-new-tokens 128
     python dev/padding.py gsm8k --tokenizer DIR --data ../shared/data/gsm8k/train.jsonl --response-len 100,256
 """
 
@@ -15,7 +15,8 @@ import argparse
 import json
 import random
 
-from nanorl.samples import Sample, pack_micro_batches
+from nanorl.rl_trainer import pack_micro_batches
+from nanorl.rollout import Sample
 from nanorl.tokenizer import Tokenizer
 
 
@@ -40,7 +41,7 @@ parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.R
 parser.add_argument("source", choices=["offline", "gsm8k"])
 parser.add_argument("--tokenizer", required=True, help="directory holding tokenizer.json")
 parser.add_argument("--levels", default="1,2,3", help="offline: curriculum levels")
-parser.add_argument("--max-response-len", type=int, default=128, help="offline: responses are cut here")
+parser.add_argument("--max-new-tokens", type=int, default=128, help="offline: responses are cut here")
 parser.add_argument("--data", default="../shared/data/gsm8k/train.jsonl", help="gsm8k: the jsonl of questions")
 parser.add_argument("--response-len", default="100,256", help="gsm8k: lo,hi of the uniform response lengths")
 parser.add_argument("--max-tokens-per-gpu", type=int, default=8192)
@@ -57,7 +58,7 @@ if args.source == "offline":
     for i in range(len(task)):
         conv = task.get_example(i)
         P = len(tok.render_for_completion(conv))
-        pool.append((P, min(len(tok.render_conversation(conv)[0]) - P, args.max_response_len)))
+        pool.append((P, min(len(tok.render_conversation(conv)[0]) - P, args.max_new_tokens)))
 
     def group(rng):
         P, R = pool[rng.randrange(len(pool))]

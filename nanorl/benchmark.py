@@ -88,10 +88,11 @@ def grpo_stepper(model, optimizer, engine, prompts, n, N, max_tokens_per_gpu, de
     from nanorl.common import Timer
     from nanorl.engine import Request
     from nanorl.rl_trainer import Trainer, TrainerConfig
-    from nanorl.samples import Sample
+    from nanorl.rollout import GroupSpec, Sample
 
     device_type = device.type
-    cfg = TrainerConfig(n_samples_per_prompt=n, max_response_len=N, max_tokens_per_gpu=max_tokens_per_gpu)
+    group = GroupSpec(n_samples_per_prompt=n, temperature=1.0, max_response_len=N)
+    cfg = TrainerConfig(group=group, max_tokens_per_gpu=max_tokens_per_gpu)
     trainer = Trainer(cfg, model, optimizer, device)
 
     def rollout(step):
@@ -101,7 +102,7 @@ def grpo_stepper(model, optimizer, engine, prompts, n, N, max_tokens_per_gpu, de
                 p,
                 num_samples=n,
                 max_tokens=N,
-                temperature=1.0,
+                temperature=group.temperature,
                 seed=step * len(prompts) + i,
                 stop_tokens=[],
                 use_tools=False,
@@ -118,7 +119,6 @@ def grpo_stepper(model, optimizer, engine, prompts, n, N, max_tokens_per_gpu, de
                 group_index=gi,
                 index=si,
                 weight_version=step,
-                temperature=1.0,
             )
             for gi, (p, comps) in enumerate(zip(prompts, engine.generate(reqs)))
             for si, c in enumerate(comps)

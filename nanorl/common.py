@@ -33,16 +33,34 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return action.help if "default" in (action.help or "") else super()._get_help_string(action)
 
 
+# slime's spellings of our flags: the scripts that have the flag accept them too, unlisted in --help (docs/rl.md)
+SLIME_NAMES = {
+    "--num-rollout": "--num-rollouts",
+    "--rollout-max-response-len": "--max-new-tokens",
+    "--rollout-temperature": "--temperature",
+    "--eval-interval": "--eval-every",
+    "--save-interval": "--save-every",
+}
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse with every default in --help, and a bad flag answered with one line (no usage dump), exit 2.
-    A leading `--` is dropped: `torchrun ... -m scripts.X -- --flag` hands the script its flags after one."""
+    A leading `--` is dropped: `torchrun ... -m scripts.X -- --flag` hands the script its flags after one.
+    aliases: {another spelling: our flag}, read as our flag (e.g. SLIME_NAMES)."""
 
-    def __init__(self, **kwargs):
+    def __init__(self, aliases=None, **kwargs):
         super().__init__(formatter_class=HelpFormatter, **kwargs)
+        self.aliases = aliases or {}
 
     def parse_known_args(self, args=None, namespace=None):
         args = sys.argv[1:] if args is None else list(args)
-        return super().parse_known_args(args[1:] if args[:1] == ["--"] else args, namespace)
+        args = args[1:] if args[:1] == ["--"] else args
+        return super().parse_known_args([self.our_name(a) for a in args], namespace)
+
+    def our_name(self, arg):
+        """--rollout-temperature 0.7 and --rollout-temperature=0.7 as --temperature."""
+        name, eq, value = arg.partition("=")
+        return self.aliases[name] + eq + value if name in self.aliases else arg
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")

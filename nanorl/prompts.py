@@ -1,12 +1,11 @@
 """
-RL prompts: items of {"conversation" or "text", "label", "metadata"} from a task object (the script builds it
-from tasks/ and passes it in) or from a jsonl file (--prompt-data), the tokens a response starts from, and the
-PromptSource that deals them out, reshuffled every epoch, each rank its own shard.
+Where RL prompts come from: items of {"conversation" or "text", "label", "metadata"} from a task object (the script
+builds it from tasks/ and passes it in) or from a jsonl file (--prompt-data). The PromptSource that deals them out
+during the run, and the tokens a response starts from (prompt_ids), are nanorl/rollout.py's.
 """
 
 import json
 import os
-import random
 
 from nanorl.errors import MissingFile
 from nanorl.rewards import extract_answer
@@ -87,53 +86,3 @@ def jsonl_prompts(path, split, input_key="prompt", label_key="label", apply_chat
             metadata = {"task": os.path.basename(path), "split": split, "row": i}
             items.append({**item, "label": label, "metadata": metadata})
     return items
-
-
-def prompt_ids(tokenizer, item):
-    """The tokens a prompt item starts the response from: a conversation rendered up to the assistant's turn, or
-    raw text (--prompt-data without --apply-chat-template) after <|bos|>."""
-    if "text" in item:
-        return [tokenizer.get_bos_token_id()] + tokenizer.encode(item["text"])
-    return tokenizer.render_for_completion(item["conversation"])
-
-
-class PromptSource:
-    """
-    Prompts (conversation, label, metadata) from a task, reshuffled every epoch with a seed; each DDP
-    rank walks its own strided shard. state_dict() makes a resumed run continue on the exact next prompt.
-    """
-
-    def __init__(self, items, seed=0, rank=0, world_size=1, shuffle=True):
-        if not items:
-            raise ValueError("the prompt source is empty: the RL task gave no prompts")
-        self.items = items
-        self.seed, self.rank, self.world_size, self.shuffle = seed, rank, world_size, shuffle
-        self.epoch, self.offset = 0, 0
-        self._order = self._make_order()
-
-    def _make_order(self):
-        order = list(range(len(self.items)))
-        if self.shuffle:
-            random.Random(self.seed * 1000003 + self.epoch).shuffle(order)
-        return order[self.rank :: self.world_size]
-
-    def get(self, n):
-        """The next n prompts of this rank. self.last_keys holds a key per prompt that is the same whichever
-        rank serves it (epoch, position in the global order): seeding by it makes a run on k ranks sample
-        exactly what a run on one rank samples."""
-        out, self.last_keys = [], []
-        while len(out) < n:
-            if self.offset >= len(self._order):
-                self.epoch, self.offset = self.epoch + 1, 0
-                self._order = self._make_order()
-            out.append(self.items[self._order[self.offset]])
-            self.last_keys.append((self.epoch, self.offset * self.world_size + self.rank))
-            self.offset += 1
-        return out
-
-    def state_dict(self):
-        return {"epoch": self.epoch, "offset": self.offset, "seed": self.seed}
-
-    def load_state_dict(self, state):
-        self.epoch, self.offset, self.seed = state["epoch"], state["offset"], state["seed"]
-        self._order = self._make_order()

@@ -8,7 +8,8 @@ gather k+1, ... A save (every rank, after the weights of its step) is one barrie
 weights and optimizer, each sampler its prompt order, buffer, RNGs and the rollout it has already sampled for the next
 step, so that a --resume continues exactly where the run stopped.
 
-The loops of both roles are in scripts/chat_rl.py (sampler_loop, trainer_loop); this file holds their pieces.
+The loops of both roles are in scripts/chat_rl.py (sampler_loop, trainer_loop), beside the synchronous one; this file
+holds their pieces.
 """
 
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from nanorl.common import positive_int
-from nanorl.samples import Sample
+from nanorl.rollout import Sample
 
 
 def add_args(parser):
@@ -44,18 +45,18 @@ class Roles:
     async_mode: bool
     is_sampler: bool
     is_trainer: bool
-    sworld: int  # sampling ranks
-    tworld: int  # training ranks
-    srank: int  # this rank among the samplers
-    trank: int  # this rank among the trainers
-    R: int = 0  # the first trainer's global rank: the one that broadcasts the weights
-    sgroup: object = None
-    tgroup: object = None
-    wgroup: object = None  # the samplers + the first trainer: the weights travel in it
+    n_samplers: int  # sampling ranks
+    n_trainers: int  # training ranks
+    sampler_rank: int  # this rank among the samplers
+    trainer_rank: int  # this rank among the trainers
+    first_trainer: int = 0  # the first trainer's global rank: the one that broadcasts the weights
+    sampler_group: object = None
+    trainer_group: object = None
+    weights_group: object = None  # the samplers + the first trainer: the weights travel in it
 
     @property
     def world(self):
-        return self.sworld + self.tworld if self.async_mode else self.sworld
+        return self.n_samplers + self.n_trainers if self.async_mode else self.n_samplers
 
 
 def split_ranks(args, parser, rank, world_size):
@@ -70,13 +71,13 @@ def split_ranks(args, parser, rank, world_size):
                 "device)"
             )
         return Roles(False, True, True, world_size, world_size, rank, rank)
-    R = args.rollout_num_gpus or world_size // 2
-    if not 1 <= R < world_size:
-        parser.error(f"--rollout-num-gpus {R} must leave at least one of the {world_size} ranks to train (--async)")
+    n = args.rollout_num_gpus or world_size // 2  # the samplers: ranks 0..n-1
+    if not 1 <= n < world_size:
+        parser.error(f"--rollout-num-gpus {n} must leave at least one of the {world_size} ranks to train (--async)")
     # every rank creates every group, in the same order (new_group is collective)
-    sgroup, tgroup = dist.new_group(list(range(R))), dist.new_group(list(range(R, world_size)))
-    wgroup = dist.new_group(list(range(R + 1)))
-    return Roles(True, rank < R, rank >= R, R, world_size - R, rank, rank - R, R, sgroup, tgroup, wgroup)
+    samplers, trainers = dist.new_group(list(range(n))), dist.new_group(list(range(n, world_size)))
+    weights = dist.new_group(list(range(n + 1)))
+    return Roles(True, rank < n, rank >= n, n, world_size - n, rank, rank - n, n, samplers, trainers, weights)
 
 
 def exchange_rollouts(roles, payload):
@@ -115,17 +116,17 @@ def sum_payload_metrics(payloads):
 def send_weights(model, roles, version, metrics):
     """The first trainer: the new weights, in place on every sampler, then their version and the step's metrics."""
     for p in model.parameters():
-        dist.broadcast(p.data, src=roles.R, group=roles.wgroup)
-    dist.broadcast_object_list([(version, metrics)], src=roles.R, group=roles.wgroup)
+        dist.broadcast(p.data, src=roles.first_trainer, group=roles.weights_group)
+    dist.broadcast_object_list([(version, metrics)], src=roles.first_trainer, group=roles.weights_group)
 
 
 def receive_weights(model, engine, roles):
     """A sampler: send_weights' weights into the model, then into the engine's own copy -> (version, metrics)."""
     for p in model.parameters():
-        dist.broadcast(p.data, src=roles.R, group=roles.wgroup)
+        dist.broadcast(p.data, src=roles.first_trainer, group=roles.weights_group)
     engine.load_weights(model)
     box = [None]
-    dist.broadcast_object_list(box, src=roles.R, group=roles.wgroup)
+    dist.broadcast_object_list(box, src=roles.first_trainer, group=roles.weights_group)
     return box[0]
 
 

@@ -1,11 +1,13 @@
 """
 The training side of RL: given a rollout's scored samples, shape the rewards, compute advantages and take the
 optimizer steps. One loss path serves every estimator: the per-token policy loss (PPO clip, GSPO or CISPO),
-then importance weights, aggregation, entropy and KL, all in nanorl.rl.policy_loss. Used by scripts/chat_rl.py
-(synchronous and --async) and by `bench rl`, so the benchmark times exactly the step that trains.
+then importance weights, aggregation, entropy and KL, all in nanorl.rl.policy_loss. Used by nanorl/rl_run.py
+(synchronous and --async) and by `bench rl`, so the benchmark times exactly the step that trains. At the end, the
+samples' tensor layout: packing them end to end into micro-batches, and collating them into (B, T) rows.
 
 The Trainer takes a TrainerConfig; its flags live here too (add_args, config_from_args), next to the code they
-configure. Outside chat_rl build the config directly: TrainerConfig(n_samples_per_prompt=4, max_response_len=64).
+configure. Outside chat_rl build the config directly:
+    TrainerConfig(group=GroupSpec(n_samples_per_prompt=4, max_response_len=64))
 """
 
 from dataclasses import dataclass, fields
@@ -16,17 +18,15 @@ from torch.distributed.fsdp import FSDPModule
 
 from nanorl import rl
 from nanorl.common import autocast_ctx, fraction, nonneg_float, nonneg_int, number_in, positive_float, positive_int
-from nanorl.samples import TRUNCATED, collate, collate_packed, pack_micro_batches, pad_like, unpack
+from nanorl.rollout import TRUNCATED, GroupSpec
 
 
 @dataclass
 class TrainerConfig:
     """What one training step reads. The defaults are chat_rl's flag defaults."""
 
+    group: GroupSpec = GroupSpec()  # the rollout's: group size, temperature of the log-probs, max length
     advantage_estimator: str = "grpo"  # a row of rl.ESTIMATORS: the advantage function and the policy loss
-    n_samples_per_prompt: int = 8  # the group size: groups are consecutive samples
-    temperature: float = 1.0  # the rollout's: the trainer's log-probs are log_softmax(logits / temperature)
-    max_response_len: int = 256
     num_steps_per_rollout: int = 1
     max_tokens_per_gpu: int = 8192
     grad_clip: float = 1.0  # 0 = off
@@ -147,12 +147,12 @@ def add_args(parser):
     g.add_argument("--tis-mode", default=c.tis_mode, choices=["truncate", "icepop"], help="icepop: 0 outside the band")
 
 
-def config_from_args(args, parser):
-    """The TrainerConfig of the flags (and of chat_rl's --n-samples-per-prompt, --temperature, --max-response-len),
-    after checking that they agree: a combination without meaning fails here, before any work, naming both flags."""
-    # every field is a flag of the same name, but the KL loss is off unless --use-kl-loss
-    kw = {f.name: getattr(args, f.name) for f in fields(TrainerConfig)}
-    cfg = TrainerConfig(**{**kw, "kl_loss_coef": args.kl_loss_coef if args.use_kl_loss else 0.0})
+def config_from_args(args, parser, group):
+    """The TrainerConfig of the flags and the run's GroupSpec, after checking that the flags agree: a combination
+    without meaning fails here, before any work, naming both flags."""
+    # every other field is a flag of the same name, but the KL loss is off unless --use-kl-loss
+    kw = {f.name: getattr(args, f.name) for f in fields(TrainerConfig) if f.name != "group"}
+    cfg = TrainerConfig(group=group, **{**kw, "kl_loss_coef": args.kl_loss_coef if args.use_kl_loss else 0.0})
     check_estimator_flags(cfg, args, parser)
     if args.use_kl_loss != (args.kl_loss_coef > 0):
         parser.error("--use-kl-loss and --kl-loss-coef go together: give both (a positive coefficient) or neither")
@@ -234,13 +234,13 @@ class Trainer:
         critic=None,
         critic_optimizer=None,
         teacher=None,
-        group=None,
+        process_group=None,
         world=1,
         distributed=False,
     ):
         self.cfg, self.model, self.optimizer, self.device = cfg, model, optimizer, device
         self.ref_model, self.critic, self.critic_optimizer, self.teacher = ref_model, critic, critic_optimizer, teacher
-        self.group, self.world, self.distributed = group, world, distributed
+        self.process_group, self.world, self.distributed = process_group, world, distributed
         self.autocast = autocast_ctx(device.type)
 
     # --- forward passes over samples, micro-batched like the training step -----------------------
@@ -257,7 +257,7 @@ class Trainer:
             # every forward/backward of a sharded model gathers weights with the other ranks: all must run as many
             # micro-batches; a rank with fewer repeats its last one as a "dummy" (run, never counted)
             n = torch.tensor(len(batches), device=self.device)
-            dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self.group)
+            dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self.process_group)
             batches += [{**batches[-1], "dummy": True}] * (int(n) - len(batches))
         return batches
 
@@ -269,7 +269,7 @@ class Trainer:
                 batch["packed_inputs"],
                 batch["packed_targets"].clamp(min=0),
                 doc_ids=batch["doc_ids"],
-                temperature=self.cfg.temperature,
+                temperature=self.cfg.group.temperature,
                 return_entropy=True,
             )
         return unpack(logp.float(), batch["unpack"]), unpack(ent.float(), batch["unpack"])
@@ -298,17 +298,19 @@ class Trainer:
 
     def shape_rewards(self, samples):
         """DAPO overlong penalty and truncated-sample masking, on the samples in place."""
-        a = self.cfg
-        if a.overlong_buffer_len > 0:
+        cfg = self.cfg
+        if cfg.overlong_buffer_len > 0:
             lens = torch.tensor([s.response_length for s in samples], dtype=torch.float32)
-            pen = rl.overlong_penalty(lens, a.max_response_len, a.overlong_buffer_len, a.overlong_penalty_factor)
+            pen = rl.overlong_penalty(
+                lens, cfg.group.max_response_len, cfg.overlong_buffer_len, cfg.overlong_penalty_factor
+            )
             for s, p in zip(samples, pen.tolist()):
                 s.reward = (
                     {**s.reward, "overlong": p, "total": s.reward["total"] + p}
                     if isinstance(s.reward, dict)
                     else s.reward + p
                 )
-        if a.mask_truncated_samples:
+        if cfg.mask_truncated_samples:
             for s in samples:
                 if s.status == TRUNCATED:
                     s.loss_mask = [0] * s.response_length
@@ -319,31 +321,31 @@ class Trainer:
         the estimator's row of rl.ESTIMATORS, and for ppo the critic's targets (returns); None otherwise. Built on
         the compute device: the whitening all-reduces them, and NCCL takes only CUDA tensors.
         """
-        a = self.cfg
+        cfg = self.cfg
         mask = collate(samples, self.device)["loss_mask"]
         T = mask.size(1)
         rewards = torch.tensor([s.scalar_reward() for s in samples], dtype=torch.float32, device=self.device)
-        dist_group = (self.group if self.group is not None else True) if self.distributed else False
+        dist_group = (self.process_group if self.process_group is not None else True) if self.distributed else False
         kl = None
-        if ref_lp is not None and a.kl_coef > 0:
+        if ref_lp is not None and cfg.kl_coef > 0:
             kl = rl.kl_estimate(pad_like(old_lp, T), pad_like(ref_lp, T), "k1") * mask
-        adv, returns = a.estimator.advantages(
+        adv, returns = cfg.estimator.advantages(
             rewards,
             mask,
-            group_size=a.n_samples_per_prompt,
+            group_size=cfg.group.n_samples_per_prompt,
             kl=kl,
-            kl_coef=a.kl_coef,
-            std_normalize=not a.disable_grpo_std_normalization,
-            gamma=a.gamma,
-            lambd=a.lambd,
+            kl_coef=cfg.kl_coef,
+            std_normalize=not cfg.disable_grpo_std_normalization,
+            gamma=cfg.gamma,
+            lambd=cfg.lambd,
             values=pad_like(old_values, T) if old_values is not None else None,
             distributed=dist_group,
         )
-        if a.normalize_advantages:
+        if cfg.normalize_advantages:
             adv = rl.masked_whiten(adv, mask, distributed=dist_group) * mask
         if self.teacher is not None:  # on-policy distillation: tokens the teacher likes more get pushed up
             s_lp, t_lp = pad_like(old_lp, T), pad_like(self.logp_of(self.teacher, samples), T)
-            adv = rl.opd_adjust(adv, s_lp, t_lp, mask, a.opd_kl_coef)
+            adv = rl.opd_adjust(adv, s_lp, t_lp, mask, cfg.opd_kl_coef)
             self.opd_kl = rl.masked_mean(s_lp - t_lp, mask).item()
         return list(adv), (list(returns) if returns is not None else None)
 
@@ -351,15 +353,9 @@ class Trainer:
 
     def train_step(self, step, samples, timer):
         """Shape rewards, compute advantages, take --num-steps-per-rollout optimizer steps -> metrics (this rank's)."""
-        a = self.cfg
-        other = next((s for s in samples if s.temperature is not None and s.temperature != a.temperature), None)
-        if other is not None:  # the log-prob ratios would compare two different distributions
-            raise ValueError(
-                f"a sample ({other.metadata}) was sampled at temperature {other.temperature:g}, but the "
-                f"trainer computes log-probs at {a.temperature:g}: give it the rollout's temperature"
-            )
+        cfg = self.cfg
         bad = next((s for s in samples if len(s.rollout_log_probs) != s.response_length), None)
-        if a.use_tis and bad is not None:  # TIS compares against the sampler's log-probs: without them it is garbage
+        if cfg.use_tis and bad is not None:  # TIS compares against the sampler's log-probs: without them it is garbage
             raise SystemExit(
                 f"--use-tis needs the rollout's log-probs, but a sample ({bad.metadata}) has {len(bad.rollout_log_probs)} for "
                 f"{bad.response_length} response tokens: --custom-generate-function-path must fill Sample.rollout_log_probs"
@@ -371,7 +367,7 @@ class Trainer:
                 ref_lp = self.logp_of(self.ref_model, samples)
         # the policy before this rollout's first update: the ratio's denominator off-policy, the KL penalty's and OPD's
         # student; on-policy (one step) the first micro-batch pass gives it for free, so it is only computed when needed
-        if a.num_steps_per_rollout > 1 or a.kl_coef > 0 or self.teacher is not None:
+        if cfg.num_steps_per_rollout > 1 or cfg.kl_coef > 0 or self.teacher is not None:
             with timer.section("old_logp", self.device.type):
                 old_lp = self.logp_of(self.model, samples)
         if self.critic is not None:
@@ -380,9 +376,9 @@ class Trainer:
         self.opd_kl = None
         with timer.section("advantages", self.device.type):
             adv, returns = self.compute_advantages(samples, old_lp, ref_lp, old_values)
-        lr_mult = min(1.0, (step + 1) / a.warmup_rollouts) if a.warmup_rollouts > 0 else 1.0
+        lr_mult = min(1.0, (step + 1) / cfg.warmup_rollouts) if cfg.warmup_rollouts > 0 else 1.0
         # the rollout cut into mini-batches of whole groups of n, all of it (an agent's group may be several: agents.py)
-        steps, n = a.num_steps_per_rollout, a.n_samples_per_prompt
+        steps, n = cfg.num_steps_per_rollout, cfg.group.n_samples_per_prompt
         edges = [k * (len(samples) // n) // steps * n for k in range(steps)] + [len(samples)]
         off_policy = steps > 1
         results = []
@@ -420,12 +416,12 @@ class Trainer:
     def train_minibatch(self, samples, adv, old_lp, ref_lp, lr_mult, returns=None, old_values=None):
         """One optimizer step over `samples` (this rank's share of the global batch); with ppo, one critic step too.
         old_lp None = on-policy: the ratio's denominator is this very forward, detached."""
-        a, model, device = self.cfg, self.model, self.device
+        cfg, model, device = self.cfg, self.model, self.device
         model.train()
         local_tok = sum(sum(s.loss_mask) for s in samples)
         counts = torch.tensor([local_tok, len(samples)], dtype=torch.float64, device=device)
         if self.distributed:
-            dist.all_reduce(counts, group=self.group)
+            dist.all_reduce(counts, group=self.process_group)
         global_tok, global_seq = max(counts[0].item(), 1.0), counts[1].item()
         sums, positions = {}, 0
         for batch in self.micro_batches(samples, model):
@@ -438,27 +434,27 @@ class Trainer:
             logp, ent = self.forward_logp(model, batch)
             old = rows(old_lp) if old_lp is not None else logp.detach()
             tis = None
-            if a.use_tis:
+            if cfg.use_tis:
                 tis, tis_metrics = rl.tis_weights(
-                    old, batch["rollout_logp"], mask, a.tis_clip, a.tis_clip_low, a.tis_mode
+                    old, batch["rollout_logp"], mask, cfg.tis_clip, cfg.tis_clip_low, cfg.tis_mode
                 )
             loss, m = rl.policy_loss(
                 logp,
                 old,
                 rows(adv),
                 mask,
-                kind=a.estimator.loss,
-                eps_clip=a.eps_clip,
-                eps_clip_high=a.eps_clip_high,
-                eps_clip_c=a.eps_clip_c,
-                loss_agg=a.loss_aggregation,
-                max_len=a.max_response_len,
+                kind=cfg.estimator.loss,
+                eps_clip=cfg.eps_clip,
+                eps_clip_high=cfg.eps_clip_high,
+                eps_clip_c=cfg.eps_clip_c,
+                loss_agg=cfg.loss_aggregation,
+                max_len=cfg.group.max_response_len,
                 tis_weights=tis,
                 entropy=ent,
-                entropy_coef=a.entropy_coef,
+                entropy_coef=cfg.entropy_coef,
                 ref_logp=rows(ref_lp) if ref_lp else None,
-                kl_type=a.kl_loss_type,
-                kl_coef=a.kl_loss_coef,
+                kl_type=cfg.kl_loss_type,
+                kl_coef=cfg.kl_loss_coef,
             )
             if tis is not None:
                 m.update(tis_metrics)
@@ -466,7 +462,7 @@ class Trainer:
             # (tokens for token_mean, rows for the sequence means), and x world because the optimizer averages
             # gradients over the training ranks: the step equals one pass over the whole batch, however it is cut
             mb_tok = mask.sum().item()
-            share = (mb_tok / global_tok) if a.loss_aggregation == "token_mean" else (len(mb) / global_seq)
+            share = (mb_tok / global_tok) if cfg.loss_aggregation == "token_mean" else (len(mb) / global_seq)
             (loss * share * self.world).backward()
             if self.critic is not None:
                 values = self.forward_values(batch)
@@ -475,9 +471,9 @@ class Trainer:
                     rows(old_values),
                     rows(returns),
                     mask,
-                    a.value_clip or None,
-                    loss_agg=a.loss_aggregation,
-                    max_len=a.max_response_len,
+                    cfg.value_clip or None,
+                    loss_agg=cfg.loss_aggregation,
+                    max_len=cfg.group.max_response_len,
                 )
                 (vf_loss * share * self.world).backward()
                 m.update(vm, vf_loss=vf_loss.detach())
@@ -496,7 +492,7 @@ class Trainer:
 
     def optimizer_step(self, module, optimizer, lr_mult):
         """Average gradients over the training ranks, clip the global norm, step -> the norm before clipping."""
-        optimizer.average_gradients(self.group)
+        optimizer.average_gradients(self.process_group)
         params = [p for p in module.parameters() if p.grad is not None]
         if self.cfg.grad_clip > 0:
             norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
@@ -507,3 +503,125 @@ class Trainer:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return float(norm)
+
+
+# -----------------------------------------------------------------------------------------------
+# packing samples into micro-batches
+
+
+def pack_rows(sizes, capacity):
+    """First-fit, largest first: lists of indices whose sizes add up to at most capacity (a larger one alone)."""
+    rows, load = [], []
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        r = next((r for r in range(len(rows)) if load[r] + sizes[i] <= capacity), len(rows))
+        if r == len(rows):
+            rows.append([])
+            load.append(0)
+        rows[r].append(i)
+        load[r] += sizes[i]
+    return rows
+
+
+def pack_micro_batches(samples, max_tokens, row_len):
+    """
+    Pack samples into rows and rows into micro-batches. A sample takes len(tokens) - 1 positions (its inputs);
+    rows hold whole samples end to end, at most row_len positions each, and a micro-batch is rows of at most
+    max_tokens positions in all (rows x its longest row). Rows are as few as first-fit makes them, then evened
+    out (the capacity lowered to near the mean, as long as no row is added): a micro-batch runs as long as its
+    longest row, so a short last row would be padded. A sample longer than row_len gets a row of its own, a row
+    longer than max_tokens a micro-batch of its own. Returns micro-batches as lists of rows, rows as lists of
+    sample indices.
+    """
+    size = [len(s.tokens) - 1 for s in samples]
+    rows = pack_rows(size, row_len)
+    cap = -(-sum(size) // max(len(rows), 1))
+    while cap < row_len:
+        even = pack_rows(size, cap)
+        if len(even) <= len(rows):
+            rows = even
+            break
+        cap += max(1, cap // 32)
+    load = [sum(size[i] for i in row) for row in rows]
+    batches, cur = [], []
+    for r in sorted(range(len(rows)), key=lambda r: -load[r]):  # the first row of a micro-batch is its longest
+        if cur and load[cur[0]] * (len(cur) + 1) > max_tokens:
+            batches.append(cur)
+            cur = []
+        cur.append(r)
+    if cur:
+        batches.append(cur)
+    return [[rows[r] for r in mb] for mb in batches]
+
+
+# -----------------------------------------------------------------------------------------------
+# tensors
+
+
+def collate(samples, device="cpu", pad_id=0):
+    """
+    Samples -> padded (B, T) tensors aligned for next-token prediction: position t predicts token t+1.
+    loss_mask is 1 exactly on the response tokens the model wrote (tool outputs and prompt excluded),
+    rollout_logp holds the sampler's log-prob at those positions. targets are -1 where not trained.
+    """
+    T = max(len(s.tokens) for s in samples) - 1
+    B = len(samples)
+    inputs = torch.full((B, T), pad_id, dtype=torch.long)
+    targets = torch.full((B, T), -1, dtype=torch.long)
+    loss_mask = torch.zeros(B, T)
+    rollout_logp = torch.zeros(B, T)
+    for b, s in enumerate(samples):
+        n, P, R = len(s.tokens), s.prompt_length, s.response_length
+        inputs[b, : n - 1] = torch.tensor(s.tokens[:-1])
+        resp = slice(P - 1, P - 1 + R)
+        targets[b, resp] = torch.tensor(s.tokens[P:])
+        loss_mask[b, resp] = torch.tensor(s.loss_mask, dtype=torch.float32)
+        if s.rollout_log_probs:
+            rollout_logp[b, resp] = torch.tensor(s.rollout_log_probs, dtype=torch.float32)
+    return {
+        "inputs": inputs.to(device),
+        "targets": targets.to(device),
+        "loss_mask": loss_mask.to(device),
+        "rollout_logp": rollout_logp.to(device),
+    }
+
+
+def collate_packed(samples, rows, device="cpu", pad_id=0):
+    """
+    One micro-batch of rows (lists of sample indices, from pack_micro_batches) -> collate() of its samples, in
+    row order, plus the packed tensors the model runs on: packed_inputs/packed_targets (R, L), the samples of
+    each row end to end and padding after them, and doc_ids numbering the samples of a row (the padding is one
+    more document), so that positions restart and attention stays within each sample. "unpack" (B, T) gives
+    each per-sample position's index into the flattened (R, L) tensors, -1 past the sample's end: unpack()
+    turns the model's packed per-token outputs back into collate()'s per-sample layout.
+    """
+    order = [i for row in rows for i in row]
+    batch = collate([samples[i] for i in order], pad_id=pad_id)
+    sizes = [len(samples[i].tokens) - 1 for i in order]
+    R, L = len(rows), max(sum(len(samples[i].tokens) - 1 for i in row) for row in rows)  # L: the longest row
+    inputs = torch.full((R, L), pad_id, dtype=torch.long)
+    targets = torch.full((R, L), -1, dtype=torch.long)
+    doc_ids = torch.zeros((R, L), dtype=torch.long)
+    index = torch.full(batch["inputs"].shape, -1, dtype=torch.long)
+    b = 0
+    for r, row in enumerate(rows):
+        pos = 0
+        for doc in range(len(row)):
+            n = sizes[b]
+            inputs[r, pos : pos + n] = batch["inputs"][b, :n]
+            targets[r, pos : pos + n] = batch["targets"][b, :n]
+            doc_ids[r, pos : pos + n] = doc
+            index[b, :n] = torch.arange(r * L + pos, r * L + pos + n)
+            pos, b = pos + n, b + 1
+        doc_ids[r, pos:] = len(row)
+    batch.update(packed_inputs=inputs, packed_targets=targets, doc_ids=doc_ids, unpack=index, order=order)
+    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+def unpack(packed, index):
+    """Packed per-token values (R, L) -> per-sample rows (B, T) by collate_packed's index; 0 past a sample's end."""
+    return packed.reshape(-1)[index.clamp(min=0)].masked_fill(index < 0, 0.0)
+
+
+def pad_like(rows, T):
+    """Per-sample 1-D tensors -> (B, T), cut or zero-padded on the right."""
+    return torch.stack([torch.nn.functional.pad(r[:T], (0, T - min(len(r), T))) for r in rows])

@@ -1,28 +1,38 @@
 """
-The sampling side of RL: turning prompts into scored groups of Samples on one rank (RolloutWorker), dynamic
-sampling with over-sampling (fill_rollout and its filters), the surplus buffer, the rollout deadline, and the
-rollout flags (add_args, config_from_args).
+The sampling side of RL: the Sample record the trainer reads, the prompt source, turning prompts into scored groups
+of Samples on one rank (RolloutWorker), dynamic sampling with over-sampling (fill_rollout and its filters), the
+surplus buffer, the rollout deadline, and the rollout flags (add_args, config_from_args).
 
-The flow of one rollout (the loop is in scripts/chat_rl.py):
-  prompts (nanorl/prompts.py) -> n samples each (engine, multi-turn tool calls or a custom generate function)
-  -> rewards (a local function or a remote server, nanorl/rewards.py) -> the dynamic-sampling filter keeps whole
-  groups -> surplus groups wait in the buffer for the next rollout
-The Sample record and its tensor layout, which the trainer reads, are in nanorl/samples.py.
+The flow of one rollout (RLRun.rollout in nanorl/rl_run.py calls it):
+  PromptSource.get -> prompts and their seeds -> RolloutWorker.generate: n samples each (the engine, multi-turn tool
+  calls or a custom generate function) -> RolloutWorker.score: rewards (the graders of nanorl/rewards.py or a remote
+  server) -> the dynamic-sampling filter keeps whole groups -> surplus groups wait in the buffer for the next rollout
 """
 
+import random
 import signal
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
 from nanorl.common import nonneg_float, number_in, positive_int
 from nanorl.engine import Request
 from nanorl.multiturn import TOOLS, make_tool, multi_turn_generate
-from nanorl.prompts import prompt_ids
 from nanorl.remote_rewards import remote_rewards
-from nanorl.rewards import set_rewards
-from nanorl.samples import ABORTED, TRUNCATED, Sample, extend_sample
+from nanorl.rewards import safe_reward, set_rewards
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """What a group of samples is, read by both sides: the sampler draws n_samples_per_prompt responses of each
+    prompt (consecutive samples: the trainer's groups) at `temperature`, at most max_response_len tokens each; the
+    trainer computes its log-probs at the same temperature (the engine records log_softmax(logits / temperature)),
+    so on-policy the two agree. The defaults are chat_rl's flag defaults."""
+
+    n_samples_per_prompt: int = 8
+    temperature: float = 1.0
+    max_response_len: int = 256
 
 AGENT_TIMEOUT = 300.0  # --agent-timeout's default
 
@@ -31,9 +41,7 @@ AGENT_TIMEOUT = 300.0  # --agent-timeout's default
 class RolloutConfig:
     """What the RolloutWorker reads. The defaults are chat_rl's flag defaults."""
 
-    n_samples_per_prompt: int = 8
-    temperature: float = 1.0  # recorded on every Sample: the trainer computes its log-probs at the same one
-    max_response_len: int = 256
+    group: GroupSpec = GroupSpec()
     top_k: int | None = None  # None = off
     top_p: float | None = None  # None = off
     multi_turn: bool = False
@@ -123,9 +131,8 @@ def add_args(parser):
     )
 
 
-def config_from_args(args, parser):
-    """The RolloutConfig of the rollout flags (and of chat_rl's --n-samples-per-prompt, --temperature,
-    --max-response-len), after checking that they agree."""
+def config_from_args(args, parser, group):
+    """The RolloutConfig of the rollout flags and the run's GroupSpec, after checking that the flags agree."""
     dynamic = args.over_sampling_batch_size is not None
     if args.partial_rollout and not (dynamic and args.over_sampling_batch_size > args.rollout_batch_size):
         parser.error(
@@ -157,9 +164,7 @@ def config_from_args(args, parser):
     elif args.max_turns is not None or args.tool is not None:
         parser.error("--max-turns and --tool are only used with --multi-turn")
     return RolloutConfig(
-        n_samples_per_prompt=args.n_samples_per_prompt,
-        temperature=args.temperature,
-        max_response_len=args.max_response_len,
+        group=group,
         top_k=args.top_k,
         top_p=args.top_p,
         multi_turn=args.multi_turn,
@@ -167,6 +172,118 @@ def config_from_args(args, parser):
         tool=args.tool or RolloutConfig.tool,
         partial_rollout=args.partial_rollout,
     )
+
+
+# -----------------------------------------------------------------------------------------------
+# the Sample record: what the sampler fills in and the trainer reads (its tensor layout: nanorl/rl_trainer.py)
+
+COMPLETED, TRUNCATED, ABORTED = "completed", "truncated", "aborted"
+
+
+@dataclass
+class Sample:
+    """One response to one prompt, and everything the trainer and the logs need about it."""
+
+    prompt: object = None  # the conversation (dict) or text the prompt came from
+    tokens: list = field(default_factory=list)  # prompt ids + response ids
+    response_length: int = 0
+    label: object = None
+    reward: object = None  # float, or a dict of components with a "total"
+    loss_mask: list = field(default_factory=list)  # one per response token: 1 = model wrote it, train on it
+    rollout_log_probs: list = field(default_factory=list)  # per response token, from the sampler
+    status: str = COMPLETED
+    weight_version: int = 0  # the policy version that generated it (off-policy bookkeeping)
+    group_index: int = 0  # which prompt (group) of the rollout
+    index: int = 0  # which sample of its group
+    metadata: dict = field(default_factory=dict)
+
+    @property
+    def prompt_length(self):
+        return len(self.tokens) - self.response_length
+
+    def scalar_reward(self):
+        return self.reward["total"] if isinstance(self.reward, dict) else self.reward
+
+    def to_dict(self):
+        return asdict(self)
+
+
+def extend_sample(s, completion, python_start=None, output_end=None):
+    """Append an engine Completion to a Sample. An aborted one keeps only what can be continued exactly: if it
+    stopped inside a tool call (the call's forced output not all fed in), the call is cut and the model redoes it."""
+    s.tokens += completion.tokens
+    s.response_length += len(completion.tokens)
+    s.loss_mask += completion.mask
+    s.rollout_log_probs += completion.logprobs
+    s.status = completion.status
+    if s.status == ABORTED:
+        response = s.tokens[s.prompt_length :]
+        open_at = None
+        for i, t in enumerate(response):
+            if t == python_start:
+                open_at = i
+            elif t == output_end:
+                open_at = None
+        if open_at is not None:
+            cut = s.response_length - open_at
+            del s.tokens[-cut:], s.loss_mask[-cut:], s.rollout_log_probs[-cut:]
+            s.response_length = open_at
+    return s
+
+
+# -----------------------------------------------------------------------------------------------
+# prompts: the tokens a response starts from, and the source that deals them out with their seeds
+
+
+def prompt_ids(tokenizer, item):
+    """The tokens a prompt item starts the response from: a conversation rendered up to the assistant's turn, or
+    raw text (--prompt-data without --apply-chat-template) after <|bos|>."""
+    if "text" in item:
+        return [tokenizer.get_bos_token_id()] + tokenizer.encode(item["text"])
+    return tokenizer.render_for_completion(item["conversation"])
+
+
+class PromptSource:
+    """
+    Prompts (conversation, label, metadata) from a task, reshuffled every epoch with a seed; each DDP
+    rank walks its own strided shard. state_dict() makes a resumed run continue on the exact next prompt.
+    """
+
+    def __init__(self, items, seed=0, rank=0, world_size=1, shuffle=True):
+        if not items:
+            raise ValueError("the prompt source is empty: the RL task gave no prompts")
+        self.items = items
+        self.seed, self.rank, self.world_size, self.shuffle = seed, rank, world_size, shuffle
+        self.epoch, self.offset = 0, 0
+        self._order = self._make_order()
+
+    def _make_order(self):
+        order = list(range(len(self.items)))
+        if self.shuffle:
+            random.Random(self.seed * 1000003 + self.epoch).shuffle(order)
+        return order[self.rank :: self.world_size]
+
+    def get(self, n):
+        """The next n prompts of this rank and their sampling seeds. A prompt's seed is a function of the run's seed
+        and of where the prompt sits in the global order (epoch, position), whichever rank serves it: a run on k
+        ranks samples exactly what a run on one rank samples."""
+        out, seeds = [], []
+        while len(out) < n:
+            if self.offset >= len(self._order):
+                self.epoch, self.offset = self.epoch + 1, 0
+                self._order = self._make_order()
+            out.append(self.items[self._order[self.offset]])
+            position = self.offset * self.world_size + self.rank
+            seeds.append(self.seed * 1_000_003 + self.epoch * 10_000_019 + position)
+            self.offset += 1
+        return out, seeds
+
+    def state_dict(self):
+        return {"epoch": self.epoch, "offset": self.offset, "seed": self.seed}
+
+    def load_state_dict(self, state):
+        self.epoch, self.offset, self.seed = state["epoch"], state["offset"], state["seed"]
+        self._order = self._make_order()
 
 
 # -----------------------------------------------------------------------------------------------
@@ -220,8 +337,10 @@ class RolloutBuffer:
         }
 
     def load_state_dict(self, state):
-        self.groups = [[Sample(**d) for d in g] for g in state["groups"]]
-        self.partial = [[Sample(**d) for d in g] for g in state.get("partial", [])]
+        # (checkpoints written before the GroupSpec recorded each sample's temperature: it is the run's)
+        load = lambda d: Sample(**{k: v for k, v in d.items() if k != "temperature"})
+        self.groups = [[load(d) for d in g] for g in state["groups"]]
+        self.partial = [[load(d) for d in g] for g in state.get("partial", [])]
 
 
 def fill_rollout(target_groups, buffer, make_groups, group_filter, max_rounds=8, stop_when_full=False):
@@ -306,39 +425,40 @@ def deadline(seconds, what="the rollout"):
 
 class RolloutWorker:
     """
-    Turns prompts into scored groups of Samples on one rank. It owns the engine, the reward function and two
-    pieces of state: what it is working on right now (`inflight`, named in the report when a rollout fails or
-    hangs) and how many rewards have failed in training rollouts (`reward_failures`).
-      reward_fn(response_text, label, metadata) -> (value, None) | (None, reason); None with a remote reward
+    Turns prompts into scored groups of Samples on one rank. It owns the engine, the graders and two pieces of
+    state: what it is working on right now (`inflight`, named in the report when a rollout fails or hangs) and how
+    many rewards have failed in training rollouts (`reward_failures`).
+      graders: {split: fn(response_text, label, metadata) -> float | dict}, the grader of the split a prompt came
+        from (metadata["split"]); None with a remote reward
       rewards: the RewardConfig (the remote server, what a failed reward becomes)
       custom_generate: --custom-generate-function-path (or --agent's AgentRollout), called as fn(cfg, engine,
-        tokenizer, prompts, seeds) with cfg's n_samples_per_prompt and temperature those of the call (the eval's
-        for the eval); an object with a metrics(samples) method adds its metrics to the rollout's
+        tokenizer, prompts, seeds) with cfg.group the call's GroupSpec (the eval's for the eval); an object with a
+        metrics(samples) method adds its metrics to the rollout's
     """
 
-    def __init__(self, cfg, engine, tokenizer, reward_fn, rewards, custom_generate=None):
+    def __init__(self, cfg, engine, tokenizer, graders, rewards, custom_generate=None):
         self.cfg, self.engine, self.tokenizer = cfg, engine, tokenizer
-        self.reward_fn, self.rewards, self.custom_generate = reward_fn, rewards, custom_generate
+        self.graders, self.rewards, self.custom_generate = graders, rewards, custom_generate
         self.tool = make_tool(cfg.tool) if cfg.multi_turn else None
         self.inflight, self.reward_failures = {}, 0
         self.stop_tokens = {tokenizer.encode_special("<|assistant_end|>"), tokenizer.get_bos_token_id()}
         self.python_start = tokenizer.encode_special("<|python_start|>")
         self.output_end = tokenizer.encode_special("<|output_end|>")
 
-    def request(self, prompt_ids, seed, num_samples, temperature, max_tokens=None, **kw):
-        c = self.cfg
+    def request(self, prompt_ids, seed, group, num_samples=None, max_tokens=None, **kw):
+        """The engine Request for samples of one prompt: by default the whole group of `group` (a GroupSpec)."""
         return Request(
             prompt_ids=prompt_ids,
-            num_samples=num_samples,
-            max_tokens=c.max_response_len if max_tokens is None else max_tokens,
-            temperature=temperature,
-            top_k=c.top_k,
-            top_p=c.top_p,
+            num_samples=group.n_samples_per_prompt if num_samples is None else num_samples,
+            max_tokens=group.max_response_len if max_tokens is None else max_tokens,
+            temperature=group.temperature,
+            top_k=self.cfg.top_k,
+            top_p=self.cfg.top_p,
             seed=seed,
             **kw,
         )
 
-    def new_group(self, p, prompt_ids, seed, num_samples, weight_version, temperature):
+    def new_group(self, p, prompt_ids, seed, num_samples, weight_version):
         """Empty samples of one prompt, to be extended by the engine's completions."""
         return [
             Sample(
@@ -349,34 +469,35 @@ class RolloutWorker:
                 weight_version=weight_version,
                 index=si,
                 metadata={**p["metadata"], "seed": seed},
-                temperature=temperature,
             )
             for si in range(num_samples)
         ]
 
-    def generate(self, prompts, seeds, temperature, num_samples, weight_version):
-        """The default rollout: one engine call over all prompts, each fanned out to num_samples -> groups."""
+    def generate(self, prompts, seeds, weight_version, group=None):
+        """The default rollout: one engine call over all prompts, each fanned out to a group of samples -> groups.
+        group: a GroupSpec, by default the run's (the eval passes its own)."""
+        group = group or self.cfg.group
         self.inflight["generating"] = [p["metadata"] for p in prompts]
         if self.custom_generate is not None:  # its config says what to sample: the eval's n and temperature too
-            cfg = replace(self.cfg, temperature=temperature, n_samples_per_prompt=num_samples)
+            cfg = replace(self.cfg, group=group)
             groups = self.custom_generate(cfg, self.engine, self.tokenizer, prompts, seeds)
             for s in (s for g in groups for s in g):
                 s.weight_version = weight_version
             return groups
         ids_of = [prompt_ids(self.tokenizer, p) for p in prompts]
-        reqs = [self.request(ids, seed, num_samples, temperature) for ids, seed in zip(ids_of, seeds)]
+        reqs = [self.request(ids, seed, group) for ids, seed in zip(ids_of, seeds)]
         if self.cfg.multi_turn:
             results = multi_turn_generate(self.engine, reqs, self.cfg.max_turns, self.tool)
         else:
             results = self.engine.generate(reqs)
         groups = []
         for p, ids, seed, comps in zip(prompts, ids_of, seeds, results):
-            empty = self.new_group(p, ids, seed, num_samples, weight_version, temperature)
-            group = [extend_sample(s, c) for s, c in zip(empty, comps)]
+            empty = self.new_group(p, ids, seed, group.n_samples_per_prompt, weight_version)
+            samples = [extend_sample(s, c) for s, c in zip(empty, comps)]
             if self.cfg.multi_turn:  # each response's tool calls, errors and whether it hit --max-turns
-                for s, c in zip(group, comps):
+                for s, c in zip(samples, comps):
                     s.metadata.update(c.turn_stats())
-            groups.append(group)
+            groups.append(samples)
         return groups
 
     def stream(self, prompts, seeds, weight_version, buffer):
@@ -385,49 +506,49 @@ class RolloutWorker:
         closes this generator: what is still generating is aborted and parked in the buffer with the tokens it has
         (and the weight_version it started under), and the next rollout continues it before starting new prompts.
         """
-        c, n, engine = self.cfg, self.cfg.n_samples_per_prompt, self.engine
-        jobs = []  # (group, {sample index: (handle, completion index)})
+        group, engine = self.cfg.group, self.engine
+        n = group.n_samples_per_prompt
+        jobs = []  # (samples of a group, {sample index: (handle, completion index)})
         parked = [s.metadata for g in buffer.partial for s in g[:1]]
         self.inflight["generating"] = parked + [p["metadata"] for p in prompts]
-        for group in buffer.take_partial():
+        for samples in buffer.take_partial():
             handles = {}
-            for s in group:
+            for s in samples:
                 if s.status == ABORTED:  # continue it: same random stream, from the token it stopped at
                     req = self.request(
                         list(s.tokens),
                         s.metadata["seed"],
-                        1,
-                        c.temperature,
-                        max_tokens=c.max_response_len - s.response_length,
+                        group,
+                        num_samples=1,
+                        max_tokens=group.max_response_len - s.response_length,
                         first_sample=s.index,
                         start_counter=s.response_length,
                     )
                     handles[s.index] = (engine.submit(req), 0)
                 s.metadata["resumed"] = s.metadata.get("resumed", 0) + (s.status == ABORTED)
-            jobs.append((group, handles))
+            jobs.append((samples, handles))
         for p, seed in zip(prompts, seeds):
             ids = prompt_ids(self.tokenizer, p)
-            h = engine.submit(self.request(ids, seed, n, c.temperature))
-            group = self.new_group(p, ids, seed, n, weight_version, c.temperature)
-            jobs.append((group, {si: (h, si) for si in range(n)}))
+            h = engine.submit(self.request(ids, seed, group))
+            jobs.append((self.new_group(p, ids, seed, n, weight_version), {si: (h, si) for si in range(n)}))
         try:
             while jobs:
                 engine.step()
                 for job in [j for j in jobs if all(h.done for h, _ in j[1].values())]:
                     jobs.remove(job)
-                    group, handles = job
+                    samples, handles = job
                     for si, (h, ci) in handles.items():
-                        extend_sample(group[si], h.completions[ci])
-                    yield self.score([group])[0]
+                        extend_sample(samples[si], h.completions[ci])
+                    yield self.score([samples])[0]
         finally:
             if jobs:  # the batch is full: abort the rest and park it, cut back to where it can be continued exactly
                 engine.abort()
                 while engine.step():
                     pass
-                for group, handles in jobs:
+                for samples, handles in jobs:
                     for si, (h, ci) in handles.items():
-                        extend_sample(group[si], h.completions[ci], self.python_start, self.output_end)
-                    buffer.partial.append(group)
+                        extend_sample(samples[si], h.completions[ci], self.python_start, self.output_end)
+                    buffer.partial.append(samples)
 
     def response_text(self, s):
         return self.tokenizer.decode([t for t in s.tokens[s.prompt_length :] if t not in self.stop_tokens])
@@ -438,7 +559,7 @@ class RolloutWorker:
         r = self.rewards
         todo = [s for g in groups for s in g if s.reward is None]
         texts = [self.response_text(s) for s in todo]
-        if self.reward_fn is None:  # --rm-type remote: all the samples in one batched call
+        if self.graders is None:  # --rm-type remote: all the samples in one batched call
             payloads = [
                 {"prompt": s.prompt, "response": t, "label": s.label, "metadata": s.metadata}
                 for s, t in zip(todo, texts)
@@ -449,7 +570,7 @@ class RolloutWorker:
             results = []
             for s, t in zip(todo, texts):
                 self.inflight["scoring"] = {"metadata": s.metadata, "response": t[:200]}
-                results.append(self.reward_fn(t, s.label, s.metadata))
+                results.append(safe_reward(self.graders[s.metadata["split"]], t, s.label, s.metadata))
         self.inflight.pop("scoring", None)
         failed = set_rewards(groups, todo, results, r.rm_failure)
         if count_failures:

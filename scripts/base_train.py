@@ -16,6 +16,7 @@ from nanorl import fsdp
 from nanorl.checkpoint import delete_step, find_last_step, resume, rng_state, save, set_rng_state
 from nanorl.common import (
     ETA,
+    SLIME_NAMES,
     ArgumentParser,
     add_logging_args,
     autocast_ctx,
@@ -51,7 +52,7 @@ def batch_or_auto(text):
 
 
 # fmt: off
-parser = ArgumentParser(description="Pretrain a base model")
+parser = ArgumentParser(description="Pretrain a base model", aliases=SLIME_NAMES)
 parser.add_argument("--depth", type=positive_int, default=20, help="number of layers; width = depth x aspect ratio")
 parser.add_argument("--aspect-ratio", type=positive_int, default=64, help="model width per layer of depth")
 parser.add_argument("--head-dim", type=positive_int, default=128, help="width of one attention head")
@@ -71,10 +72,10 @@ parser.add_argument("--warmup-ratio", type=fraction, default=0.0, help="fraction
 parser.add_argument("--warmdown-ratio", type=fraction, default=0.2, help="fraction of steps of linear LR decay at the end")
 parser.add_argument("--final-lr-frac", type=fraction, default=0.0, help="LR multiplier reached at the last step")
 parser.add_argument("--grad-clip", type=nonneg_float, default=1.0, help="max gradient norm (0 = off)")
-parser.add_argument("--eval-every", "--eval-interval", type=int_or_off, default=250, help="val bpb every N steps (0 or -1 = off)")
+parser.add_argument("--eval-every", type=int_or_off, default=250, help="val bpb every N steps (0 or -1 = off)")
 parser.add_argument("--eval-tokens", type=positive_int, default=10 * 524288, help="tokens of val text per eval")
 parser.add_argument("--sample-every", type=int_or_off, default=2000, help="print greedy samples every N steps (0 or -1 = off)")
-parser.add_argument("--save-every", "--save-interval", type=int_or_off, default=-1, help="checkpoint every N steps (0 or -1 = only at the end)")
+parser.add_argument("--save-every", type=int_or_off, default=-1, help="checkpoint every N steps (0 or -1 = only at the end)")
 parser.add_argument("--keep-last", type=positive_int, default=2, help="keep only the newest N checkpoints")
 parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint of this model tag")
 parser.add_argument("--model-tag", default=None, help="checkpoint subdirectory (default: d<depth>)")

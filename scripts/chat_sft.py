@@ -26,6 +26,7 @@ from nanorl import fsdp, lora
 from nanorl.checkpoint import add_model_args, load_model_from_args, resume, save
 from nanorl.common import (
     ETA,
+    SLIME_NAMES,
     ArgumentParser,
     add_logging_args,
     autocast_ctx,
@@ -138,7 +139,6 @@ def add_run_args(parser, stage):
     a = parser.add_argument
     a(
         "--eval-every",
-        "--eval-interval",
         type=positive_int,
         default=100,
         help="eval loss every N steps (and at the start and end)",
@@ -146,7 +146,6 @@ def add_run_args(parser, stage):
     a("--eval-tokens", type=positive_int, default=200_000, help="tokens of held-out conversations per eval")
     a(
         "--save-every",
-        "--save-interval",
         type=int_or_off,
         default=-1,
         help="checkpoint every N steps (-1: only at the end)",
@@ -485,7 +484,7 @@ def hub_mixture(args, paths):
 
 
 def main():
-    parser = ArgumentParser(description="Supervised fine-tuning on packed conversations")
+    parser = ArgumentParser(description="Supervised fine-tuning on packed conversations", aliases=SLIME_NAMES)
     add_train_args(parser, "sft", source="mid", init_lr_frac=0.02, warmdown_ratio=1.0, num_epochs=1)
     args = parser.parse_args()
     fsdp.check_args(args, "chat_sft")

@@ -24,7 +24,7 @@ def failing_generate(cfg, engine, tokenizer, prompts, seeds):
     import time
 
     from nanorl.engine import Request
-    from nanorl.samples import Sample, extend_sample
+    from nanorl.rollout import Sample, extend_sample
 
     CALLS["n"] += 1
     if CALLS["n"] >= int(os.environ["FAIL_AT"]) and os.environ.get("RANK", "0") == os.environ["FAIL_RANK"]:
@@ -35,7 +35,7 @@ def failing_generate(cfg, engine, tokenizer, prompts, seeds):
     for p, seed in zip(prompts, seeds):
         ids = tokenizer.render_for_completion(p["conversation"])
         comps = engine.generate(
-            [Request(ids, num_samples=cfg.n_samples_per_prompt, max_tokens=cfg.max_response_len, seed=seed)]
+            [Request(ids, num_samples=cfg.group.n_samples_per_prompt, max_tokens=cfg.group.max_response_len, seed=seed)]
         )[0]
         groups.append(
             [

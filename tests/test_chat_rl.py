@@ -86,9 +86,9 @@ def run_rl(base_dir, *extra, nproc=1, check=True, env=None, rm=RM):
         "4",
         "--n-samples-per-prompt",
         "4",
-        "--max-response-len",
+        "--max-new-tokens",
         "12",
-        "--eval-interval",
+        "--eval-every",
         "100",
         "--eval-max-problems",
         "4",
@@ -350,7 +350,7 @@ def test_multi_turn_tool_rl(base_dir, tool_model):
         "--multi-turn",
         "--max-turns",
         "2",
-        "--max-response-len",
+        "--max-new-tokens",
         "24",
     )
     first = hist["train"][0]
@@ -402,9 +402,9 @@ CHECKED_WITH_THE_RANKS = ("--num-steps-per-rollout", "--global-batch-size", "--a
         (["--pass-k", "0"], "argument --pass-k: 0 must hold integers >= 1"),
         (
             ["--temperature", "-1"],
-            "argument --temperature/--rollout-temperature: -1 is out of range: must be a number > 0",
+            "argument --temperature: -1 is out of range: must be a number > 0",
         ),
-        (["--temperature", "nan"], "argument --temperature/--rollout-temperature: nan is out of range"),
+        (["--temperature", "nan"], "argument --temperature: nan is out of range"),
         (["--eps-clip-c", "0.5"], "argument --eps-clip-c: 0.5 is out of range: must be a number > 1"),
     ],
 )
@@ -488,7 +488,8 @@ def test_tis_without_rollout_logprobs_fails_naming_both_flags(base_dir):
 
 def test_slime_style_prompt_data_and_flags(base_dir, tmp_path):
     # a slime command line ports with its own flag names: a jsonl of prompts + labels, the chat template, slime's
-    # names for the response length, the temperature and the number of rollouts; the built-in math grader scores it
+    # names for the response length, the temperature, the number of rollouts and the eval and save intervals (as
+    # `--flag value` and `--flag=value`); the built-in math grader scores it
     data = tmp_path / "prompts.jsonl"
     rows = [
         {"question": f"What is {a} + {b}?", "answer": str(a + b)} for a, b in [(1, 2), (3, 4), (2, 2), (5, 1), (6, 2)]
@@ -516,6 +517,9 @@ def test_slime_style_prompt_data_and_flags(base_dir, tmp_path):
         "0.9",
         "--num-rollout",
         "2",
+        "--eval-interval=1",
+        "--save-interval",
+        "1",
         "--rollout-batch-size",
         "4",
         "--n-samples-per-prompt",
@@ -539,6 +543,8 @@ def test_slime_style_prompt_data_and_flags(base_dir, tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     hist = json.loads((base_dir / "report" / "rl_history.json").read_text())
     assert [h["step"] for h in hist["train"]] == [1, 2] and hist["train"][0]["rollout/response_len_mean"] <= 8
+    assert [e["step"] for e in hist["eval"]] == [0, 1, 2]  # --eval-interval=1
+    assert (base_dir / "rl_checkpoints" / "slime" / "model_000001.safetensors").exists()  # --save-interval 1
     assert "RL on 5 prompts" in out.stdout and "not held out" in out.stdout
     # a row without the prompt key is named by file and line
     data.write_text(json.dumps({"q": "x"}) + "\n")
@@ -569,7 +575,7 @@ def test_rollout_timeout_holds_whatever_the_reward_workers_do(base_dir):
             "4",
             "--n-samples-per-prompt",
             "2",
-            "--max-response-len",
+            "--max-new-tokens",
             "8",
             "--eval-max-problems",
             "4",
@@ -622,7 +628,7 @@ def test_python_tool_rl_names_its_sandbox(base_dir, tool_model):
         "python",
         "--max-turns",
         "1",
-        "--max-response-len",
+        "--max-new-tokens",
         "16",
     )
     from nanorl.execution import sandbox_mode
@@ -644,7 +650,7 @@ def test_eval_reward_failures_are_not_the_rollouts(base_dir):
 def test_fsdp_two_processes_equal_replicated_and_sample_the_trained_weights(base_dir):
     ref, _ = run_rl(base_dir, "--num-rollouts", "3", "--output-tag", "rep2", nproc=2)
     sharded, log = run_rl(
-        base_dir, "--num-rollouts", "3", "--save-interval", "2", "--output-tag", "fsdp2", "--fsdp", nproc=2
+        base_dir, "--num-rollouts", "3", "--save-every", "2", "--output-tag", "fsdp2", "--fsdp", nproc=2
     )
     assert (base_dir / "rl_checkpoints" / "fsdp2" / "dcp_000002").is_dir()  # saved as shards
     assert [h["step"] for h in sharded["train"]] == [1, 2, 3]
@@ -667,7 +673,7 @@ def test_fsdp_two_processes_equal_replicated_and_sample_the_trained_weights(base
         base_dir,
         "--num-rollouts",
         "3",
-        "--save-interval",
+        "--save-every",
         "2",
         "--output-tag",
         "fsdp2_resumed",

@@ -502,7 +502,7 @@ def test_aborted_sample_continues_into_the_uninterrupted_sequence(temperature):
     # partial rollouts: a sample aborted mid-way and resubmitted with its tokens, its index and its token count
     # (first_sample, start_counter) draws the same random stream, so it finishes exactly as if never interrupted,
     # with the trainer's log-probs at the rollout temperature; the slots stay consistent through abort + resubmit
-    from nanorl.samples import Sample, extend_sample
+    from nanorl.rollout import Sample, extend_sample
 
     model = tiny(seq=64)
     prompt = [BOS, 65, 66, 67]
@@ -547,7 +547,7 @@ def test_aborted_sample_continues_into_the_uninterrupted_sequence(temperature):
 
 def test_aborted_sample_inside_a_tool_call_is_cut_before_the_call():
     from nanorl.engine import Completion
-    from nanorl.samples import Sample, extend_sample
+    from nanorl.rollout import Sample, extend_sample
 
     resp = [65, PY_START, 49, 43, 49, PY_END, OUT_START, 50]  # aborted while the output was being forced in
     s = extend_sample(

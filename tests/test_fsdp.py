@@ -537,6 +537,7 @@ def rl_step_grads(model, samples, world=1, distributed=False):
     """The gradients each of chat_rl's optimizer steps hands the optimizer (full tensors; the weights are left as they are)."""
     from nanorl.common import Timer
     from nanorl.rl_trainer import Trainer, TrainerConfig
+    from nanorl.rollout import GroupSpec
 
     grads, opt = [], build_optimizer(model)
     opt.step = lambda: grads.append(
@@ -545,9 +546,8 @@ def rl_step_grads(model, samples, world=1, distributed=False):
             for k, p in model.named_parameters()
         }
     )
-    cfg = TrainerConfig(
-        n_samples_per_prompt=4, max_response_len=12, max_tokens_per_gpu=64, num_steps_per_rollout=2
-    )  # 2 steps: the old log-probs are computed first
+    group = GroupSpec(n_samples_per_prompt=4, max_response_len=12)
+    cfg = TrainerConfig(group=group, max_tokens_per_gpu=64, num_steps_per_rollout=2)  # 2 steps: old log-probs first
     Trainer(cfg, model, opt, torch.device("cpu"), world=world, distributed=distributed).train_step(0, samples, Timer())
     return grads
 
@@ -569,7 +569,7 @@ def _rl_worker(rank, world, init_file, out_path):
 def test_rl_step_on_shards_with_unequal_micro_batches_equals_one_process(tmp_path):
     from test_rl_trainer import tiny_model as rl_model
 
-    from nanorl.samples import pack_micro_batches
+    from nanorl.rl_trainer import pack_micro_batches
 
     r0, r1 = rl_samples()
     assert len(pack_micro_batches(r0[:4], 64, 64)) == 4 and len(pack_micro_batches(r1[:4], 64, 64)) == 1

@@ -21,7 +21,8 @@ from nanorl import gpt, rl, rl_trainer
 from nanorl.common import autocast_ctx, strict_collective_device
 from nanorl.gpt import GPT, GPTConfig, build_model, config_from_depth
 from nanorl.optim import build_optimizer
-from nanorl.samples import Sample, collate
+from nanorl.rl_trainer import collate
+from nanorl.rollout import GroupSpec, Sample
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -76,9 +77,8 @@ WHITENED = [("grpo", {"normalize_advantages": True}), ("reinforce_plus_plus", {}
 
 def _trainer_advantages(rank, device, est, options):
     """chat_rl's own advantage code, rl_trainer.Trainer.compute_advantages, with a KL penalty in the reward."""
-    cfg = rl_trainer.TrainerConfig(
-        advantage_estimator=est, n_samples_per_prompt=2, max_response_len=8, kl_coef=0.1, **options
-    )
+    group = GroupSpec(n_samples_per_prompt=2, max_response_len=8)
+    cfg = rl_trainer.TrainerConfig(group=group, advantage_estimator=est, kl_coef=0.1, **options)
     trainer = rl_trainer.Trainer(cfg, None, None, torch.device(device), distributed=True)
     samples = _rollout(rank)
     lp = [

@@ -214,7 +214,7 @@ def test_chat_rl_lora_trains_and_saves_only_adapters(base_dir):  # noqa: F811
 
     # with a KL loss: its reference is the policy with the adapters off
     flags = ["--lora-rank", "4", "--lora-lr", "3e-2", "--temperature", "0.7", "--use-kl-loss", "--kl-loss-coef", "0.1"]
-    full, _ = run_rl(base_dir, "--num-rollouts", "4", "--save-interval", "2", "--output-tag", "lora_full", *flags)
+    full, _ = run_rl(base_dir, "--num-rollouts", "4", "--save-every", "2", "--output-tag", "lora_full", *flags)
     first = full["train"][0]
     assert first["train/first_step_ppo_kl"] == 0.0 and first["time/weight_sync"] < 1e-3  # nothing to sync
     assert first["train/kl_loss"] == 0.0 and full["train"][-1]["train/kl_loss"] > 0  # step 0 is the reference

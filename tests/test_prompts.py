@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from nanorl.prompts import PromptSource, jsonl_prompts, task_prompts
+from nanorl.prompts import jsonl_prompts, task_prompts
 
 
 class FakeTask:
@@ -51,18 +51,3 @@ def test_jsonl_prompts(tmp_path):
         jsonl_prompts(f, "train", "q", "a", require_label="--rm-type math")
     with pytest.raises(SystemExit, match="line 1: expected a JSON object with key 'prompt'"):
         jsonl_prompts(f, "train")
-
-
-def test_prompt_source_shards_epochs_and_resume():
-    items = list(range(10))
-    a, b = PromptSource(items, seed=1, rank=0, world_size=2), PromptSource(items, seed=1, rank=1, world_size=2)
-    first = a.get(5) + b.get(5)
-    assert sorted(first) == items  # one epoch across 2 ranks covers everything once
-    a.get(2)  # into epoch 2
-    state = a.state_dict()
-    nxt = a.get(7)
-    c = PromptSource(items, seed=1, rank=0, world_size=2)
-    c.load_state_dict(state)
-    assert c.get(7) == nxt
-    with pytest.raises(ValueError, match="empty"):
-        PromptSource([])

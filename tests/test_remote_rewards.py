@@ -8,7 +8,7 @@ import pytest
 
 from nanorl.remote_rewards import remote_rewards
 from nanorl.rewards import set_rewards
-from nanorl.samples import Sample
+from nanorl.rollout import Sample
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ from nanorl.rewards import (
     safe_reward,
     set_rewards,
 )
-from nanorl.samples import Sample
+from nanorl.rollout import Sample
 from tasks import ARC, OfflineChat, OfflineProblems, SpellingBee
 from tasks import GSM8K as GSM8KTask
 

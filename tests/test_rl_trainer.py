@@ -17,8 +17,8 @@ from nanorl.engine import Engine, Request
 from nanorl.gpt import Critic, GPTConfig, build_model
 from nanorl.optim import MuonAdamW, build_optimizer
 from nanorl.rewards import RewardConfig
-from nanorl.rollout import RolloutConfig, RolloutWorker
-from nanorl.samples import Sample, collate, collate_packed, extend_sample, pad_like
+from nanorl.rl_trainer import collate, collate_packed, pad_like
+from nanorl.rollout import GroupSpec, RolloutConfig, RolloutWorker, Sample, extend_sample
 from nanorl.tokenizer import SPLIT_PATTERN, Tokenizer
 
 V = 300
@@ -32,18 +32,17 @@ def tiny_model(seed=0):
     return m
 
 
-def trainer_config(estimator="grpo", n=4, max_len=12, **kw):
-    return rl_trainer.TrainerConfig(
-        advantage_estimator=estimator, n_samples_per_prompt=n, max_response_len=max_len, **kw
-    )
+def trainer_config(estimator="grpo", n=4, max_len=12, temperature=1.0, **kw):
+    group = GroupSpec(n_samples_per_prompt=n, temperature=temperature, max_response_len=max_len)
+    return rl_trainer.TrainerConfig(group=group, advantage_estimator=estimator, **kw)
 
 
 def parse_trainer_flags(*flags, estimator="grpo"):
     """chat_rl's training flags through its parser and checks -> the TrainerConfig."""
     p = argparse.ArgumentParser()
     rl_trainer.add_args(p)
-    p.set_defaults(n_samples_per_prompt=4, temperature=1.0, max_response_len=12)  # chat_rl's own flags
-    return rl_trainer.config_from_args(p.parse_args([*flags, "--advantage-estimator", estimator]), p)
+    group = GroupSpec(n_samples_per_prompt=4, temperature=1.0, max_response_len=12)  # chat_rl's own flags
+    return rl_trainer.config_from_args(p.parse_args([*flags, "--advantage-estimator", estimator]), p, group)
 
 
 def make_samples(lengths, n=4, seed=0):
@@ -278,25 +277,25 @@ def test_normalize_advantages_refused_for_reinforce_pp(capsys):
     assert "already whitened" in capsys.readouterr().err
 
 
-def test_samples_carry_their_temperature_and_the_trainer_checks_it():
-    """The worker records the temperature each sample was drawn at; a trainer at another temperature refuses the
-    samples (its log-prob ratios would compare two distributions), one at the same temperature trains on-policy."""
+def test_worker_and_trainer_read_one_group_spec():
+    """One GroupSpec, handed to both sides, is where the group size, the temperature and the length live: the worker
+    samples groups of its size at its temperature, the trainer computes log-probs at that temperature (on-policy:
+    the engine's recorded log-probs are the trainer's), and a trainer at another temperature would not be."""
     model = tiny_model(3)
     tok = Tokenizer.from_ranks({bytes([i]): i for i in range(256)}, SPLIT_PATTERN)
     engine = Engine(model, tok, batch_size=8, max_len=40)
-    worker = RolloutWorker(
-        RolloutConfig(n_samples_per_prompt=2, temperature=0.7, max_response_len=8), engine, tok, None, RewardConfig()
-    )
+    group = GroupSpec(n_samples_per_prompt=2, temperature=0.7, max_response_len=8)
+    worker = RolloutWorker(RolloutConfig(group=group), engine, tok, None, RewardConfig())
     items = [{"text": t, "label": None, "metadata": {"row": i}} for i, t in enumerate(["ab", "cde"])]
-    samples = [s for g in worker.generate(items, [1, 2], 0.7, 2, 0) for s in g]
-    assert [s.temperature for s in samples] == [0.7] * 4
+    groups = worker.generate(items, [1, 2], 0)
+    assert [len(g) for g in groups] == [2, 2] and all(s.response_length <= 8 for g in groups for s in g)
+    samples = [s for g in groups for s in g]
     for i, s in enumerate(samples):  # (the tiny model's vocabulary is larger than the tokenizer's: no text to grade)
         s.reward = float(i % 2)
-    with pytest.raises(ValueError, match="sampled at temperature 0.7, but the trainer computes log-probs at 1"):
-        rl_trainer.Trainer(
-            trainer_config(n=2, max_len=8), model, build_optimizer(model), torch.device("cpu")
-        ).train_step(0, copy.deepcopy(samples), Timer())
-    trainer = rl_trainer.Trainer(
-        trainer_config(n=2, max_len=8, temperature=0.7), model, build_optimizer(model), torch.device("cpu")
-    )
-    assert trainer.train_step(0, samples, Timer())["train/train_rollout_logprob_abs_diff"] < 1e-5
+    cfg = rl_trainer.TrainerConfig(group=group)
+    trainer = rl_trainer.Trainer(cfg, model, build_optimizer(model), torch.device("cpu"))
+    assert trainer.train_step(0, copy.deepcopy(samples), Timer())["train/train_rollout_logprob_abs_diff"] < 1e-5
+    other = rl_trainer.TrainerConfig(group=GroupSpec(n_samples_per_prompt=2, temperature=1.0, max_response_len=8))
+    fresh = tiny_model(3)
+    trainer = rl_trainer.Trainer(other, fresh, build_optimizer(fresh), torch.device("cpu"))
+    assert trainer.train_step(0, samples, Timer())["train/train_rollout_logprob_abs_diff"] > 1e-2

@@ -3,7 +3,8 @@ packed tensors' round trip back to collate()'s layout."""
 
 import torch
 
-from nanorl.samples import Sample, collate, collate_packed, pack_micro_batches, unpack
+from nanorl.rl_trainer import collate, collate_packed, pack_micro_batches, unpack
+from nanorl.rollout import Sample
 
 
 def test_collate_aligns_responses():

@@ -1,0 +1,405 @@
+"""
+One RL run of scripts/chat_rl.py as an object: RLRun holds its state (the policy and its optimizer, the engine, the
+rollout worker, the trainer with its critic, the prompt source, the surplus buffer, the history) and does what the
+script's loop names: generate a rollout, train on it, update the engine's weights, evaluate, save, resume.
+
+    run = RLRun(...)                     # built by scripts/chat_rl.py from its flags
+    start = run.resume()                 # or 0
+    for step in range(start, run.cfg.num_rollouts):
+        run.step(step)                   # generate -> train -> update weights -> the step line
+        ...evaluate and save at their intervals
+
+Beside it, in reading order: the run's config, the extra models RL options build (the ppo critic, the distillation
+teacher), the held-out pass@k and what the run prints (the step line, its legend, the summary). The --async roles
+and what travels between them are in nanorl/rl_async.py; the script holds the loops.
+"""
+
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from nanorl import checkpoint, fsdp, lora, rl, rl_async, rollout
+from nanorl.checkpoint import load_model, load_model_dir, rng_state, set_rng_state
+from nanorl.common import ETA, Timer, mean_over_ranks, print0
+from nanorl.gpt import Critic
+from nanorl.optim import MuonAdamW
+from nanorl.report import load_json, log_json
+from nanorl.rollout import GroupSpec
+
+
+@dataclass
+class RunConfig:
+    """What the run's own loop reads (the rollout worker and the trainer have their configs). The defaults are
+    chat_rl's flag defaults."""
+
+    num_rollouts: int = 60
+    rollout_batch_size: int = 16  # prompts per rollout, over all sampling ranks
+    over_sampling_batch_size: int = 16  # prompts sampled per round (dynamic sampling: more than the batch)
+    max_sampling_rounds: int = 8
+    rollout_timeout: float = 1800  # seconds a rank's rollout or eval may take (0 = no limit)
+    eval_every: int = 10
+    save_every: int = 20
+    eval_group: GroupSpec = GroupSpec(n_samples_per_prompt=4)  # samples per eval prompt, their temperature
+    pass_ks: tuple = (1, 4)
+    fsdp: bool = False
+
+
+# -----------------------------------------------------------------------------------------------
+# the models RL options add beside the policy
+
+
+def build_critic(model, lr, device):
+    """The critic of ppo (the policy's architecture with a value head) and its AdamW at `lr` (--critic-lr)."""
+    critic = Critic(model).to(device)
+    adamw = dict(kind="adamw", lr=lr, initial_lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    return critic, MuonAdamW([dict(params=list(critic.parameters()), **adamw)])
+
+
+def load_teacher(spec, device):
+    """--opd-teacher-load: a checkpoint directory, or source[:tag] (e.g. sft:d8); frozen."""
+    if os.path.isdir(spec):
+        teacher, _, _ = load_model_dir(spec, device=device)
+    else:
+        src, _, tag = spec.partition(":")
+        teacher, _, _ = load_model(src, device, model_tag=tag or None)
+    return teacher.requires_grad_(False)
+
+
+# -----------------------------------------------------------------------------------------------
+# the run
+
+
+class RLRun:
+    """
+    The state of one RL run on this rank and its steps. Every rank holds one; `roles` (nanorl/rl_async.py) says
+    whether it samples, trains or both. engine and worker are None on a rank that only trains, trainer on one that
+    only samples.
+      checkpoint: {"dir", "tag", "meta" (the source model's), "flags" (this run's, saved as rl_args), "lora_base"}
+    """
+
+    def __init__(self, cfg, model, optimizer, engine, worker, trainer, source, buffer, group_filter, eval_items, roles,
+                 device, ddp, rank, logger, checkpoint):  # fmt: skip
+        self.cfg, self.model, self.optimizer, self.engine = cfg, model, optimizer, engine
+        self.worker, self.trainer, self.source, self.buffer = worker, trainer, source, buffer
+        self.group_filter, self.eval_items, self.roles = group_filter, eval_items, roles
+        self.device, self.ddp, self.rank, self.logger, self.ckpt = device, ddp, rank, logger, checkpoint
+        self.history, self.eval_history = [], []  # one dict per step line and per eval: report/rl_history.json
+        self.idle_s = 0.0  # seconds this rank spent waiting on other ranks instead of computing
+        self.pending = None  # --async, resumed: the payload a sampler had sampled for the next step when it saved
+        self.eta = ETA(0.0)
+
+    # --- one rollout ------------------------------------------------------------------------------
+
+    def rollout(self, step, version):
+        """This rank's share of rollout step+1, sampled by policy `version` -> (groups, filter stats, failure, seconds).
+        A failure or a hang past --rollout-timeout is caught and described (failure), never left to block the other
+        ranks."""
+        cfg, worker, roles = self.cfg, self.worker, self.roles
+
+        def make_groups():  # dynamic sampling: over-sample prompts until the batch holds enough useful groups
+            prompts, seeds = self.source.get(cfg.over_sampling_batch_size // roles.n_samplers)
+            if worker.cfg.partial_rollout:
+                return worker.stream(prompts, seeds, version, self.buffer)
+            return worker.score(worker.generate(prompts, seeds, version))
+
+        self.model.eval()
+        groups, fstats, failure, t0 = [], {}, None, time.time()
+        share = cfg.rollout_batch_size // roles.n_samplers  # this rank's groups
+        try:
+            with rollout.deadline(cfg.rollout_timeout):
+                groups, fstats = rollout.fill_rollout(
+                    share, self.buffer, make_groups, self.group_filter, cfg.max_sampling_rounds,
+                    stop_when_full=worker.cfg.partial_rollout,
+                )  # fmt: skip
+        except (Exception, rollout.RolloutTimeout) as e:
+            traceback.print_exc()
+            what = worker.inflight.get("scoring") or {"prompts": worker.inflight.get("generating")}
+            failure = f"rank {self.rank}: rollout {step + 1} failed: {type(e).__name__}: {e}\n  in flight: {what}"
+            print(failure, file=sys.stderr, flush=True)
+        worker.inflight.clear()
+        return groups, fstats, failure, time.time() - t0
+
+    def prompt_position(self):
+        """Where the next rollout starts: the prompt source's place and the buffer (what a failed rollout is redone
+        from)."""
+        return self.source.state_dict(), self.buffer.state_dict()
+
+    def rewind(self, position):
+        self.source.load_state_dict(position[0])
+        self.buffer.load_state_dict(position[1])
+
+    def generate(self, step):
+        """Synchronous RL: this rank's share of rollout step+1 and its metrics, once every rank has sampled its own
+        -> (groups, metrics, seconds waited on the other ranks). A rollout that failed on any rank stops the run."""
+        before = self.prompt_position()
+        groups, fstats, failure, rollout_s = self.rollout(step, step)
+        # every rank learns whether any rank failed (so none waits in a collective for a rank that is gone); the wait
+        # here is also this rank's idle time: the other ranks were still sampling
+        t_wait = time.time()
+        failed = torch.tensor([float(failure is not None)], device=self.device)
+        if self.ddp:
+            dist.all_reduce(failed)
+        wait = time.time() - t_wait
+        if failed.item():  # a --resume redoes this rollout: the prompts and the buffer as they were before it
+            self.rewind(before)
+            self.stop_after_failure(step, int(failed.item()))
+        samples = [s for g in groups for s in g]
+        return groups, self.worker.metrics(fstats, samples, rollout_s, self.buffer), wait
+
+    def sample_payload(self, step, version):
+        """--async: this sampler's share of rollout step+1, as it travels to the trainers (nanorl/rl_async.py)."""
+        groups, fstats, failure, rollout_s = self.rollout(step, version)
+        samples = [s for g in groups for s in g]
+        metrics = self.worker.metrics(fstats, samples, rollout_s, self.buffer) if samples else {}
+        return {"groups": groups, "failure": failure, "rollout_s": rollout_s, "metrics": metrics}
+
+    # --- training on it, and the engine's new weights ---------------------------------------------
+
+    def train(self, step, groups, m):
+        """The training step on this rank's groups; m (the rollout's metrics) gains the trainer's, then everything is
+        averaged over the training ranks."""
+        samples = [s for g in groups for s in g]
+        timer = Timer()
+        m.update(self.trainer.train_step(step, samples, timer))
+        m["rollout/max_staleness"] = max(step - s.weight_version for s in samples)  # policy versions behind
+        m.update({f"time/{k}": v for k, v in timer.times.items()})
+        m["perf/train_tok_per_s"] = sum(len(s.tokens) for s in samples) / max(timer.times.get("train", 1e-9), 1e-9)
+        if (
+            self.ddp
+        ):  # the ranks' names may differ (a filter that dropped groups on one rank only): the union is averaged
+            m = mean_over_ranks(m, self.device, group=self.roles.trainer_group)
+        return m
+
+    def update_weights(self):
+        """The engine samples from its own copy of the weights (bf16 on GPUs): give it the trained ones -> timing."""
+        t0 = time.time()
+        if self.cfg.fsdp:  # every rank gathers the full weights, one block at a time, into its engine's copy
+            return {"time/weight_gather": fsdp.gather_full_state(self.model, self.engine.model)}
+        self.engine.load_weights(self.model)
+        return {"time/weight_sync": time.time() - t0}
+
+    def step(self, step):
+        """One synchronous RL step: generate rollout step+1, train on it, update the engine's weights -> metrics."""
+        t0 = time.time()
+        groups, m, wait = self.generate(step)
+        m = self.train(step, groups, m)
+        m.update(self.update_weights())
+        dt = time.time() - t0
+        m["perf/idle_frac"] = wait / dt
+        self.idle_s += wait
+        self.log_step(step, m, dt)
+        return m
+
+    def log_step(self, step, m, dt):
+        """The step line, and the step's metrics into the history, the logger and report/rl_history.json."""
+        self.eta.tick((step + 1) / self.cfg.num_rollouts)  # wall clock between step lines: evals and saves count
+        print0(step_line(step, self.cfg.num_rollouts, {**m, "dt": dt, "eta": self.eta}))
+        self.history.append({"step": step + 1, **m})
+        self.logger.log(m, step=step + 1)
+        log_json("rl_history", {"train": self.history, "eval": self.eval_history}, rank=self.rank)
+
+    def weights_checksum(self):
+        return sum(p.detach().double().sum().item() for p in self.model.parameters())
+
+    # --- eval, save, resume -----------------------------------------------------------------------
+
+    def due(self, step, every):
+        """Whether an eval or save (every N rollouts) falls after rollout `step`: at its interval, and after the last."""
+        return step % every == 0 or step == self.cfg.num_rollouts
+
+    def evaluate(self, step):
+        """pass@k over the held-out prompts, each sampling rank its share, recorded at `step` (0: before training).
+        A failure or hang stops the run like a failed rollout (its reward failures are not counted as the
+        rollout's)."""
+        cfg, roles = self.cfg, self.roles
+        self.model.eval()
+        items = self.eval_items[roles.sampler_rank :: roles.n_samplers]
+        seeds = [10_000_000 + roles.sampler_rank + roles.n_samplers * i for i in range(len(items))]  # the global index
+        where = f"rank {self.rank}: the eval at step {step}"
+        local = local_pass_at_k(
+            self.worker, items, seeds, cfg.eval_group, cfg.pass_ks, step, cfg.rollout_timeout, where
+        )
+        out, n_prompts, n_failed = reduce_pass_at_k(local, cfg.pass_ks, self.device, roles.sampler_group, self.ddp)
+        if n_failed:  # --async: the trainers are not in this eval, so nothing is saved
+            self.stop_after_failure(step, n_failed, every_rank=not roles.async_mode)
+        passes = " | ".join(f"{k} {v:.4f}" for k, v in out.items())
+        n, t = cfg.eval_group.n_samples_per_prompt, cfg.eval_group.temperature
+        print0(f"step {step:05d} | eval on {n_prompts} prompts x {n} samples (T={t:g}) | {passes}")
+        # step 0 is logged too, so the curves start from a "before" point
+        self.eval_history.append({"step": step, **out})
+        self.logger.log(out, step=step)
+        return out
+
+    def save(self, step, pending=None):
+        """Every rank: the trainers' model and optimizer (the adapters alone with LoRA, shards with --fsdp) and critic,
+        each sampler's prompt position, buffer and RNGs (synchronous RL: every rank is both), so that a --resume
+        continues exactly. --async: a sampler also keeps `pending`, the rollout it already sampled for step+1 with the
+        weights before these, which a resumed run hands to the trainers first, as the uninterrupted run does."""
+        ck, roles = self.ckpt, self.roles
+        # rl_args: this run's flags (meta's args are the source model's)
+        meta = {**ck["meta"], "model_tag": ck["tag"], "step": step, "rl_args": ck["flags"], "world_size": roles.world}
+        if ck["lora_base"]:  # the adapters alone, and where their base is
+            meta["lora"] = lora.checkpoint_meta(self.model, ck["lora_base"])
+        extra = rng_state(self.device)
+        if roles.is_sampler:
+            extra.update(source=self.source.state_dict(), buffer=self.buffer.state_dict())
+        if roles.async_mode and roles.is_sampler:  # its files beside the trainers', which write weights and meta
+            extra["pending"] = rl_async.payload_state(pending)
+            checkpoint.save_checkpoint(ck["dir"], step, None, None, meta, extra, rank=self.rank, lead=False)
+            return
+        critic = self.trainer.critic
+        if critic is not None:  # every training rank keeps the same critic (averaged gradients): each saves it
+            extra.update(critic=critic.state_dict(), critic_optim=self.trainer.critic_optimizer.state_dict())
+        # --fsdp: every rank writes its shards (DCP; `python -m nanorl.fsdp consolidate` makes the single file)
+        lead = self.rank == roles.first_trainer
+        checkpoint.save(ck["dir"], step, self.model, self.optimizer, meta, extra, rank=self.rank, lead=lead)
+
+    def resume(self):
+        """--resume: the latest checkpoint's model, optimizer, critic, prompt position, buffer and RNGs (an --async
+        sampler: the weights and its own state, and the rollout it had sampled), and the history of the steps it had
+        done (the report's curves stay whole) -> the step to continue from."""
+        ck, roles = self.ckpt, self.roles
+        optimizer = self.optimizer if roles.is_trainer else None  # an --async sampler: the weights alone
+        last, meta, extra = checkpoint.resume(ck["dir"], self.model, optimizer, self.rank, roles.world)
+        if roles.is_sampler:
+            self.rewind((extra["source"], extra["buffer"]))
+            self.pending = rl_async.payload_from_state(extra.get("pending"))
+        if self.trainer is not None and self.trainer.critic is not None:
+            self.trainer.critic.load_state_dict(extra["critic"])
+            self.trainer.critic_optimizer.load_state_dict(extra["critic_optim"])
+        set_rng_state(extra, self.device)
+        if self.cfg.fsdp:  # the engine's copy was made from the weights before the resume
+            fsdp.gather_full_state(self.model, self.engine.model)
+        elif self.engine is not None:
+            self.engine.load_weights(self.model)
+        old = meta.get("rl_args", {})
+        start_flags = ("resume", "overwrite")  # how the run starts, not what it does
+        changed = [
+            f"{k}: {old.get(k)!r} -> {v!r}" for k, v in ck["flags"].items() if k not in start_flags and old.get(k) != v
+        ]
+        if changed:
+            print0(f"warning: resuming with changed RL flags: {', '.join(changed)}")
+        print0(f"resumed from {ck['dir']} step {last}")
+        prev = load_json("rl_history", {})
+        self.history = [h for h in prev.get("train", []) if h["step"] <= last]
+        self.eval_history = [e for e in prev.get("eval", []) if e["step"] <= last]
+        self.eta = ETA(last / self.cfg.num_rollouts)
+        return last
+
+    def stop_after_failure(self, step, n_failed, every_rank=True):
+        """A rollout or eval failed somewhere: save the state before it (a --resume redoes that rollout; --async: on
+        the saved weights, one version newer than the lost rollout's) and exit non-zero at once: a worker thread still
+        blocked in a reward call or a tool must not hold the exit. every_rank: every rank got here (a save is
+        collective)."""
+        if every_rank:
+            self.save(step)
+        print0(f"stopped: a rollout failed on {n_failed} rank(s); saved step {step} in {self.ckpt['dir']}")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+# -----------------------------------------------------------------------------------------------
+# the held-out eval: a failure or a hang on one rank is counted, not raised, so that every rank still reaches the
+# all-reduce and learns of it; the run then stops
+
+
+def local_pass_at_k(worker, items, seeds, group, pass_ks, version, timeout_s, where):
+    """group.n_samples_per_prompt responses per prompt at group.temperature, scored (their reward failures are not
+    counted as a rollout's) -> [sum over the prompts of pass@k for each k in pass_ks, number of prompts, 1.0 if it
+    failed else 0.0]. A failure or a hang past timeout_s is printed with what was in flight; `where` names the rank
+    and step."""
+    sums, failed = [0.0] * (len(pass_ks) + 1), 0.0
+    try:
+        with rollout.deadline(timeout_s, "the eval"):
+            groups = worker.score(worker.generate(items, seeds, version, group), count_failures=False)
+        correct = [[s.scalar_reward() >= 0.5 for s in g] for g in groups]
+        sums = [sum(rl.pass_at_k(len(c), sum(c), k) for c in correct) for k in pass_ks] + [len(correct)]
+    except (Exception, rollout.RolloutTimeout) as e:
+        traceback.print_exc()
+        print(f"{where} failed: {type(e).__name__}: {e}\n  in flight: {worker.inflight}", file=sys.stderr, flush=True)
+        failed = 1.0
+    worker.inflight.clear()
+    return sums + [failed]
+
+
+def reduce_pass_at_k(local, pass_ks, device, group=None, distributed=False):
+    """The ranks' local_pass_at_k lists summed -> ({"eval/pass@k": mean over all prompts}, prompts, failed ranks)."""
+    vec = torch.tensor(local, dtype=torch.float64, device=device)
+    if distributed:
+        dist.all_reduce(vec, group=group)
+    out = {f"eval/pass@{k}": (vec[i] / max(vec[-2], 1)).item() for i, k in enumerate(pass_ks)}
+    return out, int(vec[-2]), int(vec[-1].item())
+
+
+# -----------------------------------------------------------------------------------------------
+# what the run prints: the step line (its fields defined once, here, with their legend), the idle time, the summary
+
+# name on the step line, how its value is written from the step's metrics, what it means
+STEP_FIELDS = [
+    ("reward", lambda m: f"{m['rollout/reward_mean']:.3f}", "mean reward of the rollout's samples"),
+    ("len", lambda m: f"{m['rollout/response_len_mean']:.1f}", "mean response length in tokens"),
+    ("pg", lambda m: f"{m['train/pg_loss']:+.4f}", "policy-gradient loss"),
+    ("clip", lambda m: f"{m['train/clipfrac']:.3f}", "fraction of tokens (gspo: of sequences) whose probability ratio was clipped"),
+    ("ppo_kl", lambda m: f"{m['train/ppo_kl']:+.2e}", "mean rollout-policy minus current log-prob: how far this step's updates moved the policy"),
+    ("ent", lambda m: f"{m['train/entropy']:.3f}", "mean entropy per token, in nats (falling fast: the policy is collapsing onto few answers)"),
+    ("gnorm", lambda m: f"{m['train/grad_norm']:.3f}", "gradient norm before clipping"),
+    ("lp_diff", lambda m: f"{m['train/train_rollout_logprob_abs_diff']:.1e}", "mean |trainer - sampler log-prob| per token (near 0: the engine samples the model being trained)"),
+    ("pad", lambda m: f"{m['train/padding_frac']:.0%}", "share of padding in the training batches"),
+    ("dropped", lambda m: f"{int(m.get('rollout/groups_dropped', 0))}", "groups removed by the dynamic-sampling filter"),
+    ("dt", lambda m: f"{m['dt']:.1f}s (rollout {m.get('time/rollout', 0):.1f}s, waiting {m['perf/idle_frac']:.0%})", "seconds for the step (rollout: sampling and scoring; waiting: on other ranks)"),
+    ("eta", lambda m: f"{m['eta']}", "time left, evals and saves included"),
+]  # fmt: skip
+TOOL_FIELDS = ("tool_calls", "tool_errors", "max_turns_hit")  # --multi-turn's tail: tools, err, max_turns
+
+
+def step_line(step, num_rollouts, m):
+    """`step 00001/60 | reward 0.250 | len 31.5 | ...`, the fields of STEP_FIELDS from m (the step's metrics, its
+    seconds `dt` and `eta`), then with --multi-turn the tool use per response."""
+    line = f"step {step + 1:05d}/{num_rollouts} | " + " | ".join(f"{name} {fmt(m)}" for name, fmt, _ in STEP_FIELDS)
+    if f"rollout/{TOOL_FIELDS[0]}_mean" in m:
+        calls, errors, max_turns = (m[f"rollout/{k}_mean"] for k in TOOL_FIELDS)
+        line += f" | tools {calls:.2f} err {errors:.2f} max_turns {max_turns:.2f}"
+    return line
+
+
+def step_legend():
+    """One line explaining the step line, printed at the start of a run and shown in --help."""
+    return "step line: " + "; ".join(f"{name} = {what}" for name, _, what in STEP_FIELDS)
+
+
+def idle_line(idle_frac, device_type, world_size):
+    """The end-of-run line of the time ranks waited on each other; None on one rank (there is no one to wait on)."""
+    if world_size <= 1:
+        return None
+    return f"idle fraction (time a {device_type.upper()} rank waited on other ranks): " + ", ".join(
+        f"{k} {v:.1%}" for k, v in idle_frac.items()
+    )
+
+
+def rl_summary(eval_history, checkpoint_dir, saved_step, tag):
+    """The lines an RL run ends with: each eval metric (pass@k, greedy if evaluated) before -> after, in points, the
+    checkpoint it saved and the command to chat with it. eval_history: [{"step", "eval/<metric>": value, ...}]."""
+    lines = ["RL summary:"]
+    if eval_history:
+        first, last = eval_history[0], eval_history[-1]
+        for key, before in first.items():
+            if key.startswith("eval/") and key in last:
+                after = last[key]
+                lines.append(
+                    f"  {key[5:]}: {before:.4f} -> {after:.4f} ({100 * (after - before):+.1f} pts, "
+                    f"step {first['step']} -> {last['step']})"
+                )
+    else:
+        lines.append("  no eval ran")
+    if saved_step is None:
+        lines.append(f"  nothing saved in {checkpoint_dir}")
+    else:
+        lines.append(f"  saved: step {saved_step} in {checkpoint_dir}")
+        lines.append(f"  chat with it: python -m scripts.chat_cli -i rl -g {tag}")
+    return "\n".join(lines)
