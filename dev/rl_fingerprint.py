@@ -75,6 +75,7 @@ RUNS = {
     "async": (2, ["--async", "--use-tis"]),
     "fsdp": (2, ["--fsdp", "--temperature", "0.8"]),
     "resume": (1, ["--save-every", "2", "--advantage-estimator", "ppo", "--critic-lr", "1e-3"]),
+    "resume_async": (2, ["--save-every", "2", "--async", "--use-tis"]),
     "resume_partial": (
         1,
         ["--save-every", "2", "--partial-rollout", "--over-sampling-batch-size", "8", "--max-new-tokens", "24"],
@@ -176,8 +177,7 @@ def last_checkpoint(ckpt):
         )
     model, optim, meta, extra = load_checkpoint(str(ckpt), load_optimizer=not sharded)
     out = {"step": meta["step"], "weights": tensor_hash(model), "optim": tensor_hash(optim)}
-    # Python's global RNG is never seeded (a run draws nothing from it): its saved state differs from run to run
-    return {**out, **{f"extra/{k}": tensor_hash(v) for k, v in extra.items() if k != "py_rng"}}
+    return {**out, **{f"extra/{k}": tensor_hash(v) for k, v in extra.items()}}
 
 
 def steady(history, lines):
