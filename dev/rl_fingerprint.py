@@ -167,17 +167,26 @@ def tensor_hash(obj):
 
 
 def last_checkpoint(ckpt):
+    """Hashes of the last step: the weights, and every rank's optimizer and extra state (by key)."""
+    import torch
+
     sys.path.insert(0, str(ROOT))
     from nanorl.checkpoint import find_last_step, load_checkpoint
 
-    sharded = (ckpt / f"dcp_{find_last_step(str(ckpt)):06d}").is_dir()
-    if sharded:  # --fsdp: the weights consolidated into one file (the optimizer's shards are left out)
+    step = find_last_step(str(ckpt))
+    if (ckpt / f"dcp_{step:06d}").is_dir():  # --fsdp: the weights consolidated into one file (optimizer: shards)
         subprocess.run(
             [sys.executable, "-m", "nanorl.fsdp", "consolidate", str(ckpt)], cwd=ROOT, check=True, capture_output=True
         )
-    model, optim, meta, extra = load_checkpoint(str(ckpt), load_optimizer=not sharded)
-    out = {"step": meta["step"], "weights": tensor_hash(model), "optim": tensor_hash(optim)}
-    return {**out, **{f"extra/{k}": tensor_hash(v) for k, v in extra.items()}}
+    out = {"step": step, "weights": tensor_hash(load_checkpoint(str(ckpt), step)[0])}
+    for path in sorted(ckpt.glob(f"*_{step:06d}_rank*.pt")):  # optim_<step>_rank<r>.pt, extra_<step>_rank<r>.pt
+        kind, rank = path.name.split("_")[0], path.stem.split("_rank")[1]
+        state = torch.load(path, weights_only=False)
+        if kind == "optim":
+            out[f"optim/rank{rank}"] = tensor_hash(state)
+        else:
+            out.update({f"extra/rank{rank}/{k}": tensor_hash(v) for k, v in state.items()})
+    return out
 
 
 def steady(history, lines):
