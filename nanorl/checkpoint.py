@@ -421,8 +421,6 @@ def _load_model_dir(checkpoint_dir, step, device, phase):
 
     model_state, _, meta, _ = load_checkpoint(checkpoint_dir, step, device=device)
     if meta.get("lora"):  # adapters only, and a pointer to their base: nanorl/lora.py builds the merged model
-        from nanorl.lora import load_lora_checkpoint
-
         return load_lora_checkpoint(meta, model_state, model_path(checkpoint_dir, step), device, phase)
     config = model_config(meta, os.path.join(checkpoint_dir, f"meta_{step:06d}.json"))
     model = build_gpt(config, device)
@@ -561,3 +559,47 @@ def load_model_from_args(args, device, phase="eval", source=None):
     """load_model with the flags of add_model_args -> (model, tokenizer, meta); source: for scripts without --source."""
     hf_model = getattr(args, "hf_model", None)
     return load_model(source or args.source, device, phase, args.model_tag, args.model_step, hf_model)
+
+
+# -----------------------------------------------------------------------------------------------
+# LoRA checkpoints: the adapters (model_<step>.safetensors holds only them) and, in meta["lora"], where their base is
+# (nanorl/lora.py makes the adapters and their meta entry)
+
+
+def load_lora_checkpoint(meta, adapter_state, path, device, phase="eval", merge=True):
+    """A LoRA checkpoint -> (model, tokenizer, meta): the base it points to with the adapters loaded; merged into a
+    plain GPT (merge=True: what eval, serving and export want) or still wrapped."""
+    base = meta["lora"]["base"]
+    try:
+        model, tokenizer, _ = load_model(
+            base["source"], device, phase, base.get("model_tag"), base.get("step"), base.get("hf_model")
+        )
+    except (FileNotFoundError, ValueError) as e:
+        raise FileNotFoundError(f"{path} holds LoRA adapters, and their base model cannot be loaded: {e}") from e
+    lora.apply_lora(model, lora.LoraConfig(**meta["lora"]["config"]))
+    lora.load_lora_state_dict(model, adapter_state, path)
+    if not merge:
+        return model, tokenizer, meta
+    # merged, it is a plain model: its meta must not send a later load (or a save made from it) to the adapters
+    return lora.merge_lora(model), tokenizer, {k: v for k, v in meta.items() if k != "lora"}
+
+
+def export_peft(checkpoint_dir, step, out_dir, force=False):
+    """A LoRA checkpoint of a Hugging Face base -> a PEFT adapter directory that peft loads onto that base. out_dir
+    is claimed as hf.export_directory says (force: an earlier export there may be replaced)."""
+    from nanorl.hf import check_export_dir, export_directory
+
+    state, _, meta, _ = load_checkpoint(checkpoint_dir, step)
+    path = model_path(checkpoint_dir, meta.get("step", step))
+    if not meta.get("lora"):
+        raise BadValue(
+            f"{checkpoint_dir} step {meta.get('step')} holds full weights, not LoRA adapters: export it without --peft"
+        )
+    hf_dir = meta["lora"]["base"].get("hf_model")
+    if not hf_dir:
+        raise BadValue(f"{path}: the adapters' base is a nanorl checkpoint, not a Hugging Face model: export merged")
+    check_export_dir(out_dir, force)  # before the model loads: a refused target is one line at once
+    model, _, _ = load_lora_checkpoint(meta, state, path, "cpu", merge=False)
+    with export_directory(out_dir, force) as tmp:
+        lora.save_peft(model, tmp, hf_dir)
+    return out_dir

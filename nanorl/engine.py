@@ -1,6 +1,9 @@
 """
-The sampling engine: RL rollouts and the chat UI both run on it. A scheduler over one KV cache, with CUDA graphs;
-the sampling math is nanorl/sampling.py, tool calls are read and run by nanorl/toolcalls.py.
+The sampling engine: RL rollouts and the chat UI both run on it. A scheduler over one KV cache, with CUDA graphs.
+This file: what a caller submits (Request) and gets back (Completion, through a Handle), the engine's own copy of the
+weights, then the Engine. Beside it: the sampling math (nanorl/sampling.py), the KV cache (nanorl/kv_cache.py), the
+per-sample host records (nanorl/inflight.py), CUDA graphs and attention kernels (nanorl/engine_graphs.py), tool
+calls (nanorl/toolcalls.py).
 
 - one pre-allocated KV cache of batch_size rows ("slots"), each row at its own position
 - a request's prompt is prefilled once, straight into a free row, and its KV copied to the rows of its
@@ -34,9 +37,12 @@ the sampling math is nanorl/sampling.py, tool calls are read and run by nanorl/t
 """
 
 import collections
+import math
+import queue
 import sys
 import threading
 import traceback
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -51,10 +57,162 @@ from nanorl.engine_graphs import (
     first_stale_graph,
     prefill_backends,
 )
-from nanorl.engine_memory import inference_copy, new_kv_cache
-from nanorl.inflight import Completion, Handle, Request, Sample, SlotRecords, check_request  # noqa: F401 (re-exported)
+from nanorl.inflight import Sample, SlotRecords
+from nanorl.kv_cache import new_kv_cache
 from nanorl.sampling import row_seed, sample_with_logprobs, uniform_from_counter
 from nanorl.toolcalls import ToolMarkup, run_tool
+
+# --- what a caller submits and gets back ---------------------------------------------------------
+
+
+@dataclass
+class Request:
+    prompt_ids: list
+    num_samples: int = 1
+    max_tokens: int = 256
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = None
+    top_p: float = None
+    seed: int = None  # None: drawn from torch's global RNG (so torch.manual_seed makes a run reproducible)
+    stop_tokens: list = None  # None: <|assistant_end|> and <|bos|>; [] never stops before max_tokens
+    use_tools: bool = True
+    # continuing an aborted sample (partial rollouts): prompt_ids = its prompt + the tokens it has, first_sample = its
+    # index in the original request and start_counter = how many tokens it drew, so its random stream picks up where
+    # it stopped and the continuation equals an uninterrupted run
+    first_sample: int = 0
+    start_counter: int = 0
+
+
+@dataclass
+class Completion:
+    tokens: list  # the generated tokens (not the prompt); the stop token is included when status is "completed"
+    logprobs: list  # log_softmax(logits / T)[token] at the request's temperature (1 if greedy), before top-k/top-p
+    mask: list  # 1: sampled by the model, 0: forced in (tool output)
+    status: str  # "completed" | "truncated" | "aborted" ("running" while in flight, "error" if a step raised)
+    prompt_len: int
+
+
+class Handle:
+    """A submitted request. Each Completion is filled in when its sample ends; iterate the handle
+    (submit(..., stream=True)) for per-token events, or call result() to wait for all of them."""
+
+    def __init__(self, engine, request, stops, stream):
+        self.engine, self.request, self.stops = engine, request, stops
+        self.completions = [
+            Completion([], [], [], "running", len(request.prompt_ids)) for _ in range(request.num_samples)
+        ]
+        self.events = queue.SimpleQueue() if stream else None
+        self.filtered = request.top_k is not None or (request.top_p is not None and request.top_p < 1)
+        self.cancelled = False
+        self.error = None  # why the request ended "error", when it did
+        self.remaining = request.num_samples
+        self.finished = threading.Event()
+
+    @property
+    def done(self):
+        return self.finished.is_set()
+
+    def cancel(self):
+        """Stop this request: its samples end "aborted" with what they have, and free their slots at the next step."""
+        self.engine._cancel([self])
+
+    def result(self):
+        """Wait until every sample has ended (stepping the engine unless a serve_forever thread does) -> list[Completion]."""
+        while not self.done:
+            self.engine._progress(self)
+        return self.completions
+
+    def __iter__(self):
+        """Events: {"sample", "token", "logprob", "mask"} per token, {"sample", "status", "completion"} per sample end."""
+        if self.events is None:
+            raise ValueError("this handle was submitted without stream=True")
+        while True:
+            try:
+                yield self.events.get_nowait()
+                continue
+            except queue.Empty:
+                pass
+            if self.done and self.events.empty():  # the final events are queued before finished is set
+                return
+            if self.engine.serving:
+                try:
+                    yield self.events.get(timeout=0.1)
+                except queue.Empty:
+                    pass
+            else:
+                self.engine.step()
+
+
+def check_request(r, max_len, vocab_size):
+    """Refuse a request the engine cannot run, in one line naming the field (ValueError; TypeError if it is no
+    Request). The engine checks every request of a batch before it queues any."""
+    if not isinstance(r, Request):
+        raise TypeError(f"expected a Request, got {type(r).__name__}")
+    n = len(r.prompt_ids)
+    if n == 0:
+        raise ValueError("empty prompt: a prompt needs at least one token (e.g. <|bos|>)")
+    if n >= max_len:
+        raise ValueError(
+            f"prompt of {n} tokens is too long for the context of {max_len} tokens "
+            f"(it needs room for at least one generated token)"
+        )
+    bad = [t for t in r.prompt_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt has unknown token ids {bad[:5]}: ids are ints in [0, {vocab_size})")
+    if r.stop_tokens is not None and any(not isinstance(t, int) or not 0 <= t < vocab_size for t in r.stop_tokens):
+        raise ValueError(f"stop_tokens {r.stop_tokens} has ids outside the vocab (size {vocab_size})")
+    if not isinstance(r.num_samples, int) or r.num_samples < 1:
+        raise ValueError(f"num_samples must be >= 1, got {r.num_samples}")
+    if not isinstance(r.max_tokens, int) or r.max_tokens <= 0:
+        raise ValueError(f"max_tokens must be >= 1, got {r.max_tokens}")
+    for name in ("temperature", "top_p", "top_k"):  # NaN passes every range check below; inf is no setting
+        v = getattr(r, name)
+        if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)):
+            raise ValueError(f"{name} must be a finite number, got {v!r}")
+    if not r.temperature >= 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {r.temperature}")
+    if r.top_k is not None and (not isinstance(r.top_k, int) or r.top_k < 1):
+        raise ValueError(f"top_k must be >= 1 (or None), got {r.top_k}")
+    if r.top_p is not None and not 0 < r.top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1] (or None), got {r.top_p}")
+    if not (
+        isinstance(r.first_sample, int)
+        and isinstance(r.start_counter, int)
+        and r.first_sample >= 0
+        and r.start_counter >= 0
+    ):
+        raise ValueError(f"first_sample and start_counter must be ints >= 0, got {r.first_sample}, {r.start_counter}")
+
+
+# --- the engine's own copy of the weights --------------------------------------------------------
+
+
+@torch.no_grad()
+def inference_copy(model, dtype):
+    """A frozen copy of model for sampling -> (copy, flat): every parameter of the copy is a view of one flat
+    buffer `flat` of dtype, so the whole set of weights is one tensor (one copy, one broadcast). Tied parameters
+    stay tied; buffers (the rotary tables) keep their own dtype."""
+    with torch.device("meta"):
+        twin = type(model)(model.config)
+    unique = {id(p): p for p in model.parameters()}
+    flat = torch.empty(sum(p.numel() for p in unique.values()), dtype=dtype, device=next(model.parameters()).device)
+    views, offset = {}, 0
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) not in views:
+            view = flat[offset : offset + p.numel()].view(p.shape).copy_(p.detach())
+            views[id(p)], offset = torch.nn.Parameter(view, requires_grad=False), offset + p.numel()
+        module, _, attr = name.rpartition(".")
+        setattr(twin.get_submodule(module), attr, views[id(p)])
+    for name, b in model.named_buffers():
+        module, _, attr = name.rpartition(".")
+        twin.get_submodule(module)._buffers[attr] = b.detach().clone()
+    if any(t.is_meta for t in [*twin.parameters(), *twin.buffers()]):
+        raise ValueError(
+            f"{type(model).__name__} has parameters or buffers its own constructor does not make: "
+            "the engine cannot copy it (pass share_weights=True)"
+        )
+    return twin.eval(), flat
+
 
 # --- the engine ---------------------------------------------------------------------------------
 

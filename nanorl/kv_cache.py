@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel
 
+from nanorl.common import low_precision_dtype
 from nanorl.engine_graphs import decode_backends, prefill_backends
 
 
@@ -126,3 +127,43 @@ def greedy_decode(model, ids, max_tokens, device):
             break
         x, backends = torch.tensor([[out[-1]]], device=device), decode_backends(device)
     return out
+
+
+# -----------------------------------------------------------------------------------------------
+# the engine's cache, sized against the memory that is free before it is allocated
+
+
+def new_kv_cache(model, batch_size, max_len, device):
+    """The engine's KV cache (bf16 on CUDA, fp32 elsewhere), refused in one line when it cannot fit in free memory."""
+    cfg = model.config
+    dtype = low_precision_dtype(device)
+    nbytes = 2 * cfg.n_layer * batch_size * cfg.n_kv_head * max_len * model.head_dim * dtype.itemsize
+    avail = _free_memory(device)
+    msg = (
+        f"the KV cache for batch_size={batch_size}, max_len={max_len} needs {nbytes / 1e9:.2f} GB"
+        + (f" but only {avail / 1e9:.2f} GB is free" if avail is not None else "")
+        + ": use a smaller batch_size (or max_len, or a model with fewer KV heads)"
+    )
+    if avail is not None and nbytes > avail:
+        raise MemoryError(msg)
+    try:
+        return model.new_kv_cache(batch_size, max_len, dtype=dtype)
+    except torch.OutOfMemoryError as e:
+        raise MemoryError(msg) from e
+
+
+def _free_memory(device):
+    """Bytes a new allocation on device can get, or None when it cannot be told."""
+    if device.type == "cuda":  # free on the GPU, plus what torch's caching allocator holds but does not use
+        return (
+            torch.cuda.mem_get_info(device)[0]
+            + torch.cuda.memory_reserved(device)
+            - torch.cuda.memory_allocated(device)
+        )
+    if device.type == "cpu":
+        try:  # MemAvailable counts reclaimable page cache, unlike "free"
+            with open("/proc/meminfo") as f:
+                return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+        except (OSError, StopIteration, ValueError):
+            return None
+    return None

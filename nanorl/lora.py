@@ -29,7 +29,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanorl.common import low_precision_dtype
-from nanorl.errors import BadValue
 from nanorl.optim import MuonAdamW
 
 # target group -> the Linear layers it wraps, by name inside a Block (mlp.c_gate exists in SwiGLU models only)
@@ -308,26 +307,6 @@ def checkpoint_meta(model, base):
     return {"config": model.lora_config.to_dict(), "base": base}
 
 
-def load_lora_checkpoint(meta, adapter_state, path, device, phase="eval", merge=True):
-    """A LoRA checkpoint -> (model, tokenizer, meta): the base it points to with the adapters loaded; merged into a
-    plain GPT (merge=True: what eval, serving and export want) or still wrapped."""
-    from nanorl.checkpoint import load_model
-
-    base = meta["lora"]["base"]
-    try:
-        model, tokenizer, _ = load_model(
-            base["source"], device, phase, base.get("model_tag"), base.get("step"), base.get("hf_model")
-        )
-    except (FileNotFoundError, ValueError) as e:
-        raise FileNotFoundError(f"{path} holds LoRA adapters, and their base model cannot be loaded: {e}") from e
-    apply_lora(model, LoraConfig(**meta["lora"]["config"]))
-    load_lora_state_dict(model, adapter_state, path)
-    if not merge:
-        return model, tokenizer, meta
-    # merged, it is a plain model: its meta must not send a later load (or a save made from it) to the adapters
-    return merge_lora(model), tokenizer, {k: v for k, v in meta.items() if k != "lora"}
-
-
 # -----------------------------------------------------------------------------------------------
 # PEFT's adapter directory: adapter_config.json + adapter_model.safetensors, for a Hugging Face base
 
@@ -370,26 +349,4 @@ def save_peft(model, out_dir, base_model_name_or_path=None):
     with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
         json.dump(adapter_cfg, f, indent=2)
     save_file(peft_state_dict(model), os.path.join(out_dir, "adapter_model.safetensors"), metadata={"format": "pt"})
-    return out_dir
-
-
-def export_peft(checkpoint_dir, step, out_dir, force=False):
-    """A LoRA checkpoint of a Hugging Face base -> a PEFT adapter directory that peft loads onto that base. out_dir
-    is claimed as hf.export_directory says (force: an earlier export there may be replaced)."""
-    from nanorl.checkpoint import load_checkpoint, model_path
-    from nanorl.hf import check_export_dir, export_directory
-
-    state, _, meta, _ = load_checkpoint(checkpoint_dir, step)
-    path = model_path(checkpoint_dir, meta.get("step", step))
-    if not meta.get("lora"):
-        raise BadValue(
-            f"{checkpoint_dir} step {meta.get('step')} holds full weights, not LoRA adapters: export it without --peft"
-        )
-    hf_dir = meta["lora"]["base"].get("hf_model")
-    if not hf_dir:
-        raise BadValue(f"{path}: the adapters' base is a nanorl checkpoint, not a Hugging Face model: export merged")
-    check_export_dir(out_dir, force)  # before the model loads: a refused target is one line at once
-    model, _, _ = load_lora_checkpoint(meta, state, path, "cpu", merge=False)
-    with export_directory(out_dir, force) as tmp:
-        save_peft(model, tmp, hf_dir)
     return out_dir

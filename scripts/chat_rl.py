@@ -79,41 +79,13 @@ def make_parser():
 
 
 # -----------------------------------------------------------------------------------------------
-# building the run: the flags checked, the prompts and graders (a bad task, data file or reward fails before any
-# model is built), the ranks and their roles, the models, the engine
+# building the run, in this order: the flags checked, the prompts and graders (a bad task, data file or reward fails
+# before any model is built), the ranks and their roles, the models and the engine, then the run around them
 
 
-def task_prompts(args, name, split, label_needed):
-    """A task's examples as prompts, and the task (its own grader scores them with --rm-type task)."""
-    kw = {"path": args.task_path} if args.task_path else {}
-    if name == "offline":
-        kw["levels"] = tuple(int(x) for x in args.levels.split(","))
-    task = get_task(name, split, **kw)
-    return prompts.task_prompts(task, name, split, label_needed), task
-
-
-def load_prompts(args, label_needed):
-    """-> (training prompts, training task, eval prompts, eval task, eval name); a task is None for a jsonl file."""
-    if args.prompt_data:
-        read = lambda path, split: prompts.jsonl_prompts(
-            path, split, args.input_key, args.label_key, args.apply_chat_template, label_needed
-        )
-        train_items = read(args.prompt_data, "train")
-        eval_items = read(args.eval_prompt_data, "test") if args.eval_prompt_data else train_items
-        if not args.eval_prompt_data:
-            print0(
-                f"no --eval-prompt-data: eval reads the first {args.eval_max_problems} training prompts (not held out)"
-            )
-        return train_items, None, eval_items[: args.eval_max_problems], None, args.eval_prompt_data or args.prompt_data
-    eval_name = args.eval_task or args.task
-    train_items, train_task = task_prompts(args, args.task, "train", label_needed)
-    eval_items, eval_task = task_prompts(args, eval_name, "test", label_needed)
-    return train_items, train_task, eval_items[: args.eval_max_problems], eval_task, eval_name
-
-
-def build_run(args, parser):
-    """The flags -> the RLRun of this rank, and what the report names: (run, info)."""
-    # each part's flags checked and turned into its config once; the flags themselves stay as given
+def check_flags(args, parser):
+    """Each part's flags checked and turned into its config once (the flags themselves stay as given) ->
+    (rollout config, reward config, trainer config): the rollout and the trainer share one GroupSpec."""
     group = GroupSpec(args.n_samples_per_prompt, args.temperature, args.max_new_tokens)
     rollout_cfg = rollout.config_from_args(args, parser, group)
     reward_cfg = rewards.config_from_args(args, parser, default_rm_type="math" if args.prompt_data else "task")
@@ -135,7 +107,11 @@ def build_run(args, parser):
         parser.error(f"--pass-k {k} needs --n-samples-per-eval-prompt >= {max(args.pass_k)}")
     if args.prompt_data is None and (args.eval_prompt_data or args.apply_chat_template):
         parser.error("--eval-prompt-data and --apply-chat-template only apply with --prompt-data")
-    over_sampling = args.over_sampling_batch_size or args.rollout_batch_size  # prompts sampled per round
+    return rollout_cfg, reward_cfg, trainer_cfg
+
+
+def user_functions(args):
+    """The functions the flags name -> (dynamic-sampling group filter, buffer filter, custom generate or None)."""
     group_filter, custom_generate = rollout.keep_all_groups, None
     if args.over_sampling_batch_size is not None:
         flag = "--dynamic-sampling-filter-path"
@@ -144,10 +120,37 @@ def build_run(args, parser):
     if args.custom_generate_function_path:
         keys, flag = ["config", "engine", "tokenizer", "prompts", "seeds"], "--custom-generate-function-path"
         custom_generate = common.load_function(args.custom_generate_function_path, keys, flag)
+    return group_filter, buffer_filter, custom_generate
 
-    # the prompts and the graders, one per split: the task's own grader reads the example a prompt came from
+
+def task_prompts(args, name, split, label_needed):
+    """A task's examples as prompts, and the task (its own grader scores them with --rm-type task)."""
+    kw = {"path": args.task_path} if args.task_path else {}
+    if name == "offline":
+        kw["levels"] = tuple(int(x) for x in args.levels.split(","))
+    task = get_task(name, split, **kw)
+    return prompts.task_prompts(task, name, split, label_needed), task
+
+
+def load_prompts(args, parser, reward_cfg):
+    """-> (training prompts, eval prompts, eval name, graders, reward name). graders: one per split, the task's own
+    reading the example a prompt came from (None: a remote reward)."""
     label_needed = f"--rm-type {reward_cfg.rm_type}" if reward_cfg.needs_label else None
-    train_items, train_task, eval_items, eval_task, eval_name = load_prompts(args, label_needed)
+    if args.prompt_data:
+        read = lambda path, split: prompts.jsonl_prompts(
+            path, split, args.input_key, args.label_key, args.apply_chat_template, label_needed
+        )
+        train_items, train_task, eval_task = read(args.prompt_data, "train"), None, None
+        eval_items = read(args.eval_prompt_data, "test") if args.eval_prompt_data else train_items
+        eval_name = args.eval_prompt_data or args.prompt_data
+        if not args.eval_prompt_data:
+            print0(
+                f"no --eval-prompt-data: eval reads the first {args.eval_max_problems} training prompts (not held out)"
+            )
+    else:
+        eval_name = args.eval_task or args.task
+        train_items, train_task = task_prompts(args, args.task, "train", label_needed)
+        eval_items, eval_task = task_prompts(args, eval_name, "test", label_needed)
     graders, rm_name = None, f"remote:{reward_cfg.rm_url}"
     if not reward_cfg.remote:
         try:
@@ -161,8 +164,11 @@ def build_run(args, parser):
         getattr(t, "runs_code", False) for t in (train_task, eval_task)
     ):
         require_sandbox()  # model-written code will run: with no sandbox here the run stops now, in one line
+    return train_items, eval_items[: args.eval_max_problems], eval_name, graders, rm_name
 
-    # ranks and their roles, then the batch sizes that depend on them
+
+def set_up_ranks(args, parser):
+    """torch.distributed, this rank's roles, then the batch sizes that depend on them -> (ddp, rank, device, roles)."""
     # collectives give up on a missing rank after a while (a hang in native code, a dead node) rather than block forever
     timeout_s = 2 * args.rollout_timeout + 600 if args.rollout_timeout > 0 else None
     ddp, rank, local_rank, world_size, device = common.compute_init(  # (CPU offload: gloo collectives beside NCCL)
@@ -183,17 +189,18 @@ def build_run(args, parser):
     if global_batch % (roles.n_trainers * n):
         unit = f"training ranks x --n-samples-per-prompt = {roles.n_trainers * n}"
         parser.error(f"--global-batch-size {global_batch} must be a multiple of {unit}")
+    over_sampling = args.over_sampling_batch_size or args.rollout_batch_size
     if over_sampling % roles.n_samplers:
         parser.error(f"--over-sampling-batch-size {over_sampling} must divide by the sampling ranks {roles.n_samplers}")
+    return ddp, rank, device, roles
 
-    # logging first: a missing wandb key stops the run before any model is built
-    logger = common.get_logger(
-        args.run, project="nanorl-rl", config=vars(args), master_process=rank == 0, tensorboard_dir=args.tensorboard
-    )
 
-    # the policy, and what the options add: a frozen reference (KL), a critic (ppo), a teacher (on-policy distillation)
+def build_models(args, parser, ddp, device, roles, trainer_cfg, items):
+    """The policy and what the options add: a frozen reference (KL), a critic (ppo), a teacher (on-policy
+    distillation), LoRA's adapters; the engine on a sampling rank, the optimizer, the trainer on a training rank.
+    -> (model, tokenizer, meta, lora_base, engine, optimizer, trainer)"""
     model, tokenizer, meta = load_model_from_args(args, device, phase="train")
-    if rollout_cfg.multi_turn and tokenizer.encode_special("<|python_start|>") is None:
+    if args.multi_turn and tokenizer.encode_special("<|python_start|>") is None:
         parser.error(f"--multi-turn: this model's tokenizer has no tool-call tokens ({args.hf_model or args.source})")
     ref_model = critic = critic_optimizer = teacher = None
     if trainer_cfg.needs_reference and roles.is_trainer and not args.lora_rank:
@@ -207,7 +214,7 @@ def build_run(args, parser):
                 f"--opd-teacher-load {args.opd_teacher_load}: vocab {teacher.config.vocab_size} differs from the "
                 f"student's {model.config.vocab_size}"
             )
-    longest_prompt = max(len(rollout.prompt_ids(tokenizer, p)) for p in train_items + eval_items)
+    longest_prompt = max(len(rollout.prompt_ids(tokenizer, p)) for p in items)
     if longest_prompt + 1 > model.config.sequence_len:
         raise SystemExit(
             f"the longest prompt has {longest_prompt} tokens, more than the model's context {model.config.sequence_len}"
@@ -229,10 +236,23 @@ def build_run(args, parser):
     else:
         optimizer = build_optimizer(model, weight_decay=args.weight_decay, lr_scale=args.lr_scale)
     if roles.is_trainer:
-        extra_models = (ref_model, critic, critic_optimizer, teacher)
-        trainer = rl_trainer.Trainer(
-            trainer_cfg, model, optimizer, device, *extra_models, roles.trainer_group, roles.n_trainers, ddp
-        )
+        extras = (ref_model, critic, critic_optimizer, teacher, roles.trainer_group, roles.n_trainers, ddp)
+        trainer = rl_trainer.Trainer(trainer_cfg, model, optimizer, device, *extras)
+    return model, tokenizer, meta, lora_base, engine, optimizer, trainer
+
+
+def build_run(args, parser):
+    """The flags -> the RLRun of this rank, and what the report names: (run, info)."""
+    rollout_cfg, reward_cfg, trainer_cfg = check_flags(args, parser)
+    group_filter, buffer_filter, custom_generate = user_functions(args)
+    train_items, eval_items, eval_name, graders, rm_name = load_prompts(args, parser, reward_cfg)
+    ddp, rank, device, roles = set_up_ranks(args, parser)
+    # logging first: a missing wandb key stops the run before any model is built
+    logger = common.get_logger(
+        args.run, project="nanorl-rl", config=vars(args), master_process=rank == 0, tensorboard_dir=args.tensorboard
+    )
+    built = build_models(args, parser, ddp, device, roles, trainer_cfg, train_items + eval_items)
+    model, tokenizer, meta, lora_base, engine, optimizer, trainer = built
     output_tag = args.output_tag or meta.get("model_tag") or args.model_tag or "d"
     ckpt_dir = os.path.join(common.get_base_dir(), "rl_checkpoints", output_tag)
     checkpoint.claim_output_dir(ckpt_dir, args.resume, args.overwrite, rank)  # an old run's steps never hide this one's
@@ -243,7 +263,7 @@ def build_run(args, parser):
     cfg = RunConfig(
         num_rollouts=args.num_rollouts,
         rollout_batch_size=args.rollout_batch_size,
-        over_sampling_batch_size=over_sampling,
+        over_sampling_batch_size=args.over_sampling_batch_size or args.rollout_batch_size,
         max_sampling_rounds=args.max_sampling_rounds,
         rollout_timeout=args.rollout_timeout,
         eval_every=args.eval_every,
@@ -260,7 +280,7 @@ def build_run(args, parser):
         print0(f"python sandbox: {sandbox_mode()}")
     print0(
         f"RL on {len(train_items)} prompts ({args.prompt_data or args.task}), eval on {len(eval_items)} ({eval_name}), "
-        f"{world_size} rank(s), device {device}"
+        f"{roles.world} rank(s), device {device}"
     )
     print0(step_legend())
     return run, {"rm_name": rm_name, "eval_name": eval_name}

@@ -55,6 +55,9 @@ def arm(kind, at):
 
 
 if __name__ == "__main__":
+    # python -m puts the working directory first: the repo's scripts/ and nanorl/ (before arm() imports nanorl, so an
+    # installed copy of the package elsewhere is not the one patched and run)
+    sys.path.insert(0, os.getcwd())
     spec = os.environ.get("NANORL_TEST_KILL")
     if spec:
         kind, _, at = spec.partition(":")
@@ -63,5 +66,4 @@ if __name__ == "__main__":
     if argv[:1] == ["--"]:
         argv = argv[1:]
     sys.argv = [module] + argv
-    sys.path.insert(0, os.getcwd())  # python -m puts the working directory first: the repo's scripts/ and nanorl/
     runpy.run_module(module, run_name="__main__", alter_sys=True)

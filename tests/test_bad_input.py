@@ -108,6 +108,9 @@ def run_script(module, argv, env):
     saved_argv, saved_env = sys.argv, dict(os.environ)
     sys.argv = [module.split(".")[-1] + ".py", *argv]
     os.environ.update(env)
+    sys.modules.pop(
+        module, None
+    )  # a test that imported it (to drive it in-process) leaves it: `python -m` runs it anew
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
