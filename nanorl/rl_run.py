@@ -79,15 +79,16 @@ class RLRun:
     The state of one RL run on this rank and its steps. Every rank holds one; `roles` (nanorl/rl_async.py) says
     whether it samples, trains or both. engine and worker are None on a rank that only trains, trainer on one that
     only samples.
-      checkpoint: {"dir", "tag", "meta" (the source model's), "flags" (this run's, saved as rl_args), "lora_base"}
+      ckpt: where and what it saves: {"dir", "tag", "meta" (the source model's), "flags" (this run's, saved as
+        rl_args), "lora_base" (LoRA: where the adapters' base is, else None)}
     """
 
     def __init__(self, cfg, model, optimizer, engine, worker, trainer, source, buffer, group_filter, eval_items, roles,
-                 device, ddp, rank, logger, checkpoint):  # fmt: skip
+                 device, ddp, rank, logger, ckpt):  # fmt: skip
         self.cfg, self.model, self.optimizer, self.engine = cfg, model, optimizer, engine
         self.worker, self.trainer, self.source, self.buffer = worker, trainer, source, buffer
         self.group_filter, self.eval_items, self.roles = group_filter, eval_items, roles
-        self.device, self.ddp, self.rank, self.logger, self.ckpt = device, ddp, rank, logger, checkpoint
+        self.device, self.ddp, self.rank, self.logger, self.ckpt = device, ddp, rank, logger, ckpt
         self.history, self.eval_history = [], []  # one dict per step line and per eval: report/rl_history.json
         self.idle_s = 0.0  # seconds this rank spent waiting on other ranks instead of computing
         self.pending = None  # --async, resumed: the payload a sampler had sampled for the next step when it saved
