@@ -420,7 +420,7 @@ def _load_model_dir(checkpoint_dir, step, device, phase):
     from nanorl.tokenizer import get_tokenizer
 
     model_state, _, meta, _ = load_checkpoint(checkpoint_dir, step, device=device)
-    if meta.get("lora"):  # adapters only, and a pointer to their base: nanorl/lora.py builds the merged model
+    if meta.get("lora"):  # adapters only, and a pointer to their base: the base with the adapters merged in
         return load_lora_checkpoint(meta, model_state, model_path(checkpoint_dir, step), device, phase)
     config = model_config(meta, os.path.join(checkpoint_dir, f"meta_{step:06d}.json"))
     model = build_gpt(config, device)
