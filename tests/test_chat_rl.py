@@ -706,13 +706,3 @@ def test_fsdp_flags_fail_early(base_dir, flags, msg, monkeypatch):
     argv = ["--source", "sft", "--model-tag", "t", "--custom-rm-path", RM, *flags]
     code, _, stderr = refused_before_setup(base_dir, argv, monkeypatch)
     assert code != 0 and msg in stderr, stderr[-2000:]
-
-
-def test_resume_with_changed_flags_warns_in_one_line_naming_them(base_dir):
-    # the same command again with --resume warns about nothing (tests/test_resume.py); a changed flag is named
-    run_rl(base_dir, "--num-rollouts", "1", "--save-every", "1", "--output-tag", "changed")
-    _, log = run_rl(
-        base_dir, "--num-rollouts", "2", "--save-every", "1", "--output-tag", "changed", "--resume", "--lr-scale", "0.5"
-    )
-    warnings = [line for line in log.splitlines() if line.startswith("warning: resuming with changed RL flags")]
-    assert warnings == ["warning: resuming with changed RL flags: num_rollouts: 1 -> 2, lr_scale: 1.0 -> 0.5"], log

@@ -67,14 +67,17 @@ def test_a_run_steps_saves_and_resumes_in_process(base_dir, monkeypatch, capsys)
     assert resumed.step(2)["train/train_rollout_logprob_abs_diff"] < 1e-4
 
 
-def test_resuming_with_other_flags_names_them(base_dir, monkeypatch, capsys):  # noqa: F811
+def test_resuming_with_other_flags_names_them_in_one_line(base_dir, monkeypatch, capsys):  # noqa: F811
+    # (the same flags warn about nothing: the test above)
     run = build(base_dir, monkeypatch, "--num-rollouts", "2", "--output-tag", "inproc_flags", "--overwrite")
     run.save(0)
-    resumed = build(base_dir, monkeypatch, "--num-rollouts", "5", "--output-tag", "inproc_flags", "--resume")
+    flags = ["--num-rollouts", "5", "--output-tag", "inproc_flags", "--resume", "--lr-scale", "0.5"]
+    resumed = build(base_dir, monkeypatch, *flags)
     capsys.readouterr()
     assert resumed.resume() == 0
-    # (--overwrite and --resume say how the run starts, not what it does: no warning about them)
-    assert "warning: resuming with changed RL flags: num_rollouts: 2 -> 5\n" in capsys.readouterr().out
+    warnings = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning")]
+    # --overwrite and --resume say how the run starts, not what it does: no warning about them
+    assert warnings == ["warning: resuming with changed RL flags: num_rollouts: 2 -> 5, lr_scale: 1.0 -> 0.5"]
 
 
 # -----------------------------------------------------------------------------------------------
