@@ -3,7 +3,7 @@ An agent for `chat_rl --agent`: it asks the question, checks the answer after `#
 is wrong says "wrong, try again" once; the episode scores 1 if the final answer is right, else 0. Written against the
 official openai client, as it would be against any OpenAI-compatible server.
 
-    python -m scripts.chat_rl --agent examples/retry_agent.py:agent --levels 1,2 --max-response-len 256
+    python -m scripts.chat_rl --agent examples/retry_agent.py:agent --levels 1,2 --max-new-tokens 256
     python -m scripts.chat_rl --agent examples/retry_agent.py:async_agent ...   # the same with openai.AsyncOpenAI
 
 `item` is the prompt row: item["messages"] (the chat so far: here the problem as one user message), item["label"]

@@ -47,7 +47,7 @@ from nanorl.openai_api import (
     tool_plan,
 )
 from nanorl.rewards import check_reward, set_rewards
-from nanorl.samples import COMPLETED, TRUNCATED, Sample
+from nanorl.rollout import COMPLETED, TRUNCATED, Sample
 from nanorl.serving import SampleText, chat_logprobs, logprob_entries, sse, top_logprobs, usage
 
 SEED_MASK = 2**62 - 1
@@ -172,7 +172,7 @@ class Endpoint:
 
     def _request(self, prompt, used, settings, seed):
         """The engine request of a call: the rollout's sampling, within what is left of its sample's budget (the
-        sample's --max-response-len, the context); None when nothing is left."""
+        sample's --max-new-tokens, the context); None when nothing is left."""
         s = self.settings
         room = min(s.max_response_len - used, self.engine.max_len - len(prompt))
         if room < 1:
@@ -388,7 +388,7 @@ class Episode:
 
 class AgentRollout:
     """--agent as a custom generate function: __call__(config, engine, tokenizer, prompts, seeds) -> groups. Each
-    prompt's config.n_samples_per_prompt episodes form its group; an episode that raises, runs past `timeout`
+    prompt's config.group.n_samples_per_prompt episodes form its group; an episode that raises, runs past `timeout`
     seconds (0: no limit), returns something other than a finite number (or a dict of them with a "total") or whose
     client got an error it did not catch is lost: one line names it, its samples keep their place in the group but
     are never trained on (loss mask 0, the group's mean reward: advantage 0), as a failed reward with --rm-failure
@@ -399,21 +399,22 @@ class AgentRollout:
         self.is_async = inspect.iscoroutinefunction(agent)
 
     def __call__(self, config, engine, tokenizer, prompts, seeds):
-        n = config.n_samples_per_prompt
+        spec = config.group  # the call's: the eval's n and temperature for the eval
+        n = spec.n_samples_per_prompt
         episodes = []
         for p, seed in zip(prompts, seeds):
             for j in range(n):
                 settings = EpisodeSettings(
-                    config.temperature,
+                    spec.temperature,
                     config.top_k,
                     config.top_p,
-                    config.max_response_len,
+                    spec.max_response_len,
                     hash((seed, j)) & SEED_MASK,
                 )
                 episodes.append(Episode(Endpoint(engine, tokenizer, settings), p, seed, j))
         self.run(episodes)
         filler = [tokenizer.encode_special("<|assistant_end|>")] * 2
-        return [group(episodes[i * n : (i + 1) * n], config.temperature, filler) for i in range(len(prompts))]
+        return [group(episodes[i * n : (i + 1) * n], filler) for i in range(len(prompts))]
 
     def run(self, episodes):
         """Every episode in its own thread, all at once (their calls share the engine's batch); wait up to the
@@ -462,12 +463,12 @@ class AgentRollout:
         }
 
 
-def group(episodes, temperature, filler):
+def group(episodes, filler):
     """One prompt's episodes -> its group of Samples. An episode of k chains gives k Samples; when the episodes give
     different numbers, the group is laid out in layers of one Sample per episode (layer i: each episode's i-th chain,
     or a `filler` Sample of two ids that is never trained on), so that every consecutive run of n Samples has the
     episodes' rewards and every estimator gives each Sample its episode's advantage."""
-    samples = [[to_sample(e, c, temperature) for c in e.endpoint.chains] for e in episodes]
+    samples = [[to_sample(e, c) for c in e.endpoint.chains] for e in episodes]
     depth = max(1, *(len(s) for s in samples))
     out, results = [], []
     for layer in range(depth):
@@ -475,14 +476,14 @@ def group(episodes, temperature, filler):
             if layer < len(own):
                 out.append(own[layer])
             else:
-                out.append(to_sample(e, Chain(list(filler), 1, [0], [0.0]), temperature))
+                out.append(to_sample(e, Chain(list(filler), 1, [0], [0.0])))
                 out[-1].metadata["filler"] = True
             results.append(e.result)
     set_rewards([out], out, results, "drop")
     return out
 
 
-def to_sample(e, chain, temperature):
+def to_sample(e, chain):
     md = {**e.prompt["metadata"], "seed": e.seed, "episode": f"{e.seed}:{e.index}", "calls": e.endpoint.calls}
     if e.result[0] is None:
         md["agent_error"] = e.result[1]
@@ -496,5 +497,4 @@ def to_sample(e, chain, temperature):
         status=chain.status,
         index=e.index,
         metadata=md,
-        temperature=temperature,
     )

@@ -199,7 +199,8 @@ class RLRun:
     def log_step(self, step, m, dt):
         """The step line, and the step's metrics into the history, the logger and report/rl_history.json."""
         self.eta.tick((step + 1) / self.cfg.num_rollouts)  # wall clock between step lines: evals and saves count
-        print0(step_line(step, self.cfg.num_rollouts, {**m, "dt": dt, "eta": self.eta}))
+        episodes = self.cfg.rollout_batch_size * self.worker.cfg.group.n_samples_per_prompt  # (--agent's tail)
+        print0(step_line(step, self.cfg.num_rollouts, {**m, "dt": dt, "eta": self.eta, "episodes": episodes}))
         self.history.append({"step": step + 1, **m})
         self.logger.log(m, step=step + 1)
         log_json("rl_history", {"train": self.history, "eval": self.eval_history}, rank=self.rank)
@@ -361,11 +362,15 @@ TOOL_FIELDS = ("tool_calls", "tool_errors", "max_turns_hit")  # --multi-turn's t
 
 def step_line(step, num_rollouts, m):
     """`step 00001/60 | reward 0.250 | len 31.5 | ...`, the fields of STEP_FIELDS from m (the step's metrics, its
-    seconds `dt` and `eta`), then with --multi-turn the tool use per response."""
+    seconds `dt` and `eta`), then with --multi-turn the tool use per response, with --agent the episodes lost (raised,
+    timed out, no number) out of the rollout's `episodes`, and the calls per episode."""
     line = f"step {step + 1:05d}/{num_rollouts} | " + " | ".join(f"{name} {fmt(m)}" for name, fmt, _ in STEP_FIELDS)
     if f"rollout/{TOOL_FIELDS[0]}_mean" in m:
         calls, errors, max_turns = (m[f"rollout/{k}_mean"] for k in TOOL_FIELDS)
         line += f" | tools {calls:.2f} err {errors:.2f} max_turns {max_turns:.2f}"
+    if "rollout/agent_lost_frac" in m:
+        lost, episodes = round(m["rollout/agent_lost_frac"] * m["episodes"]), m["episodes"]
+        line += f" | agent lost {lost}/{episodes} calls {m['rollout/agent_calls_mean']:.2f}"
     return line
 
 

@@ -34,6 +34,7 @@ class GroupSpec:
     temperature: float = 1.0
     max_response_len: int = 256
 
+
 AGENT_TIMEOUT = 300.0  # --agent-timeout's default
 
 

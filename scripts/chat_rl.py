@@ -110,8 +110,9 @@ def check_flags(args, parser):
     return rollout_cfg, reward_cfg, trainer_cfg
 
 
-def user_functions(args):
-    """The functions the flags name -> (dynamic-sampling group filter, buffer filter, custom generate or None)."""
+def user_functions(args, parser):
+    """The functions the flags name -> (dynamic-sampling group filter, buffer filter, custom generate or None: a
+    function, or --agent's episodes)."""
     group_filter, custom_generate = rollout.keep_all_groups, None
     if args.over_sampling_batch_size is not None:
         flag = "--dynamic-sampling-filter-path"
@@ -120,6 +121,19 @@ def user_functions(args):
     if args.custom_generate_function_path:
         keys, flag = ["config", "engine", "tokenizer", "prompts", "seeds"], "--custom-generate-function-path"
         custom_generate = common.load_function(args.custom_generate_function_path, keys, flag)
+    if args.agent:  # the agent's episodes are the rollout, scored by the agent itself (nanorl/agents.py)
+        if args.rm_type or args.custom_rm_path or args.rm_url:
+            parser.error("--agent scores its own episodes: --rm-type, --custom-rm-path and --rm-url do not apply")
+        try:
+            from nanorl.agents import AgentRollout
+        except ImportError as e:
+            parser.error(f"--agent needs the openai package: pip install openai ({e})")
+        try:
+            agent = common.load_function(args.agent, ["client", "item"], "--agent")
+        except ValueError as e:
+            parser.error(str(e))
+        timeout = rollout.AGENT_TIMEOUT if args.agent_timeout is None else args.agent_timeout
+        custom_generate = AgentRollout(agent, timeout)
     return group_filter, buffer_filter, custom_generate
 
 
@@ -134,7 +148,7 @@ def task_prompts(args, name, split, label_needed):
 
 def load_prompts(args, parser, reward_cfg):
     """-> (training prompts, eval prompts, eval name, graders, reward name). graders: one per split, the task's own
-    reading the example a prompt came from (None: a remote reward)."""
+    reading the example a prompt came from (None: a remote reward; none with --agent, which scores its episodes)."""
     label_needed = f"--rm-type {reward_cfg.rm_type}" if reward_cfg.needs_label else None
     if args.prompt_data:
         read = lambda path, split: prompts.jsonl_prompts(
@@ -152,7 +166,9 @@ def load_prompts(args, parser, reward_cfg):
         train_items, train_task = task_prompts(args, args.task, "train", label_needed)
         eval_items, eval_task = task_prompts(args, eval_name, "test", label_needed)
     graders, rm_name = None, f"remote:{reward_cfg.rm_url}"
-    if not reward_cfg.remote:
+    if args.agent:
+        graders, rm_name = {}, f"agent:{args.agent}"
+    elif not reward_cfg.remote:
         try:
             (train_grader, rm_name), (eval_grader, _) = (
                 rewards.make_reward(reward_cfg.rm_type, t, reward_cfg.custom_rm_path) for t in (train_task, eval_task)
@@ -226,6 +242,8 @@ def build_models(args, parser, ddp, device, roles, trainer_cfg, items):
     engine = trainer = None
     if roles.is_sampler:
         max_len = min(model.config.sequence_len, longest_prompt + args.max_new_tokens)
+        if args.agent:  # an episode's later calls hold its earlier turns: they may be longer than any prompt
+            max_len = model.config.sequence_len
         engine = Engine(
             model, tokenizer, batch_size=args.engine_batch_size, share_weights=bool(lora_base), max_len=max_len
         )
@@ -244,7 +262,7 @@ def build_models(args, parser, ddp, device, roles, trainer_cfg, items):
 def build_run(args, parser):
     """The flags -> the RLRun of this rank, and what the report names: (run, info)."""
     rollout_cfg, reward_cfg, trainer_cfg = check_flags(args, parser)
-    group_filter, buffer_filter, custom_generate = user_functions(args)
+    group_filter, buffer_filter, custom_generate = user_functions(args, parser)
     train_items, eval_items, eval_name, graders, rm_name = load_prompts(args, parser, reward_cfg)
     ddp, rank, device, roles = set_up_ranks(args, parser)
     # logging first: a missing wandb key stops the run before any model is built

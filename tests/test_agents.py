@@ -18,8 +18,8 @@ openai = pytest.importorskip("openai")
 from nanorl import agents, function_calls  # noqa: E402
 from nanorl.engine import Engine  # noqa: E402
 from nanorl.gpt import GPTConfig, build_model  # noqa: E402
-from nanorl.rollout import RolloutConfig  # noqa: E402
-from nanorl.samples import collate  # noqa: E402
+from nanorl.rl_trainer import collate  # noqa: E402
+from nanorl.rollout import GroupSpec, RolloutConfig  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -84,12 +84,12 @@ def endpoint(model, tokenizer, max_response_len=64, seed=7):
     return agents.Endpoint(engine, tokenizer, agents.EpisodeSettings(1.0, None, None, max_response_len, seed))
 
 
-def trainer_logprobs_agree(model, sample, tol=1e-5):
-    """The trainer's log-probs (log_softmax of its forward at the sample's temperature) at the trained positions
-    equal the ones the engine recorded."""
+def trainer_logprobs_agree(model, sample, tol=1e-5, temperature=1.0):
+    """The trainer's log-probs (log_softmax of its forward at the rollout's temperature, 1 in these tests) at the
+    trained positions equal the ones the engine recorded."""
     batch = collate([sample])
     with torch.no_grad():
-        logp = model.token_logprobs(batch["inputs"], batch["targets"], temperature=sample.temperature or 1.0)
+        logp = model.token_logprobs(batch["inputs"], batch["targets"], temperature=temperature)
     mask = batch["loss_mask"] > 0
     assert mask.sum() > 0
     diff = (logp[mask] - batch["rollout_logp"][mask]).abs().max().item()
@@ -173,7 +173,7 @@ def test_drift_keeps_the_sampled_ids(tok, random_model):
         messages += [r.choices[0].message, RETRY]
         plain += [{"role": "assistant", "content": r.choices[0].message.content}, RETRY]
     assert len(ep.chains) == 1 and ep.chains[0].calls == 3
-    [sample] = agents.group([episode_of(ep, 1.0)], 1.0, [0, 0])
+    [sample] = agents.group([episode_of(ep, 1.0)], [0, 0])
     rerendered = tok.render_for_completion({"messages": plain})
     assert sample.tokens[: len(rerendered)] != rerendered  # the random model's replies do not re-encode as sampled
     trainer_logprobs_agree(random_model, sample)
@@ -196,7 +196,7 @@ def test_a_call_that_continues_nothing_is_a_sample_of_its_own_and_groups_are_lay
         for messages in talks:
             agents.client(ep).chat.completions.create(model="any", messages=messages, max_tokens=6)
     assert len(two.chains) == 2 and len(one.chains) == 1
-    group = agents.group([episode_of(two, 1.0, 0), episode_of(one, 0.0, 1)], 1.0, [0, 0])
+    group = agents.group([episode_of(two, 1.0, 0), episode_of(one, 0.0, 1)], [0, 0])
     assert len(group) == 4 and [s.reward for s in group] == [1.0, 0.0, 1.0, 0.0]
     assert group[3].metadata.get("filler") and group[3].loss_mask == [0] and len(group[3].tokens) == 2
     assert group[2].tokens[: group[2].prompt_length] == tok.render_for_completion(
@@ -217,7 +217,7 @@ def test_the_example_agent(tok):
     chain = [sp("<|assistant_start|>"), *reply, sp("<|assistant_end|>")]
     engine = Engine(bigram_model(dict(zip(chain, chain[1:])), tok.vocab_size), tok, batch_size=8)
     items = prompts_of(5)[3:]  # labels "4" and "5"
-    cfg = RolloutConfig(n_samples_per_prompt=2, max_response_len=64)
+    cfg = RolloutConfig(group=GroupSpec(n_samples_per_prompt=2, max_response_len=64))
     for fn in (agent, async_agent):
         wrong, right = agents.AgentRollout(fn, timeout=60)(cfg, engine, tok, items, [1, 2])
         assert [s.reward for s in right] == [1.0, 1.0] and [s.metadata["calls"] for s in right] == [1, 1]
@@ -235,8 +235,10 @@ def test_a_layered_rollout_is_trained_whole_in_minibatches_of_whole_groups(tok, 
 
     ep = endpoint(random_model, tok)
     agents.client(ep).chat.completions.create(model="any", messages=USER, max_tokens=4)
-    samples = [s for e in range(9) for s in agents.group([episode_of(ep, float(e % 2), e)], 1.0, [0, 0])]
-    cfg = rl_trainer.TrainerConfig(n_samples_per_prompt=3, max_response_len=64, num_steps_per_rollout=2)
+    samples = [s for e in range(9) for s in agents.group([episode_of(ep, float(e % 2), e)], [0, 0])]
+    cfg = rl_trainer.TrainerConfig(
+        group=GroupSpec(n_samples_per_prompt=3, max_response_len=64), num_steps_per_rollout=2
+    )
     trainer = rl_trainer.Trainer(cfg, random_model, build_optimizer(random_model), torch.device("cpu"))
     seen = []
     trainer.train_minibatch = lambda batch, *a, **k: seen.append(len(batch)) or {"pg_loss": 0.0}
@@ -277,7 +279,7 @@ async def two_turns_async(client, item):
 def test_agent_rollout_groups_and_the_async_variant_agree(tok, random_model):
     """Each prompt's n episodes are its group, one Sample each (two turns merged), scored by the agent; the async agent
     on openai.AsyncOpenAI samples exactly the same tokens (the calls' seeds come from the rollout's)."""
-    cfg = RolloutConfig(n_samples_per_prompt=3, max_response_len=64)
+    cfg = RolloutConfig(group=GroupSpec(n_samples_per_prompt=3, max_response_len=64))
     engine = Engine(random_model, tok, batch_size=8)
     groups = agents.AgentRollout(two_turns, timeout=60)(cfg, engine, tok, prompts_of(2), [5, 6])
     again = agents.AgentRollout(two_turns_async, timeout=60)(cfg, engine, tok, prompts_of(2), [5, 6])
@@ -286,7 +288,7 @@ def test_agent_rollout_groups_and_the_async_variant_agree(tok, random_model):
         for s, t in zip(g, h):
             assert s.tokens == t.tokens and s.loss_mask == t.loss_mask  # log-probs: up to the batch's float noise
             assert max(abs(x - y) for x, y in zip(s.rollout_log_probs, t.rollout_log_probs)) < 1e-5
-            assert s.reward == t.reward and s.metadata["calls"] == 2 and s.temperature == 1.0
+            assert s.reward == t.reward and s.metadata["calls"] == 2
             assert set(s.reward) == {"total", "length"}  # the agent's own score, components and all
             trainer_logprobs_agree(random_model, s)
     assert len({tuple(s.tokens) for g in groups for s in g}) == 6  # every episode its own random stream
@@ -319,7 +321,7 @@ def test_each_fault_loses_its_episode_only(tok, random_model, capsys):
     calls are refused."""
     release, counts, lock = threading.Event(), {}, threading.Lock()
     rollout = agents.AgentRollout(lambda c, i: faulty(c, i, release, counts, lock), timeout=3)
-    cfg = RolloutConfig(n_samples_per_prompt=2, max_response_len=64)
+    cfg = RolloutConfig(group=GroupSpec(n_samples_per_prompt=2, max_response_len=64))
     engine = Engine(random_model, tok, batch_size=8)
     t0 = time.time()
     try:
@@ -571,7 +573,7 @@ def run_agent_rl(base_dir, *extra, nproc=1, agent="tests/rl_fixture_agent.py:vow
         "-m",
         "scripts.chat_rl",
         *("--source sft --model-tag t --levels 1 --rollout-batch-size 2 --n-samples-per-prompt 4").split(),
-        *("--max-response-len 40 --eval-max-problems 2 --n-samples-per-eval-prompt 2 --pass-k 1,2").split(),
+        *("--max-new-tokens 40 --eval-max-problems 2 --n-samples-per-eval-prompt 2 --pass-k 1,2").split(),
         *("--lr-scale 1.0 --engine-batch-size 16 --device-type cpu --agent-timeout 120").split(),
         "--agent",
         agent,
