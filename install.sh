@@ -14,7 +14,8 @@ apt_install() { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get ins
 if [ ! -x .venv/bin/python ]; then
     # Debian and Ubuntu ship venv's ensurepip apart, in python3-venv
     if ! python3 -c "import ensurepip" 2>/dev/null && can_apt; then apt_install python3-venv; fi
-    python3 -m venv .venv || { rm -rf .venv; fail "python3 -m venv failed: apt-get install python3-venv"; }
+    VENV_NEW=0; [ -e .venv ] || [ -L .venv ] || VENV_NEW=1  # a failed venv is removed only if we created it: never the user's .venv
+    python3 -m venv .venv || { [ $VENV_NEW = 0 ] || rm -rf .venv; fail "python3 -m venv failed: apt-get install python3-venv"; }
 fi
 PY=.venv/bin/python
 if [ $INSTALL = 1 ]; then $PY -m pip install -q --upgrade pip >/dev/null; fi

@@ -49,6 +49,7 @@ gpu_stage() {
     local name=$1 module=$2; shift 2
     stage "$name" $PY -m torch.distributed.run --standalone --nproc_per_node=$NGPU -m "$module" -- --device-type cuda "$@"
 }
+SETUP_SECONDS=$(( $(date +%s) - T_START ))  # venv and installs: the report shows them apart from the stages
 # the tiny run's sizes: `size normal smoke` (NANORL_SMOKE=1: a couple of minutes, the CI test of the whole pipeline)
 size() { [ "${NANORL_SMOKE:-0}" = "1" ] && echo "$2" || echo "$1"; }
 
@@ -112,7 +113,7 @@ fi
 
 # the report: total = the sum of the stages' own times (a rerun that skips finished stages still reports them all)
 STAGE_SECONDS=$(cat "$NANORL_BASE_DIR"/done/* 2>/dev/null | awk '{s += $1} END {print s + 0}')
-$PY -m nanorl.report --out "${NANORL_REPORT:-report.md}" --wall-time "$STAGE_SECONDS"
+$PY -m nanorl.report --out "${NANORL_REPORT:-report.md}" --wall-time "$STAGE_SECONDS" --setup-time "$SETUP_SECONDS"
 echo "== done in $(( ($(date +%s) - T_START) / 60 )) min; the report card is in ${NANORL_REPORT:-report.md} =="
 echo "Chat with the RL model it trained:"  # everything was installed into .venv: a new shell activates it first
 echo "  source .venv/bin/activate"

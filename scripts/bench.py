@@ -248,7 +248,9 @@ def report_decode(args, engine, cfg, R, ttft, ms_step, total, ntok, refresh_ms):
     result.update(decode_tok_per_s=round(R / ms_step * 1e3, 1), engine_weights=weights)
     result.update(weight_refresh_ms=round(refresh_ms, 3), tok_per_s=round(ntok / total, 1), weight_bytes=weight_bytes)
     result.update(kv_bytes_per_token=kv_per_token, kv_bytes_per_step=int(kv_step), peak_mem_gb=round(peak_mem, 3))
-    result.update(mbu=None if mbu is None else round(mbu, 4), bandwidth_bytes_per_s=bw and round(bw), bandwidth_source=bw_source)
+    result.update(
+        mbu=None if mbu is None else round(mbu, 4), bandwidth_bytes_per_s=bw and round(bw), bandwidth_source=bw_source
+    )
     print(json.dumps(result))
 
 

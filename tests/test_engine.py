@@ -832,7 +832,8 @@ def test_prefill_and_decode_attention_kernels_are_pinned(monkeypatch):
     cpu_prefill = cpu_decode = [SDPBackend.FLASH_ATTENTION]
     assert seen == [(5, cpu_prefill), (1, cpu_decode), (1, cpu_decode)]
     assert (
-        engine.attention_kernels() == "engine attention: prefill = SDPA flash (CPU), decode = SDPA flash (CPU) (both pinned)"
+        engine.attention_kernels()
+        == "engine attention: prefill = SDPA flash (CPU), decode = SDPA flash (CPU) (both pinned)"
     )
     engine.device, engine.use_cuda_graph = torch.device("cuda"), True  # what a CUDA engine picks (no GPU needed)
     assert engine.prefill_attention() == engine.decode_attention() == [SDPBackend.EFFICIENT_ATTENTION]

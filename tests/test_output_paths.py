@@ -154,9 +154,9 @@ def test_peft_export_replaces_only_an_earlier_export(tmp_path):
     pytest.importorskip("transformers")
     from test_hf import tiny_hf, tiny_tokenizer
 
-    from nanorl.checkpoint import load_hf, save_checkpoint
+    from nanorl.checkpoint import export_peft, load_hf, save_checkpoint
     from nanorl.hf import EXPORT_MARKER
-    from nanorl.lora import LoraConfig, apply_lora, checkpoint_meta, export_peft, lora_state_dict
+    from nanorl.lora import LoraConfig, apply_lora, checkpoint_meta, lora_state_dict
 
     src = tmp_path / "qwen"
     tiny_hf("qwen2", src, vocab=tiny_tokenizer(src))
@@ -262,10 +262,12 @@ def test_downloads_keep_what_the_data_dir_holds(tmp_path):
 
 
 def test_speedrun_keeps_a_venv_it_did_not_create(tmp_path):
-    """speedrun.sh: when `python3 -m venv` fails, a .venv that was there before (without a python) is left alone."""
+    """speedrun.sh (its installer, install.sh): when `python3 -m venv` fails, a .venv that was there before (without a
+    python) is left alone."""
     repo = tmp_path / "repo"
     repo.mkdir()
-    (repo / "speedrun.sh").write_text((ROOT / "speedrun.sh").read_text())
+    for name in ("speedrun.sh", "install.sh"):
+        (repo / name).write_text((ROOT / name).read_text())
     planted = [plant(repo / ".venv")]
     fake = tmp_path / "bin"
     fake.mkdir()
