@@ -373,7 +373,7 @@ def test_defaults_reproduce_the_cards_offline_row_and_help_lists_the_tasks(monke
 
     script = (ROOT / "speedrun.sh").read_text()
     line = next(ln for ln in script.splitlines() if ln.strip().startswith("stage eval_rl "))
-    gen = re.search(r"else\n\s*BASE_ITERS=.*\bGEN=(\d+)", script).group(1)  # the full tiny run's sizes, not smoke's
+    gen = re.search(r"\bGEN=\$\(size (\d+) \d+\)", script).group(1)  # the full tiny run's size, not smoke's
     assert "-a offline" in line and "-m $GEN --levels 1,2" in line and gen == "128"
     monkeypatch.setattr(sys, "argv", ["chat_eval.py", "-i", "rl", "-x", "200"])
     args = parse_args()
