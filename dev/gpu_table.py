@@ -88,12 +88,14 @@ def main(logdir, out, mode, seconds):
                     "",
                 ]
             )
-            for fig in re.findall(r"^gpu_check (\{.*\})$", text, re.M):
+            # pytest's progress marks (".", "s") share the line with a test's print under -s: no ^ anchor
+            for fig in re.findall(r"gpu_check (\{.*\})$", text, re.M):
                 f = json.loads(fig)
+                rest = {k: v for k, v in f.items() if k not in ("check", "unit", "peak_mem_gb")}
                 rows.append(
                     [
                         f["check"],
-                        fmt(f["figure"]),
+                        fmt(f["figure"]) if "figure" in f else ", ".join(f"{k} {v}" for k, v in rest.items()),
                         f.get("unit", ""),
                         "",
                         fmt(f["peak_mem_gb"]) if "peak_mem_gb" in f else "",

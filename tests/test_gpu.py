@@ -261,6 +261,34 @@ def test_gpu_check_cpu_mode(tmp_path):
     assert "CPU mode" in text
 
 
+def test_gpu_table_reads_figures_printed_after_pytest_progress_marks(tmp_path):
+    """Under -s a test's print shares its line with pytest's progress marks (the first H100 run's log: ".s..gpu_check
+    {...}"): each figure is a row, and a figure without "figure" (the resume check) lists its fields."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "01_tests.log").write_text(
+        'sgpu_check {"check": "engine CUDA graph self-check on cuda:0", "figure": "passed"}\n'
+        '.s..gpu_check {"check": "engine (bf16) vs trainer log-prob gap: mean", "figure": 0.00016, "unit": "nats"}\n'
+        '.gpu_check {"check": "resume on CUDA", "stages": "base_train, chat_rl", "resumed": "ok"}\n'
+        "9 passed, 2 skipped, 3 deselected in 270.17s\n"
+    )
+    (logs / "index.tsv").write_text("01_tests.log\ttests\tgpu tests\t0\n")
+    out = tmp_path / "t.md"
+    res = subprocess.run(
+        [sys.executable, str(REPO / "dev" / "gpu_table.py"), str(logs), str(out), "cpu", "1"],
+        capture_output=True,
+        text=True,
+    )
+    assert res.returncode == 0, res.stderr
+    rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in out.read_text().splitlines() if ln.startswith("| ")]
+    assert rows[1:] == [
+        ["gpu tests", "9 passed, 0 failed, 2 skipped", "", "", ""],
+        ["engine CUDA graph self-check on cuda:0", "passed", "", "", ""],
+        ["engine (bf16) vs trainer log-prob gap: mean", "0.00016", "nats", "", ""],
+        ["resume on CUDA", "stages base_train, chat_rl, resumed ok", "", "", ""],
+    ]
+
+
 # -----------------------------------------------------------------------------
 # the GPU checks themselves (bash dev/gpu_check.sh runs these first)
 
