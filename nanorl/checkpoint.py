@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.fsdp import FSDPModule
 
 from nanorl import lora
-from nanorl.common import get_base_dir, nonneg_int, print0
+from nanorl.common import get_base_dir, nonneg_int, print0, tag_name
 from nanorl.errors import BadValue, MissingFile, Unreadable, read_json_object
 from nanorl.gpt import GPTConfig
 from nanorl.gpt import build_model as build_gpt
@@ -537,6 +537,7 @@ def add_model_args(parser, source="sft", short=False, hf_model=True):
         )
     parser.add_argument(
         *names("-g", "--model-tag"),
+        type=tag_name,
         default=None,
         help="checkpoint subdirectory (default: the one saved most recently; named when there are several)",
     )

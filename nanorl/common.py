@@ -104,6 +104,14 @@ fraction = number_in(float, 0, 1)  # a share of something, 0..1
 int_or_off = number_in(int, -1)  # intervals and limits where -1 (or 0) means "off" / "all"
 
 
+def tag_name(text):
+    """An argparse `type=` for a checkpoint tag (--model-tag, --output-tag): one directory name under a stage's
+    checkpoints, so "../x" or "a/b" cannot write or read outside it."""
+    if not text or text in (".", "..") or "/" in text or "\\" in text or text.startswith("-"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a tag: one directory name, e.g. d4 or my-run")
+    return text
+
+
 def print0(*args, **kwargs):
     # Only rank 0 talks, so an 8-GPU run prints one log, not eight interleaved ones.
     if int(os.environ.get("RANK", 0)) == 0:

@@ -35,6 +35,7 @@ from nanorl.common import (
     positive_int,
     print0,
     synchronize,
+    tag_name,
 )
 from nanorl.dataloader import PretrainLoader
 from nanorl.dataset import describe_source
@@ -78,7 +79,7 @@ parser.add_argument("--sample-every", type=int_or_off, default=2000, help="print
 parser.add_argument("--save-every", type=int_or_off, default=-1, help="checkpoint every N steps (0 or -1 = only at the end)")
 parser.add_argument("--keep-last", type=positive_int, default=2, help="keep only the newest N checkpoints")
 parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint of this model tag")
-parser.add_argument("--model-tag", default=None, help="checkpoint subdirectory (default: d<depth>)")
+parser.add_argument("--model-tag", type=tag_name, default=None, help="checkpoint subdirectory (default: d<depth>)")
 parser.add_argument("--data-dir", default=None, help="directory of parquet/jsonl/txt files (default: downloaded shards, else synthetic)")
 parser.add_argument("--no-compile", action="store_true", help="skip torch.compile on CUDA")
 parser.add_argument("--device-type", default=None, choices=["cuda", "cpu", "mps"], help="default: autodetect")

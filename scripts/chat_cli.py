@@ -16,7 +16,7 @@ import os
 import signal
 import sys
 
-from nanorl.common import ArgumentParser, number_in, print0
+from nanorl.common import ArgumentParser, number_in, print0, tag_name
 from nanorl.engine import Engine, Request
 from nanorl.errors import BadValue
 from nanorl.openai_api import reply_reserve
@@ -216,7 +216,7 @@ def main():
     parser.add_argument(
         "-g",
         "--model-tag",
-        type=str,
+        type=tag_name,
         default=None,
         help="checkpoint subdirectory (default: the one saved most recently; named when there are several)",
     )

@@ -19,7 +19,7 @@ import time
 
 from nanorl import checkpoint, common, fsdp, lora, prompts, rewards, rl_async, rl_trainer, rollout
 from nanorl.checkpoint import add_model_args, load_model_from_args
-from nanorl.common import SLIME_NAMES, ArgumentParser, nonneg_float, positive_float, positive_int, print0
+from nanorl.common import SLIME_NAMES, ArgumentParser, nonneg_float, positive_float, positive_int, print0, tag_name
 from nanorl.engine import Engine
 from nanorl.execution import require_sandbox, sandbox_mode
 from nanorl.gpt import attention_backend
@@ -45,7 +45,9 @@ def make_parser():
     )
     g.add_argument("--eval-task", default=None, help="held-out task (default: the test split of --task)")
     prompts.add_args(g)  # --prompt-data and its keys
-    g.add_argument("--output-tag", default=None, help="save under rl_checkpoints/<tag> (default: the source's tag)")
+    g.add_argument(
+        "--output-tag", type=tag_name, default=None, help="save under rl_checkpoints/<tag> (default: the source's tag)"
+    )
     g = parser.add_argument_group("rollouts")
     g.add_argument("--num-rollouts", type=positive_int, default=60, help="number of rollouts (= RL steps)")
     g.add_argument("--rollout-batch-size", type=positive_int, default=16, help="prompts per rollout (global)")

@@ -41,6 +41,7 @@ from nanorl.common import (
     positive_float,
     positive_int,
     print0,
+    tag_name,
 )
 from nanorl.gpt import attention_backend
 from nanorl.optim import build_optimizer
@@ -57,7 +58,12 @@ def add_train_args(parser, stage, source, init_lr_frac, warmdown_ratio, num_epoc
     """The flags of chat_sft and mid_train; `stage` is "mid" or "sft", the rest are that stage's defaults."""
     a = parser.add_argument
     add_model_args(parser, source)
-    a("--output-tag", default=None, help=f"save under {stage}_checkpoints/<tag> (default: the source's tag)")
+    a(
+        "--output-tag",
+        type=tag_name,
+        default=None,
+        help=f"save under {stage}_checkpoints/<tag> (default: the source's tag)",
+    )
     add_data_args(parser)
     add_optim_args(parser, init_lr_frac, warmdown_ratio, num_epochs)
     add_run_args(parser, stage)

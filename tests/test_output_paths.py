@@ -2,6 +2,7 @@
 the report's --out, a checkpoint's old steps, chat_rl --overwrite, the downloads' --data-dir and speedrun.sh's
 .venv. Each is tried with files planted around it that must survive every refused (and every allowed) case."""
 
+import argparse
 import os
 import re
 import subprocess
@@ -282,3 +283,42 @@ def test_speedrun_keeps_a_venv_it_did_not_create(tmp_path):
     out = subprocess.run(["bash", "speedrun.sh"], cwd=repo, env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and "python3 -m venv failed" in out.stderr, out.stderr
     assert intact(planted)
+
+
+@pytest.mark.parametrize(
+    "module, flag",
+    [
+        ("scripts.base_train", "--model-tag"),
+        ("scripts.mid_train", "--output-tag"),
+        ("scripts.chat_sft", "--output-tag"),
+        ("scripts.chat_rl", "--output-tag"),
+        ("scripts.chat_eval", "--model-tag"),
+        ("scripts.chat_cli", "--model-tag"),
+    ],
+)
+def test_a_tag_that_leaves_its_checkpoints_directory_is_one_line(tmp_path, module, flag):
+    """A tag is one directory name under <base>/<stage>_checkpoints: "../x" would save (or read) beside the base
+    directory, so each script refuses it in argparse's one line before anything is loaded or written."""
+    base = tmp_path / "base"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "NANORL_BASE_DIR": str(base), "OMP_NUM_THREADS": "1"}
+    for bad in ("../x",):  # the other shapes of a bad tag: test_tag_name below, in-process
+        r = subprocess.run(
+            [sys.executable, "-m", module, flag, bad], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
+        )
+        assert r.returncode == 2 and r.stdout == "", r.stderr
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 or lines[-2].startswith("usage:") or lines[-2].startswith(" "), r.stderr
+        assert re.search(
+            rf"error: argument (-\w/)?{flag}: {re.escape(repr(bad))} is not a tag: one directory name", lines[-1]
+        )
+        assert "Traceback" not in r.stderr
+    assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_tag_name():
+    from nanorl.common import tag_name
+
+    assert [tag_name(t) for t in ("d4", "my-run", "r.72")] == ["d4", "my-run", "r.72"]
+    for bad in ("", ".", "..", "../x", "a/b", "a\\b", "-x"):
+        with pytest.raises(argparse.ArgumentTypeError, match="is not a tag"):
+            tag_name(bad)
