@@ -174,6 +174,11 @@ def evaluate(
     return sums, texts
 
 
+def offline_name(args):
+    """The offline task as the card names it: its levels, and the problems' seed when it is not the card's."""
+    return f"offline levels {args.levels}" + (f" (problem seed {args.problem_seed})" if args.problem_seed else "")
+
+
 def run_header(args, meta, task_names, temperature):
     """The line printed before the first problem: which model (source, tag, step), which tasks (the offline
     problems' levels), how answers are decoded, and how long they may be."""
@@ -182,7 +187,8 @@ def run_header(args, meta, task_names, temperature):
         if args.hf_model
         else f"{args.source} checkpoint {meta.get('model_tag')} step {meta.get('step')}"
     )
-    tasks = ", ".join(f"offline (levels {args.levels})" if t == "offline" else t for t in task_names)
+    seed = f", problem seed {args.problem_seed}" if args.problem_seed else ""
+    tasks = ", ".join(f"offline (levels {args.levels}{seed})" if t == "offline" else t for t in task_names)
     decoding = "greedy" if temperature == 0 else f"temperature {temperature:g}"
     decoding += f", top-k {args.top_k}" if args.top_k and temperature > 0 else ""
     samples = f"{args.num_samples} sample{'s' if args.num_samples > 1 else ''} per problem"
@@ -260,6 +266,13 @@ def parse_args():
         default="1,2",
         help="offline task: difficulty levels to evaluate (default: the tiny speedrun's, as its card reports them)",
     )
+    parser.add_argument(
+        "--problem-seed",
+        type=nonneg_int,
+        default=0,
+        help="offline task: the seed its held-out problems are drawn with (0: the card's; any seed draws only from "
+        "the test split, which no stage trains on)",
+    )
     parser.add_argument("--seed", type=nonneg_int, default=0, help="seed of the sampled answers")
     parser.add_argument("--device-type", default=None, help="cuda | cpu | mps (default: autodetect)")
     args = parser.parse_args()
@@ -295,7 +308,7 @@ def load_task(name, args, paths, skipped):
 
     kw = {"path": paths[name]} if name in paths else {}
     if name == "offline":
-        kw["levels"] = levels(args)
+        kw.update(levels=levels(args), seed=args.problem_seed)
     try:
         return get_task(name, "test", **kw)
     except RuntimeError as e:
@@ -351,7 +364,7 @@ def score_card(results, args, n, temperature, skipped=None):
         "mmlu": "MMLU",
         "humaneval": "HumanEval",
         "spellingbee": "SpellingBee",
-        "offline": f"offline levels {args.levels}",
+        "offline": offline_name(args),
     }
     card, rows, greedy = {}, [], n == 1 and temperature == 0
     for name, r in results.items():

@@ -195,6 +195,23 @@ def test_offline_test_split_is_held_out_from_the_sft_mixture():
     assert not any(test.get_example(i)["messages"][0]["content"] in train_q for i in range(len(test)))
 
 
+def test_problem_seed_draws_other_held_out_problems_under_their_own_card_row(monkeypatch):
+    """--problem-seed: other problems of the test split (the record must generalise beyond the card's 200), each one
+    held out by the split's hash like the card's, and a card row of its own so the card's row is never overwritten."""
+    from nanorl import synthetic
+    from scripts.chat_eval import load_task, parse_args, score_card
+
+    monkeypatch.setattr(sys, "argv", ["chat_eval.py", "-i", "rl", "-x", "200", "--problem-seed", "1"])
+    args = parse_args()
+    card_task, other = load_task("offline", args, {}, {}), OfflineProblems("test", levels=(1, 2))
+    seeded = [p["question"] for p in card_task.problems[:200]]
+    assert seeded != [p["question"] for p in other.problems[:200]]
+    assert all(synthetic._hash_split(p["split_key"]) == "test" for p in card_task.problems)
+    result = {"offline": {"accuracy": 0.5, "problems": 200, "grader": "task", "too long for the context": 0}}
+    card, _ = score_card(result, args, 1, 0.0)
+    assert list(card) == ["offline levels 1,2 (problem seed 1) accuracy (greedy, 200 problems)"]
+
+
 def test_a_pass_k_above_the_sample_count_stops_before_any_model_loads(tmp_path, monkeypatch, capsys):
     from scripts.chat_eval import parse_args
 
@@ -210,13 +227,25 @@ def test_a_pass_k_above_the_sample_count_stops_before_any_model_loads(tmp_path, 
 
 def test_run_header_names_the_model_tasks_levels_decoding_and_length():
     args = types.SimpleNamespace(
-        hf_model=None, source="rl", levels="1,2,3,4", top_k=None, num_samples=1, max_problems=None, max_new_tokens=256
+        hf_model=None,
+        source="rl",
+        levels="1,2,3,4",
+        problem_seed=0,
+        top_k=None,
+        num_samples=1,
+        max_problems=None,
+        max_new_tokens=256,
     )
     meta = {"model_tag": "d20", "step": 1400}
     assert run_header(args, meta, ["offline", "gsm8k"], 0.0) == (
         "evaluating rl checkpoint d20 step 1400 on offline (levels 1,2,3,4), gsm8k (all problems): greedy, "
         "1 sample per problem, at most 256 new tokens"
     )
+    args.problem_seed = 3
+    assert run_header(args, meta, ["offline"], 0.0).startswith(
+        "evaluating rl checkpoint d20 step 1400 on offline (levels 1,2,3,4, problem seed 3) (all problems)"
+    )
+    args.problem_seed = 0
     args.max_new_tokens = None  # each task's own
     assert run_header(args, meta, ["offline", "gsm8k"], 0.0).endswith(
         "at most 128 new tokens (offline), 256 new tokens (gsm8k)"
