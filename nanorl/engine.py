@@ -57,9 +57,10 @@ from nanorl.engine_graphs import (
     first_stale_graph,
     prefill_backends,
 )
+from nanorl.gpt import CausalSelfAttention
 from nanorl.inflight import Sample, SlotRecords
 from nanorl.kv_cache import new_kv_cache
-from nanorl.sampling import row_seed, sample_with_logprobs, uniform_from_counter
+from nanorl.sampling import row_seed, sample_with_logprobs
 from nanorl.toolcalls import ToolMarkup, run_tool
 
 # --- what a caller submits and gets back ---------------------------------------------------------
@@ -211,6 +212,9 @@ def inference_copy(model, dtype):
             f"{type(model).__name__} has parameters or buffers its own constructor does not make: "
             "the engine cannot copy it (pass share_weights=True)"
         )
+    for m in twin.modules():
+        if isinstance(m, CausalSelfAttention):
+            m.fuse_qkv()  # q, k and v from one view of the flat buffer
     return twin.eval(), flat
 
 
@@ -264,10 +268,9 @@ class Engine:
         self.temperature = torch.ones(B, device=dev)
         self.top_k = torch.full((B,), self.vocab_size, dtype=torch.long, device=dev)
         self.top_p = torch.ones(B, device=dev)
-        self.seed = torch.zeros(B, dtype=torch.long, device=dev)
-        self.counter = torch.zeros(B, dtype=torch.long, device=dev)  # tokens drawn so far by each slot's sample
-        self.slot_state = [self.input_ids, self.temperature, self.top_k, self.top_p, self.seed, self.counter]
-        # per-slot state on the host, read each step with array ops (never a Python loop over the rows)
+        self.slot_state = [self.input_ids, self.temperature, self.top_k, self.top_p]
+        # per-slot state on the host, read each step with array ops (never a Python loop over the rows), the
+        # random streams' seeds and counters among it
         self.records = SlotRecords(B, self.max_len)
         self.slots = [None] * B  # busy slots are 0..n_busy-1 between steps (see _compact)
         self.n_busy, self.holes = 0, []  # holes: slots freed since the last _compact
@@ -523,10 +526,8 @@ class Engine:
         self.temperature[rows] = torch.tensor([float(r.temperature) for r in reqs], device=dev)
         self.top_k[rows] = torch.tensor([min(r.top_k or V, V) for r in reqs], device=dev)
         self.top_p[rows] = torch.tensor([float(r.top_p or 1.0) for r in reqs], device=dev)
-        self.seed[rows] = torch.tensor([s.row_seed for s in samples], device=dev)
-        self.counter[rows] = torch.tensor([r.start_counter for r in reqs], device=dev)
         for s in samples:
-            self.records.fill(s.slot, s.handle, self.markup.python_end)
+            self.records.fill(s, self.markup.python_end)
 
     def _compact(self):
         """Keep the busy slots a prefix 0..n_busy-1: the last busy samples move into the holes ended ones left
@@ -606,12 +607,14 @@ class Engine:
         rec = self.records
         filtered, greedy = bool(rec.filtered[busy].any()), bool(rec.greedy[busy].any())
         unit = bool(rec.unit[busy].all())
-        # every row greedy (an eval, a chat at T = 0): no uniforms, the argmax alone
-        u = None if rec.greedy[busy].all() else uniform_from_counter(self.seed[rows], self.counter[rows])
+        # every row greedy (an eval, a chat at T = 0): no uniforms, the argmax alone. The uniforms are made on the
+        # host (records.uniforms), for the idle rows of a decode batch too (rows slice past busy; their draw is unused)
+        u = None
+        if not rec.greedy[busy].all():
+            u = torch.from_numpy(rec.uniforms(rows if isinstance(rows, slice) else slots)).to(self.device)
         tok, logp = sample_with_logprobs(
             logits, self.temperature[rows], self.top_k[rows], self.top_p[rows], u, filtered, greedy, f, unit
         )
-        self.counter[rows] += 1
         host = torch.stack([tok.double(), logp.double()]).cpu().numpy()  # the step's one device -> host sync
         m = len(slots)
         forced = None if forced is None else forced[:m]

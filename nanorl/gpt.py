@@ -209,17 +209,44 @@ class CausalSelfAttention(nn.Module):
         self.qk_norm = config.qk_norm
         self.q_norm = RMSNorm(self.head_dim, config) if config.qk_norm and config.norm_weight else None
         self.k_norm = RMSNorm(self.head_dim, config) if config.qk_norm and config.norm_weight else None
+        self.qkv = None  # the [W_q; W_k; W_v] view fuse_qkv() makes, in the engine's copy of the weights only
+
+    def fuse_qkv(self):
+        """Decode reads q, k and v with one matmul, and rotates and norms q and k together: a dozen fewer small ops
+        a layer, which is what a one-token step at batch 1 pays for. Only where c_q, c_k and c_v have no bias and
+        their weights lie one after another in memory (the engine's flat copy), so the fused weight is a view of
+        them (no copy; a load_weights() refresh reaches it) and each output is the same dot product as before."""
+        ws = [self.c_q.weight, self.c_k.weight, self.c_v.weight]
+        lins = [self.c_q, self.c_k, self.c_v]
+        if self.q_norm is not None or any(type(m) is not nn.Linear or m.bias is not None for m in lins):
+            return
+        if any(
+            not w.is_contiguous() or w.untyped_storage().data_ptr() != ws[0].untyped_storage().data_ptr() for w in ws
+        ):
+            return
+        if any(b.storage_offset() != a.storage_offset() + a.numel() for a, b in zip(ws, ws[1:])):
+            return
+        rows, C = sum(w.size(0) for w in ws), ws[0].size(1)
+        self.qkv = ws[0].detach().as_strided((rows, C), (C, 1))
 
     def forward(self, x, cos, sin, attn_mask=None, kv_cache=None):
         B, T, C = x.shape
-        q = self.c_q(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
-        k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if self.qk_norm and self.q_norm is None:
-            q, k = norm(q), norm(k)  # QK-norm keeps attention logits bounded without a temperature to tune
+        H, Hkv = self.n_head, self.n_kv_head
+        if self.qkv is not None:  # fuse_qkv(): the same numbers as the path below, in fewer ops
+            qkv = F.linear(x, self.qkv).view(B, T, H + 2 * Hkv, self.head_dim).transpose(1, 2)
+            qk, v = apply_rotary(qkv[:, : H + Hkv], cos, sin), qkv[:, H + Hkv :]
+            if self.qk_norm:
+                qk = norm(qk)
+            q, k = qk[:, :H], qk[:, H:]
+        else:
+            q = self.c_q(x).view(B, T, H, self.head_dim).transpose(1, 2)
+            k = self.c_k(x).view(B, T, Hkv, self.head_dim).transpose(1, 2)
+            v = self.c_v(x).view(B, T, Hkv, self.head_dim).transpose(1, 2)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            if self.qk_norm and self.q_norm is None:
+                q, k = norm(q), norm(k)  # QK-norm keeps attention logits bounded without a temperature to tune
         gqa = self.n_kv_head != self.n_head
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v)

@@ -8,6 +8,8 @@ import collections
 
 import numpy as np
 
+from nanorl.sampling import uniform_from_counter
+
 
 class Sample:
     """One sample of a request, waiting for a slot or occupying one."""
@@ -28,13 +30,16 @@ class SlotRecords:
     def __init__(self, batch_size, max_len):
         B, self.max_len = batch_size, max_len
         self.n_gen, self.prompt_len, self.limit = (np.zeros(B, dtype=np.int64) for _ in range(3))
+        # the sample's random stream: its row seed and how many tokens it has drawn (nanorl/sampling.py)
+        self.seed, self.counter = np.zeros(B, dtype=np.int64), np.zeros(B, dtype=np.int64)
         self.watch = np.full((B, 3), -1, dtype=np.int64)  # padded with -1; widened for a request with more stops
         self.streamed, self.filtered, self.greedy, self.unit = (np.zeros(B, dtype=bool) for _ in range(4))
         self.out = np.zeros((B, max_len, 2), dtype=np.float64)  # (token, log-prob): one write per step
         self.mask = np.ones((B, max_len), dtype=np.int8)  # 0 where a token was forced in
 
-    def fill(self, slot, handle, python_end):
-        """A new sample of handle's request starts in slot."""
+    def fill(self, sample, python_end):
+        """Sample starts in its slot."""
+        slot, handle = sample.slot, sample.handle
         r = handle.request
         watch = sorted(t for t in handle.stops | ({python_end} if r.use_tools else set()) if t is not None)
         if len(watch) > self.watch.shape[1]:
@@ -42,6 +47,7 @@ class SlotRecords:
             wider[:, : self.watch.shape[1]] = self.watch
             self.watch = wider
         self.n_gen[slot], self.prompt_len[slot] = 0, len(r.prompt_ids)
+        self.seed[slot], self.counter[slot] = sample.row_seed, r.start_counter
         self.limit[slot] = min(r.max_tokens, self.max_len - len(r.prompt_ids))  # its budget, and the context
         self.watch[slot] = -1
         self.watch[slot, : len(watch)] = watch
@@ -52,6 +58,8 @@ class SlotRecords:
     def move(self, src, dst):
         for a in (
             self.n_gen,
+            self.seed,
+            self.counter,
             self.prompt_len,
             self.limit,
             self.watch,
@@ -63,6 +71,10 @@ class SlotRecords:
             self.mask,
         ):
             a[dst] = a[src]
+
+    def uniforms(self, rows):
+        """The uniform each sample of rows (a slice or an index array) draws its next token with."""
+        return uniform_from_counter(self.seed[rows], self.counter[rows])
 
     def lengths(self, n):
         """Prompt + generated tokens of slots 0..n-1."""
@@ -76,6 +88,7 @@ class SlotRecords:
         k = self.n_gen[rows].copy()  # rows may be a slice: a view would see the += below
         self.out[idx, k] = host.T
         self.n_gen[rows] += 1
+        self.counter[rows] += 1  # every token, forced ones too (a continuation's start_counter is its response length)
         hit = (self.watch[rows] == host[0, :, None]).any(1)
         if forced is not None:
             sampled = forced < 0

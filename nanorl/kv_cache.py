@@ -37,25 +37,34 @@ class KVCache:
         # prompts straight into free rows of the big decode cache). None = all rows, in order.
         self.rows = None
         self.write_pos = self.write_rows = None  # (B, T) positions and cache rows the current forward writes (begin())
+        self.write_at = None  # or the one column every row writes (begin)
 
     def _rows(self):
         return slice(None) if self.rows is None else self.rows
 
     def begin(self, T):
-        """Positions (B, T) of the next T tokens of each row, and the (B, 1, T, attend_len) attention mask."""
-        start = self.pos[self._rows()]
+        """Positions (B, T) of the next T tokens of each row, and the (B, 1, T, attend_len) attention mask (None when
+        every key up to attend_len is visible to every row: one decode token with all rows at one position)."""
+        rows = self._rows()
+        start = self.pos[rows]
         B = start.size(0)
         pos = start[:, None] + torch.arange(T, device=start.device)[None, :]
+        self.write_at = None
         if not self.static:
             # eager path: read only the used part of the cache (one host sync). A caller that wants
             # static shapes (CUDA graphs) sets static and attend_len itself and skips this check.
-            top = int(pos.max()) + 1
+            lo, hi = torch.stack(start.aminmax()).tolist()
+            top = hi + T
             if top > self.max_len:
                 raise ValueError(f"KV cache is full: position {top - 1} >= max_len {self.max_len}")
             self.attend_len = top
+            if T == 1 and lo == hi and isinstance(rows, slice):
+                # batch 1, or the samples of one prompt in lockstep: each row writes column lo of its view and sees
+                # every key up to it, so no mask and no scatter (SDPA without a mask gives what the all-true one gives)
+                self.write_at = lo
+                return pos, None
         self.write_pos = pos
         # the cache row each (b, t) writes to, the same for every layer (leading rows: the batch's own index)
-        rows = self._rows()
         b = torch.arange(B, device=pos.device) if isinstance(rows, slice) else rows
         self.write_rows = b[:, None].expand(B, T)
         key_pos = torch.arange(self.attend_len, device=pos.device)
@@ -63,19 +72,23 @@ class KVCache:
 
     def update(self, layer, k, v):
         """Write one layer's new keys/values (B, H, T, D) at write_pos; return the keys/values to attend over."""
-        rows, L, b_idx = self._rows(), self.attend_len, self.write_rows
+        rows, L = self._rows(), self.attend_len
         kc, vc = self.k[layer], self.v[layer]
         if isinstance(rows, slice):  # leading rows: write into and read views of the cache
             kc, vc = kc[rows], vc[rows]
-        kc[b_idx, :, self.write_pos] = k.transpose(1, 2).to(kc.dtype)
-        vc[b_idx, :, self.write_pos] = v.transpose(1, 2).to(vc.dtype)
+        if self.write_at is not None:  # one column for every row (begin): a plain slice assignment
+            kc[:, :, self.write_at] = k[:, :, 0]
+            vc[:, :, self.write_at] = v[:, :, 0]
+            return kc[:, :, :L], vc[:, :, :L]
+        kc[self.write_rows, :, self.write_pos] = k.transpose(1, 2).to(kc.dtype)
+        vc[self.write_rows, :, self.write_pos] = v.transpose(1, 2).to(vc.dtype)
         if isinstance(rows, slice):
             return kc[:, :, :L], vc[:, :, :L]
         return kc[rows, :, :L], vc[rows, :, :L]
 
     def end(self, T):
         self.pos[self._rows()] += T
-        self.write_pos = self.write_rows = None
+        self.write_pos = self.write_rows = self.write_at = None
 
     def reset(self, rows=None):
         if rows is None:
@@ -95,7 +108,7 @@ class KVCache:
 
 def attend_cached(q, k, v, mask):
     """
-    Attention of q (B, H, T, D) over cached k, v (B, Hkv, L, D) with a boolean mask (B, 1, T, L).
+    Attention of q (B, H, T, D) over cached k, v (B, Hkv, L, D) with a boolean mask (B, 1, T, L), or None (every key visible).
     GQA: the G query heads sharing a KV head are folded into the query length, so each KV head is read
     once and never expanded (SDPA's enable_gqa with a mask would fall back to a kernel that repeats K/V
     G times, and decode is bound by exactly those bytes). q is cast to the cache dtype, never the reverse.

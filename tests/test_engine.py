@@ -762,6 +762,52 @@ def test_inference_copy_and_load_weights():
     assert copy.lm_head.weight is copy.transformer.wte.weight and torch.equal(copy.lm_head.weight, tied.lm_head.weight)
 
 
+@pytest.mark.parametrize("n_kv_head", [4, 2])
+def test_fused_qkv_copy_samples_exactly_as_the_model_and_follows_load_weights(n_kv_head):
+    # the engine's copy reads q, k, v with one matmul of a view of its flat buffer (CausalSelfAttention.fuse_qkv):
+    # the same tokens and the same log-probs, bit for bit, as the unfused model sampled with share_weights, before
+    # and after a load_weights() refresh (the view sees it); a model with q/k/v biases is left unfused
+    model = tiny(n_kv_head=n_kv_head)
+    engine, shared = Engine(model, TOK, batch_size=4), Engine(model, TOK, batch_size=4, share_weights=True)
+    attn = engine.model.transformer.h[0].attn
+    assert attn.qkv is not None and model.transformer.h[0].attn.qkv is None
+    assert attn.qkv.untyped_storage().data_ptr() == engine.flat_weights.untyped_storage().data_ptr()
+    reqs = [
+        Request(p, num_samples=2, max_tokens=12, temperature=1.0, seed=i, stop_tokens=[])
+        for i, p in enumerate(prompts([3, 11]))
+    ]
+    for _ in range(2):
+        a, b = engine.generate(reqs), shared.generate(reqs)
+        assert [[(c.tokens, c.logprobs) for c in cs] for cs in a] == [[(c.tokens, c.logprobs) for c in cs] for cs in b]
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+        engine.load_weights(model)
+    biased = build_model(replace(model.config, attn_bias=True), "cpu")
+    assert Engine(biased, TOK, batch_size=1).model.transformer.h[0].attn.qkv is None
+
+
+def test_lockstep_decode_skips_the_mask_and_equals_the_masked_step():
+    # rows at one position (batch 1, the samples of one prompt) decode without a mask, writing their KV with a plain
+    # slice; the result is exactly the masked scatter step's (the static path the CUDA graphs record)
+    model = tiny()
+    ids = torch.tensor([prompts([7])[0]] * 3)
+    caches = [model.new_kv_cache(3, 32) for _ in range(2)]
+    for cache in caches:
+        model(ids, kv_cache=cache)
+    pos, mask = caches[0].begin(1)
+    assert mask is None and caches[0].write_at == 7
+    caches[0].end(0)
+    nxt = torch.tensor([[5], [9], [5]])
+    with torch.no_grad():
+        lockstep = model(nxt, kv_cache=caches[0])
+        caches[1].static, caches[1].attend_len = True, 8
+        masked = model(nxt, kv_cache=caches[1])
+    assert torch.equal(lockstep, masked) and torch.equal(lockstep[0], lockstep[2])
+    assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
+    assert caches[0].pos.tolist() == caches[1].pos.tolist() == [8, 8, 8]
+
+
 def test_random_traffic_keeps_the_invariants_and_every_sample():
     # requests arriving, ending at their first token, stopping, cancelled mid-way, through 4 slots: the slot
     # invariants hold after every step, and each sample that was not cancelled equals itself on an idle engine

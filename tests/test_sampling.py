@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import torch
 
 from nanorl.sampling import _mix64, _signed64, sample_tokens, sample_with_logprobs, uniform_from_counter
@@ -76,7 +77,7 @@ def test_counter_hash_matches_splitmix64():
         return ((x ^ (x >> 31)) >> 11) / 2**53
 
     seeds, counters = [0] + [_mix64(i) for i in range(1, 7)], [0, 0, 1, 2, 1000, 2**40, 7]
-    u = uniform_from_counter(torch.tensor([_signed64(s) for s in seeds]), torch.tensor(counters))
+    u = uniform_from_counter(np.array([_signed64(s) for s in seeds]), np.array(counters))
     assert u.tolist() == [splitmix(s, c) for s, c in zip(seeds, counters)]
     assert u[0] > 0.01  # seed 0's first uniform is not 0 (it was: its first token was token id 0, a NUL byte)
 
@@ -90,7 +91,7 @@ def test_a_request_seeded_0_does_not_start_with_token_0():
     assert row_seed(0, 0) == 0  # why seed 0 was the one: splitmix64's finalizer maps 0 to 0
     logits = torch.zeros(1, 300)
     logits[0, 0] = -20.0
-    u = uniform_from_counter(torch.tensor([row_seed(0, 0)]), torch.tensor([0]))
+    u = torch.from_numpy(uniform_from_counter(np.array([row_seed(0, 0)]), np.array([0])))
     assert sample_tokens(logits, torch.ones(1), torch.tensor([300]), torch.ones(1), u).item() != 0
 
 
