@@ -3,58 +3,35 @@
 #   bash speedrun.sh                 # 8xH100 (or any CUDA node): the real pipeline on all GPUs
 #   NANORL_TINY=1 bash speedrun.sh   # or any machine without CUDA: tiny model, offline curriculum, CPU
 #   bash speedrun.sh --force         # rerun stages that already finished
-# WANDB_RUN=name enables wandb logging. Each stage's log is in $NANORL_BASE_DIR/logs/<stage>.log.
+# A rerun skips the stages that finished. WANDB_RUN=name logs to wandb.
 set -euo pipefail
 cd "$(dirname "$0")"
 FORCE=0; [ "${1:-}" = "--force" ] && FORCE=1
-export NANORL_BASE_DIR="${NANORL_BASE_DIR:-$HOME/.cache/nanorl}"
-CALLER_OMP="${OMP_NUM_THREADS:-}"  # the tiny CPU run below uses every core unless the caller set this
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-export NANORL_PIPELINE=1  # the stages write the pipeline's report; runs by hand go to report/adhoc/
-mkdir -p "$NANORL_BASE_DIR/logs" "$NANORL_BASE_DIR/done"
+export NANORL_BASE_DIR="${NANORL_BASE_DIR:-$HOME/.cache/nanorl}" NANORL_PIPELINE=1  # stages write the pipeline's report
+CALLER_OMP="${OMP_NUM_THREADS:-}"; export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"  # the tiny run: see below
 WANDB_RUN="${WANDB_RUN:-dummy}"
+mkdir -p "$NANORL_BASE_DIR/logs" "$NANORL_BASE_DIR/done"
 T_START=$(date +%s)
+source install.sh bwrap:bubblewrap  # .venv with nanorl and the right torch, the sandbox (as tests/run.sh); sets PY, TINY
+SETUP_SECONDS=$(( $(date +%s) - T_START ))  # the report shows the venv and installs apart from the stages
 
-source install.sh bwrap:bubblewrap  # .venv with nanorl and the right torch, the sandbox; sets PY and TINY
-if [ $TINY = 0 ]; then  # HumanEval runs the model's code: with no sandbox here the evals skip it (and say so), not the run
-    $PY -c "from nanorl.execution import sandbox_missing as m; w = m(); w and print('note: HumanEval will be skipped:', w)"
-    # one rank per GPU that torch sees; none seen stops here, in one line naming the driver and the torch to install
-    NGPU=$($PY -m nanorl.gpu_setup check)
-    [ "$NGPU" -gt 0 ] || fail "torch sees no GPU: CUDA_VISIBLE_DEVICES='${CUDA_VISIBLE_DEVICES:-}' hides them all"
-    # headroom: the allocator grows its segments rather than fragmenting memory into unusable gaps
-    [ -n "${PYTORCH_CUDA_ALLOC_CONF:-}${PYTORCH_ALLOC_CONF:-}" ] || export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-    echo "== nanorl speedrun: $NGPU GPU(s), the full pipeline =="
-else
-    echo "== nanorl speedrun: no CUDA GPU (or NANORL_TINY=1): tiny model on the offline curriculum, CPU, no network =="
-    export CUDA_VISIBLE_DEVICES=""  # the CPU also on a GPU machine: torch and every stage's GPU check see no GPU
-    export OMP_NUM_THREADS=${CALLER_OMP:-$(nproc --all)}  # every core, unless the caller chose
-fi
-
-# run one stage: skipped when it already finished (unless --force); on failure, name the stage and its log
+# stage NAME CMD...: skipped once finished (not with --force), logged to logs/NAME.log; a failure names both
 stage() {
-    local name=$1; shift
-    local log="$NANORL_BASE_DIR/logs/$name.log" marker="$NANORL_BASE_DIR/done/$name"
-    if [ -f "$marker" ] && [ $FORCE = 0 ]; then echo "-- $name: already done, skipping (--force to rerun)"; return; fi
+    local name=$1 log="$NANORL_BASE_DIR/logs/$1.log" t0=$(date +%s); shift
+    if [ -f "$NANORL_BASE_DIR/done/$name" ] && [ $FORCE = 0 ]; then echo "-- $name: already done, skipping (--force to rerun)"; return; fi
     echo "-- $name: $*"
-    local t0=$(date +%s)
-    if ! "$@" > >(tee "$log") 2>&1; then
-        echo "!! stage '$name' failed; its log is $log. Earlier stages' checkpoints and report sections are intact; rerun to resume from here." >&2
-        exit 1
-    fi
+    "$@" > >(tee "$log") 2>&1 || fail "stage '$name' failed; its log is $log. Earlier stages' checkpoints and report sections are intact; rerun to resume from here."
     echo "-- $name done in $(( $(date +%s) - t0 ))s"
-    echo $(( $(date +%s) - t0 )) > "$marker"  # the marker holds the stage's seconds, for the report's total
+    echo $(( $(date +%s) - t0 )) > "$NANORL_BASE_DIR/done/$name"  # its seconds, for the report's total
 }
-# a GPU stage: one rank per GPU, each told --device-type cuda, so that no stage can quietly fall back to the CPU
-gpu_stage() {
-    local name=$1 module=$2; shift 2
-    stage "$name" $PY -m torch.distributed.run --standalone --nproc_per_node=$NGPU -m "$module" -- --device-type cuda "$@"
-}
-SETUP_SECONDS=$(( $(date +%s) - T_START ))  # venv and installs: the report shows them apart from the stages
-# the tiny run's sizes: `size normal smoke` (NANORL_SMOKE=1: a couple of minutes, the CI test of the whole pipeline)
-size() { [ "${NANORL_SMOKE:-0}" = "1" ] && echo "$2" || echo "$1"; }
+# gpu_stage: one rank per GPU, each told --device-type cuda, so that no stage can quietly fall back to the CPU
+gpu_stage() { stage "$1" $PY -m torch.distributed.run --standalone --nproc_per_node=$NGPU -m "$2" -- --device-type cuda "${@:3}"; }
+size() { [ "${NANORL_SMOKE:-0}" = "1" ] && echo "$2" || echo "$1"; }  # the tiny run's `size full smoke` (NANORL_SMOKE=1)
 
-# (chat_rl --overwrite: a rerun starts RL afresh, moving an earlier attempt's steps aside to rl_checkpoints/<tag>.old-*)
 if [ $TINY = 1 ]; then
+    echo "== nanorl speedrun: no CUDA GPU (or NANORL_TINY=1): tiny model on the offline curriculum, CPU, no network =="
+    # the CPU also on a GPU machine (torch and every stage's GPU check see none), on every core unless the caller chose
+    export CUDA_VISIBLE_DEVICES="" OMP_NUM_THREADS=${CALLER_OMP:-$(nproc --all)}
     BASE_ITERS=$(size 250 20)    # base_train steps
     MID_ITERS=$(size 80 6)       # mid_train steps
     SFT_ITERS=$(size 80 6)       # chat_sft steps
@@ -64,56 +41,49 @@ if [ $TINY = 1 ]; then
     EVAL_N=$(size 200 16)        # chat_eval problems
     GEN=$(size 128 48)           # new tokens per answer (eval and RL)
     RL_ROLLOUTS=$(size 24 2)     # RL steps
-    RL_PROMPTS=$(size 16 4)      # prompts per RL step (8 samples each)
+    RL_PROMPTS=$(size 16 4)      # prompts per RL step, 8 samples each (16, not 8: steadier across seeds, dev/LOG.md)
     RL_EVAL_EVERY=$(size 24 8)   # RL's held-out pass@k: at the start, every N steps and at the end
     RL_EVAL_N=$(size 64 8)       # RL's held-out problems
     stage tok_train  $PY -m scripts.tok_train --vocab-size 4096 --max-chars 20000000
     stage tok_eval   $PY -m scripts.tok_eval
     stage base_train $PY -m scripts.base_train --depth 4 --head-dim 64 --max-seq-len 256 --device-batch-size $ROWS \
         --total-batch-size $(( ROWS * 256 )) --num-iterations $BASE_ITERS --warmdown-ratio 0.3 --eval-every $(( BASE_ITERS / 2 )) --eval-tokens $EVAL_TOK --sample-every $BASE_ITERS --run "$WANDB_RUN"
-    # no CORE offline: the eval bundle is a download, and its 22 tasks would take the tiny run minutes on a CPU
-    stage base_eval  $PY -m scripts.base_eval --eval bpb,sample --device-batch-size $ROWS --split-tokens $EVAL_TOK
+    stage base_eval  $PY -m scripts.base_eval --eval bpb,sample --device-batch-size $ROWS --split-tokens $EVAL_TOK  # no CORE: a download
     stage mid_train  $PY -m scripts.mid_train --num-iterations $MID_ITERS --device-batch-size $ROWS --eval-every $(( MID_ITERS / 2 )) --eval-tokens $EVAL_TOK --num-examples $NUM_EX --run "$WANDB_RUN"
     stage eval_mid   $PY -m scripts.chat_eval -i mid -a offline -x $EVAL_N -m $GEN --levels 1,2
     stage eval_mid_sampled $PY -m scripts.chat_eval -i mid -a offline -x $EVAL_N -m $GEN --levels 1,2 -n 4 -t 1.0
     stage chat_sft   $PY -m scripts.chat_sft --num-iterations $SFT_ITERS --device-batch-size $ROWS --eval-every $(( SFT_ITERS / 2 )) --eval-tokens $EVAL_TOK --num-examples $NUM_EX --run "$WANDB_RUN"
     stage eval_sft   $PY -m scripts.chat_eval -i sft -a offline -x $EVAL_N -m $GEN --levels 1,2
     stage eval_sft_sampled $PY -m scripts.chat_eval -i sft -a offline -x $EVAL_N -m $GEN --levels 1,2 -n 4 -t 1.0
-    # 16 prompts a rollout, not 8: a step of 8 groups moved greedy answers on near-tie problems either way with the
-    # seed; 16 raised greedy, pass@1 and pass@4 on seeds 42, 7 and 11 (dev/LOG.md)
     stage chat_rl    $PY -m scripts.chat_rl --overwrite --levels 1,2 --num-rollouts $RL_ROLLOUTS --rollout-batch-size $RL_PROMPTS --n-samples-per-prompt 8 \
         --max-new-tokens $GEN --eval-every $RL_EVAL_EVERY --eval-max-problems $RL_EVAL_N --n-samples-per-eval-prompt 4 --save-every 8 --run "$WANDB_RUN"
     stage eval_rl    $PY -m scripts.chat_eval -i rl -a offline -x $EVAL_N -m $GEN --levels 1,2
     stage eval_rl_sampled $PY -m scripts.chat_eval -i rl -a offline -x $EVAL_N -m $GEN --levels 1,2 -n 4 -t 1.0
 else
-    # real data: the first shards now, the rest in the background while the tokenizer trains. 300 shards = 299 train
-    # + 1 val: d20 (424.7M params) x 20 = 8.49B tokens; the loader crops 32-43% of the stream (the rest of each row's
-    # overflowing document), so it reads up to 14.9B tokens, at most ~52M a shard: 287 shards
-    stage data_first $PY -m nanorl.dataset -n 8
-    $PY -m nanorl.dataset -n 300 > "$NANORL_BASE_DIR/logs/data_download.log" 2>&1 &
-    DATA_PID=$!
+    # HumanEval runs the model's code: with no sandbox here the evals skip it (and say so), not the run
+    $PY -c "from nanorl.execution import sandbox_missing as m; w = m(); w and print('note: HumanEval will be skipped:', w)"
+    NGPU=$($PY -m nanorl.gpu_setup check)  # one rank per GPU torch sees; none: one line naming the driver and the fix
+    [ "$NGPU" -gt 0 ] || fail "torch sees no GPU: CUDA_VISIBLE_DEVICES='${CUDA_VISIBLE_DEVICES:-}' hides them all"
+    echo "== nanorl speedrun: $NGPU GPU(s), the full pipeline =="
+    stage data_first $PY -m nanorl.dataset -n 8  # FineWeb-Edu: 8 shards now, the rest while the tokenizer trains
+    $PY -m nanorl.dataset -n 300 > "$NANORL_BASE_DIR/logs/data_download.log" 2>&1 & DATA_PID=$!  # d20 reads ~287 (docs/training.md)
     stage tok_train  $PY -m scripts.tok_train --max-chars 2000000000
     stage tok_eval   $PY -m scripts.tok_eval
-    wait $DATA_PID || { echo "!! data download failed; see $NANORL_BASE_DIR/logs/data_download.log" >&2; exit 1; }
+    wait $DATA_PID || fail "data download failed; see $NANORL_BASE_DIR/logs/data_download.log"
     gpu_stage base_train scripts.base_train --depth 20 --n-kv-head 2 --run "$WANDB_RUN"
     gpu_stage base_eval  scripts.base_eval
     gpu_stage mid_train  scripts.mid_train --data hub --run "$WANDB_RUN"
     gpu_stage eval_mid   scripts.chat_eval -i mid -a arc-easy,arc-challenge,mmlu,gsm8k,humaneval,spellingbee,offline
     gpu_stage chat_sft   scripts.chat_sft --data hub --run "$WANDB_RUN"
     gpu_stage eval_sft   scripts.chat_eval -i sft -a arc-easy,arc-challenge,mmlu,gsm8k,humaneval,spellingbee,offline
-    # RL as nanochat's reads GSM8K: one epoch of its train split (7,473 prompts / 16 = 467 rollouts), 16 samples per
-    # prompt, 256 new tokens, T=1, Dr. GRPO; the held-out pass@k is nanochat's too: 400 test problems x 8 samples
+    # RL as nanochat's: one epoch of GSM8K (7,473 prompts / 16), 16 samples, T=1, Dr. GRPO; pass@k on 400 x 8 samples
     gpu_stage chat_rl    scripts.chat_rl --overwrite --task gsm8k --num-rollouts 467 --rollout-batch-size 16 --n-samples-per-prompt 16 \
-        --max-new-tokens 256 --disable-grpo-std-normalization --eval-every 60 --eval-max-problems 400 \
-        --n-samples-per-eval-prompt 8 --pass-k 1,8 --save-every 60 --run "$WANDB_RUN"
+        --max-new-tokens 256 --disable-grpo-std-normalization --eval-every 60 --eval-max-problems 400 --n-samples-per-eval-prompt 8 --pass-k 1,8 --save-every 60 --run "$WANDB_RUN"
     gpu_stage eval_rl    scripts.chat_eval -i rl -a arc-easy,arc-challenge,mmlu,gsm8k,humaneval,spellingbee,offline
-    # GSM8K pass@k of the RL model as nanochat samples it (T=1, top-k 50, 256 tokens, 400 problems x 8)
-    gpu_stage eval_rl_sampled scripts.chat_eval -a gsm8k -i rl -x 400 -n 8 -k 1,8 -t 1.0 --top-k 50 -m 256
+    gpu_stage eval_rl_sampled scripts.chat_eval -a gsm8k -i rl -x 400 -n 8 -k 1,8 -t 1.0 --top-k 50 -m 256  # as nanochat samples
 fi
 
-# the report: total = the sum of the stages' own times (a rerun that skips finished stages still reports them all)
-STAGE_SECONDS=$(cat "$NANORL_BASE_DIR"/done/* 2>/dev/null | awk '{s += $1} END {print s + 0}')
-$PY -m nanorl.report --out "${NANORL_REPORT:-report.md}" --wall-time "$STAGE_SECONDS" --setup-time "$SETUP_SECONDS"
+$PY -m nanorl.report --out "${NANORL_REPORT:-report.md}" --setup-time "$SETUP_SECONDS"  # its total: the stages' own times
 echo "== done in $(( ($(date +%s) - T_START) / 60 )) min; the report card is in ${NANORL_REPORT:-report.md} =="
 echo "Chat with the RL model it trained:"  # everything was installed into .venv: a new shell activates it first
 echo "  source .venv/bin/activate"
