@@ -2,27 +2,35 @@
 # nanorl speedrun: tokenizer -> base -> mid -> SFT -> RL -> report, in one command.
 #   bash speedrun.sh                 # 8xH100 (or any CUDA node): the real pipeline on all GPUs
 #   NANORL_TINY=1 bash speedrun.sh   # or any machine without CUDA: tiny model, offline curriculum, CPU
-#   bash speedrun.sh --force         # rerun stages that already finished
-# A rerun skips the stages that finished. WANDB_RUN=name logs to wandb.
+#   bash speedrun.sh --force         # rerun every stage from scratch, finished or not
+# A rerun skips finished stages and continues a stopped one from its last checkpoint. WANDB_RUN=name logs to wandb.
 set -euo pipefail
 cd "$(dirname "$0")"
 FORCE=0; [ "${1:-}" = "--force" ] && FORCE=1
 export NANORL_BASE_DIR="${NANORL_BASE_DIR:-$HOME/.cache/nanorl}" NANORL_PIPELINE=1  # stages write the pipeline's report
 CALLER_OMP="${OMP_NUM_THREADS:-}"; export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"  # the tiny run: see below
 WANDB_RUN="${WANDB_RUN:-dummy}"
-mkdir -p "$NANORL_BASE_DIR/logs" "$NANORL_BASE_DIR/done"
+mkdir -p "$NANORL_BASE_DIR/logs" "$NANORL_BASE_DIR/done" "$NANORL_BASE_DIR/started"
 T_START=$(date +%s)
 source install.sh bwrap:bubblewrap  # .venv with nanorl and the right torch, the sandbox (as tests/run.sh); sets PY, TINY
 SETUP_SECONDS=$(( $(date +%s) - T_START ))  # the report shows the venv and installs apart from the stages
 
-# stage NAME CMD...: skipped once finished (not with --force), logged to logs/NAME.log; a failure names both
+# stage NAME CMD...: skipped once finished (not with --force), logged to logs/NAME.log; a failure names both. A training
+# stage stopped part-way goes on with --resume (not --overwrite, which moves steps aside) from a step it saved.
+resumable() {  # --resume would load a step saved since the stage started: its tag's newest complete step (meta_*.json)
+    local root; case $1 in base_train) root=base;; mid_train) root=mid;; chat_sft) root=sft;; chat_rl) root=rl;; *) return 1;; esac
+    for tag in "$NANORL_BASE_DIR/${root}_checkpoints"/*/; do [ "$(ls "$tag"meta_*.json 2>/dev/null | tail -1)" -nt "$2" ] && return 0; done; return 1
+}
 stage() {
-    local name=$1 log="$NANORL_BASE_DIR/logs/$1.log" t0=$(date +%s); shift
+    local name=$1 log="$NANORL_BASE_DIR/logs/$1.log" started="$NANORL_BASE_DIR/started/$1" append="" t0=$(date +%s); shift
     if [ -f "$NANORL_BASE_DIR/done/$name" ] && [ $FORCE = 0 ]; then echo "-- $name: already done, skipping (--force to rerun)"; return; fi
+    if [ $FORCE = 0 ] && [ -f "$started" ] && resumable "$name" "$started"; then  # its log goes on after the stopped attempt's
+        local args=(); for a in "$@"; do [ "$a" = --overwrite ] || args+=("$a"); done; set -- "${args[@]}" --resume; append=-a
+    else touch "$started"; fi
     echo "-- $name: $*"
-    "$@" > >(tee "$log") 2>&1 || fail "stage '$name' failed; its log is $log. Earlier stages' checkpoints and report sections are intact; rerun to resume from here."
+    "$@" > >(tee $append "$log") 2>&1 || fail "stage '$name' failed; its log is $log. Earlier stages' checkpoints and report sections are intact; rerun to continue from here."
     echo "-- $name done in $(( $(date +%s) - t0 ))s"
-    echo $(( $(date +%s) - t0 )) > "$NANORL_BASE_DIR/done/$name"  # its seconds, for the report's total
+    echo $(( $(date +%s) - t0 )) > "$NANORL_BASE_DIR/done/$name" && rm "$started"  # its seconds, for the report's total
 }
 # gpu_stage: one rank per GPU, each told --device-type cuda, so that no stage can quietly fall back to the CPU
 gpu_stage() { stage "$1" $PY -m torch.distributed.run --standalone --nproc_per_node=$NGPU -m "$2" -- --device-type cuda "${@:3}"; }
@@ -44,6 +52,7 @@ if [ $TINY = 1 ]; then
     RL_PROMPTS=$(size 16 4)      # prompts per RL step, 8 samples each (16, not 8: steadier across seeds, dev/LOG.md)
     RL_EVAL_EVERY=$(size 24 8)   # RL's held-out pass@k: at the start, every N steps and at the end
     RL_EVAL_N=$(size 64 8)       # RL's held-out problems
+    RL_SAVE_EVERY=$(size 8 1)    # RL checkpoints every N steps (smoke: every step, so a stopped run has one to go on from)
     stage tok_train  $PY -m scripts.tok_train --vocab-size 4096 --max-chars 20000000
     stage tok_eval   $PY -m scripts.tok_eval
     stage base_train $PY -m scripts.base_train --depth 4 --head-dim 64 --max-seq-len 256 --device-batch-size $ROWS \
@@ -56,7 +65,7 @@ if [ $TINY = 1 ]; then
     stage eval_sft   $PY -m scripts.chat_eval -i sft -a offline -x $EVAL_N -m $GEN --levels 1,2
     stage eval_sft_sampled $PY -m scripts.chat_eval -i sft -a offline -x $EVAL_N -m $GEN --levels 1,2 -n 4 -t 1.0
     stage chat_rl    $PY -m scripts.chat_rl --overwrite --levels 1,2 --num-rollouts $RL_ROLLOUTS --rollout-batch-size $RL_PROMPTS --n-samples-per-prompt 8 \
-        --max-new-tokens $GEN --eval-every $RL_EVAL_EVERY --eval-max-problems $RL_EVAL_N --n-samples-per-eval-prompt 4 --save-every 8 --run "$WANDB_RUN"
+        --max-new-tokens $GEN --eval-every $RL_EVAL_EVERY --eval-max-problems $RL_EVAL_N --n-samples-per-eval-prompt 4 --save-every $RL_SAVE_EVERY --run "$WANDB_RUN"
     stage eval_rl    $PY -m scripts.chat_eval -i rl -a offline -x $EVAL_N -m $GEN --levels 1,2
     stage eval_rl_sampled $PY -m scripts.chat_eval -i rl -a offline -x $EVAL_N -m $GEN --levels 1,2 -n 4 -t 1.0
 else

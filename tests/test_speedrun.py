@@ -9,22 +9,41 @@ import pytest
 from test_gpu_setup import gpu_env as fake_gpu_env  # pytest puts tests/ on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
+RUN = {"capture_output": True, "text": True}
 
 
 @pytest.mark.slow
 def test_tiny_speedrun_end_to_end(tmp_path):
-    report = tmp_path / "report.md"
+    """The pipeline as a user runs it: killed in RL (as by the OOM killer), rerun, which continues RL from its last
+    checkpoint; then the report, and a rerun of RL alone from scratch, whose weights the resumed run's equal."""
+    report, base = tmp_path / "report.md", tmp_path / "base"
     env = {
         **os.environ,
         "NANORL_TINY": "1",
         "NANORL_SMOKE": "1",
         "NANORL_SKIP_INSTALL": "1",
-        "NANORL_BASE_DIR": str(tmp_path / "base"),
+        "NANORL_BASE_DIR": str(base),
         "NANORL_REPORT": str(report),
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),  # 1 when tests run in parallel (conftest.py)
     }
-    out = subprocess.run(["bash", "speedrun.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    # chat_rl SIGKILLed entering its 2nd step, after saving step 1 (the smoke run saves every RL step)
+    kill = {"PYTHONPATH": str(ROOT / "tests" / "kill_site"), "NANORL_TEST_KILL_MODULE": "scripts.chat_rl"}
+    out = subprocess.run(
+        ["bash", "speedrun.sh"], cwd=ROOT, env={**env, **kill, "NANORL_TEST_KILL": "optstep:2"}, **RUN, timeout=900
+    )
+    log, rl = base / "logs" / "chat_rl.log", base / "rl_checkpoints" / "d4"
+    assert out.returncode == 1 and out.stderr.strip().splitlines()[-1].startswith(
+        f"!! stage 'chat_rl' failed; its log is {log}."
+    ), out.stdout[-4000:] + out.stderr[-4000:]
+    assert sorted(p.name for p in rl.glob("meta_*")) == ["meta_000001.json"]
+    out = subprocess.run(["bash", "speedrun.sh"], cwd=ROOT, env=env, **RUN, timeout=900)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    assert out.stdout.count("already done, skipping") == 10  # the stages before RL
+    rerun = next(line for line in out.stdout.splitlines() if line.startswith("-- chat_rl: "))
+    assert rerun.endswith(" --resume") and "--overwrite" not in rerun  # which would have moved step 1 aside
+    text = log.read_text()  # the stopped attempt's log, then the resumed one's
+    assert text.count("step 00001/2 |") == 1 and f"resumed from {rl} step 1\n" in text and "step 00002/2 |" in text
+    assert not list(rl.parent.glob("d4.old-*")) and not list((base / "started").iterdir())
     assert "no CUDA GPU" in out.stdout  # it says up front that this is the tiny offline run
     # and at the end, the next step: the venv to activate (a new shell lacks it), then how to chat
     tail = out.stdout.strip().splitlines()[-5:]
@@ -64,8 +83,17 @@ def test_tiny_speedrun_end_to_end(tmp_path):
     assert "(the sum of the stages' own times; the last setup (venv, installs): " in text  # installs apart
     for png in ("plot_base_loss.png", "plot_rl.png"):  # beside the sections, not loose next to report.md
         assert (tmp_path / "base" / "report" / png).stat().st_size > 1000 and not (tmp_path / png).exists()
+    # RL again from scratch (its marker removed): --overwrite moves the resumed run aside, and the weights are the same
+    (base / "done" / "chat_rl").unlink()
+    again = subprocess.run(["bash", "speedrun.sh"], cwd=ROOT, env=env, **RUN, timeout=300)
+    assert again.returncode == 0 and again.stdout.count("already done, skipping") == 12, again.stdout + again.stderr
+    (resumed,) = rl.parent.glob("d4.old-*")
+    assert (
+        "resumed" not in log.read_text()
+        and (resumed / "model_000002.safetensors").read_bytes() == (rl / "model_000002.safetensors").read_bytes()
+    )
     # a rerun skips every finished stage
-    again = subprocess.run(["bash", "speedrun.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    again = subprocess.run(["bash", "speedrun.sh"], cwd=ROOT, env=env, **RUN, timeout=300)
     assert again.returncode == 0 and again.stdout.count("already done, skipping") == 13
     minutes = float(re.search(r"total wall time: ([\d.]+) min", report.read_text()).group(1))
     assert minutes >= 0.5  # the rerun's report still counts the stages' own time, not the rerun's seconds
