@@ -79,7 +79,7 @@ else
     stage tok_train  $PY -m scripts.tok_train --max-chars 2000000000
     stage tok_eval   $PY -m scripts.tok_eval
     wait $DATA_PID || fail "data download failed; see $NANORL_BASE_DIR/logs/data_download.log"
-    gpu_stage base_train scripts.base_train --depth 20 --n-kv-head 2 --run "$WANDB_RUN"
+    gpu_stage base_train scripts.base_train --depth 20 --n-kv-head 2 --save-every 2000 --run "$WANDB_RUN"  # a rerun goes on from there
     gpu_stage base_eval  scripts.base_eval
     gpu_stage mid_train  scripts.mid_train --data hub --run "$WANDB_RUN"
     gpu_stage eval_mid   scripts.chat_eval -i mid -a arc-easy,arc-challenge,mmlu,gsm8k,humaneval,spellingbee,offline
