@@ -174,9 +174,19 @@ def evaluate(
     return sums, texts
 
 
-def offline_name(args):
+def offline_name(args, levels):
     """The offline task as the card names it: its levels, and the problems' seed when it is not the card's."""
-    return f"offline levels {args.levels}" + (f" (problem seed {args.problem_seed})" if args.problem_seed else "")
+    return f"offline levels {levels}" + (f" (problem seed {args.problem_seed})" if args.problem_seed else "")
+
+
+def task_runs(args, names):
+    """(key, task name, offline levels) of each evaluation: every task once under its own name, the offline task once
+    per --levels set (keyed by its card name when there are several), each set its own card row."""
+    runs = []
+    for name in names:
+        sets = args.levels if name == "offline" else [None]
+        runs += [(offline_name(args, lv) if len(sets) > 1 else name, name, lv) for lv in sets]
+    return runs
 
 
 def run_header(args, meta, task_names, temperature):
@@ -188,7 +198,9 @@ def run_header(args, meta, task_names, temperature):
         else f"{args.source} checkpoint {meta.get('model_tag')} step {meta.get('step')}"
     )
     seed = f", problem seed {args.problem_seed}" if args.problem_seed else ""
-    tasks = ", ".join(f"offline (levels {args.levels}{seed})" if t == "offline" else t for t in task_names)
+    tasks = ", ".join(
+        f"offline (levels {lv}{seed})" if t == "offline" else t for _, t, lv in task_runs(args, task_names)
+    )
     decoding = "greedy" if temperature == 0 else f"temperature {temperature:g}"
     decoding += f", top-k {args.top_k}" if args.top_k and temperature > 0 else ""
     samples = f"{args.num_samples} sample{'s' if args.num_samples > 1 else ''} per problem"
@@ -263,8 +275,10 @@ def parse_args():
     parser.add_argument(
         "--levels",
         type=levels_flag,
-        default="1,2",
-        help="offline task: difficulty levels to evaluate (default: the tiny speedrun's, as its card reports them)",
+        action="append",
+        default=None,
+        help="offline task: difficulty levels to evaluate (default: 1,2, the tiny speedrun's card row); repeat it for "
+        "more sets, each evaluated and reported on its own (--levels 1,2 --levels 3,4)",
     )
     parser.add_argument(
         "--problem-seed",
@@ -276,6 +290,7 @@ def parse_args():
     parser.add_argument("--seed", type=nonneg_int, default=0, help="seed of the sampled answers")
     parser.add_argument("--device-type", default=None, help="cuda | cpu | mps (default: autodetect)")
     args = parser.parse_args()
+    args.levels = args.levels or ["1,2"]
     ks = sorted(set(args.pass_k or [1]))
     if ks[-1] > args.num_samples:  # before any model is loaded
         parser.error(
@@ -300,15 +315,14 @@ def parse_args():
     return args
 
 
-def load_task(name, args, paths, skipped):
+def load_task(name, args, paths, skipped, levels=None):
     """The task's test split, or None for a Hub task that cannot be read here (no network, no --task-path): it is
     recorded in `skipped` with why, and the other tasks go on. A malformed data file stops with its name and row."""
     from nanorl.common import print0
-    from nanorl.sft_data import levels
 
     kw = {"path": paths[name]} if name in paths else {}
     if name == "offline":
-        kw.update(levels=levels(args), seed=args.problem_seed)
+        kw.update(levels=tuple(int(x) for x in levels.split(",")), seed=args.problem_seed)
     try:
         return get_task(name, "test", **kw)
     except RuntimeError as e:
@@ -319,7 +333,7 @@ def load_task(name, args, paths, skipped):
         raise SystemExit(f"{name}: {e}")
 
 
-def task_result(name, task, sums):
+def task_result(name, task, sums, levels=None):
     """All ranks' sums -> the task's means: accuracy, pass@k, the centred score, and which grader judged it."""
     from nanorl.rewards import make_reward
 
@@ -331,6 +345,8 @@ def task_result(name, task, sums):
     res.update({k: v / max(sums["problems"], 1) for k, v in sums.items() if k.startswith("pass@")})
     res["centered"] = centered(res["accuracy"], RANDOM_BASELINE.get(name, 0.0))
     res["grader"] = "letter logits" if task.eval_type == "categorical" else make_reward("task", task=task)[1]
+    if levels is not None:  # the offline problems' levels: their card row says which
+        res["levels"] = levels
     return res
 
 
@@ -364,11 +380,10 @@ def score_card(results, args, n, temperature, skipped=None):
         "mmlu": "MMLU",
         "humaneval": "HumanEval",
         "spellingbee": "SpellingBee",
-        "offline": offline_name(args),
     }
     card, rows, greedy = {}, [], n == 1 and temperature == 0
     for name, r in results.items():
-        task_name = card_names.get(name, name)
+        task_name = offline_name(args, r["levels"]) if "levels" in r else card_names.get(name, name)
         rows.append(
             {"task": task_name, "graded by": r["grader"], "too long for the context": r["too long for the context"]}
         )
@@ -416,20 +431,21 @@ def main():
         print0(f"skipping {name}: {why}")
         skipped[name] = NO_SANDBOX
     # every rank loads every task before the first is evaluated, and all skip any that one of them could not load
-    tasks = {name: load_task(name, args, paths, skipped) for name in names if name not in skipped}
+    runs = task_runs(args, names)
+    tasks = {key: load_task(name, args, paths, skipped, lv) for key, name, lv in runs if name not in skipped}
     skipped = skipped_on_any_rank(skipped)
-    for name in names:
+    for key, name, levels in runs:
         if name in skipped:
             continue
-        task = tasks[name]
+        task = tasks[key]
         N = len(task) if args.max_problems is None else min(len(task), args.max_problems)
         indices = list(range(rank, N, world_size))  # each rank a strided slice
         t0 = time.time()
-        progress = Progress(name, len(indices), print0)
+        progress = Progress(key, len(indices), print0)
         tokens = max_new_tokens(name, args)
         sums, texts = evaluate(task, model, tokenizer, engine, indices, max_tokens=tokens, progress=progress, **decode)
-        results[name] = task_result(name, task, all_reduce_sums(sums, device))
-        print_result(name, results[name], texts, t0)
+        results[key] = task_result(name, task, all_reduce_sums(sums, device), levels)
+        print_result(key, results[key], texts, t0)
     if not results:
         raise SystemExit(f"no task could be evaluated ({', '.join(skipped)}); with no network, use -a offline")
     card, rows = score_card(results, args, n, temperature, skipped)

@@ -1,3 +1,4 @@
+import json
 import sys
 import types
 from dataclasses import dataclass, field
@@ -6,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from nanorl.gpt import GPTConfig, build_model
 from nanorl.rl import pass_at_k
 from nanorl.tokenizer import SPLIT_PATTERN, Tokenizer
 from scripts.chat_eval import Progress, centered, evaluate, letter_token, run_categorical, run_header
@@ -203,11 +205,12 @@ def test_problem_seed_draws_other_held_out_problems_under_their_own_card_row(mon
 
     monkeypatch.setattr(sys, "argv", ["chat_eval.py", "-i", "rl", "-x", "200", "--problem-seed", "1"])
     args = parse_args()
-    card_task, other = load_task("offline", args, {}, {}), OfflineProblems("test", levels=(1, 2))
+    card_task, other = load_task("offline", args, {}, {}, "1,2"), OfflineProblems("test", levels=(1, 2))
     seeded = [p["question"] for p in card_task.problems[:200]]
     assert seeded != [p["question"] for p in other.problems[:200]]
     assert all(synthetic._hash_split(p["split_key"]) == "test" for p in card_task.problems)
     result = {"offline": {"accuracy": 0.5, "problems": 200, "grader": "task", "too long for the context": 0}}
+    result["offline"]["levels"] = "1,2"  # (task_result's entry for the offline task)
     card, _ = score_card(result, args, 1, 0.0)
     assert list(card) == ["offline levels 1,2 (problem seed 1) accuracy (greedy, 200 problems)"]
 
@@ -229,7 +232,7 @@ def test_run_header_names_the_model_tasks_levels_decoding_and_length():
     args = types.SimpleNamespace(
         hf_model=None,
         source="rl",
-        levels="1,2,3,4",
+        levels=["1,2,3,4"],
         problem_seed=0,
         top_k=None,
         num_samples=1,
@@ -393,6 +396,40 @@ def test_without_a_sandbox_humaneval_is_skipped_with_a_line_and_a_card_row(tmp_p
     assert chat_eval.parse_args().unsandboxed == {}
 
 
+def test_each_levels_set_is_its_own_evaluation_and_card_row(tmp_path, monkeypatch, capsys):
+    """--levels 1,2 --levels 3,4: the offline task twice in one run (one model load), each set's problems drawn at its
+    own levels, each reported under its own line and card row, as the tiny speedrun's card shows both."""
+    import nanorl.checkpoint
+    from scripts import chat_eval
+
+    monkeypatch.setenv("NANORL_BASE_DIR", str(tmp_path))
+    tok = Tokenizer.from_ranks({bytes([i]): i for i in range(256)}, SPLIT_PATTERN)
+    cfg = GPTConfig(sequence_len=512, vocab_size=tok.vocab_size, n_layer=1, n_head=2, n_kv_head=1, n_embd=32)
+    model = build_model(cfg, "cpu").eval()
+    monkeypatch.setattr(nanorl.checkpoint, "load_model_from_args", lambda *a, **kw: (model, tok, {"model_tag": "t"}))
+    loaded, real_get_task = [], chat_eval.get_task
+
+    def get_task(name, split, **kw):
+        task = real_get_task(name, split, **kw)
+        loaded.append({p["level"] for p in task.problems[:3]})
+        return task
+
+    monkeypatch.setattr(chat_eval, "get_task", get_task)
+    argv = ["chat_eval", "-i", "rl", "-x", "3", "-m", "4", "--levels", "1,2", "--levels", "3,4"]
+    monkeypatch.setattr(sys, "argv", argv)
+    results = chat_eval.main()
+    assert list(results) == ["offline levels 1,2", "offline levels 3,4"]
+    assert loaded[0] <= {1, 2} and loaded[1] <= {3, 4} and all(r["problems"] == 3 for r in results.values())
+    out = capsys.readouterr().out
+    assert "on offline (levels 1,2), offline (levels 3,4) (at most 3 problems per task)" in out
+    assert "\noffline levels 3,4: accuracy " in out
+    card = json.loads(next(tmp_path.rglob("report_card.json")).read_text())["RL"]
+    assert sorted(card) == [  # (the card names a lone set's levels too: test_problem_seed_draws_...)
+        "offline levels 1,2 accuracy (greedy, 3 problems)",
+        "offline levels 3,4 accuracy (greedy, 3 problems)",
+    ]
+
+
 def test_defaults_reproduce_the_cards_offline_row_and_help_lists_the_tasks(monkeypatch, capsys):
     """`chat_eval -i rl -x 200` with no other flag evaluates what the tiny speedrun's card reports: offline levels 1,2,
     greedy, 128 new tokens (speedrun.sh's eval_rl line); --help names the tasks -a takes."""
@@ -406,7 +443,7 @@ def test_defaults_reproduce_the_cards_offline_row_and_help_lists_the_tasks(monke
     assert "-a offline" in line and "-m $GEN --levels 1,2" in line and gen == "128"
     monkeypatch.setattr(sys, "argv", ["chat_eval.py", "-i", "rl", "-x", "200"])
     args = parse_args()
-    assert (args.tasks, args.levels, args.num_samples, args.temperature) == ("offline", "1,2", 1, None)
+    assert (args.tasks, args.levels, args.num_samples, args.temperature) == ("offline", ["1,2"], 1, None)
     assert max_new_tokens("offline", args) == 128 and max_new_tokens("gsm8k", args) == 256
     monkeypatch.setenv("COLUMNS", "300")
     monkeypatch.setattr(sys, "argv", ["chat_eval.py", "--help"])
