@@ -41,8 +41,7 @@ if [ $TINY = 1 ]; then
     # the CPU also on a GPU machine (torch and every stage's GPU check see none), on every core unless the caller chose
     export CUDA_VISIBLE_DEVICES="" OMP_NUM_THREADS=${CALLER_OMP:-$(nproc --all)}
     # a CPU with bf16 matrix units (AMX) takes CUDA's dtypes (bf16 autocast, a bf16 engine): ~3x faster steps; =0: fp32
-    AMX=$($PY -c "import torch; f = getattr(torch.cpu, '_is_amx_tile_supported', None); print(int(bool(f and f())))")
-    export NANORL_CUDA_DTYPES=${NANORL_CUDA_DTYPES:-$AMX}
+    export NANORL_CUDA_DTYPES=${NANORL_CUDA_DTYPES:-$($PY -c "import torch; print(int(torch.cpu._is_amx_tile_supported()))")}
     BASE_ITERS=$(size 250 20)    # base_train steps
     MID_ITERS=$(size 160 6)      # mid_train steps (80 left it under-trained: dev/LOG.md)
     SFT_ITERS=$(size 80 6)       # chat_sft steps
