@@ -33,6 +33,7 @@ from nanorl.common import (
     nonneg_int,
     positive_float,
     positive_int,
+    precision_line,
     print0,
     synchronize,
     tag_name,
@@ -118,6 +119,7 @@ print0(
     f"({config.n_kv_head} kv), {flops_per_token:.3e} FLOPs/token"
 )
 print0(attention_backend(device))
+print0(precision_line(device))
 optimizer = build_optimizer(model, args.matrix_lr, args.embedding_lr, args.unembedding_lr, args.weight_decay)
 compiled = model if (args.no_compile or device.type != "cuda") else torch.compile(model, dynamic=False)
 autocast = autocast_ctx(device.type)

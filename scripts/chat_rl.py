@@ -19,7 +19,16 @@ import time
 
 from nanorl import checkpoint, common, fsdp, lora, prompts, rewards, rl_async, rl_trainer, rollout
 from nanorl.checkpoint import add_model_args, load_model_from_args
-from nanorl.common import SLIME_NAMES, ArgumentParser, nonneg_float, positive_float, positive_int, print0, tag_name
+from nanorl.common import (
+    SLIME_NAMES,
+    ArgumentParser,
+    nonneg_float,
+    positive_float,
+    positive_int,
+    precision_line,
+    print0,
+    tag_name,
+)
 from nanorl.engine import Engine
 from nanorl.execution import require_sandbox, sandbox_mode
 from nanorl.gpt import attention_backend
@@ -296,6 +305,7 @@ def build_run(args, parser):
     run = RLRun(cfg, model, optimizer, engine, worker, trainer, source, buffer, group_filter, eval_items, roles,
                 device, ddp, rank, logger, ckpt)  # fmt: skip
     print0(attention_backend(device))
+    print0(precision_line(device))
     if rollout_cfg.multi_turn and rollout_cfg.tool == "python":  # bwrap: kernel namespaces; guard: in-process fallback
         print0(f"python sandbox: {sandbox_mode()}")
     print0(

@@ -40,6 +40,7 @@ from nanorl.common import (
     nonneg_int,
     positive_float,
     positive_int,
+    precision_line,
     print0,
     tag_name,
 )
@@ -229,6 +230,7 @@ def shard_and_compile(model, args, device, world_size):
     """--fsdp: shard the loaded model in place, before the optimizer is built on the shards. -> what the training
     steps call: every batch is (B, T) with T fixed, one compiled graph on CUDA (flex attention compiles with it)."""
     print0(attention_backend(device))  # packed rows: document-masked attention
+    print0(precision_line(device))
     if args.fsdp:
         fsdp.shard_model(model, device, args.activation_checkpointing, args.cpu_offload)
         print0(

@@ -308,3 +308,17 @@ def test_eta_tick_counts_the_time_between_step_lines():
     for now, progress in [(1010.0, 0.1), (1020.0, 0.2), (1060.0, 0.3)]:
         eta.tick(progress, now=now)
     assert eta.minutes() == pytest.approx(60 / 0.3 * 0.7 / 60) and eta.last == 1060.0
+
+
+def test_precision_line_says_which_dtypes_a_stage_runs_in(monkeypatch):
+    from nanorl.common import precision_line
+
+    monkeypatch.delenv("NANORL_CUDA_DTYPES", raising=False)
+    assert (
+        precision_line("cpu")
+        == "precision: fp32 (NANORL_CUDA_DTYPES=1 on a CPU with bf16 matrix units runs bf16 instead)"
+    )
+    cuda = "precision: bf16 autocast over fp32 weights, bf16 embedding, bf16 engine copy and KV cache"
+    assert precision_line(torch.device("cuda")) == cuda
+    monkeypatch.setenv("NANORL_CUDA_DTYPES", "1")
+    assert precision_line("cpu") == cuda + " (CUDA's layout on the CPU: NANORL_CUDA_DTYPES=1)"

@@ -6,6 +6,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 from test_gpu_setup import gpu_env as fake_gpu_env  # pytest puts tests/ on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,6 +27,7 @@ def test_tiny_speedrun_end_to_end(tmp_path):
         "NANORL_REPORT": str(report),
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),  # 1 when tests run in parallel (conftest.py)
     }
+    env.pop("NANORL_CUDA_DTYPES", None)  # speedrun.sh's own choice: bf16 where the CPU has bf16 matrix units
     # chat_rl SIGKILLed entering its 2nd step, after saving step 1 (the smoke run saves every RL step)
     kill = {"PYTHONPATH": str(ROOT / "tests" / "kill_site"), "NANORL_TEST_KILL_MODULE": "scripts.chat_rl"}
     out = subprocess.run(
@@ -45,6 +47,13 @@ def test_tiny_speedrun_end_to_end(tmp_path):
     assert text.count("step 00001/2 |") == 1 and f"resumed from {rl} step 1\n" in text and "step 00002/2 |" in text
     assert not list(rl.parent.glob("d4.old-*")) and not list((base / "started").iterdir())
     assert "no CUDA GPU" in out.stdout  # it says up front that this is the tiny offline run
+    # bf16 (CUDA's dtypes) exactly where the CPU has bf16 matrix units, and each training stage's log says which
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    for stage in ("base_train", "mid_train", "chat_sft", "chat_rl"):
+        line = next(
+            ln for ln in (base / "logs" / f"{stage}.log").read_text().splitlines() if ln.startswith("precision:")
+        )
+        assert line.startswith("precision: bf16 autocast" if amx else "precision: fp32"), (stage, line)
     # and at the end, the next step: the venv to activate (a new shell lacks it), then how to chat
     tail = out.stdout.strip().splitlines()[-5:]
     assert tail[0].endswith(f"the report card is in {report} ==") and tail[1:3] == [
@@ -71,13 +80,13 @@ def test_tiny_speedrun_end_to_end(tmp_path):
     # every card row names its task, its size and greedy/sampled; the tiny run evaluates one task, so no ChatCORE
     card = text.split("## Report card")[1].split("\n## ")[0]
     rows = {m[0]: m[1].split(" | ") for m in re.findall(r"^\| (.+?) \| (.+) \|$", card, re.M) if m[0] != "metric"}
-    greedy = "offline levels 1,2 accuracy (greedy, 16 problems)"
+    greedy = [f"offline levels {lv} accuracy (greedy, 16 problems)" for lv in ("1,2", "3,4")]  # 3,4: RL's reach
     sampled = [f"offline levels 1,2 pass@{k} (T=1, 16 problems x 4 samples)" for k in (1, 4)]
     bpb = ["val bpb (min during training, 2048 tokens)", "val bpb (final model, 2048 tokens)"]
-    assert set(rows) == {*bpb, greedy, *sampled}, rows
+    assert set(rows) == {*bpb, *greedy, *sampled}, rows
     for row in bpb:
         assert re.fullmatch(r"\d+\.\d{4}", rows[row][0]) and rows[row][1:] == ["-", "-", "-"], (row, rows[row])
-    for row in (greedy, *sampled):  # MID, SFT and RL each evaluated both ways; BASE is not a chat model
+    for row in (*greedy, *sampled):  # MID, SFT and RL each evaluated both ways; BASE is not a chat model
         assert rows[row][0] == "-" and all(re.fullmatch(r"\d\.\d{4}", v) for v in rows[row][1:]), (row, rows[row])
     assert "ChatCORE" not in text
     assert "(the sum of the stages' own times; the last setup (venv, installs): " in text  # installs apart
