@@ -399,6 +399,9 @@ def load_engines(args):
         except (FileNotFoundError, ValueError) as e:
             sys.exit(f"could not load the {args.source} model: {e}")
         engines.append(Engine(model, tokenizer, batch_size=args.batch_size))
+        # the other replicas load the checkpoint this one did, by tag and step: not a newer one a run saves meanwhile,
+        # and the tag's choice (and its line, when there are several tags) is made once
+        args.model_tag, args.model_step = meta.get("model_tag", args.model_tag), meta.get("step", args.model_step)
     return engines, tokenizer, meta, devices
 
 

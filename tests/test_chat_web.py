@@ -611,6 +611,34 @@ def test_replicas_share_the_load(server):
     assert [p["requests"] for p in per] == [4, 4] and all(p["in_flight_samples"] == 0 for p in per)
 
 
+def test_replicas_load_the_checkpoint_the_first_one_chose(tmp_path, monkeypatch, capsys):
+    """--num-gpus 2 with two tags and no -g: the first replica takes the most recently saved tag and says so once; the
+    second loads that same tag and step, even if a run saves a newer step (or tag) between the two loads."""
+    import torch
+
+    import scripts.chat_web as chat_web
+    from nanorl import checkpoint
+
+    monkeypatch.setenv("NANORL_BASE_DIR", str(tmp_path))
+    for tag in ("a", "b"):
+        checkpoint.save_checkpoint(str(tmp_path / "sft_checkpoints" / tag), 1, {"w": torch.zeros(1)}, meta={"x": 1})
+    loaded = []
+
+    def load(args, device, phase):
+        d = checkpoint.find_checkpoint_dir(args.source, args.model_tag)
+        step = args.model_step if args.model_step is not None else checkpoint.find_last_step(d)
+        loaded.append((os.path.basename(d), step))
+        checkpoint.save_checkpoint(str(tmp_path / "sft_checkpoints" / "a"), 2, {"w": torch.ones(1)}, meta={"x": 2})
+        return None, None, {"model_tag": os.path.basename(d), "step": step}
+
+    monkeypatch.setattr(chat_web, "load_model_from_args", load)
+    monkeypatch.setattr(chat_web, "Engine", lambda *a, **kw: object())
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    chat_web.load_engines(chat_web.parse_args(["--num-gpus", "2", "--device-type", "cuda"]))
+    assert loaded == [("b", 1), ("b", 1)]  # (step 2 of tag a, saved after the first load, is not the second's)
+    assert capsys.readouterr().err.count("sft checkpoints have 2 tags (a, b): loading 'b'") == 1
+
+
 @pytest.mark.gpu
 def test_num_gpus_2_every_replica_decodes_on_its_own_gpu(monkeypatch):
     """--num-gpus 2 (bash dev/gpu_check.sh runs it where two GPUs are visible): the second engine lives on cuda:1 and
