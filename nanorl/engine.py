@@ -615,11 +615,14 @@ class Engine:
         tok, logp = sample_with_logprobs(
             logits, self.temperature[rows], self.top_k[rows], self.top_p[rows], u, filtered, greedy, f, unit
         )
-        host = torch.stack([tok.double(), logp.double()]).cpu().numpy()  # the step's one device -> host sync
         m = len(slots)
+        if tok.is_cpu:  # numpy views: no copy
+            tokens, logps = tok.numpy()[:m], logp.numpy()[:m]
+        else:  # the step's one device -> host sync
+            tokens, logps = torch.stack([tok.double(), logp.double()]).cpu().numpy()[:, :m]
         forced = None if forced is None else forced[:m]
-        for i in np.flatnonzero(self.records.append(busy, slots, host[:, :m], forced)):
-            self._record(self.slots[slots[i]], int(host[0, i]), float(host[1, i]), forced is None or forced[i] < 0)
+        for i in np.flatnonzero(self.records.append(busy, slots, tokens, logps, forced)):
+            self._record(self.slots[slots[i]], int(tokens[i]), float(logps[i]), forced is None or forced[i] < 0)
         return tok
 
     def _record(self, s, token, logprob, sampled):

@@ -80,16 +80,17 @@ class SlotRecords:
         """Prompt + generated tokens of slots 0..n-1."""
         return self.prompt_len[:n] + self.n_gen[:n]
 
-    def append(self, rows, idx, host, forced=None):
+    def append(self, rows, idx, tokens, logprobs, forced=None):
         """Append one token to each slot of rows (a slice, or the index array idx; idx always the array):
-        host = (2, m) float64 tokens and log-probs, forced = (m,) forced tokens or -1 (None: none forced).
+        tokens and logprobs (m,) numpy, forced = (m,) forced tokens or -1 (None: none forced).
         -> bool (m,): the rows that need the host (a watched token sampled, the budget or context used up, or
         streamed). Forced tokens are never watched."""
         k = self.n_gen[rows].copy()  # rows may be a slice: a view would see the += below
-        self.out[idx, k] = host.T
+        self.out[idx, k, 0] = tokens
+        self.out[idx, k, 1] = logprobs
         self.n_gen[rows] += 1
         self.counter[rows] += 1  # every token, forced ones too (a continuation's start_counter is its response length)
-        hit = (self.watch[rows] == host[0, :, None]).any(1)
+        hit = (self.watch[rows] == tokens[:, None]).any(1)
         if forced is not None:
             sampled = forced < 0
             self.mask[idx, k] = sampled

@@ -4,7 +4,8 @@ The engine's sampling math: pure functions of logits and per-row settings, no en
 - counter-based randomness: token t of a sample gets uniform_from_counter(row seed, t), a splitmix64 hash
   (computed on the host, a few numpy ops a step), so a sample never depends on what else shares its batch and no
   generator object is stepped per request
-- tempered(): (logits - max) / T, the distribution the engine samples from and records log-probs of
+- tempered(): (logits - max) / T, the distribution the engine samples from and records log-probs of (the
+  logits as they are at T = 1: softmax and log_softmax shift them themselves)
 - sample_tokens(): one token per row by inverse-CDF sampling, with per-row temperature, top-k and top-p
 - sample_with_logprobs(): the engine's step: sampled tokens and their log_softmax(tempered) log-probs
 """
@@ -33,6 +34,8 @@ def row_seed(seed, index):
     return _signed64(_mix64(_mix64(seed) + index))
 
 
+_BELOW_ONE = 1 - 2**-24  # the largest float32 below 1
+
 _GOLDEN, _M1, _M2 = (np.uint64(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
 
 
@@ -56,9 +59,11 @@ def tempered(logits, temperature, unit=False):
     """(logits - row max) / T per row (T = 1 where T = 0, greedy): the log-probs the engine records are
     log_softmax of this. Subtracting the max first keeps it total for any T > 0: at T = 1e-40 the top
     token gets 0 and the rest -inf, where logits / T would overflow to inf - inf = NaN. unit=True promises
-    every row's T is 1 (or 0) and skips the division, which is exact then."""
+    every row's T is 1 (or 0): then the logits come back as they are, since softmax and log_softmax subtract the
+    row max themselves, first and alone (on CPU and CUDA), so they give the same bits on raw logits as on shifted
+    ones, without the two extra passes over the vocab."""
     if unit:
-        return logits - logits.amax(dim=-1, keepdim=True)
+        return logits
     t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
     return (logits - logits.amax(dim=-1, keepdim=True)) / t[:, None]
 
@@ -108,15 +113,17 @@ def _sample(logits, x, temperature, top_k, top_p, uniform, filtered, greedy):
         keep = (rank < top_k[:, None]) & (probs.cumsum(-1) - probs < top_p[:, None])
         probs = probs * (keep | (rank == 0) | ~sorts)
     cdf = probs.cumsum(-1)
-    total = cdf[:, -1:]
-    # u < total strictly, so the search lands on a token whose own probability is > 0
-    u = torch.minimum(uniform[:, None].float() * total, torch.nextafter(total, torch.zeros_like(total)))
-    idx = torch.searchsorted(cdf, u, right=True).clamp(max=V - 1)
-    # a parallel cumsum is not exactly monotone; in the rare case that lands on a removed token, take the top one
-    # (the check reads one bool per step on the host: cheaper than an argmax over the vocab every step)
-    landed = probs.gather(1, idx) > 0
-    if not bool(landed.all()):
-        idx = torch.where(landed, idx, probs.argmax(-1, keepdim=True))
+    # u < total strictly (a float32 u below 1 times total rounds below it; a float64 u near 1 rounds to 1.0 in
+    # float32), so the search lands before the end, on a token whose own probability is > 0
+    u = uniform.float().clamp(max=_BELOW_ONE)[:, None] * cdf[:, -1:]
+    idx = torch.searchsorted(cdf, u, right=True)
+    # a parallel cumsum (CUDA) is not exactly monotone; in the rare case that lands on a removed token, take the
+    # top one (the check reads one bool per step on the host: cheaper than an argmax over the vocab every step).
+    # CPU's cumsum adds each row in order in float64, so its cdf is monotone: cdf[i] > u >= cdf[i - 1] means p[i] > 0
+    if probs.is_cuda:
+        landed = probs.gather(1, idx) > 0
+        if not bool(landed.all()):
+            idx = torch.where(landed, idx, probs.argmax(-1, keepdim=True))
     if order is not None:
         idx = order.gather(1, idx)
     if not greedy:

@@ -99,7 +99,8 @@ def test_the_engine_shortcuts_change_nothing():
     # greedy=False (no row at T = 0) skips an argmax, unit=True (every row at T = 1 or 0) skips a division:
     # both promise what holds, and then the tokens and log-probs are exactly those of the general path
     torch.manual_seed(0)
-    logits, u = torch.randn(6, 300) * 3, torch.rand(6, dtype=torch.float64)
+    # rows far from 0 (+-60): unit=True hands the raw logits to softmax and log_softmax, which shift them themselves
+    logits, u = torch.randn(6, 300) * 3 + 60 * torch.randn(6, 1), torch.rand(6, dtype=torch.float64)
     k, p = torch.tensor([300, 5, 300, 300, 40, 300]), torch.tensor([1.0, 1.0, 0.9, 1.0, 0.5, 1.0])
     for T, greedy, unit in [
         (torch.ones(6), False, True),
@@ -117,3 +118,30 @@ def test_the_engine_shortcuts_change_nothing():
         got = sample_with_logprobs(logits, zero, k, p, None, filtered, unit=True)
         assert torch.equal(want[0], got[0]) and torch.equal(got[0], logits.argmax(-1))
         assert torch.equal(want[1], got[1])
+
+
+def test_a_cpu_sampling_step_at_t1_runs_only_the_ops_it_needs():
+    # the engine's common step (T = 1, no top-k/top-p, on CPU): softmax and log_softmax subtract the row max
+    # themselves (no amax and subtraction first), CPU's in-order cumsum needs no "landed on a zero" check (no
+    # gather, compare and host read), and a float32 uniform clamped below 1 needs no nextafter/minimum
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    logits, one = torch.randn(2, 300) * 3 + 40, torch.ones(2)
+    u = torch.tensor([0.3, 1 - 2.0**-60], dtype=torch.float64)  # the second rounds to 1.0 in float32
+    with Ops() as ops:
+        tok, lp = sample_with_logprobs(logits, one, torch.full((2,), 300), one, u, False, greedy=False, unit=True)
+    assert not {"amax", "sub", "nextafter", "minimum", "all", "gt"} & set(ops.names), ops.names
+    assert ops.names.count("gather") == 1, ops.names  # the log-prob's only
+    cdf = torch.softmax(logits, -1).cumsum(-1)
+    assert tok[1] == 299 and tok[0] == int((cdf[0] <= float(np.float32(0.3)) * cdf[0, -1]).sum())
+    assert torch.equal(lp, torch.log_softmax(logits - logits.amax(-1, keepdim=True), -1).gather(1, tok[:, None])[:, 0])
