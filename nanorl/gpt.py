@@ -214,20 +214,25 @@ class CausalSelfAttention(nn.Module):
     def fuse_qkv(self):
         """Decode reads q, k and v with one matmul, and rotates and norms q and k together: a dozen fewer small ops
         a layer, which is what a one-token step at batch 1 pays for. Only where c_q, c_k and c_v have no bias and
-        their weights lie one after another in memory (the engine's flat copy), so the fused weight is a view of
-        them (no copy; a load_weights() refresh reaches it) and each output is the same dot product as before."""
+        their weights lie one after another in memory (the engine's flat copy on GPU) or side by side as column
+        ranges of one (in, out) block (its copy on CPU), so the fused weight is a view of them (no copy; a
+        load_weights() refresh reaches it) and each output is the same dot product as before."""
         ws = [self.c_q.weight, self.c_k.weight, self.c_v.weight]
         lins = [self.c_q, self.c_k, self.c_v]
         if self.q_norm is not None or any(type(m) is not nn.Linear or m.bias is not None for m in lins):
             return
-        if any(
-            not w.is_contiguous() or w.untyped_storage().data_ptr() != ws[0].untyped_storage().data_ptr() for w in ws
-        ):
-            return
-        if any(b.storage_offset() != a.storage_offset() + a.numel() for a, b in zip(ws, ws[1:])):
-            return
         rows, C = sum(w.size(0) for w in ws), ws[0].size(1)
-        self.qkv = ws[0].detach().as_strided((rows, C), (C, 1))
+        if any(w.untyped_storage().data_ptr() != ws[0].untyped_storage().data_ptr() for w in ws):
+            return
+        if all(w.is_contiguous() for w in ws):  # one after another
+            step, strides = [w.numel() for w in ws], (C, 1)
+        elif all(w.stride() == (1, rows) for w in ws):  # column ranges of one (C, rows) block
+            step, strides = [w.size(0) for w in ws], (1, rows)
+        else:
+            return
+        if any(b.storage_offset() != a.storage_offset() + n for a, b, n in zip(ws, ws[1:], step)):
+            return
+        self.qkv = ws[0].detach().as_strided((rows, C), strides)
 
     def forward(self, x, cos, sin, attn_mask=None, kv_cache=None):
         B, T, C = x.shape
