@@ -228,6 +228,25 @@ def all_reduce_sums(sums, device):
     return dict(zip(keys, t.tolist()))
 
 
+def add_offline_args(parser):
+    """The offline task's flags: which levels (one card row per set) and which held-out problems."""
+    parser.add_argument(
+        "--levels",
+        type=levels_flag,
+        action="append",
+        default=None,
+        help="offline task: difficulty levels to evaluate (default: 1,2, the tiny speedrun's card row); repeat it for "
+        "more sets, each evaluated and reported on its own (--levels 1,2 --levels 3,4)",
+    )
+    parser.add_argument(
+        "--problem-seed",
+        type=nonneg_int,
+        default=0,
+        help="offline task: the seed its held-out problems are drawn with (0: the card's; any seed draws only from "
+        "the test split, which no stage trains on)",
+    )
+
+
 def parse_args():
     from nanorl.checkpoint import add_model_args
 
@@ -272,21 +291,7 @@ def parse_args():
     parser.add_argument(
         "-b", "--batch-size", type=positive_int, default=64, help="engine rows / categorical prompts at once"
     )
-    parser.add_argument(
-        "--levels",
-        type=levels_flag,
-        action="append",
-        default=None,
-        help="offline task: difficulty levels to evaluate (default: 1,2, the tiny speedrun's card row); repeat it for "
-        "more sets, each evaluated and reported on its own (--levels 1,2 --levels 3,4)",
-    )
-    parser.add_argument(
-        "--problem-seed",
-        type=nonneg_int,
-        default=0,
-        help="offline task: the seed its held-out problems are drawn with (0: the card's; any seed draws only from "
-        "the test split, which no stage trains on)",
-    )
+    add_offline_args(parser)
     parser.add_argument("--seed", type=nonneg_int, default=0, help="seed of the sampled answers")
     parser.add_argument("--device-type", default=None, help="cuda | cpu | mps (default: autodetect)")
     args = parser.parse_args()
