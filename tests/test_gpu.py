@@ -259,6 +259,19 @@ def test_gpu_check_cpu_mode(tmp_path):
     # the gpu tests ran (and were skipped here): the table says how many
     assert re.fullmatch(r"0 passed, 0 failed, \d+ skipped", rows["gpu tests"][1]), rows["gpu tests"]
     assert "CPU mode" in text
+    # ONLY="decode": those steps alone (a GPU session splits the check to fit its per-command limit)
+    part = tmp_path / "part.md"
+    res = subprocess.run(
+        ["bash", str(REPO / "dev" / "gpu_check.sh"), str(part), "--cpu"],
+        cwd=REPO,
+        env={**env, "ONLY": "decode"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    checks = [ln.split("|")[1].strip() for ln in part.read_text().splitlines() if ln.startswith("| ")][1:]
+    assert checks == ["decode d2 batch 1", "decode d2 batch 2", "decode d2 batch 4"]
 
 
 def test_gpu_table_reads_figures_printed_after_pytest_progress_marks(tmp_path):
