@@ -15,6 +15,8 @@ import torch
 
 openai = pytest.importorskip("openai")
 
+from tiny_checkpoints import save_random_sft, train_tokenizer  # noqa: E402
+
 from nanorl import agents, function_calls  # noqa: E402
 from nanorl.engine import Engine  # noqa: E402
 from nanorl.gpt import GPTConfig, build_model  # noqa: E402
@@ -26,24 +28,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def base_dir(tmp_path_factory):
-    """A trained tokenizer (nanorl's own chat format) and a tiny random sft checkpoint "t"."""
     d = tmp_path_factory.mktemp("agents")
     env = {**os.environ, "NANORL_BASE_DIR": str(d), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "scripts.tok_train", "--vocab-size", "600", "--max-chars", "300000"]
-    subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True)
-    code = (
-        "import torch\n"
-        "from nanorl.gpt import GPTConfig, build_model\n"
-        "from nanorl.tokenizer import get_tokenizer\n"
-        "from nanorl.checkpoint import save_checkpoint, checkpoint_root\n"
-        "tok = get_tokenizer(); torch.manual_seed(0)\n"
-        "cfg = GPTConfig(sequence_len=512, vocab_size=tok.vocab_size, n_layer=1, n_head=1, n_kv_head=1, n_embd=32)\n"
-        "m = build_model(cfg, 'cpu')\n"
-        "with torch.no_grad():\n"
-        "    m.lm_head.weight.normal_(0, 0.2)\n"
-        "save_checkpoint(checkpoint_root('sft') + '/t', 0, m.state_dict(), meta={'model_config': cfg.to_dict()})\n"
-    )
-    subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True, capture_output=True)
+    train_tokenizer(env)
+    save_random_sft(env, sequence_len=512)
     return d
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 from rl_fixture_server import RewardHandler, reward_server
 from test_bad_input import run_script
+from tiny_checkpoints import save_random_sft, train_tokenizer
 
 from nanorl import common
 
@@ -22,30 +23,9 @@ RM = f"{ROOT / 'tests' / 'rl_fixture_reward.py'}:vowel_reward"
 def base_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("rl")
     env = {**os.environ, "NANORL_BASE_DIR": str(d)}
-    subprocess.run(
-        [sys.executable, "-m", "scripts.tok_train", "--vocab-size", "600", "--max-chars", "300000"],
-        cwd=ROOT,
-        env=env,
-        check=True,
-        capture_output=True,
-    )
-    code = (
-        "import torch\n"
-        "from nanorl.gpt import GPTConfig, build_model\n"
-        "from nanorl.tokenizer import get_tokenizer\n"
-        "from nanorl.checkpoint import save_checkpoint, checkpoint_root\n"
-        "tok = get_tokenizer(); torch.manual_seed(0)\n"
-        "cfg = GPTConfig(sequence_len=256, vocab_size=tok.vocab_size, n_layer=1, n_head=1, n_kv_head=1, n_embd=32)\n"
-        "m = build_model(cfg, 'cpu')\n"
-        "with torch.no_grad():\n"
-        "    m.lm_head.weight.normal_(0, 0.2)\n"  # a spread-out first-token distribution
-        "save_checkpoint(checkpoint_root('sft') + '/t', 0, m.state_dict(), meta={'model_config': cfg.to_dict()})\n"
-        "torch.manual_seed(1); teacher = build_model(cfg, 'cpu')\n"  # a different model to distil from
-        "with torch.no_grad():\n"
-        "    teacher.lm_head.weight.normal_(0, 0.5)\n"
-        "save_checkpoint(checkpoint_root('sft') + '/teacher', 0, teacher.state_dict(), meta={'model_config': cfg.to_dict()})\n"
-    )
-    subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True, capture_output=True)
+    train_tokenizer(env)
+    save_random_sft(env)
+    save_random_sft(env, "teacher", seed=1, head_std=0.5)  # a different model to distil from
     return d
 
 

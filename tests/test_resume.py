@@ -22,7 +22,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_checkpoints import save_random_sft, train_tokenizer
 
+from nanorl.checkpoint import load_checkpoint
 from nanorl.common import CUDA_DTYPES_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -138,14 +140,7 @@ def adamw_moment_dtypes(optim_state):
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("resume")
-    env = {**os.environ, "NANORL_BASE_DIR": str(d)}
-    subprocess.run(
-        [sys.executable, "-m", "scripts.tok_train", "--vocab-size", "600", "--max-chars", "300000"],
-        cwd=ROOT,
-        env=env,
-        check=True,
-        capture_output=True,
-    )
+    train_tokenizer({**os.environ, "NANORL_BASE_DIR": str(d)})
     return d
 
 
@@ -186,21 +181,10 @@ def test_the_tiny_pipeline_killed_and_resumed_in_every_stage(tokenizer_dir):
 @pytest.fixture(scope="module")
 def sft_dir(tokenizer_dir):
     """tokenizer_dir with a random tiny SFT checkpoint "t" (saved in CUDA's layout: a bf16 embedding)."""
-    code = (
-        "import torch\n"
-        "from nanorl.gpt import GPTConfig, build_model\n"
-        "from nanorl.tokenizer import get_tokenizer\n"
-        "from nanorl.checkpoint import save_checkpoint, checkpoint_root\n"
-        "tok = get_tokenizer(); torch.manual_seed(0)\n"
-        "cfg = GPTConfig(sequence_len=256, vocab_size=tok.vocab_size, n_layer=2, n_head=1, n_kv_head=1, n_embd=32)\n"
-        "m = build_model(cfg, 'cpu')\n"
-        "assert m.transformer.wte.weight.dtype == torch.bfloat16\n"
-        "with torch.no_grad():\n"
-        "    m.lm_head.weight.normal_(0, 0.2)\n"  # a spread-out first-token distribution
-        "save_checkpoint(checkpoint_root('sft') + '/t', 0, m.state_dict(), meta={'model_config': cfg.to_dict()})\n"
-    )
     env = {**os.environ, "NANORL_BASE_DIR": str(tokenizer_dir), CUDA_DTYPES_ENV: "1"}
-    subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True, capture_output=True)
+    save_random_sft(env, n_layer=2)
+    weights = load_checkpoint(str(tokenizer_dir / "sft_checkpoints" / "t"), 0)[0]
+    assert weights["transformer.wte.weight"].dtype == torch.bfloat16
     return tokenizer_dir
 
 
