@@ -319,6 +319,17 @@ def tool_plan(req, tokenizer):
     return ToolPlan(fmt, forced_prefix(fmt, choice), parse=bool(tools) and choice != "none")
 
 
+def check_fits(ids, max_len):
+    """A prompt must leave the context room for at least one generated token."""
+    if max_len is not None and len(ids) >= max_len:
+        raise BadRequest(
+            f"the conversation is {len(ids)} tokens, over the context of {max_len} "
+            f"(it needs room for at least one generated token)",
+            "messages",
+            "context_length_exceeded",
+        )
+
+
 def tool_prompt(tokenizer, messages, tools, plan, max_len):
     """A function-calling chat's prompt ids, rendered by the model's template with the tools (none when the reply may
     not call them), the forced start of the reply last."""
@@ -333,13 +344,7 @@ def tool_prompt(tokenizer, messages, tools, plan, max_len):
         ids = tokenizer.render_messages(messages, shown, reply_prefix=plan.prefix)
     except ValueError as e:
         raise BadRequest(str(e), "messages")
-    if max_len is not None and len(ids) >= max_len:
-        raise BadRequest(
-            f"the conversation is {len(ids)} tokens, over the context of {max_len} "
-            f"(it needs room for at least one generated token)",
-            "messages",
-            "context_length_exceeded",
-        )
+    check_fits(ids, max_len)
     return ids
 
 
@@ -417,13 +422,7 @@ def render_prompt(tokenizer, messages, max_len, base=False, room=None, token_byt
     else:
         least = _least_pairs(messages, max_len, room, token_bytes) if token_bytes and max_len else 0
         ids, dropped = _render_chat(tokenizer, messages, max_len, room, least)
-    if max_len is not None and len(ids) >= max_len:
-        raise BadRequest(
-            f"the conversation is {len(ids)} tokens, over the context of {max_len} "
-            f"(it needs room for at least one generated token)",
-            "messages",
-            "context_length_exceeded",
-        )
+    check_fits(ids, max_len)
     return ids, dropped
 
 
