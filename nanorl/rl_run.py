@@ -300,6 +300,8 @@ class RLRun:
         collective)."""
         if every_rank:
             self.save(step)
+            if self.ddp:  # the lead rank writes the meta that marks the step complete after the save's own barrier:
+                dist.barrier()  # a rank that exited first would have torchrun kill the lead before it wrote it
         print0(f"stopped: a rollout failed on {n_failed} rank(s); saved step {step} in {self.ckpt['dir']}")
         sys.stdout.flush()
         sys.stderr.flush()

@@ -17,6 +17,19 @@ def broken_reward(response, label, metadata):
 
 CALLS = {"n": 0}
 
+if os.environ.get("SLOW_META"):  # the lead rank's write of a step's meta (the mark of a complete save) comes late
+    import time
+
+    from nanorl import checkpoint
+
+    _atomic_json = checkpoint._atomic_json
+
+    def _slow_atomic_json(obj, path):
+        time.sleep(float(os.environ["SLOW_META"]))
+        _atomic_json(obj, path)
+
+    checkpoint._atomic_json = _slow_atomic_json
+
 
 def failing_generate(cfg, engine, tokenizer, prompts, seeds):
     """A rollout that works until its FAIL_AT-th call, then hangs (FAIL_MODE=hang) or raises on rank FAIL_RANK."""

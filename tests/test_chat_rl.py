@@ -418,7 +418,8 @@ def test_failed_or_hung_rollout_saves_exits_nonzero_and_resumes(base_dir, mode, 
     # flight. The same command with --resume then redoes rollout 2 and finishes.
     gen = f"{ROOT / 'tests' / 'rl_fixture_reward.py'}:failing_generate"
     failing = 0 if flags else nproc - 1  # --async: rank 0 samples, rank 1 trains
-    env = {"FAIL_AT": "3", "FAIL_RANK": str(failing), "FAIL_MODE": mode}
+    # SLOW_META: the lead's meta comes 2 s after the others have saved; no rank may exit before it is written
+    env = {"FAIL_AT": "3", "FAIL_RANK": str(failing), "FAIL_MODE": mode, "SLOW_META": "2"}
     tag = f"fail_{mode}{'_async' if flags else ''}"
     cmd = ["--num-rollouts", "4", "--output-tag", tag, "--custom-generate-function-path", gen, "--rollout-timeout", "5"]
     out = run_rl(base_dir, *cmd, *flags, nproc=nproc, check=False, env=env)
