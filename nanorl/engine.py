@@ -356,7 +356,7 @@ class Engine:
             self.stopping = True
             self.lock.notify_all()
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def step(self):
         """End cancelled samples, refill free slots from the queue (prefill), decode one token in every busy
         slot. Returns False when there was nothing to do. A slot is free the moment its sample ends and the
