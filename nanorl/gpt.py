@@ -386,7 +386,10 @@ class GPT(nn.Module):
         return 6 * nparams + 12 * l * h * q * t
 
     def _rotary(self, pos):
-        # pos: (B, T) long positions -> cos/sin of shape (B, 1, T, D)
+        # pos: (B, T) long positions -> cos/sin of shape (B, 1, T, D); an int (every row's one position, KVCache.begin)
+        # -> (1, 1, 1, D) views that broadcast over the rows
+        if isinstance(pos, int):
+            return self.cos[None, None, pos : pos + 1], self.sin[None, None, pos : pos + 1]
         return self.cos[pos][:, None], self.sin[pos][:, None]
 
     def hidden_states(self, idx, doc_ids=None, kv_cache=None):

@@ -43,12 +43,12 @@ class KVCache:
         return slice(None) if self.rows is None else self.rows
 
     def begin(self, T):
-        """Positions (B, T) of the next T tokens of each row, and the (B, 1, T, attend_len) attention mask (None when
-        every key up to attend_len is visible to every row: one decode token with all rows at one position)."""
+        """Positions (B, T) of the next T tokens of each row, and the (B, 1, T, attend_len) attention mask. When
+        every row is at one position and decodes one token (batch 1, a prompt's samples in lockstep), the position is
+        that one int and the mask None: every key up to attend_len is visible to every row."""
         rows = self._rows()
         start = self.pos[rows]
         B = start.size(0)
-        pos = start[:, None] + torch.arange(T, device=start.device)[None, :]
         self.write_at = None
         if not self.static:
             # eager path: read only the used part of the cache (one host sync). A caller that wants
@@ -59,10 +59,11 @@ class KVCache:
                 raise ValueError(f"KV cache is full: position {top - 1} >= max_len {self.max_len}")
             self.attend_len = top
             if T == 1 and lo == hi and isinstance(rows, slice):
-                # batch 1, or the samples of one prompt in lockstep: each row writes column lo of its view and sees
-                # every key up to it, so no mask and no scatter (SDPA without a mask gives what the all-true one gives)
+                # each row writes column lo of its view and sees every key up to it: no mask, no scatter (SDPA
+                # without a mask gives what the all-true one gives), and one rotary row for all (GPT._rotary)
                 self.write_at = lo
-                return pos, None
+                return lo, None
+        pos = start[:, None] + torch.arange(T, device=start.device)[None, :]
         self.write_pos = pos
         # the cache row each (b, t) writes to, the same for every layer (leading rows: the batch's own index)
         b = torch.arange(B, device=pos.device) if isinstance(rows, slice) else rows

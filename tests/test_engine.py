@@ -837,7 +837,7 @@ def test_lockstep_decode_skips_the_mask_and_equals_the_masked_step():
     for cache in caches:
         model(ids, kv_cache=cache)
     pos, mask = caches[0].begin(1)
-    assert mask is None and caches[0].write_at == 7
+    assert pos == 7 and mask is None and caches[0].write_at == 7
     caches[0].end(0)
     nxt = torch.tensor([[5], [9], [5]])
     with torch.no_grad():
