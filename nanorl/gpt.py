@@ -118,9 +118,9 @@ def rope_inv_freq(head_dim, theta, scaling=None):
 def apply_rotary(x, cos, sin):
     # x: (B, H, T, D); cos/sin: (B or 1, 1, T, D), the tables [cos, cos] and [-sin, sin] (GPT.init_rotary).
     # Rotates the pairs made of the two halves of the head dim: [x1 cos - x2 sin, x2 cos + x1 sin] is
-    # x * cos + [x2, x1] * sin, bit for bit, in three ops instead of six (decode runs it twice per layer)
-    d = x.shape[-1] // 2
-    return (x * cos + torch.cat([x[..., d:], x[..., :d]], dim=-1) * sin).to(x.dtype)
+    # x * cos + [x2, x1] * sin, bit for bit, in four ops instead of six (decode runs it once or twice per layer);
+    # [x2, x1] is x rolled by half its width
+    return (x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin).to(x.dtype)
 
 
 def positions_from_doc_ids(doc_ids):

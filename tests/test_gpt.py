@@ -250,3 +250,13 @@ def test_too_long_inputs_error():
         model(torch.zeros(1, 8, dtype=torch.long), kv_cache=cache)
         with pytest.raises(ValueError, match="full"):
             model(torch.zeros(1, 1, dtype=torch.long), kv_cache=cache)
+
+
+def test_apply_rotary_is_the_pairwise_rotation_bit_for_bit():
+    # each pair (x1[i], x2[i]) of the head dim's two halves turns by its angle: [x1 c - x2 s, x2 c + x1 s], exactly
+    g = torch.Generator().manual_seed(0)
+    x, angle = torch.randn(2, 3, 5, 8, generator=g), torch.rand(5, 4, generator=g) * 6
+    c, s = angle.cos(), angle.sin()
+    cos, sin = torch.cat([c, c], -1)[None, None], torch.cat([-s, s], -1)[None, None]  # GPT.init_rotary's tables
+    x1, x2 = x[..., :4], x[..., 4:]
+    assert torch.equal(gpt.apply_rotary(x, cos, sin), torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1))
