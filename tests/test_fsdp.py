@@ -13,6 +13,7 @@ import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
 from nanorl.checkpoint import delete_step, load_checkpoint, load_model_dir
+from nanorl.common import compute_cleanup
 from nanorl.gpt import GPTConfig, build_model
 from nanorl.optim import build_optimizer
 
@@ -95,7 +96,7 @@ def _fsdp_worker(rank, world, init_file, x, out_path):
         },
         f"{out_path}.{rank}",
     )
-    dist.destroy_process_group()
+    compute_cleanup()  # as the scripts end: FSDP's modules outlive the group (common.compute_cleanup says why)
 
 
 def _reshard_worker(rank, world, init_file, ckpt_dir, out_path):
@@ -115,7 +116,7 @@ def _reshard_worker(rank, world, init_file, ckpt_dir, out_path):
         },
         out_path,
     )
-    dist.destroy_process_group()
+    compute_cleanup()
 
 
 def test_fsdp_two_processes_equal_one_unsharded(tmp_path):
@@ -172,7 +173,7 @@ def _compile_worker(rank, world, init_file, out_path):
     torch.save(
         {"loss": loss.detach(), "grads": {k: p.grad.full_tensor() for k, p in model.named_parameters()}}, out_path
     )
-    dist.destroy_process_group()
+    compute_cleanup()
 
 
 @pytest.mark.slow
@@ -237,7 +238,7 @@ def _oom_trial_worker(rank, world, init_file, out_path, lockstep):
         grads = {k: p.grad.full_tensor() for k, p in model.named_parameters()}
         out[where] = {"batch": batch, "too_big": too_big, "tried": tried, "grads": grads}
     torch.save(out, f"{out_path}.{rank}")
-    dist.destroy_process_group()
+    compute_cleanup()
 
 
 @pytest.mark.slow
@@ -279,7 +280,7 @@ def _cuda_dtypes_worker(rank, world, init_file, out_path):
     model(x, targets=x)
     hook.remove()
     torch.save({"loss": loss.detach(), "seen": seen, "before": before, "after": after}, out_path)
-    dist.destroy_process_group()
+    compute_cleanup()
 
 
 @pytest.mark.slow
@@ -563,7 +564,7 @@ def _rl_worker(rank, world, init_file, out_path):
         rl_step_grads(shard_model(rl_model(), torch.device("cpu")), rl_samples()[rank], world, True),
         f"{out_path}.{rank}",
     )
-    dist.destroy_process_group()
+    compute_cleanup()
 
 
 def test_rl_step_on_shards_with_unequal_micro_batches_equals_one_process(tmp_path):
