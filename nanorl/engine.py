@@ -13,7 +13,9 @@ its own copy of the weights (inference_copy, nanorl/gpt.py), the sampling math (
 - busy samples always sit in slots 0..n-1 (a sample that ends leaves a hole the last busy one moves into),
   so a decode step is one forward of only the smallest ladder size (1, 2, 4, ... batch_size) >= n rows:
   one user on a big engine decodes about as fast as on a batch-1 engine. On CUDA the step is replayed from
-  a CUDA graph (one per ladder size and attention-length bucket, captured up front), eager on CPU/MPS
+  a CUDA graph (one per ladder size and attention-length bucket, captured up front), eager on CPU/MPS; an eager
+  step whose rows all stand at one position (batch 1, one prompt's samples) runs gpt.LockstepDecode, a lean
+  forward with the same numbers and a fifth less host work
 - a decode step's host work does not grow with the batch: tokens are kept in per-slot arrays and checked for
   stops, limits and tool calls with array ops; Python touches only the rows where something happens (a sample
   ends, calls a tool, is streamed), and a Completion's lists are filled when its sample ends
@@ -57,7 +59,7 @@ from nanorl.engine_graphs import (
     first_stale_graph,
     prefill_backends,
 )
-from nanorl.gpt import inference_copy
+from nanorl.gpt import LockstepDecode, inference_copy
 from nanorl.inflight import Sample, SlotRecords
 from nanorl.kv_cache import new_kv_cache
 from nanorl.sampling import row_seed, sample_with_logprobs
@@ -229,6 +231,7 @@ class Engine:
         self.default_stops = self.markup.stops
 
         self.cache = new_kv_cache(self.model, batch_size, self.max_len, self.device)
+        self.lockstep = None if share_weights else LockstepDecode(self.model, self.cache)
         B, dev = batch_size, self.device
         # per-slot state on the device, written when a slot is filled (static tensors for the CUDA graphs)
         self.input_ids = torch.zeros(B, dtype=torch.long, device=dev)  # each slot's next input token
@@ -545,13 +548,18 @@ class Engine:
 
     def _forward_step(self, size):
         # eager, or the body a CUDA graph records (then cache.static is set and attend_len is a bucket);
-        # the attention kernel is pinned (decode_backends says why)
-        self.cache.rows = slice(0, size)
-        try:
-            with self._autocast(), sdpa_kernel(self.decode_attention()):
+        # the attention kernel is pinned (decode_backends says why). Eager rows that all stand at one position
+        # (batch 1, a prompt's samples) take the model's lean step, on the engine's own copy (a shared model may
+        # be sharded: its blocks' hooks must run)
+        pos = None if self.cache.static or self.lockstep is None else self.cache.lockstep(size)
+        with self._autocast(), sdpa_kernel(self.decode_attention()):
+            if pos is not None:
+                return self.lockstep(self.input_ids[:size], pos)
+            self.cache.rows = slice(0, size)
+            try:
                 return self.model(self.input_ids[:size, None], kv_cache=self.cache)[:, 0]
-        finally:
-            self.cache.rows = None
+            finally:
+                self.cache.rows = None
 
     def decode_attention(self):
         return decode_backends(self.device)  # see nanorl/engine_graphs.py

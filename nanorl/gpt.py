@@ -9,7 +9,8 @@ The nanorl GPT: one small, modern decoder-only transformer.
   rope scaling, no softcap. The defaults are nanorl's own architecture (see nanorl/hf.py)
 - three attention paths: plain causal; packed rows with document masking (several documents in a row
   attend only within themselves, positions restart per document); and a KV cache for the engine
-  (nanorl/kv_cache.py), which samples from a frozen copy of the model in one flat buffer (inference_copy)
+  (nanorl/kv_cache.py), which samples from a frozen copy of the model in one flat buffer (inference_copy),
+  stepping rows that stand at one position through LockstepDecode (the cached forward's numbers, fewer host ops)
   Which kernel runs where (attention_backend() says it in each stage's log):
     plain causal  CUDA: SDPA pinned to its FlashAttention backend (bf16/fp16: GQA without repeating K/V;
                   fp32 is left to SDPA's choice); CPU: SDPA
@@ -235,24 +236,31 @@ class CausalSelfAttention(nn.Module):
             return
         self.qkv = ws[0].detach().as_strided((rows, C), strides)
 
-    def forward(self, x, cos, sin, attn_mask=None, kv_cache=None):
-        B, T, C = x.shape
-        H, Hkv = self.n_head, self.n_kv_head
+    def heads(self, x, cos, sin):
+        """q (..., H, D) and k, v (..., Hkv, D) of x (..., C): projected, rotated, normed. Heads next to each other,
+        as the projections lay them out: forward() moves them to SDPA's (B, H, T, D), decode_step() has no time axis."""
+        H, Hkv, D = self.n_head, self.n_kv_head, self.head_dim
         if self.qkv is not None:  # fuse_qkv(): the same numbers as the path below, in fewer ops
-            qkv = F.linear(x, self.qkv).view(B, T, H + 2 * Hkv, self.head_dim).transpose(1, 2)
-            qk, v = apply_rotary(qkv[:, : H + Hkv], cos, sin), qkv[:, H + Hkv :]
+            qkv = F.linear(x, self.qkv).unflatten(-1, (H + 2 * Hkv, D))
+            qk, v = apply_rotary(qkv[..., : H + Hkv, :], cos, sin), qkv[..., H + Hkv :, :]
             if self.qk_norm:
                 qk = norm(qk)
-            q, k = qk[:, :H], qk[:, H:]
-        else:
-            q = self.c_q(x).view(B, T, H, self.head_dim).transpose(1, 2)
-            k = self.c_k(x).view(B, T, Hkv, self.head_dim).transpose(1, 2)
-            v = self.c_v(x).view(B, T, Hkv, self.head_dim).transpose(1, 2)
-            if self.q_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-            if self.qk_norm and self.q_norm is None:
-                q, k = norm(q), norm(k)  # QK-norm keeps attention logits bounded without a temperature to tune
+            return qk[..., :H, :], qk[..., H:, :], v
+        q, k, v = (
+            self.c_q(x).unflatten(-1, (H, D)),
+            self.c_k(x).unflatten(-1, (Hkv, D)),
+            self.c_v(x).unflatten(-1, (Hkv, D)),
+        )
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.qk_norm and self.q_norm is None:
+            q, k = norm(q), norm(k)  # QK-norm keeps attention logits bounded without a temperature to tune
+        return q, k, v
+
+    def forward(self, x, cos, sin, attn_mask=None, kv_cache=None):
+        B, T, C = x.shape
+        q, k, v = (t.transpose(1, 2) for t in self.heads(x, cos, sin))
         gqa = self.n_kv_head != self.n_head
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v)
@@ -386,11 +394,8 @@ class GPT(nn.Module):
         return 6 * nparams + 12 * l * h * q * t
 
     def _rotary(self, pos):
-        # pos: (B, T) long positions -> cos/sin of shape (B, 1, T, D); an int (every row's one position, KVCache.begin)
-        # -> (1, 1, 1, D) views that broadcast over the rows
-        if isinstance(pos, int):
-            return self.cos[None, None, pos : pos + 1], self.sin[None, None, pos : pos + 1]
-        return self.cos[pos][:, None], self.sin[pos][:, None]
+        # pos: (B, T) long positions -> cos/sin of shape (B, T, 1, D), for heads laid out (B, T, H, D)
+        return self.cos[pos][:, :, None], self.sin[pos][:, :, None]
 
     def hidden_states(self, idx, doc_ids=None, kv_cache=None):
         """The final normed hidden states (B, T, C) for token ids idx (B, T)."""
@@ -547,6 +552,62 @@ def inference_copy(model, dtype):
         if isinstance(m, CausalSelfAttention):
             m.fuse_qkv()  # q, k and v from one view of the flat buffer
     return twin.eval(), flat
+
+
+class LockstepDecode:
+    """
+    The engine's step when rows 0..B-1 of its cache all hold pos tokens (batch 1, or one prompt's samples decoding
+    together): decode(idx, pos) -> logits (B, V) of the token after idx (B,). The numbers of
+    model(idx[:, None], kv_cache=cache)[:, 0] bit for bit (tests/test_gpt.py, every architecture switch), in a
+    fifth less time at batch 1 on a CPU, where a one-token step is mostly host work per op: every layer's weights
+    and cache views are gathered once here, and the loop calls F.linear and F.rms_norm on them (no nn.Module calls,
+    no time axis), one rotary row serves every row, each layer's KV is written into and read from plain slices of
+    its cache (no positions, mask or scatter). Only for the engine's own copy (inference_copy): its modules carry no
+    hooks or adapters, its weights are in the compute dtype and refreshed in place (load_weights), so the views
+    gathered here stay right.
+    """
+
+    def __init__(self, model, cache):
+        self.model, self.cache = model, cache
+        cfg = model.config
+        self.H, self.Hkv, self.D, self.C = cfg.n_head, cfg.n_kv_head, model.head_dim, cfg.n_embd
+        self.layers = []
+        for b, k, v in zip(model.transformer.h, cache.k, cache.v):
+            n1, n2, mlp = b.norm_attn, b.norm_mlp, b.mlp
+            gate = mlp.c_gate.weight if mlp.swiglu else None
+            w = (n1.weight, n1.eps, b.attn.c_proj.weight, n2.weight, n2.eps, gate, mlp.c_fc.weight)
+            self.layers.append((b.attn, *w, mlp.c_proj.weight, k, v))
+
+    def __call__(self, idx, pos):
+        if pos >= self.cache.max_len:
+            raise ValueError(f"KV cache is full: position {pos} >= max_len {self.cache.max_len}")
+        m, (B,), H, Hkv, D = self.model, idx.shape, self.H, self.Hkv, self.D
+        C, hd, n = (self.C,), (D,), m.transformer.norm_f
+        cos, sin = m.cos[pos], m.sin[pos]
+        x = F.embedding(idx, m.transformer.wte.weight)  # (B, C)
+        if not m.config.norm_weight:
+            x = F.rms_norm(x, C)
+        for attn, w1, e1, wo, w2, e2, gate, fc, proj, kc, vc in self.layers:
+            h = F.rms_norm(x, C, w1, e1)
+            if attn.qkv is None:
+                q, k, v = attn.heads(h, cos, sin)
+            else:  # heads()'s fused path, inline
+                qkv = F.linear(h, attn.qkv).view(B, H + 2 * Hkv, D)
+                qk = qkv[:, : H + Hkv]
+                qk = apply_rotary(qk, cos, sin)
+                qk = F.rms_norm(qk, hd) if attn.qk_norm else qk
+                q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + Hkv :]
+            kc, vc = kc[:B], vc[:B]
+            kc[:, :, pos], vc[:, :, pos] = k, v
+            # a KV head's G query heads side by side, as attend_cached folds them
+            y = F.scaled_dot_product_attention(q.view(B, Hkv, H // Hkv, D), kc[:, :, : pos + 1], vc[:, :, : pos + 1])
+            x = x + F.linear(y.view(B, H * D), wo)
+            h = F.rms_norm(x, C, w2, e2)
+            u = F.linear(h, fc)  # MLP.forward
+            u = F.relu(u).square() if gate is None else F.silu(F.linear(h, gate)) * u
+            x = x + F.linear(u, proj)
+        self.cache.pos[:B] += 1
+        return m.logits_from_hidden(F.rms_norm(x, C, n.weight, n.eps))
 
 
 def column_major_groups(model):

@@ -37,32 +37,22 @@ class KVCache:
         # prompts straight into free rows of the big decode cache). None = all rows, in order.
         self.rows = None
         self.write_pos = self.write_rows = None  # (B, T) positions and cache rows the current forward writes (begin())
-        self.write_at = None  # or the one column every row writes (begin)
 
     def _rows(self):
         return slice(None) if self.rows is None else self.rows
 
     def begin(self, T):
-        """Positions (B, T) of the next T tokens of each row, and the (B, 1, T, attend_len) attention mask. When
-        every row is at one position and decodes one token (batch 1, a prompt's samples in lockstep), the position is
-        that one int and the mask None: every key up to attend_len is visible to every row."""
+        """Positions (B, T) of the next T tokens of each row, and the (B, 1, T, attend_len) attention mask."""
         rows = self._rows()
         start = self.pos[rows]
         B = start.size(0)
-        self.write_at = None
         if not self.static:
             # eager path: read only the used part of the cache (one host sync). A caller that wants
             # static shapes (CUDA graphs) sets static and attend_len itself and skips this check.
-            lo, hi = torch.stack(start.aminmax()).tolist()
-            top = hi + T
+            top = int(start.max()) + T
             if top > self.max_len:
                 raise ValueError(f"KV cache is full: position {top - 1} >= max_len {self.max_len}")
             self.attend_len = top
-            if T == 1 and lo == hi and isinstance(rows, slice):
-                # each row writes column lo of its view and sees every key up to it: no mask, no scatter (SDPA
-                # without a mask gives what the all-true one gives), and one rotary row for all (GPT._rotary)
-                self.write_at = lo
-                return lo, None
         pos = start[:, None] + torch.arange(T, device=start.device)[None, :]
         self.write_pos = pos
         # the cache row each (b, t) writes to, the same for every layer (leading rows: the batch's own index)
@@ -77,19 +67,20 @@ class KVCache:
         kc, vc = self.k[layer], self.v[layer]
         if isinstance(rows, slice):  # leading rows: write into and read views of the cache
             kc, vc = kc[rows], vc[rows]
-        if self.write_at is not None:  # one column for every row (begin): a copy into a narrowed view (the fewest ops)
-            kc.narrow(2, self.write_at, 1).copy_(k)
-            vc.narrow(2, self.write_at, 1).copy_(v)
-            return kc.narrow(2, 0, L), vc.narrow(2, 0, L)
         kc[self.write_rows, :, self.write_pos] = k.transpose(1, 2).to(kc.dtype)
         vc[self.write_rows, :, self.write_pos] = v.transpose(1, 2).to(vc.dtype)
         if isinstance(rows, slice):
             return kc[:, :, :L], vc[:, :, :L]
         return kc[rows, :, :L], vc[rows, :, :L]
 
+    def lockstep(self, B):
+        """The one position rows 0..B-1 all stand at (gpt.LockstepDecode's case), or None (one host sync)."""
+        lo, hi = torch.stack(self.pos[:B].aminmax()).tolist()
+        return lo if lo == hi else None
+
     def end(self, T):
         self.pos[self._rows()] += T
-        self.write_pos = self.write_rows = self.write_at = None
+        self.write_pos = self.write_rows = None
 
     def reset(self, rows=None):
         if rows is None:

@@ -828,25 +828,23 @@ def test_the_cpu_copy_keeps_linear_weights_column_major():
     assert Engine(tied, TOK, batch_size=1).model.lm_head.weight.is_contiguous()
 
 
-def test_lockstep_decode_skips_the_mask_and_equals_the_masked_step():
-    # rows at one position (batch 1, the samples of one prompt) decode without a mask, writing their KV with a plain
-    # slice; the result is exactly the masked scatter step's (the static path the CUDA graphs record)
+def test_rows_at_one_position_decode_through_the_lockstep_step():
+    # batch 1 and a prompt's samples decode through gpt.LockstepDecode (rows at one position), rows at different
+    # positions through the cached forward; either way the tokens and log-probs are an engine's without the lean
+    # step, bit for bit. A shared model (maybe sharded, maybe with adapters) never takes it
     model = tiny()
-    ids = torch.tensor([prompts([7])[0]] * 3)
-    caches = [model.new_kv_cache(3, 32) for _ in range(2)]
-    for cache in caches:
-        model(ids, kv_cache=cache)
-    pos, mask = caches[0].begin(1)
-    assert pos == 7 and mask is None and caches[0].write_at == 7
-    caches[0].end(0)
-    nxt = torch.tensor([[5], [9], [5]])
-    with torch.no_grad():
-        lockstep = model(nxt, kv_cache=caches[0])
-        caches[1].static, caches[1].attend_len = True, 8
-        masked = model(nxt, kv_cache=caches[1])
-    assert torch.equal(lockstep, masked) and torch.equal(lockstep[0], lockstep[2])
-    assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
-    assert caches[0].pos.tolist() == caches[1].pos.tolist() == [8, 8, 8]
+    engine, plain = Engine(model, TOK, batch_size=4), Engine(model, TOK, batch_size=4)
+    plain.lockstep = None
+    calls, lean = [], engine.lockstep
+    engine.lockstep = lambda idx, pos: calls.append((len(idx), pos)) or lean(idx, pos)
+    one = Request(prompts([7])[0], num_samples=4, max_tokens=4, temperature=1.0, seed=3, stop_tokens=[])
+    two = [Request(p, max_tokens=4, temperature=1.0, seed=5, stop_tokens=[]) for p in prompts([5, 9], seed=2)]
+    for reqs, want in (([one], [(4, 7), (4, 8), (4, 9)]), (two, [])):
+        a, b = engine.generate(reqs), plain.generate(reqs)
+        assert calls == want
+        assert [[(c.tokens, c.logprobs) for c in cs] for cs in a] == [[(c.tokens, c.logprobs) for c in cs] for cs in b]
+        calls.clear()
+    assert Engine(model, TOK, batch_size=2, share_weights=True).lockstep is None
 
 
 def test_random_traffic_keeps_the_invariants_and_every_sample():
@@ -915,6 +913,13 @@ def test_prefill_and_decode_attention_kernels_are_pinned(monkeypatch):
         return forward(idx, **kw)
 
     engine.model.hidden_states = hidden_states
+    lockstep = engine.lockstep  # batch 1 decodes through the lean step (gpt.LockstepDecode), not hidden_states
+
+    def lean(idx, pos):
+        seen.append((1, active[-1] if active else None))
+        return lockstep(idx, pos)
+
+    engine.lockstep = lean
     engine.generate([Request([1, 2, 3, 4, 5], max_tokens=3, stop_tokens=[])])
     cpu_prefill = cpu_decode = [SDPBackend.FLASH_ATTENTION]
     assert seen == [(5, cpu_prefill), (1, cpu_decode), (1, cpu_decode)]

@@ -260,3 +260,57 @@ def test_apply_rotary_is_the_pairwise_rotation_bit_for_bit():
     cos, sin = torch.cat([c, c], -1)[None, None], torch.cat([-s, s], -1)[None, None]  # GPT.init_rotary's tables
     x1, x2 = x[..., :4], x[..., 4:]
     assert torch.equal(gpt.apply_rotary(x, cos, sin), torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1))
+
+
+LOCKSTEP_ARCHS = {
+    "nanorl": {},
+    "gqa": {"n_kv_head": 1},
+    "no qk-norm": {"qk_norm": False},
+    "qwen2 (q/k/v bias: unfused)": {"attn_bias": True, "qk_norm": False, "norm_weight": True, "mlp": "swiglu"},
+    "qwen3 (learned qk-norm, wide heads)": {"qk_norm": True, "norm_weight": True, "norm_eps": 1e-6, "head_dim": 32},
+    "llama (swiglu, tied, no softcap)": {
+        "mlp": "swiglu",
+        "mlp_hidden": 96,
+        "norm_weight": True,
+        "qk_norm": False,
+        "tie_embeddings": True,
+        "softcap": 0.0,
+    },
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", list(LOCKSTEP_ARCHS))
+def test_lockstep_decode_equals_the_cached_forward_bit_for_bit(arch, dtype):
+    # the engine's lean step (rows at one position) against the cached forward it replaces, on the engine's copy of
+    # the weights (fused q/k/v where it can be, column-major on the CPU; bf16 as on CUDA), for every architecture
+    # switch: the same logits, the same cache, the same positions, to the bit; rows past B keep their cache
+    from dataclasses import replace
+
+    base = GPTConfig(sequence_len=64, vocab_size=97, n_layer=2, n_head=4, n_kv_head=2, n_embd=64)
+    torch.manual_seed(0)
+    model = build_model(replace(base, **LOCKSTEP_ARCHS[arch]), "cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    copy, _ = gpt.inference_copy(model, dtype)
+    fused = copy.transformer.h[0].attn.qkv is not None
+    assert fused == (arch not in ("qwen2 (q/k/v bias: unfused)", "qwen3 (learned qk-norm, wide heads)"))
+    caches = [copy.new_kv_cache(4, 24, dtype=dtype) for _ in range(2)]
+    prompt = torch.randint(0, 97, (1, 9)).expand(4, 9)
+    with torch.inference_mode():
+        for c in caches:
+            copy(prompt, kv_cache=c)
+        lockstep = gpt.LockstepDecode(copy, caches[0])
+        for pos in range(9, 14):
+            idx = torch.randint(0, 97, (3,))  # rows 0..2 step; row 3 stays at 9
+            got = lockstep(idx, pos)
+            caches[1].rows = slice(0, 3)
+            want = copy(idx[:, None], kv_cache=caches[1])[:, 0]
+            caches[1].rows = None
+            assert got.shape == (3, 97) and got.dtype == torch.float32
+            assert torch.equal(got, want)
+    assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
+    assert caches[0].pos.tolist() == caches[1].pos.tolist() == [14, 14, 14, 9]
+    with pytest.raises(ValueError, match="KV cache is full: position 24 >= max_len 24"):
+        lockstep(idx, 24)
