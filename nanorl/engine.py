@@ -244,6 +244,7 @@ class Engine:
         self.records = SlotRecords(B, self.max_len)
         self.slots = [None] * B  # busy slots are 0..n_busy-1 between steps (see _compact)
         self.n_busy, self.holes = 0, []  # holes: slots freed since the last _compact
+        self.prefills = 0  # prefills so far: numbers each one's rows (records.prefill)
         self.forcing = set()  # samples with tool output waiting to be fed in
 
         self.pending = collections.deque()  # samples waiting for a slot, a request's samples next to each other
@@ -479,6 +480,9 @@ class Engine:
         with self._autocast():
             logits = self.model.logits_from_hidden(h[torch.arange(len(groups), device=dev), lens_t - 1])
         samples = [s for g in groups for s in g]
+        for g in groups:
+            self.prefills += 1
+            self.records.prefill[[s.slot for s in g]] = self.prefills
         fan = [(g[0].slot, s.slot) for g in groups for s in g[1:]]
         if fan:  # prefix sharing: the other samples of a request start from a copy of its prefilled row
             src, dst = zip(*fan)
@@ -553,8 +557,10 @@ class Engine:
         # be sharded: its blocks' hooks must run)
         pos = None if self.cache.static or self.lockstep is None else self.cache.lockstep(size)
         with self._autocast(), sdpa_kernel(self.decode_attention()):
-            if pos is not None:
-                return self.lockstep(self.input_ids[:size], pos)
+            if pos is not None:  # rows from one prefill (a prompt's samples) share its KV: read it once
+                ids = self.records.prefill[:size]
+                shared = int(self.records.prompt_len[0]) if size > 1 and (ids == ids[0]).all() else 0
+                return self.lockstep(self.input_ids[:size], pos, shared)
             self.cache.rows = slice(0, size)
             try:
                 return self.model(self.input_ids[:size, None], kv_cache=self.cache)[:, 0]

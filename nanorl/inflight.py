@@ -30,6 +30,9 @@ class SlotRecords:
     def __init__(self, batch_size, max_len):
         B, self.max_len = batch_size, max_len
         self.n_gen, self.prompt_len, self.limit = (np.zeros(B, dtype=np.int64) for _ in range(3))
+        # which prefill wrote the slot's prompt KV (Engine._prefill numbers them): slots with one number hold the
+        # same prompt KV, bit for bit (prefix sharing), which lets a decode step read it once (gpt.LockstepDecode)
+        self.prefill = np.zeros(B, dtype=np.int64)
         # the sample's random stream: its row seed and how many tokens it has drawn (nanorl/sampling.py)
         self.seed, self.counter = np.zeros(B, dtype=np.int64), np.zeros(B, dtype=np.int64)
         self.watch = np.full((B, 3), -1, dtype=np.int64)  # padded with -1; widened for a request with more stops
@@ -61,6 +64,7 @@ class SlotRecords:
             self.seed,
             self.counter,
             self.prompt_len,
+            self.prefill,
             self.limit,
             self.watch,
             self.streamed,

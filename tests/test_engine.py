@@ -829,20 +829,36 @@ def test_the_cpu_copy_keeps_linear_weights_column_major():
 
 
 def test_rows_at_one_position_decode_through_the_lockstep_step():
-    # batch 1 and a prompt's samples decode through gpt.LockstepDecode (rows at one position), rows at different
-    # positions through the cached forward; either way the tokens and log-probs are an engine's without the lean
-    # step, bit for bit. A shared model (maybe sharded, maybe with adapters) never takes it
+    # batch 1 and rows at one position decode through gpt.LockstepDecode, rows at different positions through the
+    # cached forward. The samples of one prompt (one prefill) read its KV once (shared = the prompt's length, 7);
+    # rows of two prompts of one length do not share. Either way the tokens are an engine's without the lean step,
+    # and the log-probs too: bit for bit where nothing is shared, to float rounding where the prompt is read once.
+    # A shared model (maybe sharded, maybe with adapters) never takes the lean step
     model = tiny()
     engine, plain = Engine(model, TOK, batch_size=4), Engine(model, TOK, batch_size=4)
     plain.lockstep = None
     calls, lean = [], engine.lockstep
-    engine.lockstep = lambda idx, pos: calls.append((len(idx), pos)) or lean(idx, pos)
-    one = Request(prompts([7])[0], num_samples=4, max_tokens=4, temperature=1.0, seed=3, stop_tokens=[])
-    two = [Request(p, max_tokens=4, temperature=1.0, seed=5, stop_tokens=[]) for p in prompts([5, 9], seed=2)]
-    for reqs, want in (([one], [(4, 7), (4, 8), (4, 9)]), (two, [])):
+    engine.lockstep = lambda idx, pos, shared: calls.append((len(idx), pos, shared)) or lean(idx, pos, shared)
+    req = lambda p, n, seed: Request(p, num_samples=n, max_tokens=4, temperature=1.0, seed=seed, stop_tokens=[])  # noqa: E731
+    one = [req(prompts([7])[0], 4, 3)]
+    same_length = [req(p, 2, i) for i, p in enumerate(prompts([6, 6], seed=4))]
+    single = [req(prompts([9])[0], 1, 1)]
+    mixed = [req(p, 1, 5) for p in prompts([5, 9], seed=2)]
+    cases = [
+        (one, [(4, 7, 7), (4, 8, 7), (4, 9, 7)]),
+        (same_length, [(4, 6, 0), (4, 7, 0), (4, 8, 0)]),
+        (single, [(1, 9, 0), (1, 10, 0), (1, 11, 0)]),
+        (mixed, []),
+    ]
+    for reqs, want in cases:
         a, b = engine.generate(reqs), plain.generate(reqs)
         assert calls == want
-        assert [[(c.tokens, c.logprobs) for c in cs] for cs in a] == [[(c.tokens, c.logprobs) for c in cs] for cs in b]
+        assert [[c.tokens for c in cs] for cs in a] == [[c.tokens for c in cs] for cs in b]
+        got, ref = (torch.tensor([c.logprobs for cs in x for c in cs]) for x in (a, b))
+        if any(shared for *_, shared in want):
+            torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+        else:
+            assert torch.equal(got, ref)
         calls.clear()
     assert Engine(model, TOK, batch_size=2, share_weights=True).lockstep is None
 
@@ -915,9 +931,9 @@ def test_prefill_and_decode_attention_kernels_are_pinned(monkeypatch):
     engine.model.hidden_states = hidden_states
     lockstep = engine.lockstep  # batch 1 decodes through the lean step (gpt.LockstepDecode), not hidden_states
 
-    def lean(idx, pos):
+    def lean(idx, pos, shared):
         seen.append((1, active[-1] if active else None))
-        return lockstep(idx, pos)
+        return lockstep(idx, pos, shared)
 
     engine.lockstep = lean
     engine.generate([Request([1, 2, 3, 4, 5], max_tokens=3, stop_tokens=[])])

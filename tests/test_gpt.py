@@ -296,12 +296,15 @@ def test_lockstep_decode_equals_the_cached_forward_bit_for_bit(arch, dtype):
     copy, _ = gpt.inference_copy(model, dtype)
     fused = copy.transformer.h[0].attn.qkv is not None
     assert fused == (arch not in ("qwen2 (q/k/v bias: unfused)", "qwen3 (learned qk-norm, wide heads)"))
-    caches = [copy.new_kv_cache(4, 24, dtype=dtype) for _ in range(2)]
-    prompt = torch.randint(0, 97, (1, 9)).expand(4, 9)
+    caches = [copy.new_kv_cache(4, 24, dtype=dtype) for _ in range(3)]
+    prompt = torch.randint(0, 97, (1, 9))
     with torch.inference_mode():
         for c in caches:
+            c.rows = slice(0, 1)
             copy(prompt, kv_cache=c)
-        lockstep = gpt.LockstepDecode(copy, caches[0])
+            c.rows = None
+            c.copy_rows(torch.zeros(3, dtype=torch.long), torch.arange(1, 4))  # prefix sharing, as the engine does
+        lockstep, shared = gpt.LockstepDecode(copy, caches[0]), gpt.LockstepDecode(copy, caches[2])
         for pos in range(9, 14):
             idx = torch.randint(0, 97, (3,))  # rows 0..2 step; row 3 stays at 9
             got = lockstep(idx, pos)
@@ -310,7 +313,36 @@ def test_lockstep_decode_equals_the_cached_forward_bit_for_bit(arch, dtype):
             caches[1].rows = None
             assert got.shape == (3, 97) and got.dtype == torch.float32
             assert torch.equal(got, want)
+            # the prompt read once (fp32 only: to float rounding; a bf16 cache takes SDPA, bit for bit)
+            once = shared(idx, pos, shared=9)
+            if dtype == torch.float32:
+                torch.testing.assert_close(once, want, atol=1e-5, rtol=0)
+                assert not torch.equal(once, want)  # it really took the other path
+            else:
+                assert torch.equal(once, want)
     assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
     assert caches[0].pos.tolist() == caches[1].pos.tolist() == [14, 14, 14, 9]
     with pytest.raises(ValueError, match="KV cache is full: position 24 >= max_len 24"):
         lockstep(idx, 24)
+
+
+@pytest.mark.parametrize("n_kv_head", [4, 2])
+@pytest.mark.parametrize("P", [1, 6, 11])
+def test_shared_prefix_attention_reads_the_prompt_once_and_equals_sdpa(n_kv_head, P):
+    # rows whose first P keys are one prompt's: the attention over whole rows (SDPA, each row reading its own copy),
+    # to float rounding, while only row 0's copy of the prompt is read: the other rows' copies poisoned with NaN
+    # change nothing; and the prompt's share of it is right (a wrong prefix in row 0 changes every row)
+    from nanorl.kv_cache import attend_shared_prefix
+
+    g = torch.Generator().manual_seed(P)
+    B, H, D, L = 3, 4, 16, 12
+    kc, vc = torch.randn(B, n_kv_head, 20, D, generator=g), torch.randn(B, n_kv_head, 20, D, generator=g)
+    kc[1:, :, :P], vc[1:, :, :P] = kc[:1, :, :P], vc[:1, :, :P]
+    q = torch.randn(B, H, D, generator=g)
+    G = H // n_kv_head
+    want = torch.nn.functional.scaled_dot_product_attention(q.view(B, n_kv_head, G, D), kc[:, :, :L], vc[:, :, :L])
+    kc[1:, :, :P], vc[1:, :, :P] = float("nan"), float("nan")
+    got = attend_shared_prefix(q, kc, vc, P, L)
+    torch.testing.assert_close(got, want.reshape(B, H * D), atol=1e-6, rtol=1e-5)
+    kc[0, :, 0] += 1
+    assert not torch.allclose(attend_shared_prefix(q, kc, vc, P, L)[1:], got[1:], atol=1e-3)
