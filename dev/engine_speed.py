@@ -365,9 +365,22 @@ def ratio(runs, slow, fast):
     return round(statistics.median(rs), 3), round(min(rs), 3), round(max(rs), 3)
 
 
+def tree():
+    """The nanorl commit timed ("-dirty" when the work tree differs from it), or None outside a git checkout."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "-uno"], cwd=root, capture_output=True, text=True)
+    except OSError:
+        return None
+    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "") if head.returncode == 0 else None
+
+
 def report(args, shapes, runs, bandwidth):
     result = {
         "command": " ".join(sys.argv),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "nanorl": tree(),
         "cpu": cpu_model(),
         "cores": os.cpu_count(),
         "compare_ref": args.compare_ref,
