@@ -238,7 +238,7 @@ class CausalSelfAttention(nn.Module):
 
     def heads(self, x, cos, sin):
         """q (..., H, D) and k, v (..., Hkv, D) of x (..., C): projected, rotated, normed. Heads next to each other,
-        as the projections lay them out: forward() moves them to SDPA's (B, H, T, D), decode_step() has no time axis."""
+        as the projections lay them out: forward() moves them to SDPA's (B, H, T, D); LockstepDecode has no time axis."""
         H, Hkv, D = self.n_head, self.n_kv_head, self.head_dim
         if self.qkv is not None:  # fuse_qkv(): the same numbers as the path below, in fewer ops
             qkv = F.linear(x, self.qkv).unflatten(-1, (H + 2 * Hkv, D))
@@ -557,14 +557,15 @@ def inference_copy(model, dtype):
 class LockstepDecode:
     """
     The engine's step when rows 0..B-1 of its cache all hold pos tokens (batch 1, or one prompt's samples decoding
-    together): step(idx, pos) -> logits (B, V) of the token after idx (B,). The numbers of
-    model(idx[:, None], kv_cache=cache)[:, 0] bit for bit (tests/test_gpt.py, every architecture switch), in a
-    fifth less time at batch 1 on a CPU, where a one-token step is mostly host work per op: every layer's weights
-    and cache views are gathered once here, and the loop calls F.linear and F.rms_norm on them (no nn.Module calls,
-    no time axis), one rotary row serves every row, each layer's KV is written into and read from plain slices of
-    its cache (no positions, mask or scatter). step(idx, pos, shared=P) says the rows' first P keys are one
-    prompt's, fanned out from one prefill: attention reads them once for all rows (attend_shared_prefix; equal to
-    float rounding, not bit for bit), ~13% of a d8 step with 32 samples of a 64-token prompt on a CPU.
+    together): decode = LockstepDecode(model, cache); decode(idx, pos) -> logits (B, V) of the token after idx (B,),
+    the numbers of model(idx[:, None], kv_cache=cache)[:, 0] bit for bit (tests/test_gpt.py, every architecture
+    switch), in a fifth less time at batch 1 on a CPU, where a one-token step is mostly host work per op: every
+    layer's weights and cache views are gathered once here, and the loop calls F.linear and F.rms_norm on them (no
+    nn.Module calls, no time axis), one rotary row serves every row, each layer's KV is written into and read from
+    plain slices of its cache (no positions, mask or scatter). decode(idx, pos, shared=P) says the rows' first P
+    keys are one prompt's, fanned out from one prefill: attention reads them once for all rows
+    (attend_shared_prefix; equal to float rounding, not bit for bit), ~13% of a d8 step with 32 samples of a
+    64-token prompt on a CPU.
     Only for the engine's own copy (inference_copy): its modules carry no hooks or adapters, its weights are in the
     compute dtype and refreshed in place (load_weights), so the views gathered here stay right.
     """
@@ -598,8 +599,7 @@ class LockstepDecode:
                 q, k, v = attn.heads(h, cos, sin)
             else:  # heads()'s fused path, inline
                 qkv = F.linear(h, attn.qkv).view(B, H + 2 * Hkv, D)
-                qk = qkv[:, : H + Hkv]
-                qk = apply_rotary(qk, cos, sin)
+                qk = apply_rotary(qkv[:, : H + Hkv], cos, sin)
                 qk = F.rms_norm(qk, hd) if attn.qk_norm else qk
                 q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + Hkv :]
             kc, vc = kc[:B], vc[:B]
