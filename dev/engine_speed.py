@@ -346,16 +346,20 @@ def cpu_model():
         return "unknown"
 
 
-def bytes_read(shape, prompt_len, new_tokens, calls):
+def bytes_read(shape, prompt_len, new_tokens, calls, shared_prompt=False):
     """Bytes a whole generation's decode steps read, made in `calls` engine calls of equal rows: every matmul
     weight once per step (12 d^2 a layer + the d x V unembedding, fp32; as nanochat's and the Llama's, to a few
-    vectors) and each row's KV so far (P + N/2 tokens on average, keys and values of every layer)."""
+    vectors) and each row's KV so far (P + N/2 tokens on average, keys and values of every layer). shared_prompt:
+    the samples of one prompt read its KV once a step (nanorl's engine, kv_cache.attend_shared_prefix)."""
     depth, n_prompts, n_samples = SHAPES[shape]
     d = depth * 64
     weights = 4 * (12 * depth * d * d + d * VOCAB)
     kv_per_token = 4 * 2 * depth * d
     rows = n_prompts * n_samples // calls
-    return calls * new_tokens * (weights + rows * (prompt_len + new_tokens / 2) * kv_per_token)
+    kv_tokens = rows * (prompt_len + new_tokens / 2)
+    if shared_prompt and n_prompts == 1:
+        kv_tokens = prompt_len + rows * new_tokens / 2
+    return calls * new_tokens * (weights + kv_tokens * kv_per_token)
 
 
 def ratio(runs, slow, fast):
@@ -404,9 +408,10 @@ def report(args, shapes, runs, bandwidth):
                 "tokens": rs[0]["tokens"],
             }
             row[e]["tokens_per_s"] = round(row[e]["tokens"] / row[e]["median_s"], 1)
-            # MBU: nanochat's engine takes one call per distinct prompt, so it reads the weights that many times
+            # MBU: nanochat's engine takes one call per distinct prompt, so it reads the weights that many times;
+            # this tree's engine reads a prompt's KV once for its samples (a --compare-ref tree is counted without)
             calls = SHAPES[s][1] if e == "nanochat" else 1
-            nbytes = bytes_read(s, args.prompt_len, args.new_tokens, calls)
+            nbytes = bytes_read(s, args.prompt_len, args.new_tokens, calls, shared_prompt=e in ("this", "llama"))
             row[e]["mbu"] = round(nbytes / row[e]["median_s"] / bandwidth, 3)
         if "ref" in row:
             row["speedup_vs_ref"] = ratio(runs[s], "ref", "this")
