@@ -242,10 +242,10 @@ class CausalSelfAttention(nn.Module):
         H, Hkv, D = self.n_head, self.n_kv_head, self.head_dim
         if self.qkv is not None:  # fuse_qkv(): the same numbers as the path below, in fewer ops
             qkv = F.linear(x, self.qkv).unflatten(-1, (H + 2 * Hkv, D))
-            qk, v = apply_rotary(qkv[..., : H + Hkv, :], cos, sin), qkv[..., H + Hkv :, :]
+            qk, v = apply_rotary(qkv.narrow(-2, 0, H + Hkv), cos, sin), qkv.narrow(-2, H + Hkv, Hkv)
             if self.qk_norm:
                 qk = norm(qk)
-            return qk[..., :H, :], qk[..., H:, :], v
+            return qk.narrow(-2, 0, H), qk.narrow(-2, H, Hkv), v
         q, k, v = (
             self.c_q(x).unflatten(-1, (H, D)),
             self.c_k(x).unflatten(-1, (Hkv, D)),
@@ -588,20 +588,14 @@ class LockstepDecode:
         if pos >= self.cache.max_len:
             raise ValueError(f"KV cache is full: position {pos} >= max_len {self.cache.max_len}")
         m, (B,), H, Hkv, D = self.model, idx.shape, self.H, self.Hkv, self.D
-        C, hd, n = (self.C,), (D,), m.transformer.norm_f
+        C, n = (self.C,), m.transformer.norm_f
         cos, sin = m.cos[pos], m.sin[pos]
         x = F.embedding(idx, m.transformer.wte.weight)  # (B, C)
         if not m.config.norm_weight:
             x = F.rms_norm(x, C)
         for attn, w1, e1, wo, w2, e2, gate, fc, proj, kc, vc in self.layers:
             h = F.rms_norm(x, C, w1, e1)
-            if attn.qkv is None:
-                q, k, v = attn.heads(h, cos, sin)
-            else:  # heads()'s fused path, inline
-                qkv = F.linear(h, attn.qkv).view(B, H + 2 * Hkv, D)
-                qk = apply_rotary(qkv[:, : H + Hkv], cos, sin)
-                qk = F.rms_norm(qk, hd) if attn.qk_norm else qk
-                q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + Hkv :]
+            q, k, v = attn.heads(h, cos, sin)
             kc, vc = kc[:B], vc[:B]
             kc[:, :, pos], vc[:, :, pos] = k, v
             if shared and self.fp32:  # the rows' first `shared` keys are one prompt's: read once (see there)
