@@ -71,6 +71,7 @@ def prompts(lengths, seed=1):
     return [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
 
 
+@pytest.mark.fp32("calls the model outside autocast, as an fp32 reference (CUDA's layout runs it under autocast only)")
 @pytest.mark.parametrize("n_kv_head", [4, 1])
 def test_greedy_with_cache_equals_full_forwards(n_kv_head):
     model = tiny(n_kv_head)
@@ -120,6 +121,7 @@ def run_checked(engine, requests):
     return [h.completions for h in handles]
 
 
+@pytest.mark.fp32("calls the model outside autocast, as an fp32 reference (CUDA's layout runs it under autocast only)")
 @pytest.mark.parametrize("temperature", [0.7, 1.0])
 def test_logprobs_are_the_trainers_at_the_sampling_temperature(temperature):
     # the engine records log_softmax(logits / T), before top-k/top-p: what the trainer computes at the rollout
@@ -152,6 +154,7 @@ def test_logprobs_are_the_trainers_at_the_sampling_temperature(temperature):
             assert lp.std() > 0.1  # a real comparison, not the same number everywhere
 
 
+@pytest.mark.fp32("calls the model outside autocast, as an fp32 reference (CUDA's layout runs it under autocast only)")
 def test_greedy_logprobs_are_at_temperature_one():
     model = tiny()
     p = prompts([6])[0]
@@ -179,6 +182,7 @@ def test_seeds_reproducible_and_samples_differ_from_first_token():
     assert [x.tokens for x in c] != [x.tokens for x in a]
 
 
+@pytest.mark.fp32("tokens compared across batchings: bf16 rounding differs with the batch's shape, so draws differ")
 def test_mixed_lengths_and_continuous_batching_equal_one_at_a_time():
     model = tiny()
     ps = prompts([3, 25, 8, 1, 14, 6, 40])
@@ -210,6 +214,7 @@ def test_stop_tokens():
     assert c.tokens == [ord("a"), ord("b")] and c.status == "truncated"
 
 
+@pytest.mark.fp32("calls the model outside autocast, as an fp32 reference (CUDA's layout runs it under autocast only)")
 def test_tool_call_forces_output_with_mask_zero():
     script = {
         BOS: PY_START,
@@ -408,6 +413,7 @@ def test_chat_cli_turn_streams_tool_use_and_renders_back():
     assert ids.count(PY_START) == 1 and ids.count(OUT_START) == 1
 
 
+@pytest.mark.fp32("equal to fp32 rounding by design; bf16 rounds ~3e-3 relative")
 def test_static_shape_decode_equals_eager():
     # what each CUDA graph records, run eagerly here: the batch is a ladder size, every row reads a fixed
     # attention-length bucket (with stale KV past its position masked out), idle rows decode garbage at position 0
@@ -497,6 +503,7 @@ def test_a_graph_that_does_not_reproduce_the_eager_step_is_dropped_with_one_warn
             torch.testing.assert_close(torch.tensor(ca.logprobs), torch.tensor(cb.logprobs), atol=1e-5, rtol=0)
 
 
+@pytest.mark.fp32("tokens compared across batchings: bf16 rounding differs with the batch's shape, so draws differ")
 @pytest.mark.parametrize("temperature", [0.7, 1.0])
 def test_aborted_sample_continues_into_the_uninterrupted_sequence(temperature):
     # partial rollouts: a sample aborted mid-way and resubmitted with its tokens, its index and its token count
@@ -595,6 +602,7 @@ def test_one_request_on_a_big_engine_equals_a_batch_one_engine():
     assert set(sizes) == {1}
 
 
+@pytest.mark.fp32("tokens compared across batchings: bf16 rounding differs with the batch's shape, so draws differ")
 def test_compaction_moves_rows_without_changing_any_sample():
     # requests of different lengths end at different steps: the last busy rows move into the holes and the
     # batch shrinks down the ladder (5 busy -> 8 rows, 2 -> 2 ...); each sample equals itself alone on a batch-1 engine
@@ -683,6 +691,7 @@ def test_non_finite_sampling_values_are_refused_naming_the_field(field, value):
     assert not engine.pending
 
 
+@pytest.mark.fp32("tokens compared across batchings: bf16 rounding differs with the batch's shape, so draws differ")
 def test_a_failing_request_ends_alone():
     # a failure that belongs to one request (here its prefill, then its tool call) ends it with "error";
     # the requests sharing the engine carry on and get exactly what they get alone
@@ -725,6 +734,7 @@ def test_a_failing_request_ends_alone():
     assert plain[0][0].status == "truncated" and len(plain[0][0].tokens) == 8
 
 
+@pytest.mark.fp32("checks the engine's fp32 CPU copy itself")
 def test_inference_copy_and_load_weights():
     # the engine samples from its own copy of the weights (fp32 on the CPU: the same numbers), one flat buffer;
     # the trainer's updates reach it by load_weights(), and share_weights=True samples from the model itself
@@ -762,6 +772,7 @@ def test_inference_copy_and_load_weights():
     assert copy.lm_head.weight is copy.transformer.wte.weight and torch.equal(copy.lm_head.weight, tied.lm_head.weight)
 
 
+@pytest.mark.fp32("calls the model outside autocast, as an fp32 reference (CUDA's layout runs it under autocast only)")
 def test_a_step_runs_in_inference_mode_and_leaves_no_inference_tensor_behind(monkeypatch):
     # Engine.step runs under torch.inference_mode (~5% off a batch-1 CPU step: no version counters, no view
     # tracking); nothing the engine keeps between steps may become an inference tensor, which a later in-place
@@ -782,6 +793,7 @@ def test_a_step_runs_in_inference_mode_and_leaves_no_inference_tensor_behind(mon
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
 
 
+@pytest.mark.fp32("checks the engine's fp32 CPU copy itself")
 @pytest.mark.parametrize("n_kv_head", [4, 2])
 def test_fused_qkv_copy_samples_as_the_model_and_follows_load_weights(n_kv_head):
     # the engine's copy reads q, k, v with one matmul of a view of its flat buffer (CausalSelfAttention.fuse_qkv):
@@ -812,6 +824,7 @@ def test_fused_qkv_copy_samples_as_the_model_and_follows_load_weights(n_kv_head)
     assert Engine(biased, TOK, batch_size=1).model.transformer.h[0].attn.qkv is None
 
 
+@pytest.mark.fp32("checks the engine's fp32 CPU copy itself")
 def test_the_cpu_copy_keeps_linear_weights_column_major():
     # F.linear on an (out, in) weight stored as the transpose of a contiguous (in, out) block runs MKL's plain GEMM,
     # 2-3x faster than the transposed-B path at 8 rows: every untied Linear of the engine's CPU copy is laid out so,
@@ -863,6 +876,7 @@ def test_rows_at_one_position_decode_through_the_lockstep_step():
     assert Engine(model, TOK, batch_size=2, share_weights=True).lockstep is None
 
 
+@pytest.mark.fp32("tokens compared across batchings: bf16 rounding differs with the batch's shape, so draws differ")
 def test_random_traffic_keeps_the_invariants_and_every_sample():
     # requests arriving, ending at their first token, stopping, cancelled mid-way, through 4 slots: the slot
     # invariants hold after every step, and each sample that was not cancelled equals itself on an idle engine

@@ -24,6 +24,7 @@ def output_span(text):
     return [OUT_START, *TOK.encode(text), OUT_END]
 
 
+@pytest.mark.fp32("calls the model outside autocast, as an fp32 reference (CUDA's layout runs it under autocast only)")
 @pytest.mark.parametrize("tool,code", [("calculator", "2+3"), ("python", "print(2+3)")])
 def test_tool_episode_masks_exactly_the_model_tokens(tool, code):
     model = tool_user_model(TOK, code, A_END, VOCAB, strength=8.0, noise=0.02)
@@ -111,6 +112,7 @@ def test_bad_arguments():
     assert python_tool("print(6*7)") == "42" and python_tool("1/0").startswith("Error: ZeroDivisionError")
 
 
+@pytest.mark.fp32("calls the model outside autocast, as an fp32 reference (CUDA's layout runs it under autocast only)")
 @pytest.mark.parametrize("temperature", [0.7, 1.0])
 def test_every_turn_records_the_trainers_logprobs_at_the_rollout_temperature(temperature):
     # the model's tokens of every turn (the first decoded from the shared prefill, later ones re-prefilled after a

@@ -105,6 +105,7 @@ def random_model(vocab_size, seq_len=1024, seed=0):
     return model
 
 
+@pytest.mark.fp32("calls the model outside autocast, as an fp32 reference (CUDA's layout runs it under autocast only)")
 def test_packed_loss_equals_per_conversation_losses(tok):
     convs = OfflineChat("train", n=12).conversations + [TOOL_CONV]
     loader = SFTLoader(ListTask(convs), tok, batch_size=2, seq_len=1024, shuffle=False, epochs=1)
