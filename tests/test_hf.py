@@ -414,6 +414,7 @@ def test_export_keeps_the_declared_context_every_eos_id_pad_and_generation_confi
         assert (back(ids).logits - model(ids)).abs().max().item() < 1e-4
 
 
+@pytest.mark.slow
 def test_load_model_hf_checkpoint_and_export_script(tmp_path, monkeypatch):
     """load_model(hf_model=DIR) -> an optimizer step -> a checkpoint that reloads with the model's own tokenizer
     -> scripts.export_hf writes it back in its architecture (Qwen2, tied embeddings) with equal logits."""
@@ -540,6 +541,7 @@ def test_chat_rl_on_an_open_model(tmp_path):
     assert type(back).__name__ == "Qwen2ForCausalLM"
 
 
+@pytest.mark.slow
 @pytest.mark.fp32("calls the model outside autocast, as an fp32 reference (CUDA's layout runs it under autocast only)")
 def test_the_docs_tool_loop_gives_chat_clis_answer(tmp_path):
     """docs/open_models.md's transformers loop, run as written on an exported model that calls the calculator: its

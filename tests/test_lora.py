@@ -213,6 +213,7 @@ def test_peft_key_names():
 from test_chat_rl import RM, base_dir, final_weights, run_rl  # noqa: E402,F401  (base_dir: a module fixture)
 
 
+@pytest.mark.slow
 def test_chat_rl_lora_trains_and_saves_only_adapters(base_dir):  # noqa: F811
     """(Killed and resumed in tests/test_resume.py.)"""
     import json
@@ -233,6 +234,7 @@ def test_chat_rl_lora_trains_and_saves_only_adapters(base_dir):  # noqa: F811
     assert meta["config"]["rank"] == 4 and meta["base"]["source"] == "sft" and meta["base"]["model_tag"] == "t"
 
 
+@pytest.mark.slow
 @pytest.mark.fp32("equal to fp32 rounding by design; bf16 rounds ~3e-3 relative")
 def test_lora_checkpoint_loads_merged_and_exports(base_dir, monkeypatch):  # noqa: F811
     # load_model("rl") of a LoRA run = its base + (alpha/r) B A, a plain GPT; export_hf writes that model
@@ -283,6 +285,7 @@ def test_lora_checkpoint_loads_merged_and_exports(base_dir, monkeypatch):  # noq
     assert peft.returncode != 0 and "not a Hugging Face model: export merged" in peft.stderr
 
 
+@pytest.mark.slow
 def test_lora_with_fsdp_is_refused_in_one_line(base_dir):  # noqa: F811
     out = run_rl(base_dir, "--lora-rank", "4", "--fsdp", check=False)
     assert out.returncode != 0 and "--lora-rank does not work with --fsdp" in out.stderr.strip().splitlines()[-1]
@@ -376,6 +379,7 @@ def test_chat_rl_lora_on_an_open_model_exports_merged_and_peft(tmp_path):
         assert (adapted(ids).logits - want).abs().max().item() < 1e-4
 
 
+@pytest.mark.slow
 def test_chat_sft_lora_trains_adapters_and_resumes_bit_for_bit(base_dir):  # noqa: F811
     import subprocess
     import sys
@@ -441,6 +445,7 @@ def test_chat_sft_lora_trains_adapters_and_resumes_bit_for_bit(base_dir):  # noq
     assert fw.keys() == rw.keys() and all(torch.equal(fw[k], rw[k]) for k in fw)
 
 
+@pytest.mark.slow
 @pytest.mark.fp32("tokens compared across batchings: bf16 rounding differs with the batch's shape, so draws differ")
 def test_bench_hf_with_lora_cpu():
     # bench hf --lora-rank: step 0 is the base model (greedy tokens exactly transformers'), the GRPO step trains the

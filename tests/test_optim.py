@@ -47,6 +47,7 @@ def _ddp_worker(rank, world, init_file, x, out_path):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.fp32("calls the model outside autocast, as an fp32 reference (CUDA's layout runs it under autocast only)")
 def test_ddp_and_split_muon_two_processes_equal_one(tmp_path):
     torch.manual_seed(1)

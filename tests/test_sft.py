@@ -340,6 +340,7 @@ def test_sft_beats_the_base_model_on_held_out_offline_problems(tmp_path, monkeyp
     assert acc["sft"] >= acc["base"] + 0.2, acc
 
 
+@pytest.mark.slow
 def test_sft_packs_the_next_step_while_the_device_works(base_dir, monkeypatch):  # noqa: F811
     """The loop packs step s+1's rows after launching step s and before waiting for its loss (on a GPU the host packs
     while the device computes), and its checkpoint holds the loader's position after step s, not the prefetched one."""
