@@ -558,14 +558,25 @@ class Engine:
         pos = None if self.cache.static or self.lockstep is None else self.cache.lockstep(size)
         with self._autocast(), sdpa_kernel(self.decode_attention()):
             if pos is not None:  # rows from one prefill (a prompt's samples) share its KV: read it once
-                ids = self.records.prefill[:size]
-                shared = int(self.records.prompt_len[0]) if size > 1 and (ids == ids[0]).all() else 0
-                return self.lockstep(self.input_ids[:size], pos, shared)
+                return self.lockstep(self.input_ids[:size], pos, *self._shared_prompts(size))
             self.cache.rows = slice(0, size)
             try:
                 return self.model(self.input_ids[:size, None], kv_cache=self.cache)[:, 0]
             finally:
                 self.cache.rows = None
+
+    def _shared_prompts(self, size):
+        """(P, n) when rows 0..size-1 come in groups of n > 1 rows, each group one prefill's samples, every prompt
+        P tokens long (a prompt's samples; equally long prompts' samples side by side): the lockstep step then reads
+        each group's prompt KV once. (0, None): no sharing."""
+        ids, lens = self.records.prefill[:size], self.records.prompt_len[:size]
+        n = int(np.argmax(ids != ids[0])) or size  # the first group's rows
+        if n < 2 or size % n or (lens != lens[0]).any():
+            return 0, None
+        runs = ids.reshape(-1, n)
+        if (runs != runs[:, :1]).any():
+            return 0, None
+        return int(lens[0]), n
 
     def decode_attention(self):
         return decode_backends(self.device)  # see nanorl/engine_graphs.py

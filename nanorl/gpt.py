@@ -562,10 +562,10 @@ class LockstepDecode:
     switch), in a fifth less time at batch 1 on a CPU, where a one-token step is mostly host work per op: every
     layer's weights and cache views are gathered once here, and the loop calls F.linear and F.rms_norm on them (no
     nn.Module calls, no time axis), one rotary row serves every row, each layer's KV is written into and read from
-    plain slices of its cache (no positions, mask or scatter). decode(idx, pos, shared=P) says the rows' first P
-    keys are one prompt's, fanned out from one prefill: attention reads them once for all rows
-    (attend_shared_prefix; equal to float rounding, not bit for bit), ~13% of a d8 step with 32 samples of a
-    64-token prompt on a CPU.
+    plain slices of its cache (no positions, mask or scatter). decode(idx, pos, shared=P, group=n) says the rows
+    come in groups of n rows (all of them by default) whose first P keys are one prompt's, fanned out from one
+    prefill: attention reads them once for each group (attend_shared_prefix; equal to float rounding, not bit for
+    bit), ~13% of a d8 step with 32 samples of a 64-token prompt on a CPU.
     Only for the engine's own copy (inference_copy): its modules carry no hooks or adapters, its weights are in the
     compute dtype and refreshed in place (load_weights), so the views gathered here stay right.
     """
@@ -584,7 +584,7 @@ class LockstepDecode:
             w = (n1.weight, n1.eps, b.attn.c_proj.weight, n2.weight, n2.eps, gate, mlp.c_fc.weight)
             self.layers.append((b.attn, *w, mlp.c_proj.weight, k, v))
 
-    def __call__(self, idx, pos, shared=0):
+    def __call__(self, idx, pos, shared=0, group=None):
         if pos >= self.cache.max_len:
             raise ValueError(f"KV cache is full: position {pos} >= max_len {self.cache.max_len}")
         m, (B,), H, Hkv, D = self.model, idx.shape, self.H, self.Hkv, self.D
@@ -599,7 +599,7 @@ class LockstepDecode:
             kc, vc = kc[:B], vc[:B]
             kc[:, :, pos], vc[:, :, pos] = k, v
             if shared and self.fp32:  # the rows' first `shared` keys are one prompt's: read once (see there)
-                y = attend_shared_prefix(q, kc, vc, shared, pos + 1)
+                y = attend_shared_prefix(q, kc, vc, shared, pos + 1, group)
             else:  # a KV head's G query heads side by side, as attend_cached folds them
                 y = F.scaled_dot_product_attention(
                     q.view(B, Hkv, H // Hkv, D), kc[:, :, : pos + 1], vc[:, :, : pos + 1]

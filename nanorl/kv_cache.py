@@ -116,25 +116,33 @@ def attend_cached(q, k, v, mask):
     return y.reshape(B, H, T, D).to(dtype)
 
 
-def attend_shared_prefix(q, kc, vc, P, L):
+def attend_shared_prefix(q, kc, vc, P, L, n=None):
     """
     Attention of one query per row, q (B, H, D), over keys 0..L-1 of cache rows kc, vc (B, Hkv, max_len, D) whose
-    first P keys are the same in every row (the samples of one prompt, fanned out from one prefill): the prompt's
-    keys and values are read once, from row 0, for every row's queries together (one GEMM per KV head), and only
-    keys P..L-1 row by row. A decode step reads every row's whole cache, so with N samples of a P-token prompt this
-    reads (N - 1) * P fewer keys and values per layer. One softmax over both parts' scores: the attention over the
-    whole rows, up to float rounding (another summation order than SDPA's). -> (B, H * D)
+    rows come in groups of n (all B rows by default), the first P keys of a group's rows the same (the samples of
+    one prompt, fanned out from one prefill): each group's prompt keys and values are read once, from its first row,
+    for all its rows' queries together (one GEMM per group and KV head), and only keys P..L-1 row by row. A decode
+    step reads every row's whole cache, so with n samples of a P-token prompt this reads (n - 1) * P fewer keys and
+    values per group and layer. One softmax over both parts' scores: the attention over the whole rows, up to float
+    rounding (another summation order than SDPA's). -> (B, H * D)
     """
     B, H, D = q.shape
+    n = n or B
     Hkv = kc.size(1)
-    G = H // Hkv
+    G, groups = H // Hkv, B // n
     q = q.view(B, Hkv, G, D)
-    kp, vp = kc[0, :, :P], vc[0, :, :P]  # (Hkv, P, D): row 0's copy of the prompt
+    kp, vp = kc[::n, :, :P], vc[::n, :, :P]  # (groups, Hkv, P, D): each group's first row's copy of its prompt
     ks, vs = kc[:, :, P:L], vc[:, :, P:L]  # (B, Hkv, L - P, D): each row's own tokens
-    q_all = q.transpose(0, 1).reshape(Hkv, B * G, D)  # every row's queries of a KV head, as the rows of one GEMM
-    prefix = (q_all @ kp.transpose(1, 2)).view(Hkv, B, G, P).transpose(0, 1)
+
+    def by_group(x):  # (B, Hkv, G, k) -> (groups, Hkv, n * G, k): a group's queries of a KV head as one GEMM's rows
+        return x.view(groups, n, Hkv, G, -1).transpose(1, 2).reshape(groups, Hkv, n * G, -1)
+
+    def by_row(x):  # the inverse: (groups, Hkv, n * G, k) -> (B, Hkv, G, k)
+        return x.view(groups, Hkv, n, G, -1).transpose(1, 2).reshape(B, Hkv, G, -1)
+
+    prefix = by_row(by_group(q) @ kp.transpose(-1, -2))
     p = torch.cat([prefix, q @ ks.transpose(2, 3)], -1).mul_(D**-0.5).softmax(-1)  # (B, Hkv, G, L)
-    y = (p[..., :P].transpose(0, 1).reshape(Hkv, B * G, P) @ vp).view(Hkv, B, G, D).transpose(0, 1)
+    y = by_row(by_group(p[..., :P]) @ vp)
     return (y + p[..., P:] @ vs).reshape(B, H * D)
 
 

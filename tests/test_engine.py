@@ -844,23 +844,28 @@ def test_the_cpu_copy_keeps_linear_weights_column_major():
 def test_rows_at_one_position_decode_through_the_lockstep_step():
     # batch 1 and rows at one position decode through gpt.LockstepDecode, rows at different positions through the
     # cached forward. The samples of one prompt (one prefill) read its KV once (shared = the prompt's length, 7);
-    # rows of two prompts of one length do not share. Either way the tokens are an engine's without the lean step,
-    # and the log-probs too: bit for bit where nothing is shared, to float rounding where the prompt is read once.
+    # so do the samples of equally long prompts side by side, a group per prompt (group = its samples); prompts
+    # with one sample each share nothing. Either way the tokens are an engine's without the lean step, and the
+    # log-probs too: bit for bit where nothing is shared, to float rounding where a prompt is read once.
     # A shared model (maybe sharded, maybe with adapters) never takes the lean step
     model = tiny()
     engine, plain = Engine(model, TOK, batch_size=4), Engine(model, TOK, batch_size=4)
     plain.lockstep = None
     calls, lean = [], engine.lockstep
-    engine.lockstep = lambda idx, pos, shared: calls.append((len(idx), pos, shared)) or lean(idx, pos, shared)
+    engine.lockstep = lambda idx, pos, shared, group: (
+        calls.append((len(idx), pos, shared, group)) or lean(idx, pos, shared, group)
+    )
     req = lambda p, n, seed: Request(p, num_samples=n, max_tokens=4, temperature=1.0, seed=seed, stop_tokens=[])  # noqa: E731
     one = [req(prompts([7])[0], 4, 3)]
     same_length = [req(p, 2, i) for i, p in enumerate(prompts([6, 6], seed=4))]
+    one_sample_each = [req(p, 1, i) for i, p in enumerate(prompts([6, 6], seed=4))]
     single = [req(prompts([9])[0], 1, 1)]
     mixed = [req(p, 1, 5) for p in prompts([5, 9], seed=2)]
     cases = [
-        (one, [(4, 7, 7), (4, 8, 7), (4, 9, 7)]),
-        (same_length, [(4, 6, 0), (4, 7, 0), (4, 8, 0)]),
-        (single, [(1, 9, 0), (1, 10, 0), (1, 11, 0)]),
+        (one, [(4, 7, 7, 4), (4, 8, 7, 4), (4, 9, 7, 4)]),
+        (same_length, [(4, 6, 6, 2), (4, 7, 6, 2), (4, 8, 6, 2)]),
+        (one_sample_each, [(2, 6, 0, None), (2, 7, 0, None), (2, 8, 0, None)]),
+        (single, [(1, 9, 0, None), (1, 10, 0, None), (1, 11, 0, None)]),
         (mixed, []),
     ]
     for reqs, want in cases:
@@ -868,7 +873,7 @@ def test_rows_at_one_position_decode_through_the_lockstep_step():
         assert calls == want
         assert [[c.tokens for c in cs] for cs in a] == [[c.tokens for c in cs] for cs in b]
         got, ref = (torch.tensor([c.logprobs for cs in x for c in cs]) for x in (a, b))
-        if any(shared for *_, shared in want):
+        if any(shared for *_, shared, group in want):
             torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
         else:
             assert torch.equal(got, ref)
@@ -945,9 +950,9 @@ def test_prefill_and_decode_attention_kernels_are_pinned(monkeypatch):
     engine.model.hidden_states = hidden_states
     lockstep = engine.lockstep  # batch 1 decodes through the lean step (gpt.LockstepDecode), not hidden_states
 
-    def lean(idx, pos, shared):
+    def lean(idx, pos, shared, group):
         seen.append((1, active[-1] if active else None))
-        return lockstep(idx, pos, shared)
+        return lockstep(idx, pos, shared, group)
 
     engine.lockstep = lean
     engine.generate([Request([1, 2, 3, 4, 5], max_tokens=3, stop_tokens=[])])

@@ -342,21 +342,27 @@ def test_lockstep_decode_equals_the_cached_forward_bit_for_bit(arch, dtype):
 
 @pytest.mark.parametrize("n_kv_head", [4, 2])
 @pytest.mark.parametrize("P", [1, 6, 11])
-def test_shared_prefix_attention_reads_the_prompt_once_and_equals_sdpa(n_kv_head, P):
-    # rows whose first P keys are one prompt's: the attention over whole rows (SDPA, each row reading its own copy),
-    # to float rounding, while only row 0's copy of the prompt is read: the other rows' copies poisoned with NaN
-    # change nothing; and the prompt's share of it is right (a wrong prefix in row 0 changes every row)
+@pytest.mark.parametrize("n", [None, 2, 3])
+def test_shared_prefix_attention_reads_the_prompt_once_and_equals_sdpa(n_kv_head, P, n):
+    # rows in groups of n (None: all rows) whose first P keys are one prompt's: the attention over whole rows (SDPA,
+    # each row reading its own copy), to float rounding, while only each group's first row's copy of its prompt is
+    # read: the other rows' copies poisoned with NaN change nothing; and a group's prompt is its own (a wrong prefix
+    # in a group's first row changes that group's rows and no other's)
     from nanorl.kv_cache import attend_shared_prefix
 
     g = torch.Generator().manual_seed(P)
-    B, H, D, L = 3, 4, 16, 12
+    B, H, D, L = 6, 4, 16, 12
+    m = n or B
     kc, vc = torch.randn(B, n_kv_head, 20, D, generator=g), torch.randn(B, n_kv_head, 20, D, generator=g)
-    kc[1:, :, :P], vc[1:, :, :P] = kc[:1, :, :P], vc[:1, :, :P]
+    first = torch.arange(B) // m * m  # each row's group's first row
+    kc[:, :, :P], vc[:, :, :P] = kc[first, :, :P], vc[first, :, :P]
     q = torch.randn(B, H, D, generator=g)
     G = H // n_kv_head
     want = torch.nn.functional.scaled_dot_product_attention(q.view(B, n_kv_head, G, D), kc[:, :, :L], vc[:, :, :L])
-    kc[1:, :, :P], vc[1:, :, :P] = float("nan"), float("nan")
-    got = attend_shared_prefix(q, kc, vc, P, L)
+    others = torch.arange(B) % m != 0
+    kc[others, :, :P], vc[others, :, :P] = float("nan"), float("nan")
+    got = attend_shared_prefix(q, kc, vc, P, L, n)
     torch.testing.assert_close(got, want.reshape(B, H * D), atol=1e-6, rtol=1e-5)
-    kc[0, :, 0] += 1
-    assert not torch.allclose(attend_shared_prefix(q, kc, vc, P, L)[1:], got[1:], atol=1e-3)
+    kc[0, :, 0] += 1  # the first group's prompt
+    moved = (attend_shared_prefix(q, kc, vc, P, L, n) - got).abs().amax(-1) > 1e-3
+    assert moved.tolist() == [True] * m + [False] * (B - m)
