@@ -324,11 +324,12 @@ class Plan:
     grad_accum: int
 
 
-def train(args, stage, train_task, val_task, data_desc):
-    """Midtraining or SFT (stage "mid" or "sft") on these conversations; every rank calls it.
-    -> {"step", "val_losses", "checkpoint_dir", "stats"}"""
+def train(args, stage, hub_mixture, offline_mixture):
+    """Midtraining or SFT (stage "mid" or "sft") on the stage's mixture (build_data: --data picks hub_mixture or
+    offline_mixture, the same on every rank); every rank calls it. -> {"step", "val_losses", "checkpoint_dir", "stats"}"""
     # CPU offload steps the optimizer on CPU tensors: those collectives need gloo beside NCCL
     _, rank, _, world_size, device = compute_init(args.device_type, seed=args.seed, cpu_collectives=args.cpu_offload)
+    train_task, val_task, data_desc = build_data(args, hub_mixture, offline_mixture)
     # before the model: a wandb run that cannot log stops here, not after minutes of loading
     master = rank == 0
     logger = get_logger(
@@ -497,7 +498,7 @@ def main():
     args = parser.parse_args()
     fsdp.check_args(args, "chat_sft")
     lora.check_args(args, parser)
-    train(args, "sft", *build_data(args, hub_mixture, offline_mixture))
+    train(args, "sft", hub_mixture, offline_mixture)
 
 
 if __name__ == "__main__":
