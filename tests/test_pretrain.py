@@ -287,3 +287,63 @@ def test_loader_refuses_another_world_size():
     state = {**loader.state_dict(), "world_size": 2}
     with pytest.raises(ValueError, match="made with 2 ranks, this run has 1"):
         loader.load_state_dict(state)
+
+
+class CountingTokenizer:
+    """A byte-level tokenizer that counts the documents it encodes."""
+
+    def __init__(self):
+        from nanorl.tokenizer import SPLIT_PATTERN, Tokenizer
+
+        self.tok, self.encoded = Tokenizer.from_ranks({bytes([i]): i for i in range(256)}, SPLIT_PATTERN), 0
+
+    def get_bos_token_id(self):
+        return self.tok.get_bos_token_id()
+
+    def encode(self, texts, prepend=None):
+        self.encoded += len(texts)
+        return self.tok.encode(texts, prepend=prepend)
+
+
+def write_pretrain_data(d, kind):
+    """Two train files and a val file of documents of 5..60 characters (parquet: row groups of 3 documents)."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    d.mkdir()
+    for f in range(3):
+        texts = [f"file {f} doc {i} " + "abcdefgh"[: i % 8] * (i % 7) for i in range(40)]
+        if kind == "parquet":
+            pq.write_table(pa.table({"text": texts}), d / f"shard_{f}.parquet", row_group_size=3)
+        else:
+            (d / f"shard_{f}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n\n" for t in texts))
+
+
+@pytest.mark.parametrize("kind", ["parquet", "jsonl", "synthetic"])
+def test_loader_resumes_without_tokenizing_what_it_consumed(tmp_path, kind):
+    """A loader restored from a state taken after k batches gives the uninterrupted loader's next batches, and
+    tokenizes at most one tokenizer batch (8 documents) to get there, however many documents came before: resuming
+    late in a long run used to tokenize every document the rank had consumed. 2 ranks, past the end of the files."""
+    from nanorl.dataloader import PretrainLoader
+
+    data = None if kind == "synthetic" else str(tmp_path / "data")
+    if data:
+        write_pretrain_data(tmp_path / "data", kind)
+    for rank in range(2):
+        full = PretrainLoader(CountingTokenizer(), 2, 16, data_dir=data, rank=rank, world_size=2, tokenizer_batch=8)
+        states, batches = [], []
+        for _ in range(60):  # 60 x 2 rows of about one document each: more than a rank's 40 documents of 2 files
+            states.append(full.state_dict())
+            batches.append(torch.cat(full.next_batch()))
+        for k in (0, 1, 5, 23, 41, 57):
+            tok = CountingTokenizer()
+            resumed = PretrainLoader(tok, 2, 16, data_dir=data, rank=rank, world_size=2, tokenizer_batch=8)
+            tok.encoded = 0
+            resumed.load_state_dict(states[k])
+            assert tok.encoded <= 8, (kind, rank, k, tok.encoded, states[k]["docs_consumed"])
+            for j in range(k, min(k + 3, 60)):
+                assert torch.equal(torch.cat(resumed.next_batch()), batches[j]), (kind, rank, k, j)
+            if k + 3 < 60:  # and it is where the uninterrupted loader was
+                assert resumed.state_dict() == states[k + 3]
