@@ -44,6 +44,7 @@ class RunConfig:
     rollout_timeout: float = 1800  # seconds a rank's rollout or eval may take (0 = no limit)
     eval_every: int = 10
     save_every: int = 20
+    keep_last: int = 2  # checkpoints kept (the newest): one is ~3x the weights, and a run saves many times
     eval_group: GroupSpec = GroupSpec(n_samples_per_prompt=4)  # samples per eval prompt, their temperature
     pass_ks: tuple = (1, 4)
     fsdp: bool = False
@@ -259,7 +260,9 @@ class RLRun:
             extra.update(critic=critic.state_dict(), critic_optim=self.trainer.critic_optimizer.state_dict())
         # --fsdp: every rank writes its shards (DCP; `python -m nanorl.fsdp consolidate` makes the single file)
         lead = self.rank == roles.first_trainer
-        checkpoint.save(ck["dir"], step, self.model, self.optimizer, meta, extra, rank=self.rank, lead=lead)
+        checkpoint.save(
+            ck["dir"], step, self.model, self.optimizer, meta, extra, self.rank, self.cfg.keep_last, lead=lead
+        )
 
     def resume(self):
         """--resume: the latest checkpoint's model, optimizer, critic, prompt position, buffer and RNGs (an --async

@@ -541,7 +541,7 @@ def test_kill_and_resume_on_cuda(tmp_path):
     subprocess.run(tok, cwd=REPO, env=env, check=True, capture_output=True)
     base = BASE.replace("--device-type cpu", "--device-type cuda --no-compile").split()
     kill_and_resume(tmp_path, "scripts.base_train", base, "base_checkpoints", "--model-tag", "g", 4, 4, 6, atol=1e-2)
-    optim = torch.load(tmp_path / "base_checkpoints" / "g_killed" / "optim_000006_rank0.pt", weights_only=True)
+    optim = torch.load(tmp_path / "base_checkpoints" / "g_killed" / "optim_000006.pt", weights_only=True)
     assert adamw_moment_dtypes(optim) == {torch.float32}
     rl_flags = RL.replace("--device-type cpu", "--device-type cuda").split() + [
         "--source",
