@@ -65,7 +65,9 @@ class PretrainLoader:
                 row.extend(doc[: self.T + 1 - len(row)])
             rows.append(row)
         data = torch.tensor(rows, dtype=torch.long)
-        x, y = data[:, :-1], data[:, 1:]
+        # contiguous, as a copy to the GPU makes them anyway: on every device the compiled graph (specialised on the
+        # strides) and base_train's batch-size trial see one layout
+        x, y = data[:, :-1].contiguous(), data[:, 1:].contiguous()
         if self.device != "cpu" and torch.device(self.device).type == "cuda":
             return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
         return x.to(self.device), y.to(self.device)

@@ -347,3 +347,18 @@ def test_loader_resumes_without_tokenizing_what_it_consumed(tmp_path, kind):
                 assert torch.equal(torch.cat(resumed.next_batch()), batches[j]), (kind, rank, k, j)
             if k + 3 < 60:  # and it is where the uninterrupted loader was
                 assert resumed.state_dict() == states[k + 3]
+
+
+def test_the_batch_trial_compiles_the_graph_training_runs(base_dir):
+    """2 ranks under DDP, torch.compile and the batch-size trial switched on for the CPU (tests/compile_fixture.py):
+    the trial tries 2 rows, which fit, and training then runs that very graph: one graph compiled per rank for its one
+    shape. A trial outside DDP, with one tensor as input and targets, compiled a graph that the first DDP step compiled
+    again (split at DDP's buckets), so the batch size was checked on another graph."""
+    env = {**os.environ, "NANORL_BASE_DIR": str(base_dir), "OMP_NUM_THREADS": "1"}
+    flags = [*TINY, "--device-batch-size", "auto", "--total-batch-size", str(64 * 2 * 2), "--num-iterations", "2"]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    cmd = [*launch, str(ROOT / "tests" / "compile_fixture.py"), "scripts.base_train", "--", *flags, "--model-tag", "cg"]
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "device batch (auto): 2 rows" in out.stdout and "step 00002/2" in out.stdout, out.stdout[-2000:]
+    assert sorted(re.findall(r"rank (\d): compiled graphs: (\d+)", out.stdout)) == [("0", "1"), ("1", "1")], out.stdout

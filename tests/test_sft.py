@@ -457,3 +457,57 @@ def test_ranks_agree_on_the_data_source(tmp_path, failing):
             assert kind == "Unreadable" and msg.startswith("--data hub: rank 1 of 2: could not load allenai/ai2_arc")
     else:
         assert results[0] == results[1] and results[0][:2] == ("ok", 2) and "fallback" in results[0][2]
+
+
+# -----------------------------------------------------------------------------------------------
+# --device-batch-size auto: the batch that fits in memory, the same step
+
+
+@pytest.mark.parametrize("stage", ["mid", "sft"])
+def test_a_stage_fits_its_batch_to_memory_and_trains_the_same_step(base_dir, monkeypatch, capsys, stage):  # noqa: F811
+    """Out of memory caught as on CUDA, and a simulated limit of 4 rows a forward: --device-batch-size auto tries 16
+    and 8, takes 4 and accumulates 4 micro-batches, so the step keeps its 16 rows (the d20 SFT step at 16 rows was
+    61.4 GB on one H100). The weights and optimizer state equal --device-batch-size 4 --total-batch-size 1024's bit for
+    bit, and 16 rows at once to summation order."""
+    from argparse import ArgumentParser
+
+    import nanorl.common
+    import scripts.chat_sft as chat_sft
+    import scripts.mid_train as mid_train
+    from nanorl.checkpoint import load_checkpoint
+    from nanorl.gpt import GPT
+
+    monkeypatch.setenv("NANORL_BASE_DIR", str(base_dir))
+    monkeypatch.setattr(nanorl.common, "oom_is_catchable", lambda device: True)
+    script = mid_train if stage == "mid" else chat_sft
+    limit, real_forward = [None], GPT.forward
+
+    def forward(self, idx, *a, **kw):
+        if limit[0] is not None and idx.size(0) > limit[0]:
+            raise torch.OutOfMemoryError(f"simulated: more than {limit[0]} rows")
+        return real_forward(self, idx, *a, **kw)
+
+    monkeypatch.setattr(GPT, "forward", forward)
+
+    def run(tag, *flags):
+        parser = ArgumentParser()
+        chat_sft.add_train_args(parser, stage, source="sft", init_lr_frac=1.0, warmdown_ratio=0.5, num_epochs=1)
+        argv = "--model-tag t --levels 1 --num-examples 100 --num-iterations 2 --max-seq-len 64 --eval-every 100"
+        args = parser.parse_args([*argv.split(), "--eval-tokens", "256", "--output-tag", f"{stage}-{tag}", *flags])
+        out = chat_sft.train(args, stage, script.hub_mixture, script.offline_mixture)
+        return load_checkpoint(out["checkpoint_dir"], 2, load_optimizer=True)[:2]
+
+    limit[0] = 4
+    fitted = run("fitted")
+    assert "device batch (auto): 4 rows, the largest that fits in memory (16, 8 did not)" in capsys.readouterr().out
+    limit[0] = None
+    four = run("four", "--device-batch-size", "4", "--total-batch-size", "1024")
+    sixteen = run("sixteen")
+    assert "device batch (auto): 16 rows" in capsys.readouterr().out
+    for k, v in fitted[0].items():
+        assert torch.equal(v, four[0][k]), k
+        assert torch.allclose(v.float(), sixteen[0][k].float(), rtol=1e-4, atol=1e-5 * v.abs().max().item()), k
+    moments = [
+        (s, t) for i in fitted[1]["state"] for s, t in zip(fitted[1]["state"][i].values(), four[1]["state"][i].values())
+    ]
+    assert moments and all(torch.equal(s, t) for s, t in moments if torch.is_tensor(s))
