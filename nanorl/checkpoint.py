@@ -250,6 +250,12 @@ def load_checkpoint(checkpoint_dir, step=None, device="cpu", load_optimizer=Fals
     return model_state, optim_state, meta, extra
 
 
+def load_extra(checkpoint_dir, step, rank):
+    """Rank `rank`'s extra state of a step: where state every rank shares is written once (RL's critic, by the first
+    trainer), the other ranks read it from there."""
+    return _load(os.path.join(checkpoint_dir, f"extra_{step:06d}_rank{rank}.pt"), "cpu")
+
+
 def load_weights(model, state, path):
     """load_state_dict, but a checkpoint that does not fit the model is one line naming the file and the keys."""
     # checkpoints written from torch.compile'd models carry an _orig_mod. prefix
