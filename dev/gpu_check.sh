@@ -7,8 +7,9 @@
 # A GPU that nvidia-smi shows but torch cannot use (a CPU build of torch, or one built for a newer CUDA than the
 # driver's) fails at once, with the driver's version and the torch build to install.
 # On a GPU it runs the tests marked `gpu` (CUDA-graph engine == eager engine, bf16 engine vs trainer log-prob gap,
-# compiled == eager loss, flex == dense-mask gradients, a packed SFT step at d20 shape, a GRPO step at d12, a 2-rank
-# NCCL run when 2 GPUs exist), then bench train d12 and d20, bench decode d20 at batch 1/64/256 (512-token prompts,
+# compiled == eager loss, base_train's batch trial compiling the graph its DDP steps run (no recompile), flex ==
+# dense-mask gradients, a packed SFT step at d20 shape, a GRPO step at d12, a 2-rank NCCL run when 2 GPUs exist), then
+# bench train d12 and d20, bench decode d20 at batch 1/64/256 (512-token prompts,
 # 256 new tokens, the engine RL samples with), bench rl d20 (16 prompts x 16 samples, 256 new tokens), bench train d20
 # --fsdp (FSDP2 over one rank: its cost against plain d20, and the sampler weight-gather time), bench hf (Qwen2.5-0.5B's
 # shape on random weights: --hf-model load, nanorl vs transformers greedy decode at batch 1/64/256, a GRPO step), and

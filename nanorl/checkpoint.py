@@ -2,8 +2,8 @@
 Checkpoints: model, optimizer, data/RNG state and metadata, written atomically.
 
 Layout: <checkpoint_dir>/model_<step>.safetensors (the weights: loading them runs no code), meta_<step>.json,
-optim_<step>_rank<r>.pt and extra_<step>_rank<r>.pt (tensors and plain Python values only, read with
-torch.load(weights_only=True)). Every file is written to a temp name, fsynced, then renamed, and
+optim_<step>.pt (the optimizer state, the same on every rank: written once) and extra_<step>_rank<r>.pt (each rank's
+data position and RNGs) (tensors and plain Python values only, read with torch.load(weights_only=True)). Every file is written to a temp name, fsynced, then renamed, and
 meta_<step>.json is written last: a step with no meta file is incomplete and is never picked as "latest", so
 a crash mid-save leaves the previous checkpoint usable. Checkpoints of older versions (model_<step>.pt) still load.
 A model sharded with --fsdp (FSDP2) is saved as torch.distributed.checkpoint (DCP) shards, dcp_<step>/, beside the
@@ -77,6 +77,14 @@ def model_path(checkpoint_dir, step):
     return None
 
 
+def optim_path(checkpoint_dir, step, rank=None):
+    """The optimizer state of a step, one file for all ranks; given a rank, that rank's copy in a checkpoint of an
+    older version (which wrote one per rank) when the step has no single file."""
+    path = os.path.join(checkpoint_dir, f"optim_{step:06d}.pt")
+    older = os.path.join(checkpoint_dir, f"optim_{step:06d}_rank{rank}.pt")
+    return older if rank is not None and not os.path.exists(path) and os.path.exists(older) else path
+
+
 STEP_FILE = re.compile(r"(?:model|meta|optim|extra|dcp)_(\d+)")  # the files (and DCP folders) of a saved step
 
 
@@ -114,17 +122,20 @@ def save_checkpoint(
     group=None,
     lead=None,
 ):
-    """The lead rank (default: rank 0) writes the model and meta; every rank writes its own optimizer shard and extra
-    state (either may be None). extra must hold only tensors and plain Python values (dict, list, tuple, str, int,
-    float, bool, None). group: the process group of the ranks that save (default all)."""
+    """The lead rank (default: rank 0) writes the model, the optimizer state and meta; every rank writes its own extra
+    state (either state may be None). The optimizer state is the same on every rank (each steps on the same averaged
+    gradients), so it is written once: one copy per rank was ranks x its size on disk a save (a sharded optimizer is
+    saved by save_sharded, each rank its shards). extra must hold only tensors and plain Python values (dict, list,
+    tuple, str, int, float, bool, None). group: the process group of the ranks that save (default all)."""
     os.makedirs(checkpoint_dir, exist_ok=True)
-    if optim_state is not None:
-        _atomic_write(_torch_bytes(optim_state), os.path.join(checkpoint_dir, f"optim_{step:06d}_rank{rank}.pt"))
+    lead = rank == 0 if lead is None else lead
+    if optim_state is not None and lead:
+        _atomic_write(_torch_bytes(optim_state), optim_path(checkpoint_dir, step))
     if extra is not None:
         _atomic_write(_torch_bytes(extra), os.path.join(checkpoint_dir, f"extra_{step:06d}_rank{rank}.pt"))
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier(group=group)  # every rank's files exist before the step is marked complete
-    if rank == 0 if lead is None else lead:
+    if lead:
         if model_state is not None:  # None: the model was saved as shards (save_sharded)
             _atomic_write(
                 _safetensors_bytes(model_state), os.path.join(checkpoint_dir, f"model_{step:06d}.safetensors")
@@ -229,9 +240,7 @@ def load_checkpoint(checkpoint_dir, step=None, device="cpu", load_optimizer=Fals
             f"`python -m nanorl.fsdp consolidate {checkpoint_dir} --step {step}` first, or resume with --fsdp"
         )
     model_state = _load(weights or os.path.join(checkpoint_dir, f"model_{step:06d}.safetensors"), device)
-    optim_state = (
-        _load(os.path.join(checkpoint_dir, f"optim_{step:06d}_rank{rank}.pt"), device) if load_optimizer else None
-    )
+    optim_state = _load(optim_path(checkpoint_dir, step, rank), device) if load_optimizer else None
     extra_path = os.path.join(checkpoint_dir, f"extra_{step:06d}_rank{rank}.pt")
     if (load_optimizer if need_extra is None else need_extra) and not os.path.exists(extra_path):
         err = MissingFile(f"checkpoint file {extra_path} is missing: step {step} has no data/RNG state to resume from")
@@ -239,6 +248,12 @@ def load_checkpoint(checkpoint_dir, step=None, device="cpu", load_optimizer=Fals
         raise err
     extra = _load(extra_path, "cpu") if os.path.exists(extra_path) else None
     return model_state, optim_state, meta, extra
+
+
+def load_extra(checkpoint_dir, step, rank):
+    """Rank `rank`'s extra state of a step: where state every rank shares is written once (RL's critic, by the first
+    trainer), the other ranks read it from there."""
+    return _load(os.path.join(checkpoint_dir, f"extra_{step:06d}_rank{rank}.pt"), "cpu")
 
 
 def load_weights(model, state, path):

@@ -104,6 +104,11 @@ fraction = number_in(float, 0, 1)  # a share of something, 0..1
 int_or_off = number_in(int, -1)  # intervals and limits where -1 (or 0) means "off" / "all"
 
 
+def batch_or_auto(text):
+    """An argparse `type=` for --device-batch-size: a positive number of rows, or "auto" (fit_batch picks it)."""
+    return text if text == "auto" else positive_int(text)
+
+
 def tag_name(text):
     """An argparse `type=` for a checkpoint tag (--model-tag, --output-tag): one directory name under a stage's
     checkpoints, so "../x" or "a/b" cannot write or read outside it."""
@@ -350,6 +355,46 @@ def fit_device_batch(try_step, candidates, device=None):
         f"out of memory even at a device batch of {candidates[-1]} row(s) (tried {too_big}): "
         f"use a smaller model or --max-seq-len, or shard it with --fsdp"
     )
+
+
+def compile_model(model, device, no_compile=False):
+    """What a training stage steps: on CUDA torch.compile of the model (dynamic=False: one graph per batch shape),
+    elsewhere, or with --no-compile, the model itself (eager)."""
+    return torch.compile(model, dynamic=False) if torch.device(device).type == "cuda" and not no_compile else model
+
+
+def oom_is_catchable(device):
+    """Whether running out of memory on `device` raises an exception a batch-size trial can catch (CUDA's allocator);
+    elsewhere it is the OS killing the process, and there is nothing to try."""
+    return torch.device(device).type == "cuda"
+
+
+def fit_batch(try_step, candidates, device, what="device batch"):
+    """The batch of every stage that fits its batch to memory (base_train, mid_train, chat_sft, chat_eval): where out
+    of memory can be caught, the largest of `candidates` whose try_step fits on every rank (fit_device_batch), else
+    the largest. -> (batch, the line that says which and why)"""
+    batch, too_big = fit_device_batch(try_step, candidates, device) if oom_is_catchable(device) else (candidates[0], [])
+    why = f", the largest that fits in memory ({', '.join(map(str, too_big))} did not)" if too_big else ""
+    return batch, f"{what} (auto): {batch} rows{why}"
+
+
+def training_trial(run_step, optimizer, device, offloaded=False):
+    """fit_batch's try_step for a training stage: run_step(batch) runs one forward and backward at `batch` rows, as
+    training runs them (the same model object, so the same compiled graph). The optimizer's state, allocated at its
+    first step, does not exist yet: the trial holds that many bytes aside (none with --cpu-offload, where it lives in
+    host memory), and throws the gradients away after."""
+    state_bytes = 0 if offloaded else optimizer.state_bytes()
+
+    def trial(batch):
+        held = torch.empty(state_bytes, dtype=torch.uint8, device=device)
+        try:
+            run_step(batch)
+            synchronize(torch.device(device).type)
+        finally:
+            optimizer.zero_grad(set_to_none=True)
+            del held
+
+    return trial
 
 
 CUDA_DTYPES_ENV = "NANORL_CUDA_DTYPES"

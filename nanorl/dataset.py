@@ -157,12 +157,15 @@ def split_files(files, split):
     return files[:-1] if split == "train" else files[-1:]
 
 
-def iter_file_texts(path, take=None):
-    """Yield the text documents of one file. A file that cannot be opened, or a bad row group / row, is
-    skipped with a warning naming it: one corrupt shard must not kill a long run.
-    take(): asked once per parquet row group / per jsonl or txt document, in order; False skips it (a skipped
-    row group is never read or decoded: that is how each rank reads only its share of the data)."""
+def iter_file_texts(path, take=None, start=(0, 0)):
+    """Yield (place, text) for the text documents of one file; place = (unit, doc): the unit is a parquet row group, a
+    jsonl line or a txt document, doc the document's index in its unit. A file that cannot be opened, or a bad row
+    group / row, is skipped with a warning naming it: one corrupt shard must not kill a long run.
+    take(): asked once per unit, in order; False skips it (a skipped row group is never read or decoded: that is how
+    each rank reads only its share of the data). start: the place to begin at; the units before it are passed over
+    unread (parquet) or unparsed (jsonl), and take() is not asked about them."""
     take = take or (lambda: True)
+    first_unit, first_doc = start
     try:
         if path.endswith(".parquet"):
             import pyarrow.parquet as pq
@@ -174,7 +177,7 @@ def iter_file_texts(path, take=None):
         print0(f"warning: skipping {path}: cannot open it ({type(e).__name__}: {e})")
         return
     if path.endswith(".parquet"):
-        for rg in range(pf.num_row_groups):
+        for rg in range(first_unit, pf.num_row_groups):
             if not take():
                 continue
             try:
@@ -182,52 +185,71 @@ def iter_file_texts(path, take=None):
             except Exception as e:  # noqa: BLE001 - a corrupt row group: skip it, keep the run alive
                 print0(f"warning: skipping row group {rg} of {path}: {type(e).__name__}: {e}")
                 continue
-            yield from (t for t in column if t)
+            texts = [t for t in column if t]
+            yield from (((rg, j), texts[j]) for j in range(first_doc if rg == first_unit else 0, len(texts)))
     elif path.endswith(".jsonl"):
         with f:
             for lineno, line in enumerate(f, 1):
-                if not line.strip() or not take():
+                if lineno < first_unit or not line.strip() or not take():
                     continue
                 try:
-                    yield json.loads(line)["text"]
+                    yield (lineno, 0), json.loads(line)["text"]
                 except (json.JSONDecodeError, KeyError, TypeError):
                     print0(f"warning: skipping {path}:{lineno}: not a JSON object with a 'text' field")
     else:
         with f:
             # documents are separated by blank lines
-            yield from (d.strip() for d in f.read().split("\n\n") if d.strip() and take())
+            docs = f.read().split("\n\n")
+            yield from (((i, 0), docs[i].strip()) for i in range(first_unit, len(docs)) if docs[i].strip() and take())
 
 
 def iter_documents(split="train", data_dir=None, seed=0, rank=0, world_size=1):
     """Text documents for `split`: from data_dir, else from downloaded shards, else the synthetic curriculum.
     rank/world_size: this rank's share only, parquet row groups (or jsonl/txt/synthetic documents) number
     rank, rank + world_size, ... of the whole stream."""
+    return (text for _, text in iter_positioned(split, data_dir, seed, rank, world_size))
+
+
+def iter_positioned(split="train", data_dir=None, seed=0, rank=0, world_size=1, start=None):
+    """iter_documents' documents as (position, text): iter_positioned(..., start=position) continues at that
+    document, without reading the files, row groups or lines before it (the synthetic curriculum, made rather than
+    read, makes the documents before it again). A position is a dict of plain ints, for a checkpoint."""
     if (
         data_dir is None
         and os.path.isdir(default_data_dir())
         and glob.glob(os.path.join(default_data_dir(), "*.parquet"))
     ):
         data_dir = default_data_dir()
-    units = itertools.count()  # row groups / documents seen so far, over all files and epochs
+    start = start or {"pass": 0, "file": 0, "unit": 0, "doc": 0, "count": 0}
+    units = itertools.count(start["count"])  # row groups / documents of every rank so far, over all files and passes
+    seen = [start["count"] - 1]  # the last unit's number: the position's count
 
     def take():
-        return next(units) % world_size == rank
+        seen[0] = next(units)
+        return seen[0] % world_size == rank
 
     if data_dir is None:
         from nanorl import synthetic
 
-        yield from (d for d in synthetic.pretrain_documents(split, seed=seed) if take())
+        docs = synthetic.pretrain_documents(split, seed=seed)
+        for _ in range(start["count"]):  # made, not read: cheap next to tokenizing them
+            next(docs)
+        for text in docs:
+            if take():
+                yield {**start, "unit": seen[0], "count": seen[0]}, text
         return
     files = split_files(list_data_files(data_dir), split)
-    while True:  # loop over the data forever; callers decide how much they take
-        ndocs = 0
-        for path in files:
-            for text in iter_file_texts(path, take):
+    for n_pass in itertools.count(start["pass"]):  # loop over the data forever; callers decide how much they take
+        resumed = n_pass == start["pass"] and (start["file"], start["unit"], start["doc"]) != (0, 0, 0)
+        ndocs, first = 0, start["file"] if n_pass == start["pass"] else 0
+        for i in range(first, len(files)):
+            at = (start["unit"], start["doc"]) if (n_pass, i) == (start["pass"], start["file"]) else (0, 0)
+            for (unit, doc), text in iter_file_texts(files[i], take, at):
                 ndocs += 1
-                yield text
+                yield {"pass": n_pass, "file": i, "unit": unit, "doc": doc, "count": seen[0]}, text
         if split != "train":
             return
-        if ndocs == 0:  # every file was unreadable or empty: looping again would spin forever
+        if ndocs == 0 and not resumed:  # a whole pass, every file unreadable or empty: looping again would spin forever
             share = f" for rank {rank} of {world_size} (fewer row groups than ranks?)" if world_size > 1 else ""
             raise Unreadable(f"no readable documents{share} in the {split} files of {data_dir}: {files}")
 

@@ -426,6 +426,13 @@ class GPT(nn.Module):
         c = self.config.softcap
         return c * torch.tanh(logits / c) if c else logits
 
+    def logits_at(self, idx, pos):
+        """Logits (B, V) of row b at position pos[b] alone: only those hidden states reach the head. A scorer that
+        reads one position per row (chat_eval's letters) would otherwise make fp32 logits for every position, B x T x V
+        of them (at B=64 on MMLU's prompts, tens of GB)."""
+        h = self.hidden_states(idx)
+        return self.logits_from_hidden(h[torch.arange(idx.size(0), device=idx.device), pos])
+
     def forward(self, idx, targets=None, doc_ids=None, kv_cache=None, loss_reduction="mean"):
         """Logits (B, T, V) when targets is None, else the cross-entropy loss (targets == -1 are ignored)."""
         h = self.hidden_states(idx, doc_ids=doc_ids, kv_cache=kv_cache)

@@ -83,6 +83,15 @@ class MuonAdamW(torch.optim.Optimizer):
                 gr.copy_(flat[off : off + gr.numel()].view_as(gr))
                 off += gr.numel()
 
+    def state_bytes(self):
+        """The bytes of state step() allocates at its first call, on this rank: Muon's momentum like each matrix (of
+        this rank's shard under FSDP), AdamW's two fp32 moments per parameter."""
+        return sum(
+            (p.to_local() if isinstance(p, DTensor) else p).numel() * (p.element_size() if g["kind"] == "muon" else 8)
+            for g in self.param_groups
+            for p in g["params"]
+        )
+
     FP32_STATE = ("exp_avg", "exp_avg_sq")  # AdamW's moments: fp32 whatever the parameter's dtype
 
     def load_state_dict(self, state_dict):

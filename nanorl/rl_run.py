@@ -44,6 +44,7 @@ class RunConfig:
     rollout_timeout: float = 1800  # seconds a rank's rollout or eval may take (0 = no limit)
     eval_every: int = 10
     save_every: int = 20
+    keep_last: int = 2  # checkpoints kept (the newest): one is ~3x the weights, and a run saves many times
     eval_group: GroupSpec = GroupSpec(n_samples_per_prompt=4)  # samples per eval prompt, their temperature
     pass_ks: tuple = (1, 4)
     fsdp: bool = False
@@ -254,12 +255,13 @@ class RLRun:
             extra["pending"] = rl_async.payload_state(pending)
             checkpoint.save_checkpoint(ck["dir"], step, None, None, meta, extra, rank=self.rank, lead=False)
             return
-        critic = self.trainer.critic
-        if critic is not None:  # every training rank keeps the same critic (averaged gradients): each saves it
+        critic, lead = self.trainer.critic, self.rank == roles.first_trainer
+        if critic is not None and lead:  # the same on every training rank (averaged gradients): written once
             extra.update(critic=critic.state_dict(), critic_optim=self.trainer.critic_optimizer.state_dict())
         # --fsdp: every rank writes its shards (DCP; `python -m nanorl.fsdp consolidate` makes the single file)
-        lead = self.rank == roles.first_trainer
-        checkpoint.save(ck["dir"], step, self.model, self.optimizer, meta, extra, rank=self.rank, lead=lead)
+        checkpoint.save(
+            ck["dir"], step, self.model, self.optimizer, meta, extra, self.rank, self.cfg.keep_last, lead=lead
+        )
 
     def resume(self):
         """--resume: the latest checkpoint's model, optimizer, critic, prompt position, buffer and RNGs (an --async
@@ -271,9 +273,10 @@ class RLRun:
         if roles.is_sampler:
             self.rewind((extra["source"], extra["buffer"]))
             self.pending = rl_async.payload_from_state(extra.get("pending"))
-        if self.trainer is not None and self.trainer.critic is not None:
-            self.trainer.critic.load_state_dict(extra["critic"])
-            self.trainer.critic_optimizer.load_state_dict(extra["critic_optim"])
+        if self.trainer is not None and self.trainer.critic is not None:  # in the first trainer's extra state
+            shared = extra if "critic" in extra else checkpoint.load_extra(ck["dir"], last, roles.first_trainer)
+            self.trainer.critic.load_state_dict(shared["critic"])
+            self.trainer.critic_optimizer.load_state_dict(shared["critic_optim"])
         set_rng_state(extra, self.device)
         if self.cfg.fsdp:  # the engine's copy was made from the weights before the resume
             fsdp.gather_full_state(self.model, self.engine.model)

@@ -8,9 +8,14 @@ document id per token, which nanorl.gpt turns into block-diagonal attention with
 per document. Only a row's tail is padding. Too-long conversations are truncated and counted.
 """
 
+import os
 import random
 
 import torch
+import torch.distributed as dist
+
+from nanorl.common import print0
+from nanorl.errors import MissingFile, Unreadable, UserError
 
 
 def render_example(tokenizer, conversation, seq_len):
@@ -179,15 +184,39 @@ def task_paths(args):
 
 def build_data(args, hub_mixture, offline_mixture):
     """(train task, val task, description) of a stage's mixture: hub_mixture(args, task paths) with --data hub,
-    else offline_mixture(args). --data hub that cannot load (no network, no path) says why and falls back to the
-    offline curriculum, so a run without network still does something useful."""
-    if args.data == "hub":
-        try:
-            train, val = hub_mixture(args, task_paths(args))
-            return train, val, "hub"
-        except RuntimeError as e:
-            print(f"warning: --data hub could not load its datasets:\n  {e}\nfalling back to the offline curriculum")
-            train, val = offline_mixture(args)
-            return train, val, f"offline (fallback: {str(e).splitlines()[0][:200]})"
-    train, val = offline_mixture(args)
-    return train, val, "offline"
+    else offline_mixture(args). Every rank loads it, and the ranks agree before any trains: a rank on other data would
+    end its epoch, and with it everyone's training (progress is the furthest rank's), at another point.
+    - a --task-path the user named that is not there, or any failure while some path was named: all stop, in one line;
+    - some ranks loaded the Hub's datasets and others could not: all stop, naming the rank and what it could not load;
+    - no path named and no rank could load them (no network): all fall back to the offline curriculum, as documented,
+      so a run without network still does something useful."""
+    if args.data != "hub":
+        return *offline_mixture(args), "offline"
+    paths = task_paths(args)
+    try:
+        for name, path in paths.items():  # before any download: a typo in a path must not wait behind the Hub
+            if not os.path.exists(path):
+                raise MissingFile(f"--task-path {name}={path}: no such file or directory")
+        train, val = hub_mixture(args, paths)
+        failure = None
+    except (UserError, RuntimeError, OSError) as e:
+        failure = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    every = [failure]
+    if world > 1:  # the same verdict on every rank: all train on the Hub's data, all stop, or all fall back
+        every = [None] * world
+        dist.all_gather_object(every, failure)
+    failures = [(rank, why) for rank, why in enumerate(every) if why is not None]
+    if not failures:
+        return train, val, "hub"
+    rank, why = failures[0]
+    where = f"rank {rank} of {world}: " if world > 1 else ""
+    if paths:
+        raise Unreadable(f"--data hub: {where}{why} (no offline fallback: --task-path names files)")
+    if len(failures) < world:
+        raise Unreadable(
+            f"--data hub: {where}{why}; the other ranks loaded the datasets and the ranks would train on different "
+            "data: fix that node's network or Hub cache, or pass --task-path files"
+        )
+    print0(f"warning: --data hub could not load its datasets:\n  {why}\nfalling back to the offline curriculum")
+    return *offline_mixture(args), f"offline (fallback: {why[:200]})"

@@ -21,9 +21,11 @@ from nanorl.common import (
     add_logging_args,
     autocast_ctx,
     batch_candidates,
+    batch_or_auto,
+    compile_model,
     compute_cleanup,
     compute_init,
-    fit_device_batch,
+    fit_batch,
     fraction,
     get_base_dir,
     get_logger,
@@ -37,6 +39,7 @@ from nanorl.common import (
     print0,
     synchronize,
     tag_name,
+    training_trial,
 )
 from nanorl.dataloader import PretrainLoader
 from nanorl.dataset import describe_source
@@ -47,11 +50,6 @@ from nanorl.loss_eval import evaluate_bpb
 from nanorl.optim import build_optimizer
 from nanorl.report import log_json, log_section, record_metrics
 from nanorl.tokenizer import get_token_bytes, get_tokenizer
-
-
-def batch_or_auto(text):
-    return text if text == "auto" else positive_int(text)
-
 
 # fmt: off
 parser = ArgumentParser(description="Pretrain a base model", aliases=SLIME_NAMES)
@@ -121,35 +119,27 @@ print0(
 print0(attention_backend(device))
 print0(precision_line(device))
 optimizer = build_optimizer(model, args.matrix_lr, args.embedding_lr, args.unembedding_lr, args.weight_decay)
-compiled = model if (args.no_compile or device.type != "cuda") else torch.compile(model, dynamic=False)
+compiled = compile_model(model, device, args.no_compile)
 autocast = autocast_ctx(device.type)
-# the optimizer's state, allocated at its first step: Muon keeps a momentum buffer like each matrix, AdamW two fp32
-# moments per parameter (under FSDP, of this rank's shard; with --cpu-offload it lives in host memory)
-state_bytes = (
-    0
-    if args.cpu_offload
-    else sum(
-        (p.to_local() if hasattr(p, "to_local") else p).numel() * (p.element_size() if g["kind"] == "muon" else 8)
-        for g in optimizer.param_groups
-        for p in g["params"]
+ddp_wrapped = ddp and not args.fsdp
+if ddp_wrapped:  # DDP's reducer all-reduces gradient buckets while backward still runs, overlapping comms with compute
+    compiled = torch.nn.parallel.DistributedDataParallel(
+        compiled, device_ids=[device] if device.type == "cuda" else None, gradient_as_bucket_view=True
     )
-)
 
 
 def trial_step(batch):
-    """One forward+backward at `batch` rows with the optimizer's state held aside: whether a training step fits.
-    Under --fsdp it runs the sharded model, whose collectives every rank enters with the same shapes (and, through
-    fsdp.lockstep_trial, enters in full even when it runs out of memory part-way)."""
+    """One forward+backward at `batch` rows through what training calls: under DDP the wrapped model, whose compiled
+    graph is split at DDP's gradient buckets (a trial outside DDP compiled, and measured, another graph, and the first
+    step compiled again), with input and targets two tensors as in training (one tensor twice is another graph).
+    no_sync: no all-reduce, which a rank out of memory part-way would leave the others waiting in. Under --fsdp it
+    runs the sharded model, whose collectives fsdp.lockstep_trial makes every rank enter in full."""
     x = torch.zeros(batch, args.max_seq_len, dtype=torch.long, device=device)
-    held = torch.empty(state_bytes, dtype=torch.uint8, device=device)
-    try:
+    y = torch.zeros(batch, args.max_seq_len, dtype=torch.long, device=device)
+    with compiled.no_sync() if ddp_wrapped else nullcontext():
         with autocast:
-            loss = compiled(x, targets=x)
+            loss = compiled(x, targets=y)
         loss.backward()
-        synchronize(device.type)
-    finally:
-        model.zero_grad(set_to_none=True)
-        del held
 
 
 if args.device_batch_size == "auto":
@@ -159,16 +149,10 @@ if args.device_batch_size == "auto":
             f"--total-batch-size {args.total_batch_size} must be a multiple of --max-seq-len x ranks "
             f"= {args.max_seq_len} x {world_size}"
         )
-    too_big = []
-    if device.type == "cuda":  # elsewhere running out of memory is the OS killing us, not an exception to catch
-        trial = fsdp.lockstep_trial(trial_step, model) if args.fsdp else trial_step
-        args.device_batch_size, too_big = fit_device_batch(trial, candidates, device)
-    else:
-        args.device_batch_size = candidates[0]
-    print0(
-        f"device batch (auto): {args.device_batch_size} rows"
-        + (f", the largest that fits in memory ({', '.join(map(str, too_big))} did not)" if too_big else "")
-    )
+    trial = training_trial(trial_step, optimizer, device, args.cpu_offload)
+    trial = fsdp.lockstep_trial(trial, model) if args.fsdp else trial
+    args.device_batch_size, line = fit_batch(trial, candidates, device)
+    print0(line)
 tokens_per_fwdbwd = args.device_batch_size * args.max_seq_len * world_size
 if args.total_batch_size % tokens_per_fwdbwd:
     raise SystemExit(
@@ -191,13 +175,6 @@ print0(
 train_loader = PretrainLoader(
     tokenizer, args.device_batch_size, args.max_seq_len, "train", args.data_dir, device, rank, world_size
 )
-ddp_wrapped = ddp and not args.fsdp
-if (
-    ddp_wrapped
-):  # DDP's reducer all-reduces gradient buckets while backward still runs, overlapping communication with compute
-    compiled = torch.nn.parallel.DistributedDataParallel(
-        compiled, device_ids=[device] if device.type == "cuda" else None, gradient_as_bucket_view=True
-    )
 meta = {"model_config": config.to_dict(), "model_tag": model_tag, "train_args": vars(args), "world_size": world_size}
 if args.fsdp:
     print0(

@@ -20,7 +20,15 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
-from nanorl.common import ArgumentParser, int_list, nonneg_float, nonneg_int, positive_int, skipped_on_any_rank
+from nanorl.common import (
+    ArgumentParser,
+    int_list,
+    nonneg_float,
+    nonneg_int,
+    positive_int,
+    print0,
+    skipped_on_any_rank,
+)
 from nanorl.execution import require_sandbox, sandbox_missing
 from nanorl.rl import pass_at_k
 from nanorl.synthetic import levels_flag
@@ -37,14 +45,20 @@ def centered(accuracy, baseline):
 @torch.no_grad()
 def run_categorical(model, tokenizer, task, indices, batch_size=32, autocast=None, progress=None):
     """One bool per problem: is the reference letter the most likely of the problem's letters right after
-    the prompt? Prompts are right-padded into batches; each row reads its own last position.
-    None for a prompt longer than the model's context (scored as wrong, and counted)."""
+    the prompt? Prompts are right-padded into batches; each row's logits are computed at its last position alone
+    (model.logits_at). The batch is the largest of batch_size, batch_size / 2, ... whose forward at the longest prompt
+    fits in memory (categorical_batch). None for a prompt longer than the model's context (scored as wrong, and
+    counted)."""
     device = next(model.parameters()).device
     context = getattr(getattr(model, "config", None), "sequence_len", None)
+    autocast = autocast if autocast is not None else nullcontext()
+    all_convs = [task.get_example(i) for i in indices]
+    all_prompts = [tokenizer.render_for_completion(c) for c in all_convs]
+    longest = max((len(p) for p in all_prompts if context is None or len(p) <= context), default=1)
+    batch_size = categorical_batch(model, batch_size, longest, autocast, device)
     out = []
     for s in range(0, len(indices), batch_size):
-        convs = [task.get_example(i) for i in indices[s : s + batch_size]]
-        prompts = [tokenizer.render_for_completion(c) for c in convs]
+        convs, prompts = all_convs[s : s + batch_size], all_prompts[s : s + batch_size]
         fits = [context is None or len(p) <= context for p in prompts]
         convs, prompts, verdicts = [c for c, f in zip(convs, fits) if f], [p for p, f in zip(prompts, fits) if f], []
         if not prompts:
@@ -54,10 +68,9 @@ def run_categorical(model, tokenizer, task, indices, batch_size=32, autocast=Non
         x = torch.full((len(prompts), T), tokenizer.get_bos_token_id(), dtype=torch.long)
         for b, p in enumerate(prompts):
             x[b, : len(p)] = torch.tensor(p)
-        with autocast if autocast is not None else nullcontext():
-            logits = model(x.to(device))
         last = torch.tensor([len(p) - 1 for p in prompts], device=device)
-        logits = logits[torch.arange(len(prompts), device=device), last]  # (B, V)
+        with autocast:
+            logits = model.logits_at(x.to(device), last)  # (B, V)
         for b, conv in enumerate(convs):
             letter_ids = [letter_token(tokenizer, l) for l in conv["letters"]]
             pred = conv["letters"][int(logits[b, letter_ids].argmax())]
@@ -67,6 +80,24 @@ def run_categorical(model, tokenizer, task, indices, batch_size=32, autocast=Non
             if progress is not None:
                 progress.add(float(bool(r)))
     return out
+
+
+def categorical_batch(model, largest, T, autocast, device):
+    """The prompts per categorical batch: the largest of largest, largest / 2, ... 1 whose forward at T tokens fits in
+    memory, agreed by every rank (nanorl.common.fit_batch, as the training stages fit theirs)."""
+    from nanorl.common import fit_batch, synchronize
+
+    def trial(batch):
+        x = torch.zeros(batch, T, dtype=torch.long, device=device)
+        with autocast:
+            model.logits_at(x, torch.full((batch,), T - 1, device=device))
+        synchronize(device.type)
+
+    candidates = [largest >> i for i in range(largest.bit_length())]
+    batch, line = fit_batch(trial, candidates, device, what="categorical batch")
+    if batch < largest:
+        print0(line)
+    return batch
 
 
 class Progress:
@@ -323,8 +354,6 @@ def parse_args():
 def load_task(name, args, paths, skipped, levels=None):
     """The task's test split, or None for a Hub task that cannot be read here (no network, no --task-path): it is
     recorded in `skipped` with why, and the other tasks go on. A malformed data file stops with its name and row."""
-    from nanorl.common import print0
-
     kw = {"path": paths[name]} if name in paths else {}
     if name == "offline":
         kw.update(levels=tuple(int(x) for x in levels.split(",")), seed=args.problem_seed)
@@ -357,8 +386,6 @@ def task_result(name, task, sums, levels=None):
 
 def print_result(name, res, texts, t0):
     """One response to read, then the task's line: accuracy, pass@k, seconds since t0."""
-    from nanorl.common import print0
-
     shown = next((t[0] for t in texts or [] if t), None)
     if shown is not None:
         print0(f"[{name}] example response: {shown[:300]!r}")
@@ -375,7 +402,6 @@ def score_card(results, args, n, temperature, skipped=None):
     """-> (the metrics card, one row per task saying how it was graded). Every number is labelled with its task,
     its size and greedy/sampled, so no two measurements share a row; ChatCORE joins them when it can be computed.
     A task skipped for want of a sandbox gets its row too, saying so."""
-    from nanorl.common import print0
     from nanorl.report import eval_label
 
     card_names = {
@@ -411,7 +437,7 @@ def score_card(results, args, n, temperature, skipped=None):
 
 def main():
     from nanorl.checkpoint import load_model_from_args
-    from nanorl.common import autocast_ctx, compute_cleanup, compute_init, print0
+    from nanorl.common import autocast_ctx, compute_cleanup, compute_init
     from nanorl.engine import Engine
     from nanorl.report import log_section, record_metrics
     from nanorl.sft_data import task_paths

@@ -73,6 +73,7 @@ def make_parser():
     g.add_argument("--eval-temperature", type=nonneg_float, default=1.0, help="eval sampling temperature")
     g.add_argument("--pass-k", type=common.int_list, default="1,4", help="comma-separated k for pass@k")
     g.add_argument("--save-every", type=positive_int, default=20, help="save every N rollouts")
+    g.add_argument("--keep-last", type=positive_int, default=2, help="keep only the newest N checkpoints of this run")
     g.add_argument("--resume", action="store_true", help="continue from the latest RL checkpoint")
     g.add_argument(
         "--overwrite", action="store_true", help="a new run into a tag holding steps: move them to <tag>.old-<time>"
@@ -297,6 +298,7 @@ def build_run(args, parser):
         rollout_timeout=args.rollout_timeout,
         eval_every=args.eval_every,
         save_every=args.save_every,
+        keep_last=args.keep_last,
         eval_group=GroupSpec(args.n_samples_per_eval_prompt, args.eval_temperature, args.max_new_tokens),
         pass_ks=tuple(args.pass_k),
         fsdp=args.fsdp,

@@ -30,8 +30,12 @@ from nanorl.common import (
     ArgumentParser,
     add_logging_args,
     autocast_ctx,
+    batch_candidates,
+    batch_or_auto,
+    compile_model,
     compute_cleanup,
     compute_init,
+    fit_batch,
     fraction,
     get_base_dir,
     get_logger,
@@ -43,6 +47,7 @@ from nanorl.common import (
     precision_line,
     print0,
     tag_name,
+    training_trial,
 )
 from nanorl.gpt import attention_backend
 from nanorl.optim import build_optimizer
@@ -115,13 +120,19 @@ def add_optim_args(parser, init_lr_frac, warmdown_ratio, num_epochs):
         help="passes over the data (ignored with --num-iterations)",
     )
     a("--num-iterations", type=int_or_off, default=-1, help="optimizer steps (-1: as many as --num-epochs takes)")
-    a("--device-batch-size", type=positive_int, default=16, help="rows per micro-batch per rank")
+    a(
+        "--device-batch-size",
+        type=batch_or_auto,
+        default="auto",
+        help="rows per micro-batch per rank; auto: on CUDA the largest of 16, 8, 4, ... whose step fits in memory, "
+        "else 16 (the step's tokens stay 16 rows' worth: more micro-batches)",
+    )
     a("--max-seq-len", type=positive_int, default=None, help="row length T (default: the model's context)")
     a(
         "--total-batch-size",
         type=positive_int,
         default=None,
-        help="tokens per optimizer step, all ranks (default: one micro-batch per rank)",
+        help="tokens per optimizer step, all ranks (default: 16 rows of T per rank with auto, else one micro-batch)",
     )
     a("--matrix-lr", type=nonneg_float, default=0.02, help="Muon LR of the transformer's matrices")
     a("--embedding-lr", type=nonneg_float, default=0.2, help="AdamW LR of the token embedding")
@@ -236,7 +247,34 @@ def shard_and_compile(model, args, device, world_size):
         print0(
             f"FSDP2 over {world_size} ranks: each holds 1/{world_size} of the parameters, gradients and optimizer state"
         )
-    return torch.compile(model, dynamic=False) if device.type == "cuda" and not args.no_compile else model
+    return compile_model(model, device, args.no_compile)
+
+
+AUTO_ROWS = 16  # --device-batch-size auto: the most rows tried, and the rows of a step by default
+
+
+def fit_rows(args, compiled, model, optimizer, autocast, T, world_size, device):
+    """--device-batch-size auto -> the rows of a micro-batch: on CUDA the largest of 16, 8, 4, ... whose training step
+    fits (the mechanism base_train uses, nanorl.common.fit_batch), with the step's tokens (--total-batch-size, by
+    default 16 rows per rank) kept by accumulating more micro-batches; elsewhere 16. A number is taken as it is."""
+    if args.device_batch_size != "auto":
+        return args.device_batch_size
+    total = args.total_batch_size or AUTO_ROWS * T * world_size
+    candidates = batch_candidates(AUTO_ROWS, total, T * world_size)
+    if not candidates:
+        raise SystemExit(f"--total-batch-size {total} is not a multiple of T x ranks = {T} x {world_size}")
+
+    def step(batch):  # one document per row: the packed rows' document-masked attention, as training runs it
+        x, y = (torch.zeros(batch, T, dtype=torch.long, device=device) for _ in range(2))
+        with autocast:
+            compiled(x, y, doc_ids=torch.zeros_like(x), loss_reduction="sum").backward()
+
+    trial = training_trial(step, optimizer, device, args.cpu_offload)
+    rows, line = fit_batch(fsdp.lockstep_trial(trial, model) if args.fsdp else trial, candidates, device)
+    print0(line)
+    if args.total_batch_size is None:
+        args.total_batch_size = total
+    return rows
 
 
 def batch_plan(device_batch_size, total_batch_size, T, world_size):
@@ -324,11 +362,12 @@ class Plan:
     grad_accum: int
 
 
-def train(args, stage, train_task, val_task, data_desc):
-    """Midtraining or SFT (stage "mid" or "sft") on these conversations; every rank calls it.
-    -> {"step", "val_losses", "checkpoint_dir", "stats"}"""
+def train(args, stage, hub_mixture, offline_mixture):
+    """Midtraining or SFT (stage "mid" or "sft") on the stage's mixture (build_data: --data picks hub_mixture or
+    offline_mixture, the same on every rank); every rank calls it. -> {"step", "val_losses", "checkpoint_dir", "stats"}"""
     # CPU offload steps the optimizer on CPU tensors: those collectives need gloo beside NCCL
     _, rank, _, world_size, device = compute_init(args.device_type, seed=args.seed, cpu_collectives=args.cpu_offload)
+    train_task, val_task, data_desc = build_data(args, hub_mixture, offline_mixture)
     # before the model: a wandb run that cannot log stops here, not after minutes of loading
     master = rank == 0
     logger = get_logger(
@@ -343,8 +382,9 @@ def train(args, stage, train_task, val_task, data_desc):
         f"{world_size} rank(s) on {device}, rows of {T} tokens"
     )
     compiled = shard_and_compile(model, args, device, world_size)
-    plan = Plan(rank, world_size, T, *batch_plan(args.device_batch_size, args.total_batch_size, T, world_size))
     optimizer = make_optimizer(model, args, lora_base)
+    args.device_batch_size = fit_rows(args, compiled, model, optimizer, autocast, T, world_size, device)
+    plan = Plan(rank, world_size, T, *batch_plan(args.device_batch_size, args.total_batch_size, T, world_size))
     loader, val_loader = make_loaders(args, train_task, val_task, tokenizer, T, rank, world_size, device)
     eval_batches = max(1, args.eval_tokens // (plan.total // plan.grad_accum))
     ckpt_dir, checkpoint = checkpointer(args, stage, meta, model, optimizer, lora_base, rank, world_size)
@@ -497,7 +537,7 @@ def main():
     args = parser.parse_args()
     fsdp.check_args(args, "chat_sft")
     lora.check_args(args, parser)
-    train(args, "sft", *build_data(args, hub_mixture, offline_mixture))
+    train(args, "sft", hub_mixture, offline_mixture)
 
 
 if __name__ == "__main__":

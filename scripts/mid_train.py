@@ -12,7 +12,7 @@ The training loop is SFT's: train() in scripts/chat_sft.py, called here with mid
 
 from nanorl import fsdp, lora
 from nanorl.common import ArgumentParser
-from nanorl.sft_data import build_data, levels
+from nanorl.sft_data import levels
 from scripts.chat_sft import add_train_args, train
 from tasks import GSM8K, MMLU, CustomJSON, OfflineChat, OfflineProblems, SmolTalk, SpellingBee, TaskMixture
 
@@ -68,7 +68,7 @@ def main():
     args = parser.parse_args()
     fsdp.check_args(args, "mid_train")
     lora.check_args(args, parser)
-    train(args, "mid", *build_data(args, hub_mixture, offline_mixture))
+    train(args, "mid", hub_mixture, offline_mixture)
 
 
 if __name__ == "__main__":

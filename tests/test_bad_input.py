@@ -63,7 +63,7 @@ def ck(stage, kind):
     name = {
         "model": "model_{:06d}.safetensors",
         "meta": "meta_{:06d}.json",
-        "optim": "optim_{:06d}_rank0.pt",
+        "optim": "optim_{:06d}.pt",
         "extra": "extra_{:06d}_rank0.pt",
     }[kind].format(STEP)
     return f"{stage}_checkpoints/{TAG}/{name}"

@@ -81,6 +81,9 @@ class LetterFavouringModel(torch.nn.Module):
             logits[:, t, self.letter_ids[t % len(self.letter_ids)]] = 10.0
         return logits
 
+    def logits_at(self, idx, pos):
+        return self(idx)[torch.arange(idx.size(0)), pos]
+
 
 def test_categorical_eval_picks_the_favoured_letter(tok):
     model = LetterFavouringModel(tok)
@@ -112,8 +115,44 @@ def test_categorical_eval_on_a_model_that_knows_the_answer(tok):
                 logits[b, :, letter_token(tok, text.split("hint=")[1][0])] = 5.0
             return logits
 
+        def logits_at(self, idx, pos):
+            return self(idx)[torch.arange(idx.size(0)), pos]
+
     convs = [render_mc(f"hint={l} what?", ["1", "2", "3", "4", "5"], "ABCDE".index(l)) for l in "EBDAC"]
     assert run_categorical(Oracle(), tok, ListTask(convs, "categorical"), [0, 1, 2, 3, 4], batch_size=2) == [True] * 5
+
+
+def test_categorical_eval_makes_logits_only_where_it_scores_and_fits_its_batch(tok, monkeypatch, capsys):
+    """The head sees one hidden state per prompt, never all T positions (at -b 64 on MMLU the fp32 logits of every
+    position were tens of GB). Under a simulated memory limit of 2 prompts a forward (out of memory is caught, as on
+    CUDA) the eval picks 2 of -b 8 and gives the same verdicts as without the limit."""
+    import nanorl.common
+
+    torch.manual_seed(0)
+    model = build_model(
+        GPTConfig(sequence_len=256, vocab_size=tok.vocab_size, n_layer=1, n_head=2, n_kv_head=2, n_embd=32), "cpu"
+    )
+    head_inputs = []
+    model.lm_head.register_forward_hook(lambda m, args, out: head_inputs.append(tuple(args[0].shape)))
+    questions = ["Q?", "A longer question?", "Mid question", "x" * 17, "yy", "Which one is it, then?", "z", "ok?"]
+    convs = [render_mc(q, ["w", "x", "y", "z"], answer_index=i % 4) for i, q in enumerate(questions)]
+    task = ListTask(convs, eval_type="categorical")
+    free = run_categorical(model, tok, task, list(range(8)), batch_size=8)
+    assert None not in free and head_inputs == [(8, 32)]  # one batch: (prompts, width), the last position of each alone
+
+    monkeypatch.setattr(nanorl.common, "oom_is_catchable", lambda device: True)
+    real_hidden = model.hidden_states
+
+    def hidden_states(idx, **kw):  # the memory limit: 2 prompts a forward
+        if idx.size(0) > 2:
+            raise torch.OutOfMemoryError("simulated: more than 2 prompts")
+        return real_hidden(idx, **kw)
+
+    monkeypatch.setattr(model, "hidden_states", hidden_states)
+    head_inputs.clear()
+    limited = run_categorical(model, tok, task, list(range(8)), batch_size=8)
+    assert "categorical batch (auto): 2 rows, the largest that fits in memory (8, 4 did not)" in capsys.readouterr().out
+    assert limited == free and head_inputs == [(2, 32)] * 5  # the trial at 2, then 4 batches of 2
 
 
 def test_generative_eval_batches_grades_and_shows_progress(tok, monkeypatch):

@@ -43,7 +43,7 @@ def test_weights_are_safetensors_and_state_loads_with_weights_only(tmp_path):
         "extra_000005_rank0.pt",
         "meta_000005.json",
         "model_000005.safetensors",
-        "optim_000005_rank0.pt",
+        "optim_000005.pt",
     ]
     from safetensors.torch import load_file  # an independent reader: the weights file is plain safetensors
 
@@ -51,7 +51,7 @@ def test_weights_are_safetensors_and_state_loads_with_weights_only(tmp_path):
     assert raw.keys() == model.state_dict().keys() and all(
         torch.equal(raw[k], v) for k, v in model.state_dict().items()
     )
-    for name in ("optim_000005_rank0.pt", "extra_000005_rank0.pt"):
+    for name in ("optim_000005.pt", "extra_000005_rank0.pt"):
         torch.load(tmp_path / name, weights_only=True)  # no arbitrary code to run
     ms, optim_state, meta, got = load_checkpoint(str(tmp_path), load_optimizer=True)
     restored = build_gpt(CFG, "cpu")
@@ -134,7 +134,7 @@ def test_files_orphaned_by_a_kill_during_deletion_are_cleaned_at_the_next_save(t
         save_checkpoint(d, step, {"w": torch.zeros(1)}, {"o": step}, {"step": step}, {"e": step})
     # a kill during delete_step(1): its meta is gone (deleted first), its other files remain
     (tmp_path / "meta_000001.json").unlink()
-    (tmp_path / "optim_000002_rank0.pt.tmp").write_bytes(b"half")  # and one write of step 2 that never finished
+    (tmp_path / "optim_000002.pt.tmp").write_bytes(b"half")  # and one write of step 2 that never finished
     (tmp_path / "meta_000002.json").unlink()
     (tmp_path / "model_000009.safetensors").write_bytes(b"x")  # a later incomplete step: will be overwritten, untouched
     assert find_last_step(d) is None
@@ -144,7 +144,7 @@ def test_files_orphaned_by_a_kill_during_deletion_are_cleaned_at_the_next_save(t
         "meta_000003.json",
         "model_000003.safetensors",
         "model_000009.safetensors",
-        "optim_000003_rank0.pt",
+        "optim_000003.pt",
     ]
     delete_step(d, 9)
     assert find_last_step(d) == 3
@@ -327,3 +327,74 @@ def test_several_tags_the_most_recently_saved_is_loaded_and_named(tmp_path, monk
             parse()
         out = " ".join(capsys.readouterr().out.split())
         assert "the one saved most recently; named when there are several" in out and "largest" not in out
+
+
+def _two_rank_steps(model, opt, rank, steps):
+    """`steps` optimizer steps on rank `rank`'s half of fixed batches, the gradients averaged over the 2 ranks."""
+    for s in steps:
+        x = torch.randint(0, 40, (4, 16), generator=torch.Generator().manual_seed(s))[rank::2]
+        model(x, targets=x).backward()
+        opt.step()  # MuonAdamW averages the gradients: every rank's state stays the same
+        model.zero_grad(set_to_none=True)
+
+
+def _replicated_worker(rank, world, init_file, out):
+    import torch.distributed as dist
+
+    from nanorl.checkpoint import resume, save
+    from nanorl.optim import build_optimizer
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        model = tiny_model()
+        opt = build_optimizer(model)
+        _two_rank_steps(model, opt, rank, range(2))
+        save(out, 2, model, opt, {"model_config": CFG.to_dict(), "world_size": 2}, {"rank": rank}, rank)
+        _two_rank_steps(model, opt, rank, range(2, 4))
+        fresh = tiny_model(seed=1)
+        fresh_opt = build_optimizer(fresh)
+        step, _, extra = resume(out, fresh, fresh_opt, rank, world_size=2)
+        _two_rank_steps(fresh, fresh_opt, rank, range(2, 4))
+        same = [torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values())]
+        for s1, s2 in zip(opt.state.values(), fresh_opt.state.values()):
+            same += [torch.equal(s1[k], s2[k]) for k in s1 if torch.is_tensor(s1[k])]
+        torch.save({"step": step, "extra": extra, "same": all(same) and len(same) > 10}, f"{out}/result{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_replicated_optimizer_state_is_written_once_and_every_rank_resumes_from_it(tmp_path):
+    """2 gloo ranks save a step: one optimizer file (every rank holds the same state; one copy per rank was ranks x
+    ~2 GB a save at d20), each rank's extra state; each rank resumes from them and steps on bit for bit as it did."""
+    import torch.multiprocessing as mp
+
+    out = str(tmp_path / "ck")
+    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    mp.start_processes(_replicated_worker, args=(2, str(tmp_path / "init"), out), nprocs=2, start_method=method)
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir() if not p.name.startswith("result")) == [
+        "extra_000002_rank0.pt",
+        "extra_000002_rank1.pt",
+        "meta_000002.json",
+        "model_000002.safetensors",
+        "optim_000002.pt",
+    ]
+    for rank in range(2):
+        result = torch.load(tmp_path / "ck" / f"result{rank}.pt")
+        assert result == {"step": 2, "extra": {"rank": rank}, "same": True}
+
+
+def test_a_checkpoint_with_an_optimizer_file_per_rank_still_resumes(tmp_path):
+    """Checkpoints of the older layout (optim_<step>_rank<r>.pt) load as they did."""
+    from nanorl.checkpoint import resume, save
+    from nanorl.optim import build_optimizer
+
+    model = tiny_model()
+    opt = build_optimizer(model)
+    _two_rank_steps(model, opt, 0, range(1))
+    save(str(tmp_path), 1, model, opt, {"model_config": CFG.to_dict()}, {"e": 1})
+    (tmp_path / "optim_000001.pt").rename(tmp_path / "optim_000001_rank0.pt")
+    fresh = tiny_model(seed=1)
+    fresh_opt = build_optimizer(fresh)
+    resume(str(tmp_path), fresh, fresh_opt)
+    for s1, s2 in zip(opt.state.values(), fresh_opt.state.values()):
+        assert s1.keys() == s2.keys() and all(torch.equal(s1[k], s2[k]) for k in s1 if torch.is_tensor(s1[k]))

@@ -47,7 +47,7 @@ def test_download_shards_from_file_url_and_skip_present(source, tmp_path, capsys
     assert leftovers(dst) == [shard_name(i) for i in range(3)]
     for i in range(3):
         assert (dst / shard_name(i)).read_bytes() == (source / shard_name(i)).read_bytes()
-    assert list(iter_file_texts(str(dst / shard_name(1))))[4] == "shard 1 doc 4"
+    assert list(iter_file_texts(str(dst / shard_name(1))))[4][1] == "shard 1 doc 4"
     capsys.readouterr()
     main(["-n", "3", "--base-url", "file:///nonexistent", "--data-dir", str(dst)])  # nothing to fetch: all present
     assert capsys.readouterr().out.count("already present, skipping") == 3

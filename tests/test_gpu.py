@@ -541,7 +541,7 @@ def test_kill_and_resume_on_cuda(tmp_path):
     subprocess.run(tok, cwd=REPO, env=env, check=True, capture_output=True)
     base = BASE.replace("--device-type cpu", "--device-type cuda --no-compile").split()
     kill_and_resume(tmp_path, "scripts.base_train", base, "base_checkpoints", "--model-tag", "g", 4, 4, 6, atol=1e-2)
-    optim = torch.load(tmp_path / "base_checkpoints" / "g_killed" / "optim_000006_rank0.pt", weights_only=True)
+    optim = torch.load(tmp_path / "base_checkpoints" / "g_killed" / "optim_000006.pt", weights_only=True)
     assert adamw_moment_dtypes(optim) == {torch.float32}
     rl_flags = RL.replace("--device-type cpu", "--device-type cuda").split() + [
         "--source",
@@ -551,3 +551,22 @@ def test_kill_and_resume_on_cuda(tmp_path):
     ]
     kill_and_resume(tmp_path, "scripts.chat_rl", rl_flags, "rl_checkpoints", "--output-tag", "g", 3, 4, 4, atol=1e-2)
     report("resume on CUDA", stages="base_train, chat_rl", killed="mid-run and mid-save", resumed="ok")
+
+
+@gpu
+def test_the_batch_trial_compiles_the_graph_training_runs_on_cuda(tmp_path):
+    """base_train under torchrun (DDP, one rank per GPU), torch.compile with inductor and --device-batch-size auto: the
+    trial's graph is the one training runs, so dynamo never recompiles forward (tests/test_pretrain.py counts the graphs
+    with 2 CPU ranks and dynamo's eager backend)."""
+    from test_resume import BASE
+
+    env = {**os.environ, "NANORL_BASE_DIR": str(tmp_path), "TORCH_LOGS": "recompiles"}
+    tok = [sys.executable, "-m", "scripts.tok_train", "--vocab-size", "600", "--max-chars", "300000"]
+    subprocess.run(tok, cwd=REPO, env=env, check=True, capture_output=True)
+    flags = BASE.replace("--device-type cpu", "--device-type cuda").replace("--device-batch-size 2", "").split()
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "-m"]
+    cmd = [*launch, "scripts.base_train", "--", *flags, "--device-batch-size", "auto", "--model-tag", "cg"]
+    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    assert "device batch (auto)" in res.stdout and "Recompiling function forward" not in res.stdout + res.stderr
+    report("base_train batch trial under DDP", graphs="one per shape", recompiles=0)

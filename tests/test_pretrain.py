@@ -287,3 +287,78 @@ def test_loader_refuses_another_world_size():
     state = {**loader.state_dict(), "world_size": 2}
     with pytest.raises(ValueError, match="made with 2 ranks, this run has 1"):
         loader.load_state_dict(state)
+
+
+class CountingTokenizer:
+    """A byte-level tokenizer that counts the documents it encodes."""
+
+    def __init__(self):
+        from nanorl.tokenizer import SPLIT_PATTERN, Tokenizer
+
+        self.tok, self.encoded = Tokenizer.from_ranks({bytes([i]): i for i in range(256)}, SPLIT_PATTERN), 0
+
+    def get_bos_token_id(self):
+        return self.tok.get_bos_token_id()
+
+    def encode(self, texts, prepend=None):
+        self.encoded += len(texts)
+        return self.tok.encode(texts, prepend=prepend)
+
+
+def write_pretrain_data(d, kind):
+    """Two train files and a val file of documents of 5..60 characters (parquet: row groups of 3 documents)."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    d.mkdir()
+    for f in range(3):
+        texts = [f"file {f} doc {i} " + "abcdefgh"[: i % 8] * (i % 7) for i in range(40)]
+        if kind == "parquet":
+            pq.write_table(pa.table({"text": texts}), d / f"shard_{f}.parquet", row_group_size=3)
+        else:
+            (d / f"shard_{f}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n\n" for t in texts))
+
+
+@pytest.mark.parametrize("kind", ["parquet", "jsonl", "synthetic"])
+def test_loader_resumes_without_tokenizing_what_it_consumed(tmp_path, kind):
+    """A loader restored from a state taken after k batches gives the uninterrupted loader's next batches, and
+    tokenizes at most one tokenizer batch (8 documents) to get there, however many documents came before: resuming
+    late in a long run used to tokenize every document the rank had consumed. 2 ranks, past the end of the files."""
+    from nanorl.dataloader import PretrainLoader
+
+    data = None if kind == "synthetic" else str(tmp_path / "data")
+    if data:
+        write_pretrain_data(tmp_path / "data", kind)
+    for rank in range(2):
+        full = PretrainLoader(CountingTokenizer(), 2, 16, data_dir=data, rank=rank, world_size=2, tokenizer_batch=8)
+        states, batches = [], []
+        for _ in range(60):  # 60 x 2 rows of about one document each: more than a rank's 40 documents of 2 files
+            states.append(full.state_dict())
+            batches.append(torch.cat(full.next_batch()))
+        for k in (0, 1, 5, 23, 41, 57):
+            tok = CountingTokenizer()
+            resumed = PretrainLoader(tok, 2, 16, data_dir=data, rank=rank, world_size=2, tokenizer_batch=8)
+            tok.encoded = 0
+            resumed.load_state_dict(states[k])
+            assert tok.encoded <= 8, (kind, rank, k, tok.encoded, states[k]["docs_consumed"])
+            for j in range(k, min(k + 3, 60)):
+                assert torch.equal(torch.cat(resumed.next_batch()), batches[j]), (kind, rank, k, j)
+            if k + 3 < 60:  # and it is where the uninterrupted loader was
+                assert resumed.state_dict() == states[k + 3]
+
+
+def test_the_batch_trial_compiles_the_graph_training_runs(base_dir):
+    """2 ranks under DDP, torch.compile and the batch-size trial switched on for the CPU (tests/compile_fixture.py):
+    the trial tries 2 rows, which fit, and training then runs that very graph: one graph compiled per rank for its one
+    shape. A trial outside DDP, with one tensor as input and targets, compiled a graph that the first DDP step compiled
+    again (split at DDP's buckets), so the batch size was checked on another graph."""
+    env = {**os.environ, "NANORL_BASE_DIR": str(base_dir), "OMP_NUM_THREADS": "1"}
+    flags = [*TINY, "--device-batch-size", "auto", "--total-batch-size", str(64 * 2 * 2), "--num-iterations", "2"]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    cmd = [*launch, str(ROOT / "tests" / "compile_fixture.py"), "scripts.base_train", "--", *flags, "--model-tag", "cg"]
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "device batch (auto): 2 rows" in out.stdout and "step 00002/2" in out.stdout, out.stdout[-2000:]
+    assert sorted(re.findall(r"rank (\d): compiled graphs: (\d+)", out.stdout)) == [("0", "1"), ("1", "1")], out.stdout

@@ -67,6 +67,18 @@ def test_a_run_steps_saves_and_resumes_in_process(base_dir, monkeypatch, capsys)
     assert resumed.step(2)["train/train_rollout_logprob_abs_diff"] < 1e-4
 
 
+def test_rl_keeps_its_newest_checkpoints_by_default(base_dir, monkeypatch):  # noqa: F811
+    """A GPU run saves every 60 rollouts and each save is ~3x the weights: by default only the newest 2 stay (the
+    latest always), each with one optimizer file."""
+    from nanorl.checkpoint import complete_steps
+
+    run = build(base_dir, monkeypatch, "--output-tag", "kept")
+    for step in (1, 2, 3):
+        run.save(step)
+    assert complete_steps(run.ckpt["dir"]) == [2, 3]
+    assert sorted(p.name for p in Path(run.ckpt["dir"]).glob("optim_*")) == ["optim_000002.pt", "optim_000003.pt"]
+
+
 def test_resuming_with_other_flags_names_them_in_one_line(base_dir, monkeypatch, capsys):  # noqa: F811
     # (the same flags warn about nothing: the test above)
     run = build(base_dir, monkeypatch, "--num-rollouts", "2", "--output-tag", "inproc_flags", "--overwrite")

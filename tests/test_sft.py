@@ -372,11 +372,144 @@ def test_sft_packs_the_next_step_while_the_device_works(base_dir, monkeypatch): 
     chat_sft.add_train_args(parser, "sft", source="sft", init_lr_frac=0.02, warmdown_ratio=1.0, num_epochs=1)
     argv = "--model-tag t --levels 1 --num-examples 100 --num-iterations 3 --device-batch-size 2 --max-seq-len 128"
     args = parser.parse_args(argv.split() + "--eval-every 100 --eval-tokens 256 --output-tag prefetch".split())
-    train, val, desc = chat_sft.build_data(args, chat_sft.hub_mixture, chat_sft.offline_mixture)
-    out = chat_sft.train(args, "sft", train, val, desc)
+    out = chat_sft.train(args, "sft", chat_sft.hub_mixture, chat_sft.offline_mixture)
+    train = chat_sft.offline_mixture(args)[0]
     assert events == ["pack"] + ["pack", "wait"] * 3, events
     fresh = SFTLoader(train, get_tokenizer(), 2, 128, seed=args.seed)
     for _ in range(3):
         real_next(fresh)
     saved = load_checkpoint(out["checkpoint_dir"], 3, load_optimizer=True)[3]["loader"]
     assert saved == fresh.state_dict() and out["stats"] == fresh.stats
+
+
+# -----------------------------------------------------------------------------------------------
+# --data hub: every rank trains on the same data, or none trains
+
+
+def _hub_args(*task_paths):
+    from argparse import Namespace
+
+    return Namespace(data="hub", task_path=list(task_paths))
+
+
+def _hub_fails_on(ranks):
+    """A hub_mixture that cannot reach the Hub on `ranks` (as a node without network or cache), and loads elsewhere."""
+
+    def hub_mixture(args, paths):
+        import torch.distributed as dist
+
+        from nanorl.errors import Unreadable
+
+        if (dist.get_rank() if dist.is_initialized() else 0) in ranks:
+            raise Unreadable("could not load allenai/ai2_arc (ARC-Easy, train): ConnectionError\nno network? ...")
+        return ListTask([TOOL_CONV] * 4), ListTask([TOOL_CONV])
+
+    return hub_mixture
+
+
+def _offline(args):
+    return ListTask([TOOL_CONV] * 2), ListTask([TOOL_CONV])
+
+
+def test_a_named_task_path_that_is_missing_stops_instead_of_falling_back(tmp_path):
+    """The Hub out of reach for a task nobody named (it loads first) and a --task-path file that is not there: the
+    stage stops on the user's path, rather than training on the offline curriculum with a warning."""
+    from nanorl.errors import Unreadable
+    from nanorl.sft_data import build_data
+
+    missing = tmp_path / "gsm8k.jsonl"
+    with pytest.raises(Unreadable, match=f"^--data hub: --task-path gsm8k={missing}: no such file"):
+        build_data(_hub_args(f"gsm8k={missing}"), _hub_fails_on({0}), _offline)
+    missing.write_text("")  # there, but the Hub fails for another task: no fallback either while a path is named
+    with pytest.raises(Unreadable, match="^--data hub: could not load allenai/ai2_arc.*no offline fallback"):
+        build_data(_hub_args(f"gsm8k={missing}"), _hub_fails_on({0}), _offline)
+    train, _, desc = build_data(_hub_args(), _hub_fails_on({0}), _offline)  # nothing named, no Hub: the fallback
+    assert len(train) == 2 and desc.startswith("offline (fallback: could not load allenai/ai2_arc")
+
+
+def _agree_worker(rank, world, init_file, out_dir, failing):
+    import torch.distributed as dist
+
+    from nanorl.sft_data import build_data
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        out = build_data(_hub_args(), _hub_fails_on(failing), _offline)
+        result = ("ok", len(out[0]), out[2])
+    except Exception as e:  # noqa: BLE001 - what each rank met is the result
+        result = (type(e).__name__, str(e))
+    finally:
+        dist.destroy_process_group()
+    torch.save(result, f"{out_dir}/agree{rank}.pt")
+
+
+@pytest.mark.parametrize("failing", [{1}, {0, 1}])
+def test_ranks_agree_on_the_data_source(tmp_path, failing):
+    """2 gloo ranks. Rank 1 alone cannot load the Hub's datasets: both stop, naming rank 1 (before, rank 1 trained on
+    the ~10x shorter offline curriculum and its epoch ended everyone's training early). Neither can: both fall back."""
+    import torch.multiprocessing as mp
+
+    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    mp.start_processes(
+        _agree_worker, args=(2, str(tmp_path / "init"), str(tmp_path), failing), nprocs=2, start_method=method
+    )
+    results = [torch.load(tmp_path / f"agree{r}.pt") for r in range(2)]
+    if failing == {1}:
+        for kind, msg in results:
+            assert kind == "Unreadable" and msg.startswith("--data hub: rank 1 of 2: could not load allenai/ai2_arc")
+    else:
+        assert results[0] == results[1] and results[0][:2] == ("ok", 2) and "fallback" in results[0][2]
+
+
+# -----------------------------------------------------------------------------------------------
+# --device-batch-size auto: the batch that fits in memory, the same step
+
+
+@pytest.mark.parametrize("stage", ["mid", "sft"])
+def test_a_stage_fits_its_batch_to_memory_and_trains_the_same_step(base_dir, monkeypatch, capsys, stage):  # noqa: F811
+    """Out of memory caught as on CUDA, and a simulated limit of 4 rows a forward: --device-batch-size auto tries 16
+    and 8, takes 4 and accumulates 4 micro-batches, so the step keeps its 16 rows (the d20 SFT step at 16 rows was
+    61.4 GB on one H100). The weights and optimizer state equal --device-batch-size 4 --total-batch-size 1024's bit for
+    bit, and 16 rows at once to summation order."""
+    from argparse import ArgumentParser
+
+    import nanorl.common
+    import scripts.chat_sft as chat_sft
+    import scripts.mid_train as mid_train
+    from nanorl.checkpoint import load_checkpoint
+    from nanorl.gpt import GPT
+
+    monkeypatch.setenv("NANORL_BASE_DIR", str(base_dir))
+    monkeypatch.setattr(nanorl.common, "oom_is_catchable", lambda device: True)
+    script = mid_train if stage == "mid" else chat_sft
+    limit, real_forward = [None], GPT.forward
+
+    def forward(self, idx, *a, **kw):
+        if limit[0] is not None and idx.size(0) > limit[0]:
+            raise torch.OutOfMemoryError(f"simulated: more than {limit[0]} rows")
+        return real_forward(self, idx, *a, **kw)
+
+    monkeypatch.setattr(GPT, "forward", forward)
+
+    def run(tag, *flags):
+        parser = ArgumentParser()
+        chat_sft.add_train_args(parser, stage, source="sft", init_lr_frac=1.0, warmdown_ratio=0.5, num_epochs=1)
+        argv = "--model-tag t --levels 1 --num-examples 100 --num-iterations 2 --max-seq-len 64 --eval-every 100"
+        args = parser.parse_args([*argv.split(), "--eval-tokens", "256", "--output-tag", f"{stage}-{tag}", *flags])
+        out = chat_sft.train(args, stage, script.hub_mixture, script.offline_mixture)
+        return load_checkpoint(out["checkpoint_dir"], 2, load_optimizer=True)[:2]
+
+    limit[0] = 4
+    fitted = run("fitted")
+    assert "device batch (auto): 4 rows, the largest that fits in memory (16, 8 did not)" in capsys.readouterr().out
+    limit[0] = None
+    four = run("four", "--device-batch-size", "4", "--total-batch-size", "1024")
+    sixteen = run("sixteen")
+    assert "device batch (auto): 16 rows" in capsys.readouterr().out
+    for k, v in fitted[0].items():
+        assert torch.equal(v, four[0][k]), k
+        assert torch.allclose(v.float(), sixteen[0][k].float(), rtol=1e-4, atol=1e-5 * v.abs().max().item()), k
+    moments = [
+        (s, t) for i in fitted[1]["state"] for s, t in zip(fitted[1]["state"][i].values(), four[1]["state"][i].values())
+    ]
+    assert moments and all(torch.equal(s, t) for s, t in moments if torch.is_tensor(s))
