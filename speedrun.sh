@@ -60,7 +60,8 @@ SMALL=0
 size() { [ $SMALL = 1 ] && echo "$2" || echo "$1"; }
 
 # The GPU pipeline, one list for the real run and its rehearsal: only sizes come through size() (a FULL of "" drops
-# the flag), the launcher's rank count and device through ranks_stage, and the data through NANORL_MIRROR.
+# the flag; a batch the ranks share is a multiple of their count), the launcher's rank count and device through
+# ranks_stage, and the data through NANORL_MIRROR.
 # tests/test_speedrun.py compares the two listings (--dry-run) and allows nothing else.
 gpu_pipeline() {
     stage data_first $PY -m nanorl.dataset -n $(size 8 2)  # FineWeb-Edu: 8 shards now, the rest while the tokenizer trains
@@ -70,7 +71,7 @@ gpu_pipeline() {
     wait_background
     # -1 iterations: Chinchilla's 20 tokens a parameter; a rerun goes on from the last save
     ranks_stage base_train scripts.base_train --depth $(size 20 2) --head-dim $(size 128 64) --n-kv-head 2 \
-        --max-seq-len $(size 2048 512) --device-batch-size $(size auto 1) --total-batch-size $(size 524288 1024) --num-iterations $(size -1 4) \
+        --max-seq-len $(size 2048 512) --total-batch-size $(size 524288 $((512 * NRANKS))) --num-iterations $(size -1 4) \
         --eval-every $(size 250 2) --eval-tokens $(size 5242880 1024) --sample-every $(size 2000 4) --save-every $(size 2000 2) --run "$WANDB_RUN"
     ranks_stage base_eval  scripts.base_eval --device-batch-size $(size 32 1) --split-tokens $(size 10485760 1024)
     local sft_sizes="--num-iterations $(size -1 4) --device-batch-size $(size 16 1) --eval-every $(size 100 2) --eval-tokens $(size 200000 1024) --num-examples $(size 20000 200)"
@@ -80,7 +81,7 @@ gpu_pipeline() {
     ranks_stage chat_sft   scripts.chat_sft --data hub $sft_sizes --run "$WANDB_RUN"
     ranks_stage eval_sft   scripts.chat_eval -i sft -a $tasks $eval_sizes
     # RL as nanochat's: one epoch of GSM8K (7,473 prompts / 16), 16 samples, T=1, Dr. GRPO; pass@k on 400 x 8 samples
-    ranks_stage chat_rl    scripts.chat_rl --overwrite --task gsm8k --num-rollouts $(size 467 3) --rollout-batch-size $(size 16 2) \
+    ranks_stage chat_rl    scripts.chat_rl --overwrite --task gsm8k --num-rollouts $(size 467 3) --rollout-batch-size $(size 16 $NRANKS) \
         --n-samples-per-prompt $(size 16 2) --max-new-tokens $(size 256 16) --disable-grpo-std-normalization --eval-every $(size 60 2) \
         --eval-max-problems $(size 400 4) --n-samples-per-eval-prompt $(size 8 2) --pass-k $(size 1,8 1,2) --save-every $(size 60 1) --run "$WANDB_RUN"
     ranks_stage eval_rl    scripts.chat_eval -i rl -a $tasks $eval_sizes
