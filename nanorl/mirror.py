@@ -14,7 +14,7 @@ NANORL_MIRROR is the one setting: a URL (http://, https:// or file://) of a dire
                                                        a config (openai/openai_humaneval) uses "default"
 
 A Hub split is copied once into <base>/hub_data/ (the same path under it) and read from there by the call that
-reads a local --task-path file, so a dataset from the mirror goes through the `datasets` library never. The
+reads a local --task-path file: a dataset from a mirror never goes through the `datasets` library. The
 rehearsal (NANORL_REHEARSAL=1 bash speedrun.sh) serves a small mirror of this layout on 127.0.0.1 (nanorl/rehearsal.py).
 """
 
