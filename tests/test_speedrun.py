@@ -335,6 +335,8 @@ def test_rehearsal_after_a_tiny_run_runs_every_stage_and_continues_after_kills(t
     sys.path.insert(0, str(ROOT / "dev"))
     import pipeline_check
 
+    engines = ("chat_rl", "eval_mid", "eval_sft", "eval_rl", "eval_rl_sampled")  # each names its engine's kernels
+    assert all("\nengine attention: " in (run / "logs" / f"{stage}.log").read_text() for stage in engines)
     assert pipeline_check.eager_fallbacks(run / "logs", cuda=False) == []
     assert isinstance(pipeline_check.chat_web_answer(run), str)
     # the mirror's server stopped with the run
