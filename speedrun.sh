@@ -1,19 +1,32 @@
 #!/usr/bin/env bash
 # nanorl speedrun: tokenizer -> base -> mid -> SFT -> RL -> report, in one command.
-#   bash speedrun.sh                 # 8xH100 (or any CUDA node): the real pipeline on all GPUs
-#   NANORL_TINY=1 bash speedrun.sh   # or any machine without CUDA: tiny model, offline curriculum, CPU
-#   bash speedrun.sh --force         # rerun every stage from scratch, finished or not
+#   bash speedrun.sh                      # 8xH100 (or any CUDA node): the real pipeline on all GPUs
+#   NANORL_TINY=1 bash speedrun.sh        # or any machine without CUDA: tiny model, offline curriculum, CPU
+#   NANORL_REHEARSAL=1 bash speedrun.sh   # the GPU pipeline's own stages at tiny sizes, every download from a mirror it
+#                                         # serves on 127.0.0.1: on all GPUs, or on 2 CPU ranks without one
+#   bash speedrun.sh --force              # rerun every stage from scratch, finished or not
+#   bash speedrun.sh --dry-run            # print the stages' commands, run none (and install nothing)
 # A rerun skips finished stages and continues a stopped one from its last checkpoint. WANDB_RUN=name logs to wandb.
+# NANORL_MIRROR=URL takes every download from a mirror (nanorl/mirror.py). The GPU run keeps its files in
+# NANORL_BASE_DIR, the tiny run in its tiny/ and the rehearsal in its rehearsal/: no run reads another's markers,
+# data or checkpoints.
 set -euo pipefail
 cd "$(dirname "$0")"
-FORCE=0; [ "${1:-}" = "--force" ] && FORCE=1
-export NANORL_BASE_DIR="${NANORL_BASE_DIR:-$HOME/.cache/nanorl}" NANORL_PIPELINE=1  # stages write the pipeline's report
+FORCE=0; DRY=0
+for arg in "$@"; do
+    case $arg in --force) FORCE=1;; --dry-run) DRY=1;; *) echo "usage: bash speedrun.sh [--force] [--dry-run]" >&2; exit 2;; esac
+done
+[ $DRY = 0 ] || export NANORL_SKIP_INSTALL=1
+BASE_DIR="${NANORL_BASE_DIR:-$HOME/.cache/nanorl}"
 CALLER_OMP="${OMP_NUM_THREADS:-}"; export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"  # the tiny run: see below
 WANDB_RUN="${WANDB_RUN:-dummy}"
-mkdir -p "$NANORL_BASE_DIR/logs" "$NANORL_BASE_DIR/done" "$NANORL_BASE_DIR/started"
 T_START=$(date +%s)
 source install.sh bwrap:bubblewrap  # .venv with nanorl and the right torch, the sandbox (as tests/run.sh); sets PY, TINY
 SETUP_SECONDS=$(( $(date +%s) - T_START ))  # the report shows the venv and installs apart from the stages
+RUN=gpu; [ $TINY = 1 ] && RUN=tiny; [ "${NANORL_REHEARSAL:-0}" = 1 ] && RUN=rehearsal
+RUN_DIR=$BASE_DIR; [ $RUN = gpu ] || RUN_DIR=$BASE_DIR/$RUN
+export NANORL_BASE_DIR=$RUN_DIR NANORL_PIPELINE=1  # every stage's files go there; stages write the pipeline's report
+[ $DRY = 1 ] || mkdir -p "$NANORL_BASE_DIR/logs" "$NANORL_BASE_DIR/done" "$NANORL_BASE_DIR/started"
 
 # stage NAME CMD...: skipped once finished (not with --force), logged to logs/NAME.log; a failure names both. A training
 # stage stopped part-way goes on with --resume (not --overwrite, which moves steps aside) from a step it saved.
@@ -23,6 +36,7 @@ resumable() {  # --resume would load a step saved since the stage started: its t
 }
 stage() {
     local name=$1 log="$NANORL_BASE_DIR/logs/$1.log" started="$NANORL_BASE_DIR/started/$1" append="" t0=$(date +%s); shift
+    if [ $DRY = 1 ]; then echo "-- $name: $*"; return; fi
     if [ -f "$NANORL_BASE_DIR/done/$name" ] && [ $FORCE = 0 ]; then echo "-- $name: already done, skipping (--force to rerun)"; return; fi
     if [ $FORCE = 0 ] && [ -f "$started" ] && resumable "$name" "$started"; then  # its log goes on after the stopped attempt's
         local args=(); for a in "$@"; do [ "$a" = --overwrite ] || args+=("$a"); done; set -- "${args[@]}" --resume; append=-a
@@ -32,12 +46,51 @@ stage() {
     echo "-- $name done in $(( $(date +%s) - t0 ))s"
     echo $(( $(date +%s) - t0 )) > "$NANORL_BASE_DIR/done/$name" && rm "$started"  # its seconds, for the report's total
 }
-# gpu_stage: one rank per GPU, each told --device-type cuda, so that no stage can quietly fall back to the CPU
-gpu_stage() { stage "$1" $PY -m torch.distributed.run --standalone --nproc_per_node=$NGPU -m "$2" -- --device-type cuda "${@:3}"; }
-size() { [ "${NANORL_SMOKE:-0}" = "1" ] && echo "$2" || echo "$1"; }  # the tiny run's `size full smoke` (NANORL_SMOKE=1)
+# ranks_stage NAME MODULE ARGS...: torchrun, one rank per GPU, each told --device-type cuda so that no stage can quietly
+# fall back to the CPU (the rehearsal without a GPU: 2 CPU ranks on gloo, told --device-type cpu)
+ranks_stage() { stage "$1" $PY -m torch.distributed.run --standalone --nproc_per_node=$NRANKS -m "$2" -- --device-type $DEVICE "${@:3}"; }
+# background NAME CMD...: started now, logged to logs/NAME.log; wait_background waits for it and fails if it failed
+background() {
+    if [ $DRY = 1 ]; then echo "-- $1 (in the background): ${*:2}"; return; fi
+    BG_NAME=$1; "${@:2}" > "$NANORL_BASE_DIR/logs/$1.log" 2>&1 & BG_PID=$!
+}
+wait_background() { [ $DRY = 1 ] || wait $BG_PID || fail "$BG_NAME failed; see $NANORL_BASE_DIR/logs/$BG_NAME.log"; }
+# size FULL SMALL: a size of the full run, or of the small one (the tiny run's NANORL_SMOKE=1; the rehearsal)
+SMALL=0
+size() { [ $SMALL = 1 ] && echo "$2" || echo "$1"; }
 
-if [ $TINY = 1 ]; then
+# The GPU pipeline, one list for the real run and its rehearsal: only sizes come through size() (a FULL of "" drops
+# the flag; a batch the ranks share is a multiple of their count), the launcher's rank count and device through
+# ranks_stage, and the data through NANORL_MIRROR.
+# tests/test_speedrun.py compares the two listings (--dry-run) and allows nothing else.
+gpu_pipeline() {
+    stage data_first $PY -m nanorl.dataset -n $(size 8 2)  # FineWeb-Edu: 8 shards now, the rest while the tokenizer trains
+    background data_download $PY -m nanorl.dataset -n $(size 300 3)  # d20 reads ~287 (docs/training.md)
+    stage tok_train  $PY -m scripts.tok_train --vocab-size $(size 32768 2048) --max-chars $(size 2000000000 1000000)
+    stage tok_eval   $PY -m scripts.tok_eval
+    wait_background
+    # -1 iterations: Chinchilla's 20 tokens a parameter; a rerun goes on from the last save
+    ranks_stage base_train scripts.base_train --depth $(size 20 2) --head-dim $(size 128 64) --n-kv-head 2 \
+        --max-seq-len $(size 2048 512) --total-batch-size $(size 524288 $((512 * NRANKS))) --num-iterations $(size -1 4) \
+        --eval-every $(size 250 2) --eval-tokens $(size 5242880 1024) --sample-every $(size 2000 4) --save-every $(size 2000 2) --run "$WANDB_RUN"
+    ranks_stage base_eval  scripts.base_eval --device-batch-size $(size 32 1) --split-tokens $(size 10485760 1024)
+    local sft_sizes="--num-iterations $(size -1 4) --device-batch-size $(size 16 1) --eval-every $(size 100 2) --eval-tokens $(size 200000 1024) --num-examples $(size 20000 200)"
+    ranks_stage mid_train  scripts.mid_train --data hub $sft_sizes --run "$WANDB_RUN"
+    local tasks="arc-easy,arc-challenge,mmlu,gsm8k,humaneval,spellingbee,offline" eval_sizes="$(size "" "-x 4 -m 32")"
+    ranks_stage eval_mid   scripts.chat_eval -i mid -a $tasks $eval_sizes
+    ranks_stage chat_sft   scripts.chat_sft --data hub $sft_sizes --run "$WANDB_RUN"
+    ranks_stage eval_sft   scripts.chat_eval -i sft -a $tasks $eval_sizes
+    # RL as nanochat's: one epoch of GSM8K (7,473 prompts / 16), 16 samples, T=1, Dr. GRPO; pass@k on 400 x 8 samples
+    ranks_stage chat_rl    scripts.chat_rl --overwrite --task gsm8k --num-rollouts $(size 467 3) --rollout-batch-size $(size 16 $NRANKS) \
+        --n-samples-per-prompt $(size 16 2) --max-new-tokens $(size 256 16) --disable-grpo-std-normalization --eval-every $(size 60 2) \
+        --eval-max-problems $(size 400 4) --n-samples-per-eval-prompt $(size 8 2) --pass-k $(size 1,8 1,2) --save-every $(size 60 1) --run "$WANDB_RUN"
+    ranks_stage eval_rl    scripts.chat_eval -i rl -a $tasks $eval_sizes
+    ranks_stage eval_rl_sampled scripts.chat_eval -a gsm8k -i rl -x $(size 400 4) -n $(size 8 2) -k $(size 1,8 1,2) -t 1.0 --top-k 50 -m $(size 256 16)  # as nanochat samples
+}
+
+if [ $RUN = tiny ]; then
     echo "== nanorl speedrun: no CUDA GPU (or NANORL_TINY=1): tiny model on the offline curriculum, CPU, no network =="
+    SMALL=${NANORL_SMOKE:-0}
     # the CPU also on a GPU machine (torch and every stage's GPU check see none), on every core unless the caller chose
     export CUDA_VISIBLE_DEVICES="" OMP_NUM_THREADS=${CALLER_OMP:-$(nproc --all)}
     # a CPU with bf16 matrix units (AMX) takes CUDA's dtypes (bf16 autocast, a bf16 engine): ~3x faster steps; =0: fp32
@@ -72,31 +125,41 @@ if [ $TINY = 1 ]; then
     stage eval_rl_sampled $PY -m scripts.chat_eval -i rl -a offline -x $EVAL_N -m $GEN --levels 1,2 -n 4 -t 1.0
 else
     # HumanEval runs the model's code: with no sandbox here the evals skip it (and say so), not the run
-    $PY -c "from nanorl.execution import sandbox_missing as m; w = m(); w and print('note: HumanEval will be skipped:', w)"
-    NGPU=$($PY -m nanorl.gpu_setup check)  # one rank per GPU torch sees; none: one line naming the driver and the fix
-    [ "$NGPU" -gt 0 ] || fail "torch sees no GPU: CUDA_VISIBLE_DEVICES='${CUDA_VISIBLE_DEVICES:-}' hides them all"
-    echo "== nanorl speedrun: $NGPU GPU(s), the full pipeline =="
-    stage data_first $PY -m nanorl.dataset -n 8  # FineWeb-Edu: 8 shards now, the rest while the tokenizer trains
-    $PY -m nanorl.dataset -n 300 > "$NANORL_BASE_DIR/logs/data_download.log" 2>&1 & DATA_PID=$!  # d20 reads ~287 (docs/training.md)
-    stage tok_train  $PY -m scripts.tok_train --max-chars 2000000000
-    stage tok_eval   $PY -m scripts.tok_eval
-    wait $DATA_PID || fail "data download failed; see $NANORL_BASE_DIR/logs/data_download.log"
-    gpu_stage base_train scripts.base_train --depth 20 --n-kv-head 2 --save-every 2000 --run "$WANDB_RUN"  # a rerun goes on from there
-    gpu_stage base_eval  scripts.base_eval
-    gpu_stage mid_train  scripts.mid_train --data hub --run "$WANDB_RUN"
-    gpu_stage eval_mid   scripts.chat_eval -i mid -a arc-easy,arc-challenge,mmlu,gsm8k,humaneval,spellingbee,offline
-    gpu_stage chat_sft   scripts.chat_sft --data hub --run "$WANDB_RUN"
-    gpu_stage eval_sft   scripts.chat_eval -i sft -a arc-easy,arc-challenge,mmlu,gsm8k,humaneval,spellingbee,offline
-    # RL as nanochat's: one epoch of GSM8K (7,473 prompts / 16), 16 samples, T=1, Dr. GRPO; pass@k on 400 x 8 samples
-    gpu_stage chat_rl    scripts.chat_rl --overwrite --task gsm8k --num-rollouts 467 --rollout-batch-size 16 --n-samples-per-prompt 16 \
-        --max-new-tokens 256 --disable-grpo-std-normalization --eval-every 60 --eval-max-problems 400 --n-samples-per-eval-prompt 8 --pass-k 1,8 --save-every 60 --run "$WANDB_RUN"
-    gpu_stage eval_rl    scripts.chat_eval -i rl -a arc-easy,arc-challenge,mmlu,gsm8k,humaneval,spellingbee,offline
-    gpu_stage eval_rl_sampled scripts.chat_eval -a gsm8k -i rl -x 400 -n 8 -k 1,8 -t 1.0 --top-k 50 -m 256  # as nanochat samples
+    [ $DRY = 1 ] || $PY -c "from nanorl.execution import sandbox_missing as m; w = m(); w and print('note: HumanEval will be skipped:', w)"
+    if [ $TINY = 0 ]; then
+        # one rank per GPU torch sees; none: one line naming the driver and the fix (a dry run lists an 8-GPU node's)
+        if [ $DRY = 1 ]; then NGPU=$($PY -m nanorl.gpu_setup check 2>/dev/null || echo 8); else NGPU=$($PY -m nanorl.gpu_setup check); fi
+        [ "$NGPU" -gt 0 ] || fail "torch sees no GPU: CUDA_VISIBLE_DEVICES='${CUDA_VISIBLE_DEVICES:-}' hides them all"
+        NRANKS=$NGPU DEVICE=cuda
+    else  # the rehearsal without a GPU: 2 ranks of one thread on the CPU, in CUDA's dtypes (docs/testing.md)
+        export CUDA_VISIBLE_DEVICES="" NANORL_CUDA_DTYPES=1 OMP_NUM_THREADS=1
+        NRANKS=2 DEVICE=cpu
+    fi
+    if [ $RUN = rehearsal ]; then
+        SMALL=1
+        echo "== nanorl speedrun rehearsal: the GPU pipeline's stages at tiny sizes on $NRANKS $DEVICE rank(s) =="
+        if [ -z "${NANORL_MIRROR:-}" ] && [ $DRY = 0 ]; then  # no mirror of the caller's: serve a small one here
+            [ -d "$RUN_DIR/mirror" ] || $PY -m nanorl.rehearsal make "$RUN_DIR/mirror" > "$RUN_DIR/logs/mirror.log" 2>&1 \
+                || fail "could not make the mirror: see $RUN_DIR/logs/mirror.log"
+            rm -f "$RUN_DIR/mirror.url"
+            $PY -m nanorl.rehearsal serve "$RUN_DIR/mirror" "$RUN_DIR/mirror.url" >> "$RUN_DIR/logs/mirror.log" 2>&1 & MIRROR_PID=$!
+            trap 'kill $MIRROR_PID 2>/dev/null || true' EXIT  # stopped with the run, however it ends
+            for _ in $(seq 100); do [ -s "$RUN_DIR/mirror.url" ] && break; sleep 0.1; done
+            NANORL_MIRROR=$(cat "$RUN_DIR/mirror.url" 2>/dev/null) || fail "the mirror's server did not start: see $RUN_DIR/logs/mirror.log"
+            export NANORL_MIRROR
+        fi
+    else
+        echo "== nanorl speedrun: $NGPU GPU(s), the full pipeline =="
+    fi
+    # a mirror that cannot be read stops the run here, in one line naming it
+    [ -z "${NANORL_MIRROR:-}" ] || [ $DRY = 1 ] || $PY -m nanorl.mirror check > /dev/null || exit 1
+    gpu_pipeline
 fi
-
+[ $DRY = 0 ] || exit 0
 $PY -m nanorl.report --out "${NANORL_REPORT:-report.md}" --setup-time "$SETUP_SECONDS"  # its total: the stages' own times
 echo "== done in $(( ($(date +%s) - T_START) / 60 )) min; the report card is in ${NANORL_REPORT:-report.md} =="
 echo "Chat with the RL model it trained:"  # everything was installed into .venv: a new shell activates it first
 echo "  source .venv/bin/activate"
+[ "$RUN_DIR" = "$HOME/.cache/nanorl" ] || echo "  export NANORL_BASE_DIR=$RUN_DIR   # where this run's checkpoints are"
 echo "  python -m scripts.chat_cli -i rl      # in the terminal"
 echo "  python -m scripts.chat_web -i rl      # the chat page at http://127.0.0.1:8000 (and the OpenAI API under /v1)"

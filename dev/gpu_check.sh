@@ -2,14 +2,16 @@
 # The one command that proves the GPU path:
 #   bash dev/gpu_check.sh OUT.md          # one CUDA GPU: ~10 minutes on one H100, +2.5 for the 7B LoRA step
 #   bash dev/gpu_check.sh OUT.md --cpu    # tiny CPU mode (also what runs on a machine without an NVIDIA GPU)
-#   ONLY="tests" bash dev/gpu_check.sh OUT.md   # only these kinds of step (tests train decode rl hf), e.g. to fit
-#                                               # a 10-minute limit per command: "tests", then "train decode rl hf"
+#   ONLY="tests" bash dev/gpu_check.sh OUT.md   # only these kinds of step (tests pipeline train decode rl hf), e.g.
+#                                               # to fit a 10-minute limit per command: "tests", then "pipeline", ...
 # A GPU that nvidia-smi shows but torch cannot use (a CPU build of torch, or one built for a newer CUDA than the
 # driver's) fails at once, with the driver's version and the torch build to install.
 # On a GPU it runs the tests marked `gpu` (CUDA-graph engine == eager engine, bf16 engine vs trainer log-prob gap,
 # compiled == eager loss, base_train's batch trial compiling the graph its DDP steps run (no recompile), flex ==
 # dense-mask gradients, a packed SFT step at d20 shape, a GRPO step at d12, a 2-rank NCCL run when 2 GPUs exist), then
-# bench train d12 and d20, bench decode d20 at batch 1/64/256 (512-token prompts,
+# the pipeline step (dev/pipeline_check.py: NANORL_REHEARSAL=1 bash speedrun.sh on every visible GPU, no engine
+# decoding eagerly, chat_web -i rl answering, one profiled batch-1 decode step of d20),
+# then bench train d12 and d20, bench decode d20 at batch 1/64/256 (512-token prompts,
 # 256 new tokens, the engine RL samples with), bench rl d20 (16 prompts x 16 samples, 256 new tokens), bench train d20
 # --fsdp (FSDP2 over one rank: its cost against plain d20, and the sampler weight-gather time), bench hf (Qwen2.5-0.5B's
 # shape on random weights: --hf-model load, nanorl vs transformers greedy decode at batch 1/64/256, a GRPO step), and
@@ -56,6 +58,7 @@ if [ $MODE = gpu ] && [ "$($PY -c 'import torch; print(torch.cuda.device_count()
     step tests "chat_web --num-gpus 2" $PY -m pytest -q -s -m gpu -p no:cacheprovider tests/test_chat_web.py -k num_gpus_2
 fi
 if [ $MODE = gpu ]; then
+    step pipeline "pipeline" $PY dev/pipeline_check.py "$LOGS/pipeline"
     step train "train d12" $PY -m scripts.bench train --depth 12 --batch 32 --seq-len 2048 --warmup 2 --steps 5
     step train "train d20" $PY -m scripts.bench train --depth 20 --n-kv-head 2 --batch 32 --seq-len 2048 --warmup 2 --steps 5
     for B in 1 64 256; do
@@ -72,6 +75,8 @@ if [ $MODE = gpu ]; then
         --lora-rank 16
 else
     TINY="--head-dim 64 --vocab-size 4096 --device-type cpu --threads 1"
+    # the rehearsal itself is tests/test_speedrun.py's (2 CPU ranks); here the profiled decode step alone
+    step pipeline "pipeline" $PY dev/pipeline_check.py "$LOGS/pipeline" --depth 2 --cpu
     step train "train d2" $PY -m scripts.bench train --depth 2 --batch 2 --seq-len 64 --warmup 1 --steps 2 $TINY
     for B in 1 2 4; do
         step decode "decode d2 batch $B" $PY -m scripts.bench decode --depth 2 --batch $B --prompt-len 16 --new-tokens 32 $TINY

@@ -65,6 +65,28 @@ def extra_rows(kind, label, r):
     return rows
 
 
+def pipeline_rows(label, r):
+    """dev/pipeline_check.py's rows: the rehearsal, its two checks (when it ran), and the profiled decode step."""
+    rows = []
+    if "rehearsal_s" in r:
+        stages = ", ".join(f"{k} {v}" for k, v in r["stages_s"].items())
+        rows.append([f"{label}: rehearsal", fmt(r["rehearsal_s"]), "s", f"exit {r['rehearsal_rc']}; {stages}", ""])
+        rows.append([f"{label}: engines decoding eagerly", str(len(r["eager_fallbacks"])), "", "", ""])
+        answered = "no answer" if r["chat_web_answer"] is None else f"answered {r['chat_web_answer'][:40]!r}"
+        rows.append([f"{label}: chat_web -i rl", answered, "", "", ""])
+    d = r["decode_step"]
+    rows.append(
+        [
+            f"{label}: decode step d{r['depth']} batch 1 (profiled)",
+            fmt(d["host_ms"]),
+            "ms a step (host)",
+            f"device {d['device_ms']:.3f} ms, {d['kernels']:.0f} kernels, {d['syncs']:.1f} syncs",
+            "",
+        ]
+    )
+    return rows
+
+
 def main(logdir, out, mode, seconds):
     logdir = Path(logdir)
     rows, failed = [], []
@@ -110,6 +132,9 @@ def main(logdir, out, mode, seconds):
             failed.append(label)
             continue
         r = json.loads(last)
+        if kind == "pipeline":
+            rows += pipeline_rows(label, r)
+            continue
         figure, unit, util = bench_row(kind, label, r, mode)
         if kind == "hf":  # the first row is the load: no utilisation figure, the load's own peak memory
             rows.append([f"{label}: --hf-model load", figure, unit, "", fmt(r["load_peak_mem_gb"])])

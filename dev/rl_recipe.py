@@ -3,14 +3,14 @@ Experiments on the tiny speedrun's RL stage (dev/LOG.md, "RL recipe"): run chat_
 into an experiment folder of its own, evaluate the result like the card does, and compare per problem.
 
     # one RL run: the speedrun's RL flags, a seed, any extra chat_rl flags after --
-    python dev/rl_recipe.py rl --base ~/.cache/nanorl --name lr02_s7 --seed 7 -- --lr-scale 0.02
+    python dev/rl_recipe.py rl --base ~/.cache/nanorl/tiny --name lr02_s7 --seed 7 -- --lr-scale 0.02
     # the card's evals of a checkpoint (200 greedy, 200 x 4 at T=1), per problem, into <exp>/card_eval.json
-    python dev/rl_recipe.py eval --base ~/.cache/nanorl --name lr02_s7          # --name sft: the SFT checkpoint
+    python dev/rl_recipe.py eval --base ~/.cache/nanorl/tiny --name lr02_s7          # --name sft: the SFT checkpoint
     # right->wrong / wrong->right against another evaluation (default: the SFT checkpoint's)
-    python dev/rl_recipe.py flips --base ~/.cache/nanorl lr02_s7 [other]
+    python dev/rl_recipe.py flips --base ~/.cache/nanorl/tiny lr02_s7 [other]
     # per-step entropy / reward / response length of a run, and a table of every evaluated run
-    python dev/rl_recipe.py curves --base ~/.cache/nanorl lr02_s7
-    python dev/rl_recipe.py table --base ~/.cache/nanorl
+    python dev/rl_recipe.py curves --base ~/.cache/nanorl/tiny lr02_s7
+    python dev/rl_recipe.py table --base ~/.cache/nanorl/tiny
 
 Each experiment lives in <base>/rl_exp/<name>: a NANORL_BASE_DIR whose tokenizer and SFT checkpoints are links to
 <base>'s, so runs never overwrite each other's checkpoints, RL history or report. Run with OMP_NUM_THREADS=1.
@@ -219,8 +219,8 @@ def main():
     p.add_argument("names", nargs="*", help="flips: the run, then the one to compare with (default sft); curves: a run")
     p.add_argument(
         "--base",
-        default=os.environ.get("NANORL_BASE_DIR") or os.path.expanduser("~/.cache/nanorl"),
-        help="the speedrun's NANORL_BASE_DIR (its tokenizer and SFT checkpoint)",
+        default=os.path.join(os.environ.get("NANORL_BASE_DIR") or os.path.expanduser("~/.cache/nanorl"), "tiny"),
+        help="the tiny speedrun's directory, NANORL_BASE_DIR/tiny (its tokenizer and SFT checkpoint)",
     )
     p.add_argument("--name", default=None, help="the experiment's name (rl, eval)")
     p.add_argument("--seed", type=int, default=42, help="rl: chat_rl's --seed")

@@ -3,6 +3,7 @@ Where pretraining text comes from: a local directory of parquet/jsonl/txt files,
 and nothing downloaded) the built-in offline synthetic curriculum.
 
     python -m nanorl.dataset -n 8          # download FineWeb-Edu shards 0..7 into <base>/base_data
+    NANORL_MIRROR=URL python -m nanorl.dataset -n 8   # from a mirror of the run's downloads (nanorl/mirror.py)
 
 The shards are the ones nanochat trained on before its ClimbMix switch: FineWeb-Edu 100B tokens,
 shuffled and repacked into 1,823 parquet files of ~100 MB (shard_00000 .. shard_01822). The last file
@@ -23,6 +24,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
+from nanorl import mirror
 from nanorl.common import get_base_dir, print0
 from nanorl.errors import MissingFile, Unreadable
 
@@ -271,7 +273,11 @@ def main(argv=None):
     )
     parser.add_argument("-w", "--num-workers", type=int, default=4, help="parallel downloads")
     parser.add_argument("--data-dir", default=None, help="where the shards go (default <base>/base_data)")
-    parser.add_argument("--base-url", default=BASE_URL, help="where the shards come from (a mirror, or file:///dir)")
+    parser.add_argument(
+        "--base-url",
+        default=mirror.url_for(mirror.SHARDS, BASE_URL),
+        help="where the shards come from (default: NANORL_MIRROR's copy when it is set, else the Hub; or file:///dir)",
+    )
     args = parser.parse_args(argv)
     if args.num_files == 0 or args.num_files < -1 or args.num_files > NUM_SHARDS:
         parser.error(f"-n {args.num_files}: must be between 1 and {NUM_SHARDS}, or -1 for all")

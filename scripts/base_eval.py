@@ -10,6 +10,7 @@ metric (22 in-context tasks of the DCLM eval bundle; see nanorl/core_eval.py).
 
 import time
 
+from nanorl import mirror
 from nanorl.checkpoint import add_model_args, load_model_from_args
 from nanorl.common import (
     ArgumentParser,
@@ -38,7 +39,7 @@ parser.add_argument("--split-tokens", type=positive_int, default=20 * 524288, he
 parser.add_argument("--data-dir", default=None, help="text for bpb (default: what the checkpoint was trained on)")
 parser.add_argument("--max-per-task", type=int_or_off, default=-1, help="examples per CORE task (0 or -1 = all)")
 parser.add_argument("--bundle-dir", default=None, help="an unzipped eval_bundle (default: <base>/eval_bundle, downloaded once)")
-parser.add_argument("--bundle-url", default=EVAL_BUNDLE_URL, help="where eval_bundle.zip is downloaded from")
+parser.add_argument("--bundle-url", default=mirror.url_for(mirror.BUNDLE, EVAL_BUNDLE_URL), help="where eval_bundle.zip is downloaded from (default: NANORL_MIRROR's when set)")
 parser.add_argument("--device-type", default=None, choices=["cuda", "cpu", "mps"], help="default: autodetect")
 args = parser.parse_args()
 # fmt: on

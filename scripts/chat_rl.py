@@ -308,6 +308,8 @@ def build_run(args, parser):
                 device, ddp, rank, logger, ckpt)  # fmt: skip
     print0(attention_backend(device))
     print0(precision_line(device))
+    if engine is not None:  # its kernels and whether it decodes through CUDA graphs (gpu_check's pipeline checks it)
+        print0(engine.attention_kernels())
     if rollout_cfg.multi_turn and rollout_cfg.tool == "python":  # bwrap: kernel namespaces; guard: in-process fallback
         print0(f"python sandbox: {sandbox_mode()}")
     print0(

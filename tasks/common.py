@@ -12,6 +12,9 @@ import os
 import random
 import socket
 
+from nanorl import mirror
+from nanorl.common import get_base_dir
+from nanorl.dataset import download_file
 from nanorl.errors import MissingFile, Unreadable
 from nanorl.tokenizer import validate_conversation
 
@@ -203,14 +206,28 @@ def hub_reachable(host="huggingface.co", timeout=3.0):
         return False
 
 
+def mirror_copy(hf_name, hf_config, hf_split):
+    """The local copy of a Hub split from NANORL_MIRROR (nanorl/mirror.py), downloaded on first use as a shard is."""
+    path = mirror.split_path(hf_name, hf_config, hf_split)
+    local = os.path.join(get_base_dir(), "hub_data", *path.split("/"))
+    try:
+        return download_file(f"{mirror.mirror()}/{path}", local, attempts=2, backoff=1.0)
+    except RuntimeError as e:  # a MissingFile, not a RuntimeError: the stages would take that for "offline"
+        cause = e.__cause__ or e
+        raise MissingFile(f"NANORL_MIRROR={mirror.mirror()}: cannot read {path} ({type(cause).__name__}: {cause})")
+
+
 def load_rows(hf_name, hf_config, hf_split, path=None, split=None, flag="--task-path"):
     """
     Rows of a dataset: from `path` (a jsonl/parquet file, or a directory with <split>.jsonl) when given,
-    else from the Hugging Face Hub (or its local cache). With no network and nothing cached, a clear error
-    that names the dataset and the flag to use instead; never a 25 s retry loop.
+    else from NANORL_MIRROR's copy of the split when that is set (read as a local file), else from the Hugging Face
+    Hub (or its local cache). With no network and nothing cached, a clear error that names the dataset and the flag
+    to use instead; never a 25 s retry loop.
     """
     if path is not None:
         return read_rows(path, split or hf_split)
+    if mirror.mirror() is not None:
+        return read_rows(mirror_copy(hf_name, hf_config, hf_split), hf_split)
     how = f"download {hf_name} with network access, or pass a local jsonl/parquet with {flag}"
     offline = not hub_reachable()
     if offline:  # the cache may still have it; but never sit in the Hub client's retry loop

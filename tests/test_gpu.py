@@ -259,6 +259,9 @@ def test_gpu_check_cpu_mode(tmp_path):
     # the gpu tests ran (and were skipped here): the table says how many
     assert re.fullmatch(r"0 passed, 0 failed, \d+ skipped", rows["gpu tests"][1]), rows["gpu tests"]
     assert "CPU mode" in text
+    # the pipeline step's CPU mode: the profiled decode step alone (no device, so no kernels and no syncs)
+    row = rows["pipeline: decode step d2 batch 1 (profiled)"]
+    assert float(row[1]) > 0 and row[2:] == ["ms a step (host)", "device 0.000 ms, 0 kernels, 0.0 syncs", ""], row
     # ONLY="decode": those steps alone (a GPU session splits the check to fit its per-command limit)
     part = tmp_path / "part.md"
     res = subprocess.run(
@@ -570,3 +573,72 @@ def test_the_batch_trial_compiles_the_graph_training_runs_on_cuda(tmp_path):
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     assert "device batch (auto)" in res.stdout and "Recompiling function forward" not in res.stdout + res.stderr
     report("base_train batch trial under DDP", graphs="one per shape", recompiles=0)
+
+
+# -----------------------------------------------------------------------------
+# dev/pipeline_check.py (the `pipeline` step): what it reads, on hand-made input; its GPU run awaits a GPU
+
+
+def pipeline_check():
+    sys.path.insert(0, str(REPO / "dev"))
+    import pipeline_check
+
+    return pipeline_check
+
+
+def test_pipeline_check_counts_a_steps_kernels_syncs_and_device_time():
+    step_profile = pipeline_check().step_profile
+    events = [
+        ("aten::mm", False, 0.0),  # host-side ops: neither kernels nor syncs
+        ("ampere_bf16_gemm", True, 30.0),
+        ("flash_fwd_kernel", True, 12.5),
+        ("cudaLaunchKernel", False, 0.0),
+        ("cudaStreamSynchronize", False, 0.0),
+        ("ampere_bf16_gemm", True, 27.5),
+        ("cudaMemcpyAsync", False, 0.0),  # the sampled token back to the host
+    ]
+    assert step_profile(events, steps=2) == ((30.0 + 12.5 + 27.5) / 1e3 / 2, 1.5, 1.0)
+
+
+def test_pipeline_check_finds_every_engine_that_decodes_eagerly(tmp_path):
+    find = pipeline_check().eager_fallbacks
+    graphs = "engine attention: prefill = SDPA flash, decode = SDPA efficient, CUDA graphs (both pinned)"
+    eager = "engine attention: prefill = SDPA flash, decode = SDPA efficient (both pinned)"
+    warned = (
+        "warning: the CUDA graph of decode batch 4, attention length 128 on cuda:1 does not reproduce the eager step: "
+        "this engine decodes eagerly (same tokens, slower)"
+    )
+    (tmp_path / "eval_mid.log").write_text(f"loaded\n{graphs}\n{graphs}\n")
+    (tmp_path / "chat_rl.log").write_text(f"{graphs}\n{warned}\n")
+    (tmp_path / "eval_rl.log").write_text(f"{eager}\nGSM8K: accuracy 0.1\n")
+    (tmp_path / "notes.txt").write_text(warned)  # not a stage's log
+    assert find(tmp_path) == [("chat_rl.log", warned), ("eval_rl.log", eager)]
+    assert find(tmp_path, cuda=False) == [("chat_rl.log", warned)]  # on the CPU an engine has no graphs to drop
+
+
+def test_gpu_table_rows_of_the_pipeline_step():
+    sys.path.insert(0, str(REPO / "dev"))
+    from gpu_table import pipeline_rows
+
+    result = {
+        "rehearsal_rc": 0,
+        "rehearsal_s": 312,
+        "stages_s": {"base_train": 60, "chat_rl": 41},
+        "eager_fallbacks": [],
+        "chat_web_answer": "5",
+        "decode_step": {"host_ms": 3.04, "device_ms": 0.41, "kernels": 182.0, "syncs": 1.0},
+        "depth": 20,
+        "failed": [],
+    }
+    assert pipeline_rows("pipeline", result) == [
+        ["pipeline: rehearsal", "312", "s", "exit 0; base_train 60, chat_rl 41", ""],
+        ["pipeline: engines decoding eagerly", "0", "", "", ""],
+        ["pipeline: chat_web -i rl", "answered '5'", "", "", ""],
+        [
+            "pipeline: decode step d20 batch 1 (profiled)",
+            "3.04",
+            "ms a step (host)",
+            "device 0.410 ms, 182 kernels, 1.0 syncs",
+            "",
+        ],
+    ]

@@ -3,6 +3,8 @@
 import os
 import re
 import subprocess
+import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -33,7 +35,8 @@ def test_tiny_speedrun_end_to_end(tmp_path):
     out = subprocess.run(
         ["bash", "speedrun.sh"], cwd=ROOT, env={**env, **kill, "NANORL_TEST_KILL": "optstep:2"}, **RUN, timeout=900
     )
-    log, rl = base / "logs" / "chat_rl.log", base / "rl_checkpoints" / "d4"
+    run = base / "tiny"  # the tiny run's own directory: no other kind of run reads it
+    log, rl = run / "logs" / "chat_rl.log", run / "rl_checkpoints" / "d4"
     assert out.returncode == 1 and out.stderr.strip().splitlines()[-1].startswith(
         f"!! stage 'chat_rl' failed; its log is {log}."
     ), out.stdout[-4000:] + out.stderr[-4000:]
@@ -45,22 +48,23 @@ def test_tiny_speedrun_end_to_end(tmp_path):
     assert rerun.endswith(" --resume") and "--overwrite" not in rerun  # which would have moved step 1 aside
     text = log.read_text()  # the stopped attempt's log, then the resumed one's
     assert text.count("step 00001/2 |") == 1 and f"resumed from {rl} step 1\n" in text and "step 00002/2 |" in text
-    assert not list(rl.parent.glob("d4.old-*")) and not list((base / "started").iterdir())
+    assert not list(rl.parent.glob("d4.old-*")) and not list((run / "started").iterdir())
     assert "no CUDA GPU" in out.stdout  # it says up front that this is the tiny offline run
     # bf16 (CUDA's dtypes) exactly where the CPU has bf16 matrix units, and each training stage's log says which
     amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
     for stage in ("base_train", "mid_train", "chat_sft", "chat_rl"):
         line = next(
-            ln for ln in (base / "logs" / f"{stage}.log").read_text().splitlines() if ln.startswith("precision:")
+            ln for ln in (run / "logs" / f"{stage}.log").read_text().splitlines() if ln.startswith("precision:")
         )
         assert line.startswith("precision: bf16 autocast" if amx else "precision: fp32"), (stage, line)
-    # and at the end, the next step: the venv to activate (a new shell lacks it), then how to chat
-    tail = out.stdout.strip().splitlines()[-5:]
-    assert tail[0].endswith(f"the report card is in {report} ==") and tail[1:3] == [
+    # and at the end, the next step: the venv to activate (a new shell lacks it) and the run's directory, then how to chat
+    tail = out.stdout.strip().splitlines()[-6:]
+    assert tail[0].endswith(f"the report card is in {report} ==") and tail[1:4] == [
         "Chat with the RL model it trained:",
         "  source .venv/bin/activate",
+        f"  export NANORL_BASE_DIR={run}   # where this run's checkpoints are",
     ]
-    assert tail[3].startswith("  python -m scripts.chat_cli -i rl") and tail[4].startswith(
+    assert tail[4].startswith("  python -m scripts.chat_cli -i rl") and tail[5].startswith(
         "  python -m scripts.chat_web"
     )
     text = report.read_text()
@@ -91,9 +95,9 @@ def test_tiny_speedrun_end_to_end(tmp_path):
     assert "ChatCORE" not in text
     assert "(the sum of the stages' own times; the last setup (venv, installs): " in text  # installs apart
     for png in ("plot_base_loss.png", "plot_rl.png"):  # beside the sections, not loose next to report.md
-        assert (tmp_path / "base" / "report" / png).stat().st_size > 1000 and not (tmp_path / png).exists()
+        assert (run / "report" / png).stat().st_size > 1000 and not (tmp_path / png).exists()
     # RL again from scratch (its marker removed): --overwrite moves the resumed run aside, and the weights are the same
-    (base / "done" / "chat_rl").unlink()
+    (run / "done" / "chat_rl").unlink()
     again = subprocess.run(["bash", "speedrun.sh"], cwd=ROOT, env=env, **RUN, timeout=300)
     assert again.returncode == 0 and again.stdout.count("already done, skipping") == 12, again.stdout + again.stderr
     (resumed,) = rl.parent.glob("d4.old-*")
@@ -168,3 +172,174 @@ def test_speedrun_names_the_packages_a_minimal_image_lacks(tmp_path):
     assert out.returncode == 1, out.stdout + out.stderr
     assert out.stderr.strip() == "!! torch.compile needs a C compiler and Python's headers: apt-get install gcc"
     assert out.stdout == ""
+
+
+# ----------------------------------------------------------------------------------------------
+# the rehearsal (NANORL_REHEARSAL=1): the GPU branch's own stage commands at tiny sizes, on 2 CPU ranks here
+
+STAGES = [  # the GPU branch's stages in order; data_download runs in the background
+    *("data_first", "data_download", "tok_train", "tok_eval", "base_train", "base_eval", "mid_train", "eval_mid"),
+    *("chat_sft", "eval_sft", "chat_rl", "eval_rl", "eval_rl_sampled"),
+]
+# the differences allowed between the rehearsal's commands and the GPU run's: the values of these size flags; chat_eval's
+# problem count and answer length, which the real run leaves to each task (all problems, the task's own length); the
+# rank count and the device. The mirror is no flag at all: NANORL_MIRROR, in the environment.
+SIZE_FLAGS = {
+    *("-n", "--vocab-size", "--max-chars", "--depth", "--head-dim", "--max-seq-len", "--device-batch-size"),
+    *("--total-batch-size", "--num-iterations", "--eval-every", "--eval-tokens", "--sample-every", "--save-every"),
+    *("--split-tokens", "--num-examples", "--num-rollouts", "--rollout-batch-size", "--n-samples-per-prompt"),
+    *("--max-new-tokens", "--eval-max-problems", "--n-samples-per-eval-prompt", "--pass-k", "-x", "-k", "-m"),
+}
+REHEARSAL_ONLY = {"-x", "-m"}
+LAUNCHER = ["-m", "torch.distributed.run", "--standalone"]
+
+
+def dry_run(env):
+    """{stage: its command's words} of `bash speedrun.sh --dry-run`, in order."""
+    out = subprocess.run(["bash", "speedrun.sh", "--dry-run"], cwd=ROOT, env=env, **RUN, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return {m[0]: m[1].split() for m in re.findall(r"^-- (\w+)(?: \(in the background\))?: (.*)$", out.stdout, re.M)}
+
+
+def options(words):
+    """[(flag, value or None)] in order: a word that starts with a dash and a letter is a flag, the next word its value
+    unless it is a flag too (-1 is a value)."""
+    out, i = [], 0
+    while i < len(words):
+        flag = words[i]
+        assert re.match(r"^--?[a-z]", flag), (flag, words)
+        value = words[i + 1] if i + 1 < len(words) and not re.match(r"^--?[a-z]", words[i + 1]) else None
+        out.append((flag, value))
+        i += 1 if value is None else 2
+    return out
+
+
+def split_command(words):
+    """(ranks, device, module, its options) of a stage's command; ranks and device None for a one-process stage."""
+    assert words[0].endswith("python"), words
+    if words[1:4] != LAUNCHER:
+        assert words[1] == "-m", words
+        return None, None, words[2], options(words[3:])
+    nproc, m, module, sep, device_flag, device = words[4:10]
+    assert (nproc.split("=")[0], m, sep, device_flag) == ("--nproc_per_node", "-m", "--", "--device-type"), words
+    return int(nproc.split("=")[1]), device, module, options(words[10:])
+
+
+def rehearsal_env(tmp_path, **extra):
+    env = {k: v for k, v in os.environ.items() if k not in ("NANORL_TINY", "NANORL_SMOKE", "NANORL_MIRROR")}
+    env.update(NANORL_REHEARSAL="1", NANORL_SKIP_INSTALL="1", NANORL_BASE_DIR=str(tmp_path / "base"))
+    return {**env, "NANORL_REPORT": str(tmp_path / "report.md"), **extra}
+
+
+def test_the_rehearsal_runs_the_gpu_branchs_commands_with_only_sizes_device_and_ranks_changed(tmp_path):
+    gpu = dry_run(gpu_env(tmp_path))  # the faked 8-GPU node (this torch cannot use them: a listing needs none)
+    small = dry_run(rehearsal_env(tmp_path))
+    assert list(gpu) == list(small) == STAGES
+    sized = set()
+    for stage in STAGES:
+        ranks, device, module, opts = split_command(gpu[stage])
+        s_ranks, s_device, s_module, s_opts = split_command(small[stage])
+        assert module == s_module, stage
+        assert (ranks, device, s_ranks, s_device) in ((None, None, None, None), (8, "cuda", 2, "cpu")), stage
+        extra = [o for o in s_opts if o[0] in REHEARSAL_ONLY and o[0] not in dict(opts)]
+        s_opts = [o for o in s_opts if o not in extra]
+        assert [f for f, _ in opts] == [f for f, _ in s_opts], (stage, opts, s_opts)  # the same flags, in order
+        for (flag, value), (_, s_value) in zip(opts, s_opts):
+            assert value == s_value or flag in SIZE_FLAGS, (stage, flag, value, s_value)
+            if value != s_value:
+                sized.add(flag)
+        sized |= {f for f, _ in extra}
+    assert sized == SIZE_FLAGS  # every allowed difference is used: the list names nothing that does not differ
+    # the real run's sizes are the ones its comments and docs name
+    assert ("--depth", "20") in split_command(gpu["base_train"])[3] and ("-n", "300") in split_command(
+        gpu["data_download"]
+    )[3]
+    assert ("--num-rollouts", "467") in split_command(gpu["chat_rl"])[3]
+    assert not (tmp_path / "base" / "rehearsal").exists()  # a listing writes nothing
+
+
+def card_rows(report):
+    card = report.read_text().split("## Report card")[1].split("\n## ")[0]
+    return {m[0]: m[1].split(" | ") for m in re.findall(r"^\| (.+?) \| (.+) \|$", card, re.M) if m[0] != "metric"}
+
+
+@pytest.mark.slow
+def test_rehearsal_after_a_tiny_run_runs_every_stage_and_continues_after_kills(tmp_path):
+    """A tiny run first, in the same base directory; then the rehearsal, killed in base_train after its step-2 save and
+    in chat_rl after its step-1 save, each time continued by rerunning the same command."""
+    from nanorl.execution import sandbox_missing
+
+    base, report = tmp_path / "base", tmp_path / "report.md"
+    kill_site = {"PYTHONPATH": str(ROOT / "tests" / "kill_site")}
+    # the tiny run: its tokenizer and its markers, stopped in base_train's first step (all that is needed to be read)
+    tiny = {**rehearsal_env(tmp_path), "NANORL_TINY": "1", "NANORL_SMOKE": "1", "NANORL_REHEARSAL": "0", **kill_site}
+    tiny.update(NANORL_TEST_KILL_MODULE="scripts.base_train", NANORL_TEST_KILL="optstep:1")
+    out = subprocess.run(["bash", "speedrun.sh"], cwd=ROOT, env=tiny, **RUN, timeout=300)
+    assert out.returncode == 1 and "-- tok_train: " in out.stdout and "-- tok_eval: " in out.stdout, out.stderr
+
+    env, run = rehearsal_env(tmp_path), base / "rehearsal"
+    outs = []
+    for module, at in (("scripts.base_train", "optstep:3"), ("scripts.chat_rl", "optstep:2")):
+        kill = {**kill_site, "NANORL_TEST_KILL_MODULE": module, "NANORL_TEST_KILL": at}
+        outs.append(subprocess.run(["bash", "speedrun.sh"], cwd=ROOT, env={**env, **kill}, **RUN, timeout=600))
+        # no stage of the tiny run is taken for one of the rehearsal's: its first attempt runs every stage to the kill
+        assert "already done" not in outs[0].stdout and "on 2 cpu rank(s)" in outs[0].stdout, outs[0].stdout
+        stage = module.split(".")[1]
+        assert outs[-1].returncode == 1 and outs[-1].stderr.strip().splitlines()[-1].startswith(
+            f"!! stage '{stage}' failed; its log is {run / 'logs' / stage}.log."
+        ), outs[-1].stdout[-3000:] + outs[-1].stderr[-3000:]
+    outs.append(subprocess.run(["bash", "speedrun.sh"], cwd=ROOT, env=env, **RUN, timeout=600))
+    assert outs[-1].returncode == 0, outs[-1].stdout[-3000:] + outs[-1].stderr[-3000:]
+    first, second, third = (o.stdout for o in outs)
+    assert (base / "tiny" / "tokenizer").is_dir() and (run / "tokenizer").is_dir()  # each run its own
+    # each stopped stage went on from its last save, its log after the stopped attempt's
+    for text, stage, said in (
+        (second, "base_train", f"resumed from {run / 'base_checkpoints' / 'd2'} at step 2\n"),
+        (third, "chat_rl", f"resumed from {run / 'rl_checkpoints' / 'd2'} step 1\n"),
+    ):
+        line = next(ln for ln in text.splitlines() if ln.startswith(f"-- {stage}: "))
+        assert line.endswith(" --resume") and "--overwrite" not in line, line
+        assert said in (run / "logs" / f"{stage}.log").read_text(), stage
+    assert third.count("already done, skipping") == STAGES.index("chat_rl") - 1  # the background download has none
+    assert sorted(os.listdir(run / "done")) == sorted(set(STAGES) - {"data_download"})
+    assert not os.listdir(run / "started")
+    # what ran is what the dry run lists: each stage's first attempt
+    ran = {}
+    for text in (first, second, third):
+        for name, cmd in re.findall(r"^-- (\w+): (.*)$", text, re.M):
+            ran.setdefault(name, cmd.split())
+    listed = dry_run(env)
+    assert ran == {k: v for k, v in listed.items() if k != "data_download"}
+    # the data came from the mirror, through the real downloaders and loaders
+    assert sorted(p.name for p in (run / "base_data").glob("*.parquet")) == [f"shard_{i:05d}.parquet" for i in range(3)]
+    assert (run / "eval_bundle" / "core.yaml").is_file() and (
+        run / "hub_data" / "datasets" / "openai" / "gsm8k"
+    ).is_dir()
+    for section in ("Midtraining", "Chat SFT"):
+        assert f"## {section}\n" in report.read_text()
+        assert "- data: hub\n" in report.read_text().split(f"## {section}\n")[1].split("\n## ")[0]
+    # the card: CORE for the base model, the seven chat tasks for MID, SFT and RL, RL's sampled GSM8K
+    rows, number = card_rows(report), re.compile(r"\d\.\d{4}")
+    assert number.fullmatch(rows["CORE (3 tasks)"][0]) and rows["CORE (3 tasks)"][1:] == ["-", "-", "-"]
+    tasks = ["ARC-Easy", "ARC-Challenge", "MMLU", "GSM8K", "SpellingBee", "offline levels 1,2"]
+    tasks += ["HumanEval"] if sandbox_missing() is None else []
+    for task in tasks:
+        row = rows[f"{task} accuracy (greedy, 4 problems)"]
+        assert row[0] == "-" and all(number.fullmatch(v) for v in row[1:]), (task, row)
+    if sandbox_missing() is not None:
+        assert rows["HumanEval"] == ["-", "skipped: no sandbox", "skipped: no sandbox", "skipped: no sandbox"]
+    for k in (1, 2):
+        assert number.fullmatch(rows[f"GSM8K pass@{k} (T=1, 4 problems x 2 samples)"][3])
+    # dev/pipeline_check.py's checks, which gpu_check's pipeline step makes on a GPU: here the engines have no CUDA graphs
+    # to drop, and chat_web answers with the RL model
+    sys.path.insert(0, str(ROOT / "dev"))
+    import pipeline_check
+
+    engines = ("chat_rl", "eval_mid", "eval_sft", "eval_rl", "eval_rl_sampled")  # each names its engine's kernels
+    assert all("\nengine attention: " in (run / "logs" / f"{stage}.log").read_text() for stage in engines)
+    assert pipeline_check.eager_fallbacks(run / "logs", cuda=False) == []
+    assert isinstance(pipeline_check.chat_web_answer(run), str)
+    # the mirror's server stopped with the run
+    url = (run / "mirror.url").read_text().strip()
+    with pytest.raises(OSError):
+        urllib.request.urlopen(url, timeout=5)

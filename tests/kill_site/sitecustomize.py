@@ -4,12 +4,15 @@ on PYTHONPATH, every python the pipeline starts imports this first, and the one 
 NANORL_TEST_KILL (optstep:N or save:S, see kill_fixture.py):
 
     PYTHONPATH=tests/kill_site NANORL_TEST_KILL_MODULE=scripts.chat_rl NANORL_TEST_KILL=optstep:2 bash speedrun.sh
+
+Under torchrun each rank is `python -u -m <module>`: every rank arms it, and the first to reach the point kills itself.
 """
 
 import os
 import sys
 
-if os.environ.get("NANORL_TEST_KILL") and sys.orig_argv[1:3] == ["-m", os.environ.get("NANORL_TEST_KILL_MODULE")]:
+argv = [a for a in sys.orig_argv[1:4] if a != "-u"]  # torchrun starts its ranks as python -u -m MODULE
+if os.environ.get("NANORL_TEST_KILL") and argv[:2] == ["-m", os.environ.get("NANORL_TEST_KILL_MODULE")]:
     # the repo's nanorl (python -m puts the working directory first, but only after this runs), then the fixture
     sys.path[:0] = [os.getcwd(), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
     from kill_fixture import arm
