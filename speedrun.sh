@@ -25,6 +25,11 @@ source install.sh bwrap:bubblewrap  # .venv with nanorl and the right torch, the
 SETUP_SECONDS=$(( $(date +%s) - T_START ))  # the report shows the venv and installs apart from the stages
 RUN=gpu; [ $TINY = 1 ] && RUN=tiny; [ "${NANORL_REHEARSAL:-0}" = 1 ] && RUN=rehearsal
 RUN_DIR=$BASE_DIR; [ $RUN = gpu ] || RUN_DIR=$BASE_DIR/$RUN
+# a tiny run from before the runs had their own directories left its markers where the GPU run keeps its own
+# (eval_mid_sampled is a stage of the tiny run only): the GPU run would skip every stage and report the tiny model
+if [ $RUN = gpu ] && [ -f "$BASE_DIR/done/eval_mid_sampled" ]; then
+    fail "$BASE_DIR holds an older tiny run's files (done/eval_mid_sampled), which the GPU run would take for its own: move that directory aside (mv $BASE_DIR $BASE_DIR.tiny) or set NANORL_BASE_DIR to another one"
+fi
 export NANORL_BASE_DIR=$RUN_DIR NANORL_PIPELINE=1  # every stage's files go there; stages write the pipeline's report
 [ $DRY = 1 ] || mkdir -p "$NANORL_BASE_DIR/logs" "$NANORL_BASE_DIR/done" "$NANORL_BASE_DIR/started"
 

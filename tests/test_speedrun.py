@@ -258,6 +258,24 @@ def test_the_rehearsal_runs_the_gpu_branchs_commands_with_only_sizes_device_and_
     assert not (tmp_path / "base" / "rehearsal").exists()  # a listing writes nothing
 
 
+def test_the_gpu_run_stops_on_an_older_tiny_runs_markers(tmp_path):
+    # before each run had its own directory the tiny run kept its done/ markers where the GPU run keeps its own: the
+    # GPU run would have skipped every stage and reported the tiny model. It stops in one line naming the way out
+    base = tmp_path / "base"
+    (base / "done").mkdir(parents=True)
+    (base / "done" / "eval_mid_sampled").write_text("12\n")
+    out = subprocess.run(
+        ["bash", "speedrun.sh", "--dry-run"],
+        cwd=ROOT,
+        env=gpu_env(tmp_path, NANORL_BASE_DIR=str(base)),
+        **RUN,
+        timeout=120,
+    )
+    assert out.returncode == 1 and "-- " not in out.stdout, out.stdout
+    assert f"{base} holds an older tiny run's files (done/eval_mid_sampled)" in out.stderr
+    assert f"mv {base} {base}.tiny" in out.stderr and "Traceback" not in out.stderr
+
+
 def card_rows(report):
     card = report.read_text().split("## Report card")[1].split("\n## ")[0]
     return {m[0]: m[1].split(" | ") for m in re.findall(r"^\| (.+?) \| (.+) \|$", card, re.M) if m[0] != "metric"}
