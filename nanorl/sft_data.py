@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from nanorl.common import print0
-from nanorl.errors import MissingFile, Unreadable, UserError
+from nanorl.errors import BadValue, MissingFile, Unreadable, UserError
 
 
 def render_example(tokenizer, conversation, seq_len):
@@ -172,6 +172,27 @@ def levels(args):
     return tuple(int(l) for l in args.levels.split(","))
 
 
+class TaskPaths(dict):
+    """--task-path's {name: path}, remembering which names the stage's mixture asked for (a name it never asks for
+    would be a flag quietly ignored: a typo, or a task of another stage's mixture)."""
+
+    def __init__(self, items):
+        super().__init__(items)
+        self.asked = set()
+
+    def get(self, name, default=None):
+        self.asked.add(name)
+        return super().get(name, default)
+
+    def check_all_asked(self):
+        unused = sorted(set(self) - self.asked)
+        if unused:
+            raise BadValue(
+                f"--task-path {unused[0]}={self[unused[0]]}: this stage's mixture has no task {unused[0]!r} "
+                f"(its tasks: {', '.join(sorted(self.asked))})"
+            )
+
+
 def task_paths(args):
     out = {}
     for item in args.task_path:
@@ -179,7 +200,7 @@ def task_paths(args):
             raise SystemExit(f"--task-path {item!r}: expected NAME=PATH, e.g. gsm8k=/data/gsm8k")
         name, path = item.split("=", 1)
         out[name.lower()] = path
-    return out
+    return TaskPaths(out)
 
 
 def build_data(args, hub_mixture, offline_mixture):
@@ -190,14 +211,17 @@ def build_data(args, hub_mixture, offline_mixture):
     - some ranks loaded the Hub's datasets and others could not: all stop, naming the rank and what it could not load;
     - no path named and no rank could load them (no network): all fall back to the offline curriculum, as documented,
       so a run without network still does something useful."""
-    if args.data != "hub":
-        return *offline_mixture(args), "offline"
     paths = task_paths(args)
+    if args.data != "hub":
+        if paths:
+            raise BadValue(f"--task-path {next(iter(paths))}=...: only --data hub reads task files (--data is offline)")
+        return *offline_mixture(args), "offline"
     try:
         for name, path in paths.items():  # before any download: a typo in a path must not wait behind the Hub
             if not os.path.exists(path):
                 raise MissingFile(f"--task-path {name}={path}: no such file or directory")
         train, val = hub_mixture(args, paths)
+        paths.check_all_asked()
         failure = None
     except (UserError, RuntimeError, OSError) as e:
         failure = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__

@@ -427,6 +427,30 @@ def test_a_named_task_path_that_is_missing_stops_instead_of_falling_back(tmp_pat
     assert len(train) == 2 and desc.startswith("offline (fallback: could not load allenai/ai2_arc")
 
 
+def test_a_task_path_the_stage_never_reads_stops_instead_of_being_ignored(tmp_path):
+    """A --task-path whose name the stage's mixture never asks for (a typo, another stage's task) or given with
+    --data offline would be a flag quietly ignored: the stage stops in one line naming it and the tasks it reads."""
+    from argparse import Namespace
+
+    from nanorl.errors import BadValue, Unreadable
+    from nanorl.sft_data import build_data
+
+    def reading(*names):  # a hub mixture that asks for these tasks' paths, as mid_train's and chat_sft's do
+        return lambda args, paths: [paths.get(n) for n in names] and (ListTask([TOOL_CONV] * 4), ListTask([TOOL_CONV]))
+
+    f = tmp_path / "gsm8k.jsonl"
+    f.write_text("")
+    train, _, desc = build_data(_hub_args(f"gsm8k={f}"), reading("smoltalk", "gsm8k"), _offline)
+    assert len(train) == 4 and desc == "hub"
+    with pytest.raises(
+        Unreadable,
+        match=rf"--task-path gsm8kk={f}: this stage's mixture has no task 'gsm8kk' \(its tasks: gsm8k, smoltalk\)",
+    ):
+        build_data(_hub_args(f"gsm8kk={f}"), reading("smoltalk", "gsm8k"), _offline)
+    with pytest.raises(BadValue, match="^--task-path gsm8k=...: only --data hub reads task files"):
+        build_data(Namespace(data="offline", task_path=[f"gsm8k={f}"]), reading("gsm8k"), _offline)
+
+
 def _agree_worker(rank, world, init_file, out_dir, failing):
     import torch.distributed as dist
 
