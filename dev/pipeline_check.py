@@ -22,6 +22,7 @@ import re
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -71,8 +72,14 @@ def chat_web_answer(base_dir, timeout=300):
         request = urllib.request.Request(
             f"{url}/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
         )
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return json.load(response)["choices"][0]["message"]["content"]
+        while True:  # the address is printed as the server binds: on a busy machine it may not accept yet
+            try:
+                with urllib.request.urlopen(request, timeout=timeout) as response:
+                    return json.load(response)["choices"][0]["message"]["content"]
+            except urllib.error.URLError as e:
+                if not isinstance(e.reason, ConnectionRefusedError) or time.time() > deadline:
+                    raise
+                time.sleep(0.5)
     finally:
         server.kill()
         server.wait()

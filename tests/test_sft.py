@@ -489,6 +489,7 @@ def test_ranks_agree_on_the_data_source(tmp_path, failing):
 # --device-batch-size auto: the batch that fits in memory, the same step
 
 
+@pytest.mark.fp32("16 rows against 4 accumulated micro-batches to fp32 summation order; bf16 rounds each micro-batch")
 @pytest.mark.parametrize("stage", ["mid", "sft"])
 def test_a_stage_fits_its_batch_to_memory_and_trains_the_same_step(base_dir, monkeypatch, capsys, stage):  # noqa: F811
     """Out of memory caught as on CUDA, and a simulated limit of 4 rows a forward: --device-batch-size auto tries 16
