@@ -1,6 +1,6 @@
 """
-Small shared utilities: flag parsing, distributed init, device and dtype, printing, paths, logging, ETA, and
-loading a user's plugin function named on the command line.
+Small shared utilities: flag parsing, distributed init and each rank's share of an epoch, device and dtype, printing,
+paths, logging, ETA, and loading a user's plugin function named on the command line.
 """
 
 import argparse
@@ -158,6 +158,15 @@ def get_dist_info():
     if is_ddp():
         return True, int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
     return False, 0, 0, 1
+
+
+def epoch_order(n, seed, epoch, rank=0, world_size=1, shuffle=True):
+    """This rank's strided share of the indices 0..n-1 in epoch `epoch`'s order: one permutation per (seed, epoch),
+    the same on every rank, so the ranks' shares never overlap and a resumed run draws it again."""
+    order = list(range(n))
+    if shuffle:
+        random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    return order[rank::world_size]
 
 
 def compute_init(device_type=None, seed=42, timeout_s=None, cpu_collectives=False):
