@@ -107,7 +107,7 @@ def documented_step():
 
 
 def test_one_default_grpo_step_executes_what_docs_rl_md_tables_say(base_dir, monkeypatch):  # noqa: F811
-    sys.path.insert(0, str(ROOT / "dev"))
+    monkeypatch.syspath_prepend(ROOT / "dev")
     from trace_step import FLAGS, build_run, tables, trace_step
 
     monkeypatch.setenv("NANORL_BASE_DIR", str(base_dir))
