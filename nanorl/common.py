@@ -1,6 +1,6 @@
 """
-Small shared utilities: flag parsing, distributed init, device and dtype, printing, paths, logging, ETA, and
-loading a user's plugin function named on the command line.
+Small shared utilities: flag parsing, distributed init and each rank's share of an epoch, device and dtype, printing,
+paths, logging, ETA, and loading a user's plugin function named on the command line.
 """
 
 import argparse
@@ -158,6 +158,15 @@ def get_dist_info():
     if is_ddp():
         return True, int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
     return False, 0, 0, 1
+
+
+def epoch_order(n, seed, epoch, rank=0, world_size=1, shuffle=True):
+    """This rank's strided share of the indices 0..n-1 in epoch `epoch`'s order: one permutation per (seed, epoch),
+    the same on every rank, so the ranks' shares never overlap and a resumed run draws it again."""
+    order = list(range(n))
+    if shuffle:
+        random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    return order[rank::world_size]
 
 
 def compute_init(device_type=None, seed=42, timeout_s=None, cpu_collectives=False):
@@ -438,56 +447,36 @@ def synchronize(device_type):
         torch.mps.synchronize()
 
 
+# peak dense bf16 FLOP/s (no sparsity) for MFU and memory bandwidth in bytes/s for MBU (decode is bound by it, not by
+# FLOPs), by a substring of the GPU's name; the first match wins, so more specific names come first ("gh200" before
+# "h200", "h100 nvl" before "h100")
+PEAKS = [  # (substring, flops, bytes/s)
+    ("gh200", 989e12, 4.0e12),
+    ("h200", 989e12, 4.8e12),
+    ("h100 nvl", 835e12, 3.9e12),
+    ("h100 pcie", 756e12, 2.0e12),
+    ("h100", 989e12, 3.35e12),
+    ("h800", 989e12, 3.35e12),
+    ("b200", 2250e12, 8.0e12),
+    ("a100", 312e12, 2.0e12),
+    ("a10g", 125e12, 0.6e12),
+    ("l40s", 362e12, 0.864e12),
+    ("l4", 121e12, 0.3e12),
+    ("4090", 165e12, 1.008e12),
+    ("3090", 71e12, 0.936e12),
+    ("v100", 125e12, 0.9e12),
+    ("t4", 65e12, 0.32e12),
+]
+
+
 def get_peak_flops(device_name):
-    """Peak dense bf16 FLOP/s for MFU, by GPU name (no sparsity). Unknown devices give None: MFU is then not printed."""
-    name = device_name.lower()
-    table = [  # (substring, flops); first match wins, so more specific names come first
-        ("h200", 989e12),
-        ("h100 nvl", 835e12),
-        ("h100 pcie", 756e12),
-        ("h100", 989e12),
-        ("h800", 989e12),
-        ("gh200", 989e12),
-        ("b200", 2250e12),
-        ("a100", 312e12),
-        ("a10g", 125e12),
-        ("l40s", 362e12),
-        ("l4", 121e12),
-        ("4090", 165e12),
-        ("3090", 71e12),
-        ("v100", 125e12),
-        ("t4", 65e12),
-    ]
-    for key, flops in table:
-        if key in name:
-            return flops
-    return None
+    """Peak dense bf16 FLOP/s for MFU, by GPU name. Unknown devices give None: MFU is then not printed."""
+    return next((flops for key, flops, _ in PEAKS if key in device_name.lower()), None)
 
 
 def get_peak_bandwidth(device_name):
-    """Peak memory bandwidth in bytes/s for MBU (decode is bound by it, not by FLOPs), by GPU name; unknown -> None."""
-    name = device_name.lower()
-    table = [  # (substring, bytes/s); first match wins: "gh200" must come before "h200"
-        ("gh200", 4.0e12),
-        ("h200", 4.8e12),
-        ("h100 nvl", 3.9e12),
-        ("h100 pcie", 2.0e12),
-        ("h100", 3.35e12),
-        ("h800", 3.35e12),
-        ("b200", 8.0e12),
-        ("a100", 2.0e12),
-        ("a10g", 0.6e12),
-        ("l40s", 0.864e12),
-        ("l4", 0.3e12),
-        ("4090", 1.008e12),
-        ("3090", 0.936e12),
-        ("v100", 0.9e12),
-        ("t4", 0.32e12),
-    ]
-    for key, bw in table:
-        if key in name:
-            return bw
-    return None
+    """Peak memory bandwidth in bytes/s for MBU, by GPU name; unknown -> None."""
+    return next((bw for key, _, bw in PEAKS if key in device_name.lower()), None)
 
 
 def int_list(text):

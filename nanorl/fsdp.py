@@ -35,8 +35,7 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import DTensor
 
-# until scripts/chat_rl.py calls checkpoint.save / checkpoint.resume, it reaches these two through this module
-from nanorl.checkpoint import dcp_dir, find_last_step, load_sharded, save_checkpoint, save_sharded  # noqa: F401
+from nanorl.checkpoint import dcp_dir, find_last_step, save_checkpoint
 from nanorl.common import cuda_dtypes, get_dist_info, synchronize
 from nanorl.gpt import GPTConfig, build_model
 

@@ -9,14 +9,13 @@ The flow of one rollout (RLRun.rollout in nanorl/rl_run.py calls it):
   server) -> the dynamic-sampling filter keeps whole groups -> surplus groups wait in the buffer for the next rollout
 """
 
-import random
 import signal
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from nanorl.common import nonneg_float, number_in, positive_int
+from nanorl.common import epoch_order, nonneg_float, number_in, positive_int
 from nanorl.engine import Request
 from nanorl.multiturn import TOOLS, make_tool, multi_turn_generate
 from nanorl.remote_rewards import remote_rewards
@@ -259,10 +258,7 @@ class PromptSource:
         self._order = self._make_order()
 
     def _make_order(self):
-        order = list(range(len(self.items)))
-        if self.shuffle:
-            random.Random(self.seed * 1000003 + self.epoch).shuffle(order)
-        return order[self.rank :: self.world_size]
+        return epoch_order(len(self.items), self.seed, self.epoch, self.rank, self.world_size, self.shuffle)
 
     def get(self, n):
         """The next n prompts of this rank and their sampling seeds. A prompt's seed is a function of the run's seed

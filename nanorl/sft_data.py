@@ -9,12 +9,11 @@ per document. Only a row's tail is padding. Too-long conversations are truncated
 """
 
 import os
-import random
 
 import torch
 import torch.distributed as dist
 
-from nanorl.common import print0
+from nanorl.common import epoch_order, print0
 from nanorl.errors import BadValue, MissingFile, Unreadable, UserError
 
 
@@ -61,10 +60,7 @@ class SFTLoader:
         self.stats = dict(conversations=0, truncated=0, no_target=0, positions=0, padding=0, loss_tokens=0)
 
     def _make_order(self):
-        order = list(range(len(self.task)))
-        if self.shuffle:
-            random.Random(self.seed * 1_000_003 + self.epoch).shuffle(order)
-        return order[self.rank :: self.world_size]
+        return epoch_order(len(self.task), self.seed, self.epoch, self.rank, self.world_size, self.shuffle)
 
     def _render(self, index):
         inputs, targets, truncated = render_example(self.tokenizer, self.task.get_example(index), self.T)

@@ -202,18 +202,26 @@ class Tokenizer:
                         add(self.encode(part["text"]), 0)
                         add(self.encode_special("<|output_end|>"), 0)
                 add(self.encode_special("<|assistant_end|>"), 1)
-        if max_tokens is not None:
-            ids, mask = ids[:max_tokens], mask[:max_tokens]
-        return ids, mask
+        return truncate(ids, mask, max_tokens)
 
     def render_for_completion(self, conversation):
         """Prompt ids for the model to write the next assistant turn: drop a final assistant message, open a new one."""
-        messages = list(conversation["messages"])
-        if messages and messages[-1]["role"] == "assistant":
-            messages = messages[:-1]
-        # render with a placeholder assistant turn (so validation passes), then cut it off
-        ids, _ = self.render_conversation({"messages": messages + [{"role": "assistant", "content": ""}]})
-        return ids[:-1]  # keep <|assistant_start|>, drop <|assistant_end|>
+        ids, _ = self.render_conversation(completion_conversation(conversation))
+        return ids[:-1]  # keep <|assistant_start|>, drop the placeholder's <|assistant_end|>
+
+
+def truncate(ids, mask, max_tokens):
+    """A rendered conversation's first max_tokens tokens (None: all of them)."""
+    return (ids, mask) if max_tokens is None else (ids[:max_tokens], mask[:max_tokens])
+
+
+def completion_conversation(conversation):
+    """The conversation a completion's prompt is rendered from: a final assistant message dropped, and an empty
+    assistant turn opened (a placeholder, so the conversation validates, that each tokenizer then cuts off)."""
+    messages = list(conversation["messages"])
+    if messages and messages[-1]["role"] == "assistant":
+        messages = messages[:-1]
+    return {"messages": messages + [{"role": "assistant", "content": ""}]}
 
 
 def content_parts(content):
@@ -462,15 +470,10 @@ class HFTokenizer:
         enc = self.tok.encode(text, add_special_tokens=False)
         ids = enc.ids
         mask = [int(any(a <= s < b for a, b in spans)) for s, _ in enc.offsets]
-        if max_tokens is not None:
-            ids, mask = ids[:max_tokens], mask[:max_tokens]
-        return ids, mask
+        return truncate(ids, mask, max_tokens)
 
     def render_for_completion(self, conversation):
-        messages = list(conversation["messages"])
-        if messages and messages[-1]["role"] == "assistant":
-            messages = messages[:-1]
-        messages = self._messages({"messages": messages + [{"role": "assistant", "content": ""}]})[:-1]
+        messages = self._messages(completion_conversation(conversation))[:-1]  # the template opens the turn itself
         return self.tok.encode(self.apply_template(messages, add_generation_prompt=True), add_special_tokens=False).ids
 
     def render_messages(self, messages, tools=None, add_generation_prompt=True, reply_prefix=""):

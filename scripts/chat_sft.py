@@ -495,6 +495,13 @@ def identity(args):
     return [CustomJSON(path=args.identity_path)] if args.identity_path else []
 
 
+def offline_val(args):
+    """The held-out offline conversations SFT and midtraining both measure their loss on."""
+    return TaskMixture(
+        [OfflineProblems("test", n=300, levels=levels(args)), OfflineChat("test", n=200)], seed=args.seed
+    )
+
+
 def offline_mixture(args):
     n = args.num_examples
     train = TaskMixture(
@@ -506,8 +513,7 @@ def offline_mixture(args):
         + identity(args),
         seed=args.seed,
     )
-    val = TaskMixture([OfflineProblems("test", n=300, levels=levels(args)), OfflineChat("test", n=200)], seed=args.seed)
-    return train, val
+    return train, offline_val(args)
 
 
 def hub_mixture(args, paths):

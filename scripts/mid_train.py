@@ -13,7 +13,7 @@ The training loop is SFT's: train() in scripts/chat_sft.py, called here with mid
 from nanorl import fsdp, lora
 from nanorl.common import ArgumentParser
 from nanorl.sft_data import levels
-from scripts.chat_sft import add_train_args, train
+from scripts.chat_sft import add_train_args, offline_val, train
 from tasks import GSM8K, MMLU, CustomJSON, OfflineChat, OfflineProblems, SmolTalk, SpellingBee, TaskMixture
 
 
@@ -35,8 +35,7 @@ def offline_mixture(args):
         + identity(args),
         seed=args.seed,
     )
-    val = TaskMixture([OfflineProblems("test", n=300, levels=levels(args)), OfflineChat("test", n=200)], seed=args.seed)
-    return train, val
+    return train, offline_val(args)
 
 
 def hub_mixture(args, paths):

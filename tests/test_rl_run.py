@@ -1,7 +1,7 @@
-"""nanorl/rl_run.py: an RL run driven in this process (a step, a save, a resume), the held-out pass@k against hand
-values, and what the run prints (the step line from its one table of fields, the summary)."""
+"""nanorl/rl_run.py: an RL run driven in this process (a step, a save, a resume), one default step traced against
+docs/rl.md's tables of it, the held-out pass@k against hand values, and what the run prints (the step line from its
+one table of fields, the summary)."""
 
-import ast
 import re
 import subprocess
 import sys
@@ -93,89 +93,34 @@ def test_resuming_with_other_flags_names_them_in_one_line(base_dir, monkeypatch,
 
 
 # -----------------------------------------------------------------------------------------------
-# the path of one GRPO step that docs/rl.md writes down, file by file
+# one default GRPO step, traced (dev/trace_step.py), against docs/rl.md's tables of it
 
 
-def documented_path():
-    """docs/rl.md's path -> ({group: [files]}, [(jump, from file, to file, [(caller, callee)])])."""
+def documented_step():
+    """docs/rl.md's tables of the traced step -> ({file: (lines, functions)}, {(file, caller, file, callee)})."""
     text = (ROOT / "docs" / "rl.md").read_text()
-    groups = {}
-    for key in ("The step's files:", "What the step calls out to", "Beneath the engine", "Plumbing:"):
-        para = text[text.index(key) :].split("\n\n")[0]
-        groups[key] = re.findall(r"`(nanorl/\w+\.py|scripts/\w+\.py)`", para)
-    jumps = []
-    for n, a, b, calls in re.findall(r"^\| (\d+) \| `([^`]+)` \| `([^`]+)` \| (.+) \|$", text, re.M):
-        pairs = []
-        for part in calls.split(";"):
-            caller, callees = part.split("->")
-            pairs += [(caller.strip(" `"), c.strip(" `")) for c in callees.split(",")]
-        jumps.append((int(n), a, b, pairs))
-    return groups, jumps
+    files = {f: (int(n), int(k)) for f, n, k in re.findall(r"^\| `([\w/]+\.py)` \| (\d+) \| (\d+) \|$", text, re.M)}
+    calls = set()
+    for a, b, pairs in re.findall(r"^\| `([\w/]+\.py)` \| `([\w/]+\.py)` \| (.+) \|$", text, re.M):
+        calls |= {(a, f, b, g) for f, g in re.findall(r"`([^`]+)` -> `([^`]+)`", pairs)}
+    return files, calls
 
 
-def defined_in(path, qualname):
-    """Whether `f` or `Class.method` is defined at the top of the file (AST)."""
-    *cls, name = qualname.split(".")
-    body = ast.parse((ROOT / path).read_text()).body
-    if cls:
-        body = next((n.body for n in body if isinstance(n, ast.ClassDef) and n.name == cls[0]), [])
-    return any(isinstance(n, ast.FunctionDef) and n.name == name for n in body)
+def test_one_default_grpo_step_executes_what_docs_rl_md_tables_say(base_dir, monkeypatch):  # noqa: F811
+    monkeypatch.syspath_prepend(ROOT / "dev")
+    from trace_step import FLAGS, build_run, tables, trace_step
 
-
-def test_one_grpo_step_runs_the_path_docs_rl_md_writes_down(base_dir, monkeypatch):  # noqa: F811
-    groups, jumps = documented_path()
-    step_files, leaves = groups["The step's files:"], groups["What the step calls out to"]
-    assert len(step_files) <= 6 and len(jumps) <= 10 and [j[0] for j in jumps] == list(range(1, len(jumps) + 1))
-    for _, a, b, pairs in jumps:  # every jump starts in a file of the step and lands where the docs say
-        assert a in step_files and b in step_files + leaves and a != b, (a, b)
-        for caller, callee in pairs:
-            assert defined_in(a, caller) and defined_in(b, callee), (a, caller, b, callee)
-
-    # one step (and the loop that calls it), traced: every call across files between the repo's functions, and
-    # every file whose code runs inside RLRun.step
-    from nanorl.rl_run import RLRun
-    from scripts.chat_rl import sync_loop
-
-    run = build(base_dir, monkeypatch, "--num-rollouts", "1", "--output-tag", "path", "--overwrite")
-
-    def repo(code):  # the repo's own files only: a .venv inside the checkout (tests/run.sh's) holds torch
-        path = code.co_filename
-        inside = path.startswith(str(ROOT)) and "site-packages" not in path
-        return str(Path(path).relative_to(ROOT)) if inside else None
-
-    calls, ran, depth = set(), set(), [0]
-
-    def profile(frame, event, arg):
-        if frame.f_code is RLRun.step.__code__:
-            depth[0] += {"call": 1, "return": -1}.get(event, 0)
-        here = repo(frame.f_code)
-        if event != "call" or here is None or here.startswith("tests/"):
-            return
-        if depth[0]:
-            ran.add(here)
-        back = frame.f_back  # the nearest caller in the repo (torch's decorators and hooks sit between)
-        while back is not None and repo(back.f_code) is None:
-            back = back.f_back
-        if back is not None and repo(back.f_code) != here:
-            calls.add((repo(back.f_code), back.f_code.co_qualname, here, frame.f_code.co_qualname))
-
-    sys.setprofile(profile)
-    try:
-        sync_loop(run, 0)
-    finally:
-        sys.setprofile(None)
-    for _, a, b, pairs in jumps:
-        for caller, callee in pairs:
-            # (a caller's own closures count as the caller: RLRun.rollout's make_groups)
-            assert any(
-                (x, y) == (a, b) and (f == caller or f.startswith(caller + ".<locals>.")) and g == callee
-                for x, f, y, g in calls
-            ), f"docs/rl.md says {a} {caller} calls {b} {callee}, but one step made no such call"
-    documented = {f for files in groups.values() for f in files}
-    assert set(step_files) - {"scripts/chat_rl.py"} <= ran and ran <= documented, (
-        f"ran but not in docs/rl.md: {sorted(ran - documented)}; documented step files that did not run: "
-        f"{sorted(set(step_files) - {'scripts/chat_rl.py'} - ran)}"
-    )
+    monkeypatch.setenv("NANORL_BASE_DIR", str(base_dir))
+    # chat_rl's defaults and the offline task's own grader, nothing exempt ("t": the fixture also holds a teacher)
+    trace = trace_step(build_run([*FLAGS, "--model-tag", "t"]))
+    files, calls = documented_step()
+    assert len(files) >= 5 and len(calls) >= 10  # the tables were found
+    regenerate = f"rerun python dev/trace_step.py and paste its tables into docs/rl.md:\n{tables(trace)}"
+    assert trace["lines"].keys() == files.keys(), regenerate
+    assert trace["calls"] == calls, regenerate
+    for f, (n, k) in files.items():  # the counts move a little with the sampled answers
+        assert abs(trace["lines"][f] - n) <= max(10, 0.1 * n), (f, trace["lines"][f], n, regenerate)
+        assert abs(len(trace["functions"][f]) - k) <= max(2, 0.1 * k), (f, len(trace["functions"][f]), k, regenerate)
 
 
 # -----------------------------------------------------------------------------------------------
