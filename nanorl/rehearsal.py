@@ -11,8 +11,8 @@ real code paths download, validate and read every file (docs/testing.md). What t
     of a shard by row group), documents of the offline curriculum, and GSM8K's training solutions when present
   - eval_bundle.zip: eval_bundle/core.yaml, eval_meta_data.csv and eval_data/, one task of each CORE type
   - datasets/...: SmolTalk, MMLU (all, auxiliary_train), ARC-Easy/Challenge, HumanEval and GSM8K in the Hub's
-    schemas. GSM8K is the real one where ../shared/data/gsm8k (train.jsonl, test.jsonl) exists, as in CI; elsewhere
-    the offline curriculum's problems in its format. The others are made here, a few dozen rows each.
+    schemas. GSM8K is the real one where NANORL_REHEARSAL_GSM8K names a directory with its train.jsonl and
+    test.jsonl (the tests point it at a copy they have); otherwise the offline curriculum's problems in its format. The others are made here, a few dozen rows each.
 SpellingBee needs no download (tasks/spellingbee.py makes its words' problems itself).
 """
 
@@ -29,7 +29,7 @@ from functools import partial
 from nanorl import mirror, synthetic
 
 ROWS = 48  # rows of each made-up split: every task sees a handful, chat_eval's -x takes fewer
-GSM8K_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "data", "gsm8k")
+GSM8K_DIR = os.environ.get("NANORL_REHEARSAL_GSM8K", "")  # the real GSM8K's jsonl files, when someone has them
 
 
 def write_parquet(path, rows, row_group_size=None):

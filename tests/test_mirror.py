@@ -20,6 +20,7 @@ from tasks.humaneval import build_program
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = {"capture_output": True, "text": True}
+SHARED_GSM8K = ROOT.parent / "shared" / "data" / "gsm8k"  # the real GSM8K beside the checkout (as in CI), if there
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +28,7 @@ def served(tmp_path_factory):
     """(the mirror's directory, its URL): made once, served by `python -m nanorl.rehearsal serve` for the module."""
     tmp = tmp_path_factory.mktemp("mirror")
     root, url_file = tmp / "mirror", tmp / "url"
-    rehearsal.make(str(root))
+    rehearsal.make(str(root), gsm8k_dir=str(SHARED_GSM8K))
     server = subprocess.Popen([sys.executable, "-m", "nanorl.rehearsal", "serve", str(root), str(url_file)], cwd=ROOT)
     for _ in range(200):
         if url_file.exists():
@@ -53,7 +54,7 @@ def closed_port():
 
 def test_hub_tasks_load_the_mirrors_splits_through_load_rows(mirrored, tmp_path):
     gsm8k = GSM8K("test")
-    src = Path(rehearsal.GSM8K_DIR) / "test.jsonl"
+    src = SHARED_GSM8K / "test.jsonl"
     if src.is_file():  # the real GSM8K, row for row
         rows = [json.loads(line) for line in src.read_text().splitlines() if line.strip()]
         assert len(gsm8k) == len(rows) == 1319 and gsm8k.rows[5] == rows[5]

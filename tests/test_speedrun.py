@@ -12,6 +12,7 @@ import torch
 from test_gpu_setup import gpu_env as fake_gpu_env  # pytest puts tests/ on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
+SHARED_GSM8K = ROOT.parent / "shared" / "data" / "gsm8k"  # the real GSM8K beside the checkout (as in CI), if there
 RUN = {"capture_output": True, "text": True}
 
 
@@ -228,6 +229,7 @@ def split_command(words):
 def rehearsal_env(tmp_path, **extra):
     env = {k: v for k, v in os.environ.items() if k not in ("NANORL_TINY", "NANORL_SMOKE", "NANORL_MIRROR")}
     env.update(NANORL_REHEARSAL="1", NANORL_SKIP_INSTALL="1", NANORL_BASE_DIR=str(tmp_path / "base"))
+    env["NANORL_REHEARSAL_GSM8K"] = str(SHARED_GSM8K)  # the real GSM8K where the checkout has it beside it
     return {**env, "NANORL_REPORT": str(tmp_path / "report.md"), **extra}
 
 
