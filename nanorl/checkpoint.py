@@ -25,12 +25,9 @@ import sys
 import time
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.fsdp import FSDPModule
 
 from nanorl import lora
-from nanorl.common import get_base_dir, nonneg_int, print0, tag_name
+from nanorl.common import get_base_dir, is_sharded, nonneg_int, print0, tag_name
 from nanorl.errors import BadValue, MissingFile, Unreadable, read_json_object
 from nanorl.gpt import GPTConfig
 from nanorl.gpt import build_model as build_gpt
@@ -292,6 +289,9 @@ def dcp_dir(checkpoint_dir, step):
 def save_sharded(checkpoint_dir, step, model, optimizer, meta, extra, rank, keep_last=None):
     """Every rank writes its shards of model and optimizer (DCP) and its own extra state; meta (written last by
     rank 0, see save_checkpoint) marks the step complete."""
+    import torch.distributed.checkpoint as dcp  # here: ~1 s of import that only a sharded run needs
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     model_state, optim_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=dcp_dir(checkpoint_dir, step))
     save_checkpoint(checkpoint_dir, step, None, None, {**meta, "sharded": True}, extra, rank, keep_last)
@@ -301,6 +301,9 @@ def load_sharded(checkpoint_dir, step, model, optimizer, rank=0):
     """Load a DCP checkpoint into the sharded model and its optimizer; return this rank's extra state (None if
     it has none). DCP reshards on load, so the weights and optimizer state load on any number of ranks (the data
     loader's position is per rank: resume_point refuses another world size for that reason)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
     path = dcp_dir(checkpoint_dir, step)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path} is missing: step {step} of {checkpoint_dir} was not saved with --fsdp")
@@ -321,7 +324,7 @@ def save(checkpoint_dir, step, model, optimizer, meta, extra=None, rank=0, keep_
     "sharded", checked on resume). An FSDP2-sharded model is written by every rank as DCP shards; any other as one
     safetensors file by the lead rank (default rank 0), each rank adding its optimizer state. group: the ranks that
     save (default all)."""
-    if isinstance(model, FSDPModule):
+    if is_sharded(model):
         save_sharded(checkpoint_dir, step, model, optimizer, meta, extra, rank, keep_last)
     else:
         # a LoRA model stores its adapters alone (meta["lora"] says where their base is)
@@ -344,7 +347,7 @@ def resume(checkpoint_dir, model, optimizer, rank=0, world_size=1, model_config=
     None: a rank that does not train, the weights alone) -> (step, meta, this rank's extra state). Refuses what
     resume_point refuses and, given model_config (a dict), a checkpoint of another model shape, before reading any
     weights."""
-    sharded = isinstance(model, FSDPModule)
+    sharded = is_sharded(model)
     step, meta = resume_point(checkpoint_dir, world_size, sharded)
     if model_config is not None:
         saved = globals()["model_config"](meta, os.path.join(checkpoint_dir, f"meta_{step:06d}.json")).to_dict()

@@ -160,6 +160,23 @@ def get_dist_info():
     return False, 0, 0, 1
 
 
+# FSDP2's module and DTensor types are looked up, not imported: importing them costs ~1.5 s a process (DTensor pulls
+# in sympy), and no model or tensor can be one unless something imported torch.distributed.fsdp (nanorl/fsdp.py
+# does when it shards), so a process that never shards never pays for it
+
+
+def is_sharded(model):
+    """Whether fully_shard wrapped this model (FSDP2)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(model, fsdp.FSDPModule)
+
+
+def is_dtensor(t):
+    """Whether t is an FSDP2 shard (a DTensor)."""
+    tensor = sys.modules.get("torch.distributed.tensor")
+    return tensor is not None and isinstance(t, tensor.DTensor)
+
+
 def epoch_order(n, seed, epoch, rank=0, world_size=1, shuffle=True):
     """This rank's strided share of the indices 0..n-1 in epoch `epoch`'s order: one permutation per (seed, epoch),
     the same on every rank, so the ranks' shares never overlap and a resumed run draws it again."""

@@ -24,19 +24,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import (
-    CPUOffloadPolicy,
-    MixedPrecisionPolicy,
-    OffloadPolicy,
-    fully_shard,
-    register_fsdp_forward_method,
-)
-from torch.distributed.tensor import DTensor
 
 from nanorl.checkpoint import dcp_dir, find_last_step, save_checkpoint
-from nanorl.common import cuda_dtypes, get_dist_info, synchronize
+from nanorl.common import cuda_dtypes, get_dist_info, is_dtensor, synchronize
 from nanorl.gpt import GPTConfig, build_model
 
 
@@ -68,6 +58,9 @@ def check_args(args, script):
 def mixed_precision(device_type):
     """The FSDP2 precision policy of a device. CUDA: weights gathered in bf16 for compute, gradients reduced in
     fp32 (also on the CPU in CUDA's layout, common.cuda_dtypes). Elsewhere: everything fp32 (exact tests)."""
+    # FSDP2 is imported where it is used, here and below: ~1.5 s a process that every script not sharding would pay
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     if cuda_dtypes(device_type):
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return MixedPrecisionPolicy()
@@ -79,6 +72,9 @@ def shard_model(model, device, activation_checkpointing=False, cpu_offload=False
     activation_checkpointing: recompute each block's activations in backward instead of keeping them.
     cpu_offload: keep the sharded weights, gradients and optimizer state in CPU memory (the optimizer steps on the
     CPU); the largest models only, it costs host-device copies every step."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard, register_fsdp_forward_method
+
     if cpu_offload and device.type != "cuda":
         raise ValueError("--cpu-offload moves shards from GPU to CPU memory: it needs --device-type cuda")
     # FSDP2 asserts one original dtype per unit, and on CUDA init_weights (or a load into a model it built) leaves
@@ -107,7 +103,7 @@ def local_bytes(model, optimizer):
     Count between steps: right after a forward the root and last block still hold their gathered weights."""
 
     def nbytes(t):
-        t = t.to_local() if isinstance(t, DTensor) else t
+        t = t.to_local() if is_dtensor(t) else t
         return t.numel() * t.element_size()
 
     total = sum(nbytes(p) + (nbytes(p.grad) if p.grad is not None else 0) for p in model.parameters())
@@ -222,7 +218,7 @@ def gather_full_state(model, into):
     for prefix, unit in units:
         unit.unshard()  # the root unit gathers only its own weights (embedding, head): blocks stay sharded
         for name, p in unit.named_parameters():
-            if not isinstance(p, DTensor):  # gathered by this unit (DTensors still belong to another unit)
+            if not is_dtensor(p):  # gathered by this unit (DTensors still belong to another unit)
                 target[prefix + name].copy_(p)
         unit.reshard()
     synchronize(next(into.parameters()).device.type)
@@ -231,6 +227,8 @@ def gather_full_state(model, into):
 
 def consolidate(checkpoint_dir, step=None):
     """Write the single-file model (model_<step>.safetensors) of a sharded step, in one process, no GPU needed."""
+    import torch.distributed.checkpoint as dcp
+
     step = find_last_step(checkpoint_dir) if step is None else step
     if step is None:
         raise SystemExit(f"no complete checkpoint in {checkpoint_dir}")

@@ -327,7 +327,11 @@ class GPT(nn.Module):
         self.head_dim = config.head_dim or config.n_embd // config.n_head
         self.transformer = nn.ModuleDict(
             dict(
-                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                # _weight: left uninitialised (init_weights draws it); nn.Embedding's own draw, on the meta device
+                # build_model builds on, imports torch._dynamo: ~1.7 s more to start every process
+                wte=nn.Embedding(
+                    config.vocab_size, config.n_embd, _weight=torch.empty(config.vocab_size, config.n_embd)
+                ),
                 h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
                 norm_f=RMSNorm(config.n_embd, config),
             )

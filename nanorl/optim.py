@@ -16,9 +16,8 @@ momentum matrix, orthogonalises it on its owner rank as above, and each rank kee
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, distribute_tensor
 
-from nanorl.common import cuda_dtypes
+from nanorl.common import cuda_dtypes, is_dtensor
 
 
 @torch.no_grad()
@@ -66,10 +65,7 @@ class MuonAdamW(torch.optim.Optimizer):
             return
         # FSDP2's gradients (DTensor shards) were already reduce-scattered during backward
         grads = [
-            p.grad
-            for g in self.param_groups
-            for p in g["params"]
-            if p.grad is not None and not isinstance(p.grad, DTensor)
+            p.grad for g in self.param_groups for p in g["params"] if p.grad is not None and not is_dtensor(p.grad)
         ]
         by_dtype = {}
         for gr in grads:
@@ -87,7 +83,7 @@ class MuonAdamW(torch.optim.Optimizer):
         """The bytes of state step() allocates at its first call, on this rank: Muon's momentum like each matrix (of
         this rank's shard under FSDP), AdamW's two fp32 moments per parameter."""
         return sum(
-            (p.to_local() if isinstance(p, DTensor) else p).numel() * (p.element_size() if g["kind"] == "muon" else 8)
+            (p.to_local() if is_dtensor(p) else p).numel() * (p.element_size() if g["kind"] == "muon" else 8)
             for g in self.param_groups
             for p in g["params"]
         )
@@ -136,7 +132,7 @@ class MuonAdamW(torch.optim.Optimizer):
                     buf = state["momentum_buffer"]
                     buf.lerp_(p.grad, 1 - mom)  # buf = mom * buf + (1 - mom) * g
                     g = p.grad.lerp(buf, mom)  # Nesterov: look ahead along the momentum
-                    if isinstance(g, DTensor):  # FSDP2: gather the full matrix
+                    if is_dtensor(g):  # FSDP2: gather the full matrix
                         if g.device.type == "cpu" and p.device_mesh.device_type != "cpu":
                             g = g.to(p.device_mesh.device_type)  # CPU offload: gather and orthogonalise on the GPU
                         g = g.full_tensor()
@@ -161,8 +157,10 @@ class MuonAdamW(torch.optim.Optimizer):
         if work is not None:
             work.wait()
         for p, update in zip(chunk, updates):
-            if isinstance(p, DTensor):  # keep this rank's shard of the full update (no communication)
-                update = distribute_tensor(update, p.device_mesh, p.placements, src_data_rank=None).to(p.device)
+            if is_dtensor(p):  # keep this rank's shard of the full update (no communication)
+                update = torch.distributed.tensor.distribute_tensor(
+                    update, p.device_mesh, p.placements, src_data_rank=None
+                ).to(p.device)
             # orthogonal updates have unit singular values; scale so tall matrices get comparable per-element steps
             scale = max(1.0, p.size(-2) / p.size(-1)) ** 0.5
             if wd:

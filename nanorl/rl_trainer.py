@@ -14,10 +14,18 @@ from dataclasses import dataclass, fields
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
 
 from nanorl import rl
-from nanorl.common import autocast_ctx, fraction, nonneg_float, nonneg_int, number_in, positive_float, positive_int
+from nanorl.common import (
+    autocast_ctx,
+    fraction,
+    is_sharded,
+    nonneg_float,
+    nonneg_int,
+    number_in,
+    positive_float,
+    positive_int,
+)
 from nanorl.rollout import TRUNCATED, GroupSpec
 
 
@@ -253,7 +261,7 @@ class Trainer:
             collate_packed(samples, rows, self.device)
             for rows in pack_micro_batches(samples, max_tokens, min(max_tokens, m.config.sequence_len))
         ]
-        if isinstance(m, FSDPModule) and self.distributed:
+        if is_sharded(m) and self.distributed:
             # every forward/backward of a sharded model gathers weights with the other ranks: all must run as many
             # micro-batches; a rank with fewer repeats its last one as a "dummy" (run, never counted)
             n = torch.tensor(len(batches), device=self.device)

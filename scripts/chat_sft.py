@@ -20,7 +20,6 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
 
 from nanorl import fsdp, lora
 from nanorl.checkpoint import add_model_args, load_model_from_args, resume, save
@@ -40,6 +39,7 @@ from nanorl.common import (
     get_base_dir,
     get_logger,
     int_or_off,
+    is_sharded,
     nonneg_float,
     nonneg_int,
     positive_float,
@@ -195,7 +195,7 @@ def eval_loss(model, loader, max_batches, autocast, dev):
     for _ in range(max_batches):
         batch = next(batches, None)
         # under FSDP each forward gathers weights with the other ranks: all stop when any rank runs dry
-        if isinstance(model, FSDPModule):
+        if is_sharded(model):
             more = torch.tensor(float(batch is not None), device=dev)
             dist.all_reduce(more, op=dist.ReduceOp.MIN)
             batch = batch if more.item() else None
