@@ -48,7 +48,16 @@ SPEEDRUN_RL = [
     "--run",
     "dummy",
 ]
-CARD = {"problems": 200, "max_tokens": 128, "levels": (1, 2), "samples": 4, "temperature": 1.0, "seed": 0, "batch": 64}
+CARD = {
+    "problems": 200,
+    "max_tokens": 128,
+    "levels": (1, 2),
+    "hard_levels": (3, 4),
+    "samples": 4,
+    "temperature": 1.0,
+    "seed": 0,
+    "batch": 64,
+}
 
 
 def exp_dir(base, name):
@@ -105,6 +114,9 @@ def cmd_eval(a):
     idx = list(range(min(len(task), CARD["problems"])))
     t0 = time.time()
     greedy, _ = run_generative(engine, tokenizer, task, idx, 1, CARD["max_tokens"], 0.0, None, CARD["seed"])
+    hard = get_task("offline", "test", levels=CARD["hard_levels"])  # the card's levels 3,4 row: RL's room to improve
+    hard_idx = list(range(min(len(hard), CARD["problems"])))
+    greedy34, _ = run_generative(engine, tokenizer, hard, hard_idx, 1, CARD["max_tokens"], 0.0, None, CARD["seed"])
     sampled, texts = run_generative(
         engine, tokenizer, task, idx, CARD["samples"], CARD["max_tokens"], CARD["temperature"], None, CARD["seed"]
     )
@@ -114,6 +126,8 @@ def cmd_eval(a):
         "greedy": [c or 0 for c in greedy],
         "sampled": [c or 0 for c in sampled],
         "accuracy": sum(c or 0 for c in greedy) / len(idx),
+        "greedy34": [c or 0 for c in greedy34],
+        "accuracy34": sum(c or 0 for c in greedy34) / len(hard_idx),
         "pass@1": sum(pass_at_k(n, c or 0, 1) for c in sampled) / len(idx),
         "pass@4": sum(pass_at_k(n, c or 0, 4) for c in sampled) / len(idx),
         "mean_response_chars": sum(len(t) for ts in texts for t in ts) / max(1, sum(len(ts) for ts in texts)),
@@ -125,6 +139,7 @@ def cmd_eval(a):
         json.dump(out, f)
     print(
         f"{a.name}: greedy {out['accuracy']:.4f} | pass@1 {out['pass@1']:.4f} | pass@4 {out['pass@4']:.4f} "
+        f"| levels 3,4 greedy {out['accuracy34']:.4f} "
         f"({out['eval_s']}s)"
     )
 
@@ -193,8 +208,8 @@ def standard_errors(e):
 def cmd_table(a):
     root = os.path.join(a.base, "rl_exp")
     sft = load_eval(a.base, "sft")
-    print("| run | seed | extra flags | greedy | pass@1 | pass@4 | greedy r->w / w->r | RL wall |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| run | seed | extra flags | greedy | pass@1 | pass@4 | levels 3,4 greedy | greedy r->w / w->r | RL wall |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name in sorted(os.listdir(root)):
         p = os.path.join(root, name, "card_eval.json")
         if not os.path.exists(p):
@@ -209,6 +224,7 @@ def cmd_table(a):
             f"| {name} | {run.get('seed', '')} | {' '.join(run.get('extra', []))} | {e['accuracy']:.3f} ± {sg:.3f} "
             f"({e['accuracy'] - sft['accuracy']:+.3f}) | {e['pass@1']:.3f} ± {s1:.3f} "
             f"({e['pass@1'] - sft['pass@1']:+.3f}) | {e['pass@4']:.3f} ± {s4:.3f} ({e['pass@4'] - sft['pass@4']:+.3f}) "
+            f"| {e.get('accuracy34', float('nan')):.3f} ({e.get('accuracy34', 0) - sft.get('accuracy34', 0):+.3f}) "
             f"| {f['greedy right->wrong']} / {f['greedy wrong->right']} | {run.get('wall_s', '')} |"
         )
 

@@ -39,6 +39,8 @@ class TrainerConfig:
     max_tokens_per_gpu: int = 8192
     grad_clip: float = 1.0  # 0 = off
     warmup_rollouts: int = 0
+    lr_decay_style: str = "constant"  # or linear: to 0 over num_rollouts (nanochat's RL schedule)
+    num_rollouts: int = 60  # the run's length, for the decay
     gamma: float = 1.0
     lambd: float = 1.0
     value_clip: float = 0.2  # 0 = off
@@ -99,6 +101,12 @@ def add_args(parser):
     g.add_argument("--weight-decay", type=nonneg_float, default=0.0, help="optimizer weight decay")
     g.add_argument("--grad-clip", type=nonneg_float, default=c.grad_clip, help="clip the grad norm (0 = off)")
     g.add_argument("--warmup-rollouts", type=nonneg_int, default=c.warmup_rollouts, help="linear LR warmup (rollouts)")
+    g.add_argument(
+        "--lr-decay-style",
+        default=c.lr_decay_style,
+        choices=["constant", "linear"],
+        help="LR after the warmup: constant, or linear to 0 at the last rollout (as nanochat's RL)",
+    )
     g = parser.add_argument_group("advantages and loss (nanorl/rl_trainer.py, nanorl/rl.py)")
     g.add_argument(
         "--advantage-estimator",
@@ -385,6 +393,8 @@ class Trainer:
         with timer.section("advantages", self.device.type):
             adv, returns = self.compute_advantages(samples, old_lp, ref_lp, old_values)
         lr_mult = min(1.0, (step + 1) / cfg.warmup_rollouts) if cfg.warmup_rollouts > 0 else 1.0
+        if cfg.lr_decay_style == "linear":
+            lr_mult *= 1.0 - step / cfg.num_rollouts
         # the rollout cut into mini-batches of whole groups of n, all of it (an agent's group may be several: agents.py)
         steps, n = cfg.num_steps_per_rollout, cfg.group.n_samples_per_prompt
         edges = [k * (len(samples) // n) // steps * n for k in range(steps)] + [len(samples)]

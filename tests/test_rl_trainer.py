@@ -41,7 +41,8 @@ def parse_trainer_flags(*flags, estimator="grpo"):
     """chat_rl's training flags through its parser and checks -> the TrainerConfig."""
     p = argparse.ArgumentParser()
     rl_trainer.add_args(p)
-    group = GroupSpec(n_samples_per_prompt=4, temperature=1.0, max_response_len=12)  # chat_rl's own flags
+    p.add_argument("--num-rollouts", type=int, default=60)  # chat_rl's own flags: the LR decay's horizon,
+    group = GroupSpec(n_samples_per_prompt=4, temperature=1.0, max_response_len=12)  # the group
     return rl_trainer.config_from_args(p.parse_args([*flags, "--advantage-estimator", estimator]), p, group)
 
 
@@ -303,3 +304,19 @@ def test_worker_and_trainer_read_one_group_spec():
     fresh = tiny_model(3)
     trainer = rl_trainer.Trainer(other, fresh, build_optimizer(fresh), torch.device("cpu"))
     assert trainer.train_step(0, samples, Timer())["train/train_rollout_logprob_abs_diff"] > 1e-2
+
+
+@pytest.mark.parametrize(
+    "style,warmup,want",
+    [("constant", 0, [1, 1, 1, 1]), ("linear", 0, [1, 0.75, 0.5, 0.25]), ("linear", 2, [0.5, 0.75, 0.5, 0.25])],
+)
+def test_lr_schedule_warms_up_then_decays_to_zero_at_the_last_rollout(style, warmup, want):
+    """--lr-decay-style linear is nanochat's RL schedule (lr x (1 - step / steps)); after --warmup-rollouts' ramp."""
+    cfg = parse_trainer_flags("--lr-decay-style", style, "--warmup-rollouts", str(warmup), "--num-rollouts", "4")
+    model = tiny_model()
+    trainer = rl_trainer.Trainer(cfg, model, build_optimizer(model), torch.device("cpu"))
+    seen = []
+    for step in range(4):
+        trainer.train_step(step, make_samples([5, 7, 3, 6]), Timer())
+        seen.append([g["lr"] / g["initial_lr"] for g in trainer.optimizer.param_groups])
+    assert all(lrs == pytest.approx([w] * len(lrs), rel=1e-12) for lrs, w in zip(seen, want)), seen
