@@ -79,12 +79,7 @@ class TrainerConfig:
 def add_args(parser):
     c = TrainerConfig
     g = parser.add_argument_group("training step (nanorl/rl_trainer.py)")
-    g.add_argument(
-        "--global-batch-size",
-        type=positive_int,
-        default=None,
-        help="samples per optimizer step (default: the whole rollout)",
-    )
+    g.add_argument("--global-batch-size", type=positive_int, help="samples per optimizer step (default: the rollout)")
     g.add_argument(
         "--num-steps-per-rollout",
         type=positive_int,
@@ -101,12 +96,8 @@ def add_args(parser):
     g.add_argument("--weight-decay", type=nonneg_float, default=0.0, help="optimizer weight decay")
     g.add_argument("--grad-clip", type=nonneg_float, default=c.grad_clip, help="clip the grad norm (0 = off)")
     g.add_argument("--warmup-rollouts", type=nonneg_int, default=c.warmup_rollouts, help="linear LR warmup (rollouts)")
-    g.add_argument(
-        "--lr-decay-style",
-        default=c.lr_decay_style,
-        choices=["constant", "linear"],
-        help="LR after the warmup: constant, or linear to 0 at the last rollout (as nanochat's RL)",
-    )
+    decay = "LR after the warmup: constant, or linear to 0 at the last rollout (nanochat's RL)"
+    g.add_argument("--lr-decay-style", default=c.lr_decay_style, choices=["constant", "linear"], help=decay)
     g = parser.add_argument_group("advantages and loss (nanorl/rl_trainer.py, nanorl/rl.py)")
     g.add_argument(
         "--advantage-estimator",
