@@ -4,12 +4,10 @@ CUDA graphs it is replayed from (one per ladder batch size and attention-length 
 engine's device, and each replayed once against the eager step before the engine trusts it).
 """
 
-from contextlib import nullcontext
-
 import torch
 from torch.nn.attention import SDPBackend
 
-from nanorl.common import cuda_dtypes
+from nanorl.common import bf16_matmuls, cuda_dtypes
 
 KERNEL_NAMES = {
     SDPBackend.MATH: "math",
@@ -47,7 +45,7 @@ def engine_autocast(device, weight_dtype):
     cache must not outlive a CUDA graph capture."""
     if cuda_dtypes(device) and weight_dtype == torch.float32:
         return torch.amp.autocast(device.type, dtype=torch.bfloat16, cache_enabled=False)
-    return nullcontext()
+    return bf16_matmuls(device)  # a bf16 copy on a CPU without bf16 matrix kernels: its matmuls in fp32
 
 
 @torch.no_grad()

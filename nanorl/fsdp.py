@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from nanorl.checkpoint import dcp_dir, find_last_step, save_checkpoint
-from nanorl.common import cuda_dtypes, get_dist_info, is_dtensor, synchronize
+from nanorl.common import cuda_dtypes, get_dist_info, is_dtensor, recompute_like_forward, synchronize
 from nanorl.gpt import GPTConfig, build_model
 
 
@@ -89,7 +89,7 @@ def shard_model(model, device, activation_checkpointing=False, cpu_offload=False
         if activation_checkpointing:
             from torch.distributed._composable import checkpoint  # hooks, not a wrapper: parameter names stay the same
 
-            checkpoint(block)
+            checkpoint(block, context_fn=recompute_like_forward)
         # the last block's weights are needed again at once by backward: keep them gathered after forward
         fully_shard(block, reshard_after_forward=block is not model.transformer.h[-1], **kw)
     fully_shard(model, **kw)

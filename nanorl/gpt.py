@@ -30,7 +30,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
-from nanorl.common import cuda_dtypes, low_precision_dtype
+from nanorl.common import cuda_dtypes, low_precision_dtype, recompute_like_forward
 from nanorl.kv_cache import KVCache, attend_cached, attend_shared_prefix
 
 
@@ -468,7 +468,7 @@ class GPT(nn.Module):
         for s in range(0, B * T, chunk_size):
             h_c, t_c = h[s : s + chunk_size], tgt[s : s + chunk_size]
             if torch.is_grad_enabled() and h_c.requires_grad:
-                lp, ent = checkpoint(chunk_fn, h_c, t_c, use_reentrant=False)
+                lp, ent = checkpoint(chunk_fn, h_c, t_c, use_reentrant=False, context_fn=recompute_like_forward)
             else:
                 lp, ent = chunk_fn(h_c, t_c)
             lps.append(lp)

@@ -17,7 +17,7 @@ momentum matrix, orthogonalises it on its owner rank as above, and each rank kee
 import torch
 import torch.distributed as dist
 
-from nanorl.common import cuda_dtypes, is_dtensor
+from nanorl.common import bf16_matmuls, cuda_dtypes, is_dtensor
 
 
 @torch.no_grad()
@@ -33,10 +33,11 @@ def orthogonalize(G, steps=5):
     if transposed:  # iterate on the smaller Gram matrix
         X = X.mT
     X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)  # spectral norm <= Frobenius norm <= 1
-    for _ in range(steps):
-        A = X @ X.mT
-        B = b * A + c * (A @ A)
-        X = a * X + B @ X
+    with bf16_matmuls(X.device):
+        for _ in range(steps):
+            A = X @ X.mT
+            B = b * A + c * (A @ A)
+            X = a * X + B @ X
     if transposed:
         X = X.mT
     return X.to(G.dtype)

@@ -322,3 +322,79 @@ def test_precision_line_says_which_dtypes_a_stage_runs_in(monkeypatch):
     assert precision_line(torch.device("cuda")) == cuda
     monkeypatch.setenv("NANORL_CUDA_DTYPES", "1")
     assert precision_line("cpu") == cuda + " (CUDA's layout on the CPU: NANORL_CUDA_DTYPES=1)"
+
+
+# -----------------------------------------------------------------------------------------------
+# bf16 matmuls on a CPU without bf16 matrix kernels: fp32 products of bf16-rounded inputs, rounded to bf16
+
+
+def test_bf16_matmuls_apply_exactly_on_a_cpu_in_cudas_layout_without_bf16_kernels(monkeypatch):
+    from nanorl.common import _Bf16MatmulsInFp32, bf16_matmuls
+
+    for layout, kernels, expected in (("1", False, True), ("1", True, False), ("0", False, False)):
+        monkeypatch.setenv("NANORL_CUDA_DTYPES", layout)
+        monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda k=kernels: k)
+        assert isinstance(bf16_matmuls("cpu"), _Bf16MatmulsInFp32) == expected, (layout, kernels)
+        assert isinstance(bf16_matmuls(torch.device("cpu")), _Bf16MatmulsInFp32) == expected
+
+
+def test_bf16_matmuls_give_a_bf16_gemms_values_and_gradients():
+    """Against torch's own bf16 kernels on the same inputs: the same dtypes forward and backward, values within the
+    bf16 rounding of each output (the two differ only in the order of the fp32 sum)."""
+    import torch.nn.functional as F
+
+    from nanorl.common import _Bf16MatmulsInFp32
+
+    def close(a, b):  # one bf16 unit of the largest value: what a different sum order can move a rounded result
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert (a.float() - b.float()).abs().max() <= 2**-7 * a.float().abs().max(), (a, b)
+
+    torch.manual_seed(0)
+    x, w = torch.randn(16, 48, requires_grad=True), torch.randn(40, 48, requires_grad=True)
+    results = []
+    for mode in (None, _Bf16MatmulsInFp32()):
+        x.grad = w.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16), mode or torch.autocast("cpu", enabled=True):
+            y = F.linear(x, w)
+        y.float().square().sum().backward()
+        results.append((y, x.grad, w.grad))
+    assert results[0][0].dtype == torch.bfloat16 and results[0][1].dtype == torch.float32
+    for a, b in zip(*results):
+        close(a, b)
+    q, k, v = (torch.randn(2, 3, 8, 16).bfloat16() for _ in range(3))
+    native = (F.scaled_dot_product_attention(q, k, v, is_causal=True), q @ k.mT, torch.bmm(q[0], k[0].mT))
+    with _Bf16MatmulsInFp32():
+        mine = (F.scaled_dot_product_attention(q, k, v, is_causal=True), q @ k.mT, torch.bmm(q[0], k[0].mT))
+    for a, b in zip(native, mine):
+        close(a, b)
+    # an exact case, by hand: bf16 inputs whose products and sums fp32 holds exactly give the exact bf16 result
+    a = torch.tensor([[1.0, 2.0], [3.0, 0.5]], dtype=torch.bfloat16)
+    with _Bf16MatmulsInFp32():
+        assert torch.equal(a @ a, torch.tensor([[7.0, 3.0], [4.5, 6.25]], dtype=torch.bfloat16))
+    # fp32 outside autocast is not touched: the same kernel, bit for bit
+    with _Bf16MatmulsInFp32():
+        assert torch.equal(F.linear(x, w), F.linear(x.detach(), w.detach()))
+
+
+def test_checkpointed_log_probs_recompute_under_the_mode_their_forward_ran_in():
+    """RL's log-probs are checkpointed: backward recomputes them outside the forward's contexts. Without
+    recompute_like_forward the recomputation ran torch's bf16 kernels and its tensors' dtypes differed (an error)."""
+    from nanorl.common import _Bf16MatmulsInFp32
+    from nanorl.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(sequence_len=32, vocab_size=64, n_layer=1, n_head=2, n_kv_head=2, n_embd=32))
+    model.init_weights()
+    idx, tgt = torch.randint(0, 64, (2, 12)), torch.randint(0, 64, (2, 12))
+    grads = []
+    for checkpointed in (True, False):  # in chunks of 8 positions, recomputed in backward; and from forward's logits
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16), _Bf16MatmulsInFp32():
+            if checkpointed:
+                lp = model.token_logprobs(idx, tgt, chunk_size=8)
+            else:
+                lp = torch.log_softmax(model(idx).float(), -1).gather(-1, tgt[..., None])[..., 0]
+        lp.sum().backward()
+        grads.append(model.lm_head.weight.grad.clone())
+    # the two paths round their logits at different points: equal within bf16 rounding of the largest gradient
+    assert torch.allclose(grads[0], grads[1], rtol=0, atol=2**-7 * grads[1].abs().max())

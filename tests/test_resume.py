@@ -171,9 +171,10 @@ def test_the_tiny_pipeline_killed_and_resumed_in_every_stage(tokenizer_dir):
     rl = [*RL.split(), "--source", "sft", "--model-tag", "p_full"]
     _, outs = kill_and_resume(d, "scripts.chat_rl", rl, "rl_checkpoints", "--output-tag", "p", 3, 4, 4)
     # the engine samples from its bf16 copy while the trainer computes in fp32 weights under autocast: the two
-    # log-probs differ a little (in fp32 they are equal; tests/test_rl_trainer.py)
+    # log-probs may differ a little (bf16 sums in another order; in fp32 they are equal: tests/test_rl_trainer.py)
+    assert "bf16 engine copy and KV cache (CUDA's layout on the CPU" in outs[0].stdout
     lp_diff = [float(x) for x in re.findall(r"lp_diff ([\d.e+-]+)", outs[0].stdout)]
-    assert lp_diff and all(0 < x < 0.5 for x in lp_diff), outs[0].stdout[-2000:]
+    assert lp_diff and all(0 <= x < 0.05 for x in lp_diff), outs[0].stdout[-2000:]
 
 
 # -----------------------------------------------------------------------------------------------
