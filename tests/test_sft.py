@@ -264,7 +264,8 @@ def test_eval_loss_accumulates_on_the_compute_device():
 
 
 ROOT = Path(__file__).resolve().parents[1]
-# a small base model, trained briefly: SFT has format and arithmetic to teach it, in a minute of CPU
+# a small base model, trained briefly: SFT has format and arithmetic to teach it, in half a minute of CPU (held-out
+# level-1 accuracy base 0.10 -> SFT 0.43 measured on an AVX2 CPU; the test asks for +0.2)
 E2E_BASE = [
     "--depth",
     "4",
@@ -279,7 +280,7 @@ E2E_BASE = [
     "--total-batch-size",
     "4096",
     "--num-iterations",
-    "50",
+    "25",
     "--eval-every",
     "0",
     "--sample-every",
@@ -293,7 +294,7 @@ E2E_SFT = [
     "--num-examples",
     "1000",
     "--num-iterations",
-    "60",
+    "40",
     "--init-lr-frac",
     "1.0",
     "--device-batch-size",

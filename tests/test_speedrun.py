@@ -19,7 +19,8 @@ RUN = {"capture_output": True, "text": True}
 @pytest.mark.slow
 def test_tiny_speedrun_end_to_end(tmp_path):
     """The pipeline as a user runs it: killed in RL (as by the OOM killer), rerun, which continues RL from its last
-    checkpoint; then the report, and a rerun of RL alone from scratch, whose weights the resumed run's equal."""
+    checkpoint; then the report, and a rerun that skips every finished stage. (That the resumed weights equal an
+    uninterrupted run's is tests/test_resume.py's, stage by stage.)"""
     report, base = tmp_path / "report.md", tmp_path / "base"
     env = {
         **os.environ,
@@ -97,18 +98,9 @@ def test_tiny_speedrun_end_to_end(tmp_path):
     assert "(the sum of the stages' own times; the last setup (venv, installs): " in text  # installs apart
     for png in ("plot_base_loss.png", "plot_rl.png"):  # beside the sections, not loose next to report.md
         assert (run / "report" / png).stat().st_size > 1000 and not (tmp_path / png).exists()
-    # RL again from scratch (its marker removed): --overwrite moves the resumed run aside, and the weights are the same
-    (run / "done" / "chat_rl").unlink()
-    again = subprocess.run(["bash", "speedrun.sh"], cwd=ROOT, env=env, **RUN, timeout=300)
-    assert again.returncode == 0 and again.stdout.count("already done, skipping") == 12, again.stdout + again.stderr
-    (resumed,) = rl.parent.glob("d4.old-*")
-    assert (
-        "resumed" not in log.read_text()
-        and (resumed / "model_000002.safetensors").read_bytes() == (rl / "model_000002.safetensors").read_bytes()
-    )
     # a rerun skips every finished stage
     again = subprocess.run(["bash", "speedrun.sh"], cwd=ROOT, env=env, **RUN, timeout=300)
-    assert again.returncode == 0 and again.stdout.count("already done, skipping") == 13
+    assert again.returncode == 0 and again.stdout.count("already done, skipping") == 13, again.stdout + again.stderr
     minutes = float(re.search(r"total wall time: ([\d.]+) min", report.read_text()).group(1))
     assert minutes >= 0.5  # the rerun's report still counts the stages' own time, not the rerun's seconds
 
