@@ -50,7 +50,6 @@ import numpy as np
 import torch
 from torch.nn.attention import sdpa_kernel
 
-from nanorl.common import low_precision_dtype
 from nanorl.engine_graphs import (
     KERNEL_NAMES,
     capture_decode_graphs,
@@ -62,6 +61,7 @@ from nanorl.engine_graphs import (
 from nanorl.gpt import LockstepDecode, inference_copy
 from nanorl.inflight import Sample, SlotRecords
 from nanorl.kv_cache import new_kv_cache
+from nanorl.precision import low_precision_dtype
 from nanorl.sampling import row_seed, sample_with_logprobs
 from nanorl.toolcalls import ToolMarkup, run_tool
 

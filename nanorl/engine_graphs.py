@@ -7,7 +7,7 @@ engine's device, and each replayed once against the eager step before the engine
 import torch
 from torch.nn.attention import SDPBackend
 
-from nanorl.common import bf16_matmuls, cuda_dtypes
+from nanorl.precision import bf16_matmuls, cuda_dtypes
 
 KERNEL_NAMES = {
     SDPBackend.MATH: "math",

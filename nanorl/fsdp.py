@@ -26,8 +26,9 @@ import torch
 import torch.distributed as dist
 
 from nanorl.checkpoint import dcp_dir, find_last_step, save_checkpoint
-from nanorl.common import cuda_dtypes, get_dist_info, is_dtensor, recompute_like_forward, synchronize
+from nanorl.common import get_dist_info, is_dtensor, synchronize
 from nanorl.gpt import GPTConfig, build_model
+from nanorl.precision import cuda_dtypes, recompute_like_forward
 
 
 def add_args(parser):
@@ -57,7 +58,7 @@ def check_args(args, script):
 
 def mixed_precision(device_type):
     """The FSDP2 precision policy of a device. CUDA: weights gathered in bf16 for compute, gradients reduced in
-    fp32 (also on the CPU in CUDA's layout, common.cuda_dtypes). Elsewhere: everything fp32 (exact tests)."""
+    fp32 (also on the CPU in CUDA's layout, precision.cuda_dtypes). Elsewhere: everything fp32 (exact tests)."""
     # FSDP2 is imported where it is used, here and below: ~1.5 s a process that every script not sharding would pay
     from torch.distributed.fsdp import MixedPrecisionPolicy
 

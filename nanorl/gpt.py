@@ -30,8 +30,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
-from nanorl.common import cuda_dtypes, low_precision_dtype, recompute_like_forward
 from nanorl.kv_cache import KVCache, attend_cached, attend_shared_prefix
+from nanorl.precision import cuda_dtypes, low_precision_dtype, recompute_like_forward
 
 
 @dataclass
@@ -309,7 +309,7 @@ class Block(nn.Module):
 
 def embedding_dtype(config, device_type):
     """The dtype init_weights gives the token embedding on a device: bf16 on CUDA (and in CUDA's layout on the CPU,
-    common.cuda_dtypes) unless it is tied to the head. The embedding is only a lookup: bf16 halves its memory
+    precision.cuda_dtypes) unless it is tied to the head. The embedding is only a lookup: bf16 halves its memory
     traffic. (FSDP casts it back: see fsdp.shard_model.)"""
     return torch.bfloat16 if cuda_dtypes(device_type) and not config.tie_embeddings else torch.float32
 

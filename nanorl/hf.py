@@ -25,9 +25,9 @@ from contextlib import contextmanager
 
 import torch
 
-from nanorl.common import low_precision_dtype
 from nanorl.errors import BadValue, MissingFile, Unreadable, read_json_object
 from nanorl.gpt import GPT, GPTConfig
+from nanorl.precision import low_precision_dtype
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "NanoChatForCausalLM")
 MODEL_TYPES = {

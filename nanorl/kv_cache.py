@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel
 
-from nanorl.common import low_precision_dtype
 from nanorl.engine_graphs import decode_backends, prefill_backends
+from nanorl.precision import low_precision_dtype
 
 
 class KVCache:

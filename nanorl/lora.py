@@ -28,8 +28,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanorl.common import low_precision_dtype
 from nanorl.optim import MuonAdamW
+from nanorl.precision import low_precision_dtype
 
 # target group -> the Linear layers it wraps, by name inside a Block (mlp.c_gate exists in SwiGLU models only)
 TARGETS = {

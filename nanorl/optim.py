@@ -17,7 +17,8 @@ momentum matrix, orthogonalises it on its owner rank as above, and each rank kee
 import torch
 import torch.distributed as dist
 
-from nanorl.common import bf16_matmuls, cuda_dtypes, is_dtensor
+from nanorl.common import is_dtensor
+from nanorl.precision import bf16_matmuls, cuda_dtypes
 
 
 @torch.no_grad()

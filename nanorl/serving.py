@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nanorl.common import autocast_ctx
 from nanorl.engine import Request
 from nanorl.openai_api import BadRequest, ServeConfig, error_body
+from nanorl.precision import autocast_ctx
 from nanorl.toolcalls import MarkupStream
 
 

@@ -14,7 +14,6 @@ from nanorl import mirror
 from nanorl.checkpoint import add_model_args, load_model_from_args
 from nanorl.common import (
     ArgumentParser,
-    autocast_ctx,
     compute_cleanup,
     compute_init,
     int_or_off,
@@ -27,6 +26,7 @@ from nanorl.dataloader import PretrainLoader
 from nanorl.dataset import describe_source
 from nanorl.engine import Engine, Request
 from nanorl.loss_eval import evaluate_bpb
+from nanorl.precision import autocast_ctx
 from nanorl.report import log_section, record_metrics
 from nanorl.tokenizer import get_token_bytes
 

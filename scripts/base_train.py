@@ -19,7 +19,6 @@ from nanorl.common import (
     SLIME_NAMES,
     ArgumentParser,
     add_logging_args,
-    autocast_ctx,
     batch_candidates,
     batch_or_auto,
     compile_model,
@@ -35,7 +34,6 @@ from nanorl.common import (
     nonneg_int,
     positive_float,
     positive_int,
-    precision_line,
     print0,
     synchronize,
     tag_name,
@@ -48,6 +46,7 @@ from nanorl.gpt import attention_backend, build_model, config_from_depth
 from nanorl.kv_cache import greedy_decode
 from nanorl.loss_eval import evaluate_bpb
 from nanorl.optim import build_optimizer
+from nanorl.precision import autocast_ctx, precision_line
 from nanorl.report import log_json, log_section, record_metrics
 from nanorl.tokenizer import get_token_bytes, get_tokenizer
 

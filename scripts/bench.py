@@ -39,15 +39,14 @@ from nanorl.benchmark import (
 )
 from nanorl.common import (
     ArgumentParser,
-    autocast_ctx,
     autodetect_device_type,
     get_peak_flops,
-    low_precision_dtype,
     nonneg_float,
     nonneg_int,
     positive_float,
     positive_int,
 )
+from nanorl.precision import autocast_ctx, low_precision_dtype
 from scripts.bench_hf import HF_SIZES, bench_hf
 
 

@@ -437,8 +437,9 @@ def score_card(results, args, n, temperature, skipped=None):
 
 def main():
     from nanorl.checkpoint import load_model_from_args
-    from nanorl.common import autocast_ctx, compute_cleanup, compute_init
+    from nanorl.common import compute_cleanup, compute_init
     from nanorl.engine import Engine
+    from nanorl.precision import autocast_ctx
     from nanorl.report import log_section, record_metrics
     from nanorl.sft_data import task_paths
 

@@ -19,20 +19,12 @@ import time
 
 from nanorl import checkpoint, common, fsdp, lora, prompts, rewards, rl_async, rl_trainer, rollout
 from nanorl.checkpoint import add_model_args, load_model_from_args
-from nanorl.common import (
-    SLIME_NAMES,
-    ArgumentParser,
-    nonneg_float,
-    positive_float,
-    positive_int,
-    precision_line,
-    print0,
-    tag_name,
-)
+from nanorl.common import SLIME_NAMES, ArgumentParser, nonneg_float, positive_float, positive_int, print0, tag_name
 from nanorl.engine import Engine
 from nanorl.execution import require_sandbox, sandbox_mode
 from nanorl.gpt import attention_backend
 from nanorl.optim import build_optimizer
+from nanorl.precision import precision_line
 from nanorl.report import log_json, log_section, rl_eval_rows
 from nanorl.rl_run import RLRun, RunConfig, build_critic, idle_line, load_teacher, rl_summary, step_legend
 from nanorl.rollout import GroupSpec

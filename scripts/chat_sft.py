@@ -28,7 +28,6 @@ from nanorl.common import (
     SLIME_NAMES,
     ArgumentParser,
     add_logging_args,
-    autocast_ctx,
     batch_candidates,
     batch_or_auto,
     compile_model,
@@ -44,13 +43,13 @@ from nanorl.common import (
     nonneg_int,
     positive_float,
     positive_int,
-    precision_line,
     print0,
     tag_name,
     training_trial,
 )
 from nanorl.gpt import attention_backend
 from nanorl.optim import build_optimizer
+from nanorl.precision import autocast_ctx, precision_line
 from nanorl.report import data_seen, log_json, log_section
 from nanorl.sft_data import SFTLoader, build_data, levels, padding_fraction
 from nanorl.synthetic import levels_flag

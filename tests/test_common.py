@@ -311,7 +311,7 @@ def test_eta_tick_counts_the_time_between_step_lines():
 
 
 def test_precision_line_says_which_dtypes_a_stage_runs_in(monkeypatch):
-    from nanorl.common import precision_line
+    from nanorl.precision import precision_line
 
     monkeypatch.delenv("NANORL_CUDA_DTYPES", raising=False)
     assert (
@@ -329,7 +329,7 @@ def test_precision_line_says_which_dtypes_a_stage_runs_in(monkeypatch):
 
 
 def test_bf16_matmuls_apply_exactly_on_a_cpu_in_cudas_layout_without_bf16_kernels(monkeypatch):
-    from nanorl.common import _Bf16MatmulsInFp32, bf16_matmuls
+    from nanorl.precision import _Bf16MatmulsInFp32, bf16_matmuls
 
     for layout, kernels, expected in (("1", False, True), ("1", True, False), ("0", False, False)):
         monkeypatch.setenv("NANORL_CUDA_DTYPES", layout)
@@ -343,7 +343,7 @@ def test_bf16_matmuls_give_a_bf16_gemms_values_and_gradients():
     bf16 rounding of each output (the two differ only in the order of the fp32 sum)."""
     import torch.nn.functional as F
 
-    from nanorl.common import _Bf16MatmulsInFp32
+    from nanorl.precision import _Bf16MatmulsInFp32
 
     def close(a, b):  # one bf16 unit of the largest value: what a different sum order can move a rounded result
         assert a.dtype == b.dtype and a.shape == b.shape
@@ -379,8 +379,8 @@ def test_bf16_matmuls_give_a_bf16_gemms_values_and_gradients():
 def test_checkpointed_log_probs_recompute_under_the_mode_their_forward_ran_in():
     """RL's log-probs are checkpointed: backward recomputes them outside the forward's contexts. Without
     recompute_like_forward the recomputation ran torch's bf16 kernels and its tensors' dtypes differed (an error)."""
-    from nanorl.common import _Bf16MatmulsInFp32
     from nanorl.gpt import GPT, GPTConfig
+    from nanorl.precision import _Bf16MatmulsInFp32
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(sequence_len=32, vocab_size=64, n_layer=1, n_head=2, n_kv_head=2, n_embd=32))

@@ -18,9 +18,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nanorl import gpt, rl, rl_trainer
-from nanorl.common import autocast_ctx, strict_collective_device
+from nanorl.common import strict_collective_device
 from nanorl.gpt import GPT, GPTConfig, build_model, config_from_depth
 from nanorl.optim import build_optimizer
+from nanorl.precision import autocast_ctx
 from nanorl.rl_trainer import collate
 from nanorl.rollout import GroupSpec, Sample
 

@@ -108,7 +108,7 @@ def test_resumed_optimizer_keeps_fp32_moments_for_a_bf16_embedding(monkeypatch):
     """In CUDA's dtype layout the token embedding is bf16 and AdamW's moments fp32. torch's load_state_dict casts
     floating state to the parameter's dtype, which left bf16 moments and crashed the first step after every --resume.
     Loaded moments stay fp32, bit for bit, and the resumed steps equal the uninterrupted ones."""
-    from nanorl.common import CUDA_DTYPES_ENV, autocast_ctx
+    from nanorl.precision import CUDA_DTYPES_ENV, autocast_ctx
 
     monkeypatch.setenv(CUDA_DTYPES_ENV, "1")
     x = torch.randint(0, 40, (2, 16), generator=torch.Generator().manual_seed(1))

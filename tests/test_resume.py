@@ -26,7 +26,7 @@ import torch
 from tiny_checkpoints import save_random_sft, train_tokenizer
 
 from nanorl.checkpoint import load_checkpoint
-from nanorl.common import CUDA_DTYPES_ENV
+from nanorl.precision import CUDA_DTYPES_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 RM = f"{ROOT / 'tests' / 'rl_fixture_reward.py'}:vowel_reward"
