@@ -4,7 +4,6 @@ of an agent, and chat_rl --agent with 2 ranks and with --async."""
 
 import json
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -15,6 +14,7 @@ import torch
 
 openai = pytest.importorskip("openai")
 
+import warm_python  # noqa: E402 (pytest puts tests/ on sys.path)
 from tiny_checkpoints import save_random_sft, train_tokenizer  # noqa: E402
 
 from nanorl import agents, function_calls  # noqa: E402
@@ -567,7 +567,7 @@ def run_agent_rl(base_dir, *extra, nproc=1, agent="tests/rl_fixture_agent.py:vow
         agent,
         *extra,
     ]
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    out = warm_python.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return json.loads((base_dir / "report" / "rl_history.json").read_text()), out.stdout
 

@@ -3,15 +3,16 @@
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
+
+import warm_python  # pytest puts tests/ on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def bench(*args):
-    out = subprocess.run(
+    out = warm_python.run(
         [sys.executable, "-m", "scripts.bench", *args],
         check=False,
         cwd=ROOT,
@@ -165,7 +166,7 @@ def test_bench_rl_micro_batches_match_one_batch():
 
 def test_bench_rl_bad_flags():
     for flag, value, message in [("--samples", "1", "--samples must be >= 2"), ("--new-tokens", "0", "--new-tokens")]:
-        out = subprocess.run(
+        out = warm_python.run(
             [sys.executable, "-m", "scripts.bench", *RL_TINY, flag, value],
             check=False,
             cwd=ROOT,

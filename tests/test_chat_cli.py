@@ -3,12 +3,12 @@ long session in a pseudo-terminal on a tiny model."""
 
 import os
 import select
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+import warm_python  # pytest puts tests/ on sys.path
 
 from scripts.chat_cli import TooLong, chat_turn, command, fit_prompt, turns_to_drop
 
@@ -20,7 +20,7 @@ def tiny(tmp_path_factory):
     """A trained tokenizer and a 1-layer sft checkpoint 't' at step 7, context 256, in a fresh base dir."""
     d = tmp_path_factory.mktemp("cli")
     env = {**os.environ, "NANORL_BASE_DIR": str(d), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    subprocess.run(
+    warm_python.run(
         [sys.executable, "-m", "scripts.tok_train", "--vocab-size", "600", "--max-chars", "300000"],
         cwd=ROOT,
         env=env,
@@ -134,7 +134,7 @@ def test_one_shot_with_an_overlong_prompt_is_one_line_and_fails(tiny):
     prompt = "the cat sat on the mat " * 100
     n = len(tiny["tokenizer"].render_for_completion({"messages": [{"role": "user", "content": prompt}]}))
     assert n > 256
-    r = subprocess.run(
+    r = warm_python.run(
         [sys.executable, "-m", "scripts.chat_cli", "-p", prompt, "--device-type", "cpu"],
         cwd=ROOT,
         env=tiny["env"],
@@ -227,7 +227,7 @@ def test_one_shot_writes_only_the_answer_on_stdout(tiny, monkeypatch):
     from nanorl.checkpoint import load_model
     from nanorl.engine import Engine
 
-    r = subprocess.run(
+    r = warm_python.run(
         [sys.executable, "-m", "scripts.chat_cli", "-p", "What is 2+2?", "-t", "0", "-m", "12", "--device-type", "cpu"],
         cwd=ROOT,
         env=tiny["env"],

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import warm_python
 from rl_fixture_server import RewardHandler, reward_server
 from test_bad_input import run_script
 from tiny_checkpoints import save_random_sft, train_tokenizer
@@ -42,7 +43,7 @@ def tool_model(base_dir):
         "save_checkpoint(checkpoint_root('sft') + '/tools', 0, m.state_dict(), meta={'model_config': m.config.to_dict()})\n"
     )
     env = {**os.environ, "NANORL_BASE_DIR": str(base_dir)}
-    subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True, capture_output=True)
+    warm_python.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True, capture_output=True)
     return "tools"
 
 
@@ -85,7 +86,10 @@ def run_rl(base_dir, *extra, nproc=1, check=True, env=None, rm=RM):
         *(["--custom-rm-path", rm] if rm else []),
         *extra,
     ]
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    if nproc > 1:
+        out = warm_python.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    else:  # a new process without a new interpreter's imports (tests/warm_python.py)
+        out = warm_python.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     if not check:
         return out
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -393,7 +397,7 @@ def test_bad_flags_fail_early(base_dir, flags, msg, monkeypatch):
     if msg in CHECKED_WITH_THE_RANKS:  # a real process, as torchrun starts one
         env = {**os.environ, "NANORL_BASE_DIR": str(base_dir)}
         cmd = [sys.executable, "-m", "scripts.chat_rl", *argv]
-        out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        out = warm_python.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
         code, stdout, stderr = out.returncode, out.stdout, out.stderr
     else:
         code, stdout, stderr = refused_before_setup(base_dir, argv, monkeypatch)
@@ -520,7 +524,7 @@ def test_slime_style_prompt_data_and_flags(base_dir, tmp_path):
         "--engine-batch-size",
         "8",
     ]
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    out = warm_python.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     hist = json.loads((base_dir / "report" / "rl_history.json").read_text())
     assert [h["step"] for h in hist["train"]] == [1, 2] and hist["train"][0]["rollout/response_len_mean"] <= 8
@@ -529,7 +533,7 @@ def test_slime_style_prompt_data_and_flags(base_dir, tmp_path):
     assert "RL on 5 prompts" in out.stdout and "not held out" in out.stdout
     # a row without the prompt key is named by file and line
     data.write_text(json.dumps({"q": "x"}) + "\n")
-    bad = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    bad = warm_python.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and f"--prompt-data {data} line 1" in bad.stderr
 
 

@@ -3,13 +3,13 @@
 import json
 import os
 import re
-import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
 import pytest
 import torch
+import warm_python  # pytest puts tests/ on sys.path
 
 from nanorl import core_eval
 from nanorl.core_eval import centered, evaluate_core, get_bundle, load_tasks, render_prompts, score_example
@@ -248,7 +248,7 @@ def test_base_eval_script(tmp_path):
     env = {**os.environ, "NANORL_BASE_DIR": str(tmp_path / "base"), "OMP_NUM_THREADS": "1"}
 
     def run(*cmd):
-        out = subprocess.run(
+        out = warm_python.run(
             [sys.executable, "-m", *cmd], check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
         )
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]

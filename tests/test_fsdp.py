@@ -3,13 +3,13 @@
 import os
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+import warm_python  # pytest puts tests/ on sys.path
 from torch.distributed.tensor import DTensor
 
 from nanorl.checkpoint import delete_step, load_checkpoint, load_model_dir
@@ -340,7 +340,7 @@ TINY = [
 
 def torchrun_base_train(base_dir, *extra):
     env = {**os.environ, "NANORL_BASE_DIR": str(base_dir), "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(
+    out = warm_python.run(
         [
             sys.executable,
             "-m",
@@ -367,7 +367,7 @@ def torchrun_base_train(base_dir, *extra):
 def test_base_train_fsdp_matches_ddp_resumes_and_consolidates(tmp_path, monkeypatch):
     monkeypatch.setenv("NANORL_BASE_DIR", str(tmp_path))
     env = {**os.environ}
-    subprocess.run(
+    warm_python.run(
         [sys.executable, "-m", "scripts.tok_train", "--vocab-size", "600", "--max-chars", "300000"],
         cwd=ROOT,
         env=env,
@@ -390,7 +390,7 @@ def test_base_train_fsdp_matches_ddp_resumes_and_consolidates(tmp_path, monkeypa
     resumed, log = torchrun_base_train(tmp_path, "--model-tag", "fsdp", "--fsdp", "--resume")
     assert "resumed from" in log and resumed == {3: fsdp[3], 4: fsdp[4]}
     # one file for chat_eval/chat_web/export, loaded by the ordinary loader
-    out = subprocess.run(
+    out = warm_python.run(
         [sys.executable, "-m", "nanorl.fsdp", "consolidate", str(ck)], cwd=ROOT, env=env, capture_output=True, text=True
     )
     assert out.returncode == 0 and "model_000004.safetensors" in out.stdout, out.stderr[-2000:]
@@ -413,7 +413,7 @@ def test_fsdp_flags_are_checked_before_anything_runs(tmp_path):
         (["--cpu-offload"], "--activation-checkpointing and --cpu-offload only apply with --fsdp"),
         (["--fsdp"], "--fsdp needs torchrun, also on one GPU"),
     ):
-        out = subprocess.run(
+        out = warm_python.run(
             [sys.executable, "-m", "scripts.base_train", *TINY, *flags],
             cwd=ROOT,
             env=env,
@@ -426,7 +426,7 @@ def test_fsdp_flags_are_checked_before_anything_runs(tmp_path):
 
 def torchrun_sft(base_dir, *extra):
     env = {**os.environ, "NANORL_BASE_DIR": str(base_dir), "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(
+    out = warm_python.run(
         [
             sys.executable,
             "-m",
@@ -475,7 +475,7 @@ def torchrun_sft(base_dir, *extra):
 @pytest.mark.slow
 def test_chat_sft_fsdp_matches_replicated_resumes_and_consolidates(tmp_path, monkeypatch):
     monkeypatch.setenv("NANORL_BASE_DIR", str(tmp_path))
-    subprocess.run(
+    warm_python.run(
         [sys.executable, "-m", "scripts.tok_train", "--vocab-size", "600", "--max-chars", "300000"],
         cwd=ROOT,
         env={**os.environ},
@@ -508,7 +508,7 @@ def test_chat_sft_fsdp_matches_replicated_resumes_and_consolidates(tmp_path, mon
         resumed,
     )
     # one file that chat_eval's loader reads; its weights = the replicated run's to summation order
-    out = subprocess.run(
+    out = warm_python.run(
         [sys.executable, "-m", "nanorl.fsdp", "consolidate", str(ck)],
         cwd=ROOT,
         env={**os.environ},

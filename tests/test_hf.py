@@ -11,6 +11,8 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 pytest.importorskip("tokenizers")
 
+import warm_python  # noqa: E402 (pytest puts tests/ on sys.path)
+
 from nanorl.engine import Engine, Request  # noqa: E402
 from nanorl.hf import export_hf, load_hf_model  # noqa: E402
 from nanorl.tokenizer import HFTokenizer  # noqa: E402
@@ -418,7 +420,6 @@ def test_export_keeps_the_declared_context_every_eos_id_pad_and_generation_confi
 def test_load_model_hf_checkpoint_and_export_script(tmp_path, monkeypatch):
     """load_model(hf_model=DIR) -> an optimizer step -> a checkpoint that reloads with the model's own tokenizer
     -> scripts.export_hf writes it back in its architecture (Qwen2, tied embeddings) with equal logits."""
-    import subprocess
     import sys
 
     from nanorl.checkpoint import load_model, save_checkpoint
@@ -443,7 +444,7 @@ def test_load_model_hf_checkpoint_and_export_script(tmp_path, monkeypatch):
         want = model(ids)
         assert torch.equal(again(ids), want)
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "NANORL_BASE_DIR": str(base)}
-    subprocess.run(
+    warm_python.run(
         [sys.executable, "-m", "scripts.export_hf", "-i", "rl", "-o", str(tmp_path / "out")], env=env, check=True
     )
     back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
@@ -488,7 +489,6 @@ def test_chat_rl_on_an_open_model(tmp_path):
     """chat_rl --hf-model: 3 GRPO steps on a tiny random Qwen2 directory with the offline curriculum, rendered with
     Qwen's chat template; sampler and trainer agree on-policy, the RL checkpoint keeps the model's tokenizer and
     exports back to a Qwen2 directory that transformers loads."""
-    import subprocess
     import sys
 
     src, base = tmp_path / "qwen", tmp_path / "base"
@@ -527,14 +527,14 @@ def test_chat_rl_on_an_open_model(tmp_path):
         "--lr-scale",
         "0.01",
     ]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    out = warm_python.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     hist = json.loads((base / "report" / "rl_history.json").read_text())
     assert [h["step"] for h in hist["train"]] == [1, 2, 3]
     assert all(h["train/train_rollout_logprob_abs_diff"] < 1e-4 for h in hist["train"])
     meta = json.loads(next((base / "rl_checkpoints" / "qwen").glob("meta_*.json")).read_text())
     assert meta["tokenizer_dir"] == str(src)
-    subprocess.run(
+    warm_python.run(
         [sys.executable, "-m", "scripts.export_hf", "-i", "rl", "-o", str(tmp_path / "out")], env=env, check=True
     )
     back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))

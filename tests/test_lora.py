@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+import warm_python  # pytest puts tests/ on sys.path
 
 from nanorl.engine import Engine, Request
 from nanorl.gpt import GPTConfig, build_model
@@ -238,7 +239,6 @@ def test_chat_rl_lora_trains_and_saves_only_adapters(base_dir):  # noqa: F811
 @pytest.mark.fp32("equal to fp32 rounding by design; bf16 rounds ~3e-3 relative")
 def test_lora_checkpoint_loads_merged_and_exports(base_dir, monkeypatch):  # noqa: F811
     # load_model("rl") of a LoRA run = its base + (alpha/r) B A, a plain GPT; export_hf writes that model
-    import subprocess
     import sys
 
     from nanorl.checkpoint import load_model
@@ -256,7 +256,7 @@ def test_lora_checkpoint_loads_merged_and_exports(base_dir, monkeypatch):  # noq
         torch.testing.assert_close(merged(ids), want(ids), atol=1e-5, rtol=1e-5)
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "NANORL_BASE_DIR": str(base_dir)}
     out = base_dir / "lora_export"
-    subprocess.run(
+    warm_python.run(
         [sys.executable, "-m", "scripts.export_hf", "-i", "rl", "-g", "lora_full", "-o", str(out)],
         env=env,
         check=True,
@@ -265,7 +265,7 @@ def test_lora_checkpoint_loads_merged_and_exports(base_dir, monkeypatch):  # noq
     from safetensors.torch import load_file
 
     assert len(load_file(out / "model.safetensors")) == len(merged.state_dict())
-    peft = subprocess.run(
+    peft = warm_python.run(
         [
             sys.executable,
             "-m",
@@ -297,7 +297,6 @@ def test_lora_with_fsdp_is_refused_in_one_line(base_dir):  # noqa: F811
 def test_chat_rl_lora_on_an_open_model_exports_merged_and_peft(tmp_path):
     # chat_rl --hf-model --lora-rank on a tiny random Qwen2; the merged export loads in transformers and the PEFT
     # adapter directory loads with peft onto the original model, both with the logits of base + adapters
-    import subprocess
     import sys
 
     transformers = pytest.importorskip("transformers")
@@ -341,7 +340,7 @@ def test_chat_rl_lora_on_an_open_model_exports_merged_and_peft(tmp_path):
         "--lora-targets",
         "qkv,o,mlp",
     ]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    out = warm_python.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     from nanorl.checkpoint import load_checkpoint, load_hf
 
@@ -354,7 +353,7 @@ def test_chat_rl_lora_on_an_open_model_exports_merged_and_peft(tmp_path):
     with torch.no_grad():
         want = ours(ids)
     for how in ("merged", "peft"):
-        subprocess.run(
+        warm_python.run(
             [
                 sys.executable,
                 "-m",
@@ -381,7 +380,6 @@ def test_chat_rl_lora_on_an_open_model_exports_merged_and_peft(tmp_path):
 
 @pytest.mark.slow
 def test_chat_sft_lora_trains_adapters_and_resumes_bit_for_bit(base_dir):  # noqa: F811
-    import subprocess
     import sys
 
     from test_chat_rl import ROOT
@@ -424,7 +422,7 @@ def test_chat_sft_lora_trains_adapters_and_resumes_bit_for_bit(base_dir):  # noq
             "1e-2",
             *extra,
         ]
-        out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        out = warm_python.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         return out.stdout
 

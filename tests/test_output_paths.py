@@ -5,12 +5,12 @@ the report's --out, a checkpoint's old steps, chat_rl --overwrite, the downloads
 import argparse
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import warm_python  # pytest puts tests/ on sys.path
 
 from nanorl.errors import BadValue
 from nanorl.gpt import GPTConfig, build_model
@@ -132,7 +132,7 @@ def rl_base(tmp_path_factory):
 def export_script(base, cwd, *flags):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "NANORL_BASE_DIR": str(base), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "scripts.export_hf", "-i", "rl", *flags]
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+    return warm_python.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
 
 
 def test_export_script_refuses_in_one_line_and_writes_a_new_directory(rl_base, tmp_path):
@@ -280,7 +280,7 @@ def test_speedrun_keeps_a_venv_it_did_not_create(tmp_path):
         "NANORL_BASE_DIR": str(tmp_path / "base"),
         "NANORL_SKIP_INSTALL": "1",
     }
-    out = subprocess.run(["bash", "speedrun.sh"], cwd=repo, env=env, capture_output=True, text=True, timeout=60)
+    out = warm_python.run(["bash", "speedrun.sh"], cwd=repo, env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and "python3 -m venv failed" in out.stderr, out.stderr
     assert intact(planted)
 
@@ -302,7 +302,7 @@ def test_a_tag_that_leaves_its_checkpoints_directory_is_one_line(tmp_path, modul
     base = tmp_path / "base"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "NANORL_BASE_DIR": str(base), "OMP_NUM_THREADS": "1"}
     for bad in ("../x",):  # the other shapes of a bad tag: test_tag_name below, in-process
-        r = subprocess.run(
+        r = warm_python.run(
             [sys.executable, "-m", module, flag, bad], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
         )
         assert r.returncode == 2 and r.stdout == "", r.stderr

@@ -1,12 +1,12 @@
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+import warm_python  # pytest puts tests/ on sys.path
 
 from nanorl.checkpoint import find_last_step, load_checkpoint
 from nanorl.gpt import GPTConfig, build_model
@@ -121,7 +121,7 @@ def test_ddp_two_processes_equal_one(tmp_path):
 def base_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("nanorl")
     env = {**os.environ, "NANORL_BASE_DIR": str(d)}
-    subprocess.run(
+    warm_python.run(
         [sys.executable, "-m", "scripts.tok_train", "--vocab-size", "600", "--max-chars", "300000"],
         cwd=ROOT,
         env=env,
@@ -155,7 +155,7 @@ TINY = [
 
 def base_train(base_dir, *extra, launcher=(sys.executable, "-m")):
     env = {**os.environ, "NANORL_BASE_DIR": str(base_dir), "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
+    return warm_python.run(
         [*launcher, "scripts.base_train", *(["--"] if len(launcher) > 2 else []), *TINY, *extra],
         check=False,
         cwd=ROOT,
@@ -224,7 +224,7 @@ def test_auto_device_batch_keeps_the_tokens_per_step(base_dir):
 def test_wandb_without_a_key_stops_before_the_model_is_built(base_dir, tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("WANDB_API_KEY", "WANDB_MODE", "NETRC")}
     env.update(NANORL_BASE_DIR=str(base_dir), OMP_NUM_THREADS="1", HOME=str(tmp_path))  # HOME: no ~/.netrc
-    out = subprocess.run(
+    out = warm_python.run(
         [sys.executable, "-m", "scripts.base_train", *TINY, "--num-iterations", "2", "--run", "myrun"],
         cwd=ROOT,
         env=env,
@@ -358,7 +358,7 @@ def test_the_batch_trial_compiles_the_graph_training_runs(base_dir):
     flags = [*TINY, "--device-batch-size", "auto", "--total-batch-size", str(64 * 2 * 2), "--num-iterations", "2"]
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     cmd = [*launch, str(ROOT / "tests" / "compile_fixture.py"), "scripts.base_train", "--", *flags, "--model-tag", "cg"]
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    out = warm_python.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert "device batch (auto): 2 rows" in out.stdout and "step 00002/2" in out.stdout, out.stdout[-2000:]
     assert sorted(re.findall(r"rank (\d): compiled graphs: (\d+)", out.stdout)) == [("0", "1"), ("1", "1")], out.stdout

@@ -4,11 +4,11 @@ chat_eval run greedily and sampled, then nanorl.report stitching report.md."""
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import warm_python  # pytest puts tests/ on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def base_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("report")
     env = {**os.environ, "NANORL_BASE_DIR": str(d), "OMP_NUM_THREADS": "1"}
-    subprocess.run(
+    warm_python.run(
         [sys.executable, "-m", "scripts.tok_train", "--vocab-size", "600", "--max-chars", "300000"],
         cwd=ROOT,
         env=env,
@@ -305,7 +305,7 @@ def test_sft_section_says_how_much_data_it_saw(base_dir, tmp_path):
         shutil.copytree(base_dir / d, tmp_path / d)
     env = {**os.environ, "NANORL_BASE_DIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
     env.pop("NANORL_PIPELINE", None)
-    out = subprocess.run(
+    out = warm_python.run(
         [
             sys.executable,
             "-m",
@@ -374,7 +374,7 @@ def test_tokenizer_row_explains_a_smaller_vocab(tmp_path):
     assert vocab_words(4096, 4096) == "4,096"
     env = {**os.environ, "NANORL_BASE_DIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
     env.pop("NANORL_PIPELINE", None)
-    out = subprocess.run(
+    out = warm_python.run(
         [sys.executable, "-m", "scripts.tok_train", "--vocab-size", "30000", "--max-chars", "20000"],
         cwd=ROOT,
         env=env,

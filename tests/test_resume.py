@@ -17,12 +17,12 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import warm_python  # pytest puts tests/ on sys.path
 from tiny_checkpoints import save_random_sft, train_tokenizer
 
 from nanorl.checkpoint import load_checkpoint
@@ -45,7 +45,7 @@ def run(base_dir, module, args, kill=None, nproc=1):
     if nproc > 1:
         launch += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     cmd = [*launch, str(ROOT / "tests" / "kill_fixture.py"), module, *(["--"] if nproc > 1 else []), *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    return warm_python.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
 def step_files(ckpt, step):

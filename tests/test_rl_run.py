@@ -3,12 +3,12 @@ docs/rl.md's tables of it, the held-out pass@k against hand values, and what the
 one table of fields, the summary)."""
 
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import warm_python  # pytest puts tests/ on sys.path
 from test_chat_rl import RM, base_dir  # noqa: F401 (the tiny tokenizer and checkpoint)
 
 from nanorl.rl_run import STEP_FIELDS, idle_line, local_pass_at_k, reduce_pass_at_k, rl_summary, step_legend, step_line
@@ -223,7 +223,7 @@ def test_rl_summary_before_after_saved_step_and_chat_command():
 
 
 def test_chat_rl_help_ends_with_the_legend_and_lists_one_name_per_flag():
-    out = subprocess.run(
+    out = warm_python.run(
         [sys.executable, "-m", "scripts.chat_rl", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 0, out.stderr[-2000:]

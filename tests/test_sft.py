@@ -1,11 +1,11 @@
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import warm_python  # pytest puts tests/ on sys.path
 from test_chat_rl import base_dir  # noqa: F401  (a tokenizer and a tiny 'sft' checkpoint, tag t)
 
 from nanorl.gpt import GPTConfig, build_model
@@ -316,7 +316,7 @@ def test_sft_beats_the_base_model_on_held_out_offline_problems(tmp_path, monkeyp
         ["scripts.base_train", *E2E_BASE],
         ["scripts.chat_sft", *E2E_SFT],
     ):
-        out = subprocess.run(
+        out = warm_python.run(
             [sys.executable, "-m", *cmd], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
         )
         assert out.returncode == 0, f"{cmd[0]} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"

@@ -4,9 +4,10 @@ start from. Each is made in a subprocess of its own, as a stage would, under the
 NANORL_CUDA_DTYPES: a checkpoint saved in CUDA's layout has a bf16 embedding).
 """
 
-import subprocess
 import sys
 from pathlib import Path
+
+import warm_python  # pytest puts tests/ on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -14,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def train_tokenizer(env):
     """A 600-token BPE tokenizer of the offline curriculum in env's NANORL_BASE_DIR."""
     cmd = [sys.executable, "-m", "scripts.tok_train", "--vocab-size", "600", "--max-chars", "300000"]
-    subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True)
+    warm_python.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True)
 
 
 def save_random_sft(env, tag="t", sequence_len=256, n_layer=1, seed=0, head_std=0.2):
@@ -33,4 +34,4 @@ def save_random_sft(env, tag="t", sequence_len=256, n_layer=1, seed=0, head_std=
         f"    m.lm_head.weight.normal_(0, {head_std})\n"
         f"save_checkpoint(checkpoint_root('sft') + '/{tag}', 0, m.state_dict(), meta={{'model_config': cfg.to_dict()}})\n"
     )
-    subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True, capture_output=True)
+    warm_python.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True, capture_output=True)
