@@ -86,10 +86,8 @@ def run_rl(base_dir, *extra, nproc=1, check=True, env=None, rm=RM):
         *(["--custom-rm-path", rm] if rm else []),
         *extra,
     ]
-    if nproc > 1:
-        out = warm_python.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    else:  # a new process without a new interpreter's imports (tests/warm_python.py)
-        out = warm_python.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    # a new process without a new interpreter's imports (tests/warm_python.py); torchrun's ranks are new interpreters
+    out = warm_python.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     if not check:
         return out
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

@@ -7,9 +7,9 @@ pid, signals: a SIGKILL gives -9 as it does to a subprocess), its working direct
 its stdout and stderr, its exit code (an uncaught exception goes to sys.excepthook and gives 1), its atexit
 handlers.
 
-What it does not cover, so the tests that need it start a real interpreter: interpreter start-up itself (a
-sitecustomize on PYTHONPATH, -X options), torchrun, bash. The pipeline and rehearsal tests run speedrun.sh as a user
-does.
+`python -m torch.distributed.run` (torchrun) is warm too: its ranks are the real interpreters it starts. What it does
+not cover, so the tests that need it start a real interpreter: interpreter start-up itself (a sitecustomize on
+PYTHONPATH, -X options), bash. The pipeline and rehearsal tests run speedrun.sh as a user does.
 """
 
 import atexit
@@ -71,7 +71,7 @@ def run(cmd, cwd=None, env=None, timeout=None, check=False, capture_output=True,
     CompletedProcess, for cmd = [sys.executable, "-m" module | "-c" code | script, ...]; any other command (torchrun,
     bash, another interpreter) goes to subprocess.run itself."""
     assert capture_output, "warm_python.run captures stdout and stderr, as the tests' subprocess.run calls do"
-    if cmd[0] != sys.executable or cmd[1] in ("-X", "-u", "-I") or cmd[1:3] == ["-m", "torch.distributed.run"]:
+    if cmd[0] != sys.executable or cmd[1] in ("-X", "-u", "-I"):
         return subprocess.run(cmd, cwd=cwd, env=env, timeout=timeout, check=check, capture_output=True, text=text)
     with tempfile.TemporaryDirectory() as d:
         out, err = os.path.join(d, "out"), os.path.join(d, "err")
