@@ -113,7 +113,7 @@ if [ $RUN = tiny ]; then
     RL_EVAL_EVERY=$(size 24 8)   # RL's held-out pass@k: at the start, every N steps and at the end
     RL_EVAL_N=$(size 64 8)       # RL's held-out problems
     RL_SAVE_EVERY=$(size 8 1)    # RL checkpoints every N steps (smoke: every step, so a stopped run has one to go on from)
-    stage tok_train  $PY -m scripts.tok_train --vocab-size 4096 --max-chars 20000000
+    stage tok_train  $PY -m scripts.tok_train --vocab-size 4096 --max-chars $(size 20000000 2000000)
     stage tok_eval   $PY -m scripts.tok_eval
     stage base_train $PY -m scripts.base_train --depth 4 --head-dim 64 --max-seq-len 256 --device-batch-size $ROWS \
         --total-batch-size $(( ROWS * 256 )) --num-iterations $BASE_ITERS --warmdown-ratio 0.3 --eval-every $(( BASE_ITERS / 2 )) --eval-tokens $EVAL_TOK --sample-every $BASE_ITERS --run "$WANDB_RUN"

@@ -100,6 +100,26 @@ def categorical_batch(model, largest, T, autocast, device):
     return batch
 
 
+def fitted_engine(model, tokenizer, largest, device):
+    """The generative tasks' Engine at the most rows of largest, largest / 2, ... 1 whose KV cache, full-context
+    prefill and decode step fit in memory, agreed by every rank (nanorl.common.fit_batch): -b is also the rows the
+    engine decodes at once, and a large model's cache at -b 64 may not fit beside its weights."""
+    from nanorl.common import fit_batch, synchronize
+    from nanorl.engine import Engine, Request
+
+    def trial(batch):  # every row a prompt of the whole context but one token, then one decoded token: the peak
+        engine = Engine(model, tokenizer, batch_size=batch, cuda_graph=False)
+        prompt = [tokenizer.get_bos_token_id()] * (engine.max_len - 1)
+        engine.generate([Request(prompt, num_samples=batch, max_tokens=1, stop_tokens=[], use_tools=False)])
+        synchronize(device.type)
+
+    candidates = [largest >> i for i in range(largest.bit_length())]
+    batch, line = fit_batch(trial, candidates, device, what="engine batch")
+    if batch < largest:
+        print0(line)
+    return Engine(model, tokenizer, batch_size=batch)
+
+
 class Progress:
     """Running accuracy while problems finish: one line rewritten in place on a terminal, a line every tenth of
     the problems in a log file. Counts this rank's problems."""
@@ -438,7 +458,6 @@ def score_card(results, args, n, temperature, skipped=None):
 def main():
     from nanorl.checkpoint import load_model_from_args
     from nanorl.common import compute_cleanup, compute_init
-    from nanorl.engine import Engine
     from nanorl.precision import autocast_ctx
     from nanorl.report import log_section, record_metrics
     from nanorl.sft_data import task_paths
@@ -447,7 +466,7 @@ def main():
 
     _, rank, _, world_size, device = compute_init(args.device_type)
     model, tokenizer, meta = load_model_from_args(args, device, phase="eval")
-    engine = Engine(model, tokenizer, batch_size=args.batch_size)
+    engine = fitted_engine(model, tokenizer, args.batch_size, device)
     print0(engine.attention_kernels())
     n = args.num_samples
     ks = sorted(set(args.pass_k)) if args.pass_k else sorted({1, n})

@@ -10,7 +10,16 @@ import torch
 from nanorl.gpt import GPTConfig, build_model
 from nanorl.rl import pass_at_k
 from nanorl.tokenizer import SPLIT_PATTERN, Tokenizer
-from scripts.chat_eval import Progress, centered, evaluate, letter_token, run_categorical, run_header
+from scripts.chat_eval import (
+    Progress,
+    centered,
+    evaluate,
+    fitted_engine,
+    letter_token,
+    run_categorical,
+    run_generative,
+    run_header,
+)
 from tasks import Task, TaskMixture
 from tasks.common import render_mc
 from tasks.offline import OfflineProblems
@@ -153,6 +162,37 @@ def test_categorical_eval_makes_logits_only_where_it_scores_and_fits_its_batch(t
     limited = run_categorical(model, tok, task, list(range(8)), batch_size=8)
     assert "categorical batch (auto): 2 rows, the largest that fits in memory (8, 4 did not)" in capsys.readouterr().out
     assert limited == free and head_inputs == [(2, 32)] * 5  # the trial at 2, then 4 batches of 2
+
+
+def test_generative_eval_fits_its_engine_batch_to_memory(tok, monkeypatch, capsys):
+    """-b is also the rows the engine decodes at once. Under a simulated memory limit of a 3-row KV cache (out of
+    memory is caught, as on CUDA) the eval's engine takes 2 of -b 8, and answers the same problems with the same
+    tokens as an engine of 8 rows."""
+    import nanorl.common
+    import nanorl.engine
+
+    torch.manual_seed(0)
+    model = build_model(
+        GPTConfig(sequence_len=64, vocab_size=tok.vocab_size, n_layer=1, n_head=2, n_kv_head=2, n_embd=32), "cpu"
+    )
+    task = OfflineProblems("test", n=6, levels=(1,))
+    free = fitted_engine(model, tok, 8, torch.device("cpu"))  # out of memory is not caught on the CPU: no trial
+    assert free.batch_size == 8 and capsys.readouterr().out == ""
+
+    monkeypatch.setattr(nanorl.common, "oom_is_catchable", lambda device: True)
+    real_cache = nanorl.engine.new_kv_cache
+
+    def new_kv_cache(model, batch_size, *args):  # the memory limit: a cache of 3 rows
+        if batch_size > 3:
+            raise torch.OutOfMemoryError(f"simulated: a cache of {batch_size} rows")
+        return real_cache(model, batch_size, *args)
+
+    monkeypatch.setattr(nanorl.engine, "new_kv_cache", new_kv_cache)
+    limited = fitted_engine(model, tok, 8, torch.device("cpu"))
+    assert limited.batch_size == 2
+    assert "engine batch (auto): 2 rows, the largest that fits in memory (8, 4 did not)" in capsys.readouterr().out
+    answers = [run_generative(e, tok, task, list(range(6)), max_tokens=16) for e in (free, limited)]
+    assert answers[0] == answers[1] and len(answers[0][1]) == 6
 
 
 def test_generative_eval_batches_grades_and_shows_progress(tok, monkeypatch):

@@ -224,7 +224,6 @@ def test_gpu_check_cpu_mode(tmp_path):
     want = [
         "train d2",
         "decode d2 batch 1",
-        "decode d2 batch 2",
         "decode d2 batch 4",
         "rl d2 step (2x2)",
         "train d2 --fsdp",
@@ -263,19 +262,19 @@ def test_gpu_check_cpu_mode(tmp_path):
     # the pipeline step's CPU mode: the profiled decode step alone (no device, so no kernels and no syncs)
     row = rows["pipeline: decode step d2 batch 1 (profiled)"]
     assert float(row[1]) > 0 and row[2:] == ["ms a step (host)", "device 0.000 ms, 0 kernels, 0.0 syncs", ""], row
-    # ONLY="decode": those steps alone (a GPU session splits the check to fit its per-command limit)
+    # ONLY="pipeline": that kind's steps alone (a GPU session splits the check to fit its per-command limit)
     part = tmp_path / "part.md"
     res = subprocess.run(
         ["bash", str(REPO / "dev" / "gpu_check.sh"), str(part), "--cpu"],
         cwd=REPO,
-        env={**env, "ONLY": "decode"},
+        env={**env, "ONLY": "pipeline"},
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     checks = [ln.split("|")[1].strip() for ln in part.read_text().splitlines() if ln.startswith("| ")][1:]
-    assert checks == ["decode d2 batch 1", "decode d2 batch 2", "decode d2 batch 4"]
+    assert checks == ["pipeline: decode step d2 batch 1 (profiled)"]
 
 
 def test_gpu_table_reads_figures_printed_after_pytest_progress_marks(tmp_path):
