@@ -486,7 +486,7 @@ class RolloutWorker:
         if self.cfg.multi_turn:
             results = multi_turn_generate(self.engine, reqs, self.cfg.max_turns, self.tool)
         else:
-            results = self.engine.generate(reqs)
+            results = self.engine.submit_and_wait(reqs)
         groups = []
         for p, ids, seed, comps in zip(prompts, ids_of, seeds, results):
             empty = self.new_group(p, ids, seed, group.n_samples_per_prompt, weight_version)

@@ -335,7 +335,7 @@ def _generate(engine, prompts, temperature, n_new=32):
         Request(p, max_tokens=n_new, temperature=temperature, seed=i, stop_tokens=[], use_tools=False)
         for i, p in enumerate(prompts)
     ]
-    return [c[0] for c in engine.generate(reqs)]
+    return [c[0] for c in engine.submit_and_wait(reqs)]
 
 
 BF16_LOGPROB_ATOL = 5e-2  # bf16 keeps 8 mantissa bits: ~0.4% of a log-prob of ~-5 is 2e-2; twice that for slack

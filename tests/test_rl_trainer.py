@@ -238,7 +238,7 @@ def test_sampler_logprobs_are_the_trainers_at_any_temperature(temperature):
     tok = Tokenizer.from_ranks({bytes([i]): i for i in range(256)}, SPLIT_PATTERN)
     engine = Engine(model, tok, batch_size=8, max_len=40)
     prompt = [tok.get_bos_token_id(), 5, 6, 7]
-    comps = engine.generate(
+    comps = engine.submit_and_wait(
         [Request(prompt, num_samples=4, max_tokens=20, temperature=temperature, seed=1, stop_tokens=[])]
     )[0]
     samples = [extend_sample(Sample(tokens=list(prompt), reward=float(i % 2), index=i), c) for i, c in enumerate(comps)]
