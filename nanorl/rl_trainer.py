@@ -61,7 +61,7 @@ class TrainerConfig:
 
     @property
     def needs_critic(self):
-        return "critic" in self.estimator.uses
+        return "values" in self.estimator.inputs  # the critic's
 
     @property
     def needs_reference(self):
@@ -179,14 +179,15 @@ def unused(parser, flag, value, default, why):
 
 
 def check_estimator_flags(cfg, args, parser):
-    """The flags one estimator reads and another ignores, by the table's `uses` (rl.ESTIMATORS)."""
+    """The flags one estimator reads and another ignores, by the table's `inputs` (rl.ESTIMATORS; "values": a
+    critic)."""
     name, est = cfg.advantage_estimator, cfg.estimator
-    users = {k: ", ".join(n for n, e in rl.ESTIMATORS.items() if k in e.uses) for k in ("critic", "gamma", "lambd")}
-    if "critic" in est.uses and not (args.critic_lr or 0) > 0:
+    users = {k: ", ".join(n for n, e in rl.ESTIMATORS.items() if k in e.inputs) for k in ("values", "gamma", "lambd")}
+    if "values" in est.inputs and not (args.critic_lr or 0) > 0:
         parser.error(f"--advantage-estimator {name} needs a critic: give --critic-lr (e.g. 1e-4)")
-    if args.critic_lr is not None and "critic" not in est.uses:
-        parser.error(f"--critic-lr is only used by --advantage-estimator {users['critic']}, not {name}")
-    if "lambd" not in est.uses:
+    if args.critic_lr is not None and "values" not in est.inputs:
+        parser.error(f"--critic-lr is only used by --advantage-estimator {users['values']}, not {name}")
+    if "lambd" not in est.inputs:
         unused(
             parser,
             "--lambd",
@@ -194,7 +195,7 @@ def check_estimator_flags(cfg, args, parser):
             TrainerConfig.lambd,
             f"with --advantage-estimator {name} (only {users['lambd']} uses it)",
         )
-    if "gamma" not in est.uses:
+    if "gamma" not in est.inputs:
         unused(
             parser,
             "--gamma",
@@ -202,10 +203,10 @@ def check_estimator_flags(cfg, args, parser):
             TrainerConfig.gamma,
             f"with --advantage-estimator {name} (it discounts the returns of {users['gamma']} only)",
         )
-    if cfg.disable_grpo_std_normalization and "std_normalize" not in est.uses:
+    if cfg.disable_grpo_std_normalization and "std_normalize" not in est.inputs:
         parser.error(
             f"--disable-grpo-std-normalization has no effect with --advantage-estimator {name} "
-            f"({', '.join(n for n, e in rl.ESTIMATORS.items() if 'std_normalize' in e.uses)})"
+            f"({', '.join(n for n, e in rl.ESTIMATORS.items() if 'std_normalize' in e.inputs)})"
         )
     if cfg.normalize_advantages and est.whitened:
         parser.error(f"--normalize-advantages with --advantage-estimator {name}: its advantages are already whitened")
@@ -328,9 +329,7 @@ class Trainer:
         kl = None
         if ref_lp is not None and cfg.kl_coef > 0:
             kl = rl.kl_estimate(pad_like(old_lp, T), pad_like(ref_lp, T), "k1") * mask
-        adv, returns = cfg.estimator.advantages(
-            rewards,
-            mask,
+        inputs = dict(
             group_size=cfg.group.n_samples_per_prompt,
             kl=kl,
             kl_coef=cfg.kl_coef,
@@ -340,6 +339,8 @@ class Trainer:
             values=pad_like(old_values, T) if old_values is not None else None,
             distributed=dist_group,
         )
+        # exactly the inputs the estimator takes (its row names them): a name it lacks would raise, not be dropped
+        adv, returns = cfg.estimator.advantages(rewards, mask, **{k: inputs[k] for k in cfg.estimator.inputs})
         if cfg.normalize_advantages:
             adv = rl.masked_whiten(adv, mask, distributed=dist_group) * mask
         if self.teacher is not None:  # on-policy distillation: tokens the teacher likes more get pushed up
