@@ -80,7 +80,9 @@ def _trainer_advantages(rank, device, est, options):
     """chat_rl's own advantage code, rl_trainer.Trainer.compute_advantages, with a KL penalty in the reward."""
     group = GroupSpec(n_samples_per_prompt=2, max_response_len=8)
     cfg = rl_trainer.TrainerConfig(group=group, advantage_estimator=est, kl_coef=0.1, **options)
-    trainer = rl_trainer.Trainer(cfg, None, None, torch.device(device), distributed=True)
+    trainer = rl_trainer.Trainer(
+        cfg, None, None, torch.device(device), data_parallel=rl_trainer.DataParallel(distributed=True)
+    )
     samples = _rollout(rank)
     lp = [
         torch.zeros(len(s.tokens) - 1, device=device) for s in samples
