@@ -85,7 +85,7 @@ def engine_run(engine, prompts, n_samples):
             )
             for i, p in enumerate(prompts)
         ]
-        return [(c.tokens, c.logprobs) for cs in engine.generate(reqs) for c in cs]
+        return [(c.tokens, c.logprobs) for cs in engine.submit_and_wait(reqs) for c in cs]
 
     return run
 

@@ -120,7 +120,7 @@ def grpo_stepper(model, optimizer, engine, prompts, n, N, max_tokens_per_gpu, de
                 index=si,
                 weight_version=step,
             )
-            for gi, (p, comps) in enumerate(zip(prompts, engine.generate(reqs)))
+            for gi, (p, comps) in enumerate(zip(prompts, engine.submit_and_wait(reqs)))
             for si, c in enumerate(comps)
         ]
         # a cheap deterministic reward from the sampled tokens (parity of their sum): about half right, so

@@ -35,7 +35,7 @@ its own copy of the weights (inference_copy, nanorl/gpt.py), the sampling math (
 - attention kernels are pinned, never left to SDPA's dispatcher (attention_kernels() names them for the log)
 
     engine = Engine(model, tokenizer, batch_size=64)
-    completions = engine.generate([Request(prompt_ids, num_samples=8, temperature=1.0, seed=0)])
+    completions = engine.submit_and_wait([Request(prompt_ids, num_samples=8, temperature=1.0, seed=0)])
 """
 
 import collections
@@ -59,7 +59,7 @@ from nanorl.engine_graphs import (
     prefill_backends,
 )
 from nanorl.gpt import LockstepDecode, inference_copy
-from nanorl.inflight import Sample, SlotRecords
+from nanorl.inflight import InflightSample, SlotRecords
 from nanorl.kv_cache import new_kv_cache
 from nanorl.precision import low_precision_dtype
 from nanorl.sampling import row_seed, sample_with_logprobs
@@ -286,7 +286,7 @@ class Engine:
             stops = self.default_stops if r.stop_tokens is None else frozenset(r.stop_tokens)
             h = Handle(self, r, stops, stream)
             seed = int(torch.randint(0, 2**62, ()).item()) if r.seed is None else r.seed
-            samples += [Sample(h, j, row_seed(seed, r.first_sample + j)) for j in range(r.num_samples)]
+            samples += [InflightSample(h, j, row_seed(seed, r.first_sample + j)) for j in range(r.num_samples)]
             handles.append(h)
         with self.lock:
             self.pending.extend(samples)
@@ -294,7 +294,7 @@ class Engine:
             self.lock.notify_all()
         return handles
 
-    def generate(self, requests):
+    def submit_and_wait(self, requests):
         """Run requests to the end -> for each request, in order, its list of num_samples Completions."""
         handles = self.submit_all(list(requests))
         for h in handles:

@@ -1,5 +1,5 @@
 """
-The engine's per-sample state on the host: one Sample per sample of a request, waiting for a slot or occupying one,
+The engine's per-sample state on the host: one InflightSample per sample of a request, waiting for a slot or occupying one,
 and SlotRecords, the host arrays of what each slot's sample has generated so far (so a decode step checks every row
 for stops, limits and tool calls with a few array ops). nanorl/engine.py's scheduler keeps them.
 """
@@ -11,7 +11,7 @@ import numpy as np
 from nanorl.sampling import uniform_from_counter
 
 
-class Sample:
+class InflightSample:
     """One sample of a request, waiting for a slot or occupying one."""
 
     def __init__(self, handle, index, seed):
@@ -41,7 +41,7 @@ class SlotRecords:
         self.mask = np.ones((B, max_len), dtype=np.int8)  # 0 where a token was forced in
 
     def fill(self, sample, python_end):
-        """Sample starts in its slot."""
+        """The sample starts in its slot."""
         slot, handle = sample.slot, sample.handle
         r = handle.request
         watch = sorted(t for t in handle.stops | ({python_end} if r.use_tools else set()) if t is not None)

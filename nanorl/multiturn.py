@@ -6,8 +6,8 @@ call is run (the calculator, or the python sandbox), its result goes back in as
 The engine can run the calculator by itself (Request.use_tools). Driving the turns here instead makes each
 one explicit (calls are found, run and forced in by the same nanorl/toolcalls.py code the engine uses): any tool can answer, a turn limit can end a response, and every response carries its own
 counts (tool calls, tool errors, turn limit hit) for the step's metrics. A request's first turn is one
-engine request whose samples share the prompt's prefill, exactly as in engine.generate, so a response
-that never calls a tool is the very response engine.generate samples; each later turn re-prefills
+engine request whose samples share the prompt's prefill, exactly as in engine.submit_and_wait, so a response
+that never calls a tool is the very response engine.submit_and_wait samples; each later turn re-prefills
 prompt + response so far (prefill is cheap next to decode) and joins the same continuous batch.
 
 Tool output tokens get loss mask 0 and rollout log-prob 0: the model did not write them, so they are
@@ -55,7 +55,7 @@ class TurnCompletion(Completion):
 
 def multi_turn_generate(engine, requests, max_turns, tool, tool_workers=16):
     """
-    engine.generate(requests), with tool calls run between turns: for each request, its list of
+    engine.submit_and_wait(requests), with tool calls run between turns: for each request, its list of
     num_samples TurnCompletions. A response ends "completed" at a stop token, "truncated" at its
     max_tokens or the engine's context (a tool output that does not fit is cut), or "truncated" with
     max_turns_hit when it closes one tool call more than max_turns (that call is not run).

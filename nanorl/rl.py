@@ -487,36 +487,36 @@ def pass_at_k(n, c, k):
 
 # -----------------------------------------------------------------------------
 # the estimators: --advantage-estimator name -> advantage function and policy-loss kind
-# Each function takes the rollout's rewards (B,) and mask (B, T) plus keyword inputs, reads the ones it needs
-# and returns (advantages (B, T), the critic's returns (B, T) or None):
-#   group_size, kl (B, T) k1 per token or None (off), kl_coef, std_normalize, gamma, lambd, values (B, T) or
-#   None (the critic's, ppo), distributed (whiten over every training rank: False, True or a process group)
+# Each function takes the rollout's rewards (B,) and mask (B, T) plus the keyword inputs its row names (and no others)
+# and returns (advantages (B, T), the critic's returns (B, T) or None). The inputs:
+#   group_size, kl (B, T) k1 per token or None (off), kl_coef, std_normalize, gamma, lambd, values (B, T) (the
+#   critic's, ppo), distributed (whiten over every training rank: False, True or a process group)
 
 
-def group_estimate(rewards, mask, *, group_size, kl, kl_coef, std_normalize, **_):
+def group_estimate(rewards, mask, *, group_size, kl, kl_coef, std_normalize):
     """GRPO's advantages (also GSPO's and CISPO's): a KL penalty comes off each reward, summed over the sequence."""
     if kl is not None:
         rewards = rewards - kl_coef * kl.sum(-1)
     return grpo_advantages(rewards, mask, group_size, std_normalize=std_normalize), None
 
 
-def rloo_estimate(rewards, mask, *, group_size, kl, kl_coef, **_):
+def rloo_estimate(rewards, mask, *, group_size, kl, kl_coef):
     """RLOO's advantages, the KL penalty off each reward as in group_estimate."""
     if kl is not None:
         rewards = rewards - kl_coef * kl.sum(-1)
     return rloo_advantages(rewards, mask, group_size), None
 
 
-def reinforce_pp_estimate(rewards, mask, *, kl, kl_coef, gamma, distributed, **_):
+def reinforce_pp_estimate(rewards, mask, *, kl, kl_coef, gamma, distributed):
     return reinforce_pp_returns(rewards, mask, kl=kl, kl_coef=kl_coef, gamma=gamma, distributed=distributed), None
 
 
-def reinforce_pp_baseline_estimate(rewards, mask, *, group_size, kl, kl_coef, distributed, **_):
+def reinforce_pp_baseline_estimate(rewards, mask, *, group_size, kl, kl_coef, distributed):
     adv = reinforce_pp_baseline_advantages(rewards, mask, group_size, kl=kl, kl_coef=kl_coef, distributed=distributed)
     return adv, None
 
 
-def gae_estimate(rewards, mask, *, kl, kl_coef, values, gamma, lambd, **_):
+def gae_estimate(rewards, mask, *, kl, kl_coef, values, gamma, lambd):
     """PPO: the reward on the last response token, the KL penalty on every token, then GAE against the critic."""
     token_rewards = _last_token_rewards(rewards, mask)
     if kl is not None:
@@ -526,22 +526,25 @@ def gae_estimate(rewards, mask, *, kl, kl_coef, values, gamma, lambd, **_):
 
 @dataclass(frozen=True)
 class Estimator:
-    """One row of the table: the advantage function, the policy loss kind (policy_loss), the settings it reads
-    beyond rewards and KL ("std_normalize", "gamma", "lambd", "critic"), and whether its advantages come out
-    whitened already."""
+    """One row of the table: the advantage function, the keyword inputs it takes (exactly its keyword-only
+    parameters: the flags it reads follow from them, "values" meaning a critic), the policy loss kind
+    (policy_loss), and whether its advantages come out whitened already."""
 
     advantages: object
+    inputs: tuple
     loss: str = "ppo_clip"
-    uses: tuple = ()
     whitened: bool = False
 
 
+GROUP_INPUTS = ("group_size", "kl", "kl_coef", "std_normalize")  # GRPO's, GSPO's and CISPO's
 ESTIMATORS = {
-    "grpo": Estimator(group_estimate, uses=("std_normalize",)),
-    "rloo": Estimator(rloo_estimate),
-    "reinforce_plus_plus": Estimator(reinforce_pp_estimate, uses=("gamma",), whitened=True),
-    "reinforce_plus_plus_baseline": Estimator(reinforce_pp_baseline_estimate, whitened=True),
-    "gspo": Estimator(group_estimate, loss="gspo", uses=("std_normalize",)),
-    "cispo": Estimator(group_estimate, loss="cispo", uses=("std_normalize",)),
-    "ppo": Estimator(gae_estimate, uses=("gamma", "lambd", "critic")),
+    "grpo": Estimator(group_estimate, GROUP_INPUTS),
+    "rloo": Estimator(rloo_estimate, ("group_size", "kl", "kl_coef")),
+    "reinforce_plus_plus": Estimator(reinforce_pp_estimate, ("kl", "kl_coef", "gamma", "distributed"), whitened=True),
+    "reinforce_plus_plus_baseline": Estimator(
+        reinforce_pp_baseline_estimate, ("group_size", "kl", "kl_coef", "distributed"), whitened=True
+    ),
+    "gspo": Estimator(group_estimate, GROUP_INPUTS, loss="gspo"),
+    "cispo": Estimator(group_estimate, GROUP_INPUTS, loss="cispo"),
+    "ppo": Estimator(gae_estimate, ("kl", "kl_coef", "values", "gamma", "lambd")),
 }

@@ -1,17 +1,18 @@
 """
 One RL run of scripts/chat_rl.py as an object: RLRun holds its state (the policy and its optimizer, the engine, the
 rollout worker, the trainer with its critic, the prompt source, the surplus buffer, the history) and does what the
-script's loop names: generate a rollout, train on it, update the engine's weights, evaluate, save, resume.
+script's loop names: sample a rollout, train on it, update the engine's weights, evaluate, save, resume.
 
     run = RLRun(...)                     # built by scripts/chat_rl.py from its flags
-    start = run.resume()                 # or 0
-    for step in range(start, run.cfg.num_rollouts):
-        run.step(step)                   # generate -> train -> update weights -> the step line
+    start = run.resume()                 # or 0: the rollouts done
+    for done in range(start, run.cfg.num_rollouts):
+        run.step(done)                   # rollout done+1: sample -> train -> update weights -> the step line
         ...evaluate and save at their intervals
 
 Beside it, in reading order: the run's config, the extra models RL options build (the ppo critic, the distillation
-teacher), the held-out pass@k and what the run prints (the step line, its legend, the summary). The --async roles
-and what travels between them are in nanorl/rl_async.py; the script holds the loops.
+teacher), what the run is built from (its models, what it samples with, its ranks), the held-out pass@k and what the
+run prints (the step line, its legend, the summary). The --async roles and what travels between them are in
+nanorl/rl_async.py; the script holds the loops.
 """
 
 import os
@@ -72,7 +73,54 @@ def load_teacher(spec, device):
 
 
 # -----------------------------------------------------------------------------------------------
-# the run
+# the run: what it is built from, and its state and steps
+
+
+@dataclass
+class Models:
+    """The models of this rank, as chat_rl's build_models makes them: the policy (its tokenizer, its checkpoint's meta,
+    LoRA's base or None), the engine on a sampling rank and the optimizer and trainer on a training rank (else None)."""
+
+    model: object
+    tokenizer: object
+    meta: dict
+    lora_base: object
+    engine: object
+    optimizer: object
+    trainer: object
+
+
+@dataclass
+class Sampling:
+    """What a sampling rank samples with: the rollout worker, the prompt source, the surplus buffer, the
+    dynamic-sampling filter, and the held-out prompts of the eval."""
+
+    worker: object
+    source: object
+    buffer: object
+    group_filter: object
+    eval_items: list
+
+
+@dataclass
+class Ranks:
+    """Where this rank runs: whether torch.distributed is on, its global rank, its device and its roles."""
+
+    ddp: bool
+    rank: int
+    device: object
+    roles: object
+
+
+@dataclass
+class Share:
+    """This rank's share of one rollout: its groups, the dynamic-sampling filter's counts, what failed (None: nothing)
+    and the seconds it took."""
+
+    groups: list
+    stats: dict
+    failure: str | None
+    seconds: float
 
 
 class RLRun:
@@ -82,14 +130,22 @@ class RLRun:
     only samples.
       ckpt: where and what it saves: {"dir", "tag", "meta" (the source model's), "flags" (this run's, saved as
         rl_args), "lora_base" (LoRA: where the adapters' base is, else None)}
+    Numbering: `done` is the number of rollouts done before the one a method samples or trains on (synchronous RL: the
+    version of the policy that samples it): step(done) runs rollout done + 1 and logs it as step done + 1. A step
+    passed to evaluate, save or due counts rollouts done, as a checkpoint's step does (0: before training).
     """
 
-    def __init__(self, cfg, model, optimizer, engine, worker, trainer, source, buffer, group_filter, eval_items, roles,
-                 device, ddp, rank, logger, ckpt):  # fmt: skip
-        self.cfg, self.model, self.optimizer, self.engine = cfg, model, optimizer, engine
-        self.worker, self.trainer, self.source, self.buffer = worker, trainer, source, buffer
-        self.group_filter, self.eval_items, self.roles = group_filter, eval_items, roles
-        self.device, self.ddp, self.rank, self.logger, self.ckpt = device, ddp, rank, logger, ckpt
+    def __init__(self, cfg, models, sampling, ranks, logger, ckpt):
+        self.cfg, self.logger, self.ckpt = cfg, logger, ckpt
+        self.model, self.optimizer, self.engine, self.trainer = (
+            models.model,
+            models.optimizer,
+            models.engine,
+            models.trainer,
+        )
+        self.worker, self.source, self.buffer = sampling.worker, sampling.source, sampling.buffer
+        self.group_filter, self.eval_items = sampling.group_filter, sampling.eval_items
+        self.device, self.ddp, self.rank, self.roles = ranks.device, ranks.ddp, ranks.rank, ranks.roles
         self.history, self.eval_history = [], []  # one dict per step line and per eval: report/rl_history.json
         self.idle_s = 0.0  # seconds this rank spent waiting on other ranks instead of computing
         self.pending = None  # --async, resumed: the payload a sampler had sampled for the next step when it saved
@@ -97,34 +153,33 @@ class RLRun:
 
     # --- one rollout ------------------------------------------------------------------------------
 
-    def rollout(self, step, version):
-        """This rank's share of rollout step+1, sampled by policy `version` -> (groups, filter stats, failure, seconds).
-        A failure or a hang past --rollout-timeout is caught and described (failure), never left to block the other
-        ranks."""
-        cfg, worker, roles = self.cfg, self.worker, self.roles
-
-        def make_groups():  # dynamic sampling: over-sample prompts until the batch holds enough useful groups
-            prompts, seeds = self.source.get(cfg.over_sampling_batch_size // roles.n_samplers)
-            if worker.cfg.partial_rollout:
-                return worker.stream(prompts, seeds, version, self.buffer)
-            return worker.score(worker.generate(prompts, seeds, version))
-
+    def sample_share(self, done, version):
+        """This rank's share of rollout done+1, sampled by policy `version` -> Share. Dynamic sampling: rounds of
+        over-sampled prompts until the filter has kept enough groups (RolloutFill). A failure or a hang past
+        --rollout-timeout is caught and described (Share.failure), never left to block the other ranks."""
+        cfg, worker, n_samplers = self.cfg, self.worker, self.roles.n_samplers
         self.model.eval()
         groups, fstats, failure, t0 = [], {}, None, time.time()
-        share = cfg.rollout_batch_size // roles.n_samplers  # this rank's groups
         try:
             with rollout.deadline(cfg.rollout_timeout):
-                groups, fstats = rollout.fill_rollout(
-                    share, self.buffer, make_groups, self.group_filter, cfg.max_sampling_rounds,
-                    stop_when_full=worker.cfg.partial_rollout,
-                )  # fmt: skip
+                fill = rollout.RolloutFill(
+                    cfg.rollout_batch_size // n_samplers, self.buffer, self.group_filter, cfg.max_sampling_rounds
+                )  # the buffer's surplus first
+                while fill.next_round():
+                    prompts, seeds = self.source.get(cfg.over_sampling_batch_size // n_samplers)
+                    if worker.cfg.partial_rollout:  # each group as it finishes; once full, the rest is parked
+                        worker.sample_partial(fill, prompts, seeds, version, self.buffer)
+                    else:
+                        for g in worker.score(worker.sample_groups(prompts, seeds, version)):
+                            fill.add(g)
+                groups, fstats = fill.finish()
         except (Exception, rollout.RolloutTimeout) as e:
             traceback.print_exc()
             what = worker.inflight.get("scoring") or {"prompts": worker.inflight.get("generating")}
-            failure = f"rank {self.rank}: rollout {step + 1} failed: {type(e).__name__}: {e}\n  in flight: {what}"
+            failure = f"rank {self.rank}: rollout {done + 1} failed: {type(e).__name__}: {e}\n  in flight: {what}"
             print(failure, file=sys.stderr, flush=True)
         worker.inflight.clear()
-        return groups, fstats, failure, time.time() - t0
+        return Share(groups, fstats, failure, time.time() - t0)
 
     def prompt_position(self):
         """Where the next rollout starts: the prompt source's place and the buffer (what a failed rollout is redone
@@ -135,47 +190,47 @@ class RLRun:
         self.source.load_state_dict(position[0])
         self.buffer.load_state_dict(position[1])
 
-    def generate(self, step):
-        """Synchronous RL: this rank's share of rollout step+1 and its metrics, once every rank has sampled its own
+    def sync_rollout(self, done):
+        """Synchronous RL: this rank's share of rollout done+1 and its metrics, once every rank has sampled its own
         -> (groups, metrics, seconds waited on the other ranks). A rollout that failed on any rank stops the run."""
         before = self.prompt_position()
-        groups, fstats, failure, rollout_s = self.rollout(step, step)
+        share = self.sample_share(done, done)
         # every rank learns whether any rank failed (so none waits in a collective for a rank that is gone); the wait
         # here is also this rank's idle time: the other ranks were still sampling
         t_wait = time.time()
-        failed = torch.tensor([float(failure is not None)], device=self.device)
+        failed = torch.tensor([float(share.failure is not None)], device=self.device)
         if self.ddp:
             dist.all_reduce(failed)
         wait = time.time() - t_wait
         if failed.item():  # a --resume redoes this rollout: the prompts and the buffer as they were before it
             self.rewind(before)
-            self.stop_after_failure(step, int(failed.item()))
-        samples = [s for g in groups for s in g]
-        return groups, self.worker.metrics(fstats, samples, rollout_s, self.buffer), wait
+            self.stop_after_failure(done, int(failed.item()))
+        samples = [s for g in share.groups for s in g]
+        return share.groups, self.worker.metrics(share.stats, samples, share.seconds, self.buffer), wait
 
-    def sample_payload(self, step, version):
-        """--async: this sampler's share of rollout step+1, as it travels to the trainers (nanorl/rl_async.py)."""
-        groups, fstats, failure, rollout_s = self.rollout(step, version)
-        samples = [s for g in groups for s in g]
-        metrics = self.worker.metrics(fstats, samples, rollout_s, self.buffer) if samples else {}
-        return {"groups": groups, "failure": failure, "rollout_s": rollout_s, "metrics": metrics}
+    def sample_payload(self, done, version):
+        """--async: this sampler's share of rollout done+1, as it travels to the trainers (nanorl/rl_async.py)."""
+        share = self.sample_share(done, version)
+        samples = [s for g in share.groups for s in g]
+        metrics = self.worker.metrics(share.stats, samples, share.seconds, self.buffer) if samples else {}
+        return {"groups": share.groups, "failure": share.failure, "rollout_s": share.seconds, "metrics": metrics}
 
     # --- training on it, and the engine's new weights ---------------------------------------------
 
-    def train(self, step, groups, m):
-        """The training step on this rank's groups; m (the rollout's metrics) gains the trainer's, then everything is
-        averaged over the training ranks."""
+    def train(self, done, groups, metrics):
+        """The training step on this rank's groups of rollout done+1; metrics (the rollout's) gain the trainer's, then
+        everything is averaged over the training ranks."""
         samples = [s for g in groups for s in g]
         timer = Timer()
-        m.update(self.trainer.train_step(step, samples, timer))
-        m["rollout/max_staleness"] = max(step - s.weight_version for s in samples)  # policy versions behind
-        m.update({f"time/{k}": v for k, v in timer.times.items()})
-        m["perf/train_tok_per_s"] = sum(len(s.tokens) for s in samples) / max(timer.times.get("train", 1e-9), 1e-9)
-        if (
-            self.ddp
-        ):  # the ranks' names may differ (a filter that dropped groups on one rank only): the union is averaged
-            m = mean_over_ranks(m, self.device, group=self.roles.trainer_group)
-        return m
+        metrics.update(self.trainer.train_step(done, samples, timer))
+        metrics["rollout/max_staleness"] = max(done - s.weight_version for s in samples)  # policy versions behind
+        metrics.update({f"time/{k}": v for k, v in timer.times.items()})
+        train_s = max(timer.times.get("train", 1e-9), 1e-9)
+        metrics["perf/train_tok_per_s"] = sum(len(s.tokens) for s in samples) / train_s
+        # the ranks' names may differ (a filter that dropped groups on one rank only): the union is averaged
+        if self.ddp:
+            metrics = mean_over_ranks(metrics, self.device, group=self.roles.trainer_group)
+        return metrics
 
     def update_weights(self):
         """The engine samples from its own copy of the weights (bf16 on GPUs): give it the trained ones -> timing."""
@@ -185,25 +240,25 @@ class RLRun:
         self.engine.load_weights(self.model)
         return {"time/weight_sync": time.time() - t0}
 
-    def step(self, step):
-        """One synchronous RL step: generate rollout step+1, train on it, update the engine's weights -> metrics."""
+    def step(self, done):
+        """One synchronous RL step: sample rollout done+1, train on it, update the engine's weights -> metrics."""
         t0 = time.time()
-        groups, m, wait = self.generate(step)
-        m = self.train(step, groups, m)
-        m.update(self.update_weights())
+        groups, metrics, wait = self.sync_rollout(done)
+        metrics = self.train(done, groups, metrics)
+        metrics.update(self.update_weights())
         dt = time.time() - t0
-        m["perf/idle_frac"] = wait / dt
+        metrics["perf/idle_frac"] = wait / dt
         self.idle_s += wait
-        self.log_step(step, m, dt)
-        return m
+        self.log_step(done, metrics, dt)
+        return metrics
 
-    def log_step(self, step, m, dt):
-        """The step line, and the step's metrics into the history, the logger and report/rl_history.json."""
-        self.eta.tick((step + 1) / self.cfg.num_rollouts)  # wall clock between step lines: evals and saves count
+    def log_step(self, done, metrics, dt):
+        """The step line of rollout done+1, and its metrics into the history, the logger and report/rl_history.json."""
+        self.eta.tick((done + 1) / self.cfg.num_rollouts)  # wall clock between step lines: evals and saves count
         episodes = self.cfg.rollout_batch_size * self.worker.cfg.group.n_samples_per_prompt  # (--agent's tail)
-        print0(step_line(step, self.cfg.num_rollouts, {**m, "dt": dt, "eta": self.eta, "episodes": episodes}))
-        self.history.append({"step": step + 1, **m})
-        self.logger.log(m, step=step + 1)
+        print0(step_line(done, self.cfg.num_rollouts, {**metrics, "dt": dt, "eta": self.eta, "episodes": episodes}))
+        self.history.append({"step": done + 1, **metrics})
+        self.logger.log(metrics, step=done + 1)
         log_json("rl_history", {"train": self.history, "eval": self.eval_history}, rank=self.rank)
 
     def weights_checksum(self):
@@ -324,7 +379,7 @@ def local_pass_at_k(worker, items, seeds, group, pass_ks, version, timeout_s, wh
     sums, failed = [0.0] * (len(pass_ks) + 1), 0.0
     try:
         with rollout.deadline(timeout_s, "the eval"):
-            groups = worker.score(worker.generate(items, seeds, version, group), count_failures=False)
+            groups = worker.score(worker.sample_groups(items, seeds, version, group), count_failures=False)
         correct = [[s.scalar_reward() >= 0.5 for s in g] for g in groups]
         sums = [sum(rl.pass_at_k(len(c), sum(c), k) for c in correct) for k in pass_ks] + [len(correct)]
     except (Exception, rollout.RolloutTimeout) as e:
@@ -365,11 +420,11 @@ STEP_FIELDS = [
 TOOL_FIELDS = ("tool_calls", "tool_errors", "max_turns_hit")  # --multi-turn's tail: tools, err, max_turns
 
 
-def step_line(step, num_rollouts, m):
-    """`step 00001/60 | reward 0.250 | len 31.5 | ...`, the fields of STEP_FIELDS from m (the step's metrics, its
-    seconds `dt` and `eta`), then with --multi-turn the tool use per response, with --agent the episodes lost (raised,
-    timed out, no number) out of the rollout's `episodes`, and the calls per episode."""
-    line = f"step {step + 1:05d}/{num_rollouts} | " + " | ".join(f"{name} {fmt(m)}" for name, fmt, _ in STEP_FIELDS)
+def step_line(done, num_rollouts, m):
+    """`step 00001/60 | reward 0.250 | len 31.5 | ...`, the line of rollout done+1: the fields of STEP_FIELDS from m
+    (the step's metrics, its seconds `dt` and `eta`), then with --multi-turn the tool use per response, with --agent
+    the episodes lost (raised, timed out, no number) out of the rollout's `episodes`, and the calls per episode."""
+    line = f"step {done + 1:05d}/{num_rollouts} | " + " | ".join(f"{name} {fmt(m)}" for name, fmt, _ in STEP_FIELDS)
     if f"rollout/{TOOL_FIELDS[0]}_mean" in m:
         calls, errors, max_turns = (m[f"rollout/{k}_mean"] for k in TOOL_FIELDS)
         line += f" | tools {calls:.2f} err {errors:.2f} max_turns {max_turns:.2f}"

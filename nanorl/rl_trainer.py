@@ -61,7 +61,7 @@ class TrainerConfig:
 
     @property
     def needs_critic(self):
-        return "critic" in self.estimator.uses
+        return "values" in self.estimator.inputs  # the critic's
 
     @property
     def needs_reference(self):
@@ -179,14 +179,15 @@ def unused(parser, flag, value, default, why):
 
 
 def check_estimator_flags(cfg, args, parser):
-    """The flags one estimator reads and another ignores, by the table's `uses` (rl.ESTIMATORS)."""
+    """The flags one estimator reads and another ignores, by the table's `inputs` (rl.ESTIMATORS; "values": a
+    critic)."""
     name, est = cfg.advantage_estimator, cfg.estimator
-    users = {k: ", ".join(n for n, e in rl.ESTIMATORS.items() if k in e.uses) for k in ("critic", "gamma", "lambd")}
-    if "critic" in est.uses and not (args.critic_lr or 0) > 0:
+    users = {k: ", ".join(n for n, e in rl.ESTIMATORS.items() if k in e.inputs) for k in ("values", "gamma", "lambd")}
+    if "values" in est.inputs and not (args.critic_lr or 0) > 0:
         parser.error(f"--advantage-estimator {name} needs a critic: give --critic-lr (e.g. 1e-4)")
-    if args.critic_lr is not None and "critic" not in est.uses:
-        parser.error(f"--critic-lr is only used by --advantage-estimator {users['critic']}, not {name}")
-    if "lambd" not in est.uses:
+    if args.critic_lr is not None and "values" not in est.inputs:
+        parser.error(f"--critic-lr is only used by --advantage-estimator {users['values']}, not {name}")
+    if "lambd" not in est.inputs:
         unused(
             parser,
             "--lambd",
@@ -194,7 +195,7 @@ def check_estimator_flags(cfg, args, parser):
             TrainerConfig.lambd,
             f"with --advantage-estimator {name} (only {users['lambd']} uses it)",
         )
-    if "gamma" not in est.uses:
+    if "gamma" not in est.inputs:
         unused(
             parser,
             "--gamma",
@@ -202,10 +203,10 @@ def check_estimator_flags(cfg, args, parser):
             TrainerConfig.gamma,
             f"with --advantage-estimator {name} (it discounts the returns of {users['gamma']} only)",
         )
-    if cfg.disable_grpo_std_normalization and "std_normalize" not in est.uses:
+    if cfg.disable_grpo_std_normalization and "std_normalize" not in est.inputs:
         parser.error(
             f"--disable-grpo-std-normalization has no effect with --advantage-estimator {name} "
-            f"({', '.join(n for n, e in rl.ESTIMATORS.items() if 'std_normalize' in e.uses)})"
+            f"({', '.join(n for n, e in rl.ESTIMATORS.items() if 'std_normalize' in e.inputs)})"
         )
     if cfg.normalize_advantages and est.whitened:
         parser.error(f"--normalize-advantages with --advantage-estimator {name}: its advantages are already whitened")
@@ -216,43 +217,52 @@ def check_estimator_flags(cfg, args, parser):
         )
 
 
+@dataclass(frozen=True)
+class ExtraModels:
+    """The models RL options add beside the policy, None when off: the frozen reference (KL), the critic and its
+    optimizer (ppo), the teacher (OPD)."""
+
+    ref_model: object = None
+    critic: object = None
+    critic_optimizer: object = None
+    teacher: object = None
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """The training ranks: the process group they average over (None: all ranks; only --async gives the trainers a
+    group of their own), how many they are, and whether there are several (torch.distributed is on)."""
+
+    process_group: object = None
+    world: int = 1
+    distributed: bool = False
+
+
 class Trainer:
     """
-    One RL training step on this rank's share of a rollout. Holds the policy and its optimizer, the frozen
-    reference (KL), the critic (ppo) and the teacher (OPD) when those are on, and the process group the
-    training ranks average over (None: all ranks; only --async gives the trainers a group of their own).
+    One RL training step on this rank's share of a rollout. Holds the policy and its optimizer, the extra models of
+    the options that are on (ExtraModels) and the training ranks it averages over (DataParallel).
     """
 
-    def __init__(
-        self,
-        cfg,
-        model,
-        optimizer,
-        device,
-        ref_model=None,
-        critic=None,
-        critic_optimizer=None,
-        teacher=None,
-        process_group=None,
-        world=1,
-        distributed=False,
-    ):
+    def __init__(self, cfg, model, optimizer, device, extras=ExtraModels(), data_parallel=DataParallel()):
         self.cfg, self.model, self.optimizer, self.device = cfg, model, optimizer, device
-        self.ref_model, self.critic, self.critic_optimizer, self.teacher = ref_model, critic, critic_optimizer, teacher
-        self.process_group, self.world, self.distributed = process_group, world, distributed
+        self.ref_model, self.critic, self.teacher = extras.ref_model, extras.critic, extras.teacher
+        self.critic_optimizer = extras.critic_optimizer
+        dp = data_parallel
+        self.process_group, self.world, self.distributed = dp.process_group, dp.world, dp.distributed
         self.autocast = autocast_ctx(device.type)
 
     # --- forward passes over samples, micro-batched like the training step -----------------------
 
-    def micro_batches(self, samples, m):
-        """The samples packed into micro-batches (collate_packed), rows no longer than model m's context. The model
+    def micro_batches(self, samples, model):
+        """The samples packed into micro-batches (collate_packed), rows no longer than `model`'s context. The model
         runs on the packed rows; the loss reads per-sample (B, T) rows, unpacked from its outputs."""
         max_tokens = self.cfg.max_tokens_per_gpu
         batches = [
             collate_packed(samples, rows, self.device)
-            for rows in pack_micro_batches(samples, max_tokens, min(max_tokens, m.config.sequence_len))
+            for rows in pack_micro_batches(samples, max_tokens, min(max_tokens, model.config.sequence_len))
         ]
-        if is_sharded(m) and self.distributed:
+        if is_sharded(model) and self.distributed:
             # every forward/backward of a sharded model gathers weights with the other ranks: all must run as many
             # micro-batches; a rank with fewer repeats its last one as a "dummy" (run, never counted)
             n = torch.tensor(len(batches), device=self.device)
@@ -260,11 +270,11 @@ class Trainer:
             batches += [{**batches[-1], "dummy": True}] * (int(n) - len(batches))
         return batches
 
-    def forward_logp(self, m, batch):
+    def forward_logp(self, model, batch):
         """Log-probs and entropies at the rollout temperature (the engine records its log-probs at that temperature),
         per sample (B, T)."""
         with self.autocast:
-            logp, ent = m.token_logprobs(
+            logp, ent = model.token_logprobs(
                 batch["packed_inputs"],
                 batch["packed_targets"].clamp(min=0),
                 doc_ids=batch["doc_ids"],
@@ -278,17 +288,17 @@ class Trainer:
             return unpack(self.critic(batch["packed_inputs"], doc_ids=batch["doc_ids"]).float(), batch["unpack"])
 
     @torch.no_grad()
-    def per_token(self, samples, fn, m):
-        """fn(batch) -> (B, T) for every micro-batch of model m; the rows, in sample order, on the compute device."""
+    def per_token(self, samples, fn, model):
+        """fn(batch) -> (B, T) for every micro-batch of `model`; the rows, in sample order, on the compute device."""
         out = [None] * len(samples)
-        for batch in self.micro_batches(samples, m):
+        for batch in self.micro_batches(samples, model):
             res = fn(batch)
             for j, i in enumerate(batch["order"] if not batch.get("dummy") else []):
                 out[i] = res[j]
         return out
 
-    def logp_of(self, m, samples):
-        return self.per_token(samples, lambda batch: self.forward_logp(m, batch)[0], m)
+    def logp_of(self, model, samples):
+        return self.per_token(samples, lambda batch: self.forward_logp(model, batch)[0], model)
 
     def values_of(self, samples):
         return self.per_token(samples, self.forward_values, self.model)  # the critic is a copy of the policy
@@ -328,9 +338,7 @@ class Trainer:
         kl = None
         if ref_lp is not None and cfg.kl_coef > 0:
             kl = rl.kl_estimate(pad_like(old_lp, T), pad_like(ref_lp, T), "k1") * mask
-        adv, returns = cfg.estimator.advantages(
-            rewards,
-            mask,
+        inputs = dict(
             group_size=cfg.group.n_samples_per_prompt,
             kl=kl,
             kl_coef=cfg.kl_coef,
@@ -340,6 +348,8 @@ class Trainer:
             values=pad_like(old_values, T) if old_values is not None else None,
             distributed=dist_group,
         )
+        # exactly the inputs the estimator takes (its row names them): a name it lacks would raise, not be dropped
+        adv, returns = cfg.estimator.advantages(rewards, mask, **{k: inputs[k] for k in cfg.estimator.inputs})
         if cfg.normalize_advantages:
             adv = rl.masked_whiten(adv, mask, distributed=dist_group) * mask
         if self.teacher is not None:  # on-policy distillation: tokens the teacher likes more get pushed up
@@ -350,8 +360,9 @@ class Trainer:
 
     # --- the step ---------------------------------------------------------------------------------
 
-    def train_step(self, step, samples, timer):
-        """Shape rewards, compute advantages, take --num-steps-per-rollout optimizer steps -> metrics (this rank's)."""
+    def train_step(self, done, samples, timer):
+        """Shape rewards, compute advantages, take --num-steps-per-rollout optimizer steps -> metrics (this rank's).
+        done: the rollouts trained on before this one (the LR schedule's position)."""
         cfg = self.cfg
         bad = next((s for s in samples if len(s.rollout_log_probs) != s.response_length), None)
         if cfg.use_tis and bad is not None:  # TIS compares against the sampler's log-probs: without them it is garbage
@@ -375,9 +386,9 @@ class Trainer:
         self.opd_kl = None
         with timer.section("advantages", self.device.type):
             adv, returns = self.compute_advantages(samples, old_lp, ref_lp, old_values)
-        lr_mult = min(1.0, (step + 1) / cfg.warmup_rollouts) if cfg.warmup_rollouts > 0 else 1.0
+        lr_mult = min(1.0, (done + 1) / cfg.warmup_rollouts) if cfg.warmup_rollouts > 0 else 1.0
         if cfg.lr_decay_style == "linear":
-            lr_mult *= 1.0 - step / cfg.num_rollouts
+            lr_mult *= 1.0 - done / cfg.num_rollouts
         # the rollout cut into mini-batches of whole groups of n, all of it (an agent's group may be several: agents.py)
         steps, n = cfg.num_steps_per_rollout, cfg.group.n_samples_per_prompt
         edges = [k * (len(samples) // n) // steps * n for k in range(steps)] + [len(samples)]
@@ -398,21 +409,21 @@ class Trainer:
                         pick(old_values),
                     )
                 )
-        m = {f"train/{k}": sum(r[k] for r in results) / len(results) for k in results[0]}
-        m["train/first_step_ppo_kl"] = results[0].get("ppo_kl", 0.0)
+        metrics = {f"train/{k}": sum(r[k] for r in results) / len(results) for k in results[0]}
+        metrics["train/first_step_ppo_kl"] = results[0].get("ppo_kl", 0.0)
         if self.opd_kl is not None:
-            m["train/opd_student_teacher_kl"] = self.opd_kl
+            metrics["train/opd_student_teacher_kl"] = self.opd_kl
         A = torch.stack(adv)
         first = (A != 0).to(torch.int64).argmax(-1)  # each sample's advantage at its first trained token
         seq_adv = A.gather(1, first[:, None]).squeeze(1).cpu()
-        m.update(
+        metrics.update(
             {
                 "rollout/adv_mean": seq_adv.mean().item(),
                 "rollout/adv_std": seq_adv.std().item() if len(seq_adv) > 1 else 0.0,
                 "rollout/adv_abs_max": seq_adv.abs().max().item(),
             }
         )
-        return m
+        return metrics
 
     def train_minibatch(self, samples, adv, old_lp, ref_lp, lr_mult, returns=None, old_values=None):
         """One optimizer step over `samples` (this rank's share of the global batch); with ppo, one critic step too.
@@ -439,7 +450,7 @@ class Trainer:
                 tis, tis_metrics = rl.tis_weights(
                     old, batch["rollout_logp"], mask, cfg.tis_clip, cfg.tis_clip_low, cfg.tis_mode
                 )
-            loss, m = rl.policy_loss(
+            loss, metrics = rl.policy_loss(
                 logp,
                 old,
                 rows(adv),
@@ -458,7 +469,7 @@ class Trainer:
                 kl_coef=cfg.kl_loss_coef,
             )
             if tis is not None:
-                m.update(tis_metrics)
+                metrics.update(tis_metrics)
             # each micro-batch's loss is re-weighted to its share of the global batch, by the aggregation's own unit
             # (tokens for token_mean, rows for the sequence means), and x world because the optimizer averages
             # gradients over the training ranks: the step equals one pass over the whole batch, however it is cut
@@ -477,10 +488,12 @@ class Trainer:
                     max_len=cfg.group.max_response_len,
                 )
                 (vf_loss * share * self.world).backward()
-                m.update(vm, vf_loss=vf_loss.detach())
-            m["entropy"] = rl.masked_mean(ent.detach(), mask)
-            m["train_rollout_logprob_abs_diff"] = rl.masked_mean((logp.detach() - batch["rollout_logp"]).abs(), mask)
-            for k, v in m.items():
+                metrics.update(vm, vf_loss=vf_loss.detach())
+            metrics["entropy"] = rl.masked_mean(ent.detach(), mask)
+            metrics["train_rollout_logprob_abs_diff"] = rl.masked_mean(
+                (logp.detach() - batch["rollout_logp"]).abs(), mask
+            )
+            for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(v) * mb_tok
         out = {k: v / max(local_tok, 1) for k, v in sums.items()}
         out["padding_frac"] = 1 - sum(len(s.tokens) - 1 for s in samples) / max(

@@ -1,12 +1,13 @@
 """
 The sampling side of RL: the Sample record the trainer reads, the prompt source, turning prompts into scored groups
-of Samples on one rank (RolloutWorker), dynamic sampling with over-sampling (fill_rollout and its filters), the
+of Samples on one rank (RolloutWorker), dynamic sampling with over-sampling (RolloutFill and its filters), the
 surplus buffer, the rollout deadline, and the rollout flags (add_args, config_from_args).
 
-The flow of one rollout (RLRun.rollout in nanorl/rl_run.py calls it):
-  PromptSource.get -> prompts and their seeds -> RolloutWorker.generate: n samples each (the engine, multi-turn tool
-  calls or a custom generate function) -> RolloutWorker.score: rewards (the graders of nanorl/rewards.py or a remote
-  server) -> the dynamic-sampling filter keeps whole groups -> surplus groups wait in the buffer for the next rollout
+The flow of one rollout (RLRun.sample_share in nanorl/rl_run.py runs it, round by round):
+  PromptSource.get -> prompts and their seeds -> RolloutWorker.sample_groups: n samples each (the engine, multi-turn
+  tool calls or a custom generate function) -> RolloutWorker.score: rewards (the graders of nanorl/rewards.py or a
+  remote server) -> RolloutFill: the dynamic-sampling filter keeps whole groups, surplus groups wait in the buffer
+  for the next rollout. --partial-rollout: RolloutWorker.sample_partial scores and adds each group as it finishes.
 """
 
 import signal
@@ -340,54 +341,61 @@ class RolloutBuffer:
         self.partial = [[load(d) for d in g] for g in state.get("partial", [])]
 
 
-def fill_rollout(target_groups, buffer, make_groups, group_filter, max_rounds=8, stop_when_full=False):
+class RolloutFill:
     """
-    Collect `target_groups` groups that pass `group_filter`: first from the buffer (surplus of the last
-    rollout), then by calling make_groups() (which over-samples a batch of prompts) until full.
-    Surplus goes back to the buffer. If max_rounds of over-sampling still leave the batch short (a model
-    that gets everything wrong early in training), the batch is topped up with dropped groups rather than
-    looping forever, and stats["groups_unfiltered_fill"] says how many.
-    stop_when_full (partial rollouts): make_groups() yields groups as they finish; once the batch is full the
-    round is closed, which aborts and parks what is still generating.
-    Returns (groups, stats) where stats counts what was dropped and why.
+    Dynamic sampling's tally of one rollout on one rank: `target` groups that pass `group_filter`, first the buffer's
+    surplus of the last rollout, then the groups of each round of over-sampled prompts (next_round, add) until full.
+    If max_rounds still leave the batch short (a model that gets everything wrong early in training), finish() tops
+    it up with dropped groups rather than looping forever (stats["groups_unfiltered_fill"] says how many); the
+    surplus goes back to the buffer. stats counts what was generated, dropped and why.
     """
-    stats = {
-        "groups_generated": 0,
-        "groups_from_buffer": 0,
-        "groups_dropped": 0,
-        "rounds": 0,
-        "groups_unfiltered_fill": 0,
-    }
-    kept, dropped = [], []
-    for g in buffer.pop(target_groups):
-        stats["groups_from_buffer"] += 1
-        kept.append(g)
-    while len(kept) < target_groups and stats["rounds"] < max_rounds:
-        stats["rounds"] += 1
-        groups = make_groups()
-        try:
-            for g in groups:
-                stats["groups_generated"] += 1
-                keep, reason = group_filter(g)
-                if keep:
-                    kept.append(g)
-                else:
-                    dropped.append(g)
-                    stats["groups_dropped"] += 1
-                    key = f"dropped_{reason or 'filter'}"
-                    stats[key] = stats.get(key, 0) + 1
-                if stop_when_full and len(kept) >= target_groups:
-                    break
-        finally:
-            if hasattr(groups, "close"):  # a generator: closing it aborts and parks what is in flight
-                groups.close()
-    if len(kept) < target_groups:
-        fill = dropped[: target_groups - len(kept)]
-        stats["groups_unfiltered_fill"] = len(fill)
-        stats["groups_dropped"] -= len(fill)
-        kept.extend(fill)
-    buffer.add(kept[target_groups:])
-    return kept[:target_groups], stats
+
+    def __init__(self, target, buffer, group_filter, max_rounds=8):
+        self.target, self.buffer, self.group_filter, self.max_rounds = target, buffer, group_filter, max_rounds
+        self.stats = {
+            "groups_generated": 0,
+            "groups_from_buffer": 0,
+            "groups_dropped": 0,
+            "rounds": 0,
+            "groups_unfiltered_fill": 0,
+        }
+        self.kept, self.dropped = [], []
+        for g in buffer.pop(target):
+            self.stats["groups_from_buffer"] += 1
+            self.kept.append(g)
+
+    def full(self):
+        return len(self.kept) >= self.target
+
+    def next_round(self):
+        """Whether another round of prompts is sampled (the batch is short and rounds are left); counts it."""
+        if self.full() or self.stats["rounds"] >= self.max_rounds:
+            return False
+        self.stats["rounds"] += 1
+        return True
+
+    def add(self, g):
+        """One generated group, kept or dropped by the filter."""
+        self.stats["groups_generated"] += 1
+        keep, reason = self.group_filter(g)
+        if keep:
+            self.kept.append(g)
+        else:
+            self.dropped.append(g)
+            self.stats["groups_dropped"] += 1
+            key = f"dropped_{reason or 'filter'}"
+            self.stats[key] = self.stats.get(key, 0) + 1
+
+    def finish(self):
+        """-> (the rollout's groups, stats); the batch topped up if short, the surplus back in the buffer."""
+        kept, stats = self.kept, self.stats
+        if len(kept) < self.target:
+            fill = self.dropped[: self.target - len(kept)]
+            stats["groups_unfiltered_fill"] = len(fill)
+            stats["groups_dropped"] -= len(fill)
+            kept.extend(fill)
+        self.buffer.add(kept[self.target :])
+        return kept[: self.target], stats
 
 
 # -----------------------------------------------------------------------------------------------
@@ -470,7 +478,7 @@ class RolloutWorker:
             for si in range(num_samples)
         ]
 
-    def generate(self, prompts, seeds, weight_version, group=None):
+    def sample_groups(self, prompts, seeds, weight_version, group=None):
         """The default rollout: one engine call over all prompts, each fanned out to a group of samples -> groups.
         group: a GroupSpec, by default the run's (the eval passes its own)."""
         group = group or self.cfg.group
@@ -486,7 +494,7 @@ class RolloutWorker:
         if self.cfg.multi_turn:
             results = multi_turn_generate(self.engine, reqs, self.cfg.max_turns, self.tool)
         else:
-            results = self.engine.generate(reqs)
+            results = self.engine.submit_and_wait(reqs)
         groups = []
         for p, ids, seed, comps in zip(prompts, ids_of, seeds, results):
             empty = self.new_group(p, ids, seed, group.n_samples_per_prompt, weight_version)
@@ -497,11 +505,11 @@ class RolloutWorker:
             groups.append(samples)
         return groups
 
-    def stream(self, prompts, seeds, weight_version, buffer):
+    def sample_partial(self, fill, prompts, seeds, weight_version, buffer):
         """
-        --partial-rollout: yield each group, scored, as soon as all its samples end. When the batch is full the caller
-        closes this generator: what is still generating is aborted and parked in the buffer with the tokens it has
-        (and the weight_version it started under), and the next rollout continues it before starting new prompts.
+        --partial-rollout: one round of prompts, each group scored and added to `fill` (a RolloutFill) as soon as all
+        its samples end. Once the batch is full, what is still generating is aborted and parked in the buffer with the
+        tokens it has (and the weight_version it started under): the next rollout continues it before new prompts.
         """
         group, engine = self.cfg.group, self.engine
         n = group.n_samples_per_prompt
@@ -529,23 +537,31 @@ class RolloutWorker:
             h = engine.submit(self.request(ids, seed, group))
             jobs.append((self.new_group(p, ids, seed, n, weight_version), {si: (h, si) for si in range(n)}))
         try:
-            while jobs:
+            while jobs and not fill.full():
                 engine.step()
                 for job in [j for j in jobs if all(h.done for h, _ in j[1].values())]:
                     jobs.remove(job)
                     samples, handles = job
                     for si, (h, ci) in handles.items():
                         extend_sample(samples[si], h.completions[ci])
-                    yield self.score([samples])[0]
-        finally:
-            if jobs:  # the batch is full: abort the rest and park it, cut back to where it can be continued exactly
-                engine.abort()
-                while engine.step():
-                    pass
-                for samples, handles in jobs:
-                    for si, (h, ci) in handles.items():
-                        extend_sample(samples[si], h.completions[ci], self.python_start, self.output_end)
-                    buffer.partial.append(samples)
+                    fill.add(self.score([samples])[0])
+                    if fill.full():
+                        break
+        finally:  # the batch is full (or this failed): what is left is parked
+            self.park(jobs, buffer)
+
+    def park(self, jobs, buffer):
+        """Abort the jobs still generating and park their groups in the buffer, each sample cut back to where it can
+        be continued exactly."""
+        if not jobs:
+            return
+        self.engine.abort()
+        while self.engine.step():
+            pass
+        for samples, handles in jobs:
+            for si, (h, ci) in handles.items():
+                extend_sample(samples[si], h.completions[ci], self.python_start, self.output_end)
+            buffer.partial.append(samples)
 
     def response_text(self, s):
         return self.tokenizer.decode([t for t in s.tokens[s.prompt_length :] if t not in self.stop_tokens])
@@ -581,7 +597,7 @@ class RolloutWorker:
         return groups
 
     def metrics(self, fstats, samples, rollout_s, buffer):
-        """The rollout's metrics: the filter's counts (fill_rollout's stats), rewards, lengths, speed; parked groups
+        """The rollout's metrics: the filter's counts (RolloutFill's stats), rewards, lengths, speed; parked groups
         with --partial-rollout, tool use with --multi-turn."""
         m = {f"rollout/{k}": v for k, v in fstats.items()}
         rewards = [s.scalar_reward() for s in samples]

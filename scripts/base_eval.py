@@ -95,7 +95,7 @@ if "sample" in modes and master:
         for p in prompts
     ]
     with autocast:
-        groups = engine.generate(requests)
+        groups = engine.submit_and_wait(requests)
     samples = {p: p + tokenizer.decode(g[0].tokens) for p, g in zip(prompts, groups)}
     for s in samples.values():
         print0(f"  sample: {s!r}")

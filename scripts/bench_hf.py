@@ -111,7 +111,7 @@ def decode_row(model, tokenizer, hf, prompts, N, share_weights, device):
         reqs = [
             Request(p, max_tokens=n_new, temperature=0.0, stop_tokens=[], use_tools=False) for p in prompts.tolist()
         ]
-        return [c[0].tokens for c in engine.generate(reqs)]
+        return [c[0].tokens for c in engine.submit_and_wait(reqs)]
 
     def run_hf(n_new):
         with torch.no_grad():

@@ -26,7 +26,18 @@ from nanorl.gpt import attention_backend
 from nanorl.optim import build_optimizer
 from nanorl.precision import precision_line
 from nanorl.report import log_json, log_section, rl_eval_rows
-from nanorl.rl_run import RLRun, RunConfig, build_critic, idle_line, load_teacher, rl_summary, step_legend
+from nanorl.rl_run import (
+    Models,
+    Ranks,
+    RLRun,
+    RunConfig,
+    Sampling,
+    build_critic,
+    idle_line,
+    load_teacher,
+    rl_summary,
+    step_legend,
+)
 from nanorl.rollout import GroupSpec
 from nanorl.synthetic import levels_flag
 from tasks import get_task
@@ -188,7 +199,7 @@ def load_prompts(args, parser, reward_cfg):
 
 
 def set_up_ranks(args, parser):
-    """torch.distributed, this rank's roles, then the batch sizes that depend on them -> (ddp, rank, device, roles)."""
+    """torch.distributed, this rank's roles, then the batch sizes that depend on them -> Ranks."""
     # collectives give up on a missing rank after a while (a hang in native code, a dead node) rather than block forever
     timeout_s = 2 * args.rollout_timeout + 600 if args.rollout_timeout > 0 else None
     ddp, rank, local_rank, world_size, device = common.compute_init(  # (CPU offload: gloo collectives beside NCCL)
@@ -212,13 +223,14 @@ def set_up_ranks(args, parser):
     over_sampling = args.over_sampling_batch_size or args.rollout_batch_size
     if over_sampling % roles.n_samplers:
         parser.error(f"--over-sampling-batch-size {over_sampling} must divide by the sampling ranks {roles.n_samplers}")
-    return ddp, rank, device, roles
+    return Ranks(ddp, rank, device, roles)
 
 
-def build_models(args, parser, ddp, device, roles, trainer_cfg, items):
+def build_models(args, parser, ranks, trainer_cfg, items):
     """The policy and what the options add: a frozen reference (KL), a critic (ppo), a teacher (on-policy
     distillation), LoRA's adapters; the engine on a sampling rank, the optimizer, the trainer on a training rank.
-    -> (model, tokenizer, meta, lora_base, engine, optimizer, trainer)"""
+    -> Models"""
+    device, roles = ranks.device, ranks.roles
     model, tokenizer, meta = load_model_from_args(args, device, phase="train")
     if args.multi_turn and tokenizer.encode_special("<|python_start|>") is None:
         parser.error(f"--multi-turn: this model's tokenizer has no tool-call tokens ({args.hf_model or args.source})")
@@ -258,9 +270,10 @@ def build_models(args, parser, ddp, device, roles, trainer_cfg, items):
     else:
         optimizer = build_optimizer(model, weight_decay=args.weight_decay, lr_scale=args.lr_scale)
     if roles.is_trainer:
-        extras = (ref_model, critic, critic_optimizer, teacher, roles.trainer_group, roles.n_trainers, ddp)
-        trainer = rl_trainer.Trainer(trainer_cfg, model, optimizer, device, *extras)
-    return model, tokenizer, meta, lora_base, engine, optimizer, trainer
+        extras = rl_trainer.ExtraModels(ref_model, critic, critic_optimizer, teacher)
+        data_parallel = rl_trainer.DataParallel(roles.trainer_group, roles.n_trainers, ranks.ddp)
+        trainer = rl_trainer.Trainer(trainer_cfg, model, optimizer, device, extras, data_parallel)
+    return Models(model, tokenizer, meta, lora_base, engine, optimizer, trainer)
 
 
 def build_run(args, parser):
@@ -268,20 +281,21 @@ def build_run(args, parser):
     rollout_cfg, reward_cfg, trainer_cfg = check_flags(args, parser)
     group_filter, buffer_filter, custom_generate = user_functions(args, parser)
     train_items, eval_items, eval_name, graders, rm_name = load_prompts(args, parser, reward_cfg)
-    ddp, rank, device, roles = set_up_ranks(args, parser)
+    ranks = set_up_ranks(args, parser)
+    rank, device, roles = ranks.rank, ranks.device, ranks.roles
     # logging first: a missing wandb key stops the run before any model is built
     logger = common.get_logger(
         args.run, project="nanorl-rl", config=vars(args), master_process=rank == 0, tensorboard_dir=args.tensorboard
     )
-    built = build_models(args, parser, ddp, device, roles, trainer_cfg, train_items + eval_items)
-    model, tokenizer, meta, lora_base, engine, optimizer, trainer = built
+    models = build_models(args, parser, ranks, trainer_cfg, train_items + eval_items)
+    meta, engine = models.meta, models.engine
     output_tag = args.output_tag or meta.get("model_tag") or args.model_tag or "d"
     ckpt_dir = os.path.join(common.get_base_dir(), "rl_checkpoints", output_tag)
     checkpoint.claim_output_dir(ckpt_dir, args.resume, args.overwrite, rank)  # an old run's steps never hide this one's
 
     source = rollout.PromptSource(train_items, seed=args.seed, rank=roles.sampler_rank, world_size=roles.n_samplers)
-    worker = rollout.RolloutWorker(rollout_cfg, engine, tokenizer, graders, reward_cfg, custom_generate)
-    buffer = rollout.RolloutBuffer(buffer_filter)
+    worker = rollout.RolloutWorker(rollout_cfg, engine, models.tokenizer, graders, reward_cfg, custom_generate)
+    sampling = Sampling(worker, source, rollout.RolloutBuffer(buffer_filter), group_filter, eval_items)
     cfg = RunConfig(
         num_rollouts=args.num_rollouts,
         rollout_batch_size=args.rollout_batch_size,
@@ -295,9 +309,8 @@ def build_run(args, parser):
         pass_ks=tuple(args.pass_k),
         fsdp=args.fsdp,
     )
-    ckpt = {"dir": ckpt_dir, "tag": output_tag, "meta": meta, "flags": vars(args), "lora_base": lora_base}
-    run = RLRun(cfg, model, optimizer, engine, worker, trainer, source, buffer, group_filter, eval_items, roles,
-                device, ddp, rank, logger, ckpt)  # fmt: skip
+    ckpt = {"dir": ckpt_dir, "tag": output_tag, "meta": meta, "flags": vars(args), "lora_base": models.lora_base}
+    run = RLRun(cfg, models, sampling, ranks, logger, ckpt)
     print0(attention_backend(device))
     print0(precision_line(device))
     if engine is not None:  # its kernels and whether it decodes through CUDA graphs (gpu_check's pipeline checks it)
@@ -318,12 +331,12 @@ def build_run(args, parser):
 
 def sync_loop(run, start):
     """Every rank samples its share of the rollout, then trains on it, then gives its engine the new weights."""
-    for step in range(start, run.cfg.num_rollouts):
-        run.step(step)  # generate -> train -> update weights -> the step line
-        if run.due(step + 1, run.cfg.eval_every):
-            run.evaluate(step + 1)
-        if run.due(step + 1, run.cfg.save_every):
-            run.save(step + 1)
+    for done in range(start, run.cfg.num_rollouts):  # done: the rollouts done before this step's
+        run.step(done)  # rollout done+1: sample -> train -> update weights -> the step line
+        if run.due(done + 1, run.cfg.eval_every):
+            run.evaluate(done + 1)
+        if run.due(done + 1, run.cfg.save_every):
+            run.save(done + 1)
 
 
 def sampler_loop(run, start):
@@ -333,52 +346,52 @@ def sampler_loop(run, start):
     before = run.prompt_position()  # what a failed rollout is redone from
     if start < n:  # resumed: the rollout sampled before the save, as the trainers expect it
         payload = run.pending or run.sample_payload(start, version)
-    for step in range(start, n):
+    for done in range(start, n):  # done: the rollouts trained on before this step's
         t0 = time.time()
         failures = [p["failure"] for p in rl_async.exchange_rollouts(run.roles, payload) if p["failure"]]
         wait = time.time() - t0
         if failures:
             run.rewind(before)
-            run.stop_after_failure(step, len(failures))
+            run.stop_after_failure(done, len(failures))
         before, payload = run.prompt_position(), None
-        if step + 1 < n:
-            payload = run.sample_payload(step + 1, version)
+        if done + 1 < n:
+            payload = run.sample_payload(done + 1, version)
         t_wait = time.time()
-        version, m = rl_async.receive_weights(run.model, run.engine, run.roles)
+        version, metrics = rl_async.receive_weights(run.model, run.engine, run.roles)
         wait += time.time() - t_wait
-        m["async/sampler_weight_version"] = version
-        m["async/sampler_weight_checksum"] = run.weights_checksum()
+        metrics["async/sampler_weight_version"] = version
+        metrics["async/sampler_weight_checksum"] = run.weights_checksum()
         dt = time.time() - t0
-        m["perf/idle_frac_sampler"] = m["perf/idle_frac"] = wait / dt
+        metrics["perf/idle_frac_sampler"] = metrics["perf/idle_frac"] = wait / dt
         run.idle_s += wait
         if run.roles.sampler_rank == 0:
-            run.log_step(step, m, dt)
-        if run.due(step + 1, run.cfg.save_every):  # beside the trainers' save of the same step
-            run.save(step + 1, pending=payload)
-        if run.due(step + 1, run.cfg.eval_every):
-            run.evaluate(step + 1)
+            run.log_step(done, metrics, dt)
+        if run.due(done + 1, run.cfg.save_every):  # beside the trainers' save of the same step
+            run.save(done + 1, pending=payload)
+        if run.due(done + 1, run.cfg.eval_every):
+            run.evaluate(done + 1)
 
 
 def trainer_loop(run, start):
     """A training rank: train on rollout k while the samplers sample k+1; the first trainer sends the new weights."""
     version, roles = start, run.roles
-    for step in range(start, run.cfg.num_rollouts):
+    for done in range(start, run.cfg.num_rollouts):  # done: the rollouts trained on before this step's
         t0 = time.time()
         payloads = rl_async.exchange_rollouts(roles, None)
         wait = time.time() - t0
         failures = [p["failure"] for p in payloads if p["failure"]]
         if failures:
-            run.stop_after_failure(step, len(failures))
+            run.stop_after_failure(done, len(failures))
         groups = [g for p in payloads for g in p["groups"]][roles.trainer_rank :: roles.n_trainers]
-        m = run.train(step, groups, rl_async.sum_payload_metrics(payloads))
+        metrics = run.train(done, groups, rl_async.sum_payload_metrics(payloads))
         version += 1
-        m["async/trainer_weight_checksum"] = run.weights_checksum()
-        m["perf/idle_frac_trainer"] = wait / (time.time() - t0)
+        metrics["async/trainer_weight_checksum"] = run.weights_checksum()
+        metrics["perf/idle_frac_trainer"] = wait / (time.time() - t0)
         run.idle_s += wait
         if roles.trainer_rank == 0:
-            rl_async.send_weights(run.model, roles, version, m)
-        if run.due(step + 1, run.cfg.save_every):
-            run.save(step + 1)
+            rl_async.send_weights(run.model, roles, version, metrics)
+        if run.due(done + 1, run.cfg.save_every):
+            run.save(done + 1)
 
 
 # -----------------------------------------------------------------------------------------------

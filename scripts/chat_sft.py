@@ -99,7 +99,11 @@ def add_data_args(parser):
         metavar="NAME=PATH",
         help="a local jsonl/parquet file or directory for a Hub task, e.g. gsm8k=/data/gsm8k (repeatable)",
     )
-    a("--identity-path", default=None, help="jsonl of identity conversations (CustomJSON), mixed in twice")
+    a(
+        "--identity-path",
+        default=None,
+        help="jsonl of identity conversations (CustomJSON), mixed in (twice by midtraining)",
+    )
     a("--num-examples", type=positive_int, default=20000, help="offline curriculum: number of training problems")
     a(
         "--levels",
@@ -490,8 +494,11 @@ def report(args, stage, meta, data_desc, train_task, val_task, consumed, plan, s
 # SFT's data: a small, clean mixture
 
 
-def identity(args):
-    return [CustomJSON(path=args.identity_path)] if args.identity_path else []
+def mixture(args, tasks, identity_copies=1):
+    """A stage's training mixture: tasks and, with --identity-path, its conversations listed identity_copies times,
+    shuffled with --seed."""
+    identity = [CustomJSON(path=args.identity_path)] * identity_copies if args.identity_path else []
+    return TaskMixture(tasks + identity, seed=args.seed)
 
 
 def offline_val(args):
@@ -503,21 +510,21 @@ def offline_val(args):
 
 def offline_mixture(args):
     n = args.num_examples
-    train = TaskMixture(
+    train = mixture(
+        args,
         [
             OfflineChat("train", n=n // 2),
             OfflineProblems("train", n=n, seed=2, levels=levels(args)),
             SpellingBee("train", size=n // 10),
-        ]
-        + identity(args),
-        seed=args.seed,
+        ],
     )
     return train, offline_val(args)
 
 
 def hub_mixture(args, paths):
     # nanochat's SFT mixture (~23K conversations), plus the offline problems
-    train = TaskMixture(
+    train = mixture(
+        args,
         [
             ARC("ARC-Easy", "train", path=paths.get("arc-easy")),
             ARC("ARC-Challenge", "train", path=paths.get("arc-challenge")),
@@ -525,9 +532,7 @@ def hub_mixture(args, paths):
             SmolTalk("train", path=paths.get("smoltalk"), stop=10_000),
             SpellingBee("train", size=600),
             OfflineProblems("train", n=min(args.num_examples, 5000), seed=2),
-        ]
-        + identity(args),
-        seed=args.seed,
+        ],
     )
     val = TaskMixture(
         [SmolTalk("test", path=paths.get("smoltalk"), stop=2000), GSM8K("test", path=paths.get("gsm8k"), stop=500)],

@@ -13,42 +13,39 @@ The training loop is SFT's: train() in scripts/chat_sft.py, called here with mid
 from nanorl import fsdp, lora
 from nanorl.common import ArgumentParser
 from nanorl.sft_data import levels
-from scripts.chat_sft import add_train_args, offline_val, train
-from tasks import GSM8K, MMLU, CustomJSON, OfflineChat, OfflineProblems, SmolTalk, SpellingBee, TaskMixture
+from scripts.chat_sft import add_train_args, mixture, offline_val, train
+from tasks import GSM8K, MMLU, OfflineChat, OfflineProblems, SmolTalk, SpellingBee, TaskMixture
 
-
-def identity(args):
-    # listed twice: a few hundred conversations would otherwise be lost in the mixture
-    return [CustomJSON(path=args.identity_path)] * 2 if args.identity_path else []
+IDENTITY_COPIES = 2  # a few hundred identity conversations would otherwise be lost in midtraining's larger mixture
 
 
 def offline_mixture(args):
     n = args.num_examples
     # half the problems with tool calls (the skill midtraining is for), half in plain text
-    train = TaskMixture(
+    train = mixture(
+        args,
         [
             OfflineProblems("train", n=n, levels=levels(args), use_tools=True),
             OfflineProblems("train", n=n, seed=1, levels=levels(args)),
             SpellingBee("train", size=n // 4),
             OfflineChat("train", n=n // 2),
-        ]
-        + identity(args),
-        seed=args.seed,
+        ],
+        IDENTITY_COPIES,
     )
     return train, offline_val(args)
 
 
 def hub_mixture(args, paths):
-    train = TaskMixture(
+    train = mixture(
+        args,
         [
             SmolTalk("train", path=paths.get("smoltalk")),
             MMLU("train", subset="auxiliary_train", path=paths.get("mmlu-aux")),
             GSM8K("train", path=paths.get("gsm8k")),
             SpellingBee("train", size=50_000),
             OfflineProblems("train", n=args.num_examples, use_tools=True),
-        ]
-        + identity(args),
-        seed=args.seed,
+        ],
+        IDENTITY_COPIES,
     )
     val = TaskMixture(
         [

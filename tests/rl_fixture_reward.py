@@ -47,7 +47,7 @@ def failing_generate(cfg, engine, tokenizer, prompts, seeds):
     groups = []
     for p, seed in zip(prompts, seeds):
         ids = tokenizer.render_for_completion(p["conversation"])
-        comps = engine.generate(
+        comps = engine.submit_and_wait(
             [Request(ids, num_samples=cfg.group.n_samples_per_prompt, max_tokens=cfg.group.max_response_len, seed=seed)]
         )[0]
         groups.append(

@@ -681,7 +681,7 @@ def test_num_gpus_2_every_replica_decodes_on_its_own_gpu(monkeypatch):
         want.append(x)
     for e in engines:
         reqs = [Request([3, 10], max_tokens=24, temperature=0.0, stop_tokens=[], use_tools=False) for _ in range(3)]
-        assert [g[0].tokens for g in e.generate(reqs)] == [want] * 3, e.device
+        assert [g[0].tokens for g in e.submit_and_wait(reqs)] == [want] * 3, e.device
 
 
 # --- a real browser -----------------------------------------------------------------------------

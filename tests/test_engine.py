@@ -77,7 +77,7 @@ def test_greedy_with_cache_equals_full_forwards(n_kv_head):
     model = tiny(n_kv_head)
     engine = Engine(model, TOK, batch_size=4)
     ps = prompts([5, 12, 1, 30])
-    out = engine.generate(
+    out = engine.submit_and_wait(
         [
             Request(p, num_samples=1 + (i == 1) * 2, max_tokens=12, temperature=0, stop_tokens=[])
             for i, p in enumerate(ps)
@@ -113,7 +113,7 @@ def check_invariants(engine):
 
 
 def run_checked(engine, requests):
-    """engine.generate, checking the engine's slot invariants after every step."""
+    """engine.submit_and_wait, checking the engine's slot invariants after every step."""
     handles = [engine.submit(r) for r in requests]
     while engine.step():
         check_invariants(engine)
@@ -158,7 +158,9 @@ def test_logprobs_are_the_trainers_at_the_sampling_temperature(temperature):
 def test_greedy_logprobs_are_at_temperature_one():
     model = tiny()
     p = prompts([6])[0]
-    ((c,),) = Engine(model, TOK, batch_size=2).generate([Request(p, max_tokens=10, temperature=0, stop_tokens=[])])
+    ((c,),) = Engine(model, TOK, batch_size=2).submit_and_wait(
+        [Request(p, max_tokens=10, temperature=0, stop_tokens=[])]
+    )
     torch.testing.assert_close(torch.tensor(c.logprobs), trainer_logprobs(model, p, c.tokens, 1.0), atol=1e-5, rtol=0)
 
 
@@ -168,17 +170,17 @@ def test_seeds_reproducible_and_samples_differ_from_first_token():
         model.lm_head.weight.mul_(0.01)  # a spread first-token distribution
     p = prompts([6])[0]
     req = Request(p, num_samples=8, max_tokens=10, temperature=1.0, seed=123, stop_tokens=[])
-    a = Engine(model, TOK, batch_size=8).generate([req])[0]
+    a = Engine(model, TOK, batch_size=8).submit_and_wait([req])[0]
     firsts = [c.tokens[0] for c in a]
     assert len(set(firsts)) >= 6, firsts  # independent draws from the first token on, not 8 copies
     assert len({tuple(c.tokens) for c in a}) == 8
     # same seed -> same samples, whatever the batch size and whatever else shares the batch
     others = [Request(q, num_samples=3, max_tokens=7, seed=9, stop_tokens=[]) for q in prompts([3, 20], seed=5)]
-    b = Engine(model, TOK, batch_size=3).generate(others + [req])[-1]
+    b = Engine(model, TOK, batch_size=3).submit_and_wait(others + [req])[-1]
     assert [c.tokens for c in a] == [c.tokens for c in b]
-    c = Engine(model, TOK, batch_size=8).generate([Request(p, num_samples=8, max_tokens=10, seed=124, stop_tokens=[])])[
-        0
-    ]
+    c = Engine(model, TOK, batch_size=8).submit_and_wait(
+        [Request(p, num_samples=8, max_tokens=10, seed=124, stop_tokens=[])]
+    )[0]
     assert [x.tokens for x in c] != [x.tokens for x in a]
 
 
@@ -189,8 +191,8 @@ def test_mixed_lengths_and_continuous_batching_equal_one_at_a_time():
     reqs = [
         Request(p, num_samples=1 + i % 2, max_tokens=4 + 3 * i, temperature=0, stop_tokens=[]) for i, p in enumerate(ps)
     ]
-    alone = [Engine(model, TOK, batch_size=2).generate([r])[0] for r in reqs]
-    batched = Engine(model, TOK, batch_size=3, prefill_tokens=64).generate(reqs)  # 10 samples through 3 slots
+    alone = [Engine(model, TOK, batch_size=2).submit_and_wait([r])[0] for r in reqs]
+    batched = Engine(model, TOK, batch_size=3, prefill_tokens=64).submit_and_wait(reqs)  # 10 samples through 3 slots
     for r, a, b in zip(reqs, alone, batched):
         assert [c.tokens for c in a] == [c.tokens for c in b]
         assert all(len(c.tokens) == r.max_tokens for c in b)
@@ -199,18 +201,18 @@ def test_mixed_lengths_and_continuous_batching_equal_one_at_a_time():
 def test_context_limit_truncates():
     model = tiny(seq=32)
     engine = Engine(model, TOK, batch_size=2, max_len=20)
-    ((c,),) = engine.generate([Request(prompts([15])[0], max_tokens=100, temperature=0, stop_tokens=[])])
+    ((c,),) = engine.submit_and_wait([Request(prompts([15])[0], max_tokens=100, temperature=0, stop_tokens=[])])
     assert c.status == "truncated" and c.prompt_len + len(c.tokens) == 20
 
 
 def test_stop_tokens():
     model = bigram({BOS: ord("a"), ord("a"): ord("b"), ord("b"): A_END})
     engine = Engine(model, TOK, batch_size=2)
-    ((c,),) = engine.generate([Request([BOS], max_tokens=10, temperature=0)])
+    ((c,),) = engine.submit_and_wait([Request([BOS], max_tokens=10, temperature=0)])
     assert c.tokens == [ord("a"), ord("b"), A_END] and c.status == "completed"
-    ((c,),) = engine.generate([Request([BOS], max_tokens=10, temperature=0, stop_tokens=[ord("b")])])
+    ((c,),) = engine.submit_and_wait([Request([BOS], max_tokens=10, temperature=0, stop_tokens=[ord("b")])])
     assert c.tokens == [ord("a"), ord("b")] and c.status == "completed"
-    ((c,),) = engine.generate([Request([BOS], max_tokens=2, temperature=0)])
+    ((c,),) = engine.submit_and_wait([Request([BOS], max_tokens=2, temperature=0)])
     assert c.tokens == [ord("a"), ord("b")] and c.status == "truncated"
 
 
@@ -226,7 +228,7 @@ def test_tool_call_forces_output_with_mask_zero():
     }
     model = bigram(script)
     engine = Engine(model, TOK, batch_size=2)
-    ((c,),) = engine.generate([Request([BOS], max_tokens=20, temperature=0)])
+    ((c,),) = engine.submit_and_wait([Request([BOS], max_tokens=20, temperature=0)])
     assert c.tokens == [PY_START, ord("2"), ord("+"), ord("3"), PY_END, OUT_START, ord("5"), OUT_END, A_END]
     assert c.mask == [1, 1, 1, 1, 1, 0, 0, 0, 1] and c.status == "completed"
     # forced tokens carry their real log-prob under the model (low here: it wanted "z")
@@ -237,13 +239,15 @@ def test_tool_call_forces_output_with_mask_zero():
     assert max(c.logprobs[5:8]) < -5 < -0.05 < min(c.logprobs[:5])
     assert assistant_parts(TOK, c.tokens) == [{"type": "python", "text": "2+3"}, {"type": "python_output", "text": "5"}]
     # at T = 0.7 every token, forced ones included, has the trainer's log-prob at 0.7
-    ((c7,),) = Engine(model, TOK, batch_size=2).generate([Request([BOS], max_tokens=20, temperature=0.7, seed=3)])
+    ((c7,),) = Engine(model, TOK, batch_size=2).submit_and_wait(
+        [Request([BOS], max_tokens=20, temperature=0.7, seed=3)]
+    )
     assert c7.mask == c.mask
     torch.testing.assert_close(
         torch.tensor(c7.logprobs), trainer_logprobs(model, [BOS], c7.tokens, 0.7), atol=1e-5, rtol=0
     )
     # without tools the same model just goes on writing
-    ((c,),) = engine.generate([Request([BOS], max_tokens=8, temperature=0, use_tools=False)])
+    ((c,),) = engine.submit_and_wait([Request([BOS], max_tokens=8, temperature=0, use_tools=False)])
     assert c.mask == [1] * 8 and OUT_START not in c.tokens
 
 
@@ -251,7 +255,9 @@ def test_tool_errors_are_contained_and_timeout_enforced():
     model = bigram(
         {BOS: PY_START, PY_START: ord("1"), ord("1"): ord("/"), ord("/"): ord("0"), ord("0"): PY_END, OUT_END: A_END}
     )
-    ((c,),) = Engine(model, TOK, batch_size=1, tool=calculator).generate([Request([BOS], max_tokens=80, temperature=0)])
+    ((c,),) = Engine(model, TOK, batch_size=1, tool=calculator).submit_and_wait(
+        [Request([BOS], max_tokens=80, temperature=0)]
+    )
     out = assistant_parts(TOK, c.tokens)[1]
     assert out["type"] == "python_output" and out["text"] == "Error: division by zero"
     assert c.status == "completed" and c.tokens[-1] == A_END
@@ -262,7 +268,7 @@ def test_tool_errors_are_contained_and_timeout_enforced():
 
     engine = Engine(model, TOK, batch_size=1, tool=slow, tool_timeout=0.2)
     t0 = time.time()
-    ((c,),) = engine.generate([Request([BOS], max_tokens=80, temperature=0)])
+    ((c,),) = engine.submit_and_wait([Request([BOS], max_tokens=80, temperature=0)])
     assert time.time() - t0 < 2
     assert assistant_parts(TOK, c.tokens)[1] == {"type": "python_output", "text": "Error: timed out after 0.2s"}
 
@@ -287,7 +293,7 @@ def test_bad_requests_are_clear_errors(kwargs, match):
     engine = Engine(tiny(), TOK, batch_size=2)
     good = Request([1, 2], max_tokens=2)
     with pytest.raises(ValueError, match=match):
-        engine.generate([good, Request(**kwargs)])
+        engine.submit_and_wait([good, Request(**kwargs)])
     assert not engine.pending  # nothing was queued: a batch is checked before any of it runs
 
 
@@ -317,11 +323,11 @@ def test_abort_returns_partial_sequences():
     assert all(len(c.logprobs) == len(c.mask) == 6 for c in running)
     assert [(c.status, c.tokens) for c in handles[1].completions] == [("aborted", [])] * 2  # still queued
     assert all(s is None for s in engine.slots) and not engine.pending
-    # the engine keeps working, and an abort from another thread stops a running generate()
+    # the engine keeps working, and an abort from another thread stops a running submit_and_wait()
     many = [Request([1, 2, 3], max_tokens=50, stop_tokens=[]) for _ in range(200)]  # seconds of work
     threading.Timer(0.3, engine.abort).start()
     t0 = time.time()
-    out = engine.generate(many)
+    out = engine.submit_and_wait(many)
     assert time.time() - t0 < 3
     statuses = [c.status for (c,) in out]
     assert statuses[-1] == "aborted" and set(statuses) <= {"truncated", "aborted"}
@@ -337,11 +343,11 @@ def test_cancel_frees_the_slot():
     assert h1.done and h1.completions[0].status == "aborted" and len(h1.completions[0].tokens) == 2
 
 
-def test_stream_yields_the_same_as_generate():
+def test_stream_yields_the_same_as_submit_and_wait():
     model = tiny()
     engine = Engine(model, TOK, batch_size=4)
     req = Request(prompts([9])[0], max_tokens=12, temperature=1.0, top_k=20, seed=7, stop_tokens=[])
-    ((want,),) = engine.generate([req])
+    ((want,),) = engine.submit_and_wait([req])
     events = list(engine.stream(req))
     assert [e["token"] for e in events[:-1]] == want.tokens
     assert [e["logprob"] for e in events[:-1]] == want.logprobs and [e["mask"] for e in events[:-1]] == want.mask
@@ -361,7 +367,7 @@ def test_serve_forever_batches_concurrent_users():
         Request(p, max_tokens=5 + i, temperature=0.9, seed=i, stop_tokens=[])
         for i, p in enumerate(prompts([3, 8, 5, 12, 2]))
     ]
-    want = [c[0].tokens for c in Engine(model, TOK, batch_size=5).generate(reqs)]
+    want = [c[0].tokens for c in Engine(model, TOK, batch_size=5).submit_and_wait(reqs)]
     server = threading.Thread(target=engine.serve_forever, daemon=True)
     server.start()
     got = [None] * len(reqs)
@@ -375,7 +381,7 @@ def test_serve_forever_batches_concurrent_users():
     for u in users:
         u.join(timeout=30)
     assert got == want
-    assert [c[0].tokens for c in engine.generate(reqs[:2])] == want[:2]  # generate() also works while serving
+    assert [c[0].tokens for c in engine.submit_and_wait(reqs[:2])] == want[:2]  # generate() also works while serving
     engine.shutdown()
     server.join(timeout=5)
     assert not server.is_alive()
@@ -424,7 +430,7 @@ def test_static_shape_decode_equals_eager():
         )
         for i, p in enumerate(prompts([3, 50, 100, 20, 9]))
     ]
-    want = Engine(model, TOK, batch_size=3, max_len=200).generate(reqs)
+    want = Engine(model, TOK, batch_size=3, max_len=200).submit_and_wait(reqs)
     engine = Engine(model, TOK, batch_size=3, max_len=200)
     assert engine.buckets == [64, 128, 200] and engine.sizes == [1, 2, 3]
     seen, sizes = set(), set()
@@ -440,7 +446,7 @@ def test_static_shape_decode_equals_eager():
             engine.cache.static = False
 
     engine._decode_logits = static_step
-    got = engine.generate(reqs)
+    got = engine.submit_and_wait(reqs)
     assert seen == {64, 128, 200} and {1, 3} <= sizes  # every bucket, the full batch and the smallest rung
     for a, b in zip(want, got):
         assert [c.tokens for c in a] == [c.tokens for c in b]
@@ -483,7 +489,7 @@ def test_a_graph_that_does_not_reproduce_the_eager_step_is_dropped_with_one_warn
     monkeypatch.setattr(engine_module, "capture_decode_graphs", capture)
     model = tiny(seq=160)
     reqs = [Request(p, max_tokens=24, seed=i, stop_tokens=[]) for i, p in enumerate(prompts([3, 70, 9]))]
-    want = Engine(model, TOK, batch_size=4, max_len=150).generate(reqs)
+    want = Engine(model, TOK, batch_size=4, max_len=150).submit_and_wait(reqs)
     capfd.readouterr()
     engine = Engine(model, TOK, batch_size=4, max_len=150, cuda_graph=True)
     err = capfd.readouterr().err
@@ -496,7 +502,7 @@ def test_a_graph_that_does_not_reproduce_the_eager_step_is_dropped_with_one_warn
     else:
         assert err == ""
     assert not engine.cache.pos.any() and not engine.input_ids.any()  # the check leaves the engine as it found it
-    got = engine.generate(reqs)
+    got = engine.submit_and_wait(reqs)
     for a, b in zip(want, got):
         assert [c.tokens for c in a] == [c.tokens for c in b]
         for ca, cb in zip(a, b):
@@ -514,7 +520,7 @@ def test_aborted_sample_continues_into_the_uninterrupted_sequence(temperature):
     model = tiny(seq=64)
     prompt = [BOS, 65, 66, 67]
     req = dict(max_tokens=40, temperature=temperature, seed=7, stop_tokens=[], use_tools=False)
-    full = Engine(model, TOK, batch_size=4).generate([Request(prompt, num_samples=3, **req)])[0]
+    full = Engine(model, TOK, batch_size=4).submit_and_wait([Request(prompt, num_samples=3, **req)])[0]
     eng = Engine(model, TOK, batch_size=4)
     h = eng.submit(Request(prompt, num_samples=3, **req))
     eng.submit(
@@ -571,7 +577,7 @@ def test_request_after_a_cancel_equals_it_on_an_idle_engine():
     # exactly as on an idle engine (it used to be reset to position 0 at every later step)
     model = tiny()
     req = Request(prompts([7])[0], max_tokens=20, temperature=0.8, seed=5, stop_tokens=[])
-    ((want,),) = Engine(model, TOK, batch_size=2).generate([req])
+    ((want,),) = Engine(model, TOK, batch_size=2).submit_and_wait([req])
     engine = Engine(model, TOK, batch_size=2)
     running = [engine.submit(Request(p, max_tokens=40, seed=i, stop_tokens=[])) for i, p in enumerate(prompts([3, 5]))]
     for _ in range(3):
@@ -589,7 +595,7 @@ def test_one_request_on_a_big_engine_equals_a_batch_one_engine():
     # batch-64 engine decodes a batch of 1, and gets exactly what a batch-1 engine gives
     model = tiny()
     reqs = [Request(p, max_tokens=12, temperature=0.9, seed=i, stop_tokens=[]) for i, p in enumerate(prompts([5, 9]))]
-    small = [Engine(model, TOK, batch_size=1).generate([r])[0][0] for r in reqs]
+    small = [Engine(model, TOK, batch_size=1).submit_and_wait([r])[0][0] for r in reqs]
     big = Engine(model, TOK, batch_size=64)
     assert big.sizes == [1, 2, 4, 8, 16, 32, 64]
     sizes = []
@@ -621,7 +627,7 @@ def test_compaction_moves_rows_without_changing_any_sample():
     ]
     alone = [
         [
-            Engine(model, TOK, batch_size=1).generate([replace(r, num_samples=1, first_sample=j)])[0][0]
+            Engine(model, TOK, batch_size=1).submit_and_wait([replace(r, num_samples=1, first_sample=j)])[0][0]
             for j in range(r.num_samples)
         ]
         for r in reqs
@@ -652,9 +658,11 @@ def test_extreme_sampling_settings_are_greedy_and_fail_nothing_else(kwargs):
     # and other requests sharing the batch are untouched
     model = tiny()
     p, q = prompts([6, 9])
-    ((greedy,),) = Engine(model, TOK, batch_size=1).generate([Request(p, max_tokens=8, temperature=0, stop_tokens=[])])
+    ((greedy,),) = Engine(model, TOK, batch_size=1).submit_and_wait(
+        [Request(p, max_tokens=8, temperature=0, stop_tokens=[])]
+    )
     other = Request(q, max_tokens=8, temperature=1.0, seed=4, stop_tokens=[])
-    ((want,),) = Engine(model, TOK, batch_size=1).generate([other])
+    ((want,),) = Engine(model, TOK, batch_size=1).submit_and_wait([other])
     [(c,), (o,)] = run_checked(
         Engine(model, TOK, batch_size=2), [Request(p, max_tokens=8, seed=1, stop_tokens=[], **kwargs), other]
     )
@@ -700,7 +708,7 @@ def test_a_failing_request_ends_alone():
         Request(p, num_samples=2, max_tokens=10, temperature=0.8, seed=i, stop_tokens=[])
         for i, p in enumerate(prompts([4, 8]))
     ]
-    want = Engine(model, TOK, batch_size=4).generate(good)
+    want = Engine(model, TOK, batch_size=4).submit_and_wait(good)
     BAD = VOCAB - 1  # no byte: the good prompts never hold it
     engine = Engine(model, TOK, batch_size=4)
     forward = engine.model.hidden_states
@@ -748,15 +756,15 @@ def test_inference_copy_and_load_weights():
         p.untyped_storage().data_ptr() == engine.flat_weights.untyped_storage().data_ptr()
         for p in engine.model.parameters()
     )
-    before = engine.generate([req])[0][0]
-    assert before.tokens == shared.generate([req])[0][0].tokens
+    before = engine.submit_and_wait([req])[0][0]
+    assert before.tokens == shared.submit_and_wait([req])[0][0].tokens
     with torch.no_grad():
         for p in model.parameters():  # an "optimizer step"
             p.add_(0.05 * torch.randn_like(p))
-    assert engine.generate([req])[0][0].tokens == before.tokens  # still the old weights
+    assert engine.submit_and_wait([req])[0][0].tokens == before.tokens  # still the old weights
     engine.load_weights(model)
-    after = engine.generate([req])[0][0]
-    assert after.tokens == shared.generate([req])[0][0].tokens != before.tokens
+    after = engine.submit_and_wait([req])[0][0]
+    assert after.tokens == shared.submit_and_wait([req])[0][0].tokens != before.tokens
     torch.testing.assert_close(
         torch.tensor(after.logprobs), trainer_logprobs(model, req.prompt_ids, after.tokens, 0.9), atol=1e-5, rtol=0
     )
@@ -784,7 +792,9 @@ def test_a_step_runs_in_inference_mode_and_leaves_no_inference_tensor_behind(mon
     monkeypatch.setattr(
         engine, "_forward_step", lambda size: modes.append(torch.is_inference_mode_enabled()) or forward_step(size)
     )
-    engine.generate([Request(prompts([5])[0], num_samples=2, max_tokens=6, temperature=1.0, seed=1, stop_tokens=[])])
+    engine.submit_and_wait(
+        [Request(prompts([5])[0], num_samples=2, max_tokens=6, temperature=1.0, seed=1, stop_tokens=[])]
+    )
     assert modes and all(modes)
     kept = [engine.cache.k, engine.cache.v, engine.cache.pos, engine.input_ids, *model.parameters(), *model.buffers()]
     assert not any(t.is_inference() for t in kept)
@@ -810,7 +820,7 @@ def test_fused_qkv_copy_samples_as_the_model_and_follows_load_weights(n_kv_head)
         for i, p in enumerate(prompts([3, 11]))
     ]
     for _ in range(2):
-        a, b = engine.generate(reqs), shared.generate(reqs)
+        a, b = engine.submit_and_wait(reqs), shared.submit_and_wait(reqs)
         assert [[c.tokens for c in cs] for cs in a] == [[c.tokens for c in cs] for cs in b]
         got, want = ([lp for cs in x for c in cs for lp in c.logprobs] for x in (a, b))
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-5, rtol=0)
@@ -869,7 +879,7 @@ def test_rows_at_one_position_decode_through_the_lockstep_step():
         (mixed, []),
     ]
     for reqs, want in cases:
-        a, b = engine.generate(reqs), plain.generate(reqs)
+        a, b = engine.submit_and_wait(reqs), plain.submit_and_wait(reqs)
         assert calls == want
         assert [[c.tokens for c in cs] for cs in a] == [[c.tokens for c in cs] for cs in b]
         got, ref = (torch.tensor([c.logprobs for cs in x for c in cs]) for x in (a, b))
@@ -914,7 +924,7 @@ def test_random_traffic_keeps_the_invariants_and_every_sample():
         if i in cancelled:
             assert all(c.status in ("aborted", "completed", "truncated") for c in h.completions)
             continue
-        want = Engine(model, TOK, batch_size=1).generate([r])[0]
+        want = Engine(model, TOK, batch_size=1).submit_and_wait([r])[0]
         assert [(c.tokens, c.status) for c in h.completions] == [(c.tokens, c.status) for c in want]
 
 
@@ -955,7 +965,7 @@ def test_prefill_and_decode_attention_kernels_are_pinned(monkeypatch):
         return lockstep(idx, pos, shared, group)
 
     engine.lockstep = lean
-    engine.generate([Request([1, 2, 3, 4, 5], max_tokens=3, stop_tokens=[])])
+    engine.submit_and_wait([Request([1, 2, 3, 4, 5], max_tokens=3, stop_tokens=[])])
     cpu_prefill = cpu_decode = [SDPBackend.FLASH_ATTENTION]
     assert seen == [(5, cpu_prefill), (1, cpu_decode), (1, cpu_decode)]
     assert (

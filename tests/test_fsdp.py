@@ -537,7 +537,7 @@ def rl_samples():
 def rl_step_grads(model, samples, world=1, distributed=False):
     """The gradients each of chat_rl's optimizer steps hands the optimizer (full tensors; the weights are left as they are)."""
     from nanorl.common import Timer
-    from nanorl.rl_trainer import Trainer, TrainerConfig
+    from nanorl.rl_trainer import DataParallel, Trainer, TrainerConfig
     from nanorl.rollout import GroupSpec
 
     grads, opt = [], build_optimizer(model)
@@ -549,7 +549,8 @@ def rl_step_grads(model, samples, world=1, distributed=False):
     )
     group = GroupSpec(n_samples_per_prompt=4, max_response_len=12)
     cfg = TrainerConfig(group=group, max_tokens_per_gpu=64, num_steps_per_rollout=2)  # 2 steps: old log-probs first
-    Trainer(cfg, model, opt, torch.device("cpu"), world=world, distributed=distributed).train_step(0, samples, Timer())
+    data_parallel = DataParallel(world=world, distributed=distributed)
+    Trainer(cfg, model, opt, torch.device("cpu"), data_parallel=data_parallel).train_step(0, samples, Timer())
     return grads
 
 

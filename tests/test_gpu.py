@@ -80,7 +80,9 @@ def _trainer_advantages(rank, device, est, options):
     """chat_rl's own advantage code, rl_trainer.Trainer.compute_advantages, with a KL penalty in the reward."""
     group = GroupSpec(n_samples_per_prompt=2, max_response_len=8)
     cfg = rl_trainer.TrainerConfig(group=group, advantage_estimator=est, kl_coef=0.1, **options)
-    trainer = rl_trainer.Trainer(cfg, None, None, torch.device(device), distributed=True)
+    trainer = rl_trainer.Trainer(
+        cfg, None, None, torch.device(device), data_parallel=rl_trainer.DataParallel(distributed=True)
+    )
     samples = _rollout(rank)
     lp = [
         torch.zeros(len(s.tokens) - 1, device=device) for s in samples
@@ -334,7 +336,7 @@ def _generate(engine, prompts, temperature, n_new=32):
         Request(p, max_tokens=n_new, temperature=temperature, seed=i, stop_tokens=[], use_tools=False)
         for i, p in enumerate(prompts)
     ]
-    return [c[0] for c in engine.generate(reqs)]
+    return [c[0] for c in engine.submit_and_wait(reqs)]
 
 
 BF16_LOGPROB_ATOL = 5e-2  # bf16 keeps 8 mantissa bits: ~0.4% of a log-prob of ~-5 is 2e-2; twice that for slack

@@ -166,7 +166,9 @@ def test_engine_greedy_and_logprobs_match_transformers(kind, tmp_path):
             eos_token_id=None,
             pad_token_id=0,
         )[0, len(prompt) :].tolist()
-    ((c,),) = Engine(model, tok, batch_size=2).generate([Request(prompt, max_tokens=16, temperature=0, stop_tokens=[])])
+    ((c,),) = Engine(model, tok, batch_size=2).submit_and_wait(
+        [Request(prompt, max_tokens=16, temperature=0, stop_tokens=[])]
+    )
     assert c.tokens == want
     seq = torch.tensor([prompt + c.tokens])
     with torch.no_grad():
@@ -285,7 +287,7 @@ def test_export_nanorl_arch_as_nanochat(tmp_path):
     # generate masked out the prompt's first token and wrote others
     prompt = tok.render_for_completion({"messages": CONVERSATION["messages"][:1]})
     engine = Engine(model, tok, batch_size=1)
-    want = engine.generate([Request(prompt, max_tokens=24, temperature=0.0)])[0][0].tokens
+    want = engine.submit_and_wait([Request(prompt, max_tokens=24, temperature=0.0)])[0][0].tokens
     plain = back.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=24)[0, len(prompt) :].tolist()
     assert plain == want and len(want) == 24
     hf_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path))

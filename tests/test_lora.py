@@ -158,7 +158,7 @@ def test_engine_samples_through_the_live_adapters():
     req = Request(list(range(40, 52)), num_samples=3, max_tokens=16, temperature=0.9, seed=5, stop_tokens=[])
     seen = []
     for step in range(4):
-        outs = engine.generate([req])[0]
+        outs = engine.submit_and_wait([req])[0]
         for out in outs:
             lp = trainer_logprobs(model, req.prompt_ids, out.tokens, 0.9)
             torch.testing.assert_close(torch.tensor(out.logprobs), lp, atol=1e-5, rtol=0)
@@ -179,7 +179,7 @@ def test_merge_gives_a_plain_model_with_the_same_outputs():
     assert not is_lora(merged) and set(merged.state_dict()) == set(base_state_dict(model))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     engine = Engine(merged, TOK, batch_size=2)  # a merged model is an ordinary GPT: the engine's own copy works
-    out = engine.generate([Request([1, 2, 3], max_tokens=5, temperature=0.9, seed=1, stop_tokens=[])])[0][0]
+    out = engine.submit_and_wait([Request([1, 2, 3], max_tokens=5, temperature=0.9, seed=1, stop_tokens=[])])[0][0]
     torch.testing.assert_close(
         torch.tensor(out.logprobs), trainer_logprobs(model, [1, 2, 3], out.tokens, 0.9), atol=1e-5, rtol=0
     )

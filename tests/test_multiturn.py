@@ -90,7 +90,7 @@ def test_without_tool_calls_it_is_engine_generate():
         model.lm_head.weight.normal_(0, 0.2)
     engine = Engine(model, TOK, batch_size=8)
     reqs = [Request(PROMPT, num_samples=4, max_tokens=16, temperature=1.0, seed=s) for s in range(3)]
-    plain = engine.generate(reqs)
+    plain = engine.submit_and_wait(reqs)
     multi = multi_turn_generate(engine, reqs, 2, make_tool("calculator"))
     pairs = [(a, b) for ga, gb in zip(plain, multi) for a, b in zip(ga, gb) if PY_END not in a.tokens]
     assert len(pairs) >= 8

@@ -619,13 +619,17 @@ def test_estimator_table_rows():
         distributed=False,
     )
     # Dr. GRPO on the penalised rewards [0.8, -0.1, 0.2, 0.4]: group means 0.35 and 0.3
-    adv, returns = rl.ESTIMATORS["grpo"].advantages(rewards, mask, **inputs)
+    given = lambda est: {k: inputs[k] for k in est.inputs}  # exactly what the row names: the trainer's call
+    grpo, rloo = rl.ESTIMATORS["grpo"], rl.ESTIMATORS["rloo"]
+    adv, returns = grpo.advantages(rewards, mask, **given(grpo))
     assert torch.allclose(adv, torch.tensor([0.45, -0.45, -0.1, 0.1])[:, None] * mask) and returns is None
     # RLOO: n/(n-1) = 2 times the same
-    adv, _ = rl.ESTIMATORS["rloo"].advantages(rewards, mask, **inputs)
+    adv, _ = rloo.advantages(rewards, mask, **given(rloo))
     assert torch.allclose(adv, torch.tensor([0.9, -0.9, -0.2, 0.2])[:, None] * mask)
     for name, est in rl.ESTIMATORS.items():
-        adv, returns = est.advantages(rewards, mask, **inputs)
+        adv, returns = est.advantages(rewards, mask, **given(est))
         assert adv.shape == mask.shape and (adv[mask == 0] == 0).all(), name
-        assert (returns is not None) == ("critic" in est.uses), name
+        assert (returns is not None) == ("values" in est.inputs), name
+        with pytest.raises(TypeError):  # an input the row does not name is refused, never silently dropped
+            est.advantages(rewards, mask, **inputs)
     assert {n: e.loss for n, e in rl.ESTIMATORS.items() if e.loss != "ppo_clip"} == {"gspo": "gspo", "cispo": "cispo"}

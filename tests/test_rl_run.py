@@ -141,7 +141,7 @@ class FakeWorker:
     def __init__(self, fail=False):
         self.fail, self.inflight, self.calls = fail, {}, []
 
-    def generate(self, items, seeds, version, group=None):
+    def sample_groups(self, items, seeds, version, group=None):
         self.calls.append((items, seeds, version, group))
         self.inflight["generating"] = items
         if self.fail:

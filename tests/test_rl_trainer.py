@@ -71,7 +71,7 @@ class PaddedTrainer(rl_trainer.Trainer):
     """The reference: the scheme before packing, each sample on its own row padded to the micro-batch's longest
     (sorted by length, rows x longest within --max-tokens-per-gpu), plain causal attention, no document ids."""
 
-    def micro_batches(self, samples, m):
+    def micro_batches(self, samples, model):
         order, mb = sorted(range(len(samples)), key=lambda i: len(samples[i].tokens)), []
         for i in order + [None]:
             if mb and (i is None or len(samples[i].tokens) * (len(mb) + 1) > self.cfg.max_tokens_per_gpu):
@@ -123,7 +123,8 @@ def step_grads(args, samples, trainer_cls=rl_trainer.Trainer):
         critic_optimizer.step = lambda: grads.update(
             {"critic." + k: p.grad.clone() for k, p in critic.named_parameters() if p.grad is not None}
         )
-    trainer = trainer_cls(args, model, optimizer, torch.device("cpu"), critic=critic, critic_optimizer=critic_optimizer)
+    extras = rl_trainer.ExtraModels(critic=critic, critic_optimizer=critic_optimizer)
+    trainer = trainer_cls(args, model, optimizer, torch.device("cpu"), extras)
     m = trainer.train_step(0, copy.deepcopy(samples), Timer())
     return grads, m
 
@@ -180,7 +181,9 @@ def test_packed_forward_equals_each_sample_alone():
     samples = make_samples([1, 12, 2, 7, 1, 30, 3, 5, 20, 1, 40, 1])
     args = trainer_config("ppo", max_tokens_per_gpu=128)
     model = tiny_model()
-    trainer = rl_trainer.Trainer(args, model, None, torch.device("cpu"), critic=tiny_critic(model))
+    trainer = rl_trainer.Trainer(
+        args, model, None, torch.device("cpu"), rl_trainer.ExtraModels(critic=tiny_critic(model))
+    )
     batches = list(trainer.micro_batches(samples, model))
     assert max(len(set(row.tolist())) for b in batches for row in b["doc_ids"]) >= 4  # rows hold several samples
     assert len(batches) > 1
@@ -238,7 +241,7 @@ def test_sampler_logprobs_are_the_trainers_at_any_temperature(temperature):
     tok = Tokenizer.from_ranks({bytes([i]): i for i in range(256)}, SPLIT_PATTERN)
     engine = Engine(model, tok, batch_size=8, max_len=40)
     prompt = [tok.get_bos_token_id(), 5, 6, 7]
-    comps = engine.generate(
+    comps = engine.submit_and_wait(
         [Request(prompt, num_samples=4, max_tokens=20, temperature=temperature, seed=1, stop_tokens=[])]
     )[0]
     samples = [extend_sample(Sample(tokens=list(prompt), reward=float(i % 2), index=i), c) for i, c in enumerate(comps)]
@@ -292,7 +295,7 @@ def test_worker_and_trainer_read_one_group_spec():
     group = GroupSpec(n_samples_per_prompt=2, temperature=0.7, max_response_len=8)
     worker = RolloutWorker(RolloutConfig(group=group), engine, tok, None, RewardConfig())
     items = [{"text": t, "label": None, "metadata": {"row": i}} for i, t in enumerate(["ab", "cde"])]
-    groups = worker.generate(items, [1, 2], 0)
+    groups = worker.sample_groups(items, [1, 2], 0)
     assert [len(g) for g in groups] == [2, 2] and all(s.response_length <= 8 for g in groups for s in g)
     samples = [s for g in groups for s in g]
     for i, s in enumerate(samples):  # (the tiny model's vocabulary is larger than the tokenizer's: no text to grade)

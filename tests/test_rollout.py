@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from nanorl.rollout import PromptSource, RolloutBuffer, Sample, fill_rollout, keep_nonconstant_group
+from nanorl.rollout import PromptSource, RolloutBuffer, RolloutFill, Sample, keep_nonconstant_group
 
 
 def group(rewards, gi=0):
@@ -23,7 +23,16 @@ def test_filter_keeps_and_drops_the_right_groups():
     assert keep_nonconstant_group(g)[0] is False
 
 
-def test_fill_rollout_over_samples_and_buffers_surplus():
+def fill_by_rounds(target, buffer, make_groups, max_rounds=8):
+    """RLRun.sample_share's loop over a RolloutFill, with make_groups() standing for a round of sampled prompts."""
+    fill = RolloutFill(target, buffer, keep_nonconstant_group, max_rounds)
+    while fill.next_round():
+        for g in make_groups():
+            fill.add(g)
+    return fill.finish()
+
+
+def test_rollout_fill_over_samples_and_buffers_surplus():
     rng = random.Random(0)
     calls = []
 
@@ -32,25 +41,25 @@ def test_fill_rollout_over_samples_and_buffers_surplus():
         return [group([rng.choice([0, 1]) for _ in range(2)], gi) for gi in range(4)]
 
     buf = RolloutBuffer()
-    kept, stats = fill_rollout(5, buf, make_groups, keep_nonconstant_group)
+    kept, stats = fill_by_rounds(5, buf, make_groups)
     assert len(kept) == 5 and all(keep_nonconstant_group(g)[0] for g in kept)
-    assert stats["groups_generated"] == 4 * len(calls)
+    assert stats["groups_generated"] == 4 * len(calls) and stats["rounds"] == len(calls)
     assert stats["groups_dropped"] == stats["groups_generated"] - 5 - len(buf)
     assert stats["groups_dropped"] == stats.get("dropped_all_correct", 0) + stats.get("dropped_all_wrong", 0)
     # surplus is served first next time
     surplus = list(buf.groups)
-    kept2, stats2 = fill_rollout(len(surplus), buf, make_groups, keep_nonconstant_group)
+    kept2, stats2 = fill_by_rounds(len(surplus), buf, make_groups)
     assert kept2 == surplus and stats2["groups_from_buffer"] == len(surplus) and stats2["rounds"] == 0
 
 
-def test_fill_rollout_tops_up_after_max_rounds():
+def test_rollout_fill_tops_up_after_max_rounds():
     calls = []
 
     def make_groups():
         calls.append(1)
         return [group([0, 0])]
 
-    kept, stats = fill_rollout(2, RolloutBuffer(), make_groups, keep_nonconstant_group, max_rounds=3)
+    kept, stats = fill_by_rounds(2, RolloutBuffer(), make_groups, max_rounds=3)
     assert len(calls) == 3 and len(kept) == 2
     assert stats["groups_unfiltered_fill"] == 2 and stats["groups_dropped"] == 1 and stats["dropped_all_wrong"] == 3
 
