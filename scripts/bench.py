@@ -200,7 +200,7 @@ def bench_decode(args):
             Request(p, max_tokens=max_tokens, temperature=1.0, seed=i, stop_tokens=[], use_tools=False)
             for i, p in enumerate(prompts)
         ]
-        seconds, out = timed(device_type, engine.generate, reqs)
+        seconds, out = timed(device_type, engine.submit_and_wait, reqs)
         return seconds, sum(len(c[0].tokens) for c in out)
 
     run(2 if device_type == "cpu" else N)  # warm up (kernels, allocator; CUDA graphs were captured by Engine())

@@ -110,7 +110,7 @@ def fitted_engine(model, tokenizer, largest, device):
     def trial(batch):  # every row a prompt of the whole context but one token, then one decoded token: the peak
         engine = Engine(model, tokenizer, batch_size=batch, cuda_graph=False)
         prompt = [tokenizer.get_bos_token_id()] * (engine.max_len - 1)
-        engine.generate([Request(prompt, num_samples=batch, max_tokens=1, stop_tokens=[], use_tools=False)])
+        engine.submit_and_wait([Request(prompt, num_samples=batch, max_tokens=1, stop_tokens=[], use_tools=False)])
         synchronize(device.type)
 
     candidates = [largest >> i for i in range(largest.bit_length())]
