@@ -1,6 +1,6 @@
 """Multi-turn tool rollouts (nanorl/multiturn.py) on rigged models that call a tool."""
 
-import time
+import threading
 
 import pytest
 import torch
@@ -56,15 +56,18 @@ def test_max_turns_ends_the_response():
 
 
 def test_calls_of_one_step_run_at_once():
-    def slow_tool(src):
-        time.sleep(0.3)
+    # each call waits until all 8 have started: run one after another, the first would wait forever (the barrier's
+    # timeout breaks it, and every call then raises); no clock is read, so a loaded machine cannot fail it
+    barrier = threading.Barrier(8, timeout=60)
+
+    def waiting_tool(src):
+        barrier.wait()
         return "5"
 
     engine = Engine(tool_user_model(TOK, "2+3", A_END, VOCAB), TOK, batch_size=8)
-    t = time.monotonic()
-    [res] = multi_turn_generate(engine, [Request(PROMPT, num_samples=8, max_tokens=40, temperature=0)], 1, slow_tool)
-    assert time.monotonic() - t < 2.0  # 8 x 0.3 s one after another would be 2.4 s
-    assert all(c.tool_calls == 1 and c.status == "completed" for c in res)
+    [res] = multi_turn_generate(engine, [Request(PROMPT, num_samples=8, max_tokens=40, temperature=0)], 1, waiting_tool)
+    assert all(c.tool_calls == 1 and c.tool_errors == 0 and c.status == "completed" for c in res)
+    assert not barrier.broken
 
 
 def test_tool_errors_and_the_length_budget():
