@@ -16,7 +16,9 @@ rc=$?
 # The whole suite (no arguments) then runs its numerically sensitive files twice more, their fast tests only:
 # - on other CPU kernels: torch's vector kernels one level down from this CPU's (AVX-512 -> AVX2, AVX2 -> scalar),
 #   MKL and oneDNN held to AVX2, two threads a worker. A float comparison whose tolerance was picked on one CPU, or a
-#   bit-identity between paths whose kernels differ by CPU, fails here before it fails on a user's machine.
+#   bit-identity between paths whose kernels differ by CPU, fails here before it fails on a user's machine. Two
+#   workers of two threads on two cores: OpenMP's idle threads sleep (OMP_WAIT_POLICY=PASSIVE) instead of spinning
+#   on the cores the other worker needs (spinning took ~5x the CPU time).
 # - in CUDA's dtype layout (NANORL_CUDA_DTYPES=1: bf16 engine, KV cache and embedding): the tests marked `fp32`
 #   (exactness against an fp32 reference by design) are skipped, each naming why.
 SENSITIVE=(tests/test_gpt.py tests/test_engine.py tests/test_sampling.py tests/test_lora.py tests/test_hf.py
@@ -25,7 +27,7 @@ SENSITIVE=(tests/test_gpt.py tests/test_engine.py tests/test_sampling.py tests/t
 if [ $# -eq 0 ]; then
     OTHER=$($PY -c "import torch; print('avx2' if torch.backends.cpu.get_cpu_capability().startswith('AVX512') else 'default')")
     echo "== the numerically sensitive files on other kernels: ATEN_CPU_CAPABILITY=$OTHER, MKL and oneDNN at AVX2, 2 threads"
-    ATEN_CPU_CAPABILITY=$OTHER MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 NANORL_TEST_THREADS=2 \
+    ATEN_CPU_CAPABILITY=$OTHER MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 NANORL_TEST_THREADS=2 OMP_WAIT_POLICY=PASSIVE \
         $PY -m pytest -q -n "$WORKERS" --dist load -m "not slow" "${SENSITIVE[@]}" || rc=1
     echo "== the numerically sensitive files in CUDA's dtype layout: NANORL_CUDA_DTYPES=1"
     NANORL_CUDA_DTYPES=1 $PY -m pytest -q -n "$WORKERS" --dist load -m "not slow" "${SENSITIVE[@]}" || rc=1
