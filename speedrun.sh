@@ -100,7 +100,7 @@ if [ $RUN = tiny ]; then
     export CUDA_VISIBLE_DEVICES="" OMP_NUM_THREADS=${CALLER_OMP:-$(nproc --all)}
     # a CPU with bf16 matrix units (AMX) takes CUDA's dtypes (bf16 autocast, a bf16 engine): ~3x faster steps; =0: fp32
     export NANORL_CUDA_DTYPES=${NANORL_CUDA_DTYPES:-$($PY -c "import torch; print(int(torch.cpu._is_amx_tile_supported()))")}
-    BASE_ITERS=$(size 250 20)    # base_train steps
+    BASE_ITERS=$(size 250 10)    # base_train steps
     MID_ITERS=$(size 240 6)      # mid_train steps (80 left it under-trained: dev/LOG.md)
     SFT_ITERS=$(size 80 6)       # chat_sft steps
     ROWS=$(size 16 4)            # rows of 256 tokens per step
