@@ -251,6 +251,17 @@ class Trainer:
         dp = data_parallel
         self.process_group, self.world, self.distributed = dp.process_group, dp.world, dp.distributed
         self.autocast = autocast_ctx(device.type)
+        self.loss_cfg = rl.LossConfig(
+            kind=cfg.estimator.loss,
+            eps_clip=cfg.eps_clip,
+            eps_clip_high=cfg.eps_clip_high,
+            eps_clip_c=cfg.eps_clip_c,
+            loss_agg=cfg.loss_aggregation,
+            max_len=cfg.group.max_response_len,
+            entropy_coef=cfg.entropy_coef,
+            kl_type=cfg.kl_loss_type,
+            kl_coef=cfg.kl_loss_coef,
+        )
 
     # --- forward passes over samples, micro-batched like the training step -----------------------
 
@@ -450,24 +461,8 @@ class Trainer:
                 tis, tis_metrics = rl.tis_weights(
                     old, batch["rollout_logp"], mask, cfg.tis_clip, cfg.tis_clip_low, cfg.tis_mode
                 )
-            loss, metrics = rl.policy_loss(
-                logp,
-                old,
-                rows(adv),
-                mask,
-                kind=cfg.estimator.loss,
-                eps_clip=cfg.eps_clip,
-                eps_clip_high=cfg.eps_clip_high,
-                eps_clip_c=cfg.eps_clip_c,
-                loss_agg=cfg.loss_aggregation,
-                max_len=cfg.group.max_response_len,
-                tis_weights=tis,
-                entropy=ent,
-                entropy_coef=cfg.entropy_coef,
-                ref_logp=rows(ref_lp) if ref_lp else None,
-                kl_type=cfg.kl_loss_type,
-                kl_coef=cfg.kl_loss_coef,
-            )
+            ref = rows(ref_lp) if ref_lp else None
+            loss, metrics = rl.policy_loss(logp, old, rows(adv), mask, self.loss_cfg, tis, ent, ref)
             if tis is not None:
                 metrics.update(tis_metrics)
             # each micro-batch's loss is re-weighted to its share of the global batch, by the aggregation's own unit

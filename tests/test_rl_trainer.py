@@ -225,8 +225,7 @@ def test_gspo_rows_weigh_equally_under_sequence_mean():
             lp.detach(),
             pad_like([adv[i] for i in mb], lp.size(1)),
             b["loss_mask"],
-            kind="gspo",
-            loss_agg="seq_mean_token_mean",
+            rl.LossConfig(kind="gspo", loss_agg="seq_mean_token_mean"),
         )
         (loss * len(mb) / 8).backward()
     for w, p in zip(want, model.parameters()):
