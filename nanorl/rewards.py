@@ -24,7 +24,7 @@ import string
 from collections import Counter
 from dataclasses import dataclass
 
-from nanorl.common import load_function, nonneg_int, positive_float, positive_int
+from nanorl.flags import load_function, nonneg_int, positive_float, positive_int
 
 # -----------------------------------------------------------------------------------------------
 # extracting the final answer

@@ -26,8 +26,9 @@ import torch.distributed as dist
 
 from nanorl import checkpoint, fsdp, lora, rl, rl_async, rollout
 from nanorl.checkpoint import load_model, load_model_dir, rng_state, set_rng_state
-from nanorl.common import ETA, Timer, mean_over_ranks, print0
+from nanorl.common import mean_over_ranks, print0
 from nanorl.gpt import Critic
+from nanorl.logger import ETA, Timer
 from nanorl.optim import MuonAdamW
 from nanorl.report import load_json, log_json
 from nanorl.rollout import GroupSpec

@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from nanorl import rl
-from nanorl.common import fraction, is_sharded, nonneg_float, nonneg_int, number_in, positive_float, positive_int
+from nanorl.common import is_sharded
+from nanorl.flags import fraction, nonneg_float, nonneg_int, number_in, positive_float, positive_int
 from nanorl.precision import autocast_ctx
 from nanorl.rollout import TRUNCATED, GroupSpec
 

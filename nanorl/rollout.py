@@ -16,8 +16,9 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from nanorl.common import epoch_order, nonneg_float, number_in, positive_int
+from nanorl.common import epoch_order
 from nanorl.engine import Request
+from nanorl.flags import nonneg_float, number_in, positive_int
 from nanorl.multiturn import TOOLS, make_tool, multi_turn_generate
 from nanorl.remote_rewards import remote_rewards
 from nanorl.rewards import safe_reward, set_rewards

@@ -218,7 +218,7 @@ def test_a_layered_rollout_is_trained_whole_in_minibatches_of_whole_groups(tok, 
     mini-batches of whole groups that cover all of it (the cut once took len // steps Samples each, and dropped the
     last one)."""
     from nanorl import rl_trainer
-    from nanorl.common import Timer
+    from nanorl.logger import Timer
     from nanorl.optim import build_optimizer
 
     ep = endpoint(random_model, tok)

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from nanorl import rl, rl_trainer
-from nanorl.common import Timer
 from nanorl.engine import Engine, Request
 from nanorl.gpt import Critic, GPTConfig, build_model
+from nanorl.logger import Timer
 from nanorl.optim import MuonAdamW, build_optimizer
 from nanorl.rewards import RewardConfig
 from nanorl.rl_trainer import collate, collate_packed, pad_like
