@@ -118,8 +118,9 @@ def grpo_stepper(model, optimizer, engine, prompts, n, N, max_tokens_per_gpu, de
     tokens, mean reward, grad norm)."""
     from nanorl.engine import Request
     from nanorl.logger import Timer
-    from nanorl.rl_trainer import Trainer, TrainerConfig
-    from nanorl.rollout import GroupSpec, Sample
+    from nanorl.rl_config import GroupSpec, TrainerConfig
+    from nanorl.rl_trainer import Trainer
+    from nanorl.rollout import Sample
 
     device_type = device.type
     group = GroupSpec(n_samples_per_prompt=n, temperature=1.0, max_response_len=N)

@@ -10,28 +10,31 @@ script's loop names: sample a rollout, train on it, update the engine's weights,
         ...evaluate and save at their intervals
 
 Beside it, in reading order: the run's config, the extra models RL options build (the ppo critic, the distillation
-teacher), what the run is built from (its models, what it samples with, its ranks), the held-out pass@k and what the
-run prints (the step line, its legend, the summary). The --async roles and what travels between them are in
-nanorl/rl_async.py; the script holds the loops.
+teacher), the deadline of a rollout or an eval (SIGALRM), what the run is built from (its models, what it samples
+with, its ranks), the held-out pass@k and what the run prints (the step line, its legend, the summary). The --async
+roles and what travels between them are in nanorl/rl_async.py; the script holds the loops.
 """
 
 import os
+import signal
 import sys
 import time
 import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from nanorl import checkpoint, fsdp, lora, rl, rl_async, rollout
+from nanorl import checkpoint, fsdp, lora, rl, rl_async
 from nanorl.checkpoint import load_model, load_model_dir, rng_state, set_rng_state
 from nanorl.common import mean_over_ranks, print0
 from nanorl.gpt import Critic
 from nanorl.logger import ETA, Timer
 from nanorl.optim import MuonAdamW
 from nanorl.report import load_json, log_json
-from nanorl.rollout import GroupSpec
+from nanorl.rl_config import GroupSpec
+from nanorl.rollout import RolloutFill
 
 
 @dataclass
@@ -71,6 +74,32 @@ def load_teacher(spec, device):
         src, _, tag = spec.partition(":")
         teacher, _, _ = load_model(src, device, model_tag=tag or None)
     return teacher.requires_grad_(False)
+
+
+# -----------------------------------------------------------------------------------------------
+# the deadline of a rollout or an eval
+
+
+class RolloutTimeout(BaseException):
+    """Not an Exception: a reward wrapper that catches Exception must not swallow it."""
+
+
+@contextmanager
+def deadline(seconds, what="the rollout"):
+    """Raise RolloutTimeout in this (main) thread once `seconds` have passed (0 = no limit). SIGALRM interrupts
+    Python code that hangs: a reward call, a custom rollout, a tool."""
+
+    def on_timeout(signum, frame):
+        raise RolloutTimeout(f"{what} ran past --rollout-timeout {seconds:g}s")
+
+    if seconds > 0:
+        signal.signal(signal.SIGALRM, on_timeout)
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        if seconds > 0:
+            signal.setitimer(signal.ITIMER_REAL, 0)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -162,8 +191,8 @@ class RLRun:
         self.model.eval()
         groups, fstats, failure, t0 = [], {}, None, time.time()
         try:
-            with rollout.deadline(cfg.rollout_timeout):
-                fill = rollout.RolloutFill(
+            with deadline(cfg.rollout_timeout):
+                fill = RolloutFill(
                     cfg.rollout_batch_size // n_samplers, self.buffer, self.group_filter, cfg.max_sampling_rounds
                 )  # the buffer's surplus first
                 while fill.next_round():
@@ -174,7 +203,7 @@ class RLRun:
                         for g in worker.score(worker.sample_groups(prompts, seeds, version)):
                             fill.add(g)
                 groups, fstats = fill.finish()
-        except (Exception, rollout.RolloutTimeout) as e:
+        except (Exception, RolloutTimeout) as e:
             traceback.print_exc()
             what = worker.inflight.get("scoring") or {"prompts": worker.inflight.get("generating")}
             failure = f"rank {self.rank}: rollout {done + 1} failed: {type(e).__name__}: {e}\n  in flight: {what}"
@@ -379,11 +408,11 @@ def local_pass_at_k(worker, items, seeds, group, pass_ks, version, timeout_s, wh
     and step."""
     sums, failed = [0.0] * (len(pass_ks) + 1), 0.0
     try:
-        with rollout.deadline(timeout_s, "the eval"):
+        with deadline(timeout_s, "the eval"):
             groups = worker.score(worker.sample_groups(items, seeds, version, group), count_failures=False)
         correct = [[s.scalar_reward() >= 0.5 for s in g] for g in groups]
         sums = [sum(rl.pass_at_k(len(c), sum(c), k) for c in correct) for k in pass_ks] + [len(correct)]
-    except (Exception, rollout.RolloutTimeout) as e:
+    except (Exception, RolloutTimeout) as e:
         traceback.print_exc()
         print(f"{where} failed: {type(e).__name__}: {e}\n  in flight: {worker.inflight}", file=sys.stderr, flush=True)
         failed = 1.0

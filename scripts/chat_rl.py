@@ -17,7 +17,7 @@ import copy
 import os
 import time
 
-from nanorl import checkpoint, common, fsdp, lora, prompts, rewards, rl_async, rl_trainer, rollout
+from nanorl import checkpoint, common, fsdp, lora, prompts, rewards, rl_async, rl_config, rl_trainer, rollout
 from nanorl.checkpoint import add_model_args, load_model_from_args
 from nanorl.common import print0
 from nanorl.engine import Engine
@@ -37,6 +37,7 @@ from nanorl.logger import add_logging_args, get_logger
 from nanorl.optim import build_optimizer
 from nanorl.precision import precision_line
 from nanorl.report import log_json, log_section, rl_eval_rows
+from nanorl.rl_config import GroupSpec
 from nanorl.rl_run import (
     Models,
     Ranks,
@@ -49,7 +50,6 @@ from nanorl.rl_run import (
     rl_summary,
     step_legend,
 )
-from nanorl.rollout import GroupSpec
 from nanorl.synthetic import levels_flag
 from tasks import get_task
 
@@ -95,9 +95,9 @@ def make_parser():
     add_logging_args(g)
     g.add_argument("--device-type", default=None, help="cuda | cpu | mps (default: autodetect)")
     g.add_argument("--seed", type=int, default=42, help="seed of the prompt order and of every sample's random stream")
-    rollout.add_args(parser)
+    rl_config.add_rollout_args(parser)
     rewards.add_args(parser)
-    rl_trainer.add_args(parser)
+    rl_config.add_trainer_args(parser)
     rl_async.add_args(parser)
     fsdp.add_args(parser.add_argument_group("sharding (nanorl/fsdp.py)"))
     lora.add_args(parser)
@@ -113,9 +113,9 @@ def check_flags(args, parser):
     """Each part's flags checked and turned into its config once (the flags themselves stay as given) ->
     (rollout config, reward config, trainer config): the rollout and the trainer share one GroupSpec."""
     group = GroupSpec(args.n_samples_per_prompt, args.temperature, args.max_new_tokens)
-    rollout_cfg = rollout.config_from_args(args, parser, group)
+    rollout_cfg = rl_config.rollout_config_from_args(args, parser, group)
     reward_cfg = rewards.config_from_args(args, parser, default_rm_type="math" if args.prompt_data else "task")
-    trainer_cfg = rl_trainer.config_from_args(args, parser, group)
+    trainer_cfg = rl_config.trainer_config_from_args(args, parser, group)
     # --fsdp shards the policy only: the extra models of these options would stay whole on every rank, and --async's
     # trainers ship weights to samplers that hold no shards
     for on, flag in (
@@ -158,7 +158,7 @@ def user_functions(args, parser):
             agent = load_function(args.agent, ["client", "item"], "--agent")
         except ValueError as e:
             parser.error(str(e))
-        timeout = rollout.AGENT_TIMEOUT if args.agent_timeout is None else args.agent_timeout
+        timeout = rl_config.AGENT_TIMEOUT if args.agent_timeout is None else args.agent_timeout
         custom_generate = AgentRollout(agent, timeout)
     return group_filter, buffer_filter, custom_generate
 

@@ -537,8 +537,8 @@ def rl_samples():
 def rl_step_grads(model, samples, world=1, distributed=False):
     """The gradients each of chat_rl's optimizer steps hands the optimizer (full tensors; the weights are left as they are)."""
     from nanorl.logger import Timer
-    from nanorl.rl_trainer import DataParallel, Trainer, TrainerConfig
-    from nanorl.rollout import GroupSpec
+    from nanorl.rl_config import GroupSpec, TrainerConfig
+    from nanorl.rl_trainer import DataParallel, Trainer
 
     grads, opt = [], build_optimizer(model)
     opt.step = lambda: grads.append(
