@@ -28,11 +28,11 @@ import torch.distributed as dist
 
 from nanorl import checkpoint, fsdp, lora, rl, rl_async
 from nanorl.checkpoint import load_model, load_model_dir, rng_state, set_rng_state
-from nanorl.common import mean_over_ranks, print0
+from nanorl.common import mean_over_ranks, print0, write_json
 from nanorl.gpt import Critic
 from nanorl.logger import ETA, Timer
 from nanorl.optim import MuonAdamW
-from nanorl.report import load_json, log_json
+from nanorl.report import load_json, write_dir
 from nanorl.rl_config import GroupSpec
 from nanorl.rollout import RolloutFill
 
@@ -144,11 +144,11 @@ class Ranks:
 
 @dataclass
 class Share:
-    """This rank's share of one rollout: its groups, the dynamic-sampling filter's counts, what failed (None: nothing)
+    """This rank's share of one rollout: its groups, their metrics (none if it failed), what failed (None: nothing)
     and the seconds it took."""
 
     groups: list
-    stats: dict
+    metrics: dict
     failure: str | None
     seconds: float
 
@@ -177,6 +177,7 @@ class RLRun:
         self.group_filter, self.eval_items = sampling.group_filter, sampling.eval_items
         self.device, self.ddp, self.rank, self.roles = ranks.device, ranks.ddp, ranks.rank, ranks.roles
         self.history, self.eval_history = [], []  # one dict per step line and per eval: report/rl_history.json
+        self.history_path = os.path.join(write_dir(), "rl_history.json")  # rewritten at every step line
         self.idle_s = 0.0  # seconds this rank spent waiting on other ranks instead of computing
         self.pending = None  # --async, resumed: the payload a sampler had sampled for the next step when it saved
         self.eta = ETA(0.0)
@@ -209,7 +210,10 @@ class RLRun:
             failure = f"rank {self.rank}: rollout {done + 1} failed: {type(e).__name__}: {e}\n  in flight: {what}"
             print(failure, file=sys.stderr, flush=True)
         worker.inflight.clear()
-        return Share(groups, fstats, failure, time.time() - t0)
+        seconds = time.time() - t0
+        samples = [s for g in groups for s in g]
+        metrics = worker.metrics(fstats, samples, seconds, self.buffer) if samples else {}
+        return Share(groups, metrics, failure, seconds)
 
     def prompt_position(self):
         """Where the next rollout starts: the prompt source's place and the buffer (what a failed rollout is redone
@@ -235,15 +239,12 @@ class RLRun:
         if failed.item():  # a --resume redoes this rollout: the prompts and the buffer as they were before it
             self.rewind(before)
             self.stop_after_failure(done, int(failed.item()))
-        samples = [s for g in share.groups for s in g]
-        return share.groups, self.worker.metrics(share.stats, samples, share.seconds, self.buffer), wait
+        return share.groups, share.metrics, wait
 
     def sample_payload(self, done, version):
         """--async: this sampler's share of rollout done+1, as it travels to the trainers (nanorl/rl_async.py)."""
         share = self.sample_share(done, version)
-        samples = [s for g in share.groups for s in g]
-        metrics = self.worker.metrics(share.stats, samples, share.seconds, self.buffer) if samples else {}
-        return {"groups": share.groups, "failure": share.failure, "rollout_s": share.seconds, "metrics": metrics}
+        return {"groups": share.groups, "failure": share.failure, "rollout_s": share.seconds, "metrics": share.metrics}
 
     # --- training on it, and the engine's new weights ---------------------------------------------
 
@@ -289,7 +290,8 @@ class RLRun:
         print0(step_line(done, self.cfg.num_rollouts, {**metrics, "dt": dt, "eta": self.eta, "episodes": episodes}))
         self.history.append({"step": done + 1, **metrics})
         self.logger.log(metrics, step=done + 1)
-        log_json("rl_history", {"train": self.history, "eval": self.eval_history}, rank=self.rank)
+        if self.rank == 0:  # the report's curves, whole after every step
+            write_json({"train": self.history, "eval": self.eval_history}, self.history_path)
 
     def weights_checksum(self):
         return sum(p.detach().double().sum().item() for p in self.model.parameters())

@@ -206,23 +206,14 @@ class Trainer:
         # the rollout cut into mini-batches of whole groups of n, all of it (an agent's group may be several: agents.py)
         steps, n = cfg.num_steps_per_rollout, cfg.group.n_samples_per_prompt
         edges = [k * (len(samples) // n) // steps * n for k in range(steps)] + [len(samples)]
-        off_policy = steps > 1
+        # per sample: what the loss compares with; on-policy (one step) the ratio's denominator is the step's own forward
+        targets = dict(adv=adv, old_lp=old_lp if steps > 1 else None, ref_lp=ref_lp, returns=returns, values=old_values)
         results = []
         with timer.section("train", self.device.type):
             for k in range(steps):
                 sl = slice(edges[k], edges[k + 1])
-                pick = lambda rows: rows[sl] if rows is not None else None
-                results.append(
-                    self.train_minibatch(
-                        samples[sl],
-                        adv[sl],
-                        pick(old_lp) if off_policy else None,
-                        pick(ref_lp),
-                        lr_mult,
-                        pick(returns),
-                        pick(old_values),
-                    )
-                )
+                picked = {name: rows[sl] if rows is not None else None for name, rows in targets.items()}
+                results.append(self.train_minibatch(samples[sl], picked, lr_mult))
         metrics = {f"train/{k}": sum(r[k] for r in results) / len(results) for k in results[0]}
         metrics["train/first_step_ppo_kl"] = results[0].get("ppo_kl", 0.0)
         if self.opd_kl is not None:
@@ -239,10 +230,13 @@ class Trainer:
         )
         return metrics
 
-    def train_minibatch(self, samples, adv, old_lp, ref_lp, lr_mult, returns=None, old_values=None):
+    def train_minibatch(self, samples, targets, lr_mult):
         """One optimizer step over `samples` (this rank's share of the global batch); with ppo, one critic step too.
-        old_lp None = on-policy: the ratio's denominator is this very forward, detached."""
+        targets: per sample, its advantages "adv" and, None when off, the log-probs before the update "old_lp" (None
+        = on-policy: the ratio's denominator is this very forward, detached), the reference's "ref_lp", and ppo's
+        "returns" and old "values"."""
         cfg, model, device = self.cfg, self.model, self.device
+        old_lp, ref_lp = targets["old_lp"], targets["ref_lp"]
         model.train()
         local_tok = sum(sum(s.loss_mask) for s in samples)
         counts = torch.tensor([local_tok, len(samples)], dtype=torch.float64, device=device)
@@ -265,7 +259,7 @@ class Trainer:
                     old, batch["rollout_logp"], mask, cfg.tis_clip, cfg.tis_clip_low, cfg.tis_mode
                 )
             ref = rows(ref_lp) if ref_lp else None
-            loss, metrics = rl.policy_loss(logp, old, rows(adv), mask, self.loss_cfg, tis, ent, ref)
+            loss, metrics = rl.policy_loss(logp, old, rows(targets["adv"]), mask, self.loss_cfg, tis, ent, ref)
             if tis is not None:
                 metrics.update(tis_metrics)
             # each micro-batch's loss is re-weighted to its share of the global batch, by the aggregation's own unit
@@ -278,8 +272,8 @@ class Trainer:
                 values = self.forward_values(batch)
                 vf_loss, vm = rl.value_loss(
                     values,
-                    rows(old_values),
-                    rows(returns),
+                    rows(targets["values"]),
+                    rows(targets["returns"]),
                     mask,
                     cfg.value_clip or None,
                     loss_agg=cfg.loss_aggregation,

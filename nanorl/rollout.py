@@ -195,19 +195,13 @@ class RolloutFill:
     surplus goes back to the buffer. stats counts what was generated, dropped and why.
     """
 
+    COUNTS = ("groups_generated", "groups_from_buffer", "groups_dropped", "rounds", "groups_unfiltered_fill")
+
     def __init__(self, target, buffer, group_filter, max_rounds=8):
         self.target, self.buffer, self.group_filter, self.max_rounds = target, buffer, group_filter, max_rounds
-        self.stats = {
-            "groups_generated": 0,
-            "groups_from_buffer": 0,
-            "groups_dropped": 0,
-            "rounds": 0,
-            "groups_unfiltered_fill": 0,
-        }
-        self.kept, self.dropped = [], []
-        for g in buffer.pop(target):
-            self.stats["groups_from_buffer"] += 1
-            self.kept.append(g)
+        self.stats = dict.fromkeys(self.COUNTS, 0)
+        self.kept, self.dropped = list(buffer.pop(target)), []
+        self.stats["groups_from_buffer"] = len(self.kept)
 
     def full(self):
         return len(self.kept) >= self.target
