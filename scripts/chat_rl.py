@@ -96,7 +96,7 @@ def make_parser():
     g.add_argument("--device-type", default=None, help="cuda | cpu | mps (default: autodetect)")
     g.add_argument("--seed", type=int, default=42, help="seed of the prompt order and of every sample's random stream")
     rl_config.add_rollout_args(parser)
-    rewards.add_args(parser)
+    rl_config.add_reward_args(parser)
     rl_config.add_trainer_args(parser)
     rl_async.add_args(parser)
     fsdp.add_args(parser.add_argument_group("sharding (nanorl/fsdp.py)"))
@@ -114,7 +114,7 @@ def check_flags(args, parser):
     (rollout config, reward config, trainer config): the rollout and the trainer share one GroupSpec."""
     group = GroupSpec(args.n_samples_per_prompt, args.temperature, args.max_new_tokens)
     rollout_cfg = rl_config.rollout_config_from_args(args, parser, group)
-    reward_cfg = rewards.config_from_args(args, parser, default_rm_type="math" if args.prompt_data else "task")
+    reward_cfg = rl_config.reward_config_from_args(args, parser, default_rm_type="math" if args.prompt_data else "task")
     trainer_cfg = rl_config.trainer_config_from_args(args, parser, group)
     # --fsdp shards the policy only: the extra models of these options would stay whole on every rank, and --async's
     # trainers ship weights to samplers that hold no shards

@@ -16,8 +16,14 @@ from nanorl.engine import Engine, Request
 from nanorl.gpt import Critic, GPTConfig, build_model
 from nanorl.logger import Timer
 from nanorl.optim import MuonAdamW, build_optimizer
-from nanorl.rewards import RewardConfig
-from nanorl.rl_config import GroupSpec, RolloutConfig, TrainerConfig, add_trainer_args, trainer_config_from_args
+from nanorl.rl_config import (
+    GroupSpec,
+    RewardConfig,
+    RolloutConfig,
+    TrainerConfig,
+    add_trainer_args,
+    trainer_config_from_args,
+)
 from nanorl.rl_trainer import collate, collate_packed, pad_like
 from nanorl.rollout import RolloutWorker, Sample, extend_sample
 from nanorl.tokenizer import SPLIT_PATTERN, Tokenizer
