@@ -10,7 +10,38 @@ import time
 
 import torch
 
-from nanorl.common import get_peak_bandwidth, synchronize
+from nanorl.common import synchronize
+
+# peak dense bf16 FLOP/s (no sparsity) for MFU and memory bandwidth in bytes/s for MBU (decode is bound by it, not by
+# FLOPs), by a substring of the GPU's name; the first match wins, so more specific names come first ("gh200" before
+# "h200", "h100 nvl" before "h100")
+PEAKS = [  # (substring, flops, bytes/s)
+    ("gh200", 989e12, 4.0e12),
+    ("h200", 989e12, 4.8e12),
+    ("h100 nvl", 835e12, 3.9e12),
+    ("h100 pcie", 756e12, 2.0e12),
+    ("h100", 989e12, 3.35e12),
+    ("h800", 989e12, 3.35e12),
+    ("b200", 2250e12, 8.0e12),
+    ("a100", 312e12, 2.0e12),
+    ("a10g", 125e12, 0.6e12),
+    ("l40s", 362e12, 0.864e12),
+    ("l4", 121e12, 0.3e12),
+    ("4090", 165e12, 1.008e12),
+    ("3090", 71e12, 0.936e12),
+    ("v100", 125e12, 0.9e12),
+    ("t4", 65e12, 0.32e12),
+]
+
+
+def get_peak_flops(device_name):
+    """Peak dense bf16 FLOP/s for MFU, by GPU name. Unknown devices give None: MFU is then not printed."""
+    return next((flops for key, flops, _ in PEAKS if key in device_name.lower()), None)
+
+
+def get_peak_bandwidth(device_name):
+    """Peak memory bandwidth in bytes/s for MBU, by GPU name; unknown -> None."""
+    return next((bw for key, _, bw in PEAKS if key in device_name.lower()), None)
 
 
 def peak_memory_gb(device_type):
@@ -85,10 +116,11 @@ def grpo_stepper(model, optimizer, engine, prompts, n, N, max_tokens_per_gpu, de
     to N tokens), a reward, nanorl.rl_trainer.Trainer's training step with chat_rl's defaults for every training flag,
     and the engine's weights refreshed. Each call returns (rollout seconds, train seconds, generated tokens, trained
     tokens, mean reward, grad norm)."""
-    from nanorl.common import Timer
     from nanorl.engine import Request
-    from nanorl.rl_trainer import Trainer, TrainerConfig
-    from nanorl.rollout import GroupSpec, Sample
+    from nanorl.logger import Timer
+    from nanorl.rl_config import GroupSpec, TrainerConfig
+    from nanorl.rl_trainer import Trainer
+    from nanorl.rollout import Sample
 
     device_type = device.type
     group = GroupSpec(n_samples_per_prompt=n, temperature=1.0, max_response_len=N)

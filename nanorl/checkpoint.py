@@ -27,8 +27,9 @@ import time
 import torch
 
 from nanorl import lora
-from nanorl.common import get_base_dir, is_sharded, nonneg_int, print0, tag_name
+from nanorl.common import get_base_dir, is_sharded, print0
 from nanorl.errors import BadValue, MissingFile, Unreadable, read_json_object
+from nanorl.flags import nonneg_int, tag_name
 from nanorl.gpt import GPTConfig
 from nanorl.gpt import build_model as build_gpt
 

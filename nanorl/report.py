@@ -12,7 +12,7 @@ import datetime
 import os
 import tempfile
 
-from nanorl.common import get_base_dir
+from nanorl.common import get_base_dir, write_json
 from nanorl.errors import BadValue
 
 REPORT_TITLE = "# nanorl report"  # report.md's first line: how --out knows a file it may replace
@@ -156,19 +156,10 @@ def log_section(name, items, rank=0, config=None):
     return path
 
 
-def _atomic_write_json(obj, path):
-    import json
-
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, default=float)
-    os.replace(tmp, path)
-
-
 def log_json(name, obj, rank=0):
     """Raw data for plots (loss curves, RL history), next to the sections."""
     if rank == 0:
-        _atomic_write_json(obj, os.path.join(write_dir(), f"{name}.json"))
+        write_json(obj, os.path.join(write_dir(), f"{name}.json"))
 
 
 def load_json(name, default=None, folder=None):
@@ -408,7 +399,7 @@ def generate(out_path="report.md", wall_time_s=None, gpu_hourly_usd=3.0, setup_t
     if setup_time_s is None:
         setup_time_s = load_json("setup_time", {}, folder=report_dir()).get("seconds")
     else:
-        _atomic_write_json({"seconds": setup_time_s}, os.path.join(report_dir(), "setup_time.json"))
+        write_json({"seconds": setup_time_s}, os.path.join(report_dir(), "setup_time.json"))
     lines = [REPORT_TITLE, "", "## Environment", ""]
     lines += [f"- {k}: {v}" for k, v in env.items()] + [f"- recorded: {'by the stages' if recorded else 'now'}", ""]
     lines += ["## Report card", ""] + _card_lines(load_json("report_card", {}, folder=report_dir())) + [""]

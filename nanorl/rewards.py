@@ -14,7 +14,7 @@ A remote reward is an HTTP endpoint, scored in batches (nanorl/remote_rewards.py
 
 Every grader returns a number and looks at nothing but its arguments. safe_reward and remote_rewards never
 raise: a broken reward becomes (None, reason), which set_rewards counts and drops, because one bad sample
-must not kill a long run. The reward flags (add_args, config_from_args -> RewardConfig) live at the end of this file.
+must not kill a long run. The reward flags and the RewardConfig they make are nanorl/rl_config.py's.
 """
 
 import math
@@ -22,9 +22,8 @@ import numbers
 import re
 import string
 from collections import Counter
-from dataclasses import dataclass
 
-from nanorl.common import load_function, nonneg_int, positive_float, positive_int
+from nanorl.flags import load_function
 
 # -----------------------------------------------------------------------------------------------
 # extracting the final answer
@@ -410,92 +409,3 @@ def set_rewards(groups, scored, results, on_failure="drop"):
             if s.reward is None:
                 s.reward = fill
     return failed
-
-
-# -----------------------------------------------------------------------------------------------
-# the reward flags, and the config the rollout worker takes from them
-
-
-@dataclass
-class RewardConfig:
-    """How a rollout is scored: make_reward(rm_type, task, custom_rm_path), or a remote server when rm_type is
-    "remote"; what a failed reward becomes (rm_failure)."""
-
-    rm_type: str = "task"
-    custom_rm_path: str | None = None
-    rm_url: str | None = None
-    rm_concurrency: int = 32
-    rm_timeout: float = 30.0
-    rm_retries: int = 3
-    rm_failure: str = "drop"
-
-    @property
-    def remote(self):
-        return self.rm_type == "remote"
-
-    @property
-    def needs_label(self):
-        """The generic graders compare with a label; the task's own grader, a custom or a remote one may not."""
-        return not (self.remote or self.custom_rm_path or self.rm_type in ("task", "custom"))
-
-
-def add_args(parser):
-    g = parser.add_argument_group("rewards (nanorl/rewards.py)")
-    g.add_argument(
-        "--rm-type",
-        default=None,
-        help="task (the task's own grader: chat_eval's verdict; the default with "
-        "--task) | math (the default with --prompt-data) | boxed | mc | exact | f1 | format | weighted e.g. "
-        "task+format:0.9,0.1 | custom (--custom-rm-path) | remote (--rm-url)",
-    )
-    g.add_argument("--custom-rm-path", default=None, help="module:function(response, label, metadata) -> float or dict")
-    g.add_argument("--rm-url", default=None, help="--rm-type remote: each sample is POSTed here as JSON (README: RL)")
-    g.add_argument(
-        "--rm-concurrency",
-        type=positive_int,
-        default=RewardConfig.rm_concurrency,
-        help="--rm-type remote: requests in flight at once",
-    )
-    g.add_argument(
-        "--rm-timeout",
-        type=positive_float,
-        default=RewardConfig.rm_timeout,
-        help="--rm-type remote: seconds per request attempt",
-    )
-    g.add_argument(
-        "--rm-retries",
-        type=nonneg_int,
-        default=RewardConfig.rm_retries,
-        help="--rm-type remote: retries after a refused/timed-out/5xx call",
-    )
-    g.add_argument(
-        "--rm-failure",
-        default=RewardConfig.rm_failure,
-        choices=["drop", "zero"],
-        help="a reward that fails (raises, non-number, failed remote call): drop = never trained on, zero = reward 0",
-    )
-
-
-def config_from_args(args, parser, default_rm_type):
-    """The RewardConfig of the reward flags, after checking the remote reward's. default_rm_type: the grader when
-    --rm-type is not given (the script's choice: prompts from a file have no task grader)."""
-    if args.rm_type == "remote":
-        if not args.rm_url:
-            parser.error(
-                "--rm-type remote needs --rm-url (the reward server's address, e.g. http://127.0.0.1:8000/reward)"
-            )
-        if not args.rm_url.startswith(("http://", "https://")):
-            parser.error(f"--rm-url {args.rm_url!r} must start with http:// or https://")
-        if args.custom_rm_path:
-            parser.error("--rm-type remote and --custom-rm-path both pick the reward: give one of them")
-    elif args.rm_url:
-        parser.error(f"--rm-url is only used with --rm-type remote (got --rm-type {args.rm_type})")
-    return RewardConfig(
-        rm_type=args.rm_type or default_rm_type,
-        custom_rm_path=args.custom_rm_path or None,
-        rm_url=args.rm_url,
-        rm_concurrency=args.rm_concurrency,
-        rm_timeout=args.rm_timeout,
-        rm_retries=args.rm_retries,
-        rm_failure=args.rm_failure,
-    )

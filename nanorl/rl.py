@@ -346,45 +346,45 @@ def cispo_loss(logp, old_logp, advantages, mask, eps_clip=0.2, eps_clip_high=Non
     return -w * A * logp, metrics
 
 
-def policy_loss(
-    logp,
-    old_logp,
-    advantages,
-    mask,
-    kind="ppo_clip",
-    eps_clip=0.2,
-    eps_clip_high=None,
-    eps_clip_c=None,
-    loss_agg="token_mean",
-    max_len=None,
-    tis_weights=None,
-    entropy=None,
-    entropy_coef=0.0,
-    ref_logp=None,
-    kl_type="low_var_kl",
-    kl_coef=0.0,
-):
+@dataclass(frozen=True)
+class LossConfig:
+    """The policy loss's settings, fixed for a run: the per-token loss (kind: ppo_clip | gspo | cispo) and its clip
+    range (eps_clip_high: DAPO's clip-higher, default eps_clip; eps_clip_c: dual clip), the aggregation (loss_agg,
+    max_len for seq_mean_token_sum_norm), the entropy bonus and the KL loss to the reference (0 = off)."""
+
+    kind: str = "ppo_clip"
+    eps_clip: float = 0.2
+    eps_clip_high: float | None = None
+    eps_clip_c: float | None = None
+    loss_agg: str = "token_mean"
+    max_len: int | None = None
+    entropy_coef: float = 0.0
+    kl_type: str = "low_var_kl"
+    kl_coef: float = 0.0
+
+
+def policy_loss(logp, old_logp, advantages, mask, cfg=LossConfig(), tis_weights=None, entropy=None, ref_logp=None):
     """
-    The one loss path of every estimator:
-      per-token policy loss (kind: ppo_clip | gspo | cispo)  x  importance weights (TIS / IcePop, if given)
-      -> aggregate_loss(loss_agg)  - entropy_coef * aggregated entropy  + kl_coef * aggregated KL(pi || ref)
+    The one loss path of every estimator (cfg: a LossConfig):
+      per-token policy loss (cfg.kind)  x  importance weights (TIS / IcePop, if given)
+      -> aggregate_loss(cfg.loss_agg)  - entropy_coef * aggregated entropy  + kl_coef * aggregated KL(pi || ref)
     Returns (loss, metrics) with metrics pg_loss, entropy_loss / kl_loss when used, and the policy loss's own.
     """
-    fn = {"ppo_clip": ppo_clip_loss, "gspo": gspo_loss, "cispo": cispo_loss}.get(kind)
+    fn = {"ppo_clip": ppo_clip_loss, "gspo": gspo_loss, "cispo": cispo_loss}.get(cfg.kind)
     if fn is None:
-        raise ValueError(f"unknown policy loss {kind!r}, expected ppo_clip, gspo or cispo")
-    pg, metrics = fn(logp, old_logp, advantages, mask, eps_clip, eps_clip_high, eps_clip_c)
+        raise ValueError(f"unknown policy loss {cfg.kind!r}, expected ppo_clip, gspo or cispo")
+    pg, metrics = fn(logp, old_logp, advantages, mask, cfg.eps_clip, cfg.eps_clip_high, cfg.eps_clip_c)
     if tis_weights is not None:
         pg = pg * tis_weights.detach()
-    loss = aggregate_loss(pg, mask, loss_agg, max_len)
+    loss = aggregate_loss(pg, mask, cfg.loss_agg, cfg.max_len)
     metrics["pg_loss"] = loss.detach()
-    if entropy_coef:
-        ent_loss = aggregate_loss(entropy, mask, loss_agg, max_len)
-        loss = loss - entropy_coef * ent_loss
+    if cfg.entropy_coef:
+        ent_loss = aggregate_loss(entropy, mask, cfg.loss_agg, cfg.max_len)
+        loss = loss - cfg.entropy_coef * ent_loss
         metrics["entropy_loss"] = ent_loss.detach()
-    if kl_coef:
-        kl_loss = aggregate_loss(kl_estimate(logp, ref_logp, kl_type), mask, loss_agg, max_len)
-        loss = loss + kl_coef * kl_loss
+    if cfg.kl_coef:
+        kl_loss = aggregate_loss(kl_estimate(logp, ref_logp, cfg.kl_type), mask, cfg.loss_agg, cfg.max_len)
+        loss = loss + cfg.kl_coef * kl_loss
         metrics["kl_loss"] = kl_loss.detach()
     return loss, metrics
 

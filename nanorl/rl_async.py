@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from nanorl.common import positive_int
+from nanorl.flags import positive_int
 from nanorl.rollout import Sample
 
 

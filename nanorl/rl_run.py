@@ -10,27 +10,31 @@ script's loop names: sample a rollout, train on it, update the engine's weights,
         ...evaluate and save at their intervals
 
 Beside it, in reading order: the run's config, the extra models RL options build (the ppo critic, the distillation
-teacher), what the run is built from (its models, what it samples with, its ranks), the held-out pass@k and what the
-run prints (the step line, its legend, the summary). The --async roles and what travels between them are in
-nanorl/rl_async.py; the script holds the loops.
+teacher), the deadline of a rollout or an eval (SIGALRM), what the run is built from (its models, what it samples
+with, its ranks), the held-out pass@k and what the run prints (the step line, its legend, the summary). The --async
+roles and what travels between them are in nanorl/rl_async.py; the script holds the loops.
 """
 
 import os
+import signal
 import sys
 import time
 import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from nanorl import checkpoint, fsdp, lora, rl, rl_async, rollout
+from nanorl import checkpoint, fsdp, lora, rl, rl_async
 from nanorl.checkpoint import load_model, load_model_dir, rng_state, set_rng_state
-from nanorl.common import ETA, Timer, mean_over_ranks, print0
+from nanorl.common import mean_over_ranks, print0, write_json
 from nanorl.gpt import Critic
+from nanorl.logger import ETA, Timer
 from nanorl.optim import MuonAdamW
-from nanorl.report import load_json, log_json
-from nanorl.rollout import GroupSpec
+from nanorl.report import load_json, write_dir
+from nanorl.rl_config import GroupSpec
+from nanorl.rollout import RolloutFill
 
 
 @dataclass
@@ -70,6 +74,32 @@ def load_teacher(spec, device):
         src, _, tag = spec.partition(":")
         teacher, _, _ = load_model(src, device, model_tag=tag or None)
     return teacher.requires_grad_(False)
+
+
+# -----------------------------------------------------------------------------------------------
+# the deadline of a rollout or an eval
+
+
+class RolloutTimeout(BaseException):
+    """Not an Exception: a reward wrapper that catches Exception must not swallow it."""
+
+
+@contextmanager
+def deadline(seconds, what="the rollout"):
+    """Raise RolloutTimeout in this (main) thread once `seconds` have passed (0 = no limit). SIGALRM interrupts
+    Python code that hangs: a reward call, a custom rollout, a tool."""
+
+    def on_timeout(signum, frame):
+        raise RolloutTimeout(f"{what} ran past --rollout-timeout {seconds:g}s")
+
+    if seconds > 0:
+        signal.signal(signal.SIGALRM, on_timeout)
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        if seconds > 0:
+            signal.setitimer(signal.ITIMER_REAL, 0)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -114,11 +144,11 @@ class Ranks:
 
 @dataclass
 class Share:
-    """This rank's share of one rollout: its groups, the dynamic-sampling filter's counts, what failed (None: nothing)
+    """This rank's share of one rollout: its groups, their metrics (none if it failed), what failed (None: nothing)
     and the seconds it took."""
 
     groups: list
-    stats: dict
+    metrics: dict
     failure: str | None
     seconds: float
 
@@ -147,6 +177,7 @@ class RLRun:
         self.group_filter, self.eval_items = sampling.group_filter, sampling.eval_items
         self.device, self.ddp, self.rank, self.roles = ranks.device, ranks.ddp, ranks.rank, ranks.roles
         self.history, self.eval_history = [], []  # one dict per step line and per eval: report/rl_history.json
+        self.history_path = os.path.join(write_dir(), "rl_history.json")  # rewritten at every step line
         self.idle_s = 0.0  # seconds this rank spent waiting on other ranks instead of computing
         self.pending = None  # --async, resumed: the payload a sampler had sampled for the next step when it saved
         self.eta = ETA(0.0)
@@ -161,8 +192,8 @@ class RLRun:
         self.model.eval()
         groups, fstats, failure, t0 = [], {}, None, time.time()
         try:
-            with rollout.deadline(cfg.rollout_timeout):
-                fill = rollout.RolloutFill(
+            with deadline(cfg.rollout_timeout):
+                fill = RolloutFill(
                     cfg.rollout_batch_size // n_samplers, self.buffer, self.group_filter, cfg.max_sampling_rounds
                 )  # the buffer's surplus first
                 while fill.next_round():
@@ -173,13 +204,16 @@ class RLRun:
                         for g in worker.score(worker.sample_groups(prompts, seeds, version)):
                             fill.add(g)
                 groups, fstats = fill.finish()
-        except (Exception, rollout.RolloutTimeout) as e:
+        except (Exception, RolloutTimeout) as e:
             traceback.print_exc()
             what = worker.inflight.get("scoring") or {"prompts": worker.inflight.get("generating")}
             failure = f"rank {self.rank}: rollout {done + 1} failed: {type(e).__name__}: {e}\n  in flight: {what}"
             print(failure, file=sys.stderr, flush=True)
         worker.inflight.clear()
-        return Share(groups, fstats, failure, time.time() - t0)
+        seconds = time.time() - t0
+        samples = [s for g in groups for s in g]
+        metrics = worker.metrics(fstats, samples, seconds, self.buffer) if samples else {}
+        return Share(groups, metrics, failure, seconds)
 
     def prompt_position(self):
         """Where the next rollout starts: the prompt source's place and the buffer (what a failed rollout is redone
@@ -205,15 +239,12 @@ class RLRun:
         if failed.item():  # a --resume redoes this rollout: the prompts and the buffer as they were before it
             self.rewind(before)
             self.stop_after_failure(done, int(failed.item()))
-        samples = [s for g in share.groups for s in g]
-        return share.groups, self.worker.metrics(share.stats, samples, share.seconds, self.buffer), wait
+        return share.groups, share.metrics, wait
 
     def sample_payload(self, done, version):
         """--async: this sampler's share of rollout done+1, as it travels to the trainers (nanorl/rl_async.py)."""
         share = self.sample_share(done, version)
-        samples = [s for g in share.groups for s in g]
-        metrics = self.worker.metrics(share.stats, samples, share.seconds, self.buffer) if samples else {}
-        return {"groups": share.groups, "failure": share.failure, "rollout_s": share.seconds, "metrics": metrics}
+        return {"groups": share.groups, "failure": share.failure, "rollout_s": share.seconds, "metrics": share.metrics}
 
     # --- training on it, and the engine's new weights ---------------------------------------------
 
@@ -259,7 +290,8 @@ class RLRun:
         print0(step_line(done, self.cfg.num_rollouts, {**metrics, "dt": dt, "eta": self.eta, "episodes": episodes}))
         self.history.append({"step": done + 1, **metrics})
         self.logger.log(metrics, step=done + 1)
-        log_json("rl_history", {"train": self.history, "eval": self.eval_history}, rank=self.rank)
+        if self.rank == 0:  # the report's curves, whole after every step
+            write_json({"train": self.history, "eval": self.eval_history}, self.history_path)
 
     def weights_checksum(self):
         return sum(p.detach().double().sum().item() for p in self.model.parameters())
@@ -378,11 +410,11 @@ def local_pass_at_k(worker, items, seeds, group, pass_ks, version, timeout_s, wh
     and step."""
     sums, failed = [0.0] * (len(pass_ks) + 1), 0.0
     try:
-        with rollout.deadline(timeout_s, "the eval"):
+        with deadline(timeout_s, "the eval"):
             groups = worker.score(worker.sample_groups(items, seeds, version, group), count_failures=False)
         correct = [[s.scalar_reward() >= 0.5 for s in g] for g in groups]
         sums = [sum(rl.pass_at_k(len(c), sum(c), k) for c in correct) for k in pass_ks] + [len(correct)]
-    except (Exception, rollout.RolloutTimeout) as e:
+    except (Exception, RolloutTimeout) as e:
         traceback.print_exc()
         print(f"{where} failed: {type(e).__name__}: {e}\n  in flight: {worker.inflight}", file=sys.stderr, flush=True)
         failed = 1.0

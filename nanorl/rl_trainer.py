@@ -5,216 +5,18 @@ then importance weights, aggregation, entropy and KL, all in nanorl.rl.policy_lo
 (synchronous and --async) and by `bench rl`, so the benchmark times exactly the step that trains. At the end, the
 samples' tensor layout: packing them end to end into micro-batches, and collating them into (B, T) rows.
 
-The Trainer takes a TrainerConfig; its flags live here too (add_args, config_from_args), next to the code they
-configure. Outside chat_rl build the config directly:
-    TrainerConfig(group=GroupSpec(n_samples_per_prompt=4, max_response_len=64))
+The Trainer takes a TrainerConfig (nanorl/rl_config.py, with its flags).
 """
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from nanorl import rl
-from nanorl.common import fraction, is_sharded, nonneg_float, nonneg_int, number_in, positive_float, positive_int
+from nanorl.common import is_sharded
 from nanorl.precision import autocast_ctx
-from nanorl.rollout import TRUNCATED, GroupSpec
-
-
-@dataclass
-class TrainerConfig:
-    """What one training step reads. The defaults are chat_rl's flag defaults."""
-
-    group: GroupSpec = GroupSpec()  # the rollout's: group size, temperature of the log-probs, max length
-    advantage_estimator: str = "grpo"  # a row of rl.ESTIMATORS: the advantage function and the policy loss
-    num_steps_per_rollout: int = 1
-    max_tokens_per_gpu: int = 8192
-    grad_clip: float = 1.0  # 0 = off
-    warmup_rollouts: int = 0
-    lr_decay_style: str = "constant"  # or linear: to 0 over num_rollouts (nanochat's RL schedule)
-    num_rollouts: int = 60  # the run's length, for the decay
-    gamma: float = 1.0
-    lambd: float = 1.0
-    value_clip: float = 0.2  # 0 = off
-    disable_grpo_std_normalization: bool = False
-    normalize_advantages: bool = False
-    eps_clip: float = 0.2
-    eps_clip_high: float | None = None
-    eps_clip_c: float | None = None
-    entropy_coef: float = 0.0
-    loss_aggregation: str = "token_mean"
-    overlong_buffer_len: int = 0
-    overlong_penalty_factor: float = 1.0
-    mask_truncated_samples: bool = False
-    kl_loss_coef: float = 0.0  # the KL loss (0 = off)
-    kl_loss_type: str = "low_var_kl"
-    kl_coef: float = 0.0  # the KL penalty in the reward (0 = off)
-    opd_kl_coef: float = 1.0  # on-policy distillation, when the Trainer has a teacher
-    use_tis: bool = False
-    tis_clip: float = 2.0
-    tis_clip_low: float = 0.0
-    tis_mode: str = "truncate"
-
-    @property
-    def estimator(self):
-        return rl.ESTIMATORS[self.advantage_estimator]
-
-    @property
-    def needs_critic(self):
-        return "values" in self.estimator.inputs  # the critic's
-
-    @property
-    def needs_reference(self):
-        return self.kl_loss_coef > 0 or self.kl_coef > 0
-
-
-def add_args(parser):
-    c = TrainerConfig
-    g = parser.add_argument_group("training step (nanorl/rl_trainer.py)")
-    g.add_argument("--global-batch-size", type=positive_int, help="samples per optimizer step (default: the rollout)")
-    g.add_argument(
-        "--num-steps-per-rollout",
-        type=positive_int,
-        default=c.num_steps_per_rollout,
-        help="optimizer steps per rollout (>1 is off-policy: uses the ratio)",
-    )
-    g.add_argument(
-        "--max-tokens-per-gpu",
-        type=positive_int,
-        default=c.max_tokens_per_gpu,
-        help="tokens per training micro-batch: samples are packed end to end into rows (at most the "
-        "model's context each) and rows into micro-batches of this many positions, padding included",
-    )
-    g.add_argument("--weight-decay", type=nonneg_float, default=0.0, help="optimizer weight decay")
-    g.add_argument("--grad-clip", type=nonneg_float, default=c.grad_clip, help="clip the grad norm (0 = off)")
-    g.add_argument("--warmup-rollouts", type=nonneg_int, default=c.warmup_rollouts, help="linear LR warmup (rollouts)")
-    decay = "LR after the warmup: constant, or linear to 0 at the last rollout (nanochat's RL)"
-    g.add_argument("--lr-decay-style", default=c.lr_decay_style, choices=["constant", "linear"], help=decay)
-    g = parser.add_argument_group("advantages and loss (nanorl/rl_trainer.py, nanorl/rl.py)")
-    g.add_argument(
-        "--advantage-estimator",
-        default=c.advantage_estimator,
-        choices=list(rl.ESTIMATORS),
-        help="gspo / cispo: GRPO advantages with GSPO's sequence-level ratio or CISPO's clipped-weight loss",
-    )
-    g.add_argument("--gamma", type=fraction, default=c.gamma, help="discount of reinforce_plus_plus and ppo returns")
-    g.add_argument("--lambd", type=fraction, default=c.lambd, help="ppo: GAE lambda (1: Monte Carlo returns)")
-    g.add_argument("--critic-lr", type=positive_float, default=None, help="ppo: the critic's AdamW LR (required)")
-    g.add_argument("--value-clip", type=nonneg_float, default=c.value_clip, help="ppo: critic value clip (0 = off)")
-    g.add_argument("--disable-grpo-std-normalization", action="store_true", help="Dr. GRPO: no group-std division")
-    g.add_argument("--normalize-advantages", action="store_true", help="whiten advantages across all training ranks")
-    g.add_argument("--eps-clip", type=number_in(float, 0, 1, lo_open=True), default=c.eps_clip, help="PPO clip range")
-    g.add_argument("--eps-clip-high", type=positive_float, default=None, help="clip-higher (DAPO); default --eps-clip")
-    g.add_argument(
-        "--eps-clip-c", type=number_in(float, 1, lo_open=True), default=None, help="dual clip (>1) for A < 0"
-    )
-    g.add_argument("--entropy-coef", type=nonneg_float, default=c.entropy_coef, help="entropy bonus coefficient")
-    g.add_argument(
-        "--loss-aggregation",
-        default=c.loss_aggregation,
-        choices=rl.LOSS_AGGS,
-        help="how per-token losses become one number",
-    )
-    g.add_argument(
-        "--overlong-buffer-len",
-        type=nonneg_int,
-        default=c.overlong_buffer_len,
-        help="DAPO overlong shaping: penalise the last N tokens before the max length",
-    )
-    g.add_argument(
-        "--overlong-penalty-factor",
-        type=nonneg_float,
-        default=c.overlong_penalty_factor,
-        help="the overlong penalty at the max length",
-    )
-    g.add_argument("--mask-truncated-samples", action="store_true", help="truncated responses are not trained on")
-    g.add_argument("--use-kl-loss", action="store_true", help="add a KL(policy || reference) loss")
-    g.add_argument("--kl-loss-coef", type=nonneg_float, default=c.kl_loss_coef, help="KL loss weight (--use-kl-loss)")
-    g.add_argument(
-        "--kl-loss-type",
-        default=c.kl_loss_type,
-        choices=["k1", "k2", "k3", "low_var_kl"],
-        help="KL estimator of the KL loss",
-    )
-    g.add_argument("--kl-coef", type=nonneg_float, default=c.kl_coef, help="KL penalty (k1) folded into the reward")
-    g.add_argument("--use-opd", action="store_true", help="on-policy distillation: teacher log-probs shift advantages")
-    g.add_argument("--opd-kl-coef", type=nonneg_float, default=c.opd_kl_coef, help="OPD: A -= coef * (lp - lp_teacher)")
-    g.add_argument("--opd-teacher-load", default=None, help="OPD teacher: checkpoint dir or source[:tag]")
-    g.add_argument("--use-tis", action="store_true", help="truncated importance weights, trainer vs rollout log-probs")
-    g.add_argument("--tis-clip", type=positive_float, default=c.tis_clip, help="TIS: upper bound of the weights")
-    g.add_argument("--tis-clip-low", type=nonneg_float, default=c.tis_clip_low, help="TIS: lower bound of the weights")
-    g.add_argument("--tis-mode", default=c.tis_mode, choices=["truncate", "icepop"], help="icepop: 0 outside the band")
-
-
-def config_from_args(args, parser, group):
-    """The TrainerConfig of the flags and the run's GroupSpec, after checking that the flags agree: a combination
-    without meaning fails here, before any work, naming both flags."""
-    # every other field is a flag of the same name, but the KL loss is off unless --use-kl-loss
-    kw = {f.name: getattr(args, f.name) for f in fields(TrainerConfig) if f.name != "group"}
-    cfg = TrainerConfig(group=group, **{**kw, "kl_loss_coef": args.kl_loss_coef if args.use_kl_loss else 0.0})
-    check_estimator_flags(cfg, args, parser)
-    if args.use_kl_loss != (args.kl_loss_coef > 0):
-        parser.error("--use-kl-loss and --kl-loss-coef go together: give both (a positive coefficient) or neither")
-    if args.use_opd != (args.opd_teacher_load is not None):
-        parser.error("--use-opd and --opd-teacher-load go together: give both or neither")
-    if not args.use_opd:
-        unused(parser, "--opd-kl-coef", cfg.opd_kl_coef, TrainerConfig.opd_kl_coef, "without --use-opd")
-    if not cfg.use_tis:
-        for flag, field in (("--tis-clip", "tis_clip"), ("--tis-clip-low", "tis_clip_low"), ("--tis-mode", "tis_mode")):
-            unused(parser, flag, getattr(cfg, field), getattr(TrainerConfig, field), "without --use-tis")
-    if cfg.overlong_buffer_len == 0:
-        unused(
-            parser,
-            "--overlong-penalty-factor",
-            cfg.overlong_penalty_factor,
-            TrainerConfig.overlong_penalty_factor,
-            "without --overlong-buffer-len",
-        )
-    return cfg
-
-
-def unused(parser, flag, value, default, why):
-    if value != default:
-        parser.error(f"{flag} {value} has no effect {why}")
-
-
-def check_estimator_flags(cfg, args, parser):
-    """The flags one estimator reads and another ignores, by the table's `inputs` (rl.ESTIMATORS; "values": a
-    critic)."""
-    name, est = cfg.advantage_estimator, cfg.estimator
-    users = {k: ", ".join(n for n, e in rl.ESTIMATORS.items() if k in e.inputs) for k in ("values", "gamma", "lambd")}
-    if "values" in est.inputs and not (args.critic_lr or 0) > 0:
-        parser.error(f"--advantage-estimator {name} needs a critic: give --critic-lr (e.g. 1e-4)")
-    if args.critic_lr is not None and "values" not in est.inputs:
-        parser.error(f"--critic-lr is only used by --advantage-estimator {users['values']}, not {name}")
-    if "lambd" not in est.inputs:
-        unused(
-            parser,
-            "--lambd",
-            cfg.lambd,
-            TrainerConfig.lambd,
-            f"with --advantage-estimator {name} (only {users['lambd']} uses it)",
-        )
-    if "gamma" not in est.inputs:
-        unused(
-            parser,
-            "--gamma",
-            cfg.gamma,
-            TrainerConfig.gamma,
-            f"with --advantage-estimator {name} (it discounts the returns of {users['gamma']} only)",
-        )
-    if cfg.disable_grpo_std_normalization and "std_normalize" not in est.inputs:
-        parser.error(
-            f"--disable-grpo-std-normalization has no effect with --advantage-estimator {name} "
-            f"({', '.join(n for n, e in rl.ESTIMATORS.items() if 'std_normalize' in e.inputs)})"
-        )
-    if cfg.normalize_advantages and est.whitened:
-        parser.error(f"--normalize-advantages with --advantage-estimator {name}: its advantages are already whitened")
-    if cfg.eps_clip_c is not None and est.loss == "cispo":
-        parser.error(
-            f"--eps-clip-c (dual clip) has no meaning with --advantage-estimator {name}: "
-            f"its weights are already clipped"
-        )
+from nanorl.rollout import TRUNCATED
 
 
 @dataclass(frozen=True)
@@ -251,6 +53,18 @@ class Trainer:
         dp = data_parallel
         self.process_group, self.world, self.distributed = dp.process_group, dp.world, dp.distributed
         self.autocast = autocast_ctx(device.type)
+        self.estimator = cfg.estimator  # its row of rl.ESTIMATORS: the advantage function, its inputs, the loss kind
+        self.loss_cfg = rl.LossConfig(
+            kind=self.estimator.loss,
+            eps_clip=cfg.eps_clip,
+            eps_clip_high=cfg.eps_clip_high,
+            eps_clip_c=cfg.eps_clip_c,
+            loss_agg=cfg.loss_aggregation,
+            max_len=cfg.group.max_response_len,
+            entropy_coef=cfg.entropy_coef,
+            kl_type=cfg.kl_loss_type,
+            kl_coef=cfg.kl_loss_coef,
+        )
 
     # --- forward passes over samples, micro-batched like the training step -----------------------
 
@@ -349,7 +163,7 @@ class Trainer:
             distributed=dist_group,
         )
         # exactly the inputs the estimator takes (its row names them): a name it lacks would raise, not be dropped
-        adv, returns = cfg.estimator.advantages(rewards, mask, **{k: inputs[k] for k in cfg.estimator.inputs})
+        adv, returns = self.estimator.advantages(rewards, mask, **{k: inputs[k] for k in self.estimator.inputs})
         if cfg.normalize_advantages:
             adv = rl.masked_whiten(adv, mask, distributed=dist_group) * mask
         if self.teacher is not None:  # on-policy distillation: tokens the teacher likes more get pushed up
@@ -392,23 +206,14 @@ class Trainer:
         # the rollout cut into mini-batches of whole groups of n, all of it (an agent's group may be several: agents.py)
         steps, n = cfg.num_steps_per_rollout, cfg.group.n_samples_per_prompt
         edges = [k * (len(samples) // n) // steps * n for k in range(steps)] + [len(samples)]
-        off_policy = steps > 1
+        # per sample: what the loss compares with; on-policy (one step) the ratio's denominator is the step's own forward
+        targets = dict(adv=adv, old_lp=old_lp if steps > 1 else None, ref_lp=ref_lp, returns=returns, values=old_values)
         results = []
         with timer.section("train", self.device.type):
             for k in range(steps):
                 sl = slice(edges[k], edges[k + 1])
-                pick = lambda rows: rows[sl] if rows is not None else None
-                results.append(
-                    self.train_minibatch(
-                        samples[sl],
-                        adv[sl],
-                        pick(old_lp) if off_policy else None,
-                        pick(ref_lp),
-                        lr_mult,
-                        pick(returns),
-                        pick(old_values),
-                    )
-                )
+                picked = {name: rows[sl] if rows is not None else None for name, rows in targets.items()}
+                results.append(self.train_minibatch(samples[sl], picked, lr_mult))
         metrics = {f"train/{k}": sum(r[k] for r in results) / len(results) for k in results[0]}
         metrics["train/first_step_ppo_kl"] = results[0].get("ppo_kl", 0.0)
         if self.opd_kl is not None:
@@ -425,10 +230,13 @@ class Trainer:
         )
         return metrics
 
-    def train_minibatch(self, samples, adv, old_lp, ref_lp, lr_mult, returns=None, old_values=None):
+    def train_minibatch(self, samples, targets, lr_mult):
         """One optimizer step over `samples` (this rank's share of the global batch); with ppo, one critic step too.
-        old_lp None = on-policy: the ratio's denominator is this very forward, detached."""
+        targets: per sample, its advantages "adv" and, None when off, the log-probs before the update "old_lp" (None
+        = on-policy: the ratio's denominator is this very forward, detached), the reference's "ref_lp", and ppo's
+        "returns" and old "values"."""
         cfg, model, device = self.cfg, self.model, self.device
+        old_lp, ref_lp = targets["old_lp"], targets["ref_lp"]
         model.train()
         local_tok = sum(sum(s.loss_mask) for s in samples)
         counts = torch.tensor([local_tok, len(samples)], dtype=torch.float64, device=device)
@@ -450,24 +258,8 @@ class Trainer:
                 tis, tis_metrics = rl.tis_weights(
                     old, batch["rollout_logp"], mask, cfg.tis_clip, cfg.tis_clip_low, cfg.tis_mode
                 )
-            loss, metrics = rl.policy_loss(
-                logp,
-                old,
-                rows(adv),
-                mask,
-                kind=cfg.estimator.loss,
-                eps_clip=cfg.eps_clip,
-                eps_clip_high=cfg.eps_clip_high,
-                eps_clip_c=cfg.eps_clip_c,
-                loss_agg=cfg.loss_aggregation,
-                max_len=cfg.group.max_response_len,
-                tis_weights=tis,
-                entropy=ent,
-                entropy_coef=cfg.entropy_coef,
-                ref_logp=rows(ref_lp) if ref_lp else None,
-                kl_type=cfg.kl_loss_type,
-                kl_coef=cfg.kl_loss_coef,
-            )
+            ref = rows(ref_lp) if ref_lp else None
+            loss, metrics = rl.policy_loss(logp, old, rows(targets["adv"]), mask, self.loss_cfg, tis, ent, ref)
             if tis is not None:
                 metrics.update(tis_metrics)
             # each micro-batch's loss is re-weighted to its share of the global batch, by the aggregation's own unit
@@ -480,8 +272,8 @@ class Trainer:
                 values = self.forward_values(batch)
                 vf_loss, vm = rl.value_loss(
                     values,
-                    rows(old_values),
-                    rows(returns),
+                    rows(targets["values"]),
+                    rows(targets["returns"]),
                     mask,
                     cfg.value_clip or None,
                     loss_agg=cfg.loss_aggregation,

@@ -1,7 +1,7 @@
 """
-The sampling side of RL: the Sample record the trainer reads, the prompt source, turning prompts into scored groups
-of Samples on one rank (RolloutWorker), dynamic sampling with over-sampling (RolloutFill and its filters), the
-surplus buffer, the rollout deadline, and the rollout flags (add_args, config_from_args).
+The sampling side of RL, one rollout on one rank: the Sample record the trainer reads, the prompt source, turning
+prompts into scored groups of Samples (RolloutWorker), dynamic sampling with over-sampling (RolloutFill and its
+filters) and the surplus buffer. The worker's config and flags are nanorl/rl_config.py's.
 
 The flow of one rollout (RLRun.sample_share in nanorl/rl_run.py runs it, round by round):
   PromptSource.get -> prompts and their seeds -> RolloutWorker.sample_groups: n samples each (the engine, multi-turn
@@ -10,170 +10,15 @@ The flow of one rollout (RLRun.sample_share in nanorl/rl_run.py runs it, round b
   for the next rollout. --partial-rollout: RolloutWorker.sample_partial scores and adds each group as it finishes.
 """
 
-import signal
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from nanorl.common import epoch_order, nonneg_float, number_in, positive_int
+from nanorl.common import epoch_order
 from nanorl.engine import Request
-from nanorl.multiturn import TOOLS, make_tool, multi_turn_generate
+from nanorl.multiturn import make_tool, multi_turn_generate
 from nanorl.remote_rewards import remote_rewards
 from nanorl.rewards import safe_reward, set_rewards
-
-
-@dataclass(frozen=True)
-class GroupSpec:
-    """What a group of samples is, read by both sides: the sampler draws n_samples_per_prompt responses of each
-    prompt (consecutive samples: the trainer's groups) at `temperature`, at most max_response_len tokens each; the
-    trainer computes its log-probs at the same temperature (the engine records log_softmax(logits / temperature)),
-    so on-policy the two agree. The defaults are chat_rl's flag defaults."""
-
-    n_samples_per_prompt: int = 8
-    temperature: float = 1.0
-    max_response_len: int = 256
-
-
-AGENT_TIMEOUT = 300.0  # --agent-timeout's default
-
-
-@dataclass
-class RolloutConfig:
-    """What the RolloutWorker reads. The defaults are chat_rl's flag defaults."""
-
-    group: GroupSpec = GroupSpec()
-    top_k: int | None = None  # None = off
-    top_p: float | None = None  # None = off
-    multi_turn: bool = False
-    max_turns: int = 4  # tool calls per response with multi_turn
-    tool: str = "calculator"  # what answers a tool call with multi_turn: one of multiturn.TOOLS
-    partial_rollout: bool = False
-
-
-def add_args(parser):
-    g = parser.add_argument_group("rollout (nanorl/rollout.py)")
-    g.add_argument(
-        "--over-sampling-batch-size",
-        type=positive_int,
-        default=None,
-        help="turns on dynamic sampling: "
-        "prompts generated per round, groups kept by the filter until the batch is full",
-    )
-    g.add_argument(
-        "--dynamic-sampling-filter-path",
-        default="nanorl.rollout:keep_nonconstant_group",
-        help="module:function(group) -> (keep, reason), used with --over-sampling-batch-size",
-    )
-    g.add_argument(
-        "--max-sampling-rounds",
-        type=positive_int,
-        default=8,
-        help="dynamic sampling: rounds before the batch is topped up with dropped groups",
-    )
-    g.add_argument(
-        "--buffer-filter-path",
-        default="nanorl.rollout:pop_first",
-        help="module:function(buffer, n) -> (taken, rest) for surplus groups",
-    )
-    g.add_argument(
-        "--partial-rollout",
-        action="store_true",
-        help="with over-sampling: once the batch is full, abort "
-        "what is still generating, keep it with its tokens and continue it in the next rollout (pair with "
-        "--use-tis)",
-    )
-    g.add_argument(
-        "--top-k",
-        type=positive_int,
-        default=None,
-        help="rollout top-k (default: off; anything but off makes rollouts off-policy)",
-    )
-    g.add_argument(
-        "--top-p", type=number_in(float, 0, 1, lo_open=True), default=None, help="rollout top-p (default: off)"
-    )
-    g.add_argument("--engine-batch-size", type=positive_int, default=256, help="engine rows decoded at once")
-    g.add_argument(
-        "--custom-generate-function-path",
-        default=None,
-        help="module:function(config, engine, tokenizer, "
-        "prompts, seeds) -> list of groups (lists) of Sample; config is the RolloutConfig",
-    )
-    agent = (
-        "module:function(client, item) -> reward, or file.py:function: an agent on the openai client (docs/agents.md)"
-    )
-    g.add_argument("--agent", default=None, help=agent + ", one episode per sample")
-    timeout = f"--agent: seconds an episode may take before it is lost (default {AGENT_TIMEOUT:g}; 0 = no limit)"
-    g.add_argument("--agent-timeout", type=nonneg_float, default=None, help=timeout)
-    g.add_argument(
-        "--multi-turn",
-        action="store_true",
-        help="run tool calls turn by turn (nanorl/multiturn.py), with per-turn metrics",
-    )
-    g.add_argument(
-        "--max-turns",
-        type=positive_int,
-        default=None,
-        help=f"--multi-turn: tool calls per response (default {RolloutConfig.max_turns}); one more ends it "
-        f"as truncated",
-    )
-    g.add_argument(
-        "--tool",
-        default=None,
-        choices=TOOLS,
-        help=f"--multi-turn: what answers a tool call (default {RolloutConfig.tool})",
-    )
-    g.add_argument(
-        "--rollout-timeout",
-        type=nonneg_float,
-        default=1800,
-        help="seconds a rank's rollout (or eval) may "
-        "take before the run saves and exits non-zero, naming what was in flight (0 = no limit)",
-    )
-
-
-def config_from_args(args, parser, group):
-    """The RolloutConfig of the rollout flags and the run's GroupSpec, after checking that the flags agree."""
-    dynamic = args.over_sampling_batch_size is not None
-    if args.partial_rollout and not (dynamic and args.over_sampling_batch_size > args.rollout_batch_size):
-        parser.error(
-            "--partial-rollout needs --over-sampling-batch-size larger than --rollout-batch-size: "
-            "partial rollouts abort the surplus that is still generating once the batch is full"
-        )
-    if args.partial_rollout and args.custom_generate_function_path:
-        parser.error(
-            "--partial-rollout drives the engine itself: it cannot be combined with --custom-generate-function-path"
-        )
-    if args.agent:
-        for on, flag in (
-            (args.custom_generate_function_path, "--custom-generate-function-path"),
-            (args.multi_turn, "--multi-turn"),
-            (args.partial_rollout, "--partial-rollout"),
-        ):
-            if on:
-                parser.error(f"--agent and {flag} cannot be combined: the agent's episodes are the rollout")
-    elif args.agent_timeout is not None:
-        parser.error("--agent-timeout is only used with --agent")
-    if args.multi_turn:
-        if args.custom_generate_function_path:
-            parser.error("--multi-turn and --custom-generate-function-path both generate the rollout: give one of them")
-        if args.partial_rollout:
-            parser.error(
-                "--multi-turn and --partial-rollout cannot be combined: partial rollouts park and resume "
-                "single engine requests"
-            )
-    elif args.max_turns is not None or args.tool is not None:
-        parser.error("--max-turns and --tool are only used with --multi-turn")
-    return RolloutConfig(
-        group=group,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        multi_turn=args.multi_turn,
-        max_turns=args.max_turns or RolloutConfig.max_turns,
-        tool=args.tool or RolloutConfig.tool,
-        partial_rollout=args.partial_rollout,
-    )
-
 
 # -----------------------------------------------------------------------------------------------
 # the Sample record: what the sampler fills in and the trainer reads (its tensor layout: nanorl/rl_trainer.py)
@@ -350,19 +195,13 @@ class RolloutFill:
     surplus goes back to the buffer. stats counts what was generated, dropped and why.
     """
 
+    COUNTS = ("groups_generated", "groups_from_buffer", "groups_dropped", "rounds", "groups_unfiltered_fill")
+
     def __init__(self, target, buffer, group_filter, max_rounds=8):
         self.target, self.buffer, self.group_filter, self.max_rounds = target, buffer, group_filter, max_rounds
-        self.stats = {
-            "groups_generated": 0,
-            "groups_from_buffer": 0,
-            "groups_dropped": 0,
-            "rounds": 0,
-            "groups_unfiltered_fill": 0,
-        }
-        self.kept, self.dropped = [], []
-        for g in buffer.pop(target):
-            self.stats["groups_from_buffer"] += 1
-            self.kept.append(g)
+        self.stats = dict.fromkeys(self.COUNTS, 0)
+        self.kept, self.dropped = list(buffer.pop(target)), []
+        self.stats["groups_from_buffer"] = len(self.kept)
 
     def full(self):
         return len(self.kept) >= self.target
@@ -396,32 +235,6 @@ class RolloutFill:
             kept.extend(fill)
         self.buffer.add(kept[self.target :])
         return kept[: self.target], stats
-
-
-# -----------------------------------------------------------------------------------------------
-# the rollout deadline
-
-
-class RolloutTimeout(BaseException):
-    """Not an Exception: a reward wrapper that catches Exception must not swallow it."""
-
-
-@contextmanager
-def deadline(seconds, what="the rollout"):
-    """Raise RolloutTimeout in this (main) thread once `seconds` have passed (0 = no limit). SIGALRM interrupts
-    Python code that hangs: a reward call, a custom rollout, a tool."""
-
-    def on_timeout(signum, frame):
-        raise RolloutTimeout(f"{what} ran past --rollout-timeout {seconds:g}s")
-
-    if seconds > 0:
-        signal.signal(signal.SIGALRM, on_timeout)
-        signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        if seconds > 0:
-            signal.setitimer(signal.ITIMER_REAL, 0)
 
 
 # -----------------------------------------------------------------------------------------------

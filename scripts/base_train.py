@@ -13,37 +13,28 @@ from contextlib import nullcontext
 import torch
 
 from nanorl import fsdp
+from nanorl.batch_fit import batch_candidates, compile_model, fit_batch, training_trial
+from nanorl.benchmark import get_peak_flops
 from nanorl.checkpoint import delete_step, find_last_step, resume, rng_state, save, set_rng_state
-from nanorl.common import (
-    ETA,
+from nanorl.common import compute_cleanup, compute_init, get_base_dir, print0, synchronize
+from nanorl.dataloader import PretrainLoader
+from nanorl.dataset import describe_source
+from nanorl.flags import (
     SLIME_NAMES,
     ArgumentParser,
-    add_logging_args,
-    batch_candidates,
     batch_or_auto,
-    compile_model,
-    compute_cleanup,
-    compute_init,
-    fit_batch,
     fraction,
-    get_base_dir,
-    get_logger,
-    get_peak_flops,
     int_or_off,
     nonneg_float,
     nonneg_int,
     positive_float,
     positive_int,
-    print0,
-    synchronize,
     tag_name,
-    training_trial,
 )
-from nanorl.dataloader import PretrainLoader
-from nanorl.dataset import describe_source
 from nanorl.fsdp import local_bytes, shard_model
 from nanorl.gpt import attention_backend, build_model, config_from_depth
 from nanorl.kv_cache import greedy_decode
+from nanorl.logger import ETA, add_logging_args, get_logger
 from nanorl.loss_eval import evaluate_bpb
 from nanorl.optim import build_optimizer
 from nanorl.precision import autocast_ctx, precision_line

@@ -30,6 +30,7 @@ from nanorl.benchmark import (
     byte_tokenizer,
     decode_step_bytes,
     device_name,
+    get_peak_flops,
     grpo_stepper,
     load_test,
     median_ms,
@@ -37,15 +38,8 @@ from nanorl.benchmark import (
     reset_peak_memory,
     timed,
 )
-from nanorl.common import (
-    ArgumentParser,
-    autodetect_device_type,
-    get_peak_flops,
-    nonneg_float,
-    nonneg_int,
-    positive_float,
-    positive_int,
-)
+from nanorl.common import autodetect_device_type
+from nanorl.flags import ArgumentParser, nonneg_float, nonneg_int, positive_float, positive_int
 from nanorl.precision import autocast_ctx, low_precision_dtype
 from scripts.bench_hf import HF_SIZES, bench_hf
 

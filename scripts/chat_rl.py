@@ -17,15 +17,27 @@ import copy
 import os
 import time
 
-from nanorl import checkpoint, common, fsdp, lora, prompts, rewards, rl_async, rl_trainer, rollout
+from nanorl import checkpoint, common, fsdp, lora, prompts, rewards, rl_async, rl_config, rl_trainer, rollout
 from nanorl.checkpoint import add_model_args, load_model_from_args
-from nanorl.common import SLIME_NAMES, ArgumentParser, nonneg_float, positive_float, positive_int, print0, tag_name
+from nanorl.common import print0
 from nanorl.engine import Engine
 from nanorl.execution import require_sandbox, sandbox_mode
+from nanorl.flags import (
+    SLIME_NAMES,
+    ArgumentParser,
+    int_list,
+    load_function,
+    nonneg_float,
+    positive_float,
+    positive_int,
+    tag_name,
+)
 from nanorl.gpt import attention_backend
+from nanorl.logger import add_logging_args, get_logger
 from nanorl.optim import build_optimizer
 from nanorl.precision import precision_line
 from nanorl.report import log_json, log_section, rl_eval_rows
+from nanorl.rl_config import GroupSpec
 from nanorl.rl_run import (
     Models,
     Ranks,
@@ -38,7 +50,6 @@ from nanorl.rl_run import (
     rl_summary,
     step_legend,
 )
-from nanorl.rollout import GroupSpec
 from nanorl.synthetic import levels_flag
 from tasks import get_task
 
@@ -74,19 +85,19 @@ def make_parser():
     g.add_argument("--eval-max-problems", type=positive_int, default=200, help="held-out prompts per eval")
     g.add_argument("--n-samples-per-eval-prompt", type=positive_int, default=4, help="per eval prompt (>= max k)")
     g.add_argument("--eval-temperature", type=nonneg_float, default=1.0, help="eval sampling temperature")
-    g.add_argument("--pass-k", type=common.int_list, default="1,4", help="comma-separated k for pass@k")
+    g.add_argument("--pass-k", type=int_list, default="1,4", help="comma-separated k for pass@k")
     g.add_argument("--save-every", type=positive_int, default=20, help="save every N rollouts")
     g.add_argument("--keep-last", type=positive_int, default=2, help="keep only the newest N checkpoints of this run")
     g.add_argument("--resume", action="store_true", help="continue from the latest RL checkpoint")
     g.add_argument(
         "--overwrite", action="store_true", help="a new run into a tag holding steps: move them to <tag>.old-<time>"
     )
-    common.add_logging_args(g)
+    add_logging_args(g)
     g.add_argument("--device-type", default=None, help="cuda | cpu | mps (default: autodetect)")
     g.add_argument("--seed", type=int, default=42, help="seed of the prompt order and of every sample's random stream")
-    rollout.add_args(parser)
-    rewards.add_args(parser)
-    rl_trainer.add_args(parser)
+    rl_config.add_rollout_args(parser)
+    rl_config.add_reward_args(parser)
+    rl_config.add_trainer_args(parser)
     rl_async.add_args(parser)
     fsdp.add_args(parser.add_argument_group("sharding (nanorl/fsdp.py)"))
     lora.add_args(parser)
@@ -102,9 +113,9 @@ def check_flags(args, parser):
     """Each part's flags checked and turned into its config once (the flags themselves stay as given) ->
     (rollout config, reward config, trainer config): the rollout and the trainer share one GroupSpec."""
     group = GroupSpec(args.n_samples_per_prompt, args.temperature, args.max_new_tokens)
-    rollout_cfg = rollout.config_from_args(args, parser, group)
-    reward_cfg = rewards.config_from_args(args, parser, default_rm_type="math" if args.prompt_data else "task")
-    trainer_cfg = rl_trainer.config_from_args(args, parser, group)
+    rollout_cfg = rl_config.rollout_config_from_args(args, parser, group)
+    reward_cfg = rl_config.reward_config_from_args(args, parser, default_rm_type="math" if args.prompt_data else "task")
+    trainer_cfg = rl_config.trainer_config_from_args(args, parser, group)
     # --fsdp shards the policy only: the extra models of these options would stay whole on every rank, and --async's
     # trainers ship weights to samplers that hold no shards
     for on, flag in (
@@ -131,11 +142,11 @@ def user_functions(args, parser):
     group_filter, custom_generate = rollout.keep_all_groups, None
     if args.over_sampling_batch_size is not None:
         flag = "--dynamic-sampling-filter-path"
-        group_filter = common.load_function(args.dynamic_sampling_filter_path, ["group"], flag)
-    buffer_filter = common.load_function(args.buffer_filter_path, ["buffer", "n"], "--buffer-filter-path")
+        group_filter = load_function(args.dynamic_sampling_filter_path, ["group"], flag)
+    buffer_filter = load_function(args.buffer_filter_path, ["buffer", "n"], "--buffer-filter-path")
     if args.custom_generate_function_path:
         keys, flag = ["config", "engine", "tokenizer", "prompts", "seeds"], "--custom-generate-function-path"
-        custom_generate = common.load_function(args.custom_generate_function_path, keys, flag)
+        custom_generate = load_function(args.custom_generate_function_path, keys, flag)
     if args.agent:  # the agent's episodes are the rollout, scored by the agent itself (nanorl/agents.py)
         if args.rm_type or args.custom_rm_path or args.rm_url:
             parser.error("--agent scores its own episodes: --rm-type, --custom-rm-path and --rm-url do not apply")
@@ -144,10 +155,10 @@ def user_functions(args, parser):
         except ImportError as e:
             parser.error(f"--agent needs the openai package: pip install openai ({e})")
         try:
-            agent = common.load_function(args.agent, ["client", "item"], "--agent")
+            agent = load_function(args.agent, ["client", "item"], "--agent")
         except ValueError as e:
             parser.error(str(e))
-        timeout = rollout.AGENT_TIMEOUT if args.agent_timeout is None else args.agent_timeout
+        timeout = rl_config.AGENT_TIMEOUT if args.agent_timeout is None else args.agent_timeout
         custom_generate = AgentRollout(agent, timeout)
     return group_filter, buffer_filter, custom_generate
 
@@ -284,7 +295,7 @@ def build_run(args, parser):
     ranks = set_up_ranks(args, parser)
     rank, device, roles = ranks.rank, ranks.device, ranks.roles
     # logging first: a missing wandb key stops the run before any model is built
-    logger = common.get_logger(
+    logger = get_logger(
         args.run, project="nanorl-rl", config=vars(args), master_process=rank == 0, tensorboard_dir=args.tensorboard
     )
     models = build_models(args, parser, ranks, trainer_cfg, train_items + eval_items)

@@ -22,32 +22,23 @@ import torch
 import torch.distributed as dist
 
 from nanorl import fsdp, lora
+from nanorl.batch_fit import batch_candidates, compile_model, fit_batch, training_trial
 from nanorl.checkpoint import add_model_args, load_model_from_args, resume, save
-from nanorl.common import (
-    ETA,
+from nanorl.common import compute_cleanup, compute_init, get_base_dir, is_sharded, print0
+from nanorl.flags import (
     SLIME_NAMES,
     ArgumentParser,
-    add_logging_args,
-    batch_candidates,
     batch_or_auto,
-    compile_model,
-    compute_cleanup,
-    compute_init,
-    fit_batch,
     fraction,
-    get_base_dir,
-    get_logger,
     int_or_off,
-    is_sharded,
     nonneg_float,
     nonneg_int,
     positive_float,
     positive_int,
-    print0,
     tag_name,
-    training_trial,
 )
 from nanorl.gpt import attention_backend
+from nanorl.logger import ETA, add_logging_args, get_logger
 from nanorl.optim import build_optimizer
 from nanorl.precision import autocast_ctx, precision_line
 from nanorl.report import data_seen, log_json, log_section
@@ -258,7 +249,7 @@ AUTO_ROWS = 16  # --device-batch-size auto: the most rows tried, and the rows of
 
 def fit_rows(args, compiled, model, optimizer, autocast, T, world_size, device):
     """--device-batch-size auto -> the rows of a micro-batch: on CUDA the largest of 16, 8, 4, ... whose training step
-    fits (the mechanism base_train uses, nanorl.common.fit_batch), with the step's tokens (--total-batch-size, by
+    fits (the mechanism base_train uses, nanorl.batch_fit.fit_batch), with the step's tokens (--total-batch-size, by
     default 16 rows per rank) kept by accumulating more micro-batches; elsewhere 16. A number is taken as it is."""
     if args.device_batch_size != "auto":
         return args.device_batch_size

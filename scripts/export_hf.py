@@ -18,7 +18,7 @@ import os
 import torch
 
 from nanorl.checkpoint import add_model_args, export_peft, find_checkpoint_dir, load_model_from_args
-from nanorl.common import ArgumentParser
+from nanorl.flags import ArgumentParser
 from nanorl.hf import check_export_dir, export_hf
 
 parser = ArgumentParser(description="Export a nanorl checkpoint to Hugging Face format")

@@ -11,7 +11,7 @@ The training loop is SFT's: train() in scripts/chat_sft.py, called here with mid
 """
 
 from nanorl import fsdp, lora
-from nanorl.common import ArgumentParser
+from nanorl.flags import ArgumentParser
 from nanorl.sft_data import levels
 from scripts.chat_sft import add_train_args, mixture, offline_val, train
 from tasks import GSM8K, MMLU, OfflineChat, OfflineProblems, SmolTalk, SpellingBee, TaskMixture

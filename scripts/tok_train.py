@@ -8,8 +8,9 @@ Train the BPE tokenizer.
 import os
 import time
 
-from nanorl.common import ArgumentParser, get_base_dir, positive_int, print0
+from nanorl.common import get_base_dir, print0
 from nanorl.dataset import describe_source, iter_documents
+from nanorl.flags import ArgumentParser, positive_int
 from nanorl.report import log_section, vocab_words
 from nanorl.tokenizer import Tokenizer
 

@@ -1,5 +1,6 @@
 """
-The Task interface shared by every dataset, plus mixing/sequencing and the local-file/Hub loading helpers.
+The Task interface shared by every dataset, plus mixing/sequencing, the graders several tasks share
+(multiple choice, the final answer after `####`) and the local-file/Hub loading helpers.
 
 A task is a list of conversations: get_example(i) -> {"messages": [...], ...}. The last assistant message is
 the reference answer; extra keys carry what graders need ("label" = the final answer, "letters" = the
@@ -10,6 +11,7 @@ response, then evaluate(conversation, text)) or "categorical" (compare the logit
 import json
 import os
 import random
+import re
 import socket
 
 from nanorl import mirror
@@ -122,6 +124,44 @@ def evaluate_mc(conversation, response_text):
     # a generative answer to a letter question: right if the first word is the right letter
     words = response_text.strip().replace(".", " ").replace(")", " ").split()
     return bool(words) and words[0] == conversation["label"]
+
+
+# -----------------------------------------------------------------------------------------------
+# the final answer after `####`: GSM8K's verdict, which the offline curriculum and SpellingBee share (their labels are
+# integers). The answer is the number right after the last `####` (an optional `$`, thousands commas and trailing
+# punctuation allowed: `#### $1,080.` reads 1080). It must be the whole number: `#### 18.5` is 18.5, never 18; a
+# response with no `####`, or with a word after it, has no answer and is wrong ("The answer is 18." included).
+
+ANSWER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")  # 18, -3, 1,080, 2.50
+
+
+def normalize_number(s):
+    """'1,080' -> '1080', '-3.0' -> '-3', '2.50' -> '2.5': exact string arithmetic, so a 400-digit answer
+    is just a long string (float() would overflow)."""
+    sign = "-" if s.startswith("-") else ""
+    whole, _, frac = s.lstrip("-").replace(",", "").partition(".")
+    whole, frac = whole.lstrip("0") or "0", frac.rstrip("0")
+    if whole == "0" and not frac:
+        sign = ""  # -0 is 0
+    return sign + whole + ("." + frac if frac else "")
+
+
+def extract_answer(text):
+    """The number right after the last `####`, normalised; None when there is none (see the docstring above)."""
+    if text is None or "####" not in text:
+        return None
+    words = text.rsplit("####", 1)[1].split()
+    if not words:
+        return None
+    word = words[0].lstrip("$").rstrip(".,;:!?")
+    return normalize_number(word) if ANSWER.fullmatch(word) else None
+
+
+def is_correct(response_text, label):
+    """The one verdict for GSM8K-style answers: the response's final answer equals the label (an integer or
+    a number string, read by the same rules)."""
+    pred, want = extract_answer(response_text), extract_answer(f"#### {label}")
+    return pred is not None and pred == want
 
 
 # -----------------------------------------------------------------------------------------------

@@ -3,20 +3,16 @@ GSM8K: grade-school math word problems (openai/gsm8k). The worked solutions carr
 `<<48/2=24>>`; each becomes a python tool call ("48/2") and its output ("24"), so SFT teaches the model to
 use the tool exactly where the dataset's authors used a calculator.
 
-Graded as nanochat grades it, and the RL reward is this same verdict: the answer is the number right after
-the last `####` (an optional `$`, thousands commas and trailing punctuation allowed: `#### $1,080.` reads
-1080). It must be the whole number: `#### 18.5` is 18.5, never 18; a response with no `####`, or with a
-word after it, has no answer and is wrong ("The answer is 18." included). The offline curriculum and
-SpellingBee use the same convention: their labels are integers.
+Graded as nanochat grades it, and the RL reward is this same verdict: the number right after the last `####`
+(tasks/common.py's is_correct, which the offline curriculum and SpellingBee share).
 """
 
 import re
 
 from nanorl.errors import BadValue
-from tasks.common import Task, load_rows, split_file
+from tasks.common import Task, extract_answer, is_correct, load_rows, split_file
 
 ANNOTATION = re.compile(r"<<([^<>]*)>>")
-ANSWER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")  # 18, -3, 1,080, 2.50
 
 
 def answer_to_parts(answer):
@@ -47,35 +43,6 @@ def parts_to_answer(parts):
         else:
             out.append(p["text"])
     return "".join(out)
-
-
-def normalize_number(s):
-    """'1,080' -> '1080', '-3.0' -> '-3', '2.50' -> '2.5': exact string arithmetic, so a 400-digit answer
-    is just a long string (float() would overflow)."""
-    sign = "-" if s.startswith("-") else ""
-    whole, _, frac = s.lstrip("-").replace(",", "").partition(".")
-    whole, frac = whole.lstrip("0") or "0", frac.rstrip("0")
-    if whole == "0" and not frac:
-        sign = ""  # -0 is 0
-    return sign + whole + ("." + frac if frac else "")
-
-
-def extract_answer(text):
-    """The number right after the last `####`, normalised; None when there is none (see the docstring above)."""
-    if text is None or "####" not in text:
-        return None
-    words = text.rsplit("####", 1)[1].split()
-    if not words:
-        return None
-    word = words[0].lstrip("$").rstrip(".,;:!?")
-    return normalize_number(word) if ANSWER.fullmatch(word) else None
-
-
-def is_correct(response_text, label):
-    """The one verdict for GSM8K-style answers: the response's final answer equals the label (an integer or
-    a number string, read by the same rules)."""
-    pred, want = extract_answer(response_text), extract_answer(f"#### {label}")
-    return pred is not None and pred == want
 
 
 class GSM8K(Task):

@@ -2,12 +2,11 @@
 The offline curriculum as tasks (nanorl/synthetic.py): verifiable problems (multi-step arithmetic and letter
 counting, levels 1-4, GSM8K's `#### N` format, optional tool calls) and small chat conversations.
 No download: the default of every script when no data is given. Train/test are disjoint by construction.
-Problems are graded by GSM8K's rule (tasks/gsm8k.py): the integer right after the last `####`.
+Problems are graded by GSM8K's rule (tasks/common.py's is_correct): the integer right after the last `####`.
 """
 
 from nanorl import synthetic
-from tasks.common import Task
-from tasks.gsm8k import is_correct
+from tasks.common import Task, is_correct
 
 DEFAULT_SIZE = {"train": 20000, "test": 500}
 

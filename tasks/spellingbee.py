@@ -8,8 +8,7 @@ Train and test never share a (word, letter) pair.
 import random
 
 from nanorl.synthetic import WORDS, letter_count_split
-from tasks.common import Task
-from tasks.gsm8k import is_correct
+from tasks.common import Task, is_correct
 
 TEMPLATES = [
     "How many {l} are in {w}?",

@@ -16,10 +16,10 @@ if __name__ == "__main__":
     import torch
     from torch._dynamo.utils import counters
 
-    import nanorl.common
+    import nanorl.batch_fit
 
-    nanorl.common.oom_is_catchable = lambda device: True
-    nanorl.common.compile_model = lambda model, device, no_compile=False: torch.compile(
+    nanorl.batch_fit.oom_is_catchable = lambda device: True
+    nanorl.batch_fit.compile_model = lambda model, device, no_compile=False: torch.compile(
         model, dynamic=False, backend="eager"
     )
     module, argv = sys.argv[1], sys.argv[2:]

@@ -20,8 +20,8 @@ from tiny_checkpoints import save_random_sft, train_tokenizer  # noqa: E402
 from nanorl import agents, function_calls  # noqa: E402
 from nanorl.engine import Engine  # noqa: E402
 from nanorl.gpt import GPTConfig, build_model  # noqa: E402
+from nanorl.rl_config import GroupSpec, RolloutConfig, TrainerConfig  # noqa: E402
 from nanorl.rl_trainer import collate  # noqa: E402
-from nanorl.rollout import GroupSpec, RolloutConfig  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -218,15 +218,13 @@ def test_a_layered_rollout_is_trained_whole_in_minibatches_of_whole_groups(tok, 
     mini-batches of whole groups that cover all of it (the cut once took len // steps Samples each, and dropped the
     last one)."""
     from nanorl import rl_trainer
-    from nanorl.common import Timer
+    from nanorl.logger import Timer
     from nanorl.optim import build_optimizer
 
     ep = endpoint(random_model, tok)
     agents.client(ep).chat.completions.create(model="any", messages=USER, max_tokens=4)
     samples = [s for e in range(9) for s in agents.group([episode_of(ep, float(e % 2), e)], [0, 0])]
-    cfg = rl_trainer.TrainerConfig(
-        group=GroupSpec(n_samples_per_prompt=3, max_response_len=64), num_steps_per_rollout=2
-    )
+    cfg = TrainerConfig(group=GroupSpec(n_samples_per_prompt=3, max_response_len=64), num_steps_per_rollout=2)
     trainer = rl_trainer.Trainer(cfg, random_model, build_optimizer(random_model), torch.device("cpu"))
     seen = []
     trainer.train_minibatch = lambda batch, *a, **k: seen.append(len(batch)) or {"pg_loss": 0.0}

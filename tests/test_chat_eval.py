@@ -135,7 +135,7 @@ def test_categorical_eval_makes_logits_only_where_it_scores_and_fits_its_batch(t
     """The head sees one hidden state per prompt, never all T positions (at -b 64 on MMLU the fp32 logits of every
     position were tens of GB). Under a simulated memory limit of 2 prompts a forward (out of memory is caught, as on
     CUDA) the eval picks 2 of -b 8 and gives the same verdicts as without the limit."""
-    import nanorl.common
+    import nanorl.batch_fit
 
     torch.manual_seed(0)
     model = build_model(
@@ -149,7 +149,7 @@ def test_categorical_eval_makes_logits_only_where_it_scores_and_fits_its_batch(t
     free = run_categorical(model, tok, task, list(range(8)), batch_size=8)
     assert None not in free and head_inputs == [(8, 32)]  # one batch: (prompts, width), the last position of each alone
 
-    monkeypatch.setattr(nanorl.common, "oom_is_catchable", lambda device: True)
+    monkeypatch.setattr(nanorl.batch_fit, "oom_is_catchable", lambda device: True)
     real_hidden = model.hidden_states
 
     def hidden_states(idx, **kw):  # the memory limit: 2 prompts a forward
@@ -168,7 +168,7 @@ def test_generative_eval_fits_its_engine_batch_to_memory(tok, monkeypatch, capsy
     """-b is also the rows the engine decodes at once. Under a simulated memory limit of a 3-row KV cache (out of
     memory is caught, as on CUDA) the eval's engine takes 2 of -b 8, and answers the same problems with the same
     tokens as an engine of 8 rows."""
-    import nanorl.common
+    import nanorl.batch_fit
     import nanorl.engine
 
     torch.manual_seed(0)
@@ -179,7 +179,7 @@ def test_generative_eval_fits_its_engine_batch_to_memory(tok, monkeypatch, capsy
     free = fitted_engine(model, tok, 8, torch.device("cpu"))  # out of memory is not caught on the CPU: no trial
     assert free.batch_size == 8 and capsys.readouterr().out == ""
 
-    monkeypatch.setattr(nanorl.common, "oom_is_catchable", lambda device: True)
+    monkeypatch.setattr(nanorl.batch_fit, "oom_is_catchable", lambda device: True)
     real_cache = nanorl.engine.new_kv_cache
 
     def new_kv_cache(model, batch_size, *args):  # the memory limit: a cache of 3 rows

@@ -201,7 +201,7 @@ def test_save_then_resume_restores_weights_optimizer_extra_and_rngs(tmp_path):
 
 def test_model_flags_pick_the_checkpoint_that_load_model_reads(tmp_path, monkeypatch):
     from nanorl.checkpoint import add_model_args, checkpoint_root, load_model_from_args
-    from nanorl.common import ArgumentParser
+    from nanorl.flags import ArgumentParser
     from nanorl.tokenizer import SPLIT_PATTERN, Tokenizer
 
     monkeypatch.setenv("NANORL_BASE_DIR", str(tmp_path))

@@ -8,19 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanorl.common import (
-    ETA,
-    ArgumentParser,
-    Logger,
-    autodetect_device_type,
-    fraction,
-    get_logger,
-    int_or_off,
-    load_function,
-    number_in,
-    positive_float,
-    positive_int,
-)
+from nanorl.common import autodetect_device_type
+from nanorl.flags import ArgumentParser, fraction, int_or_off, load_function, number_in, positive_float, positive_int
+from nanorl.logger import ETA, Logger, get_logger
 
 
 def parse_error(parser, argv, capsys):
@@ -110,7 +100,7 @@ def test_wandb_without_a_key_fails_at_once_naming_offline_mode(monkeypatch, tmp_
     assert "set WANDB_MODE=offline" in str(e.value) and "--run 'myrun'" in str(e.value) and "\n" not in str(e.value)
     assert isinstance(get_logger("dummy"), Logger) and isinstance(get_logger("myrun", master_process=False), Logger)
     (tmp_path / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password abc\n")
-    from nanorl.common import wandb_has_credentials
+    from nanorl.logger import wandb_has_credentials
 
     assert wandb_has_credentials()
 

@@ -199,7 +199,7 @@ def _oom_trial_worker(rank, world, init_file, out_path, lockstep):
 
     import torch.distributed as dist
 
-    from nanorl.common import fit_device_batch
+    from nanorl.batch_fit import fit_device_batch
     from nanorl.fsdp import lockstep_trial, shard_model
 
     # a bounded wait: ranks left in different collectives fail here in 20 s rather than hang
@@ -536,9 +536,9 @@ def rl_samples():
 
 def rl_step_grads(model, samples, world=1, distributed=False):
     """The gradients each of chat_rl's optimizer steps hands the optimizer (full tensors; the weights are left as they are)."""
-    from nanorl.common import Timer
-    from nanorl.rl_trainer import DataParallel, Trainer, TrainerConfig
-    from nanorl.rollout import GroupSpec
+    from nanorl.logger import Timer
+    from nanorl.rl_config import GroupSpec, TrainerConfig
+    from nanorl.rl_trainer import DataParallel, Trainer
 
     grads, opt = [], build_optimizer(model)
     opt.step = lambda: grads.append(

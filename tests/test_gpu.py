@@ -22,8 +22,9 @@ from nanorl.common import strict_collective_device
 from nanorl.gpt import GPT, GPTConfig, build_model, config_from_depth
 from nanorl.optim import build_optimizer
 from nanorl.precision import autocast_ctx
+from nanorl.rl_config import GroupSpec, TrainerConfig
 from nanorl.rl_trainer import collate
-from nanorl.rollout import GroupSpec, Sample
+from nanorl.rollout import Sample
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -79,7 +80,7 @@ WHITENED = [("grpo", {"normalize_advantages": True}), ("reinforce_plus_plus", {}
 def _trainer_advantages(rank, device, est, options):
     """chat_rl's own advantage code, rl_trainer.Trainer.compute_advantages, with a KL penalty in the reward."""
     group = GroupSpec(n_samples_per_prompt=2, max_response_len=8)
-    cfg = rl_trainer.TrainerConfig(group=group, advantage_estimator=est, kl_coef=0.1, **options)
+    cfg = TrainerConfig(group=group, advantage_estimator=est, kl_coef=0.1, **options)
     trainer = rl_trainer.Trainer(
         cfg, None, None, torch.device(device), data_parallel=rl_trainer.DataParallel(distributed=True)
     )

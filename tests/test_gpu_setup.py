@@ -15,7 +15,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nanorl import gpu_setup
-from nanorl.common import batch_candidates, compute_init, fit_device_batch
+from nanorl.batch_fit import batch_candidates, fit_device_batch
+from nanorl.common import compute_init
 
 ROOT = Path(__file__).resolve().parents[1]
 CU126 = "https://download.pytorch.org/whl/cu126"

@@ -316,7 +316,7 @@ def test_a_tag_that_leaves_its_checkpoints_directory_is_one_line(tmp_path, modul
 
 
 def test_tag_name():
-    from nanorl.common import tag_name
+    from nanorl.flags import tag_name
 
     assert [tag_name(t) for t in ("d4", "my-run", "r.72")] == ["d4", "my-run", "r.72"]
     for bad in ("", ".", "..", "../x", "a/b", "a\\b", "-x"):

@@ -359,7 +359,7 @@ def test_the_three_graders_that_used_to_disagree():
     )
     assert math_reward(f"The answer is {label}.", label) == 1.0
     # a 400-digit answer is a wrong answer, not an OverflowError that ends chat_eval
-    from tasks.gsm8k import extract_answer as gsm8k_answer
+    from tasks.common import extract_answer as gsm8k_answer
 
     assert gsm8k_answer("#### " + "9" * 400) == "9" * 400
     assert not task.evaluate(conv, "#### " + "9" * 400) and reward_fn("#### " + "9" * 400, label, {"row": row}) == 0.0

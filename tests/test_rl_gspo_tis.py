@@ -20,7 +20,7 @@ def close(a, b, tol=1e-5):
 def gspo_grad(lp, old, A, m, tis, agg="seq_mean_token_mean", eps=0.2):
     logp = lp.clone().requires_grad_()
     loss, _ = rl.policy_loss(
-        logp, old, A, m, kind="gspo", eps_clip=eps, loss_agg=agg, max_len=lp.size(1), tis_weights=tis
+        logp, old, A, m, rl.LossConfig(kind="gspo", eps_clip=eps, loss_agg=agg, max_len=lp.size(1)), tis_weights=tis
     )
     loss.backward()
     return loss.detach(), logp.grad

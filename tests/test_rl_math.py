@@ -264,7 +264,7 @@ def test_policy_loss_clip_higher():
     A = t([[1.0, 1.0, -1.0, 1.0, -1.0]])
     logp = ratio.log().requires_grad_()
     m = torch.ones(1, 5)
-    loss, met = rl.policy_loss(logp, torch.zeros(1, 5), A, m, eps_clip=0.2, eps_clip_high=0.28)
+    loss, met = rl.policy_loss(logp, torch.zeros(1, 5), A, m, rl.LossConfig(eps_clip=0.2, eps_clip_high=0.28))
     # per token: -1.25 (inside), -1.28 (clipped high), .8 (clipped low), -.7, 1.5 (A<0, ratio up: not clipped)
     close(loss, (-1.25 - 1.28 + 0.8 - 0.7 + 1.5) / 5)
     close([float(met["clipfrac"]), float(met["clipfrac_low"]), float(met["clipfrac_high"])], [0.4, 0.2, 0.2])
@@ -272,7 +272,7 @@ def test_policy_loss_clip_higher():
     loss.backward()  # d(-A r)/dlogp = -A r on unclipped tokens, 0 on clipped ones
     close(logp.grad, [[-1.25 / 5, 0.0, 0.0, -0.7 / 5, 1.5 / 5]])
     # symmetric .2 clips the first token too: -1.2 instead of -1.25
-    loss, met = rl.policy_loss(ratio.log(), torch.zeros(1, 5), A, m, eps_clip=0.2)
+    loss, met = rl.policy_loss(ratio.log(), torch.zeros(1, 5), A, m, rl.LossConfig(eps_clip=0.2))
     close(loss, (-1.2 - 1.2 + 0.8 - 0.7 + 1.5) / 5)
     close(met["clipfrac_high"], 0.4)
 
@@ -280,14 +280,14 @@ def test_policy_loss_clip_higher():
 def test_policy_loss_dual_clip_and_tis():
     ratio, A = t([[5.0, 2.0, 5.0]]), t([[-1.0, -1.0, 1.0]])
     m = torch.ones(1, 3)
-    loss, met = rl.policy_loss(ratio.log(), torch.zeros(1, 3), A, m, eps_clip=0.2, eps_clip_c=3.0)
+    loss, met = rl.policy_loss(ratio.log(), torch.zeros(1, 3), A, m, rl.LossConfig(eps_clip=0.2, eps_clip_c=3.0))
     # A<0, r=5: max(5, 1.2) = 5 -> min(5, 3) = 3 ; A<0, r=2: 2 < 3 stays ; A>0, r=5: max(-5, -1.2) = -1.2
     close(loss, (3.0 + 2.0 - 1.2) / 3)
     close(met["dual_clip_frac"], 1 / 3)
-    loss, _ = rl.policy_loss(ratio.log(), torch.zeros(1, 3), A, m, eps_clip=0.2)
+    loss, _ = rl.policy_loss(ratio.log(), torch.zeros(1, 3), A, m, rl.LossConfig(eps_clip=0.2))
     close(loss, (5.0 + 2.0 - 1.2) / 3)
     with pytest.raises(ValueError):
-        rl.policy_loss(ratio.log(), torch.zeros(1, 3), A, m, eps_clip_c=0.5)
+        rl.policy_loss(ratio.log(), torch.zeros(1, 3), A, m, rl.LossConfig(eps_clip_c=0.5))
     # tis weights scale the per-token loss: on-policy, A = 1, 2, weights .5, 2 -> (-.5 - 4) / 2
     lp = torch.zeros(1, 2, requires_grad=True)
     loss, _ = rl.policy_loss(
@@ -302,7 +302,7 @@ def test_policy_loss_aggregations_differ():
     lp = torch.zeros(2, 3)
     A = t([[1.0, 1.0, 1.0], [4.0, 0.0, 0.0]])
     m = t([[1, 1, 1], [1, 0, 0]])
-    losses = [rl.policy_loss(lp, lp, A, m, loss_agg=agg, max_len=3)[0].item() for agg in rl.LOSS_AGGS]
+    losses = [rl.policy_loss(lp, lp, A, m, rl.LossConfig(loss_agg=agg, max_len=3))[0].item() for agg in rl.LOSS_AGGS]
     # token mean: -(1+1+1+4)/4 ; seq mean: -(1 + 4)/2 ; sum norm: -(3/3 + 4/3)/2
     close(losses, [-7 / 4, -5 / 2, -7 / 6])
 
@@ -313,7 +313,9 @@ def test_gspo_loss():
     m = t([[1, 1, 1], [1, 1, 0]])
     A = t([1.0, -1.0])
     logp = lr.clone().requires_grad_()
-    loss, met = rl.policy_loss(logp, old, A, m, kind="gspo", eps_clip=0.2, loss_agg="seq_mean_token_mean")
+    loss, met = rl.policy_loss(
+        logp, old, A, m, rl.LossConfig(kind="gspo", eps_clip=0.2, loss_agg="seq_mean_token_mean")
+    )
     # s0 = e^.05 (inside, A>0: -s0) ; s1 = e^-.4 = .67 < .8 with A<0: clipped -> .8
     close(loss, (-math.exp(0.05) + 0.8) / 2)
     close(met["clipfrac"], 0.5)
@@ -332,7 +334,7 @@ def test_gspo_loss():
     # (B, T) advantages: taken at each row's first masked token (left padding), here 1 and -1
     m2 = t([[0, 1, 1], [1, 1, 0]])
     A2 = t([[99.0, 1.0, 1.0], [-1.0, -1.0, 5.0]])
-    loss2, _ = rl.policy_loss(lr, old, A2, m2, kind="gspo", eps_clip=0.2, loss_agg="seq_mean_token_mean")
+    loss2, _ = rl.policy_loss(lr, old, A2, m2, rl.LossConfig(kind="gspo", eps_clip=0.2, loss_agg="seq_mean_token_mean"))
     close(loss2, (-math.exp(0.025) + 0.8) / 2)
 
 
@@ -344,7 +346,7 @@ def test_gspo_gradient_matches_sequence_form_random():
     A = t([0.7, -1.3, 0.4])
     logp = lr.clone().requires_grad_()
     loss, _ = rl.policy_loss(
-        logp, old, A, m, kind="gspo", eps_clip=0.1, eps_clip_high=0.15, loss_agg="seq_mean_token_mean"
+        logp, old, A, m, rl.LossConfig(kind="gspo", eps_clip=0.1, eps_clip_high=0.15, loss_agg="seq_mean_token_mean")
     )
     loss.backward()
     logp2 = lr.clone().requires_grad_()
@@ -359,14 +361,14 @@ def test_cispo_loss():
     lp = t([[math.log(1.5), math.log(0.5), 0.0]])
     A, m, old = t([[1.0, 1.0, -2.0]]), torch.ones(1, 3), torch.zeros(1, 3)
     logp = lp.clone().requires_grad_()
-    loss, met = rl.policy_loss(logp, old, A, m, kind="cispo", eps_clip=1.0, eps_clip_high=0.2)
+    loss, met = rl.policy_loss(logp, old, A, m, rl.LossConfig(kind="cispo", eps_clip=1.0, eps_clip_high=0.2))
     # eps_clip 1 = no lower clip: weights clip(1.5, 1.2) = 1.2, .5, 1 ; loss -(1.2 lp0 + .5 lp1 - 2 lp2) / 3
     close(loss, -(1.2 * math.log(1.5) + 0.5 * math.log(0.5)) / 3)
     loss.backward()
     close(logp.grad, [[-1.2 / 3, -0.5 / 3, 2.0 / 3]])  # -clip(r) A / T: every token keeps a gradient
     close(met["clipfrac"], 1 / 3)
     logp = lp.clone().requires_grad_()
-    loss, met = rl.policy_loss(logp, old, A, m, kind="cispo", eps_clip=0.2, eps_clip_high=0.2)
+    loss, met = rl.policy_loss(logp, old, A, m, rl.LossConfig(kind="cispo", eps_clip=0.2, eps_clip_high=0.2))
     loss.backward()
     close(logp.grad, [[-1.2 / 3, -0.8 / 3, 2.0 / 3]])
     close(met["clipfrac"], 2 / 3)
@@ -421,7 +423,11 @@ def test_every_policy_loss_through_every_option(kind, agg, tis_mode, extras):
     if extras == "dual_clip" and kind == "cispo":
         with pytest.raises(ValueError, match="CISPO"):
             rl.policy_loss(
-                torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2), kind=kind, eps_clip_c=3.0
+                torch.zeros(1, 2),
+                torch.zeros(1, 2),
+                torch.ones(1, 2),
+                torch.ones(1, 2),
+                rl.LossConfig(kind=kind, eps_clip_c=3.0),
             )
         return
     g = torch.Generator().manual_seed(7)
@@ -440,25 +446,19 @@ def test_every_policy_loss_through_every_option(kind, agg, tis_mode, extras):
     eps, eps_high = (0.1, 0.15) if kind == "gspo" else (0.2, 0.28)
     eps_c = 2.0 if extras == "dual_clip" else None
     ent_coef, kl_coef = (0.03, 0.2) if extras == "entropy_kl" else (0.0, 0.0)
-    logp = lp.clone().requires_grad_()
-    loss, met = rl.policy_loss(
-        logp,
-        old,
-        A,
-        m,
+    cfg = rl.LossConfig(
         kind=kind,
         eps_clip=eps,
         eps_clip_high=eps_high,
         eps_clip_c=eps_c,
         loss_agg=agg,
         max_len=T,
-        tis_weights=tis,
-        entropy=ent,
         entropy_coef=ent_coef,
-        ref_logp=ref,
         kl_type="k3",
         kl_coef=kl_coef,
     )
+    logp = lp.clone().requires_grad_()
+    loss, met = rl.policy_loss(logp, old, A, m, cfg, tis_weights=tis, entropy=ent, ref_logp=ref)
     L = lambda x: x.tolist()
     expected = _reference_loss(
         kind,
@@ -479,23 +479,7 @@ def test_every_policy_loss_through_every_option(kind, agg, tis_mode, extras):
     )
     close(loss, expected)
     if tis_mode:  # the weights really were applied: without them the loss differs
-        plain, _ = rl.policy_loss(
-            lp,
-            old,
-            A,
-            m,
-            kind=kind,
-            eps_clip=eps,
-            eps_clip_high=eps_high,
-            eps_clip_c=eps_c,
-            loss_agg=agg,
-            max_len=T,
-            entropy=ent,
-            entropy_coef=ent_coef,
-            ref_logp=ref,
-            kl_type="k3",
-            kl_coef=kl_coef,
-        )
+        plain, _ = rl.policy_loss(lp, old, A, m, cfg, entropy=ent, ref_logp=ref)
         assert abs(float(plain) - expected) > 1e-4
     if extras == "entropy_kl":
         assert "kl_loss" in met and "entropy_loss" in met

@@ -11,8 +11,8 @@ import torch
 import warm_python  # pytest puts tests/ on sys.path
 from test_chat_rl import RM, base_dir  # noqa: F401 (the tiny tokenizer and checkpoint)
 
+from nanorl.rl_config import GroupSpec
 from nanorl.rl_run import STEP_FIELDS, idle_line, local_pass_at_k, reduce_pass_at_k, rl_summary, step_legend, step_line
-from nanorl.rollout import GroupSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--source", "sft", "--model-tag", "t", "--levels", "1", "--rollout-batch-size", "4", "--n-samples-per-prompt",

@@ -12,13 +12,20 @@ import pytest
 import torch
 
 from nanorl import rl, rl_trainer
-from nanorl.common import Timer
 from nanorl.engine import Engine, Request
 from nanorl.gpt import Critic, GPTConfig, build_model
+from nanorl.logger import Timer
 from nanorl.optim import MuonAdamW, build_optimizer
-from nanorl.rewards import RewardConfig
+from nanorl.rl_config import (
+    GroupSpec,
+    RewardConfig,
+    RolloutConfig,
+    TrainerConfig,
+    add_trainer_args,
+    trainer_config_from_args,
+)
 from nanorl.rl_trainer import collate, collate_packed, pad_like
-from nanorl.rollout import GroupSpec, RolloutConfig, RolloutWorker, Sample, extend_sample
+from nanorl.rollout import RolloutWorker, Sample, extend_sample
 from nanorl.tokenizer import SPLIT_PATTERN, Tokenizer
 
 V = 300
@@ -34,16 +41,16 @@ def tiny_model(seed=0):
 
 def trainer_config(estimator="grpo", n=4, max_len=12, temperature=1.0, **kw):
     group = GroupSpec(n_samples_per_prompt=n, temperature=temperature, max_response_len=max_len)
-    return rl_trainer.TrainerConfig(group=group, advantage_estimator=estimator, **kw)
+    return TrainerConfig(group=group, advantage_estimator=estimator, **kw)
 
 
 def parse_trainer_flags(*flags, estimator="grpo"):
     """chat_rl's training flags through its parser and checks -> the TrainerConfig."""
     p = argparse.ArgumentParser()
-    rl_trainer.add_args(p)
+    add_trainer_args(p)
     p.add_argument("--num-rollouts", type=int, default=60)  # chat_rl's own flags: the LR decay's horizon,
     group = GroupSpec(n_samples_per_prompt=4, temperature=1.0, max_response_len=12)  # the group
-    return rl_trainer.config_from_args(p.parse_args([*flags, "--advantage-estimator", estimator]), p, group)
+    return trainer_config_from_args(p.parse_args([*flags, "--advantage-estimator", estimator]), p, group)
 
 
 def make_samples(lengths, n=4, seed=0):
@@ -225,8 +232,7 @@ def test_gspo_rows_weigh_equally_under_sequence_mean():
             lp.detach(),
             pad_like([adv[i] for i in mb], lp.size(1)),
             b["loss_mask"],
-            kind="gspo",
-            loss_agg="seq_mean_token_mean",
+            rl.LossConfig(kind="gspo", loss_agg="seq_mean_token_mean"),
         )
         (loss * len(mb) / 8).backward()
     for w, p in zip(want, model.parameters()):
@@ -300,10 +306,10 @@ def test_worker_and_trainer_read_one_group_spec():
     samples = [s for g in groups for s in g]
     for i, s in enumerate(samples):  # (the tiny model's vocabulary is larger than the tokenizer's: no text to grade)
         s.reward = float(i % 2)
-    cfg = rl_trainer.TrainerConfig(group=group)
+    cfg = TrainerConfig(group=group)
     trainer = rl_trainer.Trainer(cfg, model, build_optimizer(model), torch.device("cpu"))
     assert trainer.train_step(0, copy.deepcopy(samples), Timer())["train/train_rollout_logprob_abs_diff"] < 1e-5
-    other = rl_trainer.TrainerConfig(group=GroupSpec(n_samples_per_prompt=2, temperature=1.0, max_response_len=8))
+    other = TrainerConfig(group=GroupSpec(n_samples_per_prompt=2, temperature=1.0, max_response_len=8))
     fresh = tiny_model(3)
     trainer = rl_trainer.Trainer(other, fresh, build_optimizer(fresh), torch.device("cpu"))
     assert trainer.train_step(0, samples, Timer())["train/train_rollout_logprob_abs_diff"] > 1e-2

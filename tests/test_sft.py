@@ -499,14 +499,14 @@ def test_a_stage_fits_its_batch_to_memory_and_trains_the_same_step(base_dir, mon
     bit, and 16 rows at once to summation order."""
     from argparse import ArgumentParser
 
-    import nanorl.common
+    import nanorl.batch_fit
     import scripts.chat_sft as chat_sft
     import scripts.mid_train as mid_train
     from nanorl.checkpoint import load_checkpoint
     from nanorl.gpt import GPT
 
     monkeypatch.setenv("NANORL_BASE_DIR", str(base_dir))
-    monkeypatch.setattr(nanorl.common, "oom_is_catchable", lambda device: True)
+    monkeypatch.setattr(nanorl.batch_fit, "oom_is_catchable", lambda device: True)
     script = mid_train if stage == "mid" else chat_sft
     limit, real_forward = [None], GPT.forward
 

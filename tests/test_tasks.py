@@ -19,7 +19,8 @@ from tasks import (
     TaskSequence,
     get_task,
 )
-from tasks.gsm8k import answer_to_parts, extract_answer, parts_to_answer
+from tasks.common import extract_answer
+from tasks.gsm8k import answer_to_parts, parts_to_answer
 from tasks.humaneval import build_program
 
 GSM8K_DIR = Path(__file__).resolve().parents[1].parent / "shared/data/gsm8k"
