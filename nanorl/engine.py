@@ -52,11 +52,10 @@ from torch.nn.attention import sdpa_kernel
 
 from nanorl.engine_graphs import (
     KERNEL_NAMES,
+    attention_backends,
     capture_decode_graphs,
-    decode_backends,
     engine_autocast,
     first_stale_graph,
-    prefill_backends,
 )
 from nanorl.gpt import LockstepDecode, inference_copy
 from nanorl.inflight import InflightSample, SlotRecords
@@ -122,7 +121,10 @@ class Handle:
     def result(self):
         """Wait until every sample has ended (stepping the engine unless a serve_forever thread does) -> list[Completion]."""
         while not self.done:
-            self.engine._progress(self)
+            if self.engine.serving:
+                self.finished.wait(0.1)
+            else:
+                self.engine.step()
         return self.completions
 
     def __iter__(self):
@@ -164,10 +166,10 @@ def check_request(r, max_len, vocab_size):
         raise ValueError(f"prompt has unknown token ids {bad[:5]}: ids are ints in [0, {vocab_size})")
     if r.stop_tokens is not None and any(not isinstance(t, int) or not 0 <= t < vocab_size for t in r.stop_tokens):
         raise ValueError(f"stop_tokens {r.stop_tokens} has ids outside the vocab (size {vocab_size})")
-    if not isinstance(r.num_samples, int) or r.num_samples < 1:
-        raise ValueError(f"num_samples must be >= 1, got {r.num_samples}")
-    if not isinstance(r.max_tokens, int) or r.max_tokens <= 0:
-        raise ValueError(f"max_tokens must be >= 1, got {r.max_tokens}")
+    for name, least in (("num_samples", 1), ("max_tokens", 1), ("first_sample", 0), ("start_counter", 0)):
+        v = getattr(r, name)
+        if not isinstance(v, int) or v < least:
+            raise ValueError(f"{name} must be an int >= {least}, got {v!r}")
     for name in ("temperature", "top_p", "top_k"):  # NaN passes every range check below; inf is no setting
         v = getattr(r, name)
         if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)):
@@ -178,13 +180,6 @@ def check_request(r, max_len, vocab_size):
         raise ValueError(f"top_k must be >= 1 (or None), got {r.top_k}")
     if r.top_p is not None and not 0 < r.top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1] (or None), got {r.top_p}")
-    if not (
-        isinstance(r.first_sample, int)
-        and isinstance(r.start_counter, int)
-        and r.first_sample >= 0
-        and r.start_counter >= 0
-    ):
-        raise ValueError(f"first_sample and start_counter must be ints >= 0, got {r.first_sample}, {r.start_counter}")
 
 
 # --- the engine ---------------------------------------------------------------------------------
@@ -227,6 +222,9 @@ class Engine:
             dtype = dtype or low_precision_dtype(self.device)
             self.model, self.flat_weights = inference_copy(model, dtype)
         self.tool, self.tool_timeout, self.prefill_tokens = tool, tool_timeout, prefill_tokens
+        # every forward runs in this precision, on these attention kernels (engine_graphs says why they are pinned)
+        self.autocast = engine_autocast(self.device, self.model.lm_head.weight.dtype)
+        self.attention = attention_backends(self.device)
         self.markup = ToolMarkup(tokenizer)
         self.default_stops = self.markup.stops
 
@@ -297,9 +295,7 @@ class Engine:
     def submit_and_wait(self, requests):
         """Run requests to the end -> for each request, in order, its list of num_samples Completions."""
         handles = self.submit_all(list(requests))
-        for h in handles:
-            h.result()
-        return [h.completions for h in handles]
+        return [h.result() for h in handles]
 
     def stream(self, request):
         """One sample, token by token: yields {"token", "logprob", "mask"} dicts, then {"status", "completion"}.
@@ -332,10 +328,8 @@ class Engine:
     def attention_kernels(self):
         """One line for the log: the SDPA kernel each phase is pinned to."""
         graphs = ", CUDA graphs" if self.use_cuda_graph else ""
-        return (
-            f"engine attention: prefill = SDPA {KERNEL_NAMES[self.prefill_attention()[0]]}, "
-            f"decode = SDPA {KERNEL_NAMES[self.decode_attention()[0]]}{graphs} (both pinned)"
-        )
+        kernel = KERNEL_NAMES[self.attention[0]]
+        return f"engine attention: prefill = SDPA {kernel}, decode = SDPA {kernel}{graphs} (both pinned)"
 
     def serve_forever(self):
         """Step the engine in this thread until shutdown() (run it in a daemon thread): requests submitted from
@@ -408,13 +402,6 @@ class Engine:
     def _has_work(self):
         return bool(self.pending) or self.cancel_requested or self.n_busy > 0
 
-    def _progress(self, handle):
-        """Let a waiting caller's work advance: step inline, or wait while a serve_forever thread steps."""
-        if self.serving:
-            handle.finished.wait(0.1)
-        else:
-            self.step()
-
     # --- one step -------------------------------------------------------------------------------
     def _drop_cancelled(self):
         with self.lock:
@@ -468,16 +455,11 @@ class Engine:
         idx = torch.tensor([p + [0] * (T - len(p)) for p in prompts], device=dev)
         first = torch.tensor([g[0].slot for g in groups], device=dev)
         self.cache.pos[first] = 0
-        self.cache.rows = first
-        try:  # the attention kernel is pinned here too (see _forward_step), so no upgrade swaps it silently
-            with self._autocast(), sdpa_kernel(self.prefill_attention()):
-                h = self.model.hidden_states(idx, kv_cache=self.cache)
-        finally:
-            self.cache.rows = None
+        h = self._forward(idx, first)
         # a short prompt's padding left garbage past its end: the mask never shows it and decode overwrites it
         lens_t = torch.tensor(lens, device=dev)
         self.cache.pos[first] = lens_t
-        with self._autocast():
+        with self.autocast:
             logits = self.model.logits_from_hidden(h[torch.arange(len(groups), device=dev), lens_t - 1])
         samples = [s for g in groups for s in g]
         for g in groups:
@@ -491,8 +473,7 @@ class Engine:
         rows = torch.from_numpy(slots).to(dev)
         self._set_slot_params(samples, rows)
         which = torch.tensor([i for i, g in enumerate(groups) for _ in g], device=dev)
-        tokens = self._choose_and_record(logits[which], rows, slots)
-        self.input_ids[rows] = tokens
+        self.input_ids[rows] = self._sample_and_record(logits[which], rows, slots)
 
     def _set_slot_params(self, samples, rows):
         reqs = [s.handle.request for s in samples]
@@ -534,13 +515,13 @@ class Engine:
         logits = self._decode_logits(size, int(self.records.lengths(n).max()))
         forced = None
         if self.forcing:  # tool output waiting: those rows take their next forced token instead of a sampled one
-            forced = np.full(size, -1, dtype=np.int64)
+            forced = np.full(n, -1, dtype=np.int64)
             for s in list(self.forcing):
                 forced[s.slot] = s.forced.popleft()
                 if not s.forced:
                     self.forcing.discard(s)
-        tokens = self._choose_and_record(logits, slice(0, size), np.arange(n), forced, busy=slice(0, n))
-        self.input_ids[:size] = tokens
+        # the idle rows of the batch (n..size-1) decoded garbage: only the busy ones are sampled
+        self.input_ids[:n] = self._sample_and_record(logits[:n], slice(0, n), np.arange(n), forced)
 
     def _decode_logits(self, size, need):
         """Logits (size, V) of one decode step of rows 0..size-1; each writes at its position, reads <= need keys."""
@@ -551,19 +532,26 @@ class Engine:
         return logits  # a static tensor: read it before the next replay
 
     def _forward_step(self, size):
-        # eager, or the body a CUDA graph records (then cache.static is set and attend_len is a bucket);
-        # the attention kernel is pinned (decode_backends says why). Eager rows that all stand at one position
-        # (batch 1, a prompt's samples) take the model's lean step, on the engine's own copy (a shared model may
-        # be sharded: its blocks' hooks must run)
+        # eager, or the body a CUDA graph records (then cache.static is set and attend_len is a bucket). Eager rows
+        # that all stand at one position (batch 1, a prompt's samples) take the model's lean step, on the engine's own
+        # copy (a shared model may be sharded: its blocks' hooks must run)
         pos = None if self.cache.static or self.lockstep is None else self.cache.lockstep(size)
-        with self._autocast(), sdpa_kernel(self.decode_attention()):
-            if pos is not None:  # rows from one prefill (a prompt's samples) share its KV: read it once
+        if pos is not None:  # rows from one prefill (a prompt's samples) share its KV: read it once
+            with self.autocast, sdpa_kernel(self.attention):
                 return self.lockstep(self.input_ids[:size], pos, *self._shared_prompts(size))
-            self.cache.rows = slice(0, size)
-            try:
-                return self.model(self.input_ids[:size, None], kv_cache=self.cache)[:, 0]
-            finally:
-                self.cache.rows = None
+        h = self._forward(self.input_ids[:size, None], slice(0, size))
+        with self.autocast:
+            return self.model.logits_from_hidden(h[:, 0])
+
+    def _forward(self, idx, rows):
+        """The model's hidden states of the tokens idx (B, T) appended to cache rows `rows` (a slice of leading rows or
+        a LongTensor, see KVCache.rows), on the pinned attention kernels."""
+        self.cache.rows = rows
+        try:
+            with self.autocast, sdpa_kernel(self.attention):
+                return self.model.hidden_states(idx, kv_cache=self.cache)
+        finally:
+            self.cache.rows = None
 
     def _shared_prompts(self, size):
         """(P, n) when rows 0..size-1 come in groups of n > 1 rows, each group one prefill's samples, every prompt
@@ -578,42 +566,29 @@ class Engine:
             return 0, None
         return int(lens[0]), n
 
-    def decode_attention(self):
-        return decode_backends(self.device)  # see nanorl/engine_graphs.py
-
-    def prefill_attention(self):
-        return prefill_backends(self.device)
-
-    def _autocast(self):
-        return engine_autocast(self.device, self.model.lm_head.weight.dtype)
-
     def _bucket(self, need):
         return next(L for L in self.buckets if L >= need)
 
-    def _choose_and_record(self, logits, rows, slots, forced=None, busy=None):
-        """Pick the next token of the samples in `slots` (numpy; logits row i is slots[i], rows their device
-        index, busy the same as a slice when they are 0..n-1): sampled, or the forced tool token where forced[i]
-        >= 0; record it with its log-prob."""
-        busy = slots if busy is None else busy
+    def _sample_and_record(self, logits, rows, slots, forced=None):
+        """Pick the next token of the samples in `slots` (numpy; logits row i is slots[i], rows the same slots as a
+        device index): sampled, or the forced tool token where forced[i] >= 0; record it with its log-prob -> the
+        tokens (on the device)."""
         f = None if forced is None else torch.from_numpy(forced).to(self.device)
         rec = self.records
-        filtered, greedy = bool(rec.filtered[busy].any()), bool(rec.greedy[busy].any())
-        unit = bool(rec.unit[busy].all())
-        # every row greedy (an eval, a chat at T = 0): no uniforms, the argmax alone. The uniforms are made on the
-        # host (records.uniforms), for the idle rows of a decode batch too (rows slice past busy; their draw is unused)
+        filtered, greedy = bool(rec.filtered[slots].any()), bool(rec.greedy[slots].any())
+        unit = bool(rec.unit[slots].all())
+        # every row greedy (an eval, a chat at T = 0): no uniforms, the argmax alone. The uniforms are made on the host
         u = None
-        if not rec.greedy[busy].all():
-            u = torch.from_numpy(rec.uniforms(rows if isinstance(rows, slice) else slots)).to(self.device)
+        if not rec.greedy[slots].all():
+            u = torch.from_numpy(rec.uniforms(slots)).to(self.device)
         tok, logp = sample_with_logprobs(
             logits, self.temperature[rows], self.top_k[rows], self.top_p[rows], u, filtered, greedy, f, unit
         )
-        m = len(slots)
         if tok.is_cpu:  # numpy views: no copy
-            tokens, logps = tok.numpy()[:m], logp.numpy()[:m]
+            tokens, logps = tok.numpy(), logp.numpy()
         else:  # the step's one device -> host sync
-            tokens, logps = torch.stack([tok.double(), logp.double()]).cpu().numpy()[:, :m]
-        forced = None if forced is None else forced[:m]
-        for i in np.flatnonzero(self.records.append(busy, slots, tokens, logps, forced)):
+            tokens, logps = torch.stack([tok.double(), logp.double()]).cpu().numpy()
+        for i in np.flatnonzero(rec.append(slots, tokens, logps, forced)):
             self._record(self.slots[slots[i]], int(tokens[i]), float(logps[i]), forced is None or forced[i] < 0)
         return tok
 

@@ -16,23 +16,13 @@ KERNEL_NAMES = {
 }
 
 
-def decode_backends(device):
-    """The SDPA backends allowed inside a decode step. Pinned, not left to SDPA's choice: a graph freezes whichever
-    kernel ran at capture, so a torch or cuDNN upgrade must not swap it silently. Memory-efficient attention is the
-    CUDA kernel that takes a boolean mask (flash takes none); on CPU the fused flash kernel, which takes the mask
-    too and reads each row's keys and values once (the math kernel materialises scores, a float mask and their sum:
-    1.3-1.4x slower at 32 rows of 128-wide heads); math elsewhere."""
-    if device.type == "cuda":
-        return [SDPBackend.EFFICIENT_ATTENTION]
-    if device.type == "cpu":
-        return [SDPBackend.FLASH_ATTENTION]
-    return [SDPBackend.MATH]
-
-
-def prefill_backends(device):
-    """The SDPA backends allowed in a prefill: on CUDA memory-efficient attention, the kernel decode runs (it
-    takes the boolean mask; left to the dispatcher, torch 2.13 on an H100 would pick a cuDNN kernel no test
-    here exercises); on CPU the fused flash kernel SDPA's dispatcher picks there; math elsewhere."""
+def attention_backends(device):
+    """The SDPA backends the engine's prefill and decode steps (and kv_cache.greedy_decode) are pinned to. Pinned, not
+    left to SDPA's choice: a graph freezes whichever kernel ran at capture, so a torch or cuDNN upgrade must not swap
+    it silently (left to the dispatcher, torch 2.13 on an H100 would pick a cuDNN kernel for a prefill that no test
+    here exercises). On CUDA memory-efficient attention, the kernel that takes a boolean mask (flash takes none); on
+    CPU the fused flash kernel, which takes the mask too and reads each row's keys and values once (the math kernel
+    materialises scores, a float mask and their sum: 1.3-1.4x slower at 32 rows of 128-wide heads); math elsewhere."""
     if device.type == "cuda":
         return [SDPBackend.EFFICIENT_ATTENTION]
     if device.type == "cpu":
@@ -42,7 +32,8 @@ def prefill_backends(device):
 
 def engine_autocast(device, weight_dtype):
     """bf16 autocast only for fp32 weights on CUDA (share_weights); cache_enabled=False: autocast's weight-cast
-    cache must not outlive a CUDA graph capture."""
+    cache must not outlive a CUDA graph capture. The engine makes it once and enters it at every forward: every
+    context returned here can be entered again once it is left."""
     if cuda_dtypes(device) and weight_dtype == torch.float32:
         return torch.amp.autocast(device.type, dtype=torch.bfloat16, cache_enabled=False)
     return bf16_matmuls(device)  # a bf16 copy on a CPU without bf16 matrix kernels: its matmuls in fp32

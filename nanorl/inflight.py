@@ -59,47 +59,33 @@ class SlotRecords:
         self.greedy[slot], self.unit[slot] = r.temperature == 0, r.temperature in (0, 1)  # unit: no division
 
     def move(self, src, dst):
-        for a in (
-            self.n_gen,
-            self.seed,
-            self.counter,
-            self.prompt_len,
-            self.prefill,
-            self.limit,
-            self.watch,
-            self.streamed,
-            self.filtered,
-            self.greedy,
-            self.unit,
-            self.out,
-            self.mask,
-        ):
-            a[dst] = a[src]
+        for a in vars(self).values():  # every per-slot array above
+            if isinstance(a, np.ndarray):
+                a[dst] = a[src]
 
-    def uniforms(self, rows):
-        """The uniform each sample of rows (a slice or an index array) draws its next token with."""
-        return uniform_from_counter(self.seed[rows], self.counter[rows])
+    def uniforms(self, slots):
+        """The uniform each sample of slots (an index array) draws its next token with."""
+        return uniform_from_counter(self.seed[slots], self.counter[slots])
 
     def lengths(self, n):
         """Prompt + generated tokens of slots 0..n-1."""
         return self.prompt_len[:n] + self.n_gen[:n]
 
-    def append(self, rows, idx, tokens, logprobs, forced=None):
-        """Append one token to each slot of rows (a slice, or the index array idx; idx always the array):
-        tokens and logprobs (m,) numpy, forced = (m,) forced tokens or -1 (None: none forced).
-        -> bool (m,): the rows that need the host (a watched token sampled, the budget or context used up, or
-        streamed). Forced tokens are never watched."""
-        k = self.n_gen[rows].copy()  # rows may be a slice: a view would see the += below
-        self.out[idx, k, 0] = tokens
-        self.out[idx, k, 1] = logprobs
-        self.n_gen[rows] += 1
-        self.counter[rows] += 1  # every token, forced ones too (a continuation's start_counter is its response length)
-        hit = (self.watch[rows] == tokens[:, None]).any(1)
+    def append(self, slots, tokens, logprobs, forced=None):
+        """Append one token to each of slots (an index array): tokens and logprobs (m,) numpy, forced = (m,) forced
+        tokens or -1 (None: none forced). -> bool (m,): the slots that need the host (a watched token sampled, the
+        budget or context used up, or streamed). Forced tokens are never watched."""
+        k = self.n_gen[slots]
+        self.out[slots, k, 0] = tokens
+        self.out[slots, k, 1] = logprobs
+        self.n_gen[slots] += 1
+        self.counter[slots] += 1  # every token, forced ones too (a continuation's start_counter is its response length)
+        hit = (self.watch[slots] == tokens[:, None]).any(1)
         if forced is not None:
             sampled = forced < 0
-            self.mask[idx, k] = sampled
+            self.mask[slots, k] = sampled
             hit &= sampled
-        return hit | (k + 1 >= self.limit[rows]) | self.streamed[rows]
+        return hit | (k + 1 >= self.limit[slots]) | self.streamed[slots]
 
     def full(self, slot):
         return self.n_gen[slot] >= self.limit[slot]

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel
 
-from nanorl.engine_graphs import decode_backends, prefill_backends
+from nanorl.engine_graphs import attention_backends
 from nanorl.precision import low_precision_dtype
 
 
@@ -154,13 +154,13 @@ def greedy_decode(model, ids, max_tokens, device):
     not on whichever SDPA's dispatcher picks for a masked call."""
     device = torch.device(device)
     cache = model.new_kv_cache(1, min(len(ids) + max_tokens, model.config.sequence_len), device=device)
-    x, out, backends = torch.tensor([ids], device=device), [], prefill_backends(device)
+    x, out = torch.tensor([ids], device=device), []
     for _ in range(max_tokens):
-        with sdpa_kernel(backends):
+        with sdpa_kernel(attention_backends(device)):
             out.append(int(model(x, kv_cache=cache)[0, -1].argmax()))
         if int(cache.pos[0]) >= cache.max_len:
             break
-        x, backends = torch.tensor([[out[-1]]], device=device), decode_backends(device)
+        x = torch.tensor([[out[-1]]], device=device)
     return out
 
 

@@ -936,6 +936,7 @@ def test_prefill_and_decode_attention_kernels_are_pinned(monkeypatch):
     from torch.nn.attention import SDPBackend
 
     import nanorl.engine as engine_module
+    from nanorl.engine_graphs import attention_backends
 
     active, seen = [], []
     real = engine_module.sdpa_kernel
@@ -972,8 +973,9 @@ def test_prefill_and_decode_attention_kernels_are_pinned(monkeypatch):
         engine.attention_kernels()
         == "engine attention: prefill = SDPA flash (CPU), decode = SDPA flash (CPU) (both pinned)"
     )
-    engine.device, engine.use_cuda_graph = torch.device("cuda"), True  # what a CUDA engine picks (no GPU needed)
-    assert engine.prefill_attention() == engine.decode_attention() == [SDPBackend.EFFICIENT_ATTENTION]
+    # what a CUDA engine picks (no GPU needed)
+    engine.attention, engine.use_cuda_graph = attention_backends(torch.device("cuda")), True
+    assert engine.attention == [SDPBackend.EFFICIENT_ATTENTION]
     assert engine.attention_kernels() == (
         "engine attention: prefill = SDPA memory-efficient, decode = SDPA memory-efficient, CUDA graphs (both pinned)"
     )

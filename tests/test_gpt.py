@@ -110,7 +110,7 @@ def test_greedy_decode_runs_on_the_engines_pinned_kernels():
     # never left to SDPA's dispatcher. Seen through SDPA's global switches while each forward runs
     from torch.nn.attention import SDPBackend
 
-    from nanorl.engine_graphs import decode_backends, prefill_backends
+    from nanorl.engine_graphs import attention_backends
     from nanorl.kv_cache import greedy_decode
 
     model, seen = tiny(), []
@@ -129,10 +129,10 @@ def test_greedy_decode_runs_on_the_engines_pinned_kernels():
     model.hidden_states = hidden_states
     greedy_decode(model, [1, 2, 3], 3, torch.device("cpu"))
     cpu = torch.device("cpu")
-    assert seen == [(3, prefill_backends(cpu)), (1, decode_backends(cpu)), (1, decode_backends(cpu))]
-    assert seen[0][1] == seen[1][1] == [SDPBackend.FLASH_ATTENTION]
+    assert seen == [(3, attention_backends(cpu)), (1, attention_backends(cpu)), (1, attention_backends(cpu))]
+    assert seen[0][1] == [SDPBackend.FLASH_ATTENTION]
     cuda = torch.device("cuda")  # what it pins on a GPU: the engine's kernel, which takes the boolean mask
-    assert prefill_backends(cuda) == decode_backends(cuda) == [SDPBackend.EFFICIENT_ATTENTION]
+    assert attention_backends(cuda) == [SDPBackend.EFFICIENT_ATTENTION]
 
 
 @pytest.mark.fp32("calls the model outside autocast, as an fp32 reference (CUDA's layout runs it under autocast only)")
