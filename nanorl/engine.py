@@ -39,6 +39,7 @@ its own copy of the weights (inference_copy, nanorl/gpt.py), the sampling math (
 """
 
 import collections
+import itertools
 import math
 import queue
 import sys
@@ -107,7 +108,6 @@ class Handle:
         self.filtered = request.top_k is not None or (request.top_p is not None and request.top_p < 1)
         self.cancelled = False
         self.error = None  # why the request ended "error", when it did
-        self.remaining = request.num_samples
         self.finished = threading.Event()
 
     @property
@@ -420,14 +420,11 @@ class Engine:
             take = [self.pending.popleft() for _ in range(min(self.batch_size - self.n_busy, len(self.pending)))]
         if not take:
             return
-        groups = []  # the samples of one request sit next to each other in the queue
         for slot, s in enumerate(take, start=self.n_busy):
             s.slot, self.slots[slot] = slot, s
-            if groups and groups[-1][0].handle is s.handle:
-                groups[-1].append(s)
-            else:
-                groups.append([s])
         self.n_busy += len(take)
+        # a request's samples sit next to each other in the queue: one group, one prefill
+        groups = [list(g) for _, g in itertools.groupby(take, key=lambda s: s.handle)]
         chunk, longest = [], 0
         for g in groups:
             n = len(g[0].handle.request.prompt_ids)
@@ -462,34 +459,27 @@ class Engine:
         with self.autocast:
             logits = self.model.logits_from_hidden(h[torch.arange(len(groups), device=dev), lens_t - 1])
         samples = [s for g in groups for s in g]
-        for g in groups:
-            self.prefills += 1
-            self.records.prefill[[s.slot for s in g]] = self.prefills
-        fan = [(g[0].slot, s.slot) for g in groups for s in g[1:]]
-        if fan:  # prefix sharing: the other samples of a request start from a copy of its prefilled row
-            src, dst = zip(*fan)
-            self.cache.copy_rows(torch.tensor(src, device=dev), torch.tensor(dst, device=dev))
         slots = np.array([s.slot for s in samples])
         rows = torch.from_numpy(slots).to(dev)
-        self._set_slot_params(samples, rows)
-        which = torch.tensor([i for i, g in enumerate(groups) for _ in g], device=dev)
-        self.input_ids[rows] = self._sample_and_record(logits[which], rows, slots)
-
-    def _set_slot_params(self, samples, rows):
+        which = np.array([i for i, g in enumerate(groups) for _ in g])  # the group of each sample
+        which_t = torch.from_numpy(which).to(dev)
+        if len(samples) > len(groups):  # prefix sharing: a request's other samples start from a copy of its first row
+            self.cache.copy_rows(first[which_t], rows)
+        # each prefill's number: rows with one number hold the same prompt KV (what _shared_prompts looks for)
+        self.records.prefill[slots] = self.prefills + 1 + which
+        self.prefills += len(groups)
         reqs = [s.handle.request for s in samples]
-        dev, V = self.device, self.vocab_size
         self.temperature[rows] = torch.tensor([float(r.temperature) for r in reqs], device=dev)
-        self.top_k[rows] = torch.tensor([min(r.top_k or V, V) for r in reqs], device=dev)
+        self.top_k[rows] = torch.tensor([min(r.top_k or self.vocab_size, self.vocab_size) for r in reqs], device=dev)
         self.top_p[rows] = torch.tensor([float(r.top_p or 1.0) for r in reqs], device=dev)
         for s in samples:
             self.records.fill(s, self.markup.python_end)
+        self.input_ids[rows] = self._sample_and_record(logits[which_t], rows, slots)
 
     def _compact(self):
         """Keep the busy slots a prefix 0..n_busy-1: the last busy samples move into the holes ended ones left
         (their KV rows and slot state are copied once), so decode can run just the first rows of the cache.
         Work in the number of holes, not the batch."""
-        if not self.holes:
-            return
         n, top = self.n_busy, self.n_busy + len(self.holes)  # slots top.. were free before these holes opened
         holes = sorted(i for i in self.holes if i < n)
         movers = [self.slots[i] for i in range(n, top) if self.slots[i] is not None]
@@ -584,10 +574,7 @@ class Engine:
         tok, logp = sample_with_logprobs(
             logits, self.temperature[rows], self.top_k[rows], self.top_p[rows], u, filtered, greedy, f, unit
         )
-        if tok.is_cpu:  # numpy views: no copy
-            tokens, logps = tok.numpy(), logp.numpy()
-        else:  # the step's one device -> host sync
-            tokens, logps = torch.stack([tok.double(), logp.double()]).cpu().numpy()
+        tokens, logps = torch.stack([tok.double(), logp.double()]).cpu().numpy()  # the step's one device -> host sync
         for i in np.flatnonzero(rec.append(slots, tokens, logps, forced)):
             self._record(self.slots[slots[i]], int(tokens[i]), float(logps[i]), forced is None or forced[i] < 0)
         return tok
@@ -629,8 +616,7 @@ class Engine:
         h = s.handle
         if h.events is not None:
             h.events.put({"sample": s.index, "status": status, "completion": s.out})
-        h.remaining -= 1
-        if h.remaining == 0:
+        if all(c.status != "running" for c in h.completions):
             with self.lock:
                 self.live.discard(h)
             h.finished.set()

@@ -63,15 +63,11 @@ class KVCache:
 
     def update(self, layer, k, v):
         """Write one layer's new keys/values (B, H, T, D) at write_pos; return the keys/values to attend over."""
-        rows, L = self._rows(), self.attend_len
         kc, vc = self.k[layer], self.v[layer]
-        if isinstance(rows, slice):  # leading rows: write into and read views of the cache
-            kc, vc = kc[rows], vc[rows]
         kc[self.write_rows, :, self.write_pos] = k.transpose(1, 2).to(kc.dtype)
         vc[self.write_rows, :, self.write_pos] = v.transpose(1, 2).to(vc.dtype)
-        if isinstance(rows, slice):
-            return kc[:, :, :L], vc[:, :, :L]
-        return kc[rows, :, :L], vc[rows, :, :L]
+        rows = self._rows()  # leading rows read views of the cache, other rows a gathered copy
+        return kc[rows, :, : self.attend_len], vc[rows, :, : self.attend_len]
 
     def lockstep(self, B):
         """The one position rows 0..B-1 all stand at (gpt.LockstepDecode's case), or None (one host sync)."""
