@@ -6,12 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from nanorl.calculator import calculator
 from nanorl.engine import Engine, Request
 from nanorl.gpt import GPTConfig, build_model
 from nanorl.sampling import sample_tokens
 from nanorl.tokenizer import SPLIT_PATTERN, Tokenizer
-from nanorl.toolcalls import assistant_parts
+from nanorl.toolcalls import assistant_parts, calculator
 
 # a byte-level tokenizer needs no training: 256 byte tokens + the 9 special tokens
 TOK = Tokenizer.from_ranks({bytes([i]): i for i in range(256)}, SPLIT_PATTERN)
