@@ -1,38 +1,29 @@
 """
-The sampling engine: RL rollouts and the chat UI both run on it. A scheduler over one KV cache, with CUDA graphs.
-This file: what a caller submits (Request) and gets back (Completion, through a Handle), then the Engine. Beside it:
-its own copy of the weights (inference_copy, nanorl/gpt.py), the sampling math (nanorl/sampling.py), the KV cache
-(nanorl/kv_cache.py), the per-sample host records (nanorl/inflight.py), CUDA graphs and attention kernels
-(nanorl/engine_graphs.py), tool calls (nanorl/toolcalls.py).
+The sampling engine: RL rollouts, evals and the chat UI all run on it. A scheduler over one pre-allocated KV cache of
+batch_size rows ("slots"), each row at its own position. This file: what a caller submits (Request) and gets back
+(Completion, through a Handle), the host's records of the samples in flight (InflightSample, SlotRecords), then the
+Engine, whose step() is one turn of its loop. Beside it: the sampling math (nanorl/sampling.py), the KV cache
+(nanorl/kv_cache.py), its copy of the weights and lockstep step (nanorl/gpt.py), its kernels, precision and CUDA
+graphs (nanorl/engine_graphs.py), tool calls (nanorl/toolcalls.py). docs/engine.md explains the choices.
 
-- one pre-allocated KV cache of batch_size rows ("slots"), each row at its own position
-- a request's prompt is prefilled once, straight into a free row, and its KV copied to the rows of its
-  other samples (prefix sharing)
-- continuous batching: a slot whose sample ends (stop token, max_tokens, context, abort) is refilled from
-  the queue at the next step, so the batch stays full while response lengths vary
-- busy samples always sit in slots 0..n-1 (a sample that ends leaves a hole the last busy one moves into),
-  so a decode step is one forward of only the smallest ladder size (1, 2, 4, ... batch_size) >= n rows:
-  one user on a big engine decodes about as fast as on a batch-1 engine. On CUDA the step is replayed from
-  a CUDA graph (one per ladder size and attention-length bucket, captured up front), eager on CPU/MPS; an eager
-  step whose rows all stand at one position (batch 1, one prompt's samples) runs gpt.LockstepDecode, a lean
-  forward with the same numbers and a fifth less host work
-- a decode step's host work does not grow with the batch: tokens are kept in per-slot arrays and checked for
-  stops, limits and tool calls with array ops; Python touches only the rows where something happens (a sample
-  ends, calls a tool, is streamed), and a Completion's lists are filled when its sample ends
-- it samples from its own inference copy of the model (bf16 on CUDA, fp32 elsewhere; weights in one flat
-  buffer), refreshed from the trainer's model by load_weights(); share_weights=True uses the model itself
-- sampling is batched (temperature, top-k, top-p) and its randomness is a counter-based hash of
-  (request seed, sample index, token index): a sample does not depend on what else shares the batch
-- every token comes with its mask (1 sampled, 0 forced tool output) and its log-prob under the distribution
-  it was sampled from, log_softmax(logits / T) at the request's temperature (T = 1 for greedy), before top-k
-  /top-p: exactly what the trainer's GPT.token_logprobs(..., temperature=T) computes, so on-policy importance
-  weights are 1. Forced tokens get their true log-prob too, not 0. Top-k/top-p sampling is off-policy: the
-  trainer cannot apply the filter, so those log-probs are of the unfiltered tempered distribution
-- a failure that belongs to one request (its prefill, its tool call) ends that request with status "error"
-  and nothing else; only a failure of the shared decode step ends everything in flight
+- a request's prompt is prefilled once, straight into a free row, and its KV copied to the rows of its other
+  samples (prefix sharing); a slot whose sample ends (stop token, max_tokens, context, abort) is refilled from the
+  queue at the next step (continuous batching)
+- busy samples always sit in slots 0..n-1 (a sample that ends leaves a hole the last busy one moves into), so a
+  decode step is one forward of only the smallest ladder size (1, 2, 4, ... batch_size) >= n rows: replayed from a
+  CUDA graph on CUDA, eager elsewhere, through gpt.LockstepDecode when the rows all stand at one position
+- a decode step's host work does not grow with the batch: tokens are kept in per-slot arrays and checked for stops,
+  limits and tool calls with array ops; Python touches only the rows where something happens (a sample ends, calls a
+  tool, is streamed), and a Completion's lists are filled when its sample ends
+- sampling is batched (temperature, top-k, top-p) and its randomness is a counter-based hash of (request seed,
+  sample index, token index): a sample does not depend on what else shares the batch
+- every token comes with its mask (1 sampled, 0 forced tool output) and its log-prob log_softmax(logits / T) at the
+  request's temperature (T = 1 for greedy), before top-k/top-p: what the trainer's GPT.token_logprobs(...,
+  temperature=T) computes, so on-policy importance weights are 1 (top-k/top-p sampling is off-policy)
+- a failure that belongs to one request (its prefill, its tool call) ends that request with status "error" and
+  nothing else; only a failure of the shared decode step ends everything in flight
 - tool use (Request.use_tools): <|python_start|>expr<|python_end|> runs the engine's tool (the calculator by
   default, with a timeout) and its result is forced in as <|output_start|>result<|output_end|>
-- attention kernels are pinned, never left to SDPA's dispatcher (attention_kernels() names them for the log)
 
     engine = Engine(model, tokenizer, batch_size=64)
     completions = engine.submit_and_wait([Request(prompt_ids, num_samples=8, temperature=1.0, seed=0)])
@@ -59,10 +50,9 @@ from nanorl.engine_graphs import (
     first_stale_graph,
 )
 from nanorl.gpt import LockstepDecode, inference_copy
-from nanorl.inflight import InflightSample, SlotRecords
 from nanorl.kv_cache import new_kv_cache
 from nanorl.precision import low_precision_dtype
-from nanorl.sampling import row_seed, sample_with_logprobs
+from nanorl.sampling import row_seed, sample_with_logprobs, uniform_from_counter
 from nanorl.toolcalls import ToolMarkup, run_tool
 
 # --- what a caller submits and gets back ---------------------------------------------------------
@@ -180,6 +170,84 @@ def check_request(r, max_len, vocab_size):
         raise ValueError(f"top_k must be >= 1 (or None), got {r.top_k}")
     if r.top_p is not None and not 0 < r.top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1] (or None), got {r.top_p}")
+
+
+# --- the host's records of the samples in flight -----------------------------------------------
+
+
+class InflightSample:
+    """One sample of a request, waiting for a slot or occupying one."""
+
+    def __init__(self, handle, index, seed):
+        self.handle, self.index, self.row_seed = handle, index, seed
+        self.out = handle.completions[index]
+        self.slot = None
+        self.forced = collections.deque()  # tool output tokens waiting to be fed in
+
+
+class SlotRecords:
+    """Per slot: the sample's generated tokens with their log-probs and masks, its token budget, and the tokens
+    that need the host when sampled ("watched": its stop tokens, and <|python_end|> when it uses tools). A decode
+    step appends to every row and finds the rows that need the host with a handful of array ops (append); rows
+    move with their samples (move) and are read back into a Completion when the sample ends (lists)."""
+
+    def __init__(self, batch_size, max_len):
+        B, self.max_len = batch_size, max_len
+        self.n_gen, self.prompt_len, self.limit = (np.zeros(B, dtype=np.int64) for _ in range(3))
+        # which prefill wrote the slot's prompt KV (Engine._prefill numbers them): slots with one number hold the
+        # same prompt KV, bit for bit (prefix sharing), which lets a decode step read it once (gpt.LockstepDecode)
+        self.prefill = np.zeros(B, dtype=np.int64)
+        # the sample's random stream: its row seed and how many tokens it has drawn (nanorl/sampling.py)
+        self.seed, self.counter = np.zeros(B, dtype=np.int64), np.zeros(B, dtype=np.int64)
+        self.watch = np.full((B, 3), -1, dtype=np.int64)  # padded with -1; widened for a request with more stops
+        self.streamed, self.filtered, self.greedy, self.unit = (np.zeros(B, dtype=bool) for _ in range(4))
+        self.out = np.zeros((B, max_len, 2), dtype=np.float64)  # (token, log-prob): one write per step
+        self.mask = np.ones((B, max_len), dtype=np.int8)  # 0 where a token was forced in
+
+    def fill(self, sample, python_end):
+        """The sample starts in its slot."""
+        slot, handle = sample.slot, sample.handle
+        r = handle.request
+        watch = sorted(t for t in handle.stops | ({python_end} if r.use_tools else set()) if t is not None)
+        if len(watch) > self.watch.shape[1]:
+            wider = np.full((self.watch.shape[0], len(watch)), -1, dtype=np.int64)
+            wider[:, : self.watch.shape[1]] = self.watch
+            self.watch = wider
+        self.n_gen[slot], self.prompt_len[slot] = 0, len(r.prompt_ids)
+        self.seed[slot], self.counter[slot] = sample.row_seed, r.start_counter
+        self.limit[slot] = min(r.max_tokens, self.max_len - len(r.prompt_ids))  # its budget, and the context
+        self.watch[slot] = -1
+        self.watch[slot, : len(watch)] = watch
+        self.mask[slot] = 1
+        self.streamed[slot], self.filtered[slot] = handle.events is not None, handle.filtered
+        self.greedy[slot], self.unit[slot] = r.temperature == 0, r.temperature in (0, 1)  # unit: no division
+
+    def move(self, src, dst):
+        for a in vars(self).values():  # every per-slot array above
+            if isinstance(a, np.ndarray):
+                a[dst] = a[src]
+
+    def append(self, slots, tokens, logprobs, forced=None):
+        """Append one token to each of slots (an index array): tokens and logprobs (m,) numpy, forced = (m,) forced
+        tokens or -1 (None: none forced). -> bool (m,): the slots that need the host (a watched token sampled, the
+        budget or context used up, or streamed). Forced tokens are never watched."""
+        k = self.n_gen[slots]
+        self.out[slots, k, 0] = tokens
+        self.out[slots, k, 1] = logprobs
+        self.n_gen[slots] += 1
+        self.counter[slots] += 1  # every token, forced ones too (a continuation's start_counter is its response length)
+        hit = (self.watch[slots] == tokens[:, None]).any(1)
+        if forced is not None:
+            sampled = forced < 0
+            self.mask[slots, k] = sampled
+            hit &= sampled
+        return hit | (k + 1 >= self.limit[slots]) | self.streamed[slots]
+
+    def lists(self, slot):
+        """(tokens, logprobs, mask) of slot's sample as Python lists, as a Completion holds them."""
+        k = self.n_gen[slot]
+        out = self.out[slot, :k]
+        return out[:, 0].astype(np.int64).tolist(), out[:, 1].tolist(), self.mask[slot, :k].tolist()
 
 
 # --- the engine ---------------------------------------------------------------------------------
@@ -354,33 +422,6 @@ class Engine:
             self.stopping = True
             self.lock.notify_all()
 
-    @torch.inference_mode()
-    def step(self):
-        """End cancelled samples, refill free slots from the queue (prefill), decode one token in every busy
-        slot. Returns False when there was nothing to do. A slot is free the moment its sample ends and the
-        busy ones are compacted before admitting, so a slot a cancel freed is refilled in this same step;
-        nothing marks it free later (a deferred "mark free" once reset such a refilled row to position 0 at
-        every step, and the new request decoded garbage)."""
-        with self.step_lock:
-            try:
-                if self.cancel_requested:
-                    self._drop_cancelled()
-                self._compact()
-                self._admit()
-                self._compact()
-                if self.n_busy:
-                    self._decode()
-                    self._compact()
-                return bool(self.n_busy) or bool(self.pending)
-            except BaseException as e:  # the shared decode step failed: nothing in flight can go on
-                self._fail_all()
-                if isinstance(e, torch.OutOfMemoryError):
-                    raise MemoryError(
-                        f"out of memory while sampling with batch_size={self.batch_size}, "
-                        f"max_len={self.max_len}: use a smaller batch_size (or max_len)"
-                    ) from e
-                raise
-
     # --- submission -----------------------------------------------------------------------------
     def _stream_events(self, handle):
         try:
@@ -403,6 +444,65 @@ class Engine:
         return bool(self.pending) or self.cancel_requested or self.n_busy > 0
 
     # --- one step -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self):
+        """One turn of the engine's loop: end cancelled samples, move queued samples into the free slots and prefill
+        their prompts, decode one token in every busy slot. Returns False when there was nothing to do. A slot is free
+        the moment its sample ends and the busy ones are compacted before admitting, so a slot a cancel freed is
+        refilled in this same step; nothing marks it free later (a deferred "mark free" once reset such a refilled row
+        to position 0 at every step, and the new request decoded garbage)."""
+        with self.step_lock:
+            try:
+                if self.cancel_requested:
+                    self._drop_cancelled()
+                self._compact()
+                # admit: queued samples take the free slots n_busy.., a request's samples next to each other (one
+                # group, one prefill). Prompts are prefilled together, up to prefill_tokens padded tokens a forward
+                with self.lock:
+                    free = min(self.batch_size - self.n_busy, len(self.pending))
+                    take = [self.pending.popleft() for _ in range(free)]
+                for slot, s in enumerate(take, start=self.n_busy):
+                    s.slot, self.slots[slot] = slot, s
+                self.n_busy += len(take)
+                chunk, longest = [], 0
+                for g in [list(samples) for _, samples in itertools.groupby(take, key=lambda s: s.handle)]:
+                    length = len(g[0].handle.request.prompt_ids)
+                    if chunk and (len(chunk) + 1) * max(longest, length) > self.prefill_tokens:
+                        self._prefill_or_fail(chunk)
+                        chunk, longest = [], 0
+                    chunk.append(g)
+                    longest = max(longest, length)
+                if chunk:
+                    self._prefill_or_fail(chunk)
+                self._compact()
+                # decode: one token for each busy slot 0..n-1, run as the smallest ladder batch that holds them
+                n = self.n_busy
+                if n:
+                    size = next(b for b in self.sizes if b >= n)
+                    if n < size:  # the idle rows of the batch decode garbage at position 0, never past the cache
+                        self.cache.pos[n:size] = 0
+                    rec = self.records
+                    logits = self._decode_logits(size, int((rec.prompt_len[:n] + rec.n_gen[:n]).max()))
+                    forced = None
+                    if self.forcing:  # tool output waiting: those rows take their next forced token, not a sampled one
+                        forced = np.full(n, -1, dtype=np.int64)
+                        for s in list(self.forcing):
+                            forced[s.slot] = s.forced.popleft()
+                            if not s.forced:
+                                self.forcing.discard(s)
+                    # only the busy rows are sampled (the idle ones decoded garbage)
+                    self.input_ids[:n] = self._sample_and_record(logits[:n], slice(0, n), np.arange(n), forced)
+                    self._compact()
+                return bool(self.n_busy) or bool(self.pending)
+            except BaseException as e:  # the shared decode step failed: nothing in flight can go on
+                self._fail_all()
+                if isinstance(e, torch.OutOfMemoryError):
+                    raise MemoryError(
+                        f"out of memory while sampling with batch_size={self.batch_size}, "
+                        f"max_len={self.max_len}: use a smaller batch_size (or max_len)"
+                    ) from e
+                raise
+
     def _drop_cancelled(self):
         with self.lock:
             self.cancel_requested = False
@@ -412,28 +512,6 @@ class Engine:
             s for s in self.slots[: self.n_busy + len(self.holes)] if s is not None and s.handle.cancelled
         ]:
             self._finish(s, "aborted")
-
-    def _admit(self):
-        """Move queued samples into the free slots n_busy.. . Prompts are prefilled together (up to prefill_tokens
-        padded tokens per forward), each once, straight into the slot of its request's first sample here."""
-        with self.lock:
-            take = [self.pending.popleft() for _ in range(min(self.batch_size - self.n_busy, len(self.pending)))]
-        if not take:
-            return
-        for slot, s in enumerate(take, start=self.n_busy):
-            s.slot, self.slots[slot] = slot, s
-        self.n_busy += len(take)
-        # a request's samples sit next to each other in the queue: one group, one prefill
-        groups = [list(g) for _, g in itertools.groupby(take, key=lambda s: s.handle)]
-        chunk, longest = [], 0
-        for g in groups:
-            n = len(g[0].handle.request.prompt_ids)
-            if chunk and (len(chunk) + 1) * max(longest, n) > self.prefill_tokens:
-                self._prefill_or_fail(chunk)
-                chunk, longest = [], 0
-            chunk.append(g)
-            longest = max(longest, n)
-        self._prefill_or_fail(chunk)
 
     def _prefill_or_fail(self, groups):
         """Prefill groups; if that fails, each group alone, so a failure ends only the request it belongs to."""
@@ -496,23 +574,6 @@ class Engine:
         for s, i in zip(movers, holes):
             self.slots[s.slot], self.slots[i], s.slot = None, s, i
 
-    def _decode(self):
-        """One token for each of the n busy slots 0..n-1, run as the smallest ladder batch that holds them."""
-        n = self.n_busy
-        size = next(b for b in self.sizes if b >= n)
-        if n < size:  # the idle rows of the batch decode garbage at position 0, never past the cache
-            self.cache.pos[n:size] = 0
-        logits = self._decode_logits(size, int(self.records.lengths(n).max()))
-        forced = None
-        if self.forcing:  # tool output waiting: those rows take their next forced token instead of a sampled one
-            forced = np.full(n, -1, dtype=np.int64)
-            for s in list(self.forcing):
-                forced[s.slot] = s.forced.popleft()
-                if not s.forced:
-                    self.forcing.discard(s)
-        # the idle rows of the batch (n..size-1) decoded garbage: only the busy ones are sampled
-        self.input_ids[:n] = self._sample_and_record(logits[:n], slice(0, n), np.arange(n), forced)
-
     def _decode_logits(self, size, need):
         """Logits (size, V) of one decode step of rows 0..size-1; each writes at its position, reads <= need keys."""
         if not self.use_cuda_graph:
@@ -570,7 +631,7 @@ class Engine:
         # every row greedy (an eval, a chat at T = 0): no uniforms, the argmax alone. The uniforms are made on the host
         u = None
         if not rec.greedy[slots].all():
-            u = torch.from_numpy(rec.uniforms(slots)).to(self.device)
+            u = torch.from_numpy(uniform_from_counter(rec.seed[slots], rec.counter[slots])).to(self.device)
         tok, logp = sample_with_logprobs(
             logits, self.temperature[rows], self.top_k[rows], self.top_p[rows], u, filtered, greedy, f, unit
         )
@@ -589,7 +650,7 @@ class Engine:
                 h.events.put({"sample": s.index, "token": token, "logprob": logprob, "mask": int(sampled)})
             if sampled and token in h.stops:
                 self._finish(s, "completed")
-            elif self.records.full(s.slot):
+            elif self.records.n_gen[s.slot] >= self.records.limit[s.slot]:  # its budget, or the context, used up
                 self._finish(s, "truncated")
             elif sampled and h.request.use_tools and token == self.markup.python_end:
                 self._call_tool(s)
@@ -597,7 +658,8 @@ class Engine:
             self._fail(h, e)
 
     def _call_tool(self, s):
-        source = self.markup.open_call(self.records.generated(s.slot))
+        rec = self.records
+        source = self.markup.open_call(rec.out[s.slot, : rec.n_gen[s.slot], 0].astype(np.int64).tolist())
         if source is not None:
             s.forced.extend(self.markup.output_tokens(run_tool(source, self.tool, self.tool_timeout)))
             self.forcing.add(s)

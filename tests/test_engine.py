@@ -105,7 +105,9 @@ def check_invariants(engine):
     assert all(s.slot == i and s.out.status == "running" for i, s in enumerate(engine.slots[:n]))
     assert len({id(s) for s in engine.slots[:n]}) == n, "a sample sits in two slots"
     assert all(s.slot is None and s.out.status == "running" for s in engine.pending)
-    assert engine.cache.pos[:n].tolist() == (engine.records.lengths(n) - 1).tolist(), "a row's cache is out of step"
+    assert engine.cache.pos[:n].tolist() == (engine.records.prompt_len[:n] + engine.records.n_gen[:n] - 1).tolist(), (
+        "a row's cache is out of step"
+    )
     last = engine.records.out[np.arange(n), engine.records.n_gen[:n] - 1, 0].astype(np.int64)
     assert engine.input_ids[:n].tolist() == last.tolist(), "a row's next input is wrong"
     assert engine.cache.rows is None
