@@ -3,15 +3,15 @@ The sampling engine: RL rollouts, evals and the chat UI all run on it. A schedul
 batch_size rows ("slots"), each row at its own position. This file: what a caller submits (Request) and gets back
 (Completion, through a Handle), the host's records of the samples in flight (InflightSample, SlotRecords), then the
 Engine, whose step() is one turn of its loop. Beside it: the sampling math (nanorl/sampling.py), the KV cache
-(nanorl/kv_cache.py), its copy of the weights and lockstep step (nanorl/gpt.py), its kernels, precision and CUDA
-graphs (nanorl/engine_graphs.py), tool calls (nanorl/toolcalls.py). docs/engine.md explains the choices.
+(nanorl/kv_cache.py, which also names the pinned attention kernels), its copy of the weights, lockstep step,
+precision and CUDA graphs (nanorl/engine_model.py), tool calls (nanorl/toolcalls.py). docs/engine.md explains why.
 
 - a request's prompt is prefilled once, straight into a free row, and its KV copied to the rows of its other
   samples (prefix sharing); a slot whose sample ends (stop token, max_tokens, context, abort) is refilled from the
   queue at the next step (continuous batching)
 - busy samples always sit in slots 0..n-1 (a sample that ends leaves a hole the last busy one moves into), so a
   decode step is one forward of only the smallest ladder size (1, 2, 4, ... batch_size) >= n rows: replayed from a
-  CUDA graph on CUDA, eager elsewhere, through gpt.LockstepDecode when the rows all stand at one position
+  CUDA graph on CUDA, eager elsewhere, through LockstepDecode when the rows all stand at one position
 - a decode step's host work does not grow with the batch: tokens are kept in per-slot arrays and checked for stops,
   limits and tool calls with array ops; Python touches only the rows where something happens (a sample ends, calls a
   tool, is streamed), and a Completion's lists are filled when its sample ends
@@ -42,15 +42,14 @@ import numpy as np
 import torch
 from torch.nn.attention import sdpa_kernel
 
-from nanorl.engine_graphs import (
-    KERNEL_NAMES,
-    attention_backends,
+from nanorl.engine_model import (
+    LockstepDecode,
     capture_decode_graphs,
     engine_autocast,
     first_stale_graph,
+    inference_copy,
 )
-from nanorl.gpt import LockstepDecode, inference_copy
-from nanorl.kv_cache import new_kv_cache
+from nanorl.kv_cache import KERNEL_NAMES, attention_backends, new_kv_cache
 from nanorl.precision import low_precision_dtype
 from nanorl.sampling import row_seed, sample_with_logprobs, uniform_from_counter
 from nanorl.toolcalls import ToolMarkup, run_tool
@@ -195,7 +194,7 @@ class SlotRecords:
         B, self.max_len = batch_size, max_len
         self.n_gen, self.prompt_len, self.limit = (np.zeros(B, dtype=np.int64) for _ in range(3))
         # which prefill wrote the slot's prompt KV (Engine._prefill numbers them): slots with one number hold the
-        # same prompt KV, bit for bit (prefix sharing), which lets a decode step read it once (gpt.LockstepDecode)
+        # same prompt KV, bit for bit (prefix sharing), which lets a decode step read it once (LockstepDecode)
         self.prefill = np.zeros(B, dtype=np.int64)
         # the sample's random stream: its row seed and how many tokens it has drawn (nanorl/sampling.py)
         self.seed, self.counter = np.zeros(B, dtype=np.int64), np.zeros(B, dtype=np.int64)
@@ -290,7 +289,7 @@ class Engine:
             dtype = dtype or low_precision_dtype(self.device)
             self.model, self.flat_weights = inference_copy(model, dtype)
         self.tool, self.tool_timeout, self.prefill_tokens = tool, tool_timeout, prefill_tokens
-        # every forward runs in this precision, on these attention kernels (engine_graphs says why they are pinned)
+        # every forward runs in this precision, on these attention kernels (kv_cache says why they are pinned)
         self.autocast = engine_autocast(self.device, self.model.lm_head.weight.dtype)
         self.attention = attention_backends(self.device)
         self.markup = ToolMarkup(tokenizer)

@@ -4,15 +4,14 @@ The KV cache the engine decodes with, and attention over it.
 KVCache holds every layer's keys and values with its own position per row, so one batch mixes prompts of different
 lengths and rows refilled at different times (continuous batching); GPT.new_kv_cache() makes one, and a forward
 that is given one reads and extends it. attend_cached() is the attention over the cache: grouped-query heads are
-folded into the query length so each KV head is read once, never repeated. greedy_decode() is its simplest client:
-a training log's sample, a few greedy tokens through a cache of one row.
+folded into the query length so each KV head is read once, never repeated, on the SDPA kernels attention_backends()
+pins. greedy_decode() is its simplest client: a training log's sample, a few greedy tokens through a cache of one row.
 """
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import sdpa_kernel
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from nanorl.engine_graphs import attention_backends
 from nanorl.precision import low_precision_dtype
 
 
@@ -70,7 +69,7 @@ class KVCache:
         return kc[rows, :, : self.attend_len], vc[rows, :, : self.attend_len]
 
     def lockstep(self, B):
-        """The one position rows 0..B-1 all stand at (gpt.LockstepDecode's case), or None (one host sync)."""
+        """The one position rows 0..B-1 all stand at (engine_model.LockstepDecode's case), or None (one host sync)."""
         lo, hi = torch.stack(self.pos[:B].aminmax()).tolist()
         return lo if lo == hi else None
 
@@ -92,6 +91,28 @@ class KVCache:
         self.k[:, dst, :, :L] = source.k[:, src, :, :L]
         self.v[:, dst, :, :L] = source.v[:, src, :, :L]
         self.pos[dst] = source.pos[src]
+
+
+KERNEL_NAMES = {
+    SDPBackend.MATH: "math",
+    SDPBackend.FLASH_ATTENTION: "flash (CPU)",
+    SDPBackend.EFFICIENT_ATTENTION: "memory-efficient",
+}
+
+
+def attention_backends(device):
+    """The SDPA backends attention over the cache is pinned to (the engine's prefill and decode, greedy_decode).
+    Pinned, not left to SDPA's choice: a graph freezes whichever kernel ran at capture, so a torch or cuDNN upgrade
+    must not swap it silently (left to the dispatcher, torch 2.13 on an H100 would pick a cuDNN kernel for a prefill
+    that no test here exercises). On CUDA memory-efficient attention, the kernel that takes a boolean mask (flash
+    takes none); on CPU the fused flash kernel, which takes the mask too and reads each row's keys and values once
+    (the math kernel materialises scores, a float mask and their sum: 1.3-1.4x slower at 32 rows of 128-wide heads);
+    math elsewhere."""
+    if device.type == "cuda":
+        return [SDPBackend.EFFICIENT_ATTENTION]
+    if device.type == "cpu":
+        return [SDPBackend.FLASH_ATTENTION]
+    return [SDPBackend.MATH]
 
 
 def attend_cached(q, k, v, mask):
@@ -146,7 +167,7 @@ def attend_shared_prefix(q, kc, vc, P, L, n=None):
 def greedy_decode(model, ids, max_tokens, device):
     """The greedy continuation of the token list ids (at most max_tokens, less where the context ends). `device` is
     where it computes, which is not where the parameters are under FSDP's --cpu-offload: the cache and the inputs go
-    there, never to a parameter's device. Attention runs on the engine's pinned kernels (nanorl/engine_graphs.py),
+    there, never to a parameter's device. Attention runs on the engine's pinned kernels (attention_backends),
     not on whichever SDPA's dispatcher picks for a masked call."""
     device = torch.device(device)
     cache = model.new_kv_cache(1, min(len(ids) + max_tokens, model.config.sequence_len), device=device)

@@ -853,7 +853,7 @@ def test_the_cpu_copy_keeps_linear_weights_column_major():
 
 
 def test_rows_at_one_position_decode_through_the_lockstep_step():
-    # batch 1 and rows at one position decode through gpt.LockstepDecode, rows at different positions through the
+    # batch 1 and rows at one position decode through engine_model.LockstepDecode, rows at different positions through the
     # cached forward. The samples of one prompt (one prefill) read its KV once (shared = the prompt's length, 7);
     # so do the samples of equally long prompts side by side, a group per prompt (group = its samples); prompts
     # with one sample each share nothing. Either way the tokens are an engine's without the lean step, and the
@@ -937,7 +937,7 @@ def test_prefill_and_decode_attention_kernels_are_pinned(monkeypatch):
     from torch.nn.attention import SDPBackend
 
     import nanorl.engine as engine_module
-    from nanorl.engine_graphs import attention_backends
+    from nanorl.kv_cache import attention_backends
 
     active, seen = [], []
     real = engine_module.sdpa_kernel
@@ -960,7 +960,7 @@ def test_prefill_and_decode_attention_kernels_are_pinned(monkeypatch):
         return forward(idx, **kw)
 
     engine.model.hidden_states = hidden_states
-    lockstep = engine.lockstep  # batch 1 decodes through the lean step (gpt.LockstepDecode), not hidden_states
+    lockstep = engine.lockstep  # batch 1 decodes through the lean step (engine_model.LockstepDecode), not hidden_states
 
     def lean(idx, pos, shared, group):
         seen.append((1, active[-1] if active else None))
