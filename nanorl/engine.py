@@ -1,47 +1,38 @@
 """
-The sampling engine: RL rollouts and the chat UI both run on it. A scheduler over one KV cache, with CUDA graphs.
-This file: what a caller submits (Request) and gets back (Completion, through a Handle), then the Engine. Beside it:
-its own copy of the weights (inference_copy, nanorl/gpt.py), the sampling math (nanorl/sampling.py), the KV cache
-(nanorl/kv_cache.py), the per-sample host records (nanorl/inflight.py), CUDA graphs and attention kernels
-(nanorl/engine_graphs.py), tool calls (nanorl/toolcalls.py).
+The sampling engine: RL rollouts, evals and the chat UI all run on it. A scheduler over one pre-allocated KV cache of
+batch_size rows ("slots"), each row at its own position. This file: what a caller submits (Request) and gets back
+(Completion, through a Handle), the host's records of the samples in flight (InflightSample, SlotRecords), then the
+Engine, whose step() is one turn of its loop. Beside it: the sampling math (nanorl/sampling.py), the KV cache
+(nanorl/kv_cache.py, which also names the pinned attention kernels), its copy of the weights, lockstep step,
+precision and CUDA graphs (nanorl/engine_model.py), tool calls (nanorl/toolcalls.py). docs/engine.md explains why.
 
-- one pre-allocated KV cache of batch_size rows ("slots"), each row at its own position
-- a request's prompt is prefilled once, straight into a free row, and its KV copied to the rows of its
-  other samples (prefix sharing)
-- continuous batching: a slot whose sample ends (stop token, max_tokens, context, abort) is refilled from
-  the queue at the next step, so the batch stays full while response lengths vary
-- busy samples always sit in slots 0..n-1 (a sample that ends leaves a hole the last busy one moves into),
-  so a decode step is one forward of only the smallest ladder size (1, 2, 4, ... batch_size) >= n rows:
-  one user on a big engine decodes about as fast as on a batch-1 engine. On CUDA the step is replayed from
-  a CUDA graph (one per ladder size and attention-length bucket, captured up front), eager on CPU/MPS; an eager
-  step whose rows all stand at one position (batch 1, one prompt's samples) runs gpt.LockstepDecode, a lean
-  forward with the same numbers and a fifth less host work
-- a decode step's host work does not grow with the batch: tokens are kept in per-slot arrays and checked for
-  stops, limits and tool calls with array ops; Python touches only the rows where something happens (a sample
-  ends, calls a tool, is streamed), and a Completion's lists are filled when its sample ends
-- it samples from its own inference copy of the model (bf16 on CUDA, fp32 elsewhere; weights in one flat
-  buffer), refreshed from the trainer's model by load_weights(); share_weights=True uses the model itself
-- sampling is batched (temperature, top-k, top-p) and its randomness is a counter-based hash of
-  (request seed, sample index, token index): a sample does not depend on what else shares the batch
-- every token comes with its mask (1 sampled, 0 forced tool output) and its log-prob under the distribution
-  it was sampled from, log_softmax(logits / T) at the request's temperature (T = 1 for greedy), before top-k
-  /top-p: exactly what the trainer's GPT.token_logprobs(..., temperature=T) computes, so on-policy importance
-  weights are 1. Forced tokens get their true log-prob too, not 0. Top-k/top-p sampling is off-policy: the
-  trainer cannot apply the filter, so those log-probs are of the unfiltered tempered distribution
-- a failure that belongs to one request (its prefill, its tool call) ends that request with status "error"
-  and nothing else; only a failure of the shared decode step ends everything in flight
+- a request's prompt is prefilled once, straight into a free row, and its KV copied to the rows of its other
+  samples (prefix sharing); a slot whose sample ends (stop token, max_tokens, context, abort) is refilled from the
+  queue at the next step (continuous batching)
+- busy samples always sit in slots 0..n-1 (a sample that ends leaves a hole the last busy one moves into), so a
+  decode step is one forward of only the smallest ladder size (1, 2, 4, ... batch_size) >= n rows: replayed from a
+  CUDA graph on CUDA, eager elsewhere, through LockstepDecode when the rows all stand at one position
+- a decode step's host work does not grow with the batch: tokens are kept in per-slot arrays and checked for stops,
+  limits and tool calls with array ops; Python touches only the rows where something happens (a sample ends, calls a
+  tool, is streamed), and a Completion's lists are filled when its sample ends
+- sampling is batched (temperature, top-k, top-p) and its randomness is a counter-based hash of (request seed,
+  sample index, token index): a sample does not depend on what else shares the batch
+- every token comes with its mask (1 sampled, 0 forced tool output) and its log-prob log_softmax(logits / T) at the
+  request's temperature (T = 1 for greedy), before top-k/top-p: what the trainer's GPT.token_logprobs(...,
+  temperature=T) computes, so on-policy importance weights are 1 (top-k/top-p sampling is off-policy)
+- a failure that belongs to one request (its prefill, its tool call) ends that request with status "error" and
+  nothing else; only a failure of the shared decode step ends everything in flight
 - tool use (Request.use_tools): <|python_start|>expr<|python_end|> runs the engine's tool (the calculator by
   default, with a timeout) and its result is forced in as <|output_start|>result<|output_end|>
-- attention kernels are pinned, never left to SDPA's dispatcher (attention_kernels() names them for the log)
 
     engine = Engine(model, tokenizer, batch_size=64)
     completions = engine.submit_and_wait([Request(prompt_ids, num_samples=8, temperature=1.0, seed=0)])
 """
 
 import collections
+import itertools
 import math
 import queue
-import sys
 import threading
 import traceback
 from dataclasses import dataclass
@@ -50,19 +41,15 @@ import numpy as np
 import torch
 from torch.nn.attention import sdpa_kernel
 
-from nanorl.engine_graphs import (
-    KERNEL_NAMES,
-    capture_decode_graphs,
-    decode_backends,
+from nanorl.engine_model import (
+    LockstepDecode,
+    checked_decode_graphs,
     engine_autocast,
-    first_stale_graph,
-    prefill_backends,
+    inference_copy,
 )
-from nanorl.gpt import LockstepDecode, inference_copy
-from nanorl.inflight import InflightSample, SlotRecords
-from nanorl.kv_cache import new_kv_cache
+from nanorl.kv_cache import KERNEL_NAMES, attention_backends, new_kv_cache
 from nanorl.precision import low_precision_dtype
-from nanorl.sampling import row_seed, sample_with_logprobs
+from nanorl.sampling import row_seed, sample_with_logprobs, uniform_from_counter
 from nanorl.toolcalls import ToolMarkup, run_tool
 
 # --- what a caller submits and gets back ---------------------------------------------------------
@@ -108,7 +95,6 @@ class Handle:
         self.filtered = request.top_k is not None or (request.top_p is not None and request.top_p < 1)
         self.cancelled = False
         self.error = None  # why the request ended "error", when it did
-        self.remaining = request.num_samples
         self.finished = threading.Event()
 
     @property
@@ -122,7 +108,10 @@ class Handle:
     def result(self):
         """Wait until every sample has ended (stepping the engine unless a serve_forever thread does) -> list[Completion]."""
         while not self.done:
-            self.engine._progress(self)
+            if self.engine.serving:
+                self.finished.wait(0.1)
+            else:
+                self.engine.step()
         return self.completions
 
     def __iter__(self):
@@ -164,10 +153,10 @@ def check_request(r, max_len, vocab_size):
         raise ValueError(f"prompt has unknown token ids {bad[:5]}: ids are ints in [0, {vocab_size})")
     if r.stop_tokens is not None and any(not isinstance(t, int) or not 0 <= t < vocab_size for t in r.stop_tokens):
         raise ValueError(f"stop_tokens {r.stop_tokens} has ids outside the vocab (size {vocab_size})")
-    if not isinstance(r.num_samples, int) or r.num_samples < 1:
-        raise ValueError(f"num_samples must be >= 1, got {r.num_samples}")
-    if not isinstance(r.max_tokens, int) or r.max_tokens <= 0:
-        raise ValueError(f"max_tokens must be >= 1, got {r.max_tokens}")
+    for name, least in (("num_samples", 1), ("max_tokens", 1), ("first_sample", 0), ("start_counter", 0)):
+        v = getattr(r, name)
+        if not isinstance(v, int) or v < least:
+            raise ValueError(f"{name} must be an int >= {least}, got {v!r}")
     for name in ("temperature", "top_p", "top_k"):  # NaN passes every range check below; inf is no setting
         v = getattr(r, name)
         if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)):
@@ -178,13 +167,84 @@ def check_request(r, max_len, vocab_size):
         raise ValueError(f"top_k must be >= 1 (or None), got {r.top_k}")
     if r.top_p is not None and not 0 < r.top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1] (or None), got {r.top_p}")
-    if not (
-        isinstance(r.first_sample, int)
-        and isinstance(r.start_counter, int)
-        and r.first_sample >= 0
-        and r.start_counter >= 0
-    ):
-        raise ValueError(f"first_sample and start_counter must be ints >= 0, got {r.first_sample}, {r.start_counter}")
+
+
+# --- the host's records of the samples in flight -----------------------------------------------
+
+
+class InflightSample:
+    """One sample of a request, waiting for a slot or occupying one."""
+
+    def __init__(self, handle, index, seed):
+        self.handle, self.index, self.row_seed = handle, index, seed
+        self.out = handle.completions[index]
+        self.slot = None
+        self.forced = collections.deque()  # tool output tokens waiting to be fed in
+
+
+class SlotRecords:
+    """Per slot: the sample's generated tokens with their log-probs and masks, its token budget, and the tokens
+    that need the host when sampled ("watched": its stop tokens, and <|python_end|> when it uses tools). A decode
+    step appends to every row and finds the rows that need the host with a handful of array ops (append); rows
+    move with their samples (move) and are read back into a Completion when the sample ends (lists)."""
+
+    def __init__(self, batch_size, max_len):
+        B, self.max_len = batch_size, max_len
+        self.n_gen, self.prompt_len, self.limit = (np.zeros(B, dtype=np.int64) for _ in range(3))
+        # which prefill wrote the slot's prompt KV (Engine._prefill numbers them): slots with one number hold the
+        # same prompt KV, bit for bit (prefix sharing), which lets a decode step read it once (LockstepDecode)
+        self.prefill = np.zeros(B, dtype=np.int64)
+        # the sample's random stream: its row seed and how many tokens it has drawn (nanorl/sampling.py)
+        self.seed, self.counter = np.zeros(B, dtype=np.int64), np.zeros(B, dtype=np.int64)
+        self.watch = np.full((B, 3), -1, dtype=np.int64)  # padded with -1; widened for a request with more stops
+        self.streamed, self.filtered, self.greedy, self.unit = (np.zeros(B, dtype=bool) for _ in range(4))
+        self.out = np.zeros((B, max_len, 2), dtype=np.float64)  # (token, log-prob): one write per step
+        self.mask = np.ones((B, max_len), dtype=np.int8)  # 0 where a token was forced in
+
+    def fill(self, sample, python_end):
+        """The sample starts in its slot."""
+        slot, handle = sample.slot, sample.handle
+        r = handle.request
+        watch = sorted(t for t in handle.stops | ({python_end} if r.use_tools else set()) if t is not None)
+        if len(watch) > self.watch.shape[1]:
+            wider = np.full((self.watch.shape[0], len(watch)), -1, dtype=np.int64)
+            wider[:, : self.watch.shape[1]] = self.watch
+            self.watch = wider
+        self.n_gen[slot], self.prompt_len[slot] = 0, len(r.prompt_ids)
+        self.seed[slot], self.counter[slot] = sample.row_seed, r.start_counter
+        self.limit[slot] = min(r.max_tokens, self.max_len - len(r.prompt_ids))  # its budget, and the context
+        self.watch[slot] = -1
+        self.watch[slot, : len(watch)] = watch
+        self.mask[slot] = 1
+        self.streamed[slot], self.filtered[slot] = handle.events is not None, handle.filtered
+        self.greedy[slot], self.unit[slot] = r.temperature == 0, r.temperature in (0, 1)  # unit: no division
+
+    def move(self, src, dst):
+        for a in vars(self).values():  # every per-slot array above
+            if isinstance(a, np.ndarray):
+                a[dst] = a[src]
+
+    def append(self, slots, tokens, logprobs, forced=None):
+        """Append one token to each of slots (an index array): tokens and logprobs (m,) numpy, forced = (m,) forced
+        tokens or -1 (None: none forced). -> bool (m,): the slots that need the host (a watched token sampled, the
+        budget or context used up, or streamed). Forced tokens are never watched."""
+        k = self.n_gen[slots]
+        self.out[slots, k, 0] = tokens
+        self.out[slots, k, 1] = logprobs
+        self.n_gen[slots] += 1
+        self.counter[slots] += 1  # every token, forced ones too (a continuation's start_counter is its response length)
+        hit = (self.watch[slots] == tokens[:, None]).any(1)
+        if forced is not None:
+            sampled = forced < 0
+            self.mask[slots, k] = sampled
+            hit &= sampled
+        return hit | (k + 1 >= self.limit[slots]) | self.streamed[slots]
+
+    def lists(self, slot):
+        """(tokens, logprobs, mask) of slot's sample as Python lists, as a Completion holds them."""
+        k = self.n_gen[slot]
+        out = self.out[slot, :k]
+        return out[:, 0].astype(np.int64).tolist(), out[:, 1].tolist(), self.mask[slot, :k].tolist()
 
 
 # --- the engine ---------------------------------------------------------------------------------
@@ -227,6 +287,9 @@ class Engine:
             dtype = dtype or low_precision_dtype(self.device)
             self.model, self.flat_weights = inference_copy(model, dtype)
         self.tool, self.tool_timeout, self.prefill_tokens = tool, tool_timeout, prefill_tokens
+        # every forward runs in this precision, on these attention kernels (kv_cache says why they are pinned)
+        self.autocast = engine_autocast(self.device, self.model.lm_head.weight.dtype)
+        self.attention = attention_backends(self.device)
         self.markup = ToolMarkup(tokenizer)
         self.default_stops = self.markup.stops
 
@@ -257,19 +320,11 @@ class Engine:
         # static shapes: decode batch sizes 1, 2, 4, ... batch_size and attention lengths 64, 128, ... max_len
         self.sizes = sorted({min(1 << i, B) for i in range(B.bit_length() + 1)})
         self.buckets = [L for L in (64 << i for i in range(32)) if L < self.max_len] + [self.max_len]
-        self.use_cuda_graph = (self.device.type == "cuda") if cuda_graph is None else cuda_graph
         self.graphs = {}
-        if self.use_cuda_graph:
-            self.graphs = capture_decode_graphs(self._forward_step, self.cache, self.sizes, self.buckets, dev)
-            stale = first_stale_graph(self.graphs, self._forward_step, self.cache, self.input_ids, self.vocab_size)
-            if stale is not None:  # a wrong graph would decode garbage without an error: say so once, run eagerly
-                print(
-                    f"warning: the CUDA graph of decode batch {stale[0]}, attention length {stale[1]} on {dev} does "
-                    "not reproduce the eager step: this engine decodes eagerly (same tokens, slower)",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                self.use_cuda_graph, self.graphs = False, {}
+        if (self.device.type == "cuda") if cuda_graph is None else cuda_graph:
+            args = (self._forward_step, self.cache, self.sizes, self.buckets, self.input_ids, self.vocab_size)
+            self.graphs = checked_decode_graphs(*args)
+        self.use_cuda_graph = bool(self.graphs)  # none when a graph did not reproduce the eager step
 
     # --- public API -----------------------------------------------------------------------------
     def submit(self, request, stream=False):
@@ -297,9 +352,7 @@ class Engine:
     def submit_and_wait(self, requests):
         """Run requests to the end -> for each request, in order, its list of num_samples Completions."""
         handles = self.submit_all(list(requests))
-        for h in handles:
-            h.result()
-        return [h.completions for h in handles]
+        return [h.result() for h in handles]
 
     def stream(self, request):
         """One sample, token by token: yields {"token", "logprob", "mask"} dicts, then {"status", "completion"}.
@@ -332,10 +385,8 @@ class Engine:
     def attention_kernels(self):
         """One line for the log: the SDPA kernel each phase is pinned to."""
         graphs = ", CUDA graphs" if self.use_cuda_graph else ""
-        return (
-            f"engine attention: prefill = SDPA {KERNEL_NAMES[self.prefill_attention()[0]]}, "
-            f"decode = SDPA {KERNEL_NAMES[self.decode_attention()[0]]}{graphs} (both pinned)"
-        )
+        kernel = KERNEL_NAMES[self.attention[0]]
+        return f"engine attention: prefill = SDPA {kernel}, decode = SDPA {kernel}{graphs} (both pinned)"
 
     def serve_forever(self):
         """Step the engine in this thread until shutdown() (run it in a daemon thread): requests submitted from
@@ -360,33 +411,6 @@ class Engine:
             self.stopping = True
             self.lock.notify_all()
 
-    @torch.inference_mode()
-    def step(self):
-        """End cancelled samples, refill free slots from the queue (prefill), decode one token in every busy
-        slot. Returns False when there was nothing to do. A slot is free the moment its sample ends and the
-        busy ones are compacted before admitting, so a slot a cancel freed is refilled in this same step;
-        nothing marks it free later (a deferred "mark free" once reset such a refilled row to position 0 at
-        every step, and the new request decoded garbage)."""
-        with self.step_lock:
-            try:
-                if self.cancel_requested:
-                    self._drop_cancelled()
-                self._compact()
-                self._admit()
-                self._compact()
-                if self.n_busy:
-                    self._decode()
-                    self._compact()
-                return bool(self.n_busy) or bool(self.pending)
-            except BaseException as e:  # the shared decode step failed: nothing in flight can go on
-                self._fail_all()
-                if isinstance(e, torch.OutOfMemoryError):
-                    raise MemoryError(
-                        f"out of memory while sampling with batch_size={self.batch_size}, "
-                        f"max_len={self.max_len}: use a smaller batch_size (or max_len)"
-                    ) from e
-                raise
-
     # --- submission -----------------------------------------------------------------------------
     def _stream_events(self, handle):
         try:
@@ -408,14 +432,66 @@ class Engine:
     def _has_work(self):
         return bool(self.pending) or self.cancel_requested or self.n_busy > 0
 
-    def _progress(self, handle):
-        """Let a waiting caller's work advance: step inline, or wait while a serve_forever thread steps."""
-        if self.serving:
-            handle.finished.wait(0.1)
-        else:
-            self.step()
-
     # --- one step -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self):
+        """One turn of the engine's loop: end cancelled samples, move queued samples into the free slots and prefill
+        their prompts, decode one token in every busy slot. Returns False when there was nothing to do. A slot is free
+        the moment its sample ends and the busy ones are compacted before admitting, so a slot a cancel freed is
+        refilled in this same step; nothing marks it free later (a deferred "mark free" once reset such a refilled row
+        to position 0 at every step, and the new request decoded garbage)."""
+        with self.step_lock:
+            try:
+                if self.cancel_requested:
+                    self._drop_cancelled()
+                self._compact()
+                # admit: queued samples take the free slots n_busy.., a request's samples next to each other (one
+                # group, one prefill). Prompts are prefilled together, up to prefill_tokens padded tokens a forward
+                with self.lock:
+                    free = min(self.batch_size - self.n_busy, len(self.pending))
+                    take = [self.pending.popleft() for _ in range(free)]
+                for slot, s in enumerate(take, start=self.n_busy):
+                    s.slot, self.slots[slot] = slot, s
+                self.n_busy += len(take)
+                chunk, longest = [], 0
+                for g in [list(samples) for _, samples in itertools.groupby(take, key=lambda s: s.handle)]:
+                    length = len(g[0].handle.request.prompt_ids)
+                    if chunk and (len(chunk) + 1) * max(longest, length) > self.prefill_tokens:
+                        self._prefill_or_fail(chunk)
+                        chunk, longest = [], 0
+                    chunk.append(g)
+                    longest = max(longest, length)
+                if chunk:
+                    self._prefill_or_fail(chunk)
+                self._compact()
+                # decode: one token for each busy slot 0..n-1, run as the smallest ladder batch that holds them
+                n = self.n_busy
+                if n:
+                    size = next(b for b in self.sizes if b >= n)
+                    if n < size:  # the idle rows of the batch decode garbage at position 0, never past the cache
+                        self.cache.pos[n:size] = 0
+                    rec = self.records
+                    logits = self._decode_logits(size, int((rec.prompt_len[:n] + rec.n_gen[:n]).max()))
+                    forced = None
+                    if self.forcing:  # tool output waiting: those rows take their next forced token, not a sampled one
+                        forced = np.full(n, -1, dtype=np.int64)
+                        for s in list(self.forcing):
+                            forced[s.slot] = s.forced.popleft()
+                            if not s.forced:
+                                self.forcing.discard(s)
+                    # only the busy rows are sampled (the idle ones decoded garbage)
+                    self.input_ids[:n] = self._sample_and_record(logits[:n], slice(0, n), np.arange(n), forced)
+                    self._compact()
+                return bool(self.n_busy) or bool(self.pending)
+            except BaseException as e:  # the shared decode step failed: nothing in flight can go on
+                self._fail_all()
+                if isinstance(e, torch.OutOfMemoryError):
+                    raise MemoryError(
+                        f"out of memory while sampling with batch_size={self.batch_size}, "
+                        f"max_len={self.max_len}: use a smaller batch_size (or max_len)"
+                    ) from e
+                raise
+
     def _drop_cancelled(self):
         with self.lock:
             self.cancel_requested = False
@@ -425,31 +501,6 @@ class Engine:
             s for s in self.slots[: self.n_busy + len(self.holes)] if s is not None and s.handle.cancelled
         ]:
             self._finish(s, "aborted")
-
-    def _admit(self):
-        """Move queued samples into the free slots n_busy.. . Prompts are prefilled together (up to prefill_tokens
-        padded tokens per forward), each once, straight into the slot of its request's first sample here."""
-        with self.lock:
-            take = [self.pending.popleft() for _ in range(min(self.batch_size - self.n_busy, len(self.pending)))]
-        if not take:
-            return
-        groups = []  # the samples of one request sit next to each other in the queue
-        for slot, s in enumerate(take, start=self.n_busy):
-            s.slot, self.slots[slot] = slot, s
-            if groups and groups[-1][0].handle is s.handle:
-                groups[-1].append(s)
-            else:
-                groups.append([s])
-        self.n_busy += len(take)
-        chunk, longest = [], 0
-        for g in groups:
-            n = len(g[0].handle.request.prompt_ids)
-            if chunk and (len(chunk) + 1) * max(longest, n) > self.prefill_tokens:
-                self._prefill_or_fail(chunk)
-                chunk, longest = [], 0
-            chunk.append(g)
-            longest = max(longest, n)
-        self._prefill_or_fail(chunk)
 
     def _prefill_or_fail(self, groups):
         """Prefill groups; if that fails, each group alone, so a failure ends only the request it belongs to."""
@@ -468,47 +519,34 @@ class Engine:
         idx = torch.tensor([p + [0] * (T - len(p)) for p in prompts], device=dev)
         first = torch.tensor([g[0].slot for g in groups], device=dev)
         self.cache.pos[first] = 0
-        self.cache.rows = first
-        try:  # the attention kernel is pinned here too (see _forward_step), so no upgrade swaps it silently
-            with self._autocast(), sdpa_kernel(self.prefill_attention()):
-                h = self.model.hidden_states(idx, kv_cache=self.cache)
-        finally:
-            self.cache.rows = None
+        h = self._forward(idx, first)
         # a short prompt's padding left garbage past its end: the mask never shows it and decode overwrites it
         lens_t = torch.tensor(lens, device=dev)
         self.cache.pos[first] = lens_t
-        with self._autocast():
+        with self.autocast:
             logits = self.model.logits_from_hidden(h[torch.arange(len(groups), device=dev), lens_t - 1])
         samples = [s for g in groups for s in g]
-        for g in groups:
-            self.prefills += 1
-            self.records.prefill[[s.slot for s in g]] = self.prefills
-        fan = [(g[0].slot, s.slot) for g in groups for s in g[1:]]
-        if fan:  # prefix sharing: the other samples of a request start from a copy of its prefilled row
-            src, dst = zip(*fan)
-            self.cache.copy_rows(torch.tensor(src, device=dev), torch.tensor(dst, device=dev))
         slots = np.array([s.slot for s in samples])
         rows = torch.from_numpy(slots).to(dev)
-        self._set_slot_params(samples, rows)
-        which = torch.tensor([i for i, g in enumerate(groups) for _ in g], device=dev)
-        tokens = self._choose_and_record(logits[which], rows, slots)
-        self.input_ids[rows] = tokens
-
-    def _set_slot_params(self, samples, rows):
+        which = np.array([i for i, g in enumerate(groups) for _ in g])  # the group of each sample
+        which_t = torch.from_numpy(which).to(dev)
+        if len(samples) > len(groups):  # prefix sharing: a request's other samples start from a copy of its first row
+            self.cache.copy_rows(first[which_t], rows)
+        # each prefill's number: rows with one number hold the same prompt KV (what _shared_prompts looks for)
+        self.records.prefill[slots] = self.prefills + 1 + which
+        self.prefills += len(groups)
         reqs = [s.handle.request for s in samples]
-        dev, V = self.device, self.vocab_size
         self.temperature[rows] = torch.tensor([float(r.temperature) for r in reqs], device=dev)
-        self.top_k[rows] = torch.tensor([min(r.top_k or V, V) for r in reqs], device=dev)
+        self.top_k[rows] = torch.tensor([min(r.top_k or self.vocab_size, self.vocab_size) for r in reqs], device=dev)
         self.top_p[rows] = torch.tensor([float(r.top_p or 1.0) for r in reqs], device=dev)
         for s in samples:
             self.records.fill(s, self.markup.python_end)
+        self.input_ids[rows] = self._sample_and_record(logits[which_t], rows, slots)
 
     def _compact(self):
         """Keep the busy slots a prefix 0..n_busy-1: the last busy samples move into the holes ended ones left
         (their KV rows and slot state are copied once), so decode can run just the first rows of the cache.
         Work in the number of holes, not the batch."""
-        if not self.holes:
-            return
         n, top = self.n_busy, self.n_busy + len(self.holes)  # slots top.. were free before these holes opened
         holes = sorted(i for i in self.holes if i < n)
         movers = [self.slots[i] for i in range(n, top) if self.slots[i] is not None]
@@ -525,23 +563,6 @@ class Engine:
         for s, i in zip(movers, holes):
             self.slots[s.slot], self.slots[i], s.slot = None, s, i
 
-    def _decode(self):
-        """One token for each of the n busy slots 0..n-1, run as the smallest ladder batch that holds them."""
-        n = self.n_busy
-        size = next(b for b in self.sizes if b >= n)
-        if n < size:  # the idle rows of the batch decode garbage at position 0, never past the cache
-            self.cache.pos[n:size] = 0
-        logits = self._decode_logits(size, int(self.records.lengths(n).max()))
-        forced = None
-        if self.forcing:  # tool output waiting: those rows take their next forced token instead of a sampled one
-            forced = np.full(size, -1, dtype=np.int64)
-            for s in list(self.forcing):
-                forced[s.slot] = s.forced.popleft()
-                if not s.forced:
-                    self.forcing.discard(s)
-        tokens = self._choose_and_record(logits, slice(0, size), np.arange(n), forced, busy=slice(0, n))
-        self.input_ids[:size] = tokens
-
     def _decode_logits(self, size, need):
         """Logits (size, V) of one decode step of rows 0..size-1; each writes at its position, reads <= need keys."""
         if not self.use_cuda_graph:
@@ -551,19 +572,26 @@ class Engine:
         return logits  # a static tensor: read it before the next replay
 
     def _forward_step(self, size):
-        # eager, or the body a CUDA graph records (then cache.static is set and attend_len is a bucket);
-        # the attention kernel is pinned (decode_backends says why). Eager rows that all stand at one position
-        # (batch 1, a prompt's samples) take the model's lean step, on the engine's own copy (a shared model may
-        # be sharded: its blocks' hooks must run)
+        # eager, or the body a CUDA graph records (then cache.static is set and attend_len is a bucket). Eager rows
+        # that all stand at one position (batch 1, a prompt's samples) take the model's lean step, on the engine's own
+        # copy (a shared model may be sharded: its blocks' hooks must run)
         pos = None if self.cache.static or self.lockstep is None else self.cache.lockstep(size)
-        with self._autocast(), sdpa_kernel(self.decode_attention()):
-            if pos is not None:  # rows from one prefill (a prompt's samples) share its KV: read it once
+        if pos is not None:  # rows from one prefill (a prompt's samples) share its KV: read it once
+            with self.autocast, sdpa_kernel(self.attention):
                 return self.lockstep(self.input_ids[:size], pos, *self._shared_prompts(size))
-            self.cache.rows = slice(0, size)
-            try:
-                return self.model(self.input_ids[:size, None], kv_cache=self.cache)[:, 0]
-            finally:
-                self.cache.rows = None
+        h = self._forward(self.input_ids[:size, None], slice(0, size))
+        with self.autocast:
+            return self.model.logits_from_hidden(h[:, 0])
+
+    def _forward(self, idx, rows):
+        """The model's hidden states of the tokens idx (B, T) appended to cache rows `rows` (a slice of leading rows or
+        a LongTensor, see KVCache.rows), on the pinned attention kernels."""
+        self.cache.rows = rows
+        try:
+            with self.autocast, sdpa_kernel(self.attention):
+                return self.model.hidden_states(idx, kv_cache=self.cache)
+        finally:
+            self.cache.rows = None
 
     def _shared_prompts(self, size):
         """(P, n) when rows 0..size-1 come in groups of n > 1 rows, each group one prefill's samples, every prompt
@@ -578,42 +606,26 @@ class Engine:
             return 0, None
         return int(lens[0]), n
 
-    def decode_attention(self):
-        return decode_backends(self.device)  # see nanorl/engine_graphs.py
-
-    def prefill_attention(self):
-        return prefill_backends(self.device)
-
-    def _autocast(self):
-        return engine_autocast(self.device, self.model.lm_head.weight.dtype)
-
     def _bucket(self, need):
         return next(L for L in self.buckets if L >= need)
 
-    def _choose_and_record(self, logits, rows, slots, forced=None, busy=None):
-        """Pick the next token of the samples in `slots` (numpy; logits row i is slots[i], rows their device
-        index, busy the same as a slice when they are 0..n-1): sampled, or the forced tool token where forced[i]
-        >= 0; record it with its log-prob."""
-        busy = slots if busy is None else busy
+    def _sample_and_record(self, logits, rows, slots, forced=None):
+        """Pick the next token of the samples in `slots` (numpy; logits row i is slots[i], rows the same slots as a
+        device index): sampled, or the forced tool token where forced[i] >= 0; record it with its log-prob -> the
+        tokens (on the device)."""
         f = None if forced is None else torch.from_numpy(forced).to(self.device)
         rec = self.records
-        filtered, greedy = bool(rec.filtered[busy].any()), bool(rec.greedy[busy].any())
-        unit = bool(rec.unit[busy].all())
-        # every row greedy (an eval, a chat at T = 0): no uniforms, the argmax alone. The uniforms are made on the
-        # host (records.uniforms), for the idle rows of a decode batch too (rows slice past busy; their draw is unused)
+        filtered, greedy = bool(rec.filtered[slots].any()), bool(rec.greedy[slots].any())
+        unit = bool(rec.unit[slots].all())
+        # every row greedy (an eval, a chat at T = 0): no uniforms, the argmax alone. The uniforms are made on the host
         u = None
-        if not rec.greedy[busy].all():
-            u = torch.from_numpy(rec.uniforms(rows if isinstance(rows, slice) else slots)).to(self.device)
+        if not rec.greedy[slots].all():
+            u = torch.from_numpy(uniform_from_counter(rec.seed[slots], rec.counter[slots])).to(self.device)
         tok, logp = sample_with_logprobs(
             logits, self.temperature[rows], self.top_k[rows], self.top_p[rows], u, filtered, greedy, f, unit
         )
-        m = len(slots)
-        if tok.is_cpu:  # numpy views: no copy
-            tokens, logps = tok.numpy()[:m], logp.numpy()[:m]
-        else:  # the step's one device -> host sync
-            tokens, logps = torch.stack([tok.double(), logp.double()]).cpu().numpy()[:, :m]
-        forced = None if forced is None else forced[:m]
-        for i in np.flatnonzero(self.records.append(busy, slots, tokens, logps, forced)):
+        tokens, logps = torch.stack([tok.double(), logp.double()]).cpu().numpy()  # the step's one device -> host sync
+        for i in np.flatnonzero(rec.append(slots, tokens, logps, forced)):
             self._record(self.slots[slots[i]], int(tokens[i]), float(logps[i]), forced is None or forced[i] < 0)
         return tok
 
@@ -627,7 +639,7 @@ class Engine:
                 h.events.put({"sample": s.index, "token": token, "logprob": logprob, "mask": int(sampled)})
             if sampled and token in h.stops:
                 self._finish(s, "completed")
-            elif self.records.full(s.slot):
+            elif self.records.n_gen[s.slot] >= self.records.limit[s.slot]:  # its budget, or the context, used up
                 self._finish(s, "truncated")
             elif sampled and h.request.use_tools and token == self.markup.python_end:
                 self._call_tool(s)
@@ -635,7 +647,8 @@ class Engine:
             self._fail(h, e)
 
     def _call_tool(self, s):
-        source = self.markup.open_call(self.records.generated(s.slot))
+        rec = self.records
+        source = self.markup.open_call(rec.out[s.slot, : rec.n_gen[s.slot], 0].astype(np.int64).tolist())
         if source is not None:
             s.forced.extend(self.markup.output_tokens(run_tool(source, self.tool, self.tool_timeout)))
             self.forcing.add(s)
@@ -654,8 +667,7 @@ class Engine:
         h = s.handle
         if h.events is not None:
             h.events.put({"sample": s.index, "status": status, "completion": s.out})
-        h.remaining -= 1
-        if h.remaining == 0:
+        if all(c.status != "running" for c in h.completions):
             with self.lock:
                 self.live.discard(h)
             h.finished.set()

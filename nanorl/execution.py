@@ -16,8 +16,8 @@ python tool), or sandbox_missing() to skip only what runs model code and say why
 NANORL_SANDBOX=guard runs it under the in-process guard alone, a *reliability* guard against accidents
 (rm -rf, fork bombs, runaway loops), not a security boundary; a warning says once what it does not stop.
 
-The bubblewrap command line (what the sandbox's root holds) is built in nanorl/sandbox.py; the calculator tool is
-nanorl/calculator.py.
+The bubblewrap command line (what the sandbox's root holds) is built in nanorl/sandbox.py; the calculator tool is in
+nanorl/toolcalls.py.
 """
 
 import math

@@ -9,8 +9,7 @@ The nanorl GPT: one small, modern decoder-only transformer.
   rope scaling, no softcap. The defaults are nanorl's own architecture (see nanorl/hf.py)
 - three attention paths: plain causal; packed rows with document masking (several documents in a row
   attend only within themselves, positions restart per document); and a KV cache for the engine
-  (nanorl/kv_cache.py), which samples from a frozen copy of the model in one flat buffer (inference_copy),
-  stepping rows that stand at one position through LockstepDecode (the cached forward's numbers, fewer host ops)
+  (nanorl/kv_cache.py), which samples from its own copy of the model (nanorl/engine_model.py)
   Which kernel runs where (attention_backend() says it in each stage's log):
     plain causal  CUDA: SDPA pinned to its FlashAttention backend (bf16/fp16: GQA without repeating K/V;
                   fp32 is left to SDPA's choice); CPU: SDPA
@@ -18,7 +17,6 @@ The nanorl GPT: one small, modern decoder-only transformer.
                   CPU: SDPA with a dense (B, 1, T, T) boolean mask (exact, and T is small there)
 """
 
-import collections
 import copy
 import math
 from dataclasses import asdict, dataclass
@@ -30,7 +28,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
-from nanorl.kv_cache import KVCache, attend_cached, attend_shared_prefix
+from nanorl.kv_cache import KVCache, attend_cached
 from nanorl.precision import cuda_dtypes, low_precision_dtype, recompute_like_forward
 
 
@@ -238,7 +236,8 @@ class CausalSelfAttention(nn.Module):
 
     def heads(self, x, cos, sin):
         """q (..., H, D) and k, v (..., Hkv, D) of x (..., C): projected, rotated, normed. Heads next to each other,
-        as the projections lay them out: forward() moves them to SDPA's (B, H, T, D); LockstepDecode has no time axis."""
+        as the projections lay them out: forward() moves them to SDPA's (B, H, T, D); the engine's LockstepDecode
+        (nanorl/engine_model.py) has no time axis."""
         H, Hkv, D = self.n_head, self.n_kv_head, self.head_dim
         if self.qkv is not None:  # fuse_qkv(): the same numbers as the path below, in fewer ops
             qkv = F.linear(x, self.qkv).unflatten(-1, (H + 2 * Hkv, D))
@@ -517,130 +516,3 @@ def build_model(config, device):
     model.to_empty(device=device)
     model.init_weights()
     return model
-
-
-# --- the engine's frozen copy ------------------------------------------------------------------
-
-
-@torch.no_grad()
-def inference_copy(model, dtype):
-    """A frozen copy of model for sampling -> (copy, flat): every parameter of the copy is a view of one flat
-    buffer `flat` of dtype, so the whole set of weights is one tensor (one copy, one broadcast). Tied parameters
-    stay tied; buffers (the rotary tables) keep their own dtype. On CPU each Linear's weight (out, in) is the
-    transposed view of an (in, out) block, and c_q, c_k, c_v share one block (column_major_groups says why)."""
-    with torch.device("meta"):
-        twin = type(model)(model.config)
-    unique = {id(p): p for p in model.parameters()}
-    flat = torch.empty(sum(p.numel() for p in unique.values()), dtype=dtype, device=next(model.parameters()).device)
-    groups = column_major_groups(model) if flat.device.type == "cpu" else {}
-    views, offset = {}, 0
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) not in views:
-            if id(p) in groups:  # an (in, sum of outs) block, each weight a column range of it seen transposed
-                ws = groups[id(p)]
-                width, C = sum(w.size(0) for w in ws), ws[0].size(1)
-                block, start = flat[offset : offset + width * C].view(C, width), 0
-                for w in ws:
-                    views[id(w)] = block[:, start : start + w.size(0)].t()
-                    start += w.size(0)
-            else:
-                ws, block = [p], flat[offset : offset + p.numel()].view(p.shape)
-                views[id(p)] = block
-            for w in ws:
-                views[id(w)] = torch.nn.Parameter(views[id(w)].copy_(w.detach()), requires_grad=False)
-            offset += block.numel()
-        module, _, attr = name.rpartition(".")
-        setattr(twin.get_submodule(module), attr, views[id(p)])
-    for name, b in model.named_buffers():
-        module, _, attr = name.rpartition(".")
-        twin.get_submodule(module)._buffers[attr] = b.detach().clone()
-    if any(t.is_meta for t in [*twin.parameters(), *twin.buffers()]):
-        raise ValueError(
-            f"{type(model).__name__} has parameters or buffers its own constructor does not make: "
-            "the engine cannot copy it (pass share_weights=True)"
-        )
-    for m in twin.modules():
-        if isinstance(m, CausalSelfAttention):
-            m.fuse_qkv()  # q, k and v from one view of the flat buffer
-    return twin.eval(), flat
-
-
-class LockstepDecode:
-    """
-    The engine's step when rows 0..B-1 of its cache all hold pos tokens (batch 1, or one prompt's samples decoding
-    together): decode = LockstepDecode(model, cache); decode(idx, pos) -> logits (B, V) of the token after idx (B,),
-    the numbers of model(idx[:, None], kv_cache=cache)[:, 0] bit for bit (tests/test_gpt.py, every architecture
-    switch), in a fifth less time at batch 1 on a CPU, where a one-token step is mostly host work per op: every
-    layer's weights and cache views are gathered once here, and the loop calls F.linear and F.rms_norm on them (no
-    nn.Module calls, no time axis), one rotary row serves every row, each layer's KV is written into and read from
-    plain slices of its cache (no positions, mask or scatter). decode(idx, pos, shared=P, group=n) says the rows
-    come in groups of n rows (all of them by default) whose first P keys are one prompt's, fanned out from one
-    prefill: attention reads them once for each group (attend_shared_prefix; equal to float rounding, not bit for
-    bit), ~13% of a d8 step with 32 samples of a 64-token prompt on a CPU.
-    Only for the engine's own copy (inference_copy): its modules carry no hooks or adapters, its weights are in the
-    compute dtype and refreshed in place (load_weights), so the views gathered here stay right.
-    """
-
-    def __init__(self, model, cache):
-        self.model, self.cache = model, cache
-        cfg = model.config
-        self.H, self.Hkv, self.D, self.C = cfg.n_head, cfg.n_kv_head, model.head_dim, cfg.n_embd
-        # a shared prompt is read once only from an fp32 cache: attend_shared_prefix's scores and softmax are in the
-        # cache dtype, where SDPA's kernels keep fp32 (bf16 scores would cost the log-probs their agreement)
-        self.fp32 = cache.k.dtype == torch.float32
-        self.layers = []
-        for b, k, v in zip(model.transformer.h, cache.k, cache.v):
-            n1, n2, mlp = b.norm_attn, b.norm_mlp, b.mlp
-            gate = mlp.c_gate.weight if mlp.swiglu else None
-            w = (n1.weight, n1.eps, b.attn.c_proj.weight, n2.weight, n2.eps, gate, mlp.c_fc.weight)
-            self.layers.append((b.attn, *w, mlp.c_proj.weight, k, v))
-
-    def __call__(self, idx, pos, shared=0, group=None):
-        if pos >= self.cache.max_len:
-            raise ValueError(f"KV cache is full: position {pos} >= max_len {self.cache.max_len}")
-        m, (B,), H, Hkv, D = self.model, idx.shape, self.H, self.Hkv, self.D
-        C, n = (self.C,), m.transformer.norm_f
-        cos, sin = m.cos[pos], m.sin[pos]
-        x = F.embedding(idx, m.transformer.wte.weight)  # (B, C)
-        if not m.config.norm_weight:
-            x = F.rms_norm(x, C)
-        for attn, w1, e1, wo, w2, e2, gate, fc, proj, kc, vc in self.layers:
-            h = F.rms_norm(x, C, w1, e1)
-            q, k, v = attn.heads(h, cos, sin)
-            kc, vc = kc[:B], vc[:B]
-            kc[:, :, pos], vc[:, :, pos] = k, v
-            if shared and self.fp32:  # the rows' first `shared` keys are one prompt's: read once (see there)
-                y = attend_shared_prefix(q, kc, vc, shared, pos + 1, group)
-            else:  # a KV head's G query heads side by side, as attend_cached folds them
-                y = F.scaled_dot_product_attention(
-                    q.view(B, Hkv, H // Hkv, D), kc[:, :, : pos + 1], vc[:, :, : pos + 1]
-                )
-            x = x + F.linear(y.view(B, H * D), wo)
-            h = F.rms_norm(x, C, w2, e2)
-            u = F.linear(h, fc)  # MLP.forward
-            u = F.relu(u).square() if gate is None else F.silu(F.linear(h, gate)) * u
-            x = x + F.linear(u, proj)
-        self.cache.pos[:B] += 1
-        return m.logits_from_hidden(F.rms_norm(x, C, n.weight, n.eps))
-
-
-def column_major_groups(model):
-    """{id(weight): the weights laid out together} for the engine's CPU copy: every untied, plain nn.Linear weight
-    alone, and c_q, c_k and c_v of an attention together (so fuse_qkv still finds them as one view). F.linear on a
-    weight stored as its (in, out) transpose runs MKL's plain GEMM instead of its transposed-B path: the same
-    speed at one row, 2.2-2.7x at 8 rows and 1.3-1.5x at 32 (a prompt's samples decoding in lockstep), at the
-    price of another summation order than the trainer's (log-probs agree to float32 rounding, not bit for bit)."""
-    uses = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
-
-    def plain(m):
-        return type(m) is nn.Linear and m.bias is None and uses[id(m.weight)] == 1
-
-    groups = {}
-    for m in model.modules():
-        if isinstance(m, CausalSelfAttention) and all(plain(getattr(m, n)) for n in ("c_q", "c_k", "c_v")):
-            ws = [m.c_q.weight, m.c_k.weight, m.c_v.weight]
-            groups.update({id(w): ws for w in ws})
-    for m in model.modules():
-        if type(m) is nn.Linear and uses[id(m.weight)] == 1 and id(m.weight) not in groups:
-            groups[id(m.weight)] = [m.weight]
-    return groups

@@ -4,15 +4,14 @@ The KV cache the engine decodes with, and attention over it.
 KVCache holds every layer's keys and values with its own position per row, so one batch mixes prompts of different
 lengths and rows refilled at different times (continuous batching); GPT.new_kv_cache() makes one, and a forward
 that is given one reads and extends it. attend_cached() is the attention over the cache: grouped-query heads are
-folded into the query length so each KV head is read once, never repeated. greedy_decode() is its simplest client:
-a training log's sample, a few greedy tokens through a cache of one row.
+folded into the query length so each KV head is read once, never repeated, on the SDPA kernels attention_backends()
+pins. greedy_decode() is its simplest client: a training log's sample, a few greedy tokens through a cache of one row.
 """
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import sdpa_kernel
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from nanorl.engine_graphs import decode_backends, prefill_backends
 from nanorl.precision import low_precision_dtype
 
 
@@ -63,18 +62,14 @@ class KVCache:
 
     def update(self, layer, k, v):
         """Write one layer's new keys/values (B, H, T, D) at write_pos; return the keys/values to attend over."""
-        rows, L = self._rows(), self.attend_len
         kc, vc = self.k[layer], self.v[layer]
-        if isinstance(rows, slice):  # leading rows: write into and read views of the cache
-            kc, vc = kc[rows], vc[rows]
         kc[self.write_rows, :, self.write_pos] = k.transpose(1, 2).to(kc.dtype)
         vc[self.write_rows, :, self.write_pos] = v.transpose(1, 2).to(vc.dtype)
-        if isinstance(rows, slice):
-            return kc[:, :, :L], vc[:, :, :L]
-        return kc[rows, :, :L], vc[rows, :, :L]
+        rows = self._rows()  # leading rows read views of the cache, other rows a gathered copy
+        return kc[rows, :, : self.attend_len], vc[rows, :, : self.attend_len]
 
     def lockstep(self, B):
-        """The one position rows 0..B-1 all stand at (gpt.LockstepDecode's case), or None (one host sync)."""
+        """The one position rows 0..B-1 all stand at (engine_model.LockstepDecode's case), or None (one host sync)."""
         lo, hi = torch.stack(self.pos[:B].aminmax()).tolist()
         return lo if lo == hi else None
 
@@ -96,6 +91,28 @@ class KVCache:
         self.k[:, dst, :, :L] = source.k[:, src, :, :L]
         self.v[:, dst, :, :L] = source.v[:, src, :, :L]
         self.pos[dst] = source.pos[src]
+
+
+KERNEL_NAMES = {
+    SDPBackend.MATH: "math",
+    SDPBackend.FLASH_ATTENTION: "flash (CPU)",
+    SDPBackend.EFFICIENT_ATTENTION: "memory-efficient",
+}
+
+
+def attention_backends(device):
+    """The SDPA backends attention over the cache is pinned to (the engine's prefill and decode, greedy_decode).
+    Pinned, not left to SDPA's choice: a graph freezes whichever kernel ran at capture, so a torch or cuDNN upgrade
+    must not swap it silently (left to the dispatcher, torch 2.13 on an H100 would pick a cuDNN kernel for a prefill
+    that no test here exercises). On CUDA memory-efficient attention, the kernel that takes a boolean mask (flash
+    takes none); on CPU the fused flash kernel, which takes the mask too and reads each row's keys and values once
+    (the math kernel materialises scores, a float mask and their sum: 1.3-1.4x slower at 32 rows of 128-wide heads);
+    math elsewhere."""
+    if device.type == "cuda":
+        return [SDPBackend.EFFICIENT_ATTENTION]
+    if device.type == "cpu":
+        return [SDPBackend.FLASH_ATTENTION]
+    return [SDPBackend.MATH]
 
 
 def attend_cached(q, k, v, mask):
@@ -150,17 +167,17 @@ def attend_shared_prefix(q, kc, vc, P, L, n=None):
 def greedy_decode(model, ids, max_tokens, device):
     """The greedy continuation of the token list ids (at most max_tokens, less where the context ends). `device` is
     where it computes, which is not where the parameters are under FSDP's --cpu-offload: the cache and the inputs go
-    there, never to a parameter's device. Attention runs on the engine's pinned kernels (nanorl/engine_graphs.py),
+    there, never to a parameter's device. Attention runs on the engine's pinned kernels (attention_backends),
     not on whichever SDPA's dispatcher picks for a masked call."""
     device = torch.device(device)
     cache = model.new_kv_cache(1, min(len(ids) + max_tokens, model.config.sequence_len), device=device)
-    x, out, backends = torch.tensor([ids], device=device), [], prefill_backends(device)
+    x, out = torch.tensor([ids], device=device), []
     for _ in range(max_tokens):
-        with sdpa_kernel(backends):
+        with sdpa_kernel(attention_backends(device)):
             out.append(int(model(x, kv_cache=cache)[0, -1].argmax()))
         if int(cache.pos[0]) >= cache.max_len:
             break
-        x, backends = torch.tensor([[out[-1]]], device=device), decode_backends(device)
+        x = torch.tensor([[out[-1]]], device=device)
     return out
 
 

@@ -18,10 +18,9 @@ at the request's temperature, in every turn, which is what the trainer computes 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
-from nanorl.calculator import calculator
 from nanorl.engine import Completion
 from nanorl.execution import execute_code
-from nanorl.toolcalls import run_tool
+from nanorl.toolcalls import calculator, run_tool
 
 TOOLS = ("calculator", "python")
 

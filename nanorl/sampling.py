@@ -14,29 +14,23 @@ import numpy as np
 import torch
 
 _MASK64 = (1 << 64) - 1
-
-
-def _signed64(x):
-    x &= _MASK64
-    return x - (1 << 64) if x >> 63 else x
+_GOLDEN, _M1, _M2 = (np.uint64(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+_BELOW_ONE = 1 - 2**-24  # the largest float32 below 1
 
 
 def _mix64(x):
-    """splitmix64's finalizer on a Python int: turns (seed, sample index) into well-spread row seeds."""
-    x &= _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
+    """splitmix64's finalizer on uint64 numpy arrays, which wrap and shift logically as it wants (the shift counts are
+    uint64: numpy 1 would promote a Python int to float)."""
+    x = (x ^ (x >> np.uint64(30))) * _M1
+    x = (x ^ (x >> np.uint64(27))) * _M2
+    return x ^ (x >> np.uint64(31))
 
 
 def row_seed(seed, index):
-    """The seed of sample `index` of a request seeded `seed`, as the signed int64 a device tensor holds."""
-    return _signed64(_mix64(_mix64(seed) + index))
-
-
-_BELOW_ONE = 1 - 2**-24  # the largest float32 below 1
-
-_GOLDEN, _M1, _M2 = (np.uint64(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+    """The seed of sample `index` of a request seeded `seed` (any int), as the signed int64 a device tensor holds:
+    the finalizer turns (seed, sample index) into well-spread row seeds."""
+    x = _mix64(np.array([seed & _MASK64], dtype=np.uint64)) + np.uint64(index)
+    return int(_mix64(x).view(np.int64)[0])
 
 
 def uniform_from_counter(seed, counter):
@@ -45,14 +39,11 @@ def uniform_from_counter(seed, counter):
     per-request generator object has to be stepped in Python. Token t gets splitmix64's output t + 1 (its state
     advances before it mixes): output 0 of seed 0 would be exactly 0, and u = 0 draws token id 0 whatever its
     probability (row_seed(0, 0) is 0, so every first sample of a request seeded 0 began with that token).
-    On the host: a dozen numpy ops on B numbers cost a fifth of as many device ops (uint64 wraps and shifts
-    logically, as splitmix64 wants), and the engine keeps each slot's seed and counter there anyway."""
+    On the host: a dozen numpy ops on B numbers cost a fifth of as many device ops, and the engine keeps each slot's
+    seed and counter there anyway."""
     x = np.asarray(seed, dtype=np.int64).view(np.uint64)
     x = x + (np.asarray(counter, dtype=np.int64).view(np.uint64) + np.uint64(1)) * _GOLDEN
-    x = (x ^ (x >> np.uint64(30))) * _M1  # uint64 shift counts: numpy 1 would promote a Python int to float
-    x = (x ^ (x >> np.uint64(27))) * _M2
-    x = x ^ (x >> np.uint64(31))
-    return (x >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+    return (_mix64(x) >> np.uint64(11)).astype(np.float64) / float(1 << 53)
 
 
 def tempered(logits, temperature, unit=False):

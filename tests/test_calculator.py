@@ -2,7 +2,7 @@ import time
 
 import pytest
 
-from nanorl.calculator import calculator
+from nanorl.toolcalls import calculator
 
 
 @pytest.mark.parametrize(

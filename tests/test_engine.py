@@ -6,12 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from nanorl.calculator import calculator
 from nanorl.engine import Engine, Request
 from nanorl.gpt import GPTConfig, build_model
 from nanorl.sampling import sample_tokens
 from nanorl.tokenizer import SPLIT_PATTERN, Tokenizer
-from nanorl.toolcalls import assistant_parts
+from nanorl.toolcalls import assistant_parts, calculator
 
 # a byte-level tokenizer needs no training: 256 byte tokens + the 9 special tokens
 TOK = Tokenizer.from_ranks({bytes([i]): i for i in range(256)}, SPLIT_PATTERN)
@@ -106,7 +105,9 @@ def check_invariants(engine):
     assert all(s.slot == i and s.out.status == "running" for i, s in enumerate(engine.slots[:n]))
     assert len({id(s) for s in engine.slots[:n]}) == n, "a sample sits in two slots"
     assert all(s.slot is None and s.out.status == "running" for s in engine.pending)
-    assert engine.cache.pos[:n].tolist() == (engine.records.lengths(n) - 1).tolist(), "a row's cache is out of step"
+    assert engine.cache.pos[:n].tolist() == (engine.records.prompt_len[:n] + engine.records.n_gen[:n] - 1).tolist(), (
+        "a row's cache is out of step"
+    )
     last = engine.records.out[np.arange(n), engine.records.n_gen[:n] - 1, 0].astype(np.int64)
     assert engine.input_ids[:n].tolist() == last.tolist(), "a row's next input is wrong"
     assert engine.cache.rows is None
@@ -470,7 +471,7 @@ class RecordedGraph:
 
 @pytest.mark.parametrize("stale", [False, True])
 def test_a_graph_that_does_not_reproduce_the_eager_step_is_dropped_with_one_warning(monkeypatch, capfd, stale):
-    import nanorl.engine as engine_module
+    import nanorl.engine_model as engine_model
 
     def capture(forward_step, cache, sizes, buckets, device):
         # what capture_decode_graphs returns, with the capture's static shapes and an empty cache
@@ -486,7 +487,7 @@ def test_a_graph_that_does_not_reproduce_the_eager_step_is_dropped_with_one_warn
         cache.pos.zero_()
         return graphs
 
-    monkeypatch.setattr(engine_module, "capture_decode_graphs", capture)
+    monkeypatch.setattr(engine_model, "capture_decode_graphs", capture)
     model = tiny(seq=160)
     reqs = [Request(p, max_tokens=24, seed=i, stop_tokens=[]) for i, p in enumerate(prompts([3, 70, 9]))]
     want = Engine(model, TOK, batch_size=4, max_len=150).submit_and_wait(reqs)
@@ -852,7 +853,7 @@ def test_the_cpu_copy_keeps_linear_weights_column_major():
 
 
 def test_rows_at_one_position_decode_through_the_lockstep_step():
-    # batch 1 and rows at one position decode through gpt.LockstepDecode, rows at different positions through the
+    # batch 1 and rows at one position decode through engine_model.LockstepDecode, rows at different positions through the
     # cached forward. The samples of one prompt (one prefill) read its KV once (shared = the prompt's length, 7);
     # so do the samples of equally long prompts side by side, a group per prompt (group = its samples); prompts
     # with one sample each share nothing. Either way the tokens are an engine's without the lean step, and the
@@ -936,6 +937,7 @@ def test_prefill_and_decode_attention_kernels_are_pinned(monkeypatch):
     from torch.nn.attention import SDPBackend
 
     import nanorl.engine as engine_module
+    from nanorl.kv_cache import attention_backends
 
     active, seen = [], []
     real = engine_module.sdpa_kernel
@@ -958,7 +960,7 @@ def test_prefill_and_decode_attention_kernels_are_pinned(monkeypatch):
         return forward(idx, **kw)
 
     engine.model.hidden_states = hidden_states
-    lockstep = engine.lockstep  # batch 1 decodes through the lean step (gpt.LockstepDecode), not hidden_states
+    lockstep = engine.lockstep  # batch 1 decodes through the lean step (engine_model.LockstepDecode), not hidden_states
 
     def lean(idx, pos, shared, group):
         seen.append((1, active[-1] if active else None))
@@ -972,8 +974,9 @@ def test_prefill_and_decode_attention_kernels_are_pinned(monkeypatch):
         engine.attention_kernels()
         == "engine attention: prefill = SDPA flash (CPU), decode = SDPA flash (CPU) (both pinned)"
     )
-    engine.device, engine.use_cuda_graph = torch.device("cuda"), True  # what a CUDA engine picks (no GPU needed)
-    assert engine.prefill_attention() == engine.decode_attention() == [SDPBackend.EFFICIENT_ATTENTION]
+    # what a CUDA engine picks (no GPU needed)
+    engine.attention, engine.use_cuda_graph = attention_backends(torch.device("cuda")), True
+    assert engine.attention == [SDPBackend.EFFICIENT_ATTENTION]
     assert engine.attention_kernels() == (
         "engine attention: prefill = SDPA memory-efficient, decode = SDPA memory-efficient, CUDA graphs (both pinned)"
     )

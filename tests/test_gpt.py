@@ -3,6 +3,7 @@ import torch
 from numerics import assert_close_ulps
 
 from nanorl import gpt
+from nanorl.engine_model import LockstepDecode, inference_copy
 from nanorl.gpt import GPT, GPTConfig, build_model, config_from_depth, positions_from_doc_ids
 
 
@@ -110,8 +111,7 @@ def test_greedy_decode_runs_on_the_engines_pinned_kernels():
     # never left to SDPA's dispatcher. Seen through SDPA's global switches while each forward runs
     from torch.nn.attention import SDPBackend
 
-    from nanorl.engine_graphs import decode_backends, prefill_backends
-    from nanorl.kv_cache import greedy_decode
+    from nanorl.kv_cache import attention_backends, greedy_decode
 
     model, seen = tiny(), []
     forward = model.hidden_states
@@ -129,10 +129,10 @@ def test_greedy_decode_runs_on_the_engines_pinned_kernels():
     model.hidden_states = hidden_states
     greedy_decode(model, [1, 2, 3], 3, torch.device("cpu"))
     cpu = torch.device("cpu")
-    assert seen == [(3, prefill_backends(cpu)), (1, decode_backends(cpu)), (1, decode_backends(cpu))]
-    assert seen[0][1] == seen[1][1] == [SDPBackend.FLASH_ATTENTION]
+    assert seen == [(3, attention_backends(cpu)), (1, attention_backends(cpu)), (1, attention_backends(cpu))]
+    assert seen[0][1] == [SDPBackend.FLASH_ATTENTION]
     cuda = torch.device("cuda")  # what it pins on a GPU: the engine's kernel, which takes the boolean mask
-    assert prefill_backends(cuda) == decode_backends(cuda) == [SDPBackend.EFFICIENT_ATTENTION]
+    assert attention_backends(cuda) == [SDPBackend.EFFICIENT_ATTENTION]
 
 
 @pytest.mark.fp32("calls the model outside autocast, as an fp32 reference (CUDA's layout runs it under autocast only)")
@@ -305,7 +305,7 @@ def test_lockstep_decode_equals_the_cached_forward_bit_for_bit(arch, dtype):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    copy, _ = gpt.inference_copy(model, dtype)
+    copy, _ = inference_copy(model, dtype)
     fused = copy.transformer.h[0].attn.qkv is not None
     assert fused == (arch not in ("qwen2 (q/k/v bias: unfused)", "qwen3 (learned qk-norm, wide heads)"))
     caches = [copy.new_kv_cache(4, 24, dtype=dtype) for _ in range(3)]
@@ -316,7 +316,7 @@ def test_lockstep_decode_equals_the_cached_forward_bit_for_bit(arch, dtype):
             copy(prompt, kv_cache=c)
             c.rows = None
             c.copy_rows(torch.zeros(3, dtype=torch.long), torch.arange(1, 4))  # prefix sharing, as the engine does
-        lockstep, shared = gpt.LockstepDecode(copy, caches[0]), gpt.LockstepDecode(copy, caches[2])
+        lockstep, shared = LockstepDecode(copy, caches[0]), LockstepDecode(copy, caches[2])
         for pos in range(9, 14):
             idx = torch.randint(0, 97, (3,))  # rows 0..2 step; row 3 stays at 9
             got = lockstep(idx, pos)

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import torch
 
-from nanorl.sampling import _mix64, _signed64, sample_tokens, sample_with_logprobs, uniform_from_counter
+from nanorl.sampling import row_seed, sample_tokens, sample_with_logprobs, uniform_from_counter
 
 
 def test_top_k_top_p_and_temperature_by_hand():
@@ -76,18 +76,31 @@ def test_counter_hash_matches_splitmix64():
         x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & M
         return ((x ^ (x >> 31)) >> 11) / 2**53
 
-    seeds, counters = [0] + [_mix64(i) for i in range(1, 7)], [0, 0, 1, 2, 1000, 2**40, 7]
-    u = uniform_from_counter(np.array([_signed64(s) for s in seeds]), np.array(counters))
+    seeds, counters = [0] + [(i * 0x9E3779B97F4A7C15) & M for i in range(1, 7)], [0, 0, 1, 2, 1000, 2**40, 7]
+    u = uniform_from_counter(np.array(seeds, dtype=np.uint64).view(np.int64), np.array(counters))
     assert u.tolist() == [splitmix(s, c) for s, c in zip(seeds, counters)]
     assert u[0] > 0.01  # seed 0's first uniform is not 0 (it was: its first token was token id 0, a NUL byte)
+
+
+def test_row_seed_is_splitmix64s_finalizer_twice():
+    # sample i of a request seeded s draws from mix(mix(s) + i) (mod 2^64), held as a signed int64; any int seeds it
+    M = (1 << 64) - 1
+
+    def mix(x):
+        x &= M
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & M
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & M
+        return x ^ (x >> 31)
+
+    for seed, i in [(0, 0), (0, 1), (7, 3), (-1, 0), (2**63, 5), (2**70 + 9, 2), (123456789, 1000)]:
+        x = mix(mix(seed) + i)
+        assert row_seed(seed, i) == (x - (1 << 64) if x >> 63 else x)
 
 
 def test_a_request_seeded_0_does_not_start_with_token_0():
     """chat_eval seeds problem i with i: the first sample of problem 0 (the engine's row_seed(0, 0), counter 0) drew
     u = 0, so token id 0 (the NUL byte) whatever its probability, and its "example response" began with '\\x00'.
     Now that token is drawn as any other: with token 0 at e^-20 of the others, it is not drawn."""
-    from nanorl.sampling import row_seed
-
     assert row_seed(0, 0) == 0  # why seed 0 was the one: splitmix64's finalizer maps 0 to 0
     logits = torch.zeros(1, 300)
     logits[0, 0] = -20.0

@@ -1,8 +1,7 @@
 """Tool-call markup and the tool runner (nanorl/toolcalls.py): the one reader of <|python_start|>...<|output_end|>."""
 
-from nanorl.calculator import calculator
 from nanorl.tokenizer import SPLIT_PATTERN, Tokenizer
-from nanorl.toolcalls import MarkupStream, ToolMarkup, assistant_parts, run_tool
+from nanorl.toolcalls import MarkupStream, ToolMarkup, assistant_parts, calculator, run_tool
 
 # a byte-level tokenizer needs no training: 256 byte tokens + the 9 special tokens
 TOK = Tokenizer.from_ranks({bytes([i]): i for i in range(256)}, SPLIT_PATTERN)
