@@ -47,7 +47,7 @@ def task_class(name):
 
 
 # the tasks with a grader (chat_eval can score them, RL be rewarded by them); the others are chat data to train on
-GRADED_TASKS = tuple(name for name in TASKS if task_class(name).evaluate is not Task.evaluate)
+GRADED_TASKS = tuple(name for name in TASKS if task_class(name).has_grader)
 
 
 def get_task(name, split, **kw):

@@ -24,6 +24,7 @@ from nanorl.tokenizer import validate_conversation
 class Task:
     eval_type = "generative"
     max_new_tokens = 256  # chat_eval's default answer length (-m) for the task
+    has_grader = True  # chat data (conversations to train on, no right answer to check) sets it False
 
     def __init__(self, start=0, stop=None, step=1):
         # a lazy view over the examples: tasks[start:stop:step], without copying anything
@@ -48,13 +49,12 @@ class Task:
         return self.example(self.start + i * self.step)
 
     def evaluate(self, conversation, response_text):
-        """The task's one grader: is the response right? chat_eval counts it; RL is rewarded by it (reward)."""
-        raise NotImplementedError(f"{type(self).__name__} has no grader (it is chat data, not a benchmark)")
-
-    @property
-    def has_grader(self):
-        """Whether this task grades responses (evaluate is its own); chat data has none."""
-        return type(self).evaluate is not Task.evaluate
+        """The task's one grader: is the response right? chat_eval counts it; RL is rewarded by it (reward). By default
+        GSM8K's verdict on the example's label (is_correct below: gsm8k, the offline problems, SpellingBee); the
+        multiple-choice tasks and HumanEval grade their own way."""
+        if not self.has_grader:
+            raise NotImplementedError(f"{type(self).__name__} has no grader (it is chat data, not a benchmark)")
+        return is_correct(response_text, conversation["label"])
 
     def reward(self, conversation, response_text):
         # the RL signal (--rm-type task): the eval's own verdict as a number, so RL trains on what chat_eval reports
@@ -66,6 +66,8 @@ class TaskMixture(Task):
     Several tasks, interleaved by one deterministic shuffle, so a training run sees every task throughout
     rather than one after the other. List a task twice to oversample it.
     """
+
+    has_grader = False  # its tasks may each grade their own way
 
     def __init__(self, tasks, seed=42, **kw):
         super().__init__(**kw)
@@ -83,6 +85,8 @@ class TaskMixture(Task):
 
 class TaskSequence(Task):
     """Several tasks one after the other (a curriculum), in the given order."""
+
+    has_grader = False  # its tasks may each grade their own way
 
     def __init__(self, tasks, **kw):
         super().__init__(**kw)
@@ -127,10 +131,11 @@ def evaluate_mc(conversation, response_text):
 
 
 # -----------------------------------------------------------------------------------------------
-# the final answer after `####`: GSM8K's verdict, which the offline curriculum and SpellingBee share (their labels are
-# integers). The answer is the number right after the last `####` (an optional `$`, thousands commas and trailing
-# punctuation allowed: `#### $1,080.` reads 1080). It must be the whole number: `#### 18.5` is 18.5, never 18; a
-# response with no `####`, or with a word after it, has no answer and is wrong ("The answer is 18." included).
+# the final answer after `####`: GSM8K's verdict, Task.evaluate's default, which the offline curriculum and SpellingBee
+# share (their labels are integers). The answer is the number right after the last `####` (an optional `$`, thousands
+# commas and trailing punctuation allowed: `#### $1,080.` reads 1080). It must be the whole number: `#### 18.5` is 18.5,
+# never 18; a response with no `####`, or with a word after it, has no answer and is wrong ("The answer is 18."
+# included).
 
 ANSWER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")  # 18, -3, 1,080, 2.50
 

@@ -10,6 +10,8 @@ from tasks.common import BadRows, Task, clean_conversations, read_jsonl
 
 
 class CustomJSON(Task):
+    has_grader = False  # conversations to train on
+
     def __init__(self, split=None, path=None, **kw):
         super().__init__(**kw)
         if path is None:

@@ -4,13 +4,13 @@ GSM8K: grade-school math word problems (openai/gsm8k). The worked solutions carr
 use the tool exactly where the dataset's authors used a calculator.
 
 Graded as nanochat grades it, and the RL reward is this same verdict: the number right after the last `####`
-(tasks/common.py's is_correct, which the offline curriculum and SpellingBee share).
+(tasks/common.py's is_correct, Task.evaluate's default, which the offline curriculum and SpellingBee share).
 """
 
 import re
 
 from nanorl.errors import BadValue
-from tasks.common import Task, extract_answer, is_correct, load_rows, split_file
+from tasks.common import Task, extract_answer, load_rows, split_file
 
 ANNOTATION = re.compile(r"<<([^<>]*)>>")
 
@@ -74,6 +74,3 @@ class GSM8K(Task):
             ],
             "label": extract_answer(row["answer"]),
         }
-
-    def evaluate(self, conversation, response_text):
-        return is_correct(response_text, conversation["label"])

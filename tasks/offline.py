@@ -2,11 +2,12 @@
 The offline curriculum as tasks (nanorl/synthetic.py): verifiable problems (multi-step arithmetic and letter
 counting, levels 1-4, GSM8K's `#### N` format, optional tool calls) and small chat conversations.
 No download: the default of every script when no data is given. Train/test are disjoint by construction.
-Problems are graded by GSM8K's rule (tasks/common.py's is_correct): the integer right after the last `####`.
+Problems are graded by GSM8K's rule, Task.evaluate's default (tasks/common.py's is_correct): the integer right after
+the last `####`.
 """
 
 from nanorl import synthetic
-from tasks.common import Task, is_correct
+from tasks.common import Task
 
 DEFAULT_SIZE = {"train": 20000, "test": 500}
 
@@ -32,11 +33,10 @@ class OfflineProblems(Task):
         conv = synthetic.problem_to_conversation(p, use_tools=tools)
         return {**conv, "level": p["level"], "kind": p["kind"]}
 
-    def evaluate(self, conversation, response_text):
-        return is_correct(response_text, conversation["label"])
-
 
 class OfflineChat(Task):
+    has_grader = False  # small talk: no right answer
+
     def __init__(self, split="train", n=None, seed=0, **kw):
         super().__init__(**kw)
         split = "test" if split in ("val", "validation") else split

@@ -7,6 +7,8 @@ from tasks.common import Task, clean_conversations, load_rows
 
 
 class SmolTalk(Task):
+    has_grader = False
+
     def __init__(self, split="train", path=None, **kw):
         super().__init__(**kw)
         if split not in ("train", "test"):

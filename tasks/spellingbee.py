@@ -8,7 +8,7 @@ Train and test never share a (word, letter) pair.
 import random
 
 from nanorl.synthetic import WORDS, letter_count_split
-from tasks.common import Task, is_correct
+from tasks.common import Task
 
 TEMPLATES = [
     "How many {l} are in {w}?",
@@ -62,6 +62,3 @@ class SpellingBee(Task):
             "word": word,
             "letter": letter,
         }
-
-    def evaluate(self, conversation, response_text):
-        return is_correct(response_text, conversation["label"])
