@@ -1,11 +1,12 @@
 """
 The reward hub: turns (response text, label, metadata) into a number for RL. chat_rl asks for one function:
 
-    reward_fn, name = make_reward(rm_type, task=train_task, custom_path=None)
+    reward_fn, name = make_reward(rm_type, task=train_task, custom_path=None, examples=None)
     value = reward_fn(response, label, {"row": i})     # a float, or a dict of components with a "total"
 
 rm_type picks the grader; `name` says which, for the logs and the report card:
-  task    (the default) the task's own grader, Task.reward: exactly the verdict chat_eval reports for it
+  task    (the default) the task's own grader, Task.reward: exactly the verdict chat_eval reports for it, against
+          the task's example of the prompt's row (`examples`: the task's examples as the caller loaded them)
   math | boxed | mc | exact | f1 | format    a generic grader that replaces the task's, explicitly
   a weighted mix such as "math+format:0.9,0.1" or "task+format:0.9,0.1": a dict of components + "total"
   custom  a function fn(response, label, metadata) -> float | dict with a "total", from custom_path
@@ -274,15 +275,19 @@ def parse_rm_type(rm_type):
     return list(zip(names, w))
 
 
-def task_reward(task):
+def task_reward(task, examples=None):
     """The task's own grader as a reward fn(response, label, metadata): metadata["row"] is the example's index
-    in `task` (the same split and slice the prompt came from), and Task.reward grades against that example."""
+    in `task` (the same split and slice the prompt came from), and Task.reward grades against that example.
+    examples: the task's examples by row as the caller loaded them (chat_rl's prompts hold them), so that grading
+    rebuilds none; None: read from the task here, once."""
+    if examples is None:
+        examples = [task.get_example(i) for i in range(len(task))]
 
     def reward(response, label, metadata):
         row = (metadata or {}).get("row")
         if row is None:
             raise ValueError("--rm-type task needs metadata['row'], the prompt's index in its task")
-        conversation = task.get_example(row)
+        conversation = examples[row]
         want = conversation.get("label")
         if label is not None and want is not None and str(label) != str(want):  # graded against another task/split
             raise ValueError(
@@ -298,9 +303,10 @@ def _ignoring_metadata(grader):
     return lambda response, label, metadata=None: grader(response, label)
 
 
-def make_reward(rm_type="task", task=None, custom_path=None):
+def make_reward(rm_type="task", task=None, custom_path=None, examples=None):
     """-> (fn(response, label, metadata) -> float | dict with a "total", name of the grader). Raises ValueError
-    naming the flags for a combination that cannot work, before any training starts."""
+    naming the flags for a combination that cannot work, before any training starts. examples: the task's examples
+    by row, as task_reward takes them."""
     rm_type = str(rm_type)
     if custom_path is not None or rm_type == "custom":
         if rm_type not in ("task", "custom"):
@@ -323,7 +329,9 @@ def make_reward(rm_type="task", task=None, custom_path=None):
                 f"{type(task).__name__} has no grader (it is chat data): pick --rm-type "
                 f"{' | '.join(GRADERS)} or --custom-rm-path"
             )
-    fns = {name: task_reward(task) if name == "task" else _ignoring_metadata(GRADERS[name]) for name, _ in parts}
+    fns = {
+        name: task_reward(task, examples) if name == "task" else _ignoring_metadata(GRADERS[name]) for name, _ in parts
+    }
     names = [f"task:{type(task).__name__}" if n == "task" else n for n, _ in parts]
     if len(parts) == 1 and "+" not in rm_type and ":" not in rm_type:
         return fns[parts[0][0]], names[0]

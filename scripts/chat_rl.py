@@ -195,9 +195,12 @@ def load_prompts(args, parser, reward_cfg):
     if args.agent:
         graders, rm_name = {}, f"agent:{args.agent}"
     elif not reward_cfg.remote:
+        # a task's grader reads the examples its prompts were made from, loaded once here: a step rebuilds none
+        examples = lambda task, items: None if task is None else [p["conversation"] for p in items]
         try:
             (train_grader, rm_name), (eval_grader, _) = (
-                rewards.make_reward(reward_cfg.rm_type, t, reward_cfg.custom_rm_path) for t in (train_task, eval_task)
+                rewards.make_reward(reward_cfg.rm_type, task, reward_cfg.custom_rm_path, examples(task, items))
+                for task, items in ((train_task, train_items), (eval_task, eval_items))
             )
         except ValueError as e:
             parser.error(str(e))
