@@ -1,7 +1,8 @@
 """
 Where RL prompts come from: items of {"conversation" or "text", "label", "metadata"} from a task object (the script
-builds it from tasks/ and passes it in) or from a jsonl file (--prompt-data). The PromptSource that deals them out
-during the run, and the tokens a response starts from (prompt_ids), are nanorl/rollout.py's.
+builds it from tasks/ and passes it in) or from a jsonl file (--prompt-data), and the tokens a response starts from,
+rendered once per prompt when the run is built (add_prompt_ids: its "prompt_ids"). The PromptSource that deals them
+out during the run is nanorl/rollout.py's.
 """
 
 import json
@@ -86,3 +87,14 @@ def jsonl_prompts(path, split, input_key="prompt", label_key="label", apply_chat
             metadata = {"task": os.path.basename(path), "split": split, "row": i}
             items.append({**item, "label": label, "metadata": metadata})
     return items
+
+
+def add_prompt_ids(tokenizer, items):
+    """Give each item its "prompt_ids", the tokens its responses start from: the conversation rendered up to the
+    assistant's turn, or raw text (--prompt-data without --apply-chat-template) after <|bos|>. Done once, in place,
+    when the run is built: every rollout and eval deals the items with their ids, and renders nothing."""
+    for item in items:
+        if "text" in item:
+            item["prompt_ids"] = [tokenizer.get_bos_token_id()] + tokenizer.encode(item["text"])
+        else:
+            item["prompt_ids"] = tokenizer.render_for_completion(item["conversation"])

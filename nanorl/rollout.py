@@ -4,10 +4,11 @@ prompts into scored groups of Samples (RolloutWorker), dynamic sampling with ove
 filters) and the surplus buffer. The worker's config and flags are nanorl/rl_config.py's.
 
 The flow of one rollout (RLRun.sample_share in nanorl/rl_run.py runs it, round by round):
-  PromptSource.get -> prompts and their seeds -> RolloutWorker.sample_groups: n samples each (the engine, multi-turn
-  tool calls or a custom generate function) -> RolloutWorker.score: rewards (the graders of nanorl/rewards.py or a
-  remote server) -> RolloutFill: the dynamic-sampling filter keeps whole groups, surplus groups wait in the buffer
-  for the next rollout. --partial-rollout: RolloutWorker.sample_partial scores and adds each group as it finishes.
+  PromptSource.get -> prompts (their token ids rendered once, when the run was built) and their seeds ->
+  RolloutWorker.sample_groups: n samples each (the engine, multi-turn tool calls or a custom generate function) ->
+  RolloutWorker.score: rewards (the graders of nanorl/rewards.py or a remote server) -> RolloutFill: the
+  dynamic-sampling filter keeps whole groups, surplus groups wait in the buffer for the next rollout.
+  --partial-rollout: RolloutWorker.sample_partial scores and adds each group as it finishes.
 """
 
 from dataclasses import asdict, dataclass, field, replace
@@ -78,21 +79,14 @@ def extend_sample(s, completion, python_start=None, output_end=None):
 
 
 # -----------------------------------------------------------------------------------------------
-# prompts: the tokens a response starts from, and the source that deals them out with their seeds
-
-
-def prompt_ids(tokenizer, item):
-    """The tokens a prompt item starts the response from: a conversation rendered up to the assistant's turn, or
-    raw text (--prompt-data without --apply-chat-template) after <|bos|>."""
-    if "text" in item:
-        return [tokenizer.get_bos_token_id()] + tokenizer.encode(item["text"])
-    return tokenizer.render_for_completion(item["conversation"])
+# the prompt source: prompts dealt out with their seeds
 
 
 class PromptSource:
     """
-    Prompts (conversation, label, metadata) from a task, reshuffled every epoch with a seed; each DDP
-    rank walks its own strided shard. state_dict() makes a resumed run continue on the exact next prompt.
+    Prompts (conversation or text, prompt_ids, label, metadata: nanorl/prompts.py's items) from a task or a file,
+    reshuffled every epoch with a seed; each DDP rank walks its own strided shard. state_dict() makes a resumed run
+    continue on the exact next prompt.
     """
 
     def __init__(self, items, seed=0, rank=0, world_size=1, shuffle=True):
@@ -250,8 +244,9 @@ class RolloutWorker:
         from (metadata["split"]); None with a remote reward
       rewards: the RewardConfig (the remote server, what a failed reward becomes)
       custom_generate: --custom-generate-function-path (or --agent's AgentRollout), called as fn(cfg, engine,
-        tokenizer, prompts, seeds) with cfg.group the call's GroupSpec (the eval's for the eval); an object with a
-        metrics(samples) method adds its metrics to the rollout's
+        tokenizer, prompts, seeds) with cfg.group the call's GroupSpec (the eval's for the eval) and the prompt items
+        as the source deals them (their "prompt_ids" rendered); an object with a metrics(samples) method adds its
+        metrics to the rollout's
     """
 
     def __init__(self, cfg, engine, tokenizer, graders, rewards, custom_generate=None):
@@ -276,12 +271,12 @@ class RolloutWorker:
             **kw,
         )
 
-    def new_group(self, p, prompt_ids, seed, num_samples, weight_version):
+    def new_group(self, p, seed, num_samples, weight_version):
         """Empty samples of one prompt, to be extended by the engine's completions."""
         return [
             Sample(
                 prompt=p.get("conversation", p.get("text")),
-                tokens=list(prompt_ids),
+                tokens=list(p["prompt_ids"]),
                 label=p["label"],
                 status=ABORTED,
                 weight_version=weight_version,
@@ -302,15 +297,14 @@ class RolloutWorker:
             for s in (s for g in groups for s in g):
                 s.weight_version = weight_version
             return groups
-        ids_of = [prompt_ids(self.tokenizer, p) for p in prompts]
-        reqs = [self.request(ids, seed, group) for ids, seed in zip(ids_of, seeds)]
+        reqs = [self.request(p["prompt_ids"], seed, group) for p, seed in zip(prompts, seeds)]
         if self.cfg.multi_turn:
             results = multi_turn_generate(self.engine, reqs, self.cfg.max_turns, self.tool)
         else:
             results = self.engine.submit_and_wait(reqs)
         groups = []
-        for p, ids, seed, comps in zip(prompts, ids_of, seeds, results):
-            empty = self.new_group(p, ids, seed, group.n_samples_per_prompt, weight_version)
+        for p, seed, comps in zip(prompts, seeds, results):
+            empty = self.new_group(p, seed, group.n_samples_per_prompt, weight_version)
             samples = [extend_sample(s, c) for s, c in zip(empty, comps)]
             if self.cfg.multi_turn:  # each response's tool calls, errors and whether it hit --max-turns
                 for s, c in zip(samples, comps):
@@ -346,9 +340,8 @@ class RolloutWorker:
                 s.metadata["resumed"] = s.metadata.get("resumed", 0) + (s.status == ABORTED)
             jobs.append((samples, handles))
         for p, seed in zip(prompts, seeds):
-            ids = prompt_ids(self.tokenizer, p)
-            h = engine.submit(self.request(ids, seed, group))
-            jobs.append((self.new_group(p, ids, seed, n, weight_version), {si: (h, si) for si in range(n)}))
+            h = engine.submit(self.request(p["prompt_ids"], seed, group))
+            jobs.append((self.new_group(p, seed, n, weight_version), {si: (h, si) for si in range(n)}))
         try:
             while jobs and not fill.full():
                 engine.step()

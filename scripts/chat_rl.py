@@ -243,6 +243,7 @@ def set_up_ranks(args, parser):
 def build_models(args, parser, ranks, trainer_cfg, items):
     """The policy and what the options add: a frozen reference (KL), a critic (ppo), a teacher (on-policy
     distillation), LoRA's adapters; the engine on a sampling rank, the optimizer, the trainer on a training rank.
+    items: every prompt of the run (training and eval), given its "prompt_ids" here, by the policy's tokenizer.
     -> Models"""
     device, roles = ranks.device, ranks.roles
     model, tokenizer, meta = load_model_from_args(args, device, phase="train")
@@ -260,7 +261,8 @@ def build_models(args, parser, ranks, trainer_cfg, items):
                 f"--opd-teacher-load {args.opd_teacher_load}: vocab {teacher.config.vocab_size} differs from the "
                 f"student's {model.config.vocab_size}"
             )
-    longest_prompt = max(len(rollout.prompt_ids(tokenizer, p)) for p in items)
+    prompts.add_prompt_ids(tokenizer, items)  # with this model's tokenizer, once: the steps deal these ids
+    longest_prompt = max(len(p["prompt_ids"]) for p in items)
     if longest_prompt + 1 > model.config.sequence_len:
         raise SystemExit(
             f"the longest prompt has {longest_prompt} tokens, more than the model's context {model.config.sequence_len}"

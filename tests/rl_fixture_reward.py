@@ -46,7 +46,7 @@ def failing_generate(cfg, engine, tokenizer, prompts, seeds):
         raise RuntimeError("the sandbox crashed")
     groups = []
     for p, seed in zip(prompts, seeds):
-        ids = tokenizer.render_for_completion(p["conversation"])
+        ids = p["prompt_ids"]  # rendered when the run was built
         comps = engine.submit_and_wait(
             [Request(ids, num_samples=cfg.group.n_samples_per_prompt, max_tokens=cfg.group.max_response_len, seed=seed)]
         )[0]

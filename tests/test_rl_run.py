@@ -92,6 +92,60 @@ def test_resuming_with_other_flags_names_them_in_one_line(base_dir, monkeypatch,
     assert warnings == ["warning: resuming with changed RL flags: num_rollouts: 2 -> 5, lr_scale: 1.0 -> 0.5"]
 
 
+def test_a_step_and_an_eval_render_no_prompt_and_rebuild_no_example(base_dir, monkeypatch):  # noqa: F811
+    """The prompts are rendered once, when the run is built, and the task's own grader (--rm-type task, the default)
+    reads the examples loaded then: a step, an eval and the graders render no prompt and rebuild no example, yet
+    sample from exactly the rendered prompt and pay exactly the verdict of a freshly built example of that row."""
+    from nanorl import synthetic
+    from scripts import chat_rl
+    from tasks.common import Task
+    from tasks.offline import OfflineProblems
+
+    monkeypatch.setenv("NANORL_BASE_DIR", str(base_dir))
+    parser = chat_rl.make_parser()
+    flags = [*TINY[: TINY.index("--custom-rm-path")], "--output-tag", "rendered"]  # the task's own grader
+    run, info = chat_rl.build_run(parser.parse_args(flags), parser)
+    run.logger = FakeLogger()
+    assert info["rm_name"] == "task:OfflineProblems"
+    worker, tok = run.worker, run.worker.tokenizer
+    calls = {"render_for_completion": 0, "get_example": 0, "problem_to_conversation": 0}
+
+    def counted(name, fn):
+        def wrapper(*args, **kw):
+            calls[name] += 1
+            return fn(*args, **kw)
+
+        return wrapper
+
+    monkeypatch.setattr(tok, "render_for_completion", counted("render_for_completion", tok.render_for_completion))
+    monkeypatch.setattr(Task, "get_example", counted("get_example", Task.get_example))
+    to_conversation = counted("problem_to_conversation", synthetic.problem_to_conversation)
+    monkeypatch.setattr(synthetic, "problem_to_conversation", to_conversation)
+    scored, score = [], worker.score
+    monkeypatch.setattr(worker, "score", lambda groups, **kw: scored.extend(score(groups, **kw)) or groups)
+    run.step(0)
+    run.evaluate(1)
+    paid = {}  # each split's grader on the right and a wrong answer to row 3, by the label its prompt holds
+    for split, items in (("train", run.source.items), ("test", run.eval_items)):
+        label = items[3]["label"]
+        answers = (label, str(int(label) + 1))
+        paid[split] = [worker.graders[split](f"so\n#### {a}", label, {"split": split, "row": 3}) for a in answers]
+    assert calls == {"render_for_completion": 0, "get_example": 0, "problem_to_conversation": 0}
+    assert paid == {"train": [1.0, 0.0], "test": [1.0, 0.0]}
+    monkeypatch.undo()
+    # what was sampled and paid, against the prompt rendered now and a freshly built task's example of its row
+    assert [len(g) for g in scored] == [4] * 4 + [2] * 4  # the step's 4 groups, then the eval's
+    tasks = {split: OfflineProblems(split, levels=(1,)) for split in ("train", "test")}
+    assert [tasks[split].get_example(3)["label"] for split in tasks] == [
+        run.source.items[3]["label"],
+        run.eval_items[3]["label"],
+    ]
+    for s in (s for g in scored for s in g):
+        example = tasks[s.metadata["split"]].get_example(s.metadata["row"])
+        assert s.prompt == example and s.tokens[: s.prompt_length] == tok.render_for_completion(example)
+        assert s.reward == float(tasks["train"].evaluate(example, worker.response_text(s)))
+
+
 # -----------------------------------------------------------------------------------------------
 # one default GRPO step, traced (dev/trace_step.py), against docs/rl.md's tables of it
 

@@ -16,6 +16,7 @@ from nanorl.engine import Engine, Request
 from nanorl.gpt import Critic, GPTConfig, build_model
 from nanorl.logger import Timer
 from nanorl.optim import MuonAdamW, build_optimizer
+from nanorl.prompts import add_prompt_ids
 from nanorl.rl_config import (
     GroupSpec,
     RewardConfig,
@@ -301,6 +302,7 @@ def test_worker_and_trainer_read_one_group_spec():
     group = GroupSpec(n_samples_per_prompt=2, temperature=0.7, max_response_len=8)
     worker = RolloutWorker(RolloutConfig(group=group), engine, tok, None, RewardConfig())
     items = [{"text": t, "label": None, "metadata": {"row": i}} for i, t in enumerate(["ab", "cde"])]
+    add_prompt_ids(tok, items)
     groups = worker.sample_groups(items, [1, 2], 0)
     assert [len(g) for g in groups] == [2, 2] and all(s.response_length <= 8 for g in groups for s in g)
     samples = [s for g in groups for s in g]
