@@ -1,11 +1,12 @@
-"""RL prompts: from a task object or a jsonl file, with their labels and metadata; the PromptSource's shards, epochs
-and resume."""
+"""RL prompts: from a task object or a jsonl file, with their labels and metadata; their token ids, rendered once
+(the PromptSource's shards, epochs and resume: tests/test_rollout.py)."""
 
 import json
 
 import pytest
 
-from nanorl.prompts import jsonl_prompts, task_prompts
+from nanorl.prompts import add_prompt_ids, jsonl_prompts, task_prompts
+from nanorl.tokenizer import SPLIT_PATTERN, Tokenizer
 
 
 class FakeTask:
@@ -51,3 +52,14 @@ def test_jsonl_prompts(tmp_path):
         jsonl_prompts(f, "train", "q", "a", require_label="--rm-type math")
     with pytest.raises(SystemExit, match="line 1: expected a JSON object with key 'prompt'"):
         jsonl_prompts(f, "train")
+
+
+def test_add_prompt_ids_renders_each_item_once_by_hand():
+    """A conversation up to a new assistant turn (its reference answer dropped), raw text after <|bos|>: on a byte
+    tokenizer (ids 0-255 the bytes, then <|bos|> 256, <|user_start|> 257, <|user_end|> 258, <|assistant_start|> 259)."""
+    tok = Tokenizer.from_ranks({bytes([i]): i for i in range(256)}, SPLIT_PATTERN)
+    chat = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    items = [{"conversation": chat, "label": "1", "metadata": {}}, {"text": "ab", "label": None, "metadata": {}}]
+    add_prompt_ids(tok, items)
+    assert [it["prompt_ids"] for it in items] == [[256, 257, 104, 105, 258, 259], [256, 97, 98]]
+    assert items[0]["conversation"] is chat and set(items[1]) == {"text", "label", "metadata", "prompt_ids"}
