@@ -28,7 +28,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
-from nanorl.kv_cache import KVCache, attend_cached
+from nanorl.kv_cache import KVCache
 from nanorl.precision import cuda_dtypes, low_precision_dtype, recompute_like_forward
 
 
@@ -262,8 +262,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in self.heads(x, cos, sin))
         gqa = self.n_kv_head != self.n_head
         if kv_cache is not None:
-            k, v = kv_cache.update(self.layer_idx, k, v)
-            y = attend_cached(q, k, v, attn_mask)
+            y = kv_cache.attend(self.layer_idx, q, k, v, attn_mask)
         else:
             # one dtype for the kernels (v's: the Linear's output dtype, bf16 under autocast); a no-op in fp32
             q, k = q.to(v.dtype), k.to(v.dtype)

@@ -20,7 +20,7 @@ class KVCache:
     A pre-allocated KV cache with its own position per row, so one batch holds prompts of different
     lengths and rows that are refilled at different times (continuous batching).
     k, v: (n_layer, B, n_kv_head, max_len, head_dim). pos[b] = how many tokens row b holds.
-    A forward with the cache calls begin() once, update() once per layer, end() once.
+    A forward with the cache calls begin() once, attend() once per layer, end() once.
     """
 
     def __init__(self, n_layer, batch_size, n_kv_head, max_len, head_dim, device, dtype):
@@ -60,13 +60,14 @@ class KVCache:
         key_pos = torch.arange(self.attend_len, device=pos.device)
         return pos, (key_pos[None, None, :] <= pos[:, :, None])[:, None]
 
-    def update(self, layer, k, v):
-        """Write one layer's new keys/values (B, H, T, D) at write_pos; return the keys/values to attend over."""
+    def attend(self, layer, q, k, v, mask):
+        """One layer's attention in a cached forward: its new keys/values k, v (B, Hkv, T, D) written at write_pos,
+        then q (B, H, T, D) over the forward's rows of the cache with begin()'s mask (attend_cached)."""
         kc, vc = self.k[layer], self.v[layer]
         kc[self.write_rows, :, self.write_pos] = k.transpose(1, 2).to(kc.dtype)
         vc[self.write_rows, :, self.write_pos] = v.transpose(1, 2).to(vc.dtype)
         rows = self._rows()  # leading rows read views of the cache, other rows a gathered copy
-        return kc[rows, :, : self.attend_len], vc[rows, :, : self.attend_len]
+        return attend_cached(q, kc[rows, :, : self.attend_len], vc[rows, :, : self.attend_len], mask)
 
     def lockstep(self, B):
         """The one position rows 0..B-1 all stand at (engine_model.LockstepDecode's case), or None (one host sync)."""
