@@ -28,8 +28,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
-from nanorl.kv_cache import KVCache
-from nanorl.precision import cuda_dtypes, low_precision_dtype, recompute_like_forward
+from nanorl.precision import cuda_dtypes, recompute_like_forward
 
 
 @dataclass
@@ -477,15 +476,6 @@ class GPT(nn.Module):
         if return_entropy:
             return logp, torch.cat(ents).reshape(B, T).clone()
         return logp
-
-    def new_kv_cache(self, batch_size, max_len, dtype=None, device=None):
-        # device: where the forwards that use it compute (under FSDP's CPU offload not where the weights live)
-        dev = self.lm_head.weight.device if device is None else torch.device(device)
-        if dtype is None:
-            dtype = low_precision_dtype(dev)
-        if max_len > self.config.sequence_len:
-            raise ValueError(f"KV cache length {max_len} exceeds the model's context {self.config.sequence_len}")
-        return KVCache(self.config.n_layer, batch_size, self.config.n_kv_head, max_len, self.head_dim, dev, dtype)
 
 
 class Critic(nn.Module):

@@ -2,8 +2,9 @@
 The KV cache the engine decodes with, and attention over it.
 
 KVCache holds every layer's keys and values with its own position per row, so one batch mixes prompts of different
-lengths and rows refilled at different times (continuous batching); GPT.new_kv_cache() makes one, and a forward
-that is given one reads and extends it. attend_cached() is the attention over the cache: grouped-query heads are
+lengths and rows refilled at different times (continuous batching); new_kv_cache() makes one, and a forward
+that is given one reads and extends it (the model calls its begin(), attend() and end(), so nanorl/gpt.py imports
+nothing of this module). attend_cached() is the attention over the cache: grouped-query heads are
 folded into the query length so each KV head is read once, never repeated, on the SDPA kernels attention_backends()
 pins. greedy_decode() is its simplest client: a training log's sample, a few greedy tokens through a cache of one row.
 """
@@ -62,7 +63,8 @@ class KVCache:
 
     def attend(self, layer, q, k, v, mask):
         """One layer's attention in a cached forward: its new keys/values k, v (B, Hkv, T, D) written at write_pos,
-        then q (B, H, T, D) over the forward's rows of the cache with begin()'s mask (attend_cached)."""
+        then q (B, H, T, D) over the forward's rows of the cache with begin()'s mask (attend_cached). The model asks
+        the cache to attend, so nanorl/gpt.py never imports this module."""
         kc, vc = self.k[layer], self.v[layer]
         kc[self.write_rows, :, self.write_pos] = k.transpose(1, 2).to(kc.dtype)
         vc[self.write_rows, :, self.write_pos] = v.transpose(1, 2).to(vc.dtype)
@@ -171,7 +173,7 @@ def greedy_decode(model, ids, max_tokens, device):
     there, never to a parameter's device. Attention runs on the engine's pinned kernels (attention_backends),
     not on whichever SDPA's dispatcher picks for a masked call."""
     device = torch.device(device)
-    cache = model.new_kv_cache(1, min(len(ids) + max_tokens, model.config.sequence_len), device=device)
+    cache = new_kv_cache(model, 1, min(len(ids) + max_tokens, model.config.sequence_len), device)
     x, out = torch.tensor([ids], device=device), []
     for _ in range(max_tokens):
         with sdpa_kernel(attention_backends(device)):
@@ -183,12 +185,16 @@ def greedy_decode(model, ids, max_tokens, device):
 
 
 # -----------------------------------------------------------------------------------------------
-# the engine's cache, sized against the memory that is free before it is allocated
+# a cache, sized against the memory that is free before it is allocated
 
 
 def new_kv_cache(model, batch_size, max_len, device):
-    """The engine's KV cache (bf16 on CUDA, fp32 elsewhere), refused in one line when it cannot fit in free memory."""
-    cfg = model.config
+    """A KV cache for model's forwards on `device` (bf16 on CUDA, fp32 elsewhere), refused in one line when it is
+    longer than the model's context or cannot fit in free memory. `device` is where the forwards compute, which is
+    not where the parameters are under FSDP's --cpu-offload."""
+    cfg, device = model.config, torch.device(device)
+    if max_len > cfg.sequence_len:
+        raise ValueError(f"KV cache length {max_len} exceeds the model's context {cfg.sequence_len}")
     dtype = low_precision_dtype(device)
     nbytes = 2 * cfg.n_layer * batch_size * cfg.n_kv_head * max_len * model.head_dim * dtype.itemsize
     avail = _free_memory(device)
@@ -200,7 +206,7 @@ def new_kv_cache(model, batch_size, max_len, device):
     if avail is not None and nbytes > avail:
         raise MemoryError(msg)
     try:
-        return model.new_kv_cache(batch_size, max_len, dtype=dtype)
+        return KVCache(cfg.n_layer, batch_size, cfg.n_kv_head, max_len, model.head_dim, device, dtype)
     except torch.OutOfMemoryError as e:
         raise MemoryError(msg) from e
 
