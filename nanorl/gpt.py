@@ -8,8 +8,8 @@ The nanorl GPT: one small, modern decoder-only transformer.
   QKV bias, QK-norm with weights (Qwen3) or none (Llama, Qwen2), tied embeddings, rope theta and Llama-3
   rope scaling, no softcap. The defaults are nanorl's own architecture (see nanorl/hf.py)
 - three attention paths: plain causal; packed rows with document masking (several documents in a row
-  attend only within themselves, positions restart per document); and a KV cache for the engine
-  (nanorl/kv_cache.py), which samples from its own copy of the model (nanorl/engine_model.py)
+  attend only within themselves, positions restart per document); and a KV cache for the engine, which the
+  forward asks to attend (KVCache in nanorl/decode.py, beside the engine's own copy of the model)
   Which kernel runs where (attention_backend() says it in each stage's log):
     plain causal  CUDA: SDPA pinned to its FlashAttention backend (bf16/fp16: GQA without repeating K/V;
                   fp32 is left to SDPA's choice); CPU: SDPA
@@ -236,7 +236,7 @@ class CausalSelfAttention(nn.Module):
     def heads(self, x, cos, sin):
         """q (..., H, D) and k, v (..., Hkv, D) of x (..., C): projected, rotated, normed. Heads next to each other,
         as the projections lay them out: forward() moves them to SDPA's (B, H, T, D); the engine's LockstepDecode
-        (nanorl/engine_model.py) has no time axis."""
+        (nanorl/decode.py) has no time axis."""
         H, Hkv, D = self.n_head, self.n_kv_head, self.head_dim
         if self.qkv is not None:  # fuse_qkv(): the same numbers as the path below, in fewer ops
             qkv = F.linear(x, self.qkv).unflatten(-1, (H + 2 * Hkv, D))

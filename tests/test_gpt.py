@@ -3,9 +3,8 @@ import torch
 from numerics import assert_close_ulps
 
 from nanorl import gpt
-from nanorl.engine_model import LockstepDecode, inference_copy
+from nanorl.decode import KVCache, LockstepDecode, inference_copy, new_kv_cache
 from nanorl.gpt import GPT, GPTConfig, build_model, config_from_depth, positions_from_doc_ids
-from nanorl.kv_cache import KVCache, new_kv_cache
 
 
 def tiny(n_kv_head=2, seq=64, vocab=97):
@@ -92,7 +91,7 @@ def greedy_reference(model, ids, n):
 @pytest.mark.fp32("calls the model outside autocast, as an fp32 reference (CUDA's layout runs it under autocast only)")
 def test_greedy_decode_builds_its_cache_on_the_compute_device_not_the_weights():
     # base_train's samples (with --fsdp --cpu-offload the weights are in host memory, the forwards run on the GPU)
-    from nanorl.kv_cache import greedy_decode
+    from nanorl.decode import greedy_decode
 
     model = tiny()
     assert new_kv_cache(model, 1, 8, "meta").k.device.type == "meta"
@@ -110,7 +109,7 @@ def test_greedy_decode_runs_on_the_engines_pinned_kernels():
     # never left to SDPA's dispatcher. Seen through SDPA's global switches while each forward runs
     from torch.nn.attention import SDPBackend
 
-    from nanorl.kv_cache import attention_backends, greedy_decode
+    from nanorl.decode import attention_backends, greedy_decode
 
     model, seen = tiny(), []
     forward = model.hidden_states
@@ -348,7 +347,7 @@ def test_shared_prefix_attention_reads_the_prompt_once_and_equals_sdpa(n_kv_head
     # each row reading its own copy), to float rounding, while only each group's first row's copy of its prompt is
     # read: the other rows' copies poisoned with NaN change nothing; and a group's prompt is its own (a wrong prefix
     # in a group's first row changes that group's rows and no other's)
-    from nanorl.kv_cache import attend_shared_prefix
+    from nanorl.decode import attend_shared_prefix
 
     g = torch.Generator().manual_seed(P)
     B, H, D, L = 6, 4, 16, 12
