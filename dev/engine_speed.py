@@ -350,7 +350,7 @@ def bytes_read(shape, prompt_len, new_tokens, calls, shared_prompt=False):
     """Bytes a whole generation's decode steps read, made in `calls` engine calls of equal rows: every matmul
     weight once per step (12 d^2 a layer + the d x V unembedding, fp32; as nanochat's and the Llama's, to a few
     vectors) and each row's KV so far (P + N/2 tokens on average, keys and values of every layer). shared_prompt:
-    the samples of one prompt read its KV once a step (nanorl's engine, kv_cache.attend_shared_prefix)."""
+    the samples of one prompt read its KV once a step (nanorl's engine, decode.attend_shared_prefix)."""
     depth, n_prompts, n_samples = SHAPES[shape]
     d = depth * 64
     weights = 4 * (12 * depth * d * d + d * VOCAB)

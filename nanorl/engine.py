@@ -2,9 +2,9 @@
 The sampling engine: RL rollouts, evals and the chat UI all run on it. A scheduler over one pre-allocated KV cache of
 batch_size rows ("slots"), each row at its own position. This file: what a caller submits (Request) and gets back
 (Completion, through a Handle), the host's records of the samples in flight (InflightSample, SlotRecords), then the
-Engine, whose step() is one turn of its loop. Beside it: the sampling math (nanorl/sampling.py), the KV cache
-(nanorl/kv_cache.py, which also names the pinned attention kernels), its copy of the weights, lockstep step,
-precision and CUDA graphs (nanorl/engine_model.py), tool calls (nanorl/toolcalls.py). docs/engine.md explains why.
+Engine, whose step() is one turn of its loop. Beside it: what a step computes on the device (nanorl/decode.py: the
+engine's copy of the weights and its precision, the KV cache and the pinned attention kernels, the lockstep step, the
+CUDA graphs, the sampling math), tool calls (nanorl/toolcalls.py). docs/engine.md explains why.
 
 - a request's prompt is prefilled once, straight into a free row, and its KV copied to the rows of its other
   samples (prefix sharing); a slot whose sample ends (stop token, max_tokens, context, abort) is refilled from the
@@ -41,15 +41,19 @@ import numpy as np
 import torch
 from torch.nn.attention import sdpa_kernel
 
-from nanorl.engine_model import (
+from nanorl.decode import (
+    KERNEL_NAMES,
     LockstepDecode,
+    attention_backends,
     checked_decode_graphs,
     engine_autocast,
     inference_copy,
+    new_kv_cache,
+    row_seed,
+    sample_with_logprobs,
+    uniform_from_counter,
 )
-from nanorl.kv_cache import KERNEL_NAMES, attention_backends, new_kv_cache
 from nanorl.precision import low_precision_dtype
-from nanorl.sampling import row_seed, sample_with_logprobs, uniform_from_counter
 from nanorl.toolcalls import ToolMarkup, run_tool
 
 # --- what a caller submits and gets back ---------------------------------------------------------
@@ -194,7 +198,7 @@ class SlotRecords:
         # which prefill wrote the slot's prompt KV (Engine._prefill numbers them): slots with one number hold the
         # same prompt KV, bit for bit (prefix sharing), which lets a decode step read it once (LockstepDecode)
         self.prefill = np.zeros(B, dtype=np.int64)
-        # the sample's random stream: its row seed and how many tokens it has drawn (nanorl/sampling.py)
+        # the sample's random stream: its row seed and how many tokens it has drawn (nanorl/decode.py)
         self.seed, self.counter = np.zeros(B, dtype=np.int64), np.zeros(B, dtype=np.int64)
         self.watch = np.full((B, 3), -1, dtype=np.int64)  # padded with -1; widened for a request with more stops
         self.streamed, self.filtered, self.greedy, self.unit = (np.zeros(B, dtype=bool) for _ in range(4))
@@ -287,7 +291,7 @@ class Engine:
             dtype = dtype or low_precision_dtype(self.device)
             self.model, self.flat_weights = inference_copy(model, dtype)
         self.tool, self.tool_timeout, self.prefill_tokens = tool, tool_timeout, prefill_tokens
-        # every forward runs in this precision, on these attention kernels (kv_cache says why they are pinned)
+        # every forward runs in this precision, on these attention kernels (decode.attention_backends says why they are pinned)
         self.autocast = engine_autocast(self.device, self.model.lm_head.weight.dtype)
         self.attention = attention_backends(self.device)
         self.markup = ToolMarkup(tokenizer)

@@ -8,8 +8,8 @@ The nanorl GPT: one small, modern decoder-only transformer.
   QKV bias, QK-norm with weights (Qwen3) or none (Llama, Qwen2), tied embeddings, rope theta and Llama-3
   rope scaling, no softcap. The defaults are nanorl's own architecture (see nanorl/hf.py)
 - three attention paths: plain causal; packed rows with document masking (several documents in a row
-  attend only within themselves, positions restart per document); and a KV cache for the engine
-  (nanorl/kv_cache.py), which samples from its own copy of the model (nanorl/engine_model.py)
+  attend only within themselves, positions restart per document); and a KV cache for the engine, which the
+  forward asks to attend (KVCache in nanorl/decode.py, beside the engine's own copy of the model)
   Which kernel runs where (attention_backend() says it in each stage's log):
     plain causal  CUDA: SDPA pinned to its FlashAttention backend (bf16/fp16: GQA without repeating K/V;
                   fp32 is left to SDPA's choice); CPU: SDPA
@@ -28,8 +28,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
-from nanorl.kv_cache import KVCache, attend_cached
-from nanorl.precision import cuda_dtypes, low_precision_dtype, recompute_like_forward
+from nanorl.precision import cuda_dtypes, recompute_like_forward
 
 
 @dataclass
@@ -237,7 +236,7 @@ class CausalSelfAttention(nn.Module):
     def heads(self, x, cos, sin):
         """q (..., H, D) and k, v (..., Hkv, D) of x (..., C): projected, rotated, normed. Heads next to each other,
         as the projections lay them out: forward() moves them to SDPA's (B, H, T, D); the engine's LockstepDecode
-        (nanorl/engine_model.py) has no time axis."""
+        (nanorl/decode.py) has no time axis."""
         H, Hkv, D = self.n_head, self.n_kv_head, self.head_dim
         if self.qkv is not None:  # fuse_qkv(): the same numbers as the path below, in fewer ops
             qkv = F.linear(x, self.qkv).unflatten(-1, (H + 2 * Hkv, D))
@@ -262,8 +261,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in self.heads(x, cos, sin))
         gqa = self.n_kv_head != self.n_head
         if kv_cache is not None:
-            k, v = kv_cache.update(self.layer_idx, k, v)
-            y = attend_cached(q, k, v, attn_mask)
+            y = kv_cache.attend(self.layer_idx, q, k, v, attn_mask)
         else:
             # one dtype for the kernels (v's: the Linear's output dtype, bf16 under autocast); a no-op in fp32
             q, k = q.to(v.dtype), k.to(v.dtype)
@@ -478,15 +476,6 @@ class GPT(nn.Module):
         if return_entropy:
             return logp, torch.cat(ents).reshape(B, T).clone()
         return logp
-
-    def new_kv_cache(self, batch_size, max_len, dtype=None, device=None):
-        # device: where the forwards that use it compute (under FSDP's CPU offload not where the weights live)
-        dev = self.lm_head.weight.device if device is None else torch.device(device)
-        if dtype is None:
-            dtype = low_precision_dtype(dev)
-        if max_len > self.config.sequence_len:
-            raise ValueError(f"KV cache length {max_len} exceeds the model's context {self.config.sequence_len}")
-        return KVCache(self.config.n_layer, batch_size, self.config.n_kv_head, max_len, self.head_dim, dev, dtype)
 
 
 class Critic(nn.Module):

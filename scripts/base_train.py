@@ -19,6 +19,7 @@ from nanorl.checkpoint import delete_step, find_last_step, resume, rng_state, sa
 from nanorl.common import compute_cleanup, compute_init, get_base_dir, print0, synchronize
 from nanorl.dataloader import PretrainLoader
 from nanorl.dataset import describe_source
+from nanorl.decode import greedy_decode
 from nanorl.flags import (
     SLIME_NAMES,
     ArgumentParser,
@@ -33,7 +34,6 @@ from nanorl.flags import (
 )
 from nanorl.fsdp import local_bytes, shard_model
 from nanorl.gpt import attention_backend, build_model, config_from_depth
-from nanorl.kv_cache import greedy_decode
 from nanorl.logger import ETA, add_logging_args, get_logger
 from nanorl.loss_eval import evaluate_bpb
 from nanorl.optim import build_optimizer

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
+from nanorl.decode import sample_tokens
 from nanorl.engine import Engine, Request
 from nanorl.gpt import GPTConfig, build_model
-from nanorl.sampling import sample_tokens
 from nanorl.tokenizer import SPLIT_PATTERN, Tokenizer
 from nanorl.toolcalls import assistant_parts, calculator
 
@@ -471,7 +471,7 @@ class RecordedGraph:
 
 @pytest.mark.parametrize("stale", [False, True])
 def test_a_graph_that_does_not_reproduce_the_eager_step_is_dropped_with_one_warning(monkeypatch, capfd, stale):
-    import nanorl.engine_model as engine_model
+    import nanorl.decode as decode
 
     def capture(forward_step, cache, sizes, buckets, device):
         # what capture_decode_graphs returns, with the capture's static shapes and an empty cache
@@ -487,7 +487,7 @@ def test_a_graph_that_does_not_reproduce_the_eager_step_is_dropped_with_one_warn
         cache.pos.zero_()
         return graphs
 
-    monkeypatch.setattr(engine_model, "capture_decode_graphs", capture)
+    monkeypatch.setattr(decode, "capture_decode_graphs", capture)
     model = tiny(seq=160)
     reqs = [Request(p, max_tokens=24, seed=i, stop_tokens=[]) for i, p in enumerate(prompts([3, 70, 9]))]
     want = Engine(model, TOK, batch_size=4, max_len=150).submit_and_wait(reqs)
@@ -853,7 +853,7 @@ def test_the_cpu_copy_keeps_linear_weights_column_major():
 
 
 def test_rows_at_one_position_decode_through_the_lockstep_step():
-    # batch 1 and rows at one position decode through engine_model.LockstepDecode, rows at different positions through the
+    # batch 1 and rows at one position decode through decode.LockstepDecode, rows at different positions through the
     # cached forward. The samples of one prompt (one prefill) read its KV once (shared = the prompt's length, 7);
     # so do the samples of equally long prompts side by side, a group per prompt (group = its samples); prompts
     # with one sample each share nothing. Either way the tokens are an engine's without the lean step, and the
@@ -937,7 +937,7 @@ def test_prefill_and_decode_attention_kernels_are_pinned(monkeypatch):
     from torch.nn.attention import SDPBackend
 
     import nanorl.engine as engine_module
-    from nanorl.kv_cache import attention_backends
+    from nanorl.decode import attention_backends
 
     active, seen = [], []
     real = engine_module.sdpa_kernel
@@ -960,7 +960,7 @@ def test_prefill_and_decode_attention_kernels_are_pinned(monkeypatch):
         return forward(idx, **kw)
 
     engine.model.hidden_states = hidden_states
-    lockstep = engine.lockstep  # batch 1 decodes through the lean step (engine_model.LockstepDecode), not hidden_states
+    lockstep = engine.lockstep  # batch 1 decodes through the lean step (decode.LockstepDecode), not hidden_states
 
     def lean(idx, pos, shared, group):
         seen.append((1, active[-1] if active else None))

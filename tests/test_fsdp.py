@@ -46,7 +46,7 @@ def _fsdp_worker(rank, world, init_file, x, out_path):
     import torch.distributed as dist
 
     from nanorl.checkpoint import save
-    from nanorl.engine_model import inference_copy
+    from nanorl.decode import inference_copy
     from nanorl.fsdp import gather_full_state, local_bytes, shard_model
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)

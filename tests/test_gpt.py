@@ -3,7 +3,7 @@ import torch
 from numerics import assert_close_ulps
 
 from nanorl import gpt
-from nanorl.engine_model import LockstepDecode, inference_copy
+from nanorl.decode import KVCache, LockstepDecode, inference_copy, new_kv_cache
 from nanorl.gpt import GPT, GPTConfig, build_model, config_from_depth, positions_from_doc_ids
 
 
@@ -25,7 +25,7 @@ def test_cached_decode_equals_full_forward(n_kv_head):
     idx = torch.randint(0, 97, (3, 20))
     with torch.no_grad():
         full = model(idx)
-        cache = model.new_kv_cache(batch_size=3, max_len=32)
+        cache = new_kv_cache(model, 3, 32, "cpu")
         outs = [model(idx[:, :8], kv_cache=cache)]  # prefill 8, then one token at a time
         for t in range(8, 20):
             outs.append(model(idx[:, t : t + 1], kv_cache=cache))
@@ -40,7 +40,7 @@ def test_cached_decode_rows_at_different_positions():
     model = tiny()
     a, b = torch.randint(0, 97, (1, 12)), torch.randint(0, 97, (1, 7))
     with torch.no_grad():
-        cache = model.new_kv_cache(batch_size=2, max_len=32)
+        cache = new_kv_cache(model, 2, 32, "cpu")
         # row 0 gets a's prefix (11 tokens), row 1 b's prefix (6 tokens) padded to 11: pads beyond pos are masked
         prefill = torch.cat([a[:, :11], torch.cat([b[:, :6], torch.zeros(1, 5, dtype=torch.long)], 1)])
         model(prefill, kv_cache=cache)
@@ -57,9 +57,9 @@ def test_copy_rows_prefix_sharing():
     idx = torch.randint(0, 97, (1, 10))
     nxt = torch.randint(0, 97, (4, 1))
     with torch.no_grad():
-        one = model.new_kv_cache(batch_size=1, max_len=16)
+        one = new_kv_cache(model, 1, 16, "cpu")
         model(idx, kv_cache=one)  # prefill the prompt once...
-        cache = model.new_kv_cache(batch_size=4, max_len=16)
+        cache = new_kv_cache(model, 4, 16, "cpu")
         cache.copy_rows(torch.tensor([0, 0, 0, 0]), torch.tensor([0, 1, 2, 3]), source=one)  # ...fan out to 4 rows
         out = model(nxt, kv_cache=cache)[:, 0]
         ref = model(torch.cat([idx.expand(4, 10), nxt], dim=1))[:, -1]
@@ -70,8 +70,6 @@ class Offloaded(torch.nn.Module):
     """FSDP's --cpu-offload as a CPU test can see it: the model computes on one device (the CPU here) while its
     weights, as model.lm_head.weight.device reports them, are on another ('meta' here; under offload the host
     memory, with the compute on the GPU)."""
-
-    new_kv_cache = GPT.new_kv_cache
 
     def __init__(self, model):
         super().__init__()
@@ -93,10 +91,10 @@ def greedy_reference(model, ids, n):
 @pytest.mark.fp32("calls the model outside autocast, as an fp32 reference (CUDA's layout runs it under autocast only)")
 def test_greedy_decode_builds_its_cache_on_the_compute_device_not_the_weights():
     # base_train's samples (with --fsdp --cpu-offload the weights are in host memory, the forwards run on the GPU)
-    from nanorl.kv_cache import greedy_decode
+    from nanorl.decode import greedy_decode
 
     model = tiny()
-    assert model.new_kv_cache(1, 8, device="meta").k.device.type == "meta"
+    assert new_kv_cache(model, 1, 8, "meta").k.device.type == "meta"
     assert greedy_decode(Offloaded(model), [5, 6, 7, 8], 10, torch.device("cpu")) == greedy_reference(
         model, [5, 6, 7, 8], 10
     )
@@ -111,7 +109,7 @@ def test_greedy_decode_runs_on_the_engines_pinned_kernels():
     # never left to SDPA's dispatcher. Seen through SDPA's global switches while each forward runs
     from torch.nn.attention import SDPBackend
 
-    from nanorl.kv_cache import attention_backends, greedy_decode
+    from nanorl.decode import attention_backends, greedy_decode
 
     model, seen = tiny(), []
     forward = model.hidden_states
@@ -255,8 +253,8 @@ def test_too_long_inputs_error():
     with pytest.raises(ValueError, match="context"):
         model(torch.zeros(1, 17, dtype=torch.long))
     with pytest.raises(ValueError, match="exceeds"):
-        model.new_kv_cache(1, 17)
-    cache = model.new_kv_cache(1, 8)
+        new_kv_cache(model, 1, 17, "cpu")
+    cache = new_kv_cache(model, 1, 8, "cpu")
     with torch.no_grad():
         model(torch.zeros(1, 8, dtype=torch.long), kv_cache=cache)
         with pytest.raises(ValueError, match="full"):
@@ -308,7 +306,8 @@ def test_lockstep_decode_equals_the_cached_forward_bit_for_bit(arch, dtype):
     copy, _ = inference_copy(model, dtype)
     fused = copy.transformer.h[0].attn.qkv is not None
     assert fused == (arch not in ("qwen2 (q/k/v bias: unfused)", "qwen3 (learned qk-norm, wide heads)"))
-    caches = [copy.new_kv_cache(4, 24, dtype=dtype) for _ in range(3)]
+    cfg = copy.config  # caches of the copy's dtype (bf16 as on CUDA; new_kv_cache picks fp32 on a CPU)
+    caches = [KVCache(cfg.n_layer, 4, cfg.n_kv_head, 24, copy.head_dim, "cpu", dtype) for _ in range(3)]
     prompt = torch.randint(0, 97, (1, 9))
     with torch.inference_mode():
         for c in caches:
@@ -348,7 +347,7 @@ def test_shared_prefix_attention_reads_the_prompt_once_and_equals_sdpa(n_kv_head
     # each row reading its own copy), to float rounding, while only each group's first row's copy of its prompt is
     # read: the other rows' copies poisoned with NaN change nothing; and a group's prompt is its own (a wrong prefix
     # in a group's first row changes that group's rows and no other's)
-    from nanorl.kv_cache import attend_shared_prefix
+    from nanorl.decode import attend_shared_prefix
 
     g = torch.Generator().manual_seed(P)
     B, H, D, L = 6, 4, 16, 12

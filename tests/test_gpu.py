@@ -403,10 +403,10 @@ def test_a_graph_that_replays_nothing_is_caught_at_start(monkeypatch, capfd):
 
 @gpu
 def test_training_samples_run_on_the_pinned_kernel():
-    """base_train's samples (nanorl.kv_cache.greedy_decode under bf16 autocast): every forward's masked attention runs
+    """base_train's samples (nanorl.decode.greedy_decode under bf16 autocast): every forward's masked attention runs
     with memory-efficient SDPA the only kernel allowed, and that kernel takes these shapes (else SDPA raises "No
     available kernel"); the first token is the full forward's."""
-    from nanorl.kv_cache import greedy_decode
+    from nanorl.decode import greedy_decode
 
     model, seen, ids = _random_model(lm_std=0.5), [], list(range(40, 77))
     with torch.no_grad(), autocast_ctx("cuda"):

@@ -1,11 +1,11 @@
-"""The engine's sampling math (nanorl/sampling.py): hand-computed draws, the inverse CDF, the counter hash."""
+"""The engine's sampling math (nanorl/decode.py): hand-computed draws, the inverse CDF, the counter hash."""
 
 import math
 
 import numpy as np
 import torch
 
-from nanorl.sampling import row_seed, sample_tokens, sample_with_logprobs, uniform_from_counter
+from nanorl.decode import row_seed, sample_tokens, sample_with_logprobs, uniform_from_counter
 
 
 def test_top_k_top_p_and_temperature_by_hand():
