@@ -26,8 +26,9 @@ import torch
 import torch.distributed as dist
 
 from nanorl.checkpoint import dcp_dir, find_last_step, save_checkpoint
-from nanorl.common import get_dist_info, is_dtensor, synchronize
+from nanorl.common import get_dist_info, is_dtensor
 from nanorl.gpt import GPTConfig, build_model
+from nanorl.logger import synchronize
 from nanorl.precision import checkpoint_context_fn, cuda_dtypes
 
 
