@@ -151,11 +151,10 @@ class MuonAdamW(torch.optim.Optimizer):
                         g = g.full_tensor()
                     looks.append(g)
                 # rank r orthogonalises the chunk's r-th matrix; ranks past the chunk's end send a dummy
-                mine = (
-                    orthogonalize(looks[rank], group["ns_steps"], self.ns_dtype, self.ns_matmuls)
-                    if rank < len(chunk)
-                    else torch.zeros_like(looks[0])
-                )
+                if rank < len(chunk):
+                    mine = orthogonalize(looks[rank], group["ns_steps"], self.ns_dtype, self.ns_matmuls)
+                else:
+                    mine = torch.zeros_like(looks[0])
                 if world == 1:
                     updates, work = [mine], None
                 else:
