@@ -10,9 +10,10 @@ import statistics
 
 import torch
 
-from nanorl.common import compute_cleanup, compute_init, print0
+from nanorl.common import compute_cleanup, compute_init
 from nanorl.fsdp import gather_full_state, shard_model
 from nanorl.gpt import build_model, config_from_depth
+from nanorl.logger import print0
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--depth", type=int, default=20)

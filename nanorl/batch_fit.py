@@ -6,7 +6,7 @@ by every rank, tried on the very model object the stage steps (torch.compile'd o
 import torch
 import torch.distributed as dist
 
-from nanorl.common import synchronize
+from nanorl.logger import synchronize
 
 
 def batch_candidates(largest, total_tokens, row_tokens):

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from nanorl.common import synchronize
+from nanorl.logger import synchronize
 
 # peak dense bf16 FLOP/s (no sparsity) for MFU and memory bandwidth in bytes/s for MBU (decode is bound by it, not by
 # FLOPs), by a substring of the GPU's name; the first match wins, so more specific names come first ("gh200" before

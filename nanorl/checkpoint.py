@@ -27,11 +27,12 @@ import time
 import torch
 
 from nanorl import lora
-from nanorl.common import get_base_dir, is_sharded, print0
+from nanorl.common import get_base_dir, is_sharded
 from nanorl.errors import BadValue, MissingFile, Unreadable, read_json_object
 from nanorl.flags import nonneg_int, tag_name
 from nanorl.gpt import GPTConfig
 from nanorl.gpt import build_model as build_gpt
+from nanorl.logger import print0
 
 
 def _atomic_write(data, path):

@@ -1,11 +1,10 @@
 """
-The process a stage runs in: the base directory everything is written under (JSON files written whole), the device
-and torch.distributed (init, cleanup, rank 0's prints, each rank's share of an epoch, metrics averaged over ranks, a
-check of the collectives' devices), and FSDP2's type checks.
+The process a stage runs in: the base directory everything is written under, the device and torch.distributed (init,
+cleanup, each rank's share of an epoch, metrics averaged over ranks, a check of the collectives' devices), and FSDP2's
+type checks.
 """
 
 import datetime
-import json
 import os
 import random
 import sys
@@ -15,12 +14,7 @@ import torch
 import torch.distributed as dist
 
 from nanorl.gpu_setup import cuda_available, gpu_visible, no_gpu_message, read_driver
-
-
-def print0(*args, **kwargs):
-    # Only rank 0 talks, so an 8-GPU run prints one log, not eight interleaved ones.
-    if int(os.environ.get("RANK", 0)) == 0:
-        print(*args, **kwargs, flush=True)
+from nanorl.logger import print0
 
 
 def get_base_dir():
@@ -28,14 +22,6 @@ def get_base_dir():
     base = os.environ.get("NANORL_BASE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "nanorl")
     os.makedirs(base, exist_ok=True)
     return base
-
-
-def write_json(obj, path):
-    """obj as JSON at path, written to a temp file and renamed: a crash never leaves half a file."""
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, default=float)
-    os.replace(tmp, path)
 
 
 DEVICE_TYPES = ("cpu", "cuda", "mps")
@@ -244,10 +230,3 @@ def compute_cleanup():
         # its worker threads run into interpreter shutdown, where taking the GIL aborts the process ("terminate called
         # without an active exception"). Release the GIL for a moment so a pending free finishes first.
         time.sleep(0.2)
-
-
-def synchronize(device_type):
-    if device_type == "cuda":
-        torch.cuda.synchronize()
-    elif device_type == "mps":
-        torch.mps.synchronize()

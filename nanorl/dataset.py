@@ -25,8 +25,9 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 from nanorl import mirror
-from nanorl.common import get_base_dir, print0
+from nanorl.common import get_base_dir
 from nanorl.errors import MissingFile, Unreadable
+from nanorl.logger import print0
 
 TEXT_EXTS = (".parquet", ".jsonl", ".txt")
 BASE_URL = "https://huggingface.co/datasets/karpathy/fineweb-edu-100b-shuffle/resolve/main"

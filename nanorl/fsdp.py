@@ -26,9 +26,10 @@ import torch
 import torch.distributed as dist
 
 from nanorl.checkpoint import dcp_dir, find_last_step, save_checkpoint
-from nanorl.common import get_dist_info, is_dtensor, synchronize
+from nanorl.common import get_dist_info, is_dtensor
 from nanorl.gpt import GPTConfig, build_model
-from nanorl.precision import cuda_dtypes, recompute_like_forward
+from nanorl.logger import synchronize
+from nanorl.precision import checkpoint_context_fn, cuda_dtypes
 
 
 def add_args(parser):
@@ -90,7 +91,7 @@ def shard_model(model, device, activation_checkpointing=False, cpu_offload=False
         if activation_checkpointing:
             from torch.distributed._composable import checkpoint  # hooks, not a wrapper: parameter names stay the same
 
-            checkpoint(block, context_fn=recompute_like_forward)
+            checkpoint(block, context_fn=checkpoint_context_fn())
         # the last block's weights are needed again at once by backward: keep them gathered after forward
         fully_shard(block, reshard_after_forward=block is not model.transformer.h[-1], **kw)
     fully_shard(model, **kw)

@@ -28,7 +28,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
-from nanorl.precision import cuda_dtypes, recompute_like_forward
+from nanorl.precision import checkpoint_context_fn, cuda_dtypes
 
 
 @dataclass
@@ -338,6 +338,9 @@ class GPT(nn.Module):
         # rotary tables are buffers (not parameters, not saved): recomputed by init_weights / load
         self.register_buffer("cos", torch.empty(config.sequence_len, self.head_dim), persistent=False)
         self.register_buffer("sin", torch.empty(config.sequence_len, self.head_dim), persistent=False)
+        # what token_logprobs' checkpoints enter when backward recomputes them outside the forward's contexts: the
+        # precision policy's choice for this process, made once
+        self.checkpoint_context_fn = checkpoint_context_fn()
 
     def tie_weights(self):
         # again after to_empty()/load, which may replace the shared parameter with two separate ones
@@ -465,7 +468,7 @@ class GPT(nn.Module):
         for s in range(0, B * T, chunk_size):
             h_c, t_c = h[s : s + chunk_size], tgt[s : s + chunk_size]
             if torch.is_grad_enabled() and h_c.requires_grad:
-                lp, ent = checkpoint(chunk_fn, h_c, t_c, use_reentrant=False, context_fn=recompute_like_forward)
+                lp, ent = checkpoint(chunk_fn, h_c, t_c, use_reentrant=False, context_fn=self.checkpoint_context_fn)
             else:
                 lp, ent = chunk_fn(h_c, t_c)
             lps.append(lp)

@@ -1,15 +1,32 @@
 """
-What a run records while it runs, beside its printed lines: its metrics to wandb and/or TensorBoard (Logger,
-get_logger and the flags that pick them), the time left (ETA) and the time each part of a step took (Timer).
+What a run records while it runs: its printed lines (rank 0's alone), its JSON records (written whole), its metrics
+to wandb and/or TensorBoard (Logger, get_logger and the flags that pick them), the time left (ETA) and the time each
+part of a step took (Timer, with synchronize: the device's queued work waited for before the clock is read, or before
+a memory trial is judged).
 """
 
+import json
 import numbers
 import os
 import time
 from collections import deque
 from contextlib import contextmanager
 
-from nanorl.common import synchronize
+import torch
+
+
+def print0(*args, **kwargs):
+    # Only rank 0 talks, so an 8-GPU run prints one log, not eight interleaved ones.
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def write_json(obj, path):
+    """obj as JSON at path, written to a temp file and renamed: a crash never leaves half a file."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, default=float)
+    os.replace(tmp, path)
 
 
 def add_logging_args(parser):
@@ -116,6 +133,15 @@ class ETA:
     def __str__(self):
         m = self.minutes()
         return "?" if m is None else f"{m:.1f}m"
+
+
+def synchronize(device_type):
+    """Wait until the device has run the work queued on it: a clock read after it counts that work, and a memory trial
+    has run all of it."""
+    if device_type == "cuda":
+        torch.cuda.synchronize()
+    elif device_type == "mps":
+        torch.mps.synchronize()
 
 
 class Timer:

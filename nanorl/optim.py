@@ -14,6 +14,8 @@ Under FSDP2 the parameters are DTensor shards: AdamW works on the shards as is; 
 momentum matrix, orthogonalises it on its owner rank as above, and each rank keeps its shard of the update.
 """
 
+from contextlib import nullcontext
+
 import torch
 import torch.distributed as dist
 
@@ -22,19 +24,20 @@ from nanorl.precision import bf16_matmuls, cuda_dtypes
 
 
 @torch.no_grad()
-def orthogonalize(G, steps=5):
+def orthogonalize(G, steps=5, dtype=torch.float32, matmuls=None):
     """
     Approximately replace G by the nearest semi-orthogonal matrix (U V^T of its SVD) with a quintic
     Newton-Schulz iteration. The coefficients push singular values towards 1 quickly rather than exactly,
-    which is all Muon needs. Runs in bf16 on GPU (fast, and accurate enough), fp32 elsewhere.
+    which is all Muon needs. It iterates in `dtype` with its matmuls inside the context `matmuls`: MuonAdamW
+    passes bf16 on GPU (fast, and accurate enough) with precision.bf16_matmuls' context, fp32 elsewhere.
     """
     a, b, c = 3.4445, -4.7750, 2.0315
-    X = G.bfloat16() if cuda_dtypes(G.device) else G.float()
+    X = G.to(dtype)
     transposed = X.size(-2) > X.size(-1)
     if transposed:  # iterate on the smaller Gram matrix
         X = X.mT
     X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)  # spectral norm <= Frobenius norm <= 1
-    with bf16_matmuls(X.device):
+    with matmuls or nullcontext():
         for _ in range(steps):
             A = X @ X.mT
             B = b * A + c * (A @ A)
@@ -52,6 +55,15 @@ class MuonAdamW(torch.optim.Optimizer):
     def __init__(self, param_groups):
         super().__init__(param_groups, defaults={})
         self._averaged, self._group = False, None
+        params = [p for g in self.param_groups for p in g["params"]]
+        # FSDP2 shards a whole model before its optimizer is built (every script that shards does): then every
+        # parameter is a DTensor shard, which AdamW steps as is and Muon gathers whole
+        self.sharded = any(is_dtensor(p) for p in params)
+        # the precision of Muon's Newton-Schulz iteration, fixed for the run by the device it runs on: the model's, or
+        # under FSDP's CPU offload the mesh's GPU, where each full matrix is gathered (_muon)
+        device_type = params[0].device_mesh.device_type if self.sharded else params[0].device.type
+        self.ns_dtype = torch.bfloat16 if cuda_dtypes(device_type) else torch.float32
+        self.ns_matmuls = bf16_matmuls(device_type)
 
     def gradients_averaged(self, group=None):
         """The gradients are already the mean over the ranks of `group` (DDP's reducer or FSDP2's reduce-scatter
@@ -65,10 +77,9 @@ class MuonAdamW(torch.optim.Optimizer):
         self.gradients_averaged(group)
         if not _distributed() or dist.get_world_size(group) == 1:
             return
-        # FSDP2's gradients (DTensor shards) were already reduce-scattered during backward
-        grads = [
-            p.grad for g in self.param_groups for p in g["params"] if p.grad is not None and not is_dtensor(p.grad)
-        ]
+        if self.sharded:  # FSDP2's gradients (DTensor shards) were already reduce-scattered during backward
+            return
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
         by_dtype = {}
         for gr in grads:
             by_dtype.setdefault(gr.dtype, []).append(gr)
@@ -85,7 +96,7 @@ class MuonAdamW(torch.optim.Optimizer):
         """The bytes of state step() allocates at its first call, on this rank: Muon's momentum like each matrix (of
         this rank's shard under FSDP), AdamW's two fp32 moments per parameter."""
         return sum(
-            (p.to_local() if is_dtensor(p) else p).numel() * (p.element_size() if g["kind"] == "muon" else 8)
+            (p.to_local() if self.sharded else p).numel() * (p.element_size() if g["kind"] == "muon" else 8)
             for g in self.param_groups
             for p in g["params"]
         )
@@ -134,15 +145,16 @@ class MuonAdamW(torch.optim.Optimizer):
                     buf = state["momentum_buffer"]
                     buf.lerp_(p.grad, 1 - mom)  # buf = mom * buf + (1 - mom) * g
                     g = p.grad.lerp(buf, mom)  # Nesterov: look ahead along the momentum
-                    if is_dtensor(g):  # FSDP2: gather the full matrix
+                    if self.sharded:  # FSDP2: gather the full matrix
                         if g.device.type == "cpu" and p.device_mesh.device_type != "cpu":
                             g = g.to(p.device_mesh.device_type)  # CPU offload: gather and orthogonalise on the GPU
                         g = g.full_tensor()
                     looks.append(g)
                 # rank r orthogonalises the chunk's r-th matrix; ranks past the chunk's end send a dummy
-                mine = (
-                    orthogonalize(looks[rank], group["ns_steps"]) if rank < len(chunk) else torch.zeros_like(looks[0])
-                )
+                if rank < len(chunk):
+                    mine = orthogonalize(looks[rank], group["ns_steps"], self.ns_dtype, self.ns_matmuls)
+                else:
+                    mine = torch.zeros_like(looks[0])
                 if world == 1:
                     updates, work = [mine], None
                 else:
@@ -154,12 +166,11 @@ class MuonAdamW(torch.optim.Optimizer):
         if pending:
             self._apply_muon(*pending, lr, wd)
 
-    @staticmethod
-    def _apply_muon(chunk, updates, work, lr, wd):
+    def _apply_muon(self, chunk, updates, work, lr, wd):
         if work is not None:
             work.wait()
         for p, update in zip(chunk, updates):
-            if is_dtensor(p):  # keep this rank's shard of the full update (no communication)
+            if self.sharded:  # keep this rank's shard of the full update (no communication)
                 update = torch.distributed.tensor.distribute_tensor(
                     update, p.device_mesh, p.placements, src_data_rank=None
                 ).to(p.device)

@@ -11,6 +11,7 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+from torch.utils.checkpoint import noop_context_fn
 
 CUDA_DTYPES_ENV = "NANORL_CUDA_DTYPES"
 
@@ -89,11 +90,16 @@ class _Bf16MatmulsInFp32(TorchFunctionMode):
         return a.to(torch.bfloat16).float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
 
 
+def _emulates_bf16_matmuls():
+    """Whether this process runs its CPU's bf16 matmuls through _Bf16MatmulsInFp32: CUDA's layout on a CPU without
+    bf16 matrix kernels (no AVX512 / AMX)."""
+    return cuda_dtypes("cpu") and not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def bf16_matmuls(device):
-    """A context for code that multiplies in bf16 on `device`: on a CPU in CUDA's layout without bf16 matrix kernels
-    (no AVX512 / AMX), those matmuls run in fp32 on bf16-rounded inputs (_Bf16MatmulsInFp32); elsewhere nothing."""
-    device_type = getattr(device, "type", device)
-    if device_type == "cpu" and cuda_dtypes(device_type) and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    """A context for code that multiplies in bf16 on `device`: on a CPU in CUDA's layout without bf16 matrix kernels,
+    those matmuls run in fp32 on bf16-rounded inputs (_Bf16MatmulsInFp32); elsewhere nothing."""
+    if getattr(device, "type", device) == "cpu" and _emulates_bf16_matmuls():
         return _Bf16MatmulsInFp32()
     return nullcontext()
 
@@ -104,6 +110,13 @@ def recompute_like_forward():
     otherwise the recomputed tensors' dtypes would differ from the saved ones."""
     active = getattr(_Bf16MatmulsInFp32._active, "depth", 0) > 0
     return nullcontext(), (_Bf16MatmulsInFp32() if active else nullcontext())
+
+
+def checkpoint_context_fn():
+    """The `context_fn` for a model's activation checkpoints, picked once where they are set up: recompute_like_forward
+    in a process whose bf16_matmuls can enter _Bf16MatmulsInFp32, else torch's default, which enters nothing (no
+    such mode can be active then)."""
+    return recompute_like_forward if _emulates_bf16_matmuls() else noop_context_fn
 
 
 class _Contexts:

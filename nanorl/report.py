@@ -12,8 +12,9 @@ import datetime
 import os
 import tempfile
 
-from nanorl.common import get_base_dir, write_json
+from nanorl.common import get_base_dir
 from nanorl.errors import BadValue
+from nanorl.logger import write_json
 
 REPORT_TITLE = "# nanorl report"  # report.md's first line: how --out knows a file it may replace
 

@@ -52,6 +52,8 @@ class Trainer:
         self.critic_optimizer = extras.critic_optimizer
         dp = data_parallel
         self.process_group, self.world, self.distributed = dp.process_group, dp.world, dp.distributed
+        # the policy sharded over the ranks with FSDP2 (--fsdp, which chat_rl refuses with the options that add models)
+        self.sharded = is_sharded(model) and self.distributed
         self.autocast = autocast_ctx(device.type)
         self.estimator = cfg.estimator  # its row of rl.ESTIMATORS: the advantage function, its inputs, the loss kind
         self.loss_cfg = rl.LossConfig(
@@ -76,8 +78,8 @@ class Trainer:
             collate_packed(samples, rows, self.device)
             for rows in pack_micro_batches(samples, max_tokens, min(max_tokens, model.config.sequence_len))
         ]
-        if is_sharded(model) and self.distributed:
-            # every forward/backward of a sharded model gathers weights with the other ranks: all must run as many
+        if self.sharded:
+            # every forward/backward of the sharded policy gathers weights with the other ranks: all must run as many
             # micro-batches; a rank with fewer repeats its last one as a "dummy" (run, never counted)
             n = torch.tensor(len(batches), device=self.device)
             dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self.process_group)

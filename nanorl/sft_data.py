@@ -13,8 +13,9 @@ import os
 import torch
 import torch.distributed as dist
 
-from nanorl.common import epoch_order, print0
+from nanorl.common import epoch_order
 from nanorl.errors import BadValue, MissingFile, Unreadable, UserError
+from nanorl.logger import print0
 
 
 def render_example(tokenizer, conversation, seq_len):

@@ -16,7 +16,7 @@ from nanorl import fsdp
 from nanorl.batch_fit import batch_candidates, compile_model, fit_batch, training_trial
 from nanorl.benchmark import get_peak_flops
 from nanorl.checkpoint import delete_step, find_last_step, resume, rng_state, save, set_rng_state
-from nanorl.common import compute_cleanup, compute_init, get_base_dir, print0, synchronize
+from nanorl.common import compute_cleanup, compute_init, get_base_dir
 from nanorl.dataloader import PretrainLoader
 from nanorl.dataset import describe_source
 from nanorl.decode import greedy_decode
@@ -34,7 +34,7 @@ from nanorl.flags import (
 )
 from nanorl.fsdp import local_bytes, shard_model
 from nanorl.gpt import attention_backend, build_model, config_from_depth
-from nanorl.logger import ETA, add_logging_args, get_logger
+from nanorl.logger import ETA, add_logging_args, get_logger, print0, synchronize
 from nanorl.loss_eval import evaluate_bpb
 from nanorl.optim import build_optimizer
 from nanorl.precision import autocast_ctx, precision_line

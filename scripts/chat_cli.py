@@ -16,10 +16,10 @@ import os
 import signal
 import sys
 
-from nanorl.common import print0
 from nanorl.engine import Engine, Request
 from nanorl.errors import BadValue
 from nanorl.flags import ArgumentParser, number_in, tag_name
+from nanorl.logger import print0
 from nanorl.openai_api import reply_reserve
 from nanorl.toolcalls import MarkupStream, assistant_parts
 

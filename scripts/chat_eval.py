@@ -20,9 +20,10 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
-from nanorl.common import print0, skipped_on_any_rank
+from nanorl.common import skipped_on_any_rank
 from nanorl.execution import require_sandbox, sandbox_missing
 from nanorl.flags import ArgumentParser, int_list, nonneg_float, nonneg_int, positive_int
+from nanorl.logger import print0
 from nanorl.rl import pass_at_k
 from nanorl.synthetic import levels_flag
 from tasks import CHATCORE_TASKS, GRADED_TASKS, RANDOM_BASELINE, TASKS, get_task, task_class
@@ -79,7 +80,7 @@ def categorical_batch(model, largest, T, autocast, device):
     """The prompts per categorical batch: the largest of largest, largest / 2, ... 1 whose forward at T tokens fits in
     memory, agreed by every rank (nanorl.batch_fit.fit_batch, as the training stages fit theirs)."""
     from nanorl.batch_fit import fit_batch
-    from nanorl.common import synchronize
+    from nanorl.logger import synchronize
 
     def trial(batch):
         x = torch.zeros(batch, T, dtype=torch.long, device=device)
@@ -99,8 +100,8 @@ def fitted_engine(model, tokenizer, largest, device):
     prefill and decode step fit in memory, agreed by every rank (nanorl.batch_fit.fit_batch): -b is also the rows the
     engine decodes at once, and a large model's cache at -b 64 may not fit beside its weights."""
     from nanorl.batch_fit import fit_batch
-    from nanorl.common import synchronize
     from nanorl.engine import Engine, Request
+    from nanorl.logger import synchronize
 
     def trial(batch):  # every row a prompt of the whole context but one token, then one decoded token: the peak
         engine = Engine(model, tokenizer, batch_size=batch, cuda_graph=False)

@@ -19,7 +19,6 @@ import time
 
 from nanorl import checkpoint, common, fsdp, lora, prompts, rewards, rl_async, rl_config, rl_trainer, rollout
 from nanorl.checkpoint import add_model_args, load_model_from_args
-from nanorl.common import print0
 from nanorl.engine import Engine
 from nanorl.execution import require_sandbox, sandbox_mode
 from nanorl.flags import (
@@ -33,7 +32,7 @@ from nanorl.flags import (
     tag_name,
 )
 from nanorl.gpt import attention_backend
-from nanorl.logger import add_logging_args, get_logger
+from nanorl.logger import add_logging_args, get_logger, print0
 from nanorl.optim import build_optimizer
 from nanorl.precision import precision_line
 from nanorl.report import log_json, log_section, rl_eval_rows

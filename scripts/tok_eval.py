@@ -7,9 +7,9 @@ encodings when tiktoken can load them (it downloads them once; offline, that is 
 
 import itertools
 
-from nanorl.common import print0
 from nanorl.dataset import iter_documents
 from nanorl.flags import ArgumentParser, positive_int
+from nanorl.logger import print0
 from nanorl.report import log_section
 from nanorl.tokenizer import get_tokenizer
 

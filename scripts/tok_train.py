@@ -8,9 +8,10 @@ Train the BPE tokenizer.
 import os
 import time
 
-from nanorl.common import get_base_dir, print0
+from nanorl.common import get_base_dir
 from nanorl.dataset import describe_source, iter_documents
 from nanorl.flags import ArgumentParser, positive_int
+from nanorl.logger import print0
 from nanorl.report import log_section, vocab_words
 from nanorl.tokenizer import Tokenizer
 

@@ -45,7 +45,7 @@ class ListTask(Task):
 
 
 def test_progress_lines(capsys):
-    from nanorl.common import print0
+    from nanorl.logger import print0
 
     progress = Progress("gsm8k", 20, log=print0, tty=False)  # a log file: a line every tenth of the problems
     for i in range(20):

@@ -366,20 +366,30 @@ def test_bf16_matmuls_give_a_bf16_gemms_values_and_gradients():
         assert torch.equal(F.linear(x, w), F.linear(x.detach(), w.detach()))
 
 
-def test_checkpointed_log_probs_recompute_under_the_mode_their_forward_ran_in():
-    """RL's log-probs are checkpointed: backward recomputes them outside the forward's contexts. Without
-    recompute_like_forward the recomputation ran torch's bf16 kernels and its tensors' dtypes differed (an error)."""
-    from nanorl.gpt import GPT, GPTConfig
-    from nanorl.precision import _Bf16MatmulsInFp32
+def test_checkpointed_log_probs_recompute_under_the_mode_their_forward_ran_in(monkeypatch):
+    """RL's log-probs are checkpointed: backward recomputes them outside the forward's contexts. A model built where
+    bf16 matmuls run through _Bf16MatmulsInFp32 recomputes them with recompute_like_forward: without it the
+    recomputation ran torch's bf16 kernels and its tensors' dtypes differed (an error). Elsewhere no such mode can be
+    active, and the checkpoints take torch's default (entering nothing)."""
+    from torch.utils.checkpoint import noop_context_fn
 
+    from nanorl.gpt import GPT, GPTConfig
+    from nanorl.precision import CUDA_DTYPES_ENV, autocast_ctx, recompute_like_forward
+
+    cfg = GPTConfig(sequence_len=32, vocab_size=64, n_layer=1, n_head=2, n_kv_head=2, n_embd=32)
+    monkeypatch.setenv(CUDA_DTYPES_ENV, "0")
+    assert GPT(cfg).checkpoint_context_fn is noop_context_fn
+    monkeypatch.setenv(CUDA_DTYPES_ENV, "1")
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
     torch.manual_seed(0)
-    model = GPT(GPTConfig(sequence_len=32, vocab_size=64, n_layer=1, n_head=2, n_kv_head=2, n_embd=32))
+    model = GPT(cfg)
     model.init_weights()
+    assert model.checkpoint_context_fn is recompute_like_forward
     idx, tgt = torch.randint(0, 64, (2, 12)), torch.randint(0, 64, (2, 12))
     grads = []
     for checkpointed in (True, False):  # in chunks of 8 positions, recomputed in backward; and from forward's logits
         model.zero_grad()
-        with torch.autocast("cpu", dtype=torch.bfloat16), _Bf16MatmulsInFp32():
+        with autocast_ctx("cpu"):  # bf16 autocast and _Bf16MatmulsInFp32, as the RL trainer's
             if checkpointed:
                 lp = model.token_logprobs(idx, tgt, chunk_size=8)
             else:
