@@ -3,7 +3,8 @@ The training side of RL: given a rollout's scored samples, shape the rewards, co
 optimizer steps. One loss path serves every estimator: the per-token policy loss (PPO clip, GSPO or CISPO),
 then importance weights, aggregation, entropy and KL, all in nanorl.rl.policy_loss. Used by nanorl/rl_run.py
 (synchronous and --async) and by `bench rl`, so the benchmark times exactly the step that trains. At the end, the
-samples' tensor layout: packing them end to end into micro-batches, and collating them into (B, T) rows.
+reward shaping, and the samples' tensor layout: packing them end to end into micro-batches of rows, and unpacking
+per-token values back into one (B, T) row per sample.
 
 The Trainer takes a TrainerConfig (nanorl/rl_config.py, with its flags).
 """
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.nn.utils.rnn import pad_sequence
 
 from nanorl import rl
 from nanorl.common import is_sharded
@@ -56,6 +58,16 @@ class Trainer:
         self.sharded = is_sharded(model) and self.distributed
         self.autocast = autocast_ctx(device.type)
         self.estimator = cfg.estimator  # its row of rl.ESTIMATORS: the advantage function, its inputs, the loss kind
+        # the estimator's inputs that are the run's (kl and the critic's values come with each rollout); distributed:
+        # whiten over every training rank (False: this rank alone), in their own process group where they have one
+        self.advantage_inputs = dict(
+            group_size=cfg.group.n_samples_per_prompt,
+            kl_coef=cfg.kl_coef,
+            std_normalize=not cfg.disable_grpo_std_normalization,
+            gamma=cfg.gamma,
+            lambd=cfg.lambd,
+            distributed=(dp.process_group if dp.process_group is not None else True) if dp.distributed else False,
+        )
         self.loss_cfg = rl.LossConfig(
             kind=self.estimator.loss,
             eps_clip=cfg.eps_clip,
@@ -105,13 +117,14 @@ class Trainer:
 
     @torch.no_grad()
     def per_token(self, samples, fn, model):
-        """fn(batch) -> (B, T) for every micro-batch of `model`; the rows, in sample order, on the compute device."""
+        """fn(batch) -> (B, T) for every micro-batch of `model` -> one zero-padded row per sample, in sample order, on
+        the compute device: (samples, their longest - 1), the rollout's layout (compute_advantages)."""
         out = [None] * len(samples)
         for batch in self.micro_batches(samples, model):
             res = fn(batch)
             for j, i in enumerate(batch["order"] if not batch.get("dummy") else []):
                 out[i] = res[j]
-        return out
+        return pad_sequence(out, batch_first=True)  # every micro-batch is as long as its longest sample
 
     def logp_of(self, model, samples):
         return self.per_token(samples, lambda batch: self.forward_logp(model, batch)[0], model)
@@ -119,60 +132,31 @@ class Trainer:
     def values_of(self, samples):
         return self.per_token(samples, self.forward_values, self.model)  # the critic is a copy of the policy
 
-    # --- rewards and advantages -------------------------------------------------------------------
-
-    def shape_rewards(self, samples):
-        """DAPO overlong penalty and truncated-sample masking, on the samples in place."""
-        cfg = self.cfg
-        if cfg.overlong_buffer_len > 0:
-            lens = torch.tensor([s.response_length for s in samples], dtype=torch.float32)
-            pen = rl.overlong_penalty(
-                lens, cfg.group.max_response_len, cfg.overlong_buffer_len, cfg.overlong_penalty_factor
-            )
-            for s, p in zip(samples, pen.tolist()):
-                s.reward = (
-                    {**s.reward, "overlong": p, "total": s.reward["total"] + p}
-                    if isinstance(s.reward, dict)
-                    else s.reward + p
-                )
-        if cfg.mask_truncated_samples:
-            for s in samples:
-                if s.status == TRUNCATED:
-                    s.loss_mask = [0] * s.response_length
+    # --- advantages -------------------------------------------------------------------------------
 
     def compute_advantages(self, samples, old_lp, ref_lp, old_values):
         """
-        Per-sample per-token advantages (list of 1-D tensors on the compute device, aligned like collate()) by
-        the estimator's row of rl.ESTIMATORS, and for ppo the critic's targets (returns); None otherwise. Built on
-        the compute device: the whitening all-reduces them, and NCCL takes only CUDA tensors.
+        Per-token advantages (samples, their longest - 1), position t predicting token t+1 as in collate_packed, by
+        the estimator's row of rl.ESTIMATORS, and for ppo the critic's targets (returns); None otherwise. old_lp,
+        ref_lp, old_values: per_token's rows or None. Built on the compute device: the whitening all-reduces them,
+        and NCCL takes only CUDA tensors.
         """
-        cfg = self.cfg
-        mask = collate(samples, self.device)["loss_mask"]
-        T = mask.size(1)
+        # the loss mask at the input positions: the response's first token is predicted at position P - 1
+        masks = [torch.tensor([0] * (s.prompt_length - 1) + s.loss_mask, dtype=torch.float32) for s in samples]
+        mask = pad_sequence(masks, batch_first=True).to(self.device)
         rewards = torch.tensor([s.scalar_reward() for s in samples], dtype=torch.float32, device=self.device)
-        dist_group = (self.process_group if self.process_group is not None else True) if self.distributed else False
-        kl = None
-        if ref_lp is not None and cfg.kl_coef > 0:
-            kl = rl.kl_estimate(pad_like(old_lp, T), pad_like(ref_lp, T), "k1") * mask
-        inputs = dict(
-            group_size=cfg.group.n_samples_per_prompt,
-            kl=kl,
-            kl_coef=cfg.kl_coef,
-            std_normalize=not cfg.disable_grpo_std_normalization,
-            gamma=cfg.gamma,
-            lambd=cfg.lambd,
-            values=pad_like(old_values, T) if old_values is not None else None,
-            distributed=dist_group,
-        )
+        # the KL penalty in the reward: k1 per token against the reference, when there is one and the penalty is on
+        kl = rl.kl_estimate(old_lp, ref_lp, "k1") * mask if ref_lp is not None and self.cfg.kl_coef > 0 else None
+        inputs = dict(self.advantage_inputs, kl=kl, values=old_values)
         # exactly the inputs the estimator takes (its row names them): a name it lacks would raise, not be dropped
         adv, returns = self.estimator.advantages(rewards, mask, **{k: inputs[k] for k in self.estimator.inputs})
-        if cfg.normalize_advantages:
-            adv = rl.masked_whiten(adv, mask, distributed=dist_group) * mask
+        if self.cfg.normalize_advantages:
+            adv = rl.masked_whiten(adv, mask, distributed=inputs["distributed"]) * mask
         if self.teacher is not None:  # on-policy distillation: tokens the teacher likes more get pushed up
-            s_lp, t_lp = pad_like(old_lp, T), pad_like(self.logp_of(self.teacher, samples), T)
-            adv = rl.opd_adjust(adv, s_lp, t_lp, mask, cfg.opd_kl_coef)
-            self.opd_kl = rl.masked_mean(s_lp - t_lp, mask).item()
-        return list(adv), (list(returns) if returns is not None else None)
+            t_lp = self.logp_of(self.teacher, samples)
+            adv = rl.opd_adjust(adv, old_lp, t_lp, mask, self.cfg.opd_kl_coef)
+            self.opd_kl = rl.masked_mean(old_lp - t_lp, mask).item()
+        return adv, returns
 
     # --- the step ---------------------------------------------------------------------------------
 
@@ -180,13 +164,15 @@ class Trainer:
         """Shape rewards, compute advantages, take --num-steps-per-rollout optimizer steps -> metrics (this rank's).
         done: the rollouts trained on before this one (the LR schedule's position)."""
         cfg = self.cfg
-        bad = next((s for s in samples if len(s.rollout_log_probs) != s.response_length), None)
-        if cfg.use_tis and bad is not None:  # TIS compares against the sampler's log-probs: without them it is garbage
-            raise SystemExit(
-                f"--use-tis needs the rollout's log-probs, but a sample ({bad.metadata}) has {len(bad.rollout_log_probs)} for "
-                f"{bad.response_length} response tokens: --custom-generate-function-path must fill Sample.rollout_log_probs"
-            )
-        self.shape_rewards(samples)
+        if cfg.use_tis:  # TIS compares against the sampler's log-probs: without them it is garbage
+            bad = next((s for s in samples if len(s.rollout_log_probs) != s.response_length), None)
+            if bad is not None:
+                raise SystemExit(
+                    f"--use-tis needs the rollout's log-probs, but a sample ({bad.metadata}) has "
+                    f"{len(bad.rollout_log_probs)} for {bad.response_length} response tokens: "
+                    "--custom-generate-function-path must fill Sample.rollout_log_probs"
+                )
+        shape_rewards(samples, cfg)
         ref_lp = old_lp = old_values = None
         if self.ref_model is not None:
             with timer.section("ref", self.device.type):
@@ -199,7 +185,6 @@ class Trainer:
         if self.critic is not None:
             with timer.section("values", self.device.type):
                 old_values = self.values_of(samples)
-        self.opd_kl = None
         with timer.section("advantages", self.device.type):
             adv, returns = self.compute_advantages(samples, old_lp, ref_lp, old_values)
         lr_mult = min(1.0, (done + 1) / cfg.warmup_rollouts) if cfg.warmup_rollouts > 0 else 1.0
@@ -212,36 +197,29 @@ class Trainer:
         targets = dict(adv=adv, old_lp=old_lp if steps > 1 else None, ref_lp=ref_lp, returns=returns, values=old_values)
         results = []
         with timer.section("train", self.device.type):
-            for k in range(steps):
-                sl = slice(edges[k], edges[k + 1])
-                picked = {name: rows[sl] if rows is not None else None for name, rows in targets.items()}
-                results.append(self.train_minibatch(samples[sl], picked, lr_mult))
+            for a, b in zip(edges, edges[1:]):
+                picked = {name: rows[a:b] if rows is not None else None for name, rows in targets.items()}
+                results.append(self.train_minibatch(samples[a:b], picked, lr_mult))
         metrics = {f"train/{k}": sum(r[k] for r in results) / len(results) for k in results[0]}
         metrics["train/first_step_ppo_kl"] = results[0].get("ppo_kl", 0.0)
-        if self.opd_kl is not None:
+        if self.teacher is not None:
             metrics["train/opd_student_teacher_kl"] = self.opd_kl
-        A = torch.stack(adv)
-        first = (A != 0).to(torch.int64).argmax(-1)  # each sample's advantage at its first trained token
-        seq_adv = A.gather(1, first[:, None]).squeeze(1).cpu()
-        metrics.update(
-            {
-                "rollout/adv_mean": seq_adv.mean().item(),
-                "rollout/adv_std": seq_adv.std().item() if len(seq_adv) > 1 else 0.0,
-                "rollout/adv_abs_max": seq_adv.abs().max().item(),
-            }
-        )
+        first = (adv != 0).to(torch.int64).argmax(-1)  # each sample's advantage at its first trained token
+        seq_adv = adv.gather(1, first[:, None]).squeeze(1).cpu()
+        metrics["rollout/adv_mean"] = seq_adv.mean().item()
+        metrics["rollout/adv_std"] = seq_adv.std().item() if len(seq_adv) > 1 else 0.0
+        metrics["rollout/adv_abs_max"] = seq_adv.abs().max().item()
         return metrics
 
     def train_minibatch(self, samples, targets, lr_mult):
         """One optimizer step over `samples` (this rank's share of the global batch); with ppo, one critic step too.
-        targets: per sample, its advantages "adv" and, None when off, the log-probs before the update "old_lp" (None
-        = on-policy: the ratio's denominator is this very forward, detached), the reference's "ref_lp", and ppo's
-        "returns" and old "values"."""
-        cfg, model, device = self.cfg, self.model, self.device
-        old_lp, ref_lp = targets["old_lp"], targets["ref_lp"]
+        targets: per sample (rows of the rollout's layout), its advantages "adv" and, None when off, the log-probs
+        before the update "old_lp" (None = on-policy: the ratio's denominator is this very forward, detached), the
+        reference's "ref_lp", and ppo's "returns" and old "values"."""
+        cfg, model = self.cfg, self.model
         model.train()
         local_tok = sum(sum(s.loss_mask) for s in samples)
-        counts = torch.tensor([local_tok, len(samples)], dtype=torch.float64, device=device)
+        counts = torch.tensor([local_tok, len(samples)], dtype=torch.float64, device=self.device)
         if self.distributed:
             dist.all_reduce(counts, group=self.process_group)
         global_tok, global_seq = max(counts[0].item(), 1.0), counts[1].item()
@@ -250,18 +228,18 @@ class Trainer:
             if batch.get("dummy"):  # (FSDP) a zero loss through the whole model: its gathers and gradient reductions
                 (self.forward_logp(model, batch)[0].sum() * 0).backward()
                 continue
-            mb, T, mask = batch["order"], batch["inputs"].size(1), batch["loss_mask"]
+            mb, mask = batch["order"], batch["loss_mask"]
             positions += batch["packed_inputs"].numel()
-            rows = lambda xs: pad_like([xs[i] for i in mb], T)
+            rows = lambda name: targets[name][mb, : mask.size(1)]  # the micro-batch's samples, cut to its length
             logp, ent = self.forward_logp(model, batch)
-            old = rows(old_lp) if old_lp is not None else logp.detach()
+            old = rows("old_lp") if targets["old_lp"] is not None else logp.detach()
             tis = None
             if cfg.use_tis:
                 tis, tis_metrics = rl.tis_weights(
                     old, batch["rollout_logp"], mask, cfg.tis_clip, cfg.tis_clip_low, cfg.tis_mode
                 )
-            ref = rows(ref_lp) if ref_lp else None
-            loss, metrics = rl.policy_loss(logp, old, rows(targets["adv"]), mask, self.loss_cfg, tis, ent, ref)
+            ref = rows("ref_lp") if targets["ref_lp"] is not None else None
+            loss, metrics = rl.policy_loss(logp, old, rows("adv"), mask, self.loss_cfg, tis, ent, ref)
             if tis is not None:
                 metrics.update(tis_metrics)
             # each micro-batch's loss is re-weighted to its share of the global batch, by the aggregation's own unit
@@ -274,8 +252,8 @@ class Trainer:
                 values = self.forward_values(batch)
                 vf_loss, vm = rl.value_loss(
                     values,
-                    rows(targets["values"]),
-                    rows(targets["returns"]),
+                    rows("values"),
+                    rows("returns"),
                     mask,
                     cfg.value_clip or None,
                     loss_agg=cfg.loss_aggregation,
@@ -290,9 +268,8 @@ class Trainer:
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(v) * mb_tok
         out = {k: v / max(local_tok, 1) for k, v in sums.items()}
-        out["padding_frac"] = 1 - sum(len(s.tokens) - 1 for s in samples) / max(
-            positions, 1
-        )  # of the positions the model ran
+        # the share of the positions the model ran that hold no sample
+        out["padding_frac"] = 1 - sum(len(s.tokens) - 1 for s in samples) / max(positions, 1)
         out["grad_norm"] = self.optimizer_step(model, self.optimizer, lr_mult)
         if self.critic is not None:
             out["critic_grad_norm"] = self.optimizer_step(self.critic, self.critic_optimizer, 1.0)
@@ -311,6 +288,29 @@ class Trainer:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return float(norm)
+
+
+# -----------------------------------------------------------------------------------------------
+# rewards
+
+
+def shape_rewards(samples, cfg):
+    """DAPO overlong penalty and truncated-sample masking (TrainerConfig cfg), on the samples in place."""
+    if cfg.overlong_buffer_len > 0:
+        lens = torch.tensor([s.response_length for s in samples], dtype=torch.float32)
+        pen = rl.overlong_penalty(
+            lens, cfg.group.max_response_len, cfg.overlong_buffer_len, cfg.overlong_penalty_factor
+        )
+        for s, p in zip(samples, pen.tolist()):
+            s.reward = (
+                {**s.reward, "overlong": p, "total": s.reward["total"] + p}
+                if isinstance(s.reward, dict)
+                else s.reward + p
+            )
+    if cfg.mask_truncated_samples:
+        for s in samples:
+            if s.status == TRUNCATED:
+                s.loss_mask = [0] * s.response_length
 
 
 # -----------------------------------------------------------------------------------------------
@@ -349,87 +349,59 @@ def pack_micro_batches(samples, max_tokens, row_len):
             rows = even
             break
         cap += max(1, cap // 32)
-    load = [sum(size[i] for i in row) for row in rows]
-    batches, cur = [], []
-    for r in sorted(range(len(rows)), key=lambda r: -load[r]):  # the first row of a micro-batch is its longest
-        if cur and load[cur[0]] * (len(cur) + 1) > max_tokens:
-            batches.append(cur)
-            cur = []
-        cur.append(r)
-    if cur:
-        batches.append(cur)
-    return [[rows[r] for r in mb] for mb in batches]
+    load = lambda row: sum(size[i] for i in row)
+    batches = []
+    for row in sorted(rows, key=load, reverse=True):  # the first row of a micro-batch is its longest
+        if batches and load(batches[-1][0]) * (len(batches[-1]) + 1) <= max_tokens:
+            batches[-1].append(row)
+        else:
+            batches.append([row])
+    return batches
 
 
 # -----------------------------------------------------------------------------------------------
 # tensors
 
 
-def collate(samples, device="cpu", pad_id=0):
-    """
-    Samples -> padded (B, T) tensors aligned for next-token prediction: position t predicts token t+1.
-    loss_mask is 1 exactly on the response tokens the model wrote (tool outputs and prompt excluded),
-    rollout_logp holds the sampler's log-prob at those positions. targets are -1 where not trained.
-    """
-    T = max(len(s.tokens) for s in samples) - 1
-    B = len(samples)
-    inputs = torch.full((B, T), pad_id, dtype=torch.long)
-    targets = torch.full((B, T), -1, dtype=torch.long)
-    loss_mask = torch.zeros(B, T)
-    rollout_logp = torch.zeros(B, T)
-    for b, s in enumerate(samples):
-        n, P, R = len(s.tokens), s.prompt_length, s.response_length
-        inputs[b, : n - 1] = torch.tensor(s.tokens[:-1])
-        resp = slice(P - 1, P - 1 + R)
-        targets[b, resp] = torch.tensor(s.tokens[P:])
-        loss_mask[b, resp] = torch.tensor(s.loss_mask, dtype=torch.float32)
-        if s.rollout_log_probs:
-            rollout_logp[b, resp] = torch.tensor(s.rollout_log_probs, dtype=torch.float32)
-    return {
-        "inputs": inputs.to(device),
-        "targets": targets.to(device),
-        "loss_mask": loss_mask.to(device),
-        "rollout_logp": rollout_logp.to(device),
-    }
-
-
 def collate_packed(samples, rows, device="cpu", pad_id=0):
     """
-    One micro-batch of rows (lists of sample indices, from pack_micro_batches) -> collate() of its samples, in
-    row order, plus the packed tensors the model runs on: packed_inputs/packed_targets (R, L), the samples of
-    each row end to end and padding after them, and doc_ids numbering the samples of a row (the padding is one
-    more document), so that positions restart and attention stays within each sample. "unpack" (B, T) gives
-    each per-sample position's index into the flattened (R, L) tensors, -1 past the sample's end: unpack()
-    turns the model's packed per-token outputs back into collate()'s per-sample layout.
+    One micro-batch of rows (lists of sample indices, from pack_micro_batches) -> the tensors the model runs on and
+    those the loss reads. A sample of n tokens takes n - 1 positions, position t predicting token t+1. The model runs
+    on packed (R, L) tensors: packed_inputs and packed_targets (-1 where not trained), the samples of each row end to
+    end and padding after them, and doc_ids numbering the samples of a row (the padding is one more document), so
+    that positions restart and attention stays within each sample. The loss reads per-sample rows (B, T), the
+    samples in row order ("order"): loss_mask, 1 exactly on the response tokens the model wrote (tool outputs and
+    prompt excluded), and rollout_logp, the sampler's log-prob there. "unpack" (B, T) gives each per-sample
+    position's index into the flattened (R, L) tensors, -1 past the sample's end: unpack() turns packed per-token
+    values (the model's outputs, the loss mask) into per-sample rows. One sample per row is a plain padded batch.
     """
     order = [i for row in rows for i in row]
-    batch = collate([samples[i] for i in order], pad_id=pad_id)
-    sizes = [len(samples[i].tokens) - 1 for i in order]
     R, L = len(rows), max(sum(len(samples[i].tokens) - 1 for i in row) for row in rows)  # L: the longest row
     inputs = torch.full((R, L), pad_id, dtype=torch.long)
     targets = torch.full((R, L), -1, dtype=torch.long)
+    loss_mask = torch.zeros(R, L)
+    rollout_logp = torch.zeros(R, L)
     doc_ids = torch.zeros((R, L), dtype=torch.long)
-    index = torch.full(batch["inputs"].shape, -1, dtype=torch.long)
-    b = 0
+    spans = []  # each sample's positions in the flattened (R, L) tensors, in row order
     for r, row in enumerate(rows):
         pos = 0
-        for doc in range(len(row)):
-            n = sizes[b]
-            inputs[r, pos : pos + n] = batch["inputs"][b, :n]
-            targets[r, pos : pos + n] = batch["targets"][b, :n]
-            doc_ids[r, pos : pos + n] = doc
-            index[b, :n] = torch.arange(r * L + pos, r * L + pos + n)
-            pos, b = pos + n, b + 1
-        doc_ids[r, pos:] = len(row)
-    batch.update(packed_inputs=inputs, packed_targets=targets, doc_ids=doc_ids, unpack=index, order=order)
-    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+        for doc, s in enumerate([samples[i] for i in row]):
+            n = len(s.tokens) - 1
+            resp = slice(pos + n - s.response_length, pos + n)  # the response is the sample's tail
+            inputs[r, pos : pos + n] = torch.tensor(s.tokens[:-1])
+            targets[r, resp] = torch.tensor(s.tokens[s.prompt_length :])
+            loss_mask[r, resp] = torch.tensor(s.loss_mask, dtype=torch.float32)
+            if s.rollout_log_probs:
+                rollout_logp[r, resp] = torch.tensor(s.rollout_log_probs, dtype=torch.float32)
+            spans.append(torch.arange(r * L + pos, r * L + pos + n))
+            pos += n
+            doc_ids[r, pos:] = doc + 1  # the rest of the row: the next sample, or after the last one the padding
+    index = pad_sequence(spans, batch_first=True, padding_value=-1)
+    batch = dict(packed_inputs=inputs, packed_targets=targets, doc_ids=doc_ids, unpack=index)
+    batch.update(loss_mask=unpack(loss_mask, index), rollout_logp=unpack(rollout_logp, index))
+    return {k: v.to(device) for k, v in batch.items()} | {"order": order}
 
 
 def unpack(packed, index):
     """Packed per-token values (R, L) -> per-sample rows (B, T) by collate_packed's index; 0 past a sample's end."""
     return packed.reshape(-1)[index.clamp(min=0)].masked_fill(index < 0, 0.0)
-
-
-def pad_like(rows, T):
-    """Per-sample 1-D tensors -> (B, T), cut or zero-padded on the right."""
-    return torch.stack([torch.nn.functional.pad(r[:T], (0, T - min(len(r), T))) for r in rows])

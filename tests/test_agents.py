@@ -21,7 +21,7 @@ from nanorl import agents, function_calls  # noqa: E402
 from nanorl.engine import Engine  # noqa: E402
 from nanorl.gpt import GPTConfig, build_model  # noqa: E402
 from nanorl.rl_config import GroupSpec, RolloutConfig, TrainerConfig  # noqa: E402
-from nanorl.rl_trainer import collate  # noqa: E402
+from nanorl.rl_trainer import collate_packed  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -75,9 +75,9 @@ def endpoint(model, tokenizer, max_response_len=64, seed=7):
 def trainer_logprobs_agree(model, sample, tol=1e-5, temperature=1.0):
     """The trainer's log-probs (log_softmax of its forward at the rollout's temperature, 1 in these tests) at the
     trained positions equal the ones the engine recorded."""
-    batch = collate([sample])
+    batch = collate_packed([sample], [[0]])
     with torch.no_grad():
-        logp = model.token_logprobs(batch["inputs"], batch["targets"], temperature=temperature)
+        logp = model.token_logprobs(batch["packed_inputs"], batch["packed_targets"], temperature=temperature)
     mask = batch["loss_mask"] > 0
     assert mask.sum() > 0
     diff = (logp[mask] - batch["rollout_logp"][mask]).abs().max().item()

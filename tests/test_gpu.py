@@ -23,7 +23,7 @@ from nanorl.gpt import GPT, GPTConfig, build_model, config_from_depth
 from nanorl.optim import build_optimizer
 from nanorl.precision import autocast_ctx
 from nanorl.rl_config import GroupSpec, TrainerConfig
-from nanorl.rl_trainer import collate
+from nanorl.rl_trainer import collate_packed
 from nanorl.rollout import Sample
 
 REPO = Path(__file__).resolve().parents[1]
@@ -67,7 +67,7 @@ def _rollout(rank):
 def _advantages(samples, device):
     """The shape of chat_rl's compute_advantages with --normalize-advantages: rollout tensors on `device`, GRPO
     advantages, then whitened over every rank's tokens (an all-reduce). device "cpu" is what chat_rl does today."""
-    batch = collate(samples, device)
+    batch = collate_packed(samples, [[i] for i in range(len(samples))], device)  # one sample per row: padded
     rewards = torch.tensor([s.reward for s in samples], device=device)
     adv = rl.grpo_advantages(rewards, batch["loss_mask"], 2)
     return rl.masked_whiten(adv, batch["loss_mask"], distributed=True)
@@ -85,9 +85,7 @@ def _trainer_advantages(rank, device, est, options):
         cfg, None, None, torch.device(device), data_parallel=rl_trainer.DataParallel(distributed=True)
     )
     samples = _rollout(rank)
-    lp = [
-        torch.zeros(len(s.tokens) - 1, device=device) for s in samples
-    ]  # old/ref log-probs, as the trainer holds them
+    lp = torch.zeros(len(samples), max(len(s.tokens) for s in samples) - 1, device=device)  # old/ref log-probs
     return trainer.compute_advantages(samples, lp, lp, None)
 
 

@@ -25,7 +25,7 @@ from nanorl.rl_config import (
     add_trainer_args,
     trainer_config_from_args,
 )
-from nanorl.rl_trainer import collate, collate_packed, pad_like
+from nanorl.rl_trainer import collate_packed
 from nanorl.rollout import RolloutWorker, Sample, extend_sample
 from nanorl.tokenizer import SPLIT_PATTERN, Tokenizer
 
@@ -83,18 +83,7 @@ class PaddedTrainer(rl_trainer.Trainer):
         order, mb = sorted(range(len(samples)), key=lambda i: len(samples[i].tokens)), []
         for i in order + [None]:
             if mb and (i is None or len(samples[i].tokens) * (len(mb) + 1) > self.cfg.max_tokens_per_gpu):
-                b = collate([samples[j] for j in mb])
-                B, T = b["inputs"].shape
-                index = torch.arange(B * T).view(B, T)
-                index[torch.arange(T) >= torch.tensor([len(samples[j].tokens) - 1 for j in mb])[:, None]] = -1
-                yield {
-                    **b,
-                    "packed_inputs": b["inputs"],
-                    "packed_targets": b["targets"],
-                    "doc_ids": None,
-                    "unpack": index,
-                    "order": mb,
-                }
+                yield {**collate_packed(samples, [[j] for j in mb]), "doc_ids": None}  # one sample per row
                 mb = []
             mb.append(i)
 
@@ -199,9 +188,10 @@ def test_packed_forward_equals_each_sample_alone():
     with torch.no_grad():
         ent = {i: row for b in batches for i, row in zip(b["order"], trainer.forward_logp(model, b)[1])}
         for i, s in enumerate(samples):
-            b, n = collate([s]), len(s.tokens) - 1
-            want_lp, want_ent = model.token_logprobs(b["inputs"], b["targets"].clamp(min=0), return_entropy=True)
-            want_v = trainer.critic(b["inputs"])
+            b, n = collate_packed([s], [[0]]), len(s.tokens) - 1
+            inputs, targets = b["packed_inputs"], b["packed_targets"].clamp(min=0)
+            want_lp, want_ent = model.token_logprobs(inputs, targets, return_entropy=True)
+            want_v = trainer.critic(inputs)
             for got, want in ((lp[i], want_lp), (ent[i], want_ent), (values[i], want_v)):
                 assert torch.allclose(got[:n], want[0], atol=1e-6, rtol=0), (i, (got[:n] - want[0]).abs().max())
                 assert (got[n:] == 0).all()
@@ -218,10 +208,10 @@ def test_gspo_rows_weigh_equally_under_sequence_mean():
     adv, _ = trainer.compute_advantages(samples, None, None, None)
     # on-policy the GSPO loss's gradient is that of -1/8 sum_i A_i mean_t logp_i,t: each row weighs 1/8, whatever its length
     model.zero_grad()
-    batch = collate(samples)
-    logp = model.token_logprobs(batch["inputs"], batch["targets"].clamp(min=0))
+    batch = collate_packed(samples, [[i] for i in range(len(samples))])  # one sample per row: padded
+    logp = model.token_logprobs(batch["packed_inputs"], batch["packed_targets"].clamp(min=0))
     mask = batch["loss_mask"]
-    ref = -(torch.stack(adv)[:, : mask.size(1)] * logp * mask).sum(-1) / mask.sum(-1)
+    ref = -(adv * logp * mask).sum(-1) / mask.sum(-1)
     ref.mean().backward()
     want = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
@@ -231,7 +221,7 @@ def test_gspo_rows_weigh_equally_under_sequence_mean():
         loss, _ = rl.policy_loss(
             lp,
             lp.detach(),
-            pad_like([adv[i] for i in mb], lp.size(1)),
+            adv[mb, : lp.size(1)],
             b["loss_mask"],
             rl.LossConfig(kind="gspo", loss_agg="seq_mean_token_mean"),
         )
