@@ -138,10 +138,8 @@ class ETA:
 def synchronize(device_type):
     """Wait until the device has run the work queued on it: a clock read after it counts that work, and a memory trial
     has run all of it."""
-    if device_type == "cuda":
-        torch.cuda.synchronize()
-    elif device_type == "mps":
-        torch.mps.synchronize()
+    if device_type in ("cuda", "mps"):
+        getattr(torch, device_type).synchronize()
 
 
 class Timer:

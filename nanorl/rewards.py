@@ -348,28 +348,29 @@ def make_reward(rm_type="task", task=None, custom_path=None, examples=None):
 # checking what a reward function gave back
 
 
+def _finite_float(v):
+    """v as a float if it is a finite number, else None."""
+    if isinstance(v, (str, bytes)) or not isinstance(v, numbers.Real) and not hasattr(v, "__float__"):
+        return None  # bools and numpy/torch scalars are fine, strings are not
+    try:
+        f = float(v)
+    except Exception:  # a multi-element tensor, a complex, ...
+        return None
+    return f if math.isfinite(f) else None
+
+
 def check_reward(value):
     """(float or dict of floats, None) for a finite number or a dict of them with a 'total'; else (None, why)."""
-
-    def number(v):
-        if isinstance(v, (str, bytes)) or not isinstance(v, numbers.Real) and not hasattr(v, "__float__"):
-            return None  # bools and numpy/torch scalars are fine, strings are not
-        try:
-            f = float(v)
-        except Exception:  # a multi-element tensor, a complex, ...
-            return None
-        return f if math.isfinite(f) else None
-
     if isinstance(value, dict):
         if "total" not in value:
             return None, f"a dict reward needs a 'total' key, got keys {sorted(map(str, value))}"
         out = {}
         for k, v in value.items():
-            out[k] = number(v)
+            out[k] = _finite_float(v)
             if out[k] is None:
                 return None, f"reward component {k!r} is not a finite number: {v!r:.80}"
         return out, None
-    f = number(value)
+    f = _finite_float(value)
     return (f, None) if f is not None else (None, f"reward is not a finite number: {value!r:.80}")
 
 
@@ -392,11 +393,11 @@ def safe_reward(fn, *args):
 
 def set_rewards(groups, scored, results, on_failure="drop"):
     """
-    Give the samples `scored` (drawn from `groups`) their rewards from `results`, a (value, error) pair each.
-    A failed reward (value None) is never trained on with on_failure="drop": its loss mask is zeroed and it
-    takes the mean reward of its group's good samples, so its advantage is 0 and the others' baseline is not
-    biased. With on_failure="zero" it is an ordinary sample with reward 0.0. Returns the failed samples;
-    each carries its error in metadata["reward_error"].
+    Give the samples `scored` (those of `groups` without a reward) their rewards from `results`, a (value, error)
+    pair each. A failed reward (value None) is never trained on with on_failure="drop": its loss mask is zeroed and
+    it takes the mean reward of its group's good samples, so its advantage is 0 and the others' baseline is not
+    biased. With on_failure="zero" it is an ordinary sample with reward 0.0. Returns the failed samples; each
+    carries its error in metadata["reward_error"].
     """
     if on_failure not in ("drop", "zero"):
         raise ValueError(f"on_failure must be 'drop' or 'zero', got {on_failure!r}")
@@ -410,10 +411,11 @@ def set_rewards(groups, scored, results, on_failure="drop"):
             else:
                 s.loss_mask = [0] * s.response_length
         s.reward = value
-    for group in groups:
-        valid = [s.scalar_reward() for s in group if s.reward is not None]
-        fill = sum(valid) / len(valid) if valid else 0.0
-        for s in group:
-            if s.reward is None:
-                s.reward = fill
+    if failed and on_failure == "drop":  # the dropped ones, the only samples still without a reward
+        for group in groups:
+            valid = [s.scalar_reward() for s in group if s.reward is not None]
+            fill = sum(valid) / len(valid) if valid else 0.0
+            for s in group:
+                if s.reward is None:
+                    s.reward = fill
     return failed

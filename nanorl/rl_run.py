@@ -89,17 +89,19 @@ def deadline(seconds, what="the rollout"):
     """Raise RolloutTimeout in this (main) thread once `seconds` have passed (0 = no limit). SIGALRM interrupts
     Python code that hangs: a reward call, a custom rollout, a tool."""
 
+    if seconds <= 0:  # no limit: no alarm to set
+        yield
+        return
+
     def on_timeout(signum, frame):
         raise RolloutTimeout(f"{what} ran past --rollout-timeout {seconds:g}s")
 
-    if seconds > 0:
-        signal.signal(signal.SIGALRM, on_timeout)
-        signal.setitimer(signal.ITIMER_REAL, seconds)
+    signal.signal(signal.SIGALRM, on_timeout)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
         yield
     finally:
-        if seconds > 0:
-            signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.setitimer(signal.ITIMER_REAL, 0)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -434,20 +436,21 @@ def reduce_pass_at_k(local, pass_ks, device, group=None, distributed=False):
 # -----------------------------------------------------------------------------------------------
 # what the run prints: the step line (its fields defined once, here, with their legend), the idle time, the summary
 
-# name on the step line, how its value is written from the step's metrics, what it means
+# name on the step line; the value it shows: a key of the step's metrics, or a function of them for a field composed
+# of several; that value's format spec; what it means
 STEP_FIELDS = [
-    ("reward", lambda m: f"{m['rollout/reward_mean']:.3f}", "mean reward of the rollout's samples"),
-    ("len", lambda m: f"{m['rollout/response_len_mean']:.1f}", "mean response length in tokens"),
-    ("pg", lambda m: f"{m['train/pg_loss']:+.4f}", "policy-gradient loss"),
-    ("clip", lambda m: f"{m['train/clipfrac']:.3f}", "fraction of tokens (gspo: of sequences) whose probability ratio was clipped"),
-    ("ppo_kl", lambda m: f"{m['train/ppo_kl']:+.2e}", "mean rollout-policy minus current log-prob: how far this step's updates moved the policy"),
-    ("ent", lambda m: f"{m['train/entropy']:.3f}", "mean entropy per token, in nats (falling fast: the policy is collapsing onto few answers)"),
-    ("gnorm", lambda m: f"{m['train/grad_norm']:.3f}", "gradient norm before clipping"),
-    ("lp_diff", lambda m: f"{m['train/train_rollout_logprob_abs_diff']:.1e}", "mean |trainer - sampler log-prob| per token (near 0: the engine samples the model being trained)"),
-    ("pad", lambda m: f"{m['train/padding_frac']:.0%}", "share of padding in the training batches"),
-    ("dropped", lambda m: f"{int(m.get('rollout/groups_dropped', 0))}", "groups removed by the dynamic-sampling filter"),
-    ("dt", lambda m: f"{m['dt']:.1f}s (rollout {m.get('time/rollout', 0):.1f}s, waiting {m['perf/idle_frac']:.0%})", "seconds for the step (rollout: sampling and scoring; waiting: on other ranks)"),
-    ("eta", lambda m: f"{m['eta']}", "time left, evals and saves included"),
+    ("reward", "rollout/reward_mean", ".3f", "mean reward of the rollout's samples"),
+    ("len", "rollout/response_len_mean", ".1f", "mean response length in tokens"),
+    ("pg", "train/pg_loss", "+.4f", "policy-gradient loss"),
+    ("clip", "train/clipfrac", ".3f", "fraction of tokens (gspo: of sequences) whose probability ratio was clipped"),
+    ("ppo_kl", "train/ppo_kl", "+.2e", "mean rollout-policy minus current log-prob: how far this step's updates moved the policy"),
+    ("ent", "train/entropy", ".3f", "mean entropy per token, in nats (falling fast: the policy is collapsing onto few answers)"),
+    ("gnorm", "train/grad_norm", ".3f", "gradient norm before clipping"),
+    ("lp_diff", "train/train_rollout_logprob_abs_diff", ".1e", "mean |trainer - sampler log-prob| per token (near 0: the engine samples the model being trained)"),
+    ("pad", "train/padding_frac", ".0%", "share of padding in the training batches"),
+    ("dropped", lambda m: int(m.get("rollout/groups_dropped", 0)), "", "groups removed by the dynamic-sampling filter"),
+    ("dt", lambda m: f"{m['dt']:.1f}s (rollout {m.get('time/rollout', 0):.1f}s, waiting {m['perf/idle_frac']:.0%})", "", "seconds for the step (rollout: sampling and scoring; waiting: on other ranks)"),
+    ("eta", "eta", "", "time left, evals and saves included"),
 ]  # fmt: skip
 TOOL_FIELDS = ("tool_calls", "tool_errors", "max_turns_hit")  # --multi-turn's tail: tools, err, max_turns
 
@@ -456,7 +459,8 @@ def step_line(done, num_rollouts, m):
     """`step 00001/60 | reward 0.250 | len 31.5 | ...`, the line of rollout done+1: the fields of STEP_FIELDS from m
     (the step's metrics, its seconds `dt` and `eta`), then with --multi-turn the tool use per response, with --agent
     the episodes lost (raised, timed out, no number) out of the rollout's `episodes`, and the calls per episode."""
-    line = f"step {done + 1:05d}/{num_rollouts} | " + " | ".join(f"{name} {fmt(m)}" for name, fmt, _ in STEP_FIELDS)
+    fields = [(name, key(m) if callable(key) else m[key], spec) for name, key, spec, _ in STEP_FIELDS]
+    line = f"step {done + 1:05d}/{num_rollouts} | " + " | ".join(f"{name} {v:{spec}}" for name, v, spec in fields)
     if f"rollout/{TOOL_FIELDS[0]}_mean" in m:
         calls, errors, max_turns = (m[f"rollout/{k}_mean"] for k in TOOL_FIELDS)
         line += f" | tools {calls:.2f} err {errors:.2f} max_turns {max_turns:.2f}"
@@ -468,7 +472,7 @@ def step_line(done, num_rollouts, m):
 
 def step_legend():
     """One line explaining the step line, printed at the start of a run and shown in --help."""
-    return "step line: " + "; ".join(f"{name} = {what}" for name, _, what in STEP_FIELDS)
+    return "step line: " + "; ".join(f"{name} = {what}" for name, *_, what in STEP_FIELDS)
 
 
 def idle_line(idle_frac, device_type, world_size):

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from nanorl.common import epoch_order
-from nanorl.engine import Request
+from nanorl.engine import Completion, Request
 from nanorl.multiturn import make_tool, multi_turn_generate
 from nanorl.remote_rewards import remote_rewards
 from nanorl.rewards import safe_reward, set_rewards
@@ -55,9 +55,26 @@ class Sample:
         return asdict(self)
 
 
+def new_sample(p, seed, index, weight_version, c):
+    """Response `index` to the prompt item p (nanorl/prompts.py's), sampled from `seed`: the engine Completion c."""
+    return Sample(
+        prompt=p.get("conversation", p.get("text")),
+        tokens=list(p["prompt_ids"]) + c.tokens,
+        response_length=len(c.tokens),
+        label=p["label"],
+        loss_mask=list(c.mask),
+        rollout_log_probs=list(c.logprobs),
+        status=c.status,
+        weight_version=weight_version,
+        index=index,
+        metadata={**p["metadata"], "seed": seed},
+    )
+
+
 def extend_sample(s, completion, python_start=None, output_end=None):
-    """Append an engine Completion to a Sample. An aborted one keeps only what can be continued exactly: if it
-    stopped inside a tool call (the call's forced output not all fed in), the call is cut and the model redoes it."""
+    """Append an engine Completion to a Sample (a partial rollout's continuation). An aborted one keeps only what can
+    be continued exactly: if it stopped inside a tool call (the call's forced output not all fed in), the call is cut
+    and the model redoes it."""
     s.tokens += completion.tokens
     s.response_length += len(completion.tokens)
     s.loss_mask += completion.mask
@@ -193,19 +210,17 @@ class RolloutFill:
 
     def __init__(self, target, buffer, group_filter, max_rounds=8):
         self.target, self.buffer, self.group_filter, self.max_rounds = target, buffer, group_filter, max_rounds
-        self.stats = dict.fromkeys(self.COUNTS, 0)
         self.kept, self.dropped = list(buffer.pop(target)), []
-        self.stats["groups_from_buffer"] = len(self.kept)
+        self.stats = {**dict.fromkeys(self.COUNTS, 0), "groups_from_buffer": len(self.kept)}
 
     def full(self):
         return len(self.kept) >= self.target
 
     def next_round(self):
         """Whether another round of prompts is sampled (the batch is short and rounds are left); counts it."""
-        if self.full() or self.stats["rounds"] >= self.max_rounds:
-            return False
-        self.stats["rounds"] += 1
-        return True
+        more = not self.full() and self.stats["rounds"] < self.max_rounds
+        self.stats["rounds"] += more
+        return more
 
     def add(self, g):
         """One generated group, kept or dropped by the filter."""
@@ -221,14 +236,13 @@ class RolloutFill:
 
     def finish(self):
         """-> (the rollout's groups, stats); the batch topped up if short, the surplus back in the buffer."""
-        kept, stats = self.kept, self.stats
-        if len(kept) < self.target:
-            fill = self.dropped[: self.target - len(kept)]
-            stats["groups_unfiltered_fill"] = len(fill)
-            stats["groups_dropped"] -= len(fill)
-            kept.extend(fill)
-        self.buffer.add(kept[self.target :])
-        return kept[: self.target], stats
+        if not self.full():
+            fill = self.dropped[: self.target - len(self.kept)]
+            self.stats["groups_unfiltered_fill"] = len(fill)
+            self.stats["groups_dropped"] -= len(fill)
+            self.kept.extend(fill)
+        self.buffer.add(self.kept[self.target :])
+        return self.kept[: self.target], self.stats
 
 
 # -----------------------------------------------------------------------------------------------
@@ -258,33 +272,17 @@ class RolloutWorker:
         self.python_start = tokenizer.encode_special("<|python_start|>")
         self.output_end = tokenizer.encode_special("<|output_end|>")
 
-    def request(self, prompt_ids, seed, group, num_samples=None, max_tokens=None, **kw):
-        """The engine Request for samples of one prompt: by default the whole group of `group` (a GroupSpec)."""
+    def request(self, prompt_ids, seed, group):
+        """The engine Request for the whole group of one prompt, as `group` (a GroupSpec) says."""
         return Request(
             prompt_ids=prompt_ids,
-            num_samples=group.n_samples_per_prompt if num_samples is None else num_samples,
-            max_tokens=group.max_response_len if max_tokens is None else max_tokens,
+            num_samples=group.n_samples_per_prompt,
+            max_tokens=group.max_response_len,
             temperature=group.temperature,
             top_k=self.cfg.top_k,
             top_p=self.cfg.top_p,
             seed=seed,
-            **kw,
         )
-
-    def new_group(self, p, seed, num_samples, weight_version):
-        """Empty samples of one prompt, to be extended by the engine's completions."""
-        return [
-            Sample(
-                prompt=p.get("conversation", p.get("text")),
-                tokens=list(p["prompt_ids"]),
-                label=p["label"],
-                status=ABORTED,
-                weight_version=weight_version,
-                index=si,
-                metadata={**p["metadata"], "seed": seed},
-            )
-            for si in range(num_samples)
-        ]
 
     def sample_groups(self, prompts, seeds, weight_version, group=None):
         """The default rollout: one engine call over all prompts, each fanned out to a group of samples -> groups.
@@ -302,14 +300,14 @@ class RolloutWorker:
             results = multi_turn_generate(self.engine, reqs, self.cfg.max_turns, self.tool)
         else:
             results = self.engine.submit_and_wait(reqs)
-        groups = []
-        for p, seed, comps in zip(prompts, seeds, results):
-            empty = self.new_group(p, seed, group.n_samples_per_prompt, weight_version)
-            samples = [extend_sample(s, c) for s, c in zip(empty, comps)]
-            if self.cfg.multi_turn:  # each response's tool calls, errors and whether it hit --max-turns
+        groups = [
+            [new_sample(p, seed, si, weight_version, c) for si, c in enumerate(comps)]
+            for p, seed, comps in zip(prompts, seeds, results)
+        ]
+        if self.cfg.multi_turn:  # each response's tool calls, errors and whether it hit --max-turns
+            for samples, comps in zip(groups, results):
                 for s, c in zip(samples, comps):
                     s.metadata.update(c.turn_stats())
-            groups.append(samples)
         return groups
 
     def sample_partial(self, fill, prompts, seeds, weight_version, buffer):
@@ -327,10 +325,8 @@ class RolloutWorker:
             handles = {}
             for s in samples:
                 if s.status == ABORTED:  # continue it: same random stream, from the token it stopped at
-                    req = self.request(
-                        list(s.tokens),
-                        s.metadata["seed"],
-                        group,
+                    req = replace(
+                        self.request(list(s.tokens), s.metadata["seed"], group),
                         num_samples=1,
                         max_tokens=group.max_response_len - s.response_length,
                         first_sample=s.index,
@@ -341,7 +337,9 @@ class RolloutWorker:
             jobs.append((samples, handles))
         for p, seed in zip(prompts, seeds):
             h = engine.submit(self.request(p["prompt_ids"], seed, group))
-            jobs.append((self.new_group(p, seed, n, weight_version), {si: (h, si) for si in range(n)}))
+            empty = Completion([], [], [], ABORTED, len(p["prompt_ids"]))  # nothing sampled yet: extend_sample adds it
+            samples = [new_sample(p, seed, si, weight_version, empty) for si in range(n)]
+            jobs.append((samples, {si: (h, si) for si in range(n)}))
         try:
             while jobs and not fill.full():
                 engine.step()
@@ -375,10 +373,10 @@ class RolloutWorker:
     def score(self, groups, count_failures=True):
         """Reward every unscored sample of groups (custom generate functions may score their own). A reward that
         fails is counted (training rollouts only) and its sample dropped from training or scored 0 (--rm-failure)."""
-        r = self.rewards
         todo = [s for g in groups for s in g if s.reward is None]
         texts = [self.response_text(s) for s in todo]
         if self.graders is None:  # --rm-type remote: all the samples in one batched call
+            r = self.rewards
             payloads = [
                 {"prompt": s.prompt, "response": t, "label": s.label, "metadata": s.metadata}
                 for s, t in zip(todo, texts)
@@ -391,12 +389,12 @@ class RolloutWorker:
                 self.inflight["scoring"] = {"metadata": s.metadata, "response": t[:200]}
                 results.append(safe_reward(self.graders[s.metadata["split"]], t, s.label, s.metadata))
         self.inflight.pop("scoring", None)
-        failed = set_rewards(groups, todo, results, r.rm_failure)
+        failed = set_rewards(groups, todo, results, self.rewards.rm_failure)
         if count_failures:
             self.reward_failures += len(failed)
         if failed:
             print(
-                f"warning: {len(failed)}/{len(todo)} rewards failed ({r.rm_failure}), "
+                f"warning: {len(failed)}/{len(todo)} rewards failed ({self.rewards.rm_failure}), "
                 f"e.g. {failed[0].metadata['reward_error']}",
                 flush=True,
             )
@@ -405,29 +403,28 @@ class RolloutWorker:
     def metrics(self, fstats, samples, rollout_s, buffer):
         """The rollout's metrics: the filter's counts (RolloutFill's stats), rewards, lengths, speed; parked groups
         with --partial-rollout, tool use with --multi-turn."""
-        m = {f"rollout/{k}": v for k, v in fstats.items()}
-        rewards = [s.scalar_reward() for s in samples]
-        m.update(
-            {
-                "rollout/reward_mean": sum(rewards) / len(rewards),
-                "rollout/reward_std": float(torch.tensor(rewards).std()) if len(rewards) > 1 else 0.0,
-                "rollout/response_len_mean": sum(s.response_length for s in samples) / len(samples),
-                "rollout/truncated_frac": sum(s.status == TRUNCATED for s in samples) / len(samples),
-                "rollout/reward_failures": self.reward_failures,
-                "time/rollout": rollout_s,
-                "perf/rollout_tok_per_s": sum(s.response_length for s in samples) / max(rollout_s, 1e-9),
-            }
-        )
+        n, rewards = len(samples), [s.scalar_reward() for s in samples]
+        tokens = sum(s.response_length for s in samples)
+        m = {
+            **{f"rollout/{k}": v for k, v in fstats.items()},
+            "rollout/reward_mean": sum(rewards) / n,
+            "rollout/reward_std": float(torch.tensor(rewards).std()) if n > 1 else 0.0,
+            "rollout/response_len_mean": tokens / n,
+            "rollout/truncated_frac": sum(s.status == TRUNCATED for s in samples) / n,
+            "rollout/reward_failures": self.reward_failures,
+            "time/rollout": rollout_s,
+            "perf/rollout_tok_per_s": tokens / max(rollout_s, 1e-9),
+        }
         components = [k for k in next((s.reward for s in samples if isinstance(s.reward, dict)), {}) if k != "total"]
         for k in components:
             total = sum(s.reward.get(k, 0.0) for s in samples if isinstance(s.reward, dict))
-            m[f"rollout/reward_{k}"] = total / len(samples)
+            m[f"rollout/reward_{k}"] = total / n
         if self.cfg.partial_rollout:
             m["rollout/partial_parked_groups"] = len(buffer.partial)
             m["rollout/partial_resumed_samples"] = sum(s.metadata.get("resumed", 0) > 0 for s in samples)
         if self.cfg.multi_turn:  # per response: tool calls, calls that errored, and whether it ran into --max-turns
             for k in ("tool_calls", "tool_errors", "max_turns_hit"):
-                m[f"rollout/{k}_mean"] = sum(s.metadata.get(k, 0) for s in samples) / len(samples)
+                m[f"rollout/{k}_mean"] = sum(s.metadata.get(k, 0) for s in samples) / n
         if hasattr(self.custom_generate, "metrics"):  # a generate function's own counts (--agent's lost episodes)
             m.update(self.custom_generate.metrics(samples))
         return m

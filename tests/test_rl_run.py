@@ -242,7 +242,7 @@ def test_the_step_line_is_its_table_of_fields():
     assert step_line(9, 60, {**METRICS, **tools}).endswith("| eta 1.2m | tools 1.25 err 0.50 max_turns 0.00")
     legend = step_legend()
     assert legend.startswith("step line: reward = mean reward") and "\n" not in legend
-    for name, _, _ in STEP_FIELDS:
+    for name, *_ in STEP_FIELDS:
         assert legend.count(f"{name} = ") == 1
 
 
