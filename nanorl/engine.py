@@ -595,7 +595,7 @@ class Engine:
             with self.autocast, sdpa_kernel(self.attention):
                 return self.model.hidden_states(idx, kv_cache=self.cache)
         finally:
-            self.cache.rows = None
+            self.cache.rows = slice(None)
 
     def _shared_prompts(self, size):
         """(P, n) when rows 0..size-1 come in groups of n > 1 rows, each group one prefill's samples, every prompt
@@ -692,7 +692,7 @@ class Engine:
         for s in [s for s in self.slots if s is not None] + pending:
             self._finish(s, "error")
         self.n_busy, self.holes = 0, []
-        self.cache.rows = None
+        self.cache.rows = slice(None)
         try:
             self.cache.pos.zero_()
         except RuntimeError:  # the device itself may be what failed
