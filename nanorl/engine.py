@@ -54,7 +54,7 @@ from nanorl.decode import (
     uniform_from_counter,
 )
 from nanorl.precision import low_precision_dtype
-from nanorl.toolcalls import ToolMarkup, run_tool
+from nanorl.toolcalls import ToolMarkup, calculator, run_tool
 
 # --- what a caller submits and gets back ---------------------------------------------------------
 
@@ -290,7 +290,8 @@ class Engine:
         else:
             dtype = dtype or low_precision_dtype(self.device)
             self.model, self.flat_weights = inference_copy(model, dtype)
-        self.tool, self.tool_timeout, self.prefill_tokens = tool, tool_timeout, prefill_tokens
+        self.tool = calculator if tool is None else tool
+        self.tool_timeout, self.prefill_tokens = tool_timeout, prefill_tokens
         # every forward runs in this precision, on these attention kernels (decode.attention_backends says why they are pinned)
         self.autocast = engine_autocast(self.device, self.model.lm_head.weight.dtype)
         self.attention = attention_backends(self.device)
