@@ -128,18 +128,13 @@ class KVCache:
         self.static = False  # True: the caller fixed attend_len (static shapes for CUDA graphs)
         # which cache rows the forward's batch rows are: a slice of leading rows (views, no copies: the engine
         # decodes its busy rows 0..n-1 this way) or a LongTensor of rows (gathered: the engine prefills a few new
-        # prompts straight into free rows of the big decode cache). None = all rows, in order.
-        self.rows = None
+        # prompts straight into free rows of the big decode cache). slice(None) = all rows, in order.
+        self.rows = slice(None)
         self.write_pos = self.write_rows = None  # (B, T) positions and cache rows the current forward writes (begin())
-
-    def _rows(self):
-        return slice(None) if self.rows is None else self.rows
 
     def begin(self, T):
         """Positions (B, T) of the next T tokens of each row, and the (B, 1, T, attend_len) attention mask."""
-        rows = self._rows()
-        start = self.pos[rows]
-        B = start.size(0)
+        start = self.pos[self.rows]
         if not self.static:
             # eager path: read only the used part of the cache (one host sync). A caller that wants
             # static shapes (CUDA graphs) sets static and attend_len itself and skips this check.
@@ -149,9 +144,8 @@ class KVCache:
             self.attend_len = top
         pos = start[:, None] + torch.arange(T, device=start.device)[None, :]
         self.write_pos = pos
-        # the cache row each (b, t) writes to, the same for every layer (leading rows: the batch's own index)
-        b = torch.arange(B, device=pos.device) if isinstance(rows, slice) else rows
-        self.write_rows = b[:, None].expand(B, T)
+        # the cache row each (b, t) writes to, the same for every layer
+        self.write_rows = torch.arange(self.pos.size(0), device=pos.device)[self.rows, None].expand_as(pos)
         key_pos = torch.arange(self.attend_len, device=pos.device)
         return pos, (key_pos[None, None, :] <= pos[:, :, None])[:, None]
 
@@ -162,8 +156,8 @@ class KVCache:
         kc, vc = self.k[layer], self.v[layer]
         kc[self.write_rows, :, self.write_pos] = k.transpose(1, 2).to(kc.dtype)
         vc[self.write_rows, :, self.write_pos] = v.transpose(1, 2).to(vc.dtype)
-        rows = self._rows()  # leading rows read views of the cache, other rows a gathered copy
-        return attend_cached(q, kc[rows, :, : self.attend_len], vc[rows, :, : self.attend_len], mask)
+        # leading rows read views of the cache, other rows a gathered copy
+        return attend_cached(q, kc[self.rows, :, : self.attend_len], vc[self.rows, :, : self.attend_len], mask)
 
     def lockstep(self, B):
         """The one position rows 0..B-1 all stand at (LockstepDecode's case), or None (one host sync)."""
@@ -171,7 +165,7 @@ class KVCache:
         return lo if lo == hi else None
 
     def end(self, T):
-        self.pos[self._rows()] += T
+        self.pos[self.rows] += T
         self.write_pos = self.write_rows = None
 
     def reset(self, rows=None):
@@ -220,14 +214,12 @@ def attend_cached(q, k, v, mask):
     G times, and decode is bound by exactly those bytes). q is cast to the cache dtype, never the reverse.
     """
     B, H, T, D = q.shape
-    Hkv = k.size(1)
-    G = H // Hkv
-    dtype = q.dtype
-    q = q.to(k.dtype).reshape(B, Hkv, G * T, D)  # query head h = kv_head * G + g, as enable_gqa groups them
+    G = H // k.size(1)
     if G > 1 and T > 1:  # (one token: the (B, 1, 1, L) mask broadcasts over the G folded rows as it is)
         mask = mask.repeat(1, 1, G, 1)  # row g * T + t of the folded query uses token t's mask
-    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    return y.reshape(B, H, T, D).to(dtype)
+    # query head h = kv_head * G + g, as enable_gqa groups them
+    y = F.scaled_dot_product_attention(q.to(k.dtype).reshape(B, k.size(1), G * T, D), k, v, attn_mask=mask)
+    return y.reshape(B, H, T, D).to(q.dtype)
 
 
 def new_kv_cache(model, batch_size, max_len, device):
@@ -350,9 +342,7 @@ class LockstepDecode:
             if shared and self.fp32:  # the rows' first `shared` keys are one prompt's: read once (see there)
                 y = attend_shared_prefix(q, kc, vc, shared, pos + 1, group)
             else:  # a KV head's G query heads side by side, as attend_cached folds them
-                y = F.scaled_dot_product_attention(
-                    q.view(B, Hkv, H // Hkv, D), kc[:, :, : pos + 1], vc[:, :, : pos + 1]
-                )
+                y = F.scaled_dot_product_attention(q.view(B, Hkv, -1, D), kc[:, :, : pos + 1], vc[:, :, : pos + 1])
             x = x + F.linear(y.view(B, H * D), wo)
             h = F.rms_norm(x, C, w2, e2)
             u = F.linear(h, fc)  # MLP.forward
@@ -530,11 +520,10 @@ def sample_with_logprobs(
 
 
 def _sample(logits, x, temperature, top_k, top_p, uniform, filtered, greedy):
-    V = logits.size(-1)
-    order = None
     if filtered:
         # only the rows that filter are sorted: a row's token must not depend on whether a filtering request
         # shares its batch (inverse-CDF sampling in sorted order picks another token for the same uniform)
+        V = x.size(-1)
         rank = torch.arange(V, device=logits.device).expand_as(x)
         sorts = ((top_k < V) | (top_p < 1))[:, None]
         x_sorted, order_sorted = x.sort(dim=-1, descending=True)
@@ -557,7 +546,7 @@ def _sample(logits, x, temperature, top_k, top_p, uniform, filtered, greedy):
         landed = probs.gather(1, idx) > 0
         if not bool(landed.all()):
             idx = torch.where(landed, idx, probs.argmax(-1, keepdim=True))
-    if order is not None:
+    if filtered:
         idx = order.gather(1, idx)
     if not greedy:
         return idx[:, 0]

@@ -35,7 +35,7 @@ import math
 import queue
 import threading
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -54,7 +54,7 @@ from nanorl.decode import (
     uniform_from_counter,
 )
 from nanorl.precision import low_precision_dtype
-from nanorl.toolcalls import ToolMarkup, run_tool
+from nanorl.toolcalls import ToolMarkup, calculator, run_tool
 
 # --- what a caller submits and gets back ---------------------------------------------------------
 
@@ -90,13 +90,18 @@ class Handle:
     """A submitted request. Each Completion is filled in when its sample ends; iterate the handle
     (submit(..., stream=True)) for per-token events, or call result() to wait for all of them."""
 
-    def __init__(self, engine, request, stops, stream):
-        self.engine, self.request, self.stops = engine, request, stops
+    def __init__(self, engine, request, stream):
+        self.engine, self.request = engine, request
+        self.stops = engine.default_stops if request.stop_tokens is None else frozenset(request.stop_tokens)
         self.completions = [
             Completion([], [], [], "running", len(request.prompt_ids)) for _ in range(request.num_samples)
         ]
+        # a sample's random stream is its row seed: the request's seed (or one drawn) hashed with its index
+        seed = int(torch.randint(0, 2**62, ()).item()) if request.seed is None else request.seed
+        self.samples = [
+            InflightSample(self, j, row_seed(seed, request.first_sample + j), c) for j, c in enumerate(self.completions)
+        ]
         self.events = queue.SimpleQueue() if stream else None
-        self.filtered = request.top_k is not None or (request.top_p is not None and request.top_p < 1)
         self.cancelled = False
         self.error = None  # why the request ended "error", when it did
         self.finished = threading.Event()
@@ -111,7 +116,7 @@ class Handle:
 
     def result(self):
         """Wait until every sample has ended (stepping the engine unless a serve_forever thread does) -> list[Completion]."""
-        while not self.done:
+        while not self.finished.is_set():
             if self.engine.serving:
                 self.finished.wait(0.1)
             else:
@@ -176,34 +181,42 @@ def check_request(r, max_len, vocab_size):
 # --- the host's records of the samples in flight -----------------------------------------------
 
 
+@dataclass(eq=False)  # compared and hashed as itself: the engine keeps samples in sets
 class InflightSample:
     """One sample of a request, waiting for a slot or occupying one."""
 
-    def __init__(self, handle, index, seed):
-        self.handle, self.index, self.row_seed = handle, index, seed
-        self.out = handle.completions[index]
-        self.slot = None
-        self.forced = collections.deque()  # tool output tokens waiting to be fed in
+    handle: Handle
+    index: int  # in its request
+    row_seed: int
+    out: Completion  # the handle's, filled in when the sample ends
+    slot: int = None
+    forced: collections.deque = field(default_factory=collections.deque)  # tool output tokens waiting to be fed in
 
 
 class SlotRecords:
-    """Per slot: the sample's generated tokens with their log-probs and masks, its token budget, and the tokens
-    that need the host when sampled ("watched": its stop tokens, and <|python_end|> when it uses tools). A decode
-    step appends to every row and finds the rows that need the host with a handful of array ops (append); rows
-    move with their samples (move) and are read back into a Completion when the sample ends (lists)."""
+    """Per slot: the sample's generated tokens with their log-probs and masks, its token budget, its sampler settings,
+    and the tokens that need the host when sampled ("watched": its stop tokens, and <|python_end|> when it uses tools).
+    A decode step appends to every row and finds the rows that need the host with a handful of array ops (append);
+    rows move with their samples (move) and are read back into a Completion when the sample ends (lists)."""
 
-    def __init__(self, batch_size, max_len):
-        B, self.max_len = batch_size, max_len
+    def __init__(self, batch_size, max_len, vocab_size):
+        B, self.max_len, self.vocab_size = batch_size, max_len, vocab_size
         self.n_gen, self.prompt_len, self.limit = (np.zeros(B, dtype=np.int64) for _ in range(3))
         # which prefill wrote the slot's prompt KV (Engine._prefill numbers them): slots with one number hold the
         # same prompt KV, bit for bit (prefix sharing), which lets a decode step read it once (LockstepDecode)
         self.prefill = np.zeros(B, dtype=np.int64)
-        # the sample's random stream: its row seed and how many tokens it has drawn (nanorl/decode.py)
-        self.seed, self.counter = np.zeros(B, dtype=np.int64), np.zeros(B, dtype=np.int64)
+        # the sample's random stream (nanorl/decode.py): its row seed, and the request's start_counter, to which its
+        # n_gen tokens add (forced ones too: a continuation's start_counter is its response length)
+        self.seed, self.start = np.zeros(B, dtype=np.int64), np.zeros(B, dtype=np.int64)
         self.watch = np.full((B, 3), -1, dtype=np.int64)  # padded with -1; widened for a request with more stops
-        self.streamed, self.filtered, self.greedy, self.unit = (np.zeros(B, dtype=bool) for _ in range(4))
+        self.streamed = np.zeros(B, dtype=bool)
+        # the sampler's settings in the dtypes it takes them (top_k = vocab size and top_p = 1 are off), and what lets
+        # a step skip work: a row filters (else no sort), is greedy (else no argmax), T is 0 or 1 (unit: no division)
+        self.temperature, self.top_p = np.ones(B, dtype=np.float32), np.ones(B, dtype=np.float32)
+        self.top_k = np.full(B, vocab_size, dtype=np.int64)
+        self.filtered, self.greedy, self.unit = (np.zeros(B, dtype=bool) for _ in range(3))
         self.out = np.zeros((B, max_len, 2), dtype=np.float64)  # (token, log-prob): one write per step
-        self.mask = np.ones((B, max_len), dtype=np.int8)  # 0 where a token was forced in
+        self.mask = np.zeros((B, max_len), dtype=np.int8)  # 1 sampled, 0 forced in
 
     def fill(self, sample, python_end):
         """The sample starts in its slot."""
@@ -215,33 +228,30 @@ class SlotRecords:
             wider[:, : self.watch.shape[1]] = self.watch
             self.watch = wider
         self.n_gen[slot], self.prompt_len[slot] = 0, len(r.prompt_ids)
-        self.seed[slot], self.counter[slot] = sample.row_seed, r.start_counter
+        self.seed[slot], self.start[slot] = sample.row_seed, r.start_counter
         self.limit[slot] = min(r.max_tokens, self.max_len - len(r.prompt_ids))  # its budget, and the context
-        self.watch[slot] = -1
-        self.watch[slot, : len(watch)] = watch
-        self.mask[slot] = 1
-        self.streamed[slot], self.filtered[slot] = handle.events is not None, handle.filtered
-        self.greedy[slot], self.unit[slot] = r.temperature == 0, r.temperature in (0, 1)  # unit: no division
+        self.watch[slot] = watch + [-1] * (self.watch.shape[1] - len(watch))
+        self.streamed[slot] = handle.events is not None
+        self.temperature[slot], self.top_p[slot] = r.temperature, r.top_p or 1.0
+        self.top_k[slot] = min(r.top_k or self.vocab_size, self.vocab_size)
+        self.filtered[slot] = r.top_k is not None or (r.top_p is not None and r.top_p < 1)
+        self.greedy[slot], self.unit[slot] = r.temperature == 0, r.temperature in (0, 1)
 
     def move(self, src, dst):
         for a in vars(self).values():  # every per-slot array above
             if isinstance(a, np.ndarray):
                 a[dst] = a[src]
 
-    def append(self, slots, tokens, logprobs, forced=None):
-        """Append one token to each of slots (an index array): tokens and logprobs (m,) numpy, forced = (m,) forced
-        tokens or -1 (None: none forced). -> bool (m,): the slots that need the host (a watched token sampled, the
+    def append(self, slots, out, forced):
+        """Append one token to each of slots (an index array): out (m, 2) numpy, a (token, log-prob) row per slot,
+        forced (m,) the forced tokens or -1. -> bool (m,): the slots that need the host (a watched token sampled, the
         budget or context used up, or streamed). Forced tokens are never watched."""
         k = self.n_gen[slots]
-        self.out[slots, k, 0] = tokens
-        self.out[slots, k, 1] = logprobs
+        self.out[slots, k] = out
+        sampled = forced < 0
+        self.mask[slots, k] = sampled
         self.n_gen[slots] += 1
-        self.counter[slots] += 1  # every token, forced ones too (a continuation's start_counter is its response length)
-        hit = (self.watch[slots] == tokens[:, None]).any(1)
-        if forced is not None:
-            sampled = forced < 0
-            self.mask[slots, k] = sampled
-            hit &= sampled
+        hit = (self.watch[slots] == out[:, :1]).any(1) & sampled
         return hit | (k + 1 >= self.limit[slots]) | self.streamed[slots]
 
     def lists(self, slot):
@@ -290,7 +300,8 @@ class Engine:
         else:
             dtype = dtype or low_precision_dtype(self.device)
             self.model, self.flat_weights = inference_copy(model, dtype)
-        self.tool, self.tool_timeout, self.prefill_tokens = tool, tool_timeout, prefill_tokens
+        self.tool = calculator if tool is None else tool
+        self.tool_timeout, self.prefill_tokens = tool_timeout, prefill_tokens
         # every forward runs in this precision, on these attention kernels (decode.attention_backends says why they are pinned)
         self.autocast = engine_autocast(self.device, self.model.lm_head.weight.dtype)
         self.attention = attention_backends(self.device)
@@ -300,15 +311,10 @@ class Engine:
         self.cache = new_kv_cache(self.model, batch_size, self.max_len, self.device)
         self.lockstep = None if share_weights else LockstepDecode(self.model, self.cache)
         B, dev = batch_size, self.device
-        # per-slot state on the device, written when a slot is filled (static tensors for the CUDA graphs)
-        self.input_ids = torch.zeros(B, dtype=torch.long, device=dev)  # each slot's next input token
-        self.temperature = torch.ones(B, device=dev)
-        self.top_k = torch.full((B,), self.vocab_size, dtype=torch.long, device=dev)
-        self.top_p = torch.ones(B, device=dev)
-        self.slot_state = [self.input_ids, self.temperature, self.top_k, self.top_p]
-        # per-slot state on the host, read each step with array ops (never a Python loop over the rows), the
-        # random streams' seeds and counters among it
-        self.records = SlotRecords(B, self.max_len)
+        # each slot's next input token: the one per-slot state on the device (a static tensor for the CUDA graphs)
+        self.input_ids = torch.zeros(B, dtype=torch.long, device=dev)
+        # the rest of it on the host, read each step with array ops (never a Python loop over the rows)
+        self.records = SlotRecords(B, self.max_len, self.vocab_size)
         self.slots = [None] * B  # busy slots are 0..n_busy-1 between steps (see _compact)
         self.n_busy, self.holes = 0, []  # holes: slots freed since the last _compact
         self.prefills = 0  # prefills so far: numbers each one's rows (records.prefill)
@@ -340,15 +346,9 @@ class Engine:
         request stay next to each other in the queue (so they share one prefill). Thread-safe."""
         for r in requests:
             check_request(r, self.max_len, self.vocab_size)
-        handles, samples = [], []
-        for r in requests:
-            stops = self.default_stops if r.stop_tokens is None else frozenset(r.stop_tokens)
-            h = Handle(self, r, stops, stream)
-            seed = int(torch.randint(0, 2**62, ()).item()) if r.seed is None else r.seed
-            samples += [InflightSample(h, j, row_seed(seed, r.first_sample + j)) for j in range(r.num_samples)]
-            handles.append(h)
+        handles = [Handle(self, r, stream) for r in requests]
         with self.lock:
-            self.pending.extend(samples)
+            self.pending.extend(s for h in handles for s in h.samples)
             self.live.update(handles)
             self.lock.notify_all()
         return handles
@@ -472,19 +472,18 @@ class Engine:
                 n = self.n_busy
                 if n:
                     size = next(b for b in self.sizes if b >= n)
-                    if n < size:  # the idle rows of the batch decode garbage at position 0, never past the cache
-                        self.cache.pos[n:size] = 0
+                    # the idle rows of the batch decode garbage at position 0, never past the cache
+                    self.cache.pos[n:size] = 0
                     rec = self.records
                     logits = self._decode_logits(size, int((rec.prompt_len[:n] + rec.n_gen[:n]).max()))
-                    forced = None
-                    if self.forcing:  # tool output waiting: those rows take their next forced token, not a sampled one
-                        forced = np.full(n, -1, dtype=np.int64)
-                        for s in list(self.forcing):
-                            forced[s.slot] = s.forced.popleft()
-                            if not s.forced:
-                                self.forcing.discard(s)
+                    # rows with tool output waiting take their next forced token, not a sampled one
+                    forced = np.full(n, -1, dtype=np.int64)
+                    for s in list(self.forcing):
+                        forced[s.slot] = s.forced.popleft()
+                        if not s.forced:
+                            self.forcing.discard(s)
                     # only the busy rows are sampled (the idle ones decoded garbage)
-                    self.input_ids[:n] = self._sample_and_record(logits[:n], slice(0, n), np.arange(n), forced)
+                    self.input_ids[:n] = self._sample_and_record(logits[:n], np.arange(n), forced)
                     self._compact()
                 return bool(self.n_busy) or bool(self.pending)
             except BaseException as e:  # the shared decode step failed: nothing in flight can go on
@@ -517,18 +516,16 @@ class Engine:
                 self._prefill_or_fail([g])
 
     def _prefill(self, groups):
-        prompts = [list(g[0].handle.request.prompt_ids) for g in groups]
-        lens = [len(p) for p in prompts]
-        T, dev = max(lens), self.device
-        idx = torch.tensor([p + [0] * (T - len(p)) for p in prompts], device=dev)
+        dev = self.device
+        prompts = [torch.tensor(g[0].handle.request.prompt_ids) for g in groups]
         first = torch.tensor([g[0].slot for g in groups], device=dev)
         self.cache.pos[first] = 0
-        h = self._forward(idx, first)
+        h = self._forward(torch.nn.utils.rnn.pad_sequence(prompts, batch_first=True).to(dev), first)
         # a short prompt's padding left garbage past its end: the mask never shows it and decode overwrites it
-        lens_t = torch.tensor(lens, device=dev)
-        self.cache.pos[first] = lens_t
+        lens = torch.tensor([len(p) for p in prompts], device=dev)
+        self.cache.pos[first] = lens
         with self.autocast:
-            logits = self.model.logits_from_hidden(h[torch.arange(len(groups), device=dev), lens_t - 1])
+            logits = self.model.logits_from_hidden(h[torch.arange(len(groups), device=dev), lens - 1])
         samples = [s for g in groups for s in g]
         slots = np.array([s.slot for s in samples])
         rows = torch.from_numpy(slots).to(dev)
@@ -539,13 +536,9 @@ class Engine:
         # each prefill's number: rows with one number hold the same prompt KV (what _shared_prompts looks for)
         self.records.prefill[slots] = self.prefills + 1 + which
         self.prefills += len(groups)
-        reqs = [s.handle.request for s in samples]
-        self.temperature[rows] = torch.tensor([float(r.temperature) for r in reqs], device=dev)
-        self.top_k[rows] = torch.tensor([min(r.top_k or self.vocab_size, self.vocab_size) for r in reqs], device=dev)
-        self.top_p[rows] = torch.tensor([float(r.top_p or 1.0) for r in reqs], device=dev)
         for s in samples:
             self.records.fill(s, self.markup.python_end)
-        self.input_ids[rows] = self._sample_and_record(logits[which_t], rows, slots)
+        self.input_ids[rows] = self._sample_and_record(logits[which_t], slots, np.full(len(slots), -1))
 
     def _compact(self):
         """Keep the busy slots a prefix 0..n_busy-1: the last busy samples move into the holes ended ones left
@@ -553,17 +546,15 @@ class Engine:
         Work in the number of holes, not the batch."""
         n, top = self.n_busy, self.n_busy + len(self.holes)  # slots top.. were free before these holes opened
         holes = sorted(i for i in self.holes if i < n)
-        movers = [self.slots[i] for i in range(n, top) if self.slots[i] is not None]
+        movers = [s for s in self.slots[n:top] if s is not None]
         self.holes = []
         if not holes:
             return
-        src = np.array([s.slot for s in movers])
-        dst = np.array(holes)
-        src_t, dst_t = torch.from_numpy(src).to(self.device), torch.from_numpy(dst).to(self.device)
+        src = [s.slot for s in movers]
+        src_t, dst_t = torch.tensor(src, device=self.device), torch.tensor(holes, device=self.device)
         self.cache.copy_rows(src_t, dst_t)
-        for t in self.slot_state:
-            t[dst_t] = t[src_t]
-        self.records.move(src, dst)
+        self.input_ids[dst_t] = self.input_ids[src_t]
+        self.records.move(src, holes)
         for s, i in zip(movers, holes):
             self.slots[s.slot], self.slots[i], s.slot = None, s, i
 
@@ -595,7 +586,7 @@ class Engine:
             with self.autocast, sdpa_kernel(self.attention):
                 return self.model.hidden_states(idx, kv_cache=self.cache)
         finally:
-            self.cache.rows = None
+            self.cache.rows = slice(None)
 
     def _shared_prompts(self, size):
         """(P, n) when rows 0..size-1 come in groups of n > 1 rows, each group one prefill's samples, every prompt
@@ -613,24 +604,23 @@ class Engine:
     def _bucket(self, need):
         return next(L for L in self.buckets if L >= need)
 
-    def _sample_and_record(self, logits, rows, slots, forced=None):
-        """Pick the next token of the samples in `slots` (numpy; logits row i is slots[i], rows the same slots as a
-        device index): sampled, or the forced tool token where forced[i] >= 0; record it with its log-prob -> the
-        tokens (on the device)."""
-        f = None if forced is None else torch.from_numpy(forced).to(self.device)
+    def _sample_and_record(self, logits, slots, forced):
+        """Pick the next token of the samples in `slots` (numpy; logits row i is slots[i]): sampled, or the forced tool
+        token where forced[i] >= 0; record it with its log-prob -> the tokens (on the device)."""
+        f = torch.from_numpy(forced).to(self.device)
         rec = self.records
         filtered, greedy = bool(rec.filtered[slots].any()), bool(rec.greedy[slots].any())
         unit = bool(rec.unit[slots].all())
         # every row greedy (an eval, a chat at T = 0): no uniforms, the argmax alone. The uniforms are made on the host
         u = None
         if not rec.greedy[slots].all():
-            u = torch.from_numpy(uniform_from_counter(rec.seed[slots], rec.counter[slots])).to(self.device)
-        tok, logp = sample_with_logprobs(
-            logits, self.temperature[rows], self.top_k[rows], self.top_p[rows], u, filtered, greedy, f, unit
-        )
-        tokens, logps = torch.stack([tok.double(), logp.double()]).cpu().numpy()  # the step's one device -> host sync
-        for i in np.flatnonzero(rec.append(slots, tokens, logps, forced)):
-            self._record(self.slots[slots[i]], int(tokens[i]), float(logps[i]), forced is None or forced[i] < 0)
+            counter = rec.start[slots] + rec.n_gen[slots]  # how many tokens each sample has drawn
+            u = torch.from_numpy(uniform_from_counter(rec.seed[slots], counter)).to(self.device)
+        settings = [torch.from_numpy(a[slots]).to(self.device) for a in (rec.temperature, rec.top_k, rec.top_p)]
+        tok, logp = sample_with_logprobs(logits, *settings, u, filtered, greedy, f, unit)
+        out = torch.stack([tok.double(), logp.double()], 1).cpu().numpy()  # the step's one device -> host sync
+        for i in np.flatnonzero(rec.append(slots, out, forced)):
+            self._record(self.slots[slots[i]], int(out[i, 0]), float(out[i, 1]), forced[i] < 0)
         return tok
 
     def _record(self, s, token, logprob, sampled):
@@ -651,8 +641,7 @@ class Engine:
             self._fail(h, e)
 
     def _call_tool(self, s):
-        rec = self.records
-        source = self.markup.open_call(rec.out[s.slot, : rec.n_gen[s.slot], 0].astype(np.int64).tolist())
+        source = self.markup.open_call(self.records.lists(s.slot)[0])
         if source is not None:
             s.forced.extend(self.markup.output_tokens(run_tool(source, self.tool, self.tool_timeout)))
             self.forcing.add(s)
@@ -663,11 +652,10 @@ class Engine:
         s.out.status = status
         self.forcing.discard(s)
         if s.slot is not None:
-            i = s.slot
-            s.out.tokens, s.out.logprobs, s.out.mask = self.records.lists(i)
-            self.slots[i], s.slot = None, None
+            s.out.tokens, s.out.logprobs, s.out.mask = self.records.lists(s.slot)
+            self.holes.append(s.slot)
+            self.slots[s.slot], s.slot = None, None
             self.n_busy -= 1
-            self.holes.append(i)
         h = s.handle
         if h.events is not None:
             h.events.put({"sample": s.index, "status": status, "completion": s.out})
@@ -692,7 +680,7 @@ class Engine:
         for s in [s for s in self.slots if s is not None] + pending:
             self._finish(s, "error")
         self.n_busy, self.holes = 0, []
-        self.cache.rows = None
+        self.cache.rows = slice(None)
         try:
             self.cache.pos.zero_()
         except RuntimeError:  # the device itself may be what failed

@@ -140,11 +140,10 @@ def calculator(expr: str) -> str:
 # --- running a call, reading the markup -----------------------------------------------------------
 
 
-def run_tool(source, tool=None, timeout=1.0, max_chars=200):
-    """Run tool(source) -> str in a daemon thread (the calculator by default). A failure or a timeout comes back as
-    an error string, never an exception: the model sees it as the tool's output. A thread cannot be killed, so a
-    runaway tool keeps its thread until it returns; the caller only stops waiting (the calculator is bounded)."""
-    tool = calculator if tool is None else tool
+def run_tool(source, tool=calculator, timeout=1.0, max_chars=200):
+    """Run tool(source) -> str in a daemon thread. A failure or a timeout comes back as an error string, never an
+    exception: the model sees it as the tool's output. A thread cannot be killed, so a runaway tool keeps its thread
+    until it returns; the caller only stops waiting (the calculator is bounded)."""
     result = [f"Error: timed out after {timeout}s"]
 
     def target():

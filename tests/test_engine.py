@@ -110,7 +110,7 @@ def check_invariants(engine):
     )
     last = engine.records.out[np.arange(n), engine.records.n_gen[:n] - 1, 0].astype(np.int64)
     assert engine.input_ids[:n].tolist() == last.tolist(), "a row's next input is wrong"
-    assert engine.cache.rows is None
+    assert engine.cache.rows == slice(None)
 
 
 def run_checked(engine, requests):

@@ -313,7 +313,7 @@ def test_lockstep_decode_equals_the_cached_forward_bit_for_bit(arch, dtype):
         for c in caches:
             c.rows = slice(0, 1)
             copy(prompt, kv_cache=c)
-            c.rows = None
+            c.rows = slice(None)
             c.copy_rows(torch.zeros(3, dtype=torch.long), torch.arange(1, 4))  # prefix sharing, as the engine does
         lockstep, shared = LockstepDecode(copy, caches[0]), LockstepDecode(copy, caches[2])
         for pos in range(9, 14):
@@ -321,7 +321,7 @@ def test_lockstep_decode_equals_the_cached_forward_bit_for_bit(arch, dtype):
             got = lockstep(idx, pos)
             caches[1].rows = slice(0, 3)
             want = copy(idx[:, None], kv_cache=caches[1])[:, 0]
-            caches[1].rows = None
+            caches[1].rows = slice(None)
             assert got.shape == (3, 97) and got.dtype == torch.float32
             assert torch.equal(got, want)
             # the prompt read once (fp32 only; a bf16 cache takes SDPA, bit for bit): its attention sums the prompt's
