@@ -20,6 +20,7 @@ The nanorl GPT: one small, modern decoder-only transformer.
 import copy
 import math
 from dataclasses import asdict, dataclass
+from functools import partial
 
 import torch
 import torch.nn as nn
@@ -114,7 +115,7 @@ def rope_inv_freq(head_dim, theta, scaling=None):
 
 
 def apply_rotary(x, cos, sin):
-    # x: (B, H, T, D); cos/sin: (B or 1, 1, T, D), the tables [cos, cos] and [-sin, sin] (GPT.init_rotary).
+    # x: (B, T, H, D); cos/sin: (B or 1, T, 1, D), the tables [cos, cos] and [-sin, sin] (GPT.init_rotary).
     # Rotates the pairs made of the two halves of the head dim: [x1 cos - x2 sin, x2 cos + x1 sin] is
     # x * cos + [x2, x1] * sin, bit for bit, in four ops instead of six (decode runs it once or twice per layer);
     # [x2, x1] is x rolled by half its width
@@ -123,21 +124,16 @@ def apply_rotary(x, cos, sin):
 
 def positions_from_doc_ids(doc_ids):
     """Position of each token inside its own document: a packed row restarts at 0 at each new document."""
-    B, T = doc_ids.shape
-    idx = torch.arange(T, device=doc_ids.device).expand(B, T)
-    is_start = torch.ones_like(doc_ids, dtype=torch.bool)
-    is_start[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
-    start_idx = torch.where(is_start, idx, torch.zeros_like(idx))
-    start_idx = torch.cummax(start_idx, dim=1).values
-    return idx - start_idx
+    idx = torch.arange(doc_ids.size(1), device=doc_ids.device).expand_as(doc_ids)
+    is_start = F.pad(doc_ids[:, 1:] != doc_ids[:, :-1], (1, 0), value=True)
+    # each token's document start: the last start at or before it
+    return idx - torch.where(is_start, idx, 0).cummax(dim=1).values
 
 
 def doc_mask(doc_ids):
     """(B, 1, T, T) boolean mask: causal and within the same document (the CPU path)."""
-    T = doc_ids.size(1)
-    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
     same = doc_ids[:, :, None] == doc_ids[:, None, :]
-    return (same & causal)[:, None]
+    return same.tril()[:, None]
 
 
 def use_flex(device):
@@ -199,6 +195,7 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.n_head, self.n_kv_head = config.n_head, config.n_kv_head
+        self.gqa = config.n_kv_head != config.n_head
         self.head_dim = config.head_dim or config.n_embd // config.n_head
         self.c_q = nn.Linear(config.n_embd, self.n_head * self.head_dim, bias=config.attn_bias)
         self.c_k = nn.Linear(config.n_embd, self.n_kv_head * self.head_dim, bias=config.attn_bias)
@@ -211,8 +208,8 @@ class CausalSelfAttention(nn.Module):
         self.qkv = None  # the [W_q; W_k; W_v] view fuse_qkv() makes, in the engine's copy of the weights only
 
     def fuse_qkv(self):
-        """Decode reads q, k and v with one matmul, and rotates and norms q and k together: a dozen fewer small ops
-        a layer, which is what a one-token step at batch 1 pays for. Only where c_q, c_k and c_v have no bias and
+        """Decode reads q, k and v with one matmul, whose q and k come out side by side as heads() rotates and norms
+        them (no concatenation): fewer small ops a layer, which is what a one-token step at batch 1 pays for. Only where c_q, c_k and c_v have no bias and
         their weights lie one after another in memory (the engine's flat copy on GPU) or side by side as column
         ranges of one (in, out) block (its copy on CPU), so the fused weight is a view of them (no copy; a
         load_weights() refresh reaches it) and each output is the same dot product as before."""
@@ -238,41 +235,33 @@ class CausalSelfAttention(nn.Module):
         as the projections lay them out: forward() moves them to SDPA's (B, H, T, D); the engine's LockstepDecode
         (nanorl/decode.py) has no time axis."""
         H, Hkv, D = self.n_head, self.n_kv_head, self.head_dim
-        if self.qkv is not None:  # fuse_qkv(): the same numbers as the path below, in fewer ops
-            qkv = F.linear(x, self.qkv).unflatten(-1, (H + 2 * Hkv, D))
-            qk, v = apply_rotary(qkv.narrow(-2, 0, H + Hkv), cos, sin), qkv.narrow(-2, H + Hkv, Hkv)
-            if self.qk_norm:
-                qk = norm(qk)
-            return qk.narrow(-2, 0, H), qk.narrow(-2, H, Hkv), v
-        q, k, v = (
-            self.c_q(x).unflatten(-1, (H, D)),
-            self.c_k(x).unflatten(-1, (Hkv, D)),
-            self.c_v(x).unflatten(-1, (Hkv, D)),
-        )
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.qkv is not None:  # fuse_qkv(): one matmul, the same numbers as three
+            qk, v = F.linear(x, self.qkv).unflatten(-1, (H + 2 * Hkv, D)).split((H + Hkv, Hkv), dim=-2)
+        else:
+            q, k = self.c_q(x).unflatten(-1, (H, D)), self.c_k(x).unflatten(-1, (Hkv, D))
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            qk, v = torch.cat([q, k], dim=-2), self.c_v(x).unflatten(-1, (Hkv, D))
+        # q and k side by side: rotated and normed together, each op once (elementwise or per head: the same numbers)
+        qk = apply_rotary(qk, cos, sin)
         if self.qk_norm and self.q_norm is None:
-            q, k = norm(q), norm(k)  # QK-norm keeps attention logits bounded without a temperature to tune
-        return q, k, v
+            qk = norm(qk)  # QK-norm keeps attention logits bounded without a temperature to tune
+        return qk.narrow(-2, 0, H), qk.narrow(-2, H, Hkv), v
 
     def forward(self, x, cos, sin, attn_mask=None, kv_cache=None):
-        B, T, C = x.shape
         q, k, v = (t.transpose(1, 2) for t in self.heads(x, cos, sin))
-        gqa = self.n_kv_head != self.n_head
         if kv_cache is not None:
             y = kv_cache.attend(self.layer_idx, q, k, v, attn_mask)
         else:
             # one dtype for the kernels (v's: the Linear's output dtype, bf16 under autocast); a no-op in fp32
             q, k = q.to(v.dtype), k.to(v.dtype)
             if isinstance(attn_mask, BlockMask):
-                y = flex_attend(q, k, v, attn_mask, gqa)
+                y = flex_attend(q, k, v, attn_mask, self.gqa)
             elif attn_mask is not None:
-                y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=gqa)
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=self.gqa)
             else:
-                y = causal_attend(q, k, v, gqa)
-        y = y.transpose(1, 2).contiguous().view(B, T, self.n_head * self.head_dim)
-        return self.c_proj(y)
+                y = causal_attend(q, k, v, self.gqa)
+        return self.c_proj(y.transpose(1, 2).flatten(2))  # (B, T, H * D)
 
 
 class MLP(nn.Module):
@@ -300,8 +289,7 @@ class Block(nn.Module):
 
     def forward(self, x, cos, sin, attn_mask=None, kv_cache=None):
         x = x + self.attn(self.norm_attn(x), cos, sin, attn_mask, kv_cache)
-        x = x + self.mlp(self.norm_mlp(x))
-        return x
+        return x + self.mlp(self.norm_mlp(x))
 
 
 def embedding_dtype(config, device_type):
@@ -397,16 +385,11 @@ class GPT(nn.Module):
         l, h, q, t = self.config.n_layer, self.config.n_head, self.head_dim, self.config.sequence_len
         return 6 * nparams + 12 * l * h * q * t
 
-    def _rotary(self, pos):
-        # pos: (B, T) long positions -> cos/sin of shape (B, T, 1, D), for heads laid out (B, T, H, D)
-        return self.cos[pos][:, :, None], self.sin[pos][:, :, None]
-
     def hidden_states(self, idx, doc_ids=None, kv_cache=None):
         """The final normed hidden states (B, T, C) for token ids idx (B, T)."""
-        B, T = idx.shape
+        T = idx.size(1)
         if T > self.config.sequence_len:
             raise ValueError(f"sequence of {T} tokens is longer than the model's context of {self.config.sequence_len}")
-        attn_mask = None
         if kv_cache is not None:
             pos, attn_mask = kv_cache.begin(T)
         elif doc_ids is not None:
@@ -414,7 +397,9 @@ class GPT(nn.Module):
             attn_mask = doc_block_mask(doc_ids) if use_flex(idx.device) else doc_mask(doc_ids)
         else:
             pos = torch.arange(T, device=idx.device)[None, :]
-        cos, sin = self._rotary(pos)
+            attn_mask = None  # plain causal
+        # (B, T) positions -> cos/sin of shape (B, T, 1, D), for heads laid out (B, T, H, D)
+        cos, sin = self.cos[pos][:, :, None], self.sin[pos][:, :, None]
         x = self.transformer.wte(idx)
         if not self.config.norm_weight:
             x = norm(x)  # nanorl norms the embedding; the imported architectures do not
@@ -453,9 +438,7 @@ class GPT(nn.Module):
         fp32 logits are made one chunk of positions at a time and recomputed in backward (checkpoint), so
         RL never holds B x T x V fp32 logits at once. Targets of -1 give log-prob 0.
         """
-        h = self.hidden_states(idx, doc_ids=doc_ids)
-        B, T, C = h.shape
-        h, tgt = h.reshape(B * T, C), targets.reshape(B * T)
+        h, tgt = self.hidden_states(idx, doc_ids=doc_ids).flatten(0, 1), targets.flatten()
 
         def chunk_fn(h_c, t_c):
             logits = self.logits_from_hidden(h_c) / temperature
@@ -464,20 +447,16 @@ class GPT(nn.Module):
             ent = -(logp_all.exp() * logp_all).sum(-1)
             return lp, ent
 
-        lps, ents = [], []
-        for s in range(0, B * T, chunk_size):
-            h_c, t_c = h[s : s + chunk_size], tgt[s : s + chunk_size]
-            if torch.is_grad_enabled() and h_c.requires_grad:
-                lp, ent = checkpoint(chunk_fn, h_c, t_c, use_reentrant=False, context_fn=self.checkpoint_context_fn)
-            else:
-                lp, ent = chunk_fn(h_c, t_c)
-            lps.append(lp)
-            ents.append(ent)
+        run = chunk_fn
+        if torch.is_grad_enabled() and h.requires_grad:  # a backward will come: it recomputes each chunk's logits
+            run = partial(checkpoint, chunk_fn, use_reentrant=False, context_fn=self.checkpoint_context_fn)
+        chunks = [run(h[s : s + chunk_size], tgt[s : s + chunk_size]) for s in range(0, tgt.numel(), chunk_size)]
+        lps, ents = zip(*chunks)
         # new tensors, not views of the concatenation: FSDP2 hooks backward onto what a forward method returns and
         # warns that an in-place op on a returned view would bypass that hook
-        logp = torch.cat(lps).reshape(B, T).clone()
+        logp = torch.cat(lps).view_as(targets).clone()
         if return_entropy:
-            return logp, torch.cat(ents).reshape(B, T).clone()
+            return logp, torch.cat(ents).view_as(targets).clone()
         return logp
 
 

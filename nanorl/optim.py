@@ -128,57 +128,64 @@ class MuonAdamW(torch.optim.Optimizer):
     def _muon(self, group, pg):
         lr, mom, wd = group["lr"], group["momentum"], group["weight_decay"]
         world, rank = (dist.get_world_size(pg), dist.get_rank(pg)) if _distributed() else (1, 0)
+        params = [p for p in group["params"] if p.grad is not None]
+        if world == 1:  # one process orthogonalises every matrix itself: nothing to split or gather
+            for p in params:
+                update = orthogonalize(self._look_ahead(p, mom), group["ns_steps"], self.ns_dtype, self.ns_matmuls)
+                self._apply_muon(p, update, lr, wd)
+            return
+
+        def apply_gathered(chunk, updates, work):  # every rank's share of a chunk, once its all_gather is done
+            work.wait()
+            for p, update in zip(chunk, updates):
+                self._apply_muon(p, update, lr, wd)
+
         by_shape = {}
-        for p in group["params"]:
-            if p.grad is not None:
-                by_shape.setdefault(tuple(p.shape), []).append(p)
+        for p in params:
+            by_shape.setdefault(tuple(p.shape), []).append(p)
         pending = None  # the previous chunk, applied once its all_gather is done: this chunk's math overlaps it
         for same in by_shape.values():
             for i in range(0, len(same), world):
                 chunk = same[i : i + world]
-                # every rank keeps the (cheap, elementwise) momentum of every matrix it holds, full or shard
-                looks = []
-                for p in chunk:
-                    state = self.state[p]
-                    if "momentum_buffer" not in state:
-                        state["momentum_buffer"] = torch.zeros_like(p.grad)
-                    buf = state["momentum_buffer"]
-                    buf.lerp_(p.grad, 1 - mom)  # buf = mom * buf + (1 - mom) * g
-                    g = p.grad.lerp(buf, mom)  # Nesterov: look ahead along the momentum
-                    if self.sharded:  # FSDP2: gather the full matrix
-                        if g.device.type == "cpu" and p.device_mesh.device_type != "cpu":
-                            g = g.to(p.device_mesh.device_type)  # CPU offload: gather and orthogonalise on the GPU
-                        g = g.full_tensor()
-                    looks.append(g)
+                looks = [self._look_ahead(p, mom) for p in chunk]
                 # rank r orthogonalises the chunk's r-th matrix; ranks past the chunk's end send a dummy
                 if rank < len(chunk):
                     mine = orthogonalize(looks[rank], group["ns_steps"], self.ns_dtype, self.ns_matmuls)
                 else:
                     mine = torch.zeros_like(looks[0])
-                if world == 1:
-                    updates, work = [mine], None
-                else:
-                    updates = [torch.empty_like(mine) for _ in range(world)]
-                    work = dist.all_gather(updates, mine, group=pg, async_op=True)
+                updates = [torch.empty_like(mine) for _ in range(world)]
+                work = dist.all_gather(updates, mine, group=pg, async_op=True)
                 if pending:
-                    self._apply_muon(*pending, lr, wd)
+                    apply_gathered(*pending)
                 pending = (chunk, updates, work)
         if pending:
-            self._apply_muon(*pending, lr, wd)
+            apply_gathered(*pending)
 
-    def _apply_muon(self, chunk, updates, work, lr, wd):
-        if work is not None:
-            work.wait()
-        for p, update in zip(chunk, updates):
-            if self.sharded:  # keep this rank's shard of the full update (no communication)
-                update = torch.distributed.tensor.distribute_tensor(
-                    update, p.device_mesh, p.placements, src_data_rank=None
-                ).to(p.device)
-            # orthogonal updates have unit singular values; scale so tall matrices get comparable per-element steps
-            scale = max(1.0, p.size(-2) / p.size(-1)) ** 0.5
-            if wd:
-                p.mul_(1 - lr * wd)
-            p.add_(update, alpha=-lr * scale)
+    def _look_ahead(self, p, mom):
+        """Muon's momentum step for p, and the Nesterov look-ahead it orthogonalises: the full matrix under FSDP2.
+        Every rank keeps the (cheap, elementwise) momentum of every matrix it holds, full or shard."""
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p.grad)
+        buf = state["momentum_buffer"]
+        buf.lerp_(p.grad, 1 - mom)  # buf = mom * buf + (1 - mom) * g
+        g = p.grad.lerp(buf, mom)  # Nesterov: look ahead along the momentum
+        if self.sharded:  # FSDP2: gather the full matrix
+            if g.device.type == "cpu" and p.device_mesh.device_type != "cpu":
+                g = g.to(p.device_mesh.device_type)  # CPU offload: gather and orthogonalise on the GPU
+            g = g.full_tensor()
+        return g
+
+    def _apply_muon(self, p, update, lr, wd):
+        if self.sharded:  # keep this rank's shard of the full update (no communication)
+            update = torch.distributed.tensor.distribute_tensor(
+                update, p.device_mesh, p.placements, src_data_rank=None
+            ).to(p.device)
+        # orthogonal updates have unit singular values; scale so tall matrices get comparable per-element steps
+        scale = max(1.0, p.size(-2) / p.size(-1)) ** 0.5
+        if wd:
+            p.mul_(1 - lr * wd)
+        p.add_(update, alpha=-lr * scale)
 
     def _adamw(self, group):
         lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
@@ -188,8 +195,7 @@ class MuonAdamW(torch.optim.Optimizer):
             state = self.state[p]
             if "step" not in state:
                 state["step"] = 0
-                state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
-                state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+                state.update((key, torch.zeros_like(p, dtype=torch.float32)) for key in self.FP32_STATE)
             state["step"] += 1
             t = state["step"]
             g = p.grad.float()

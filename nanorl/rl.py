@@ -27,14 +27,12 @@ MAX_LOG_RATIO = 20.0
 
 def masked_sum(x, mask, dim=None):
     """sum of x over positions where mask is 1 (masked entries may hold nan/inf, they are ignored)."""
-    x = torch.where(mask.bool(), x, torch.zeros_like(x))
-    return x.sum() if dim is None else x.sum(dim)
+    return torch.where(mask.bool(), x, torch.zeros_like(x)).sum(dim)  # dim None: over everything
 
 
 def masked_mean(x, mask, dim=None):
     """sum(x * mask) / sum(mask). An empty mask gives 0 (the count is clamped at 1), never nan."""
-    count = mask.to(x.dtype)
-    count = count.sum() if dim is None else count.sum(dim)
+    count = mask.to(x.dtype).sum(dim)
     return masked_sum(x, mask, dim) / count.clamp(min=1)
 
 
@@ -346,6 +344,9 @@ def cispo_loss(logp, old_logp, advantages, mask, eps_clip=0.2, eps_clip_high=Non
     return -w * A * logp, metrics
 
 
+POLICY_LOSSES = {"ppo_clip": ppo_clip_loss, "gspo": gspo_loss, "cispo": cispo_loss}
+
+
 @dataclass(frozen=True)
 class LossConfig:
     """The policy loss's settings, fixed for a run: the per-token loss (kind: ppo_clip | gspo | cispo) and its clip
@@ -362,6 +363,10 @@ class LossConfig:
     kl_type: str = "low_var_kl"
     kl_coef: float = 0.0
 
+    def __post_init__(self):
+        if self.kind not in POLICY_LOSSES:
+            raise ValueError(f"unknown policy loss {self.kind!r}, expected one of {', '.join(POLICY_LOSSES)}")
+
 
 def policy_loss(logp, old_logp, advantages, mask, cfg=LossConfig(), tis_weights=None, entropy=None, ref_logp=None):
     """
@@ -370,10 +375,8 @@ def policy_loss(logp, old_logp, advantages, mask, cfg=LossConfig(), tis_weights=
       -> aggregate_loss(cfg.loss_agg)  - entropy_coef * aggregated entropy  + kl_coef * aggregated KL(pi || ref)
     Returns (loss, metrics) with metrics pg_loss, entropy_loss / kl_loss when used, and the policy loss's own.
     """
-    fn = {"ppo_clip": ppo_clip_loss, "gspo": gspo_loss, "cispo": cispo_loss}.get(cfg.kind)
-    if fn is None:
-        raise ValueError(f"unknown policy loss {cfg.kind!r}, expected ppo_clip, gspo or cispo")
-    pg, metrics = fn(logp, old_logp, advantages, mask, cfg.eps_clip, cfg.eps_clip_high, cfg.eps_clip_c)
+    loss_fn = POLICY_LOSSES[cfg.kind]
+    pg, metrics = loss_fn(logp, old_logp, advantages, mask, cfg.eps_clip, cfg.eps_clip_high, cfg.eps_clip_c)
     if tis_weights is not None:
         pg = pg * tis_weights.detach()
     loss = aggregate_loss(pg, mask, cfg.loss_agg, cfg.max_len)

@@ -298,6 +298,11 @@ def test_policy_loss_dual_clip_and_tis():
     close(lp.grad, [[-0.25, -2.0]])
 
 
+def test_loss_config_refuses_an_unknown_policy_loss():
+    with pytest.raises(ValueError, match="unknown policy loss 'ppo'.*ppo_clip, gspo, cispo"):
+        rl.LossConfig(kind="ppo")
+
+
 def test_policy_loss_aggregations_differ():
     lp = torch.zeros(2, 3)
     A = t([[1.0, 1.0, 1.0], [4.0, 0.0, 0.0]])
