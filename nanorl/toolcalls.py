@@ -73,7 +73,7 @@ def _check_size(v):
 
 
 def _eval(node):
-    if isinstance(node, ast.Constant) and (_is_num(node.value) or isinstance(node.value, str)):
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float, str):  # no bool, complex or bytes
         return _check_size(node.value)
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
         v = _eval(node.operand)
@@ -125,8 +125,9 @@ def calculator(expr: str) -> str:
         expr = str(expr).strip()
         if len(expr) > _MAX_EXPR_CHARS:
             return f"Error: expression longer than {_MAX_EXPR_CHARS} characters"
-        with warnings.catch_warnings():  # "3or 4" parses with a SyntaxWarning (printed mid-run): a malformed number
-            warnings.simplefilter("error", SyntaxWarning)  # is invalid syntax here, and nothing is printed
+        # "3or 4" parses with a SyntaxWarning (printed mid-run): a malformed number is invalid syntax here, and
+        # nothing is printed
+        with warnings.catch_warnings(action="error", category=SyntaxWarning):
             tree = ast.parse(expr, mode="eval")
         return _format(_eval(tree.body))
     except ZeroDivisionError:
