@@ -70,7 +70,7 @@ def nanorl_runner(depth, n_prompts, n_samples, prompt_len, new_tokens, engine_on
     engine = Engine(model.eval(), tok, batch_size=n_prompts * n_samples)
     if engine_only:  # the decode forward replaced by fixed logits: what is left is the engine's own work per step
         fixed = torch.randn(engine.batch_size, VOCAB)
-        engine._decode_logits = lambda size, need: fixed[:size]
+        engine._decode_logits = lambda size: fixed[:size]
     return engine_run(engine, prompts_for(n_prompts, prompt_len), n_samples)
 
 

@@ -35,7 +35,7 @@ import math
 import queue
 import threading
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -190,14 +190,14 @@ class InflightSample:
     row_seed: int
     out: Completion  # the handle's, filled in when the sample ends
     slot: int = None
-    forced: collections.deque = field(default_factory=collections.deque)  # tool output tokens waiting to be fed in
 
 
 class SlotRecords:
-    """Per slot: the sample's generated tokens with their log-probs and masks, its token budget, its sampler settings,
-    and the tokens that need the host when sampled ("watched": its stop tokens, and <|python_end|> when it uses tools).
-    A decode step appends to every row and finds the rows that need the host with a handful of array ops (append);
-    rows move with their samples (move) and are read back into a Completion when the sample ends (lists)."""
+    """Per slot: the sample's generated tokens with their log-probs, its token budget, its sampler settings, the tool
+    output forced in (force; where it is, the mask is 0), and the tokens that need the host when sampled ("watched":
+    its stop tokens, and <|python_end|> when it uses tools). A decode step appends to every row and finds the rows that
+    need the host with a handful of array ops (append); rows move with their samples (move) and are read back into a
+    Completion when the sample ends (lists)."""
 
     def __init__(self, batch_size, max_len, vocab_size):
         B, self.max_len, self.vocab_size = batch_size, max_len, vocab_size
@@ -210,13 +210,12 @@ class SlotRecords:
         self.seed, self.start = np.zeros(B, dtype=np.int64), np.zeros(B, dtype=np.int64)
         self.watch = np.full((B, 3), -1, dtype=np.int64)  # padded with -1; widened for a request with more stops
         self.streamed = np.zeros(B, dtype=bool)
-        # the sampler's settings in the dtypes it takes them (top_k = vocab size and top_p = 1 are off), and what lets
-        # a step skip work: a row filters (else no sort), is greedy (else no argmax), T is 0 or 1 (unit: no division)
-        self.temperature, self.top_p = np.ones(B, dtype=np.float32), np.ones(B, dtype=np.float32)
-        self.top_k = np.full(B, vocab_size, dtype=np.int64)
-        self.filtered, self.greedy, self.unit = (np.zeros(B, dtype=bool) for _ in range(3))
+        # the sampler's settings (temperature, top_k, top_p; top_k = vocab size and top_p = 1 are off) in float64,
+        # which holds each exactly: a step sends them to the device in one copy with its forced tokens and uniforms
+        self.sampler = np.ones((B, 3))
+        # the token forced in at each generated position (tool output), -1 where the model samples: the mask
+        self.forced = np.full((B, max_len), -1, dtype=np.int64)
         self.out = np.zeros((B, max_len, 2), dtype=np.float64)  # (token, log-prob): one write per step
-        self.mask = np.zeros((B, max_len), dtype=np.int8)  # 1 sampled, 0 forced in
 
     def fill(self, sample, python_end):
         """The sample starts in its slot."""
@@ -232,10 +231,13 @@ class SlotRecords:
         self.limit[slot] = min(r.max_tokens, self.max_len - len(r.prompt_ids))  # its budget, and the context
         self.watch[slot] = watch + [-1] * (self.watch.shape[1] - len(watch))
         self.streamed[slot] = handle.events is not None
-        self.temperature[slot], self.top_p[slot] = r.temperature, r.top_p or 1.0
-        self.top_k[slot] = min(r.top_k or self.vocab_size, self.vocab_size)
-        self.filtered[slot] = r.top_k is not None or (r.top_p is not None and r.top_p < 1)
-        self.greedy[slot], self.unit[slot] = r.temperature == 0, r.temperature in (0, 1)
+        self.sampler[slot] = r.temperature, min(r.top_k or self.vocab_size, self.vocab_size), r.top_p or 1.0
+        self.forced[slot] = -1
+
+    def force(self, slot, tokens):
+        """Feed tokens in from the slot's next token on, one a step (those past the context never are)."""
+        k = self.n_gen[slot]
+        self.forced[slot, k:][: len(tokens)] = tokens[: self.max_len - k]
 
     def move(self, src, dst):
         for a in vars(self).values():  # every per-slot array above
@@ -249,7 +251,6 @@ class SlotRecords:
         k = self.n_gen[slots]
         self.out[slots, k] = out
         sampled = forced < 0
-        self.mask[slots, k] = sampled
         self.n_gen[slots] += 1
         hit = (self.watch[slots] == out[:, :1]).any(1) & sampled
         return hit | (k + 1 >= self.limit[slots]) | self.streamed[slots]
@@ -258,7 +259,7 @@ class SlotRecords:
         """(tokens, logprobs, mask) of slot's sample as Python lists, as a Completion holds them."""
         k = self.n_gen[slot]
         out = self.out[slot, :k]
-        return out[:, 0].astype(np.int64).tolist(), out[:, 1].tolist(), self.mask[slot, :k].tolist()
+        return out[:, 0].astype(np.int64).tolist(), out[:, 1].tolist(), (self.forced[slot, :k] < 0).astype(int).tolist()
 
 
 # --- the engine ---------------------------------------------------------------------------------
@@ -300,6 +301,7 @@ class Engine:
         else:
             dtype = dtype or low_precision_dtype(self.device)
             self.model, self.flat_weights = inference_copy(model, dtype)
+        self.params = dict(self.model.named_parameters())  # by name: what load_weights copies into
         self.tool = calculator if tool is None else tool
         self.tool_timeout, self.prefill_tokens = tool_timeout, prefill_tokens
         # every forward runs in this precision, on these attention kernels (decode.attention_backends says why they are pinned)
@@ -318,7 +320,6 @@ class Engine:
         self.slots = [None] * B  # busy slots are 0..n_busy-1 between steps (see _compact)
         self.n_busy, self.holes = 0, []  # holes: slots freed since the last _compact
         self.prefills = 0  # prefills so far: numbers each one's rows (records.prefill)
-        self.forcing = set()  # samples with tool output waiting to be fed in
 
         self.pending = collections.deque()  # samples waiting for a slot, a request's samples next to each other
         self.live = set()  # handles not finished yet (abort() cancels them all)
@@ -380,11 +381,10 @@ class Engine:
         if self.flat_weights is None:
             return
         src = dict((model or self.source).named_parameters())
-        dst = dict(self.model.named_parameters())
-        if src.keys() != dst.keys() or any(src[n].shape != p.shape for n, p in dst.items()):
+        if src.keys() != self.params.keys() or any(src[n].shape != p.shape for n, p in self.params.items()):
             raise ValueError("load_weights: the model's parameters do not match the engine's (names or shapes differ)")
         with self.step_lock:  # never between a step's forward and its sampling
-            torch._foreach_copy_(list(dst.values()), [src[n].detach() for n in dst])
+            torch._foreach_copy_(list(self.params.values()), [src[n].detach() for n in self.params])
 
     def attention_kernels(self):
         """One line for the log: the SDPA kernel each phase is pinned to."""
@@ -446,9 +446,9 @@ class Engine:
         to position 0 at every step, and the new request decoded garbage)."""
         with self.step_lock:
             try:
-                if self.cancel_requested:
+                if self.cancel_requested:  # the only holes a step starts with: every step ends compacted
                     self._drop_cancelled()
-                self._compact()
+                    self._compact()
                 # admit: queued samples take the free slots n_busy.., a request's samples next to each other (one
                 # group, one prefill). Prompts are prefilled together, up to prefill_tokens padded tokens a forward
                 with self.lock:
@@ -474,16 +474,9 @@ class Engine:
                     size = next(b for b in self.sizes if b >= n)
                     # the idle rows of the batch decode garbage at position 0, never past the cache
                     self.cache.pos[n:size] = 0
-                    rec = self.records
-                    logits = self._decode_logits(size, int((rec.prompt_len[:n] + rec.n_gen[:n]).max()))
-                    # rows with tool output waiting take their next forced token, not a sampled one
-                    forced = np.full(n, -1, dtype=np.int64)
-                    for s in list(self.forcing):
-                        forced[s.slot] = s.forced.popleft()
-                        if not s.forced:
-                            self.forcing.discard(s)
+                    logits = self._decode_logits(size)
                     # only the busy rows are sampled (the idle ones decoded garbage)
-                    self.input_ids[:n] = self._sample_and_record(logits[:n], np.arange(n), forced)
+                    self.input_ids[:n] = self._sample_and_record(logits[:n], np.arange(n))
                     self._compact()
                 return bool(self.n_busy) or bool(self.pending)
             except BaseException as e:  # the shared decode step failed: nothing in flight can go on
@@ -520,12 +513,11 @@ class Engine:
         prompts = [torch.tensor(g[0].handle.request.prompt_ids) for g in groups]
         first = torch.tensor([g[0].slot for g in groups], device=dev)
         self.cache.pos[first] = 0
-        h = self._forward(torch.nn.utils.rnn.pad_sequence(prompts, batch_first=True).to(dev), first)
-        # a short prompt's padding left garbage past its end: the mask never shows it and decode overwrites it
         lens = torch.tensor([len(p) for p in prompts], device=dev)
+        last = (torch.arange(len(groups), device=dev), lens - 1)  # each prompt's last token
+        logits = self._forward(torch.nn.utils.rnn.pad_sequence(prompts, batch_first=True).to(dev), first, last)
+        # a short prompt's padding left garbage past its end: the mask never shows it and decode overwrites it
         self.cache.pos[first] = lens
-        with self.autocast:
-            logits = self.model.logits_from_hidden(h[torch.arange(len(groups), device=dev), lens - 1])
         samples = [s for g in groups for s in g]
         slots = np.array([s.slot for s in samples])
         rows = torch.from_numpy(slots).to(dev)
@@ -538,7 +530,7 @@ class Engine:
         self.prefills += len(groups)
         for s in samples:
             self.records.fill(s, self.markup.python_end)
-        self.input_ids[rows] = self._sample_and_record(logits[which_t], slots, np.full(len(slots), -1))
+        self.input_ids[rows] = self._sample_and_record(logits[which_t], slots)
 
     def _compact(self):
         """Keep the busy slots a prefix 0..n_busy-1: the last busy samples move into the holes ended ones left
@@ -558,10 +550,13 @@ class Engine:
         for s, i in zip(movers, holes):
             self.slots[s.slot], self.slots[i], s.slot = None, s, i
 
-    def _decode_logits(self, size, need):
-        """Logits (size, V) of one decode step of rows 0..size-1; each writes at its position, reads <= need keys."""
+    def _decode_logits(self, size):
+        """Logits (size, V) of one decode step of rows 0..size-1, each writing at its position."""
         if not self.use_cuda_graph:
             return self._forward_step(size)
+        # the graph of the smallest attention-length bucket that holds the longest busy row's keys
+        rec, n = self.records, self.n_busy
+        need = int((rec.prompt_len[:n] + rec.n_gen[:n]).max())
         graph, logits = self.graphs[size, self._bucket(need)]
         graph.replay()
         return logits  # a static tensor: read it before the next replay
@@ -574,17 +569,17 @@ class Engine:
         if pos is not None:  # rows from one prefill (a prompt's samples) share its KV: read it once
             with self.autocast, sdpa_kernel(self.attention):
                 return self.lockstep(self.input_ids[:size], pos, *self._shared_prompts(size))
-        h = self._forward(self.input_ids[:size, None], slice(0, size))
-        with self.autocast:
-            return self.model.logits_from_hidden(h[:, 0])
+        return self._forward(self.input_ids[:size, None], slice(0, size), (slice(None), 0))
 
-    def _forward(self, idx, rows):
-        """The model's hidden states of the tokens idx (B, T) appended to cache rows `rows` (a slice of leading rows or
-        a LongTensor, see KVCache.rows), on the pinned attention kernels."""
+    def _forward(self, idx, rows, last):
+        """The logits at the positions h[last] of the model's hidden states h (B, T, C) of the tokens idx (B, T)
+        appended to cache rows `rows` (a slice of leading rows or a LongTensor, see KVCache.rows), on the pinned
+        attention kernels: only the positions that are sampled from go through the head."""
         self.cache.rows = rows
         try:
             with self.autocast, sdpa_kernel(self.attention):
-                return self.model.hidden_states(idx, kv_cache=self.cache)
+                h = self.model.hidden_states(idx, kv_cache=self.cache)
+                return self.model.logits_from_hidden(h[last])
         finally:
             self.cache.rows = slice(None)
 
@@ -604,20 +599,24 @@ class Engine:
     def _bucket(self, need):
         return next(L for L in self.buckets if L >= need)
 
-    def _sample_and_record(self, logits, slots, forced):
-        """Pick the next token of the samples in `slots` (numpy; logits row i is slots[i]): sampled, or the forced tool
-        token where forced[i] >= 0; record it with its log-prob -> the tokens (on the device)."""
-        f = torch.from_numpy(forced).to(self.device)
+    def _sample_and_record(self, logits, slots):
+        """Pick the next token of the samples in `slots` (numpy; logits row i is slots[i]): sampled, or the tool output
+        forced in at its position; record it with its log-prob -> the tokens (on the device)."""
         rec = self.records
-        filtered, greedy = bool(rec.filtered[slots].any()), bool(rec.greedy[slots].any())
-        unit = bool(rec.unit[slots].all())
-        # every row greedy (an eval, a chat at T = 0): no uniforms, the argmax alone. The uniforms are made on the host
-        u = None
-        if not rec.greedy[slots].all():
-            counter = rec.start[slots] + rec.n_gen[slots]  # how many tokens each sample has drawn
-            u = torch.from_numpy(uniform_from_counter(rec.seed[slots], counter)).to(self.device)
-        settings = [torch.from_numpy(a[slots]).to(self.device) for a in (rec.temperature, rec.top_k, rec.top_p)]
-        tok, logp = sample_with_logprobs(logits, *settings, u, filtered, greedy, f, unit)
+        forced = rec.forced[slots, rec.n_gen[slots]]
+        temperature, top_k, top_p = rec.sampler[slots].T
+        # what lets the sampler skip work: no row filters (no sort), none is greedy (no argmax), every T is 0 or 1 (no
+        # division). A top_k of the vocab size or more and a top_p of 1 filter nothing: such a row is not sorted anyway
+        filtered, greedy = bool(((top_k < self.vocab_size) | (top_p < 1)).any()), temperature == 0
+        unit = bool((greedy | (temperature == 1)).all())
+        # the step's one host -> device copy: forced tokens, uniforms (made on the host) and settings, in float64
+        counter = rec.start[slots] + rec.n_gen[slots]  # how many tokens each sample has drawn
+        host = np.stack([forced, uniform_from_counter(rec.seed[slots], counter), temperature, top_k, top_p])
+        f, u, t, k, p = torch.from_numpy(host).to(self.device)
+        if greedy.all():  # every row greedy (an eval, a chat at T = 0): no uniforms, the argmax alone
+            u = None
+        settings = t.float(), k.long(), p.float()  # in the dtypes the sampler takes
+        tok, logp = sample_with_logprobs(logits, *settings, u, filtered, bool(greedy.any()), f.long(), unit)
         out = torch.stack([tok.double(), logp.double()], 1).cpu().numpy()  # the step's one device -> host sync
         for i in np.flatnonzero(rec.append(slots, out, forced)):
             self._record(self.slots[slots[i]], int(out[i, 0]), float(out[i, 1]), forced[i] < 0)
@@ -636,21 +635,17 @@ class Engine:
             elif self.records.n_gen[s.slot] >= self.records.limit[s.slot]:  # its budget, or the context, used up
                 self._finish(s, "truncated")
             elif sampled and h.request.use_tools and token == self.markup.python_end:
-                self._call_tool(s)
+                source = self.markup.open_call(self.records.lists(s.slot)[0])
+                if source is not None:  # the call's output is fed in next
+                    output = run_tool(source, self.tool, self.tool_timeout)
+                    self.records.force(s.slot, self.markup.output_tokens(output))
         except Exception as e:  # e.g. its tool output cannot be tokenized: that request ends, no other
             self._fail(h, e)
-
-    def _call_tool(self, s):
-        source = self.markup.open_call(self.records.lists(s.slot)[0])
-        if source is not None:
-            s.forced.extend(self.markup.output_tokens(run_tool(source, self.tool, self.tool_timeout)))
-            self.forcing.add(s)
 
     def _finish(self, s, status):
         """End sample s, filling its Completion. Its slot is free at once (the next _admit may reuse it);
         _compact closes the hole."""
         s.out.status = status
-        self.forcing.discard(s)
         if s.slot is not None:
             s.out.tokens, s.out.logprobs, s.out.mask = self.records.lists(s.slot)
             self.holes.append(s.slot)

@@ -247,6 +247,11 @@ def test_tool_call_forces_output_with_mask_zero():
     torch.testing.assert_close(
         torch.tensor(c7.logprobs), trainer_logprobs(model, [BOS], c7.tokens, 0.7), atol=1e-5, rtol=0
     )
+    # the context ends inside the tool's output: the sample is cut there, "truncated" like any other
+    short = Engine(model, TOK, batch_size=2, max_len=7)
+    ((c,),) = short.submit_and_wait([Request([BOS], max_tokens=20, temperature=0)])
+    assert c.tokens == [PY_START, ord("2"), ord("+"), ord("3"), PY_END, OUT_START] and c.mask == [1] * 5 + [0]
+    assert c.status == "truncated"
     # without tools the same model just goes on writing
     ((c,),) = engine.submit_and_wait([Request([BOS], max_tokens=8, temperature=0, use_tools=False)])
     assert c.mask == [1] * 8 and OUT_START not in c.tokens
@@ -436,8 +441,9 @@ def test_static_shape_decode_equals_eager():
     assert engine.buckets == [64, 128, 200] and engine.sizes == [1, 2, 3]
     seen, sizes = set(), set()
 
-    def static_step(size, need):
-        L = engine._bucket(need)
+    def static_step(size):
+        n = engine.n_busy
+        L = engine._bucket(int((engine.records.prompt_len[:n] + engine.records.n_gen[:n]).max()))
         seen.add(L)
         sizes.add(size)
         engine.cache.static, engine.cache.attend_len = True, L
@@ -601,7 +607,7 @@ def test_one_request_on_a_big_engine_equals_a_batch_one_engine():
     assert big.sizes == [1, 2, 4, 8, 16, 32, 64]
     sizes = []
     decode = big._decode_logits
-    big._decode_logits = lambda size, need: sizes.append(size) or decode(size, need)
+    big._decode_logits = lambda size: sizes.append(size) or decode(size)
     for r, want in zip(reqs, small):
         ((got,),) = run_checked(big, [r])
         assert got.tokens == want.tokens
@@ -636,7 +642,7 @@ def test_compaction_moves_rows_without_changing_any_sample():
     engine = Engine(model, TOK, batch_size=8)
     sizes = []
     decode = engine._decode_logits
-    engine._decode_logits = lambda size, need: sizes.append(size) or decode(size, need)
+    engine._decode_logits = lambda size: sizes.append(size) or decode(size)
     for a, b in zip(alone, run_checked(engine, reqs)):
         assert [c.tokens for c in a] == [c.tokens for c in b]
         for ca, cb in zip(a, b):
