@@ -371,10 +371,10 @@ def collate_packed(samples, rows, device="cpu", pad_id=0):
     on packed (R, L) tensors: packed_inputs and packed_targets (-1 where not trained), the samples of each row end to
     end and padding after them, and doc_ids numbering the samples of a row (the padding is one more document), so
     that positions restart and attention stays within each sample. The loss reads per-sample rows (B, T), the
-    samples in row order ("order"): loss_mask, 1 exactly on the response tokens the model wrote (tool outputs and
-    prompt excluded), and rollout_logp, the sampler's log-prob there. "unpack" (B, T) gives each per-sample
-    position's index into the flattened (R, L) tensors, -1 past the sample's end: unpack() turns packed per-token
-    values (the model's outputs, the loss mask) into per-sample rows. One sample per row is a plain padded batch.
+    samples in row order ("order") (sample_rows): loss_mask, 1 exactly on the response tokens the model wrote (tool
+    outputs and prompt excluded), and rollout_logp, the sampler's log-prob there. "unpack" (B, T) gives each
+    per-sample position's index into the flattened (R, L) tensors, -1 past the sample's end: unpack() turns packed
+    per-token values (the model's outputs) into per-sample rows. One sample per row is a plain padded batch.
     """
     order = [i for row in rows for i in row]
     R, L = len(rows), max(sum(len(samples[i].tokens) - 1 for i in row) for row in rows)  # L: the longest row
