@@ -253,13 +253,13 @@ def _clipped_surrogate(ratio, A, eps_clip, eps_clip_high, eps_clip_c):
     pg1 = -A * ratio
     pg2 = -A * ratio.clamp(1 - eps_clip, 1 + eps_clip_high)
     pg = torch.maximum(pg1, pg2)
-    dual = torch.zeros_like(pg, dtype=torch.bool)
-    if eps_clip_c is not None:
-        if eps_clip_c <= 1.0:
-            raise ValueError(f"dual clip needs eps_clip_c > 1, got {eps_clip_c}")
-        pg3 = -A * eps_clip_c
-        dual = (A < 0) & (pg3 < pg)
-        pg = torch.where(dual, pg3, pg)
+    if eps_clip_c is None:  # no dual clip: no token capped
+        return pg, pg2 > pg1, torch.zeros_like(pg, dtype=torch.bool)
+    if eps_clip_c <= 1.0:
+        raise ValueError(f"dual clip needs eps_clip_c > 1, got {eps_clip_c}")
+    pg3 = -A * eps_clip_c
+    dual = (A < 0) & (pg3 < pg)
+    pg = torch.where(dual, pg3, pg)
     return pg, pg2 > pg1, dual
 
 

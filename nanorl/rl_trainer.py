@@ -141,9 +141,7 @@ class Trainer:
         ref_lp, old_values: per_token's rows or None. Built on the compute device: the whitening all-reduces them,
         and NCCL takes only CUDA tensors.
         """
-        # the loss mask at the input positions: the response's first token is predicted at position P - 1
-        masks = [torch.tensor([0] * (s.prompt_length - 1) + s.loss_mask, dtype=torch.float32) for s in samples]
-        mask = pad_sequence(masks, batch_first=True).to(self.device)
+        mask = sample_rows(samples, [s.loss_mask for s in samples]).to(self.device)
         rewards = torch.tensor([s.scalar_reward() for s in samples], dtype=torch.float32, device=self.device)
         # the KL penalty in the reward: k1 per token against the reference, when there is one and the penalty is on
         kl = None
@@ -196,11 +194,12 @@ class Trainer:
         steps, n = cfg.num_steps_per_rollout, cfg.group.n_samples_per_prompt
         edges = [k * (len(samples) // n) // steps * n for k in range(steps)] + [len(samples)]
         # per sample: what the loss compares with; on-policy (one step) the ratio's denominator is the step's own forward
+        # (those that are off, None, left out)
         targets = dict(adv=adv, old_lp=old_lp if steps > 1 else None, ref_lp=ref_lp, returns=returns, values=old_values)
         results = []
         with timer.section("train", self.device.type):
             for a, b in zip(edges, edges[1:]):
-                picked = {name: rows[a:b] if rows is not None else None for name, rows in targets.items()}
+                picked = {name: rows[a:b] for name, rows in targets.items() if rows is not None}
                 results.append(self.train_minibatch(samples[a:b], picked, lr_mult))
         metrics = {f"train/{k}": sum(r[k] for r in results) / len(results) for k in results[0]}
         metrics["train/first_step_ppo_kl"] = results[0].get("ppo_kl", 0.0)
@@ -215,8 +214,8 @@ class Trainer:
 
     def train_minibatch(self, samples, targets, lr_mult):
         """One optimizer step over `samples` (this rank's share of the global batch); with ppo, one critic step too.
-        targets: per sample (rows of the rollout's layout), its advantages "adv" and, None when off, the log-probs
-        before the update "old_lp" (None = on-policy: the ratio's denominator is this very forward, detached), the
+        targets: per sample (rows of the rollout's layout), its advantages "adv" and, absent when off, the log-probs
+        before the update "old_lp" (absent = on-policy: the ratio's denominator is this very forward, detached), the
         reference's "ref_lp", and ppo's "returns" and old "values"."""
         cfg, model = self.cfg, self.model
         model.train()
@@ -232,16 +231,16 @@ class Trainer:
                 continue
             mb, mask = batch["order"], batch["loss_mask"]
             positions += batch["packed_inputs"].numel()
-            rows = lambda name: targets[name][mb, : mask.size(1)]  # the micro-batch's samples, cut to its length
+            rows = {name: t[mb, : mask.size(1)] for name, t in targets.items()}  # its samples, cut to its length
             logp, ent = self.forward_logp(model, batch)
-            old = rows("old_lp") if targets["old_lp"] is not None else logp.detach()
+            old = rows.get("old_lp", logp.detach())
             tis = None
             if cfg.use_tis:
                 tis, tis_metrics = rl.tis_weights(
                     old, batch["rollout_logp"], mask, cfg.tis_clip, cfg.tis_clip_low, cfg.tis_mode
                 )
-            ref = rows("ref_lp") if targets["ref_lp"] is not None else None
-            loss, metrics = rl.policy_loss(logp, old, rows("adv"), mask, self.loss_cfg, tis, ent, ref)
+            ref = rows.get("ref_lp")
+            loss, metrics = rl.policy_loss(logp, old, rows["adv"], mask, self.loss_cfg, tis, ent, ref)
             if tis is not None:
                 metrics.update(tis_metrics)
             # each micro-batch's loss is re-weighted to its share of the global batch, by the aggregation's own unit
@@ -254,8 +253,8 @@ class Trainer:
                 values = self.forward_values(batch)
                 vf_loss, vm = rl.value_loss(
                     values,
-                    rows("values"),
-                    rows("returns"),
+                    rows["values"],
+                    rows["returns"],
                     mask,
                     cfg.value_clip or None,
                     loss_agg=cfg.loss_aggregation,
@@ -280,10 +279,10 @@ class Trainer:
     def optimizer_step(self, module, optimizer, lr_mult):
         """Average gradients over the training ranks, clip the global norm, step -> the norm before clipping."""
         optimizer.average_gradients(self.process_group)
-        params = [p for p in module.parameters() if p.grad is not None]
-        if self.cfg.grad_clip > 0:
-            norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
+        if self.cfg.grad_clip > 0:  # (clip_grad_norm_ skips the parameters without a gradient)
+            norm = torch.nn.utils.clip_grad_norm_(module.parameters(), self.cfg.grad_clip)
         else:
+            params = [p for p in module.parameters() if p.grad is not None]
             norm = torch.sqrt(sum((p.grad.float() ** 2).sum() for p in params))
         for g in optimizer.param_groups:
             g["lr"] = g["initial_lr"] * lr_mult
@@ -372,36 +371,41 @@ def collate_packed(samples, rows, device="cpu", pad_id=0):
     on packed (R, L) tensors: packed_inputs and packed_targets (-1 where not trained), the samples of each row end to
     end and padding after them, and doc_ids numbering the samples of a row (the padding is one more document), so
     that positions restart and attention stays within each sample. The loss reads per-sample rows (B, T), the
-    samples in row order ("order"): loss_mask, 1 exactly on the response tokens the model wrote (tool outputs and
-    prompt excluded), and rollout_logp, the sampler's log-prob there. "unpack" (B, T) gives each per-sample
-    position's index into the flattened (R, L) tensors, -1 past the sample's end: unpack() turns packed per-token
-    values (the model's outputs, the loss mask) into per-sample rows. One sample per row is a plain padded batch.
+    samples in row order ("order") (sample_rows): loss_mask, 1 exactly on the response tokens the model wrote (tool
+    outputs and prompt excluded), and rollout_logp, the sampler's log-prob there. "unpack" (B, T) gives each
+    per-sample position's index into the flattened (R, L) tensors, -1 past the sample's end: unpack() turns packed
+    per-token values (the model's outputs) into per-sample rows. One sample per row is a plain padded batch.
     """
     order = [i for row in rows for i in row]
     R, L = len(rows), max(sum(len(samples[i].tokens) - 1 for i in row) for row in rows)  # L: the longest row
     inputs = torch.full((R, L), pad_id, dtype=torch.long)
     targets = torch.full((R, L), -1, dtype=torch.long)
-    loss_mask = torch.zeros(R, L)
-    rollout_logp = torch.zeros(R, L)
     doc_ids = torch.zeros((R, L), dtype=torch.long)
     spans = []  # each sample's positions in the flattened (R, L) tensors, in row order
     for r, row in enumerate(rows):
         pos = 0
         for doc, s in enumerate([samples[i] for i in row]):
             n = len(s.tokens) - 1
-            resp = slice(pos + n - s.response_length, pos + n)  # the response is the sample's tail
             inputs[r, pos : pos + n] = torch.tensor(s.tokens[:-1])
+            resp = slice(pos + n - s.response_length, pos + n)  # the response is the sample's tail
             targets[r, resp] = torch.tensor(s.tokens[s.prompt_length :])
-            loss_mask[r, resp] = torch.tensor(s.loss_mask, dtype=torch.float32)
-            if s.rollout_log_probs:
-                rollout_logp[r, resp] = torch.tensor(s.rollout_log_probs, dtype=torch.float32)
             spans.append(torch.arange(r * L + pos, r * L + pos + n))
             pos += n
             doc_ids[r, pos:] = doc + 1  # the rest of the row: the next sample, or after the last one the padding
     index = pad_sequence(spans, batch_first=True, padding_value=-1)
+    picked = [samples[i] for i in order]
+    logps = [s.rollout_log_probs or [0.0] * s.response_length for s in picked]  # none from the sampler: zeros
     batch = dict(packed_inputs=inputs, packed_targets=targets, doc_ids=doc_ids, unpack=index)
-    batch.update(loss_mask=unpack(loss_mask, index), rollout_logp=unpack(rollout_logp, index))
+    batch.update(loss_mask=sample_rows(picked, [s.loss_mask for s in picked]), rollout_logp=sample_rows(picked, logps))
     return {k: v.to(device) for k, v in batch.items()} | {"order": order}
+
+
+def sample_rows(samples, values):
+    """Per response token values, a list per sample -> one zero-padded float32 row per sample (B, T) at its input
+    positions: position t predicts token t+1, so the response's first token is predicted at prompt_length - 1 and a
+    sample of n tokens fills n - 1 positions (the rollout's layout, and the loss's rows of a micro-batch)."""
+    rows = [torch.tensor([0.0] * (s.prompt_length - 1) + v, dtype=torch.float32) for s, v in zip(samples, values)]
+    return pad_sequence(rows, batch_first=True)
 
 
 def unpack(packed, index):
