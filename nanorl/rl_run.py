@@ -197,7 +197,7 @@ class RLRun:
             with deadline(cfg.rollout_timeout):
                 fill = RolloutFill(
                     cfg.rollout_batch_size // n_samplers, self.buffer, self.group_filter, cfg.max_sampling_rounds
-                )  # the buffer's surplus first
+                )
                 while fill.next_round():
                     prompts, seeds = self.source.get(cfg.over_sampling_batch_size // n_samplers)
                     if worker.cfg.partial_rollout:  # each group as it finishes; once full, the rest is parked
@@ -226,29 +226,12 @@ class RLRun:
         self.source.load_state_dict(position[0])
         self.buffer.load_state_dict(position[1])
 
-    def sync_rollout(self, done):
-        """Synchronous RL: this rank's share of rollout done+1 and its metrics, once every rank has sampled its own
-        -> (groups, metrics, seconds waited on the other ranks). A rollout that failed on any rank stops the run."""
-        before = self.prompt_position()
-        share = self.sample_share(done, done)
-        # every rank learns whether any rank failed (so none waits in a collective for a rank that is gone); the wait
-        # here is also this rank's idle time: the other ranks were still sampling
-        t_wait = time.time()
-        failed = torch.tensor([float(share.failure is not None)], device=self.device)
-        if self.ddp:
-            dist.all_reduce(failed)
-        wait = time.time() - t_wait
-        if failed.item():  # a --resume redoes this rollout: the prompts and the buffer as they were before it
-            self.rewind(before)
-            self.stop_after_failure(done, int(failed.item()))
-        return share.groups, share.metrics, wait
-
     def sample_payload(self, done, version):
         """--async: this sampler's share of rollout done+1, as it travels to the trainers (nanorl/rl_async.py)."""
         share = self.sample_share(done, version)
         return {"groups": share.groups, "failure": share.failure, "rollout_s": share.seconds, "metrics": share.metrics}
 
-    # --- training on it, and the engine's new weights ---------------------------------------------
+    # --- the step: training on the rollout, the engine's new weights, the step line ---------------
 
     def train(self, done, groups, metrics):
         """The training step on this rank's groups of rollout done+1; metrics (the rollout's) gain the trainer's, then
@@ -265,20 +248,30 @@ class RLRun:
             metrics = mean_over_ranks(metrics, self.device, group=self.roles.trainer_group)
         return metrics
 
-    def update_weights(self):
-        """The engine samples from its own copy of the weights (bf16 on GPUs): give it the trained ones -> timing."""
-        t0 = time.time()
-        if self.cfg.fsdp:  # every rank gathers the full weights, one block at a time, into its engine's copy
-            return {"time/weight_gather": fsdp.gather_full_state(self.model, self.engine.model)}
-        self.engine.load_weights(self.model)
-        return {"time/weight_sync": time.time() - t0}
-
     def step(self, done):
-        """One synchronous RL step: sample rollout done+1, train on it, update the engine's weights -> metrics."""
+        """One synchronous RL step: sample rollout done+1 (every rank its share), train on it, update the engine's
+        weights -> metrics. A rollout that failed on any rank stops the run."""
         t0 = time.time()
-        groups, metrics, wait = self.sync_rollout(done)
-        metrics = self.train(done, groups, metrics)
-        metrics.update(self.update_weights())
+        before = self.prompt_position()
+        share = self.sample_share(done, done)
+        # every rank learns whether any rank failed (so none waits in a collective for a rank that is gone); the wait
+        # here is also this rank's idle time: the other ranks were still sampling
+        t_wait = time.time()
+        failed = torch.tensor([float(share.failure is not None)], device=self.device)
+        if self.ddp:
+            dist.all_reduce(failed)
+        wait = time.time() - t_wait
+        if failed.item():  # a --resume redoes this rollout: the prompts and the buffer as they were before it
+            self.rewind(before)
+            self.stop_after_failure(done, int(failed.item()))
+        metrics = self.train(done, share.groups, share.metrics)
+        # the engine samples from its own copy of the weights (bf16 on GPUs): give it the trained ones
+        t_sync = time.time()
+        if self.cfg.fsdp:  # every rank gathers the full weights, one block at a time, into its engine's copy
+            metrics["time/weight_gather"] = fsdp.gather_full_state(self.model, self.engine.model)
+        else:
+            self.engine.load_weights(self.model)
+            metrics["time/weight_sync"] = time.time() - t_sync
         dt = time.time() - t0
         metrics["perf/idle_frac"] = wait / dt
         self.idle_s += wait

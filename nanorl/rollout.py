@@ -164,18 +164,12 @@ def pop_first(buffer, n):
 
 class RolloutBuffer:
     """Groups generated beyond what one rollout needed, kept for the next one (nothing sampled is wasted).
-    `partial` holds the groups a partial rollout aborted mid-generation, to be continued first next time."""
+    `partial` holds the groups a partial rollout aborted mid-generation, to be continued first next time. RolloutFill
+    takes from `groups` through buffer_filter (the oldest first by default) and puts its surplus back."""
 
     def __init__(self, buffer_filter=pop_first):
         self.groups, self.partial = [], []
         self.buffer_filter = buffer_filter
-
-    def add(self, groups):
-        self.groups.extend(groups)
-
-    def pop(self, n):
-        taken, self.groups = self.buffer_filter(self.groups, n)
-        return taken
 
     def __len__(self):
         return len(self.groups)
@@ -210,7 +204,8 @@ class RolloutFill:
 
     def __init__(self, target, buffer, group_filter, max_rounds=8):
         self.target, self.buffer, self.group_filter, self.max_rounds = target, buffer, group_filter, max_rounds
-        self.kept, self.dropped = list(buffer.pop(target)), []
+        taken, buffer.groups = buffer.buffer_filter(buffer.groups, target)  # the buffer's surplus first
+        self.kept, self.dropped = list(taken), []
         self.stats = {**dict.fromkeys(self.COUNTS, 0), "groups_from_buffer": len(self.kept)}
 
     def full(self):
@@ -241,7 +236,7 @@ class RolloutFill:
             self.stats["groups_unfiltered_fill"] = len(fill)
             self.stats["groups_dropped"] -= len(fill)
             self.kept.extend(fill)
-        self.buffer.add(self.kept[self.target :])
+        self.buffer.groups.extend(self.kept[self.target :])
         return self.kept[: self.target], self.stats
 
 

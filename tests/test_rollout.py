@@ -66,7 +66,7 @@ def test_rollout_fill_tops_up_after_max_rounds():
 
 def test_buffer_state_roundtrip():
     buf = RolloutBuffer()
-    buf.add([group([1, 0], 3)])
+    buf.groups.append(group([1, 0], 3))
     buf2 = RolloutBuffer()
     buf2.load_state_dict(buf.state_dict())
     assert [[s.to_dict() for s in g] for g in buf2.groups] == [[s.to_dict() for s in g] for g in buf.groups]
@@ -75,7 +75,7 @@ def test_buffer_state_roundtrip():
 def test_buffer_loads_a_checkpoint_whose_samples_recorded_their_temperature():
     # checkpoints written before the GroupSpec kept a temperature on every sample: it is the run's, dropped on load
     state = RolloutBuffer()
-    state.add([group([1, 0], 3)])
+    state.groups.append(group([1, 0], 3))
     old = state.state_dict()
     for g in old["groups"]:
         for d in g:
