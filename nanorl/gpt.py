@@ -447,10 +447,9 @@ class GPT(nn.Module):
             ent = -(logp_all.exp() * logp_all).sum(-1)
             return lp, ent
 
-        run = chunk_fn
         if torch.is_grad_enabled() and h.requires_grad:  # a backward will come: it recomputes each chunk's logits
-            run = partial(checkpoint, chunk_fn, use_reentrant=False, context_fn=self.checkpoint_context_fn)
-        chunks = [run(h[s : s + chunk_size], tgt[s : s + chunk_size]) for s in range(0, tgt.numel(), chunk_size)]
+            chunk_fn = partial(checkpoint, chunk_fn, use_reentrant=False, context_fn=self.checkpoint_context_fn)
+        chunks = [chunk_fn(h[s : s + chunk_size], tgt[s : s + chunk_size]) for s in range(0, tgt.numel(), chunk_size)]
         lps, ents = zip(*chunks)
         # new tensors, not views of the concatenation: FSDP2 hooks backward onto what a forward method returns and
         # warns that an in-place op on a returned view would bypass that hook
