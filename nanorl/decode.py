@@ -7,8 +7,8 @@ turns its logits into tokens. nanorl/engine.py schedules requests over these; th
   Linear weights stored column-major on the CPU; engine_autocast() is the precision its forwards run in
 - the KV cache (KVCache): every layer's keys and values with its own position per row, so one batch mixes prompts of
   different lengths and rows refilled at different times (continuous batching). new_kv_cache() sizes one against the
-  free memory; a forward that is given one calls its begin(), attend() once per layer and end(), so nanorl/gpt.py
-  needs nothing from this file. attend_cached() folds grouped-query heads into the query length so each KV head is
+  free memory; a forward that is given one calls its begin(), then attend() once per layer, so nanorl/gpt.py needs
+  nothing from this file. attend_cached() folds grouped-query heads into the query length so each KV head is
   read once, never repeated, on the SDPA kernels attention_backends() pins
 - LockstepDecode: the step of rows that all stand at one position (batch 1, a prompt's samples), which reads a
   prompt's keys and values once for all its samples (attend_shared_prefix)
@@ -115,7 +115,8 @@ class KVCache:
     A pre-allocated KV cache with its own position per row, so one batch holds prompts of different
     lengths and rows that are refilled at different times (continuous batching).
     k, v: (n_layer, B, n_kv_head, max_len, head_dim). pos[b] = how many tokens row b holds.
-    A forward with the cache calls begin() once, attend() once per layer, end() once.
+    A forward with the cache calls begin() once (which moves each row's position past the new tokens), then attend()
+    once per layer.
     """
 
     def __init__(self, n_layer, batch_size, n_kv_head, max_len, head_dim, device, dtype):
@@ -124,6 +125,9 @@ class KVCache:
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.pos = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.max_len = max_len
+        # each cache row's index and each key's position, made once: begin() indexes them for every forward
+        self.row_ids = torch.arange(batch_size, device=device)
+        self.key_pos = torch.arange(max_len, device=device)
         self.attend_len = None  # how much of the cache attention reads: worked out each forward unless static
         self.static = False  # True: the caller fixed attend_len (static shapes for CUDA graphs)
         # which cache rows the forward's batch rows are: a slice of leading rows (views, no copies: the engine
@@ -133,21 +137,20 @@ class KVCache:
         self.write_pos = self.write_rows = None  # (B, T) positions and cache rows the current forward writes (begin())
 
     def begin(self, T):
-        """Positions (B, T) of the next T tokens of each row, and the (B, 1, T, attend_len) attention mask."""
+        """Positions (B, T) of the next T tokens of each row, and the (B, 1, T, attend_len) attention mask. The rows'
+        positions move past these tokens now: the layers' attend() only reads what begin() worked out (write_pos)."""
         start = self.pos[self.rows]
         if not self.static:
             # eager path: read only the used part of the cache (one host sync). A caller that wants
             # static shapes (CUDA graphs) sets static and attend_len itself and skips this check.
-            top = int(start.max()) + T
-            if top > self.max_len:
-                raise ValueError(f"KV cache is full: position {top - 1} >= max_len {self.max_len}")
-            self.attend_len = top
-        pos = start[:, None] + torch.arange(T, device=start.device)[None, :]
-        self.write_pos = pos
+            self.attend_len = int(start.max()) + T
+            if self.attend_len > self.max_len:
+                raise ValueError(f"KV cache is full: position {self.attend_len - 1} >= max_len {self.max_len}")
+        self.write_pos = start[:, None] + torch.arange(T, device=start.device)[None, :]
         # the cache row each (b, t) writes to, the same for every layer
-        self.write_rows = torch.arange(self.pos.size(0), device=pos.device)[self.rows, None].expand_as(pos)
-        key_pos = torch.arange(self.attend_len, device=pos.device)
-        return pos, (key_pos[None, None, :] <= pos[:, :, None])[:, None]
+        self.write_rows = self.row_ids[self.rows, None].expand_as(self.write_pos)
+        self.pos[self.rows] += T  # after start is read: a slice of rows makes it a view of pos
+        return self.write_pos, (self.key_pos[: self.attend_len] <= self.write_pos[:, :, None])[:, None]
 
     def attend(self, layer, q, k, v, mask):
         """One layer's attention in a cached forward: its new keys/values k, v (B, Hkv, T, D) written at write_pos,
@@ -164,24 +167,19 @@ class KVCache:
         lo, hi = torch.stack(self.pos[:B].aminmax()).tolist()
         return lo if lo == hi else None
 
-    def end(self, T):
-        self.pos[self.rows] += T
-        self.write_pos = self.write_rows = None
-
     def reset(self, rows=None):
         if rows is None:
             self.pos.zero_()
         else:
             self.pos[rows] = 0
 
-    def copy_rows(self, src, dst, source=None):
-        """Copy the cached tokens of rows src (of `source`, default this cache) into rows dst. Prefix sharing:
-        prefill a prompt once, then fan it out to the n rows that sample from it; and moving a row."""
-        source = self if source is None else source
-        L = int(source.pos[src].max())
-        self.k[:, dst, :, :L] = source.k[:, src, :, :L]
-        self.v[:, dst, :, :L] = source.v[:, src, :, :L]
-        self.pos[dst] = source.pos[src]
+    def copy_rows(self, src, dst):
+        """Copy the cached tokens of rows src into rows dst. Prefix sharing: prefill a prompt once, then fan it out
+        to the n rows that sample from it; and moving a row."""
+        L = int(self.pos[src].max())
+        self.k[:, dst, :, :L] = self.k[:, src, :, :L]
+        self.v[:, dst, :, :L] = self.v[:, src, :, :L]
+        self.pos[dst] = self.pos[src]
 
 
 KERNEL_NAMES = {
@@ -337,12 +335,11 @@ class LockstepDecode:
         for attn, w1, e1, wo, w2, e2, gate, fc, proj, kc, vc in self.layers:
             h = F.rms_norm(x, C, w1, e1)
             q, k, v = attn.heads(h, cos, sin)
-            kc, vc = kc[:B], vc[:B]
-            kc[:, :, pos], vc[:, :, pos] = k, v
+            kc[:B, :, pos], vc[:B, :, pos] = k, v
             if shared and self.fp32:  # the rows' first `shared` keys are one prompt's: read once (see there)
-                y = attend_shared_prefix(q, kc, vc, shared, pos + 1, group)
+                y = attend_shared_prefix(q, kc[:B], vc[:B], shared, pos + 1, group)
             else:  # a KV head's G query heads side by side, as attend_cached folds them
-                y = F.scaled_dot_product_attention(q.view(B, Hkv, -1, D), kc[:, :, : pos + 1], vc[:, :, : pos + 1])
+                y = F.scaled_dot_product_attention(q.view(B, Hkv, -1, D), kc[:B, :, : pos + 1], vc[:B, :, : pos + 1])
             x = x + F.linear(y.view(B, H * D), wo)
             h = F.rms_norm(x, C, w2, e2)
             u = F.linear(h, fc)  # MLP.forward

@@ -405,8 +405,6 @@ class GPT(nn.Module):
             x = norm(x)  # nanorl norms the embedding; the imported architectures do not
         for block in self.transformer.h:
             x = block(x, cos, sin, attn_mask, kv_cache)
-        if kv_cache is not None:
-            kv_cache.end(T)
         return self.transformer.norm_f(x)
 
     def logits_from_hidden(self, h):
