@@ -475,15 +475,10 @@ def uniform_from_counter(seed, counter):
     return (_mix64(x) >> np.uint64(11)).astype(np.float64) / float(1 << 53)
 
 
-def tempered(logits, temperature, unit=False):
+def tempered(logits, temperature):
     """(logits - row max) / T per row (T = 1 where T = 0, greedy): the log-probs the engine records are
     log_softmax of this. Subtracting the max first keeps it total for any T > 0: at T = 1e-40 the top
-    token gets 0 and the rest -inf, where logits / T would overflow to inf - inf = NaN. unit=True promises
-    every row's T is 1 (or 0): then the logits come back as they are, since softmax and log_softmax subtract the
-    row max themselves, first and alone (on CPU and CUDA), so they give the same bits on raw logits as on shifted
-    ones, without the two extra passes over the vocab."""
-    if unit:
-        return logits
+    token gets 0 and the rest -inf, where logits / T would overflow to inf - inf = NaN."""
     t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
     return (logits - logits.amax(dim=-1, keepdim=True)) / t[:, None]
 
@@ -494,8 +489,7 @@ def sample_tokens(logits, temperature, top_k, top_p, uniform, filtered=True):
     temperature (B,) (0 = greedy), top_k (B,) long (V = off), top_p (B,) (1 = off); filtered=False skips
     the sort when no row uses top-k/top-p. Total: whatever the values, the most likely token stays a candidate.
     """
-    x = tempered(logits, temperature)
-    return _sample(logits, x, temperature, top_k, top_p, uniform, filtered, greedy=True)
+    return sample_with_logprobs(logits, temperature, top_k, top_p, uniform, filtered)[0]
 
 
 def sample_with_logprobs(
@@ -504,50 +498,51 @@ def sample_with_logprobs(
     """sample_tokens(), then each row's token replaced by forced[row] where that is >= 0 (tool output), and the
     log-prob of every token under the distribution sampled from: log_softmax(tempered), before top-k/top-p (the
     trainer cannot apply those filters). greedy=False promises no row has temperature 0 (skips an argmax),
-    unit=True that every row's is 1 or 0 (skips a division), uniform=None that every row is greedy (the argmax
-    alone: no softmax, cumsum or search, as an all-greedy eval needs). -> (tokens (B,) long, log-probs (B,) fp32)."""
-    x = tempered(logits, temperature, unit)
+    unit=True that every row's is 1 or 0 (skips a division: softmax and log_softmax subtract the row max
+    themselves, first and alone, on CPU and CUDA, so raw logits give the same bits as tempered() ones without its two
+    passes over the vocab), uniform=None that every row is greedy (the argmax alone: no softmax, cumsum or search, as
+    an all-greedy eval needs). -> (tokens (B,) long, log-probs (B,) fp32)."""
+    x = logits
+    if not unit:
+        x = tempered(logits, temperature)
     if uniform is None:
         tok = logits.argmax(-1)
     else:
-        tok = _sample(logits, x, temperature, top_k, top_p, uniform, filtered, greedy)
+        if filtered:
+            # only the rows that filter are sorted: a row's token must not depend on whether a filtering request
+            # shares its batch (inverse-CDF sampling in sorted order picks another token for the same uniform)
+            V = x.size(-1)
+            rank = torch.arange(V, device=logits.device).expand_as(x)
+            sorts = ((top_k < V) | (top_p < 1))[:, None]
+            x_sorted, order_sorted = x.sort(dim=-1, descending=True)
+            order = torch.where(sorts, order_sorted, rank)
+            probs = torch.softmax(torch.where(sorts, x_sorted, x), dim=-1)
+            # top-k and top-p both keep a prefix of the sorted tokens; rank 0 is kept whatever top_p is (a top_p of
+            # 1e-50 is 0 in float32, and "mass before it < 0" would keep nothing)
+            keep = (rank < top_k[:, None]) & (probs.cumsum(-1) - probs < top_p[:, None])
+            probs = probs * (keep | (rank == 0) | ~sorts)
+        else:
+            probs = torch.softmax(x, dim=-1)
+        cdf = probs.cumsum(-1)
+        # u < total strictly (a float32 u below 1 times total rounds below it; a float64 u near 1 rounds to 1.0 in
+        # float32), so the search lands before the end, on a token whose own probability is > 0
+        u = uniform.float().clamp(max=_BELOW_ONE)[:, None] * cdf[:, -1:]
+        idx = torch.searchsorted(cdf, u, right=True)
+        # a parallel cumsum (CUDA) is not exactly monotone; in the rare case that lands on a removed token, take the
+        # top one (the check reads one bool per step on the host: cheaper than an argmax over the vocab every step).
+        # CPU's cumsum adds each row in order in float64: its cdf is monotone, cdf[i] > u >= cdf[i - 1] means p[i] > 0
+        if probs.is_cuda:
+            landed = probs.gather(1, idx) > 0
+            if not bool(landed.all()):
+                idx = torch.where(landed, idx, probs.argmax(-1, keepdim=True))
+        if filtered:
+            idx = order.gather(1, idx)
+        tok = idx[:, 0]
+        if greedy:
+            tok = torch.where(temperature > 0, tok, logits.argmax(-1))
     if forced is not None:
         tok = torch.where(forced >= 0, forced, tok)
     return tok, torch.log_softmax(x, dim=-1).gather(1, tok[:, None])[:, 0]
-
-
-def _sample(logits, x, temperature, top_k, top_p, uniform, filtered, greedy):
-    if filtered:
-        # only the rows that filter are sorted: a row's token must not depend on whether a filtering request
-        # shares its batch (inverse-CDF sampling in sorted order picks another token for the same uniform)
-        V = x.size(-1)
-        rank = torch.arange(V, device=logits.device).expand_as(x)
-        sorts = ((top_k < V) | (top_p < 1))[:, None]
-        x_sorted, order_sorted = x.sort(dim=-1, descending=True)
-        x, order = torch.where(sorts, x_sorted, x), torch.where(sorts, order_sorted, rank)
-    probs = torch.softmax(x, dim=-1)
-    if filtered:
-        # top-k and top-p both keep a prefix of the sorted tokens; rank 0 is kept whatever top_p is (a top_p of
-        # 1e-50 is 0 in float32, and "mass before it < 0" would keep nothing)
-        keep = (rank < top_k[:, None]) & (probs.cumsum(-1) - probs < top_p[:, None])
-        probs = probs * (keep | (rank == 0) | ~sorts)
-    cdf = probs.cumsum(-1)
-    # u < total strictly (a float32 u below 1 times total rounds below it; a float64 u near 1 rounds to 1.0 in
-    # float32), so the search lands before the end, on a token whose own probability is > 0
-    u = uniform.float().clamp(max=_BELOW_ONE)[:, None] * cdf[:, -1:]
-    idx = torch.searchsorted(cdf, u, right=True)
-    # a parallel cumsum (CUDA) is not exactly monotone; in the rare case that lands on a removed token, take the
-    # top one (the check reads one bool per step on the host: cheaper than an argmax over the vocab every step).
-    # CPU's cumsum adds each row in order in float64, so its cdf is monotone: cdf[i] > u >= cdf[i - 1] means p[i] > 0
-    if probs.is_cuda:
-        landed = probs.gather(1, idx) > 0
-        if not bool(landed.all()):
-            idx = torch.where(landed, idx, probs.argmax(-1, keepdim=True))
-    if filtered:
-        idx = order.gather(1, idx)
-    if not greedy:
-        return idx[:, 0]
-    return torch.where(temperature > 0, idx[:, 0], logits.argmax(-1))
 
 
 # --- outside the engine -----------------------------------------------------------------------------------------------
