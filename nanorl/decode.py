@@ -7,8 +7,8 @@ turns its logits into tokens. nanorl/engine.py schedules requests over these; th
   Linear weights stored column-major on the CPU; engine_autocast() is the precision its forwards run in
 - the KV cache (KVCache): every layer's keys and values with its own position per row, so one batch mixes prompts of
   different lengths and rows refilled at different times (continuous batching). new_kv_cache() sizes one against the
-  free memory; a forward that is given one calls its begin(), attend() once per layer and end(), so nanorl/gpt.py
-  needs nothing from this file. attend_cached() folds grouped-query heads into the query length so each KV head is
+  free memory; a forward that is given one calls its begin(), then attend() once per layer, so nanorl/gpt.py needs
+  nothing from this file. attend_cached() folds grouped-query heads into the query length so each KV head is
   read once, never repeated, on the SDPA kernels attention_backends() pins
 - LockstepDecode: the step of rows that all stand at one position (batch 1, a prompt's samples), which reads a
   prompt's keys and values once for all its samples (attend_shared_prefix)
@@ -115,7 +115,8 @@ class KVCache:
     A pre-allocated KV cache with its own position per row, so one batch holds prompts of different
     lengths and rows that are refilled at different times (continuous batching).
     k, v: (n_layer, B, n_kv_head, max_len, head_dim). pos[b] = how many tokens row b holds.
-    A forward with the cache calls begin() once, attend() once per layer, end() once.
+    A forward with the cache calls begin() once (which moves each row's position past the new tokens), then attend()
+    once per layer.
     """
 
     def __init__(self, n_layer, batch_size, n_kv_head, max_len, head_dim, device, dtype):
@@ -124,6 +125,9 @@ class KVCache:
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.pos = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.max_len = max_len
+        # each cache row's index and each key's position, made once: begin() indexes them for every forward
+        self.row_ids = torch.arange(batch_size, device=device)
+        self.key_pos = torch.arange(max_len, device=device)
         self.attend_len = None  # how much of the cache attention reads: worked out each forward unless static
         self.static = False  # True: the caller fixed attend_len (static shapes for CUDA graphs)
         # which cache rows the forward's batch rows are: a slice of leading rows (views, no copies: the engine
@@ -133,21 +137,20 @@ class KVCache:
         self.write_pos = self.write_rows = None  # (B, T) positions and cache rows the current forward writes (begin())
 
     def begin(self, T):
-        """Positions (B, T) of the next T tokens of each row, and the (B, 1, T, attend_len) attention mask."""
+        """Positions (B, T) of the next T tokens of each row, and the (B, 1, T, attend_len) attention mask. The rows'
+        positions move past these tokens now: the layers' attend() only reads what begin() worked out (write_pos)."""
         start = self.pos[self.rows]
         if not self.static:
             # eager path: read only the used part of the cache (one host sync). A caller that wants
             # static shapes (CUDA graphs) sets static and attend_len itself and skips this check.
-            top = int(start.max()) + T
-            if top > self.max_len:
-                raise ValueError(f"KV cache is full: position {top - 1} >= max_len {self.max_len}")
-            self.attend_len = top
-        pos = start[:, None] + torch.arange(T, device=start.device)[None, :]
-        self.write_pos = pos
+            self.attend_len = int(start.max()) + T
+            if self.attend_len > self.max_len:
+                raise ValueError(f"KV cache is full: position {self.attend_len - 1} >= max_len {self.max_len}")
+        self.write_pos = start[:, None] + torch.arange(T, device=start.device)[None, :]
         # the cache row each (b, t) writes to, the same for every layer
-        self.write_rows = torch.arange(self.pos.size(0), device=pos.device)[self.rows, None].expand_as(pos)
-        key_pos = torch.arange(self.attend_len, device=pos.device)
-        return pos, (key_pos[None, None, :] <= pos[:, :, None])[:, None]
+        self.write_rows = self.row_ids[self.rows, None].expand_as(self.write_pos)
+        self.pos[self.rows] += T  # after start is read: a slice of rows makes it a view of pos
+        return self.write_pos, (self.key_pos[: self.attend_len] <= self.write_pos[:, :, None])[:, None]
 
     def attend(self, layer, q, k, v, mask):
         """One layer's attention in a cached forward: its new keys/values k, v (B, Hkv, T, D) written at write_pos,
@@ -164,24 +167,19 @@ class KVCache:
         lo, hi = torch.stack(self.pos[:B].aminmax()).tolist()
         return lo if lo == hi else None
 
-    def end(self, T):
-        self.pos[self.rows] += T
-        self.write_pos = self.write_rows = None
-
     def reset(self, rows=None):
         if rows is None:
             self.pos.zero_()
         else:
             self.pos[rows] = 0
 
-    def copy_rows(self, src, dst, source=None):
-        """Copy the cached tokens of rows src (of `source`, default this cache) into rows dst. Prefix sharing:
-        prefill a prompt once, then fan it out to the n rows that sample from it; and moving a row."""
-        source = self if source is None else source
-        L = int(source.pos[src].max())
-        self.k[:, dst, :, :L] = source.k[:, src, :, :L]
-        self.v[:, dst, :, :L] = source.v[:, src, :, :L]
-        self.pos[dst] = source.pos[src]
+    def copy_rows(self, src, dst):
+        """Copy the cached tokens of rows src into rows dst. Prefix sharing: prefill a prompt once, then fan it out
+        to the n rows that sample from it; and moving a row."""
+        L = int(self.pos[src].max())
+        self.k[:, dst, :, :L] = self.k[:, src, :, :L]
+        self.v[:, dst, :, :L] = self.v[:, src, :, :L]
+        self.pos[dst] = self.pos[src]
 
 
 KERNEL_NAMES = {
@@ -337,12 +335,11 @@ class LockstepDecode:
         for attn, w1, e1, wo, w2, e2, gate, fc, proj, kc, vc in self.layers:
             h = F.rms_norm(x, C, w1, e1)
             q, k, v = attn.heads(h, cos, sin)
-            kc, vc = kc[:B], vc[:B]
-            kc[:, :, pos], vc[:, :, pos] = k, v
+            kc[:B, :, pos], vc[:B, :, pos] = k, v
             if shared and self.fp32:  # the rows' first `shared` keys are one prompt's: read once (see there)
-                y = attend_shared_prefix(q, kc, vc, shared, pos + 1, group)
+                y = attend_shared_prefix(q, kc[:B], vc[:B], shared, pos + 1, group)
             else:  # a KV head's G query heads side by side, as attend_cached folds them
-                y = F.scaled_dot_product_attention(q.view(B, Hkv, -1, D), kc[:, :, : pos + 1], vc[:, :, : pos + 1])
+                y = F.scaled_dot_product_attention(q.view(B, Hkv, -1, D), kc[:B, :, : pos + 1], vc[:B, :, : pos + 1])
             x = x + F.linear(y.view(B, H * D), wo)
             h = F.rms_norm(x, C, w2, e2)
             u = F.linear(h, fc)  # MLP.forward
@@ -478,15 +475,10 @@ def uniform_from_counter(seed, counter):
     return (_mix64(x) >> np.uint64(11)).astype(np.float64) / float(1 << 53)
 
 
-def tempered(logits, temperature, unit=False):
+def tempered(logits, temperature):
     """(logits - row max) / T per row (T = 1 where T = 0, greedy): the log-probs the engine records are
     log_softmax of this. Subtracting the max first keeps it total for any T > 0: at T = 1e-40 the top
-    token gets 0 and the rest -inf, where logits / T would overflow to inf - inf = NaN. unit=True promises
-    every row's T is 1 (or 0): then the logits come back as they are, since softmax and log_softmax subtract the
-    row max themselves, first and alone (on CPU and CUDA), so they give the same bits on raw logits as on shifted
-    ones, without the two extra passes over the vocab."""
-    if unit:
-        return logits
+    token gets 0 and the rest -inf, where logits / T would overflow to inf - inf = NaN."""
     t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
     return (logits - logits.amax(dim=-1, keepdim=True)) / t[:, None]
 
@@ -497,8 +489,7 @@ def sample_tokens(logits, temperature, top_k, top_p, uniform, filtered=True):
     temperature (B,) (0 = greedy), top_k (B,) long (V = off), top_p (B,) (1 = off); filtered=False skips
     the sort when no row uses top-k/top-p. Total: whatever the values, the most likely token stays a candidate.
     """
-    x = tempered(logits, temperature)
-    return _sample(logits, x, temperature, top_k, top_p, uniform, filtered, greedy=True)
+    return sample_with_logprobs(logits, temperature, top_k, top_p, uniform, filtered)[0]
 
 
 def sample_with_logprobs(
@@ -507,50 +498,51 @@ def sample_with_logprobs(
     """sample_tokens(), then each row's token replaced by forced[row] where that is >= 0 (tool output), and the
     log-prob of every token under the distribution sampled from: log_softmax(tempered), before top-k/top-p (the
     trainer cannot apply those filters). greedy=False promises no row has temperature 0 (skips an argmax),
-    unit=True that every row's is 1 or 0 (skips a division), uniform=None that every row is greedy (the argmax
-    alone: no softmax, cumsum or search, as an all-greedy eval needs). -> (tokens (B,) long, log-probs (B,) fp32)."""
-    x = tempered(logits, temperature, unit)
+    unit=True that every row's is 1 or 0 (skips a division: softmax and log_softmax subtract the row max
+    themselves, first and alone, on CPU and CUDA, so raw logits give the same bits as tempered() ones without its two
+    passes over the vocab), uniform=None that every row is greedy (the argmax alone: no softmax, cumsum or search, as
+    an all-greedy eval needs). -> (tokens (B,) long, log-probs (B,) fp32)."""
+    x = logits
+    if not unit:
+        x = tempered(logits, temperature)
     if uniform is None:
         tok = logits.argmax(-1)
     else:
-        tok = _sample(logits, x, temperature, top_k, top_p, uniform, filtered, greedy)
+        if filtered:
+            # only the rows that filter are sorted: a row's token must not depend on whether a filtering request
+            # shares its batch (inverse-CDF sampling in sorted order picks another token for the same uniform)
+            V = x.size(-1)
+            rank = torch.arange(V, device=logits.device).expand_as(x)
+            sorts = ((top_k < V) | (top_p < 1))[:, None]
+            x_sorted, order_sorted = x.sort(dim=-1, descending=True)
+            order = torch.where(sorts, order_sorted, rank)
+            probs = torch.softmax(torch.where(sorts, x_sorted, x), dim=-1)
+            # top-k and top-p both keep a prefix of the sorted tokens; rank 0 is kept whatever top_p is (a top_p of
+            # 1e-50 is 0 in float32, and "mass before it < 0" would keep nothing)
+            keep = (rank < top_k[:, None]) & (probs.cumsum(-1) - probs < top_p[:, None])
+            probs = probs * (keep | (rank == 0) | ~sorts)
+        else:
+            probs = torch.softmax(x, dim=-1)
+        cdf = probs.cumsum(-1)
+        # u < total strictly (a float32 u below 1 times total rounds below it; a float64 u near 1 rounds to 1.0 in
+        # float32), so the search lands before the end, on a token whose own probability is > 0
+        u = uniform.float().clamp(max=_BELOW_ONE)[:, None] * cdf[:, -1:]
+        idx = torch.searchsorted(cdf, u, right=True)
+        # a parallel cumsum (CUDA) is not exactly monotone; in the rare case that lands on a removed token, take the
+        # top one (the check reads one bool per step on the host: cheaper than an argmax over the vocab every step).
+        # CPU's cumsum adds each row in order in float64: its cdf is monotone, cdf[i] > u >= cdf[i - 1] means p[i] > 0
+        if probs.is_cuda:
+            landed = probs.gather(1, idx) > 0
+            if not bool(landed.all()):
+                idx = torch.where(landed, idx, probs.argmax(-1, keepdim=True))
+        if filtered:
+            idx = order.gather(1, idx)
+        tok = idx[:, 0]
+        if greedy:
+            tok = torch.where(temperature > 0, tok, logits.argmax(-1))
     if forced is not None:
         tok = torch.where(forced >= 0, forced, tok)
     return tok, torch.log_softmax(x, dim=-1).gather(1, tok[:, None])[:, 0]
-
-
-def _sample(logits, x, temperature, top_k, top_p, uniform, filtered, greedy):
-    if filtered:
-        # only the rows that filter are sorted: a row's token must not depend on whether a filtering request
-        # shares its batch (inverse-CDF sampling in sorted order picks another token for the same uniform)
-        V = x.size(-1)
-        rank = torch.arange(V, device=logits.device).expand_as(x)
-        sorts = ((top_k < V) | (top_p < 1))[:, None]
-        x_sorted, order_sorted = x.sort(dim=-1, descending=True)
-        x, order = torch.where(sorts, x_sorted, x), torch.where(sorts, order_sorted, rank)
-    probs = torch.softmax(x, dim=-1)
-    if filtered:
-        # top-k and top-p both keep a prefix of the sorted tokens; rank 0 is kept whatever top_p is (a top_p of
-        # 1e-50 is 0 in float32, and "mass before it < 0" would keep nothing)
-        keep = (rank < top_k[:, None]) & (probs.cumsum(-1) - probs < top_p[:, None])
-        probs = probs * (keep | (rank == 0) | ~sorts)
-    cdf = probs.cumsum(-1)
-    # u < total strictly (a float32 u below 1 times total rounds below it; a float64 u near 1 rounds to 1.0 in
-    # float32), so the search lands before the end, on a token whose own probability is > 0
-    u = uniform.float().clamp(max=_BELOW_ONE)[:, None] * cdf[:, -1:]
-    idx = torch.searchsorted(cdf, u, right=True)
-    # a parallel cumsum (CUDA) is not exactly monotone; in the rare case that lands on a removed token, take the
-    # top one (the check reads one bool per step on the host: cheaper than an argmax over the vocab every step).
-    # CPU's cumsum adds each row in order in float64, so its cdf is monotone: cdf[i] > u >= cdf[i - 1] means p[i] > 0
-    if probs.is_cuda:
-        landed = probs.gather(1, idx) > 0
-        if not bool(landed.all()):
-            idx = torch.where(landed, idx, probs.argmax(-1, keepdim=True))
-    if filtered:
-        idx = order.gather(1, idx)
-    if not greedy:
-        return idx[:, 0]
-    return torch.where(temperature > 0, idx[:, 0], logits.argmax(-1))
 
 
 # --- outside the engine -----------------------------------------------------------------------------------------------

@@ -405,8 +405,6 @@ class GPT(nn.Module):
             x = norm(x)  # nanorl norms the embedding; the imported architectures do not
         for block in self.transformer.h:
             x = block(x, cos, sin, attn_mask, kv_cache)
-        if kv_cache is not None:
-            kv_cache.end(T)
         return self.transformer.norm_f(x)
 
     def logits_from_hidden(self, h):
@@ -447,10 +445,9 @@ class GPT(nn.Module):
             ent = -(logp_all.exp() * logp_all).sum(-1)
             return lp, ent
 
-        run = chunk_fn
         if torch.is_grad_enabled() and h.requires_grad:  # a backward will come: it recomputes each chunk's logits
-            run = partial(checkpoint, chunk_fn, use_reentrant=False, context_fn=self.checkpoint_context_fn)
-        chunks = [run(h[s : s + chunk_size], tgt[s : s + chunk_size]) for s in range(0, tgt.numel(), chunk_size)]
+            chunk_fn = partial(checkpoint, chunk_fn, use_reentrant=False, context_fn=self.checkpoint_context_fn)
+        chunks = [chunk_fn(h[s : s + chunk_size], tgt[s : s + chunk_size]) for s in range(0, tgt.numel(), chunk_size)]
         lps, ents = zip(*chunks)
         # new tensors, not views of the concatenation: FSDP2 hooks backward onto what a forward method returns and
         # warns that an in-place op on a returned view would bypass that hook

@@ -57,10 +57,11 @@ def test_copy_rows_prefix_sharing():
     idx = torch.randint(0, 97, (1, 10))
     nxt = torch.randint(0, 97, (4, 1))
     with torch.no_grad():
-        one = new_kv_cache(model, 1, 16, "cpu")
-        model(idx, kv_cache=one)  # prefill the prompt once...
         cache = new_kv_cache(model, 4, 16, "cpu")
-        cache.copy_rows(torch.tensor([0, 0, 0, 0]), torch.tensor([0, 1, 2, 3]), source=one)  # ...fan out to 4 rows
+        cache.rows = slice(0, 1)  # prefill the prompt once, into row 0 (as the engine prefills a few rows)...
+        model(idx, kv_cache=cache)
+        cache.rows = slice(None)
+        cache.copy_rows(torch.tensor([0, 0, 0]), torch.tensor([1, 2, 3]))  # ...fan out to the other 3 rows
         out = model(nxt, kv_cache=cache)[:, 0]
         ref = model(torch.cat([idx.expand(4, 10), nxt], dim=1))[:, -1]
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
