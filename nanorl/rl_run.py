@@ -248,6 +248,15 @@ class RLRun:
             metrics = mean_over_ranks(metrics, self.device, group=self.roles.trainer_group)
         return metrics
 
+    def update_weights(self):
+        """The engine samples from its own copy of the weights (bf16 on GPUs): give it the trained ones -> timing."""
+        t0 = time.time()
+        if self.cfg.fsdp:  # every rank gathers the full weights, one block at a time, into its engine's copy
+            return {"time/weight_gather": fsdp.gather_full_state(self.model, self.engine.model)}
+        if self.engine is not None:  # (an --async trainer has none)
+            self.engine.load_weights(self.model)
+        return {"time/weight_sync": time.time() - t0}
+
     def step(self, done):
         """One synchronous RL step: sample rollout done+1 (every rank its share), train on it, update the engine's
         weights -> metrics. A rollout that failed on any rank stops the run."""
@@ -265,13 +274,7 @@ class RLRun:
             self.rewind(before)
             self.stop_after_failure(done, int(failed.item()))
         metrics = self.train(done, share.groups, share.metrics)
-        # the engine samples from its own copy of the weights (bf16 on GPUs): give it the trained ones
-        t_sync = time.time()
-        if self.cfg.fsdp:  # every rank gathers the full weights, one block at a time, into its engine's copy
-            metrics["time/weight_gather"] = fsdp.gather_full_state(self.model, self.engine.model)
-        else:
-            self.engine.load_weights(self.model)
-            metrics["time/weight_sync"] = time.time() - t_sync
+        metrics.update(self.update_weights())
         dt = time.time() - t0
         metrics["perf/idle_frac"] = wait / dt
         self.idle_s += wait
@@ -360,10 +363,7 @@ class RLRun:
             self.trainer.critic.load_state_dict(shared["critic"])
             self.trainer.critic_optimizer.load_state_dict(shared["critic_optim"])
         set_rng_state(extra, self.device)
-        if self.cfg.fsdp:  # the engine's copy was made from the weights before the resume
-            fsdp.gather_full_state(self.model, self.engine.model)
-        elif self.engine is not None:
-            self.engine.load_weights(self.model)
+        self.update_weights()  # the engine's copy was made from the weights before the resume
         old = meta.get("rl_args", {})
         start_flags = ("resume", "overwrite")  # how the run starts, not what it does
         changed = [
