@@ -87,7 +87,8 @@ import sys; sys.path.insert(0, 'tests')
 import torch
 from nanorl.gpt import GPTConfig, build_model
 from nanorl.tokenizer import get_tokenizer
-from nanorl.checkpoint import save_checkpoint, checkpoint_root
+from nanorl.checkpoint import save_checkpoint
+from nanorl.model_loading import checkpoint_root
 from rl_fixture_tools import tool_user_model
 tok = get_tokenizer(); torch.manual_seed(0)
 cfg = GPTConfig(sequence_len=256, vocab_size=tok.vocab_size, n_layer=1, n_head=1, n_kv_head=1, n_embd=32)

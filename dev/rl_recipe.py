@@ -98,9 +98,9 @@ def cmd_eval(a):
 
     os.environ["NANORL_BASE_DIR"] = a.base if a.name in ("sft", "card") else exp_dir(a.base, a.name)
     sys.path.insert(0, ROOT)
-    from nanorl.checkpoint import load_model
     from nanorl.common import compute_init
     from nanorl.engine import Engine
+    from nanorl.model_loading import load_model
     from nanorl.rl import pass_at_k
     from scripts.chat_eval import run_generative
     from tasks import get_task

@@ -27,10 +27,11 @@ import torch
 import torch.distributed as dist
 
 from nanorl import checkpoint, fsdp, lora, rl, rl_async
-from nanorl.checkpoint import load_model, load_model_dir, rng_state, set_rng_state
+from nanorl.checkpoint import rng_state, set_rng_state
 from nanorl.common import mean_over_ranks
 from nanorl.gpt import Critic
 from nanorl.logger import ETA, Timer, print0, write_json
+from nanorl.model_loading import load_model, load_model_dir
 from nanorl.optim import MuonAdamW
 from nanorl.report import load_json, write_dir
 from nanorl.rl_config import GroupSpec

@@ -11,7 +11,6 @@ metric (22 in-context tasks of the DCLM eval bundle; see nanorl/core_eval.py).
 import time
 
 from nanorl import mirror
-from nanorl.checkpoint import add_model_args, load_model_from_args
 from nanorl.common import compute_cleanup, compute_init, skipped_on_any_rank
 from nanorl.core_eval import EVAL_BUNDLE_URL, evaluate_core, get_bundle, load_tasks
 from nanorl.dataloader import PretrainLoader
@@ -20,6 +19,7 @@ from nanorl.engine import Engine, Request
 from nanorl.flags import ArgumentParser, int_or_off, positive_int
 from nanorl.logger import print0
 from nanorl.loss_eval import evaluate_bpb
+from nanorl.model_loading import add_model_args, load_model_from_args
 from nanorl.precision import autocast_ctx
 from nanorl.report import log_section, record_metrics
 from nanorl.tokenizer import get_token_bytes

@@ -74,7 +74,7 @@ def load_both(args, device, dtype, context):
     -> (model, tokenizer, hf, info) with info the save/load numbers."""
     import transformers
 
-    from nanorl.checkpoint import load_hf
+    from nanorl.model_loading import load_hf
 
     device_type = device.type
     with tempfile.TemporaryDirectory() as directory:

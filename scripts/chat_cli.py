@@ -151,7 +151,8 @@ def loaded_what(args, meta):
     """Which checkpoint the banner names: source, tag and step, or the Hugging Face directory."""
     if args.hf_model is not None:
         return f"Hugging Face model {args.hf_model}"
-    from nanorl.checkpoint import find_checkpoint_dir, find_last_step
+    from nanorl.checkpoint import find_last_step
+    from nanorl.model_loading import find_checkpoint_dir
 
     step = args.model_step
     if step is None:
@@ -255,9 +256,9 @@ def main():
     from nanorl.common import compute_init, get_base_dir
 
     try:
-        from nanorl.checkpoint import load_model
+        from nanorl.model_loading import load_model
     except ImportError as e:
-        sys.exit(f"chat_cli needs nanorl/checkpoint.py (load_model), which this checkout does not have yet ({e})")
+        sys.exit(f"chat_cli needs nanorl/model_loading.py (load_model), which this checkout does not have yet ({e})")
     _, _, _, _, device = compute_init(args.device_type)
     # status ("loaded ...", the attention kernels) goes to stderr: stdout is the conversation, so -p can be piped
     with contextlib.redirect_stdout(sys.stderr):

@@ -295,7 +295,7 @@ def add_offline_args(parser):
 
 
 def parse_args():
-    from nanorl.checkpoint import add_model_args
+    from nanorl.model_loading import add_model_args
 
     parser = ArgumentParser(description="Evaluate a chat model on tasks")
     add_model_args(parser, "sft", short=True)
@@ -452,8 +452,8 @@ def score_card(results, args, n, temperature, skipped=None):
 
 
 def main():
-    from nanorl.checkpoint import load_model_from_args
     from nanorl.common import compute_cleanup, compute_init
+    from nanorl.model_loading import load_model_from_args
     from nanorl.precision import autocast_ctx
     from nanorl.report import log_section, record_metrics
     from nanorl.sft_data import task_paths

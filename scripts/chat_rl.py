@@ -18,7 +18,6 @@ import os
 import time
 
 from nanorl import checkpoint, common, fsdp, lora, prompts, rewards, rl_async, rl_config, rl_trainer, rollout
-from nanorl.checkpoint import add_model_args, load_model_from_args
 from nanorl.engine import Engine
 from nanorl.execution import require_sandbox, sandbox_mode
 from nanorl.flags import (
@@ -33,6 +32,7 @@ from nanorl.flags import (
 )
 from nanorl.gpt import attention_backend
 from nanorl.logger import add_logging_args, get_logger, print0
+from nanorl.model_loading import add_model_args, load_model_from_args
 from nanorl.optim import build_optimizer
 from nanorl.precision import precision_line
 from nanorl.report import log_json, log_section, rl_eval_rows

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from nanorl import fsdp, lora
 from nanorl.batch_fit import batch_candidates, compile_model, fit_batch, training_trial
-from nanorl.checkpoint import add_model_args, load_model_from_args, resume, save
+from nanorl.checkpoint import resume, save
 from nanorl.common import compute_cleanup, compute_init, get_base_dir, is_sharded
 from nanorl.flags import (
     SLIME_NAMES,
@@ -39,6 +39,7 @@ from nanorl.flags import (
 )
 from nanorl.gpt import attention_backend
 from nanorl.logger import ETA, add_logging_args, get_logger, print0
+from nanorl.model_loading import add_model_args, load_model_from_args
 from nanorl.optim import build_optimizer
 from nanorl.precision import autocast_ctx, precision_line
 from nanorl.report import data_seen, log_json, log_section

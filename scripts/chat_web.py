@@ -44,12 +44,12 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from nanorl import openai_api
-from nanorl.checkpoint import add_model_args, load_model_from_args
 from nanorl.common import autodetect_device_type
 from nanorl.engine import Engine
 from nanorl.flags import ArgumentParser, number_in
 from nanorl.function_calls import ReplyStream, chat_choice, reply_message
 from nanorl.middleware import BodyGuard, HeaderDeadline, RequestLog
+from nanorl.model_loading import add_model_args, load_model_from_args
 from nanorl.openai_api import (
     BadRequest,
     ChatRequest,

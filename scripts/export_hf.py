@@ -17,9 +17,9 @@ import os
 
 import torch
 
-from nanorl.checkpoint import add_model_args, export_peft, find_checkpoint_dir, load_model_from_args
 from nanorl.flags import ArgumentParser
 from nanorl.hf import check_export_dir, export_hf
+from nanorl.model_loading import add_model_args, export_peft, find_checkpoint_dir, load_model_from_args
 
 parser = ArgumentParser(description="Export a nanorl checkpoint to Hugging Face format")
 add_model_args(parser, "rl", short=True, hf_model=False)

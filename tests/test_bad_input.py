@@ -382,7 +382,9 @@ def test_chat_eval_says_what_it_evaluates_before_it_starts(pipeline, tmp_path):
     code, out, err = run_script("scripts.chat_eval", argv, {"NANORL_BASE_DIR": str(base), "HOME": str(tmp_path)})
     assert code == 0, err[-3000:]
     lines = out.splitlines()
-    assert lines[0] == f"loaded sft checkpoint t step 1 from {base / 'sft_checkpoints' / 't'}"  # checkpoint.load_model
+    assert (
+        lines[0] == f"loaded sft checkpoint t step 1 from {base / 'sft_checkpoints' / 't'}"
+    )  # model_loading.load_model
     header = lines.index(
         "evaluating sft checkpoint t step 1 on offline (levels 2,3) (at most 2 problems per "
         "task): temperature 0.7, top-k 5, 2 samples per problem, at most 3 new tokens"

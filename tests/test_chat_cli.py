@@ -29,8 +29,9 @@ def tiny(tmp_path_factory):
     )
     import torch
 
-    from nanorl.checkpoint import checkpoint_root, save_checkpoint
+    from nanorl.checkpoint import save_checkpoint
     from nanorl.gpt import GPTConfig, build_model
+    from nanorl.model_loading import checkpoint_root
     from nanorl.tokenizer import get_tokenizer
 
     old = os.environ.get("NANORL_BASE_DIR")
@@ -224,8 +225,8 @@ def test_one_shot_writes_only_the_answer_on_stdout(tiny, monkeypatch):
     status lines (which checkpoint, which attention kernels) go to stderr."""
     import io
 
-    from nanorl.checkpoint import load_model
     from nanorl.engine import Engine
+    from nanorl.model_loading import load_model
 
     r = warm_python.run(
         [sys.executable, "-m", "scripts.chat_cli", "-p", "What is 2+2?", "-t", "0", "-m", "12", "--device-type", "cpu"],

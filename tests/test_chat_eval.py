@@ -350,9 +350,9 @@ def _eval_ranks_worker(rank, world, ports, base_dir, bundle, out_path):
     import os
     import runpy
 
-    import nanorl.checkpoint
     import nanorl.common
     import nanorl.core_eval
+    import nanorl.model_loading
     import scripts.chat_eval as chat_eval
     from nanorl.gpt import GPTConfig, build_model
 
@@ -380,7 +380,7 @@ def _eval_ranks_worker(rank, world, ports, base_dir, bundle, out_path):
             raise OSError("download failed (raised by the test)")
         return bundle
 
-    nanorl.checkpoint.load_model_from_args = load_model
+    nanorl.model_loading.load_model_from_args = load_model
     chat_eval.get_task, nanorl.core_eval.get_bundle = get_task, get_bundle
     out, log = {}, io.StringIO()
     with contextlib.redirect_stdout(log):
@@ -436,7 +436,7 @@ def _sandbox(monkeypatch, mode):
 def test_without_a_sandbox_humaneval_is_skipped_with_a_line_and_a_card_row(tmp_path, monkeypatch, capsys):
     import json
 
-    import nanorl.checkpoint
+    import nanorl.model_loading
     import scripts.chat_eval as chat_eval
     from nanorl.gpt import GPTConfig, build_model
 
@@ -445,7 +445,7 @@ def test_without_a_sandbox_humaneval_is_skipped_with_a_line_and_a_card_row(tmp_p
     tok = Tokenizer.from_ranks({bytes([i]): i for i in range(256)}, SPLIT_PATTERN)
     cfg = GPTConfig(sequence_len=256, vocab_size=tok.vocab_size, n_layer=1, n_head=2, n_kv_head=1, n_embd=32)
     model = build_model(cfg, "cpu").eval()
-    monkeypatch.setattr(nanorl.checkpoint, "load_model_from_args", lambda *a, **kw: (model, tok, {"model_tag": "t"}))
+    monkeypatch.setattr(nanorl.model_loading, "load_model_from_args", lambda *a, **kw: (model, tok, {"model_tag": "t"}))
     real_get_task = chat_eval.get_task
 
     def get_task(name, split, **kw):
@@ -478,14 +478,14 @@ def test_without_a_sandbox_humaneval_is_skipped_with_a_line_and_a_card_row(tmp_p
 def test_each_levels_set_is_its_own_evaluation_and_card_row(tmp_path, monkeypatch, capsys):
     """--levels 1,2 --levels 3,4: the offline task twice in one run (one model load), each set's problems drawn at its
     own levels, each reported under its own line and card row, as the tiny speedrun's card shows both."""
-    import nanorl.checkpoint
+    import nanorl.model_loading
     from scripts import chat_eval
 
     monkeypatch.setenv("NANORL_BASE_DIR", str(tmp_path))
     tok = Tokenizer.from_ranks({bytes([i]): i for i in range(256)}, SPLIT_PATTERN)
     cfg = GPTConfig(sequence_len=512, vocab_size=tok.vocab_size, n_layer=1, n_head=2, n_kv_head=1, n_embd=32)
     model = build_model(cfg, "cpu").eval()
-    monkeypatch.setattr(nanorl.checkpoint, "load_model_from_args", lambda *a, **kw: (model, tok, {"model_tag": "t"}))
+    monkeypatch.setattr(nanorl.model_loading, "load_model_from_args", lambda *a, **kw: (model, tok, {"model_tag": "t"}))
     loaded, real_get_task = [], chat_eval.get_task
 
     def get_task(name, split, **kw):

@@ -34,10 +34,11 @@ def server(tmp_path_factory):
     )
     import torch
 
-    from nanorl.checkpoint import checkpoint_root, load_model_dir, save_checkpoint
+    from nanorl.checkpoint import save_checkpoint
     from nanorl.engine import Engine
     from nanorl.gpt import GPTConfig
     from nanorl.gpt import build_model as build_gpt
+    from nanorl.model_loading import checkpoint_root, load_model_dir
     from nanorl.openai_api import ServeConfig
     from nanorl.tokenizer import get_tokenizer
     from scripts.chat_web import create_app
@@ -617,7 +618,7 @@ def test_replicas_load_the_checkpoint_the_first_one_chose(tmp_path, monkeypatch,
     import torch
 
     import scripts.chat_web as chat_web
-    from nanorl import checkpoint
+    from nanorl import checkpoint, model_loading
 
     monkeypatch.setenv("NANORL_BASE_DIR", str(tmp_path))
     for tag in ("a", "b"):
@@ -625,7 +626,7 @@ def test_replicas_load_the_checkpoint_the_first_one_chose(tmp_path, monkeypatch,
     loaded = []
 
     def load(args, device, phase):
-        d = checkpoint.find_checkpoint_dir(args.source, args.model_tag)
+        d = model_loading.find_checkpoint_dir(args.source, args.model_tag)
         step = args.model_step if args.model_step is not None else checkpoint.find_last_step(d)
         loaded.append((os.path.basename(d), step))
         checkpoint.save_checkpoint(str(tmp_path / "sft_checkpoints" / "a"), 2, {"w": torch.ones(1)}, meta={"x": 2})
@@ -1712,7 +1713,7 @@ def test_port_in_use_is_one_line_and_port_0_is_reported(server):
         text=True,
     )
     try:
-        loaded = proc.stdout.readline()  # checkpoint.load_model names what it loaded first
+        loaded = proc.stdout.readline()  # model_loading.load_model names what it loaded first
         assert loaded.startswith("loaded sft checkpoint t step 0 from "), loaded
         line = proc.stdout.readline()
         assert line.startswith("serving nanorl-sft-t on 1 replica(s) (cpu) at http://127.0.0.1:"), line

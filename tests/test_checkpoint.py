@@ -8,13 +8,13 @@ from nanorl.checkpoint import (
     delete_step,
     find_last_step,
     load_checkpoint,
-    load_model_dir,
     load_weights,
     resume_point,
     save_checkpoint,
 )
 from nanorl.gpt import GPTConfig
 from nanorl.gpt import build_model as build_gpt
+from nanorl.model_loading import load_model_dir
 
 CFG = GPTConfig(sequence_len=16, vocab_size=40, n_layer=2, n_head=2, n_kv_head=1, n_embd=32)
 
@@ -200,8 +200,8 @@ def test_save_then_resume_restores_weights_optimizer_extra_and_rngs(tmp_path):
 
 
 def test_model_flags_pick_the_checkpoint_that_load_model_reads(tmp_path, monkeypatch):
-    from nanorl.checkpoint import add_model_args, checkpoint_root, load_model_from_args
     from nanorl.flags import ArgumentParser
+    from nanorl.model_loading import add_model_args, checkpoint_root, load_model_from_args
     from nanorl.tokenizer import SPLIT_PATTERN, Tokenizer
 
     monkeypatch.setenv("NANORL_BASE_DIR", str(tmp_path))
@@ -270,7 +270,7 @@ def test_loading_a_checkpoint_says_which_source_tag_and_step(tmp_path, monkeypat
     import types
 
     import nanorl.tokenizer
-    from nanorl.checkpoint import load_model
+    from nanorl.model_loading import load_model
 
     monkeypatch.setattr(nanorl.tokenizer, "get_tokenizer", lambda: types.SimpleNamespace(vocab_size=CFG.vocab_size))
     d = tmp_path / "sft_checkpoints" / "d4"
@@ -299,7 +299,7 @@ def test_several_tags_the_most_recently_saved_is_loaded_and_named(tmp_path, monk
     import types
 
     import nanorl.tokenizer
-    from nanorl.checkpoint import find_checkpoint_dir, load_model
+    from nanorl.model_loading import find_checkpoint_dir, load_model
 
     monkeypatch.setattr(nanorl.tokenizer, "get_tokenizer", lambda: types.SimpleNamespace(vocab_size=CFG.vocab_size))
     monkeypatch.setenv("NANORL_BASE_DIR", str(tmp_path))

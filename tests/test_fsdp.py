@@ -12,9 +12,10 @@ import torch.multiprocessing as mp
 import warm_python  # pytest puts tests/ on sys.path
 from torch.distributed.tensor import DTensor
 
-from nanorl.checkpoint import delete_step, load_checkpoint, load_model_dir
+from nanorl.checkpoint import delete_step, load_checkpoint
 from nanorl.common import compute_cleanup
 from nanorl.gpt import GPTConfig, build_model
+from nanorl.model_loading import load_model_dir
 from nanorl.optim import build_optimizer
 
 STEPS, ACCUM = 3, 2
@@ -482,7 +483,8 @@ def test_chat_sft_fsdp_matches_replicated_resumes_and_consolidates(tmp_path, mon
         check=True,
         capture_output=True,
     )
-    from nanorl.checkpoint import checkpoint_root, save_checkpoint
+    from nanorl.checkpoint import save_checkpoint
+    from nanorl.model_loading import checkpoint_root
     from nanorl.tokenizer import get_tokenizer
 
     torch.manual_seed(0)
@@ -516,7 +518,7 @@ def test_chat_sft_fsdp_matches_replicated_resumes_and_consolidates(tmp_path, mon
         text=True,
     )
     assert out.returncode == 0 and "model_000004.safetensors" in out.stdout, out.stderr[-2000:]
-    from nanorl.checkpoint import load_model
+    from nanorl.model_loading import load_model
 
     model, _, meta = load_model("sft", "cpu", model_tag="fsdp")  # what chat_eval calls
     assert meta["step"] == 4 and meta["consolidated"]

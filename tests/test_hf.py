@@ -377,7 +377,8 @@ def test_export_keeps_the_declared_context_every_eos_id_pad_and_generation_confi
     import runpy
     import sys
 
-    from nanorl.checkpoint import load_model, save_checkpoint
+    from nanorl.checkpoint import save_checkpoint
+    from nanorl.model_loading import load_model
 
     src, base, out = tmp_path / "src", tmp_path / "base", tmp_path / "out"
     tiny_hf("llama", src)
@@ -424,7 +425,8 @@ def test_load_model_hf_checkpoint_and_export_script(tmp_path, monkeypatch):
     -> scripts.export_hf writes it back in its architecture (Qwen2, tied embeddings) with equal logits."""
     import sys
 
-    from nanorl.checkpoint import load_model, save_checkpoint
+    from nanorl.checkpoint import save_checkpoint
+    from nanorl.model_loading import load_model
     from nanorl.optim import build_optimizer
 
     src, base = tmp_path / "qwen", tmp_path / "base"
@@ -460,7 +462,7 @@ def test_chat_web_serves_an_open_model(tmp_path):
     writes for the same chat, cut at the model's end-of-turn token."""
     from fastapi.testclient import TestClient
 
-    from nanorl.checkpoint import load_model
+    from nanorl.model_loading import load_model
     from nanorl.openai_api import ServeConfig
     from scripts.chat_web import create_app
 

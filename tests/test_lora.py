@@ -241,7 +241,7 @@ def test_lora_checkpoint_loads_merged_and_exports(base_dir, monkeypatch):  # noq
     # load_model("rl") of a LoRA run = its base + (alpha/r) B A, a plain GPT; export_hf writes that model
     import sys
 
-    from nanorl.checkpoint import load_model
+    from nanorl.model_loading import load_model
 
     monkeypatch.setenv("NANORL_BASE_DIR", str(base_dir))
     if not (base_dir / "rl_checkpoints" / "lora_full").exists():
@@ -342,7 +342,8 @@ def test_chat_rl_lora_on_an_open_model_exports_merged_and_peft(tmp_path):
     ]
     out = warm_python.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    from nanorl.checkpoint import load_checkpoint, load_hf
+    from nanorl.checkpoint import load_checkpoint
+    from nanorl.model_loading import load_hf
 
     adapters = load_checkpoint(str(base / "rl_checkpoints" / "qwen"))[0]
     ours, tok, _ = load_hf(str(src), "cpu")

@@ -155,9 +155,10 @@ def test_peft_export_replaces_only_an_earlier_export(tmp_path):
     pytest.importorskip("transformers")
     from test_hf import tiny_hf, tiny_tokenizer
 
-    from nanorl.checkpoint import export_peft, load_hf, save_checkpoint
+    from nanorl.checkpoint import save_checkpoint
     from nanorl.hf import EXPORT_MARKER
     from nanorl.lora import LoraConfig, apply_lora, checkpoint_meta, lora_state_dict
+    from nanorl.model_loading import export_peft, load_hf
 
     src = tmp_path / "qwen"
     tiny_hf("qwen2", src, vocab=tiny_tokenizer(src))

@@ -324,8 +324,8 @@ def test_sft_beats_the_base_model_on_held_out_offline_problems(tmp_path, monkeyp
     assert re.search(r"step     1 \| .* \| eta \d+\.\dm", out.stdout) and "eta nan" not in out.stdout, out.stdout[
         -2000:
     ]
-    from nanorl.checkpoint import load_model
     from nanorl.engine import Engine
+    from nanorl.model_loading import load_model
     from scripts.chat_eval import evaluate
 
     monkeypatch.setenv("NANORL_BASE_DIR", str(tmp_path))
