@@ -1457,33 +1457,37 @@ def test_slow_clients_are_cut_off(server):
             assert c.get(url + "/health").status_code == 200  # the same connection, kept alive
 
 
-class SlowTokenizer:
-    """The test tokenizer, but rendering a conversation takes 0.5 s (as a 4 MB one does): a handler that tokenised on
-    the event loop would stall every other client for that long."""
+class BlockingTokenizer:
+    """The test tokenizer, but rendering a conversation waits until the test releases it (as a 4 MB one takes long):
+    a handler that tokenised on the event loop would stall every other client until then. `entered` is set once a
+    rendering is under way; `calls` counts them."""
 
     def __init__(self, tok):
-        self.tok = tok
+        self.tok, self.calls = tok, 0
+        self.entered, self.release = threading.Event(), threading.Event()
 
     def __getattr__(self, name):
         return getattr(self.tok, name)
 
     def render_for_completion(self, conversation):
-        time.sleep(0.5)
+        self.calls += 1
+        self.entered.set()
+        assert self.release.wait(30), "the test never released the tokenizer"
         return self.tok.render_for_completion(conversation)
 
 
 def test_tokenising_does_not_block_the_server(server):
+    """No clock: while a conversation's tokenisation is held mid-way, /health still answers (on the event loop it
+    could not until the release); and a conversation far over the context is refused without tokenising it."""
     from nanorl.engine import Engine
     from nanorl.openai_api import ServeConfig
     from scripts.chat_web import create_app
 
-    slow = SlowTokenizer(server["tokenizer"])
+    slow = BlockingTokenizer(server["tokenizer"])
     app = create_app([Engine(server["model"], server["tokenizer"], batch_size=4)], slow, ServeConfig(max_tokens=4))
     with serve(app) as url:
         done = []
-        # clients made up front: a new httpx client builds an SSL context (~0.1 s of CPU, in this process), which
-        # would be counted as the server's latency
-        posts, polls = httpx.Client(timeout=30), httpx.Client(timeout=5)
+        posts = httpx.Client(timeout=60)
         threads = [
             threading.Thread(
                 target=lambda: done.append(
@@ -1494,23 +1498,18 @@ def test_tokenising_does_not_block_the_server(server):
         ]
         for t in threads:
             t.start()
-        time.sleep(0.1)
-        worst = 0.0
-        while any(t.is_alive() for t in threads):
-            t0 = time.perf_counter()
-            assert polls.get(url + "/health").status_code == 200
-            worst = max(worst, time.perf_counter() - t0)
-            time.sleep(0.05)
-        assert done == [200] * 4
-        print(f"/health took at most {worst * 1000:.0f} ms while 4 conversations were tokenised")
-        # tokenising on the event loop would stall it 0.5 s a conversation; the margin is for a loaded CI machine
-        assert worst < 0.4, f"/health took {worst:.2f}s while conversations were being tokenised"
-        # a conversation far over the context is refused from its size alone, before the (slow) tokenizer runs
+        assert slow.entered.wait(30), "no conversation reached the tokenizer"
+        # a tokenizer held on the event loop would hold /health too: the request would time out, not answer
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
+        slow.release.set()
+        for t in threads:
+            t.join(60)
+        assert done == [200] * 4 and slow.calls == 4
+        # a conversation far over the context is refused from its size alone, before the tokenizer runs
         huge = [{"role": r, "content": "x" * 8000} for _ in range(50) for r in ("user", "assistant")] + user()
-        t0 = time.perf_counter()
         r = httpx.post(url + "/v1/chat/completions", json={"messages": huge}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
-        assert time.perf_counter() - t0 < 0.4, "the tokenizer ran on a conversation that cannot fit"
+        assert slow.calls == 4, "the tokenizer ran on a conversation that cannot fit"
 
 
 def test_an_engine_failure_ends_only_its_request(server):
