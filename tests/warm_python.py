@@ -7,8 +7,13 @@ pid, signals: a SIGKILL gives -9 as it does to a subprocess), its working direct
 its stdout and stderr, its exit code (an uncaught exception goes to sys.excepthook and gives 1), its atexit
 handlers.
 
-`python -m torch.distributed.run` (torchrun) is warm too: its ranks are the real interpreters it starts. What it does
-not cover, so the tests that need it start a real interpreter: interpreter start-up itself (a sitecustomize on
+`python -m torch.distributed.run` (torchrun) is warm too, and so are its ranks: torchrun's launcher runs in such a
+process, and where it would start a rank `python -u ...` in a new interpreter it forks itself instead (_start_rank):
+the rank has its own process and session (the launcher's signals to it and its exit code as with Popen), the
+environment torchrun gives it (RANK, WORLD_SIZE, MASTER_PORT, ...), Python's own signal handlers and no exit function
+of the launcher's. Torch was imported before that environment was set: a torch setting read at import time comes from
+the test's environment (the launcher's), which is the ranks' but for torchrun's own variables. What none of this
+covers, so the tests that need it start a real interpreter: interpreter start-up itself (a sitecustomize on
 PYTHONPATH, -X options), bash. The pipeline and rehearsal tests run speedrun.sh as a user does.
 """
 
@@ -18,9 +23,11 @@ import io
 import multiprocessing
 import os
 import runpy
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 
 _context = multiprocessing.get_context("forkserver")
 _context.set_forkserver_preload(["torch", "torch._dynamo"])
@@ -34,9 +41,18 @@ def _child(argv, env, cwd, out, err):
         f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(f, fd)
         os.close(f)
-    # a pipe's buffering, as a subprocess's stdout: whatever a killed process had not flushed is lost
-    sys.stdout = io.TextIOWrapper(open(1, "wb", closefd=False), write_through=False)
-    sys.stderr = io.TextIOWrapper(open(2, "wb", closefd=False), line_buffering=True)
+    if argv[:2] == ["-m", "torch.distributed.run"]:
+        from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
+
+        subprocess_handler.SubprocessHandler._popen = _start_rank
+    _main(argv, cwd, unbuffered=False)
+
+
+def _main(argv, cwd, unbuffered):
+    """Run `python ARGV` in this process (its fds 1 and 2 already in place) and exit with its code."""
+    # a pipe's buffering, as a subprocess's stdout: whatever a killed process had not flushed is lost (-u: nothing)
+    sys.stdout = io.TextIOWrapper(open(1, "wb", closefd=False), write_through=unbuffered)
+    sys.stderr = io.TextIOWrapper(open(2, "wb", closefd=False), line_buffering=True, write_through=unbuffered)
     code = 0
     try:
         if argv[0] == "-m":
@@ -64,6 +80,63 @@ def _child(argv, env, cwd, out, err):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+class _Rank:
+    """What torchrun's launcher reads of a rank's Popen (pid, poll, wait), for a rank forked from the launcher."""
+
+    def __init__(self, pid):
+        self.pid, self.returncode = pid, None
+
+    def poll(self):
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout=None):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout)
+            time.sleep(0.01)
+        return self.returncode
+
+    def send_signal(self, sig):
+        if self.returncode is None:
+            os.kill(self.pid, sig)
+
+    def kill(self):
+        self.send_signal(signal.SIGKILL)
+
+
+def _start_rank(handler, args, env):
+    """torchrun's SubprocessHandler._popen, in the warm launcher: a rank `python -u ...` is forked from it (torch already
+    imported) instead of a new interpreter; it runs in its own session, as Popen(start_new_session=True) starts it."""
+    if args[0] != sys.executable or args[1] != "-u":
+        return subprocess.Popen(args, env=env, stdout=handler._stdout, stderr=handler._stderr, start_new_session=True)
+    sys.stdout.flush()  # or the child writes the launcher's unflushed lines again
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        return _Rank(pid)
+    try:
+        os.setsid()
+        # the launcher's handlers (torchrun turns SIGTERM, SIGINT, SIGHUP and SIGQUIT into an exception) and exit
+        # functions are not the rank's: a new interpreter has Python's own
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        atexit._clear()
+        for fd, f in ((1, handler._stdout), (2, handler._stderr)):
+            if f is not None:
+                os.dup2(f.fileno(), fd)
+        os.environ.clear()
+        os.environ.update(env)
+        _main(list(args[2:]), os.getcwd(), unbuffered=True)
+    finally:
+        os._exit(1)
 
 
 def run(cmd, cwd=None, env=None, timeout=None, check=False, capture_output=True, text=False):
