@@ -1,13 +1,14 @@
 """
 Where RL prompts come from: items of {"conversation" or "text", "label", "metadata"} from a task object (the script
 builds it from tasks/ and passes it in) or from a jsonl file (--prompt-data), and the tokens a response starts from,
-rendered once per prompt when the run is built (add_prompt_ids: its "prompt_ids"). The PromptSource that deals them
-out during the run is nanorl/rollout.py's.
+rendered once per prompt when the run is built (add_prompt_ids: its "prompt_ids"), and the PromptSource that deals
+them out during the run, shard by shard and epoch by epoch.
 """
 
 import json
 import os
 
+from nanorl.common import epoch_order
 from nanorl.errors import MissingFile
 from nanorl.rewards import extract_answer
 
@@ -98,3 +99,48 @@ def add_prompt_ids(tokenizer, items):
             item["prompt_ids"] = [tokenizer.get_bos_token_id()] + tokenizer.encode(item["text"])
         else:
             item["prompt_ids"] = tokenizer.render_for_completion(item["conversation"])
+
+
+# -----------------------------------------------------------------------------------------------
+# the prompt source: the prompts dealt out during the run, with their seeds
+
+
+class PromptSource:
+    """
+    Prompts (conversation or text, prompt_ids, label, metadata: the items above) from a task or a file,
+    reshuffled every epoch with a seed; each DDP rank walks its own strided shard. state_dict() makes a resumed run
+    continue on the exact next prompt.
+    """
+
+    def __init__(self, items, seed=0, rank=0, world_size=1, shuffle=True):
+        if not items:
+            raise ValueError("the prompt source is empty: the RL task gave no prompts")
+        self.items = items
+        self.seed, self.rank, self.world_size, self.shuffle = seed, rank, world_size, shuffle
+        self.epoch, self.offset = 0, 0
+        self._order = self._make_order()
+
+    def _make_order(self):
+        return epoch_order(len(self.items), self.seed, self.epoch, self.rank, self.world_size, self.shuffle)
+
+    def get(self, n):
+        """The next n prompts of this rank and their sampling seeds. A prompt's seed is a function of the run's seed
+        and of where the prompt sits in the global order (epoch, position), whichever rank serves it: a run on k
+        ranks samples exactly what a run on one rank samples."""
+        out, seeds = [], []
+        while len(out) < n:
+            if self.offset >= len(self._order):
+                self.epoch, self.offset = self.epoch + 1, 0
+                self._order = self._make_order()
+            out.append(self.items[self._order[self.offset]])
+            position = self.offset * self.world_size + self.rank
+            seeds.append(self.seed * 1_000_003 + self.epoch * 10_000_019 + position)
+            self.offset += 1
+        return out, seeds
+
+    def state_dict(self):
+        return {"epoch": self.epoch, "offset": self.offset, "seed": self.seed}
+
+    def load_state_dict(self, state):
+        self.epoch, self.offset, self.seed = state["epoch"], state["offset"], state["seed"]
+        self._order = self._make_order()

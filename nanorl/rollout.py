@@ -1,7 +1,8 @@
 """
-The sampling side of RL, one rollout on one rank: the Sample record the trainer reads, the prompt source, turning
-prompts into scored groups of Samples (RolloutWorker), dynamic sampling with over-sampling (RolloutFill and its
-filters) and the surplus buffer. The worker's config and flags are nanorl/rl_config.py's.
+One rollout on one rank, the sampling side of RL: the Sample record the trainer reads, turning prompts into scored
+groups of Samples (RolloutWorker), dynamic sampling with over-sampling (RolloutFill and its filters) and the surplus
+buffer. The prompts and the order they are dealt in are nanorl/prompts.py's, the worker's config and flags
+nanorl/rl_config.py's.
 
 The flow of one rollout (RLRun.sample_share in nanorl/rl_run.py runs it, round by round):
   PromptSource.get -> prompts (their token ids rendered once, when the run was built) and their seeds ->
@@ -15,7 +16,6 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from nanorl.common import epoch_order
 from nanorl.engine import Completion, Request
 from nanorl.multiturn import make_tool, multi_turn_generate
 from nanorl.remote_rewards import remote_rewards
@@ -93,51 +93,6 @@ def extend_sample(s, completion, python_start=None, output_end=None):
             del s.tokens[-cut:], s.loss_mask[-cut:], s.rollout_log_probs[-cut:]
             s.response_length = open_at
     return s
-
-
-# -----------------------------------------------------------------------------------------------
-# the prompt source: prompts dealt out with their seeds
-
-
-class PromptSource:
-    """
-    Prompts (conversation or text, prompt_ids, label, metadata: nanorl/prompts.py's items) from a task or a file,
-    reshuffled every epoch with a seed; each DDP rank walks its own strided shard. state_dict() makes a resumed run
-    continue on the exact next prompt.
-    """
-
-    def __init__(self, items, seed=0, rank=0, world_size=1, shuffle=True):
-        if not items:
-            raise ValueError("the prompt source is empty: the RL task gave no prompts")
-        self.items = items
-        self.seed, self.rank, self.world_size, self.shuffle = seed, rank, world_size, shuffle
-        self.epoch, self.offset = 0, 0
-        self._order = self._make_order()
-
-    def _make_order(self):
-        return epoch_order(len(self.items), self.seed, self.epoch, self.rank, self.world_size, self.shuffle)
-
-    def get(self, n):
-        """The next n prompts of this rank and their sampling seeds. A prompt's seed is a function of the run's seed
-        and of where the prompt sits in the global order (epoch, position), whichever rank serves it: a run on k
-        ranks samples exactly what a run on one rank samples."""
-        out, seeds = [], []
-        while len(out) < n:
-            if self.offset >= len(self._order):
-                self.epoch, self.offset = self.epoch + 1, 0
-                self._order = self._make_order()
-            out.append(self.items[self._order[self.offset]])
-            position = self.offset * self.world_size + self.rank
-            seeds.append(self.seed * 1_000_003 + self.epoch * 10_000_019 + position)
-            self.offset += 1
-        return out, seeds
-
-    def state_dict(self):
-        return {"epoch": self.epoch, "offset": self.offset, "seed": self.seed}
-
-    def load_state_dict(self, state):
-        self.epoch, self.offset, self.seed = state["epoch"], state["offset"], state["seed"]
-        self._order = self._make_order()
 
 
 # -----------------------------------------------------------------------------------------------

@@ -308,7 +308,7 @@ def build_run(args, parser):
     ckpt_dir = os.path.join(common.get_base_dir(), "rl_checkpoints", output_tag)
     checkpoint.claim_output_dir(ckpt_dir, args.resume, args.overwrite, rank)  # an old run's steps never hide this one's
 
-    source = rollout.PromptSource(train_items, seed=args.seed, rank=roles.sampler_rank, world_size=roles.n_samplers)
+    source = prompts.PromptSource(train_items, seed=args.seed, rank=roles.sampler_rank, world_size=roles.n_samplers)
     worker = rollout.RolloutWorker(rollout_cfg, engine, models.tokenizer, graders, reward_cfg, custom_generate)
     sampling = Sampling(worker, source, rollout.RolloutBuffer(buffer_filter), group_filter, eval_items)
     cfg = RunConfig(

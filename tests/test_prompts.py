@@ -1,11 +1,11 @@
-"""RL prompts: from a task object or a jsonl file, with their labels and metadata; their token ids, rendered once
-(the PromptSource's shards, epochs and resume: tests/test_rollout.py)."""
+"""RL prompts: from a task object or a jsonl file, with their labels and metadata; their token ids, rendered once; the
+PromptSource's shards, epochs, seeds and resume."""
 
 import json
 
 import pytest
 
-from nanorl.prompts import add_prompt_ids, jsonl_prompts, task_prompts
+from nanorl.prompts import PromptSource, add_prompt_ids, jsonl_prompts, task_prompts
 from nanorl.tokenizer import SPLIT_PATTERN, Tokenizer
 
 
@@ -63,3 +63,23 @@ def test_add_prompt_ids_renders_each_item_once_by_hand():
     add_prompt_ids(tok, items)
     assert [it["prompt_ids"] for it in items] == [[256, 257, 104, 105, 258, 259], [256, 97, 98]]
     assert items[0]["conversation"] is chat and set(items[1]) == {"text", "label", "metadata", "prompt_ids"}
+
+
+def test_prompt_source_shards_epochs_and_resume():
+    items = list(range(10))
+    a, b = PromptSource(items, seed=1, rank=0, world_size=2), PromptSource(items, seed=1, rank=1, world_size=2)
+    (pa, sa), (pb, sb) = a.get(5), b.get(5)
+    assert sorted(pa + pb) == items  # one epoch across 2 ranks covers everything once
+    # a prompt's seed is where it sits in the global order, whichever rank serves it: one rank samples the same
+    one, seeds = PromptSource(items, seed=1).get(10)
+    assert dict(zip(pa + pb, sa + sb)) == dict(zip(one, seeds))
+    assert seeds == [1 * 1_000_003 + 0 * 10_000_019 + position for position in range(10)]
+    assert PromptSource(items, seed=1).get(12)[1][10:] == [1_000_003 + 10_000_019, 1_000_003 + 10_000_019 + 1]
+    a.get(2)  # into epoch 2
+    state = a.state_dict()
+    nxt = a.get(7)
+    c = PromptSource(items, seed=1, rank=0, world_size=2)
+    c.load_state_dict(state)
+    assert c.get(7) == nxt
+    with pytest.raises(ValueError, match="empty"):
+        PromptSource([])

@@ -2,9 +2,7 @@
 
 import random
 
-import pytest
-
-from nanorl.rollout import PromptSource, RolloutBuffer, RolloutFill, Sample, keep_nonconstant_group
+from nanorl.rollout import RolloutBuffer, RolloutFill, Sample, keep_nonconstant_group
 
 
 def group(rewards, gi=0):
@@ -83,23 +81,3 @@ def test_buffer_loads_a_checkpoint_whose_samples_recorded_their_temperature():
     buf = RolloutBuffer()
     buf.load_state_dict(old)
     assert [[s.to_dict() for s in g] for g in buf.groups] == [[s.to_dict() for s in g] for g in state.groups]
-
-
-def test_prompt_source_shards_epochs_and_resume():
-    items = list(range(10))
-    a, b = PromptSource(items, seed=1, rank=0, world_size=2), PromptSource(items, seed=1, rank=1, world_size=2)
-    (pa, sa), (pb, sb) = a.get(5), b.get(5)
-    assert sorted(pa + pb) == items  # one epoch across 2 ranks covers everything once
-    # a prompt's seed is where it sits in the global order, whichever rank serves it: one rank samples the same
-    one, seeds = PromptSource(items, seed=1).get(10)
-    assert dict(zip(pa + pb, sa + sb)) == dict(zip(one, seeds))
-    assert seeds == [1 * 1_000_003 + 0 * 10_000_019 + position for position in range(10)]
-    assert PromptSource(items, seed=1).get(12)[1][10:] == [1_000_003 + 10_000_019, 1_000_003 + 10_000_019 + 1]
-    a.get(2)  # into epoch 2
-    state = a.state_dict()
-    nxt = a.get(7)
-    c = PromptSource(items, seed=1, rank=0, world_size=2)
-    c.load_state_dict(state)
-    assert c.get(7) == nxt
-    with pytest.raises(ValueError, match="empty"):
-        PromptSource([])
