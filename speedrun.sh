@@ -112,6 +112,9 @@ if [ $RUN = tiny ]; then
     RL_PROMPTS=$(size 16 4)      # prompts per RL step, 8 samples each (16, not 8: steadier across seeds, dev/LOG.md)
     RL_EVAL_EVERY=$(size 24 8)   # RL's held-out pass@k: at the start, every N steps and at the end
     RL_EVAL_N=$(size 64 8)       # RL's held-out problems
+    # RL trains where SFT still fails (levels 3,4; 1,2 are near their ceiling after mid-training), with RLOO's
+    # leave-one-out baseline: of the recipes measured there, the one that kept every levels-1,2 number (dev/LOG.md)
+    RL_RECIPE="--levels 3,4 --advantage-estimator rloo"
     RL_SAVE_EVERY=$(size 8 1)    # RL checkpoints every N steps (smoke: every step, so a stopped run has one to go on from)
     stage tok_train  $PY -m scripts.tok_train --vocab-size 4096 --max-chars $(size 20000000 2000000)
     stage tok_eval   $PY -m scripts.tok_eval
@@ -124,7 +127,7 @@ if [ $RUN = tiny ]; then
     stage chat_sft   $PY -m scripts.chat_sft --num-iterations $SFT_ITERS --device-batch-size $ROWS --eval-every $(( SFT_ITERS / 2 )) --eval-tokens $EVAL_TOK --num-examples $NUM_EX --run "$WANDB_RUN"
     stage eval_sft   $PY -m scripts.chat_eval -i sft -a offline -x $EVAL_N -m $GEN --levels 1,2 --levels 3,4
     stage eval_sft_sampled $PY -m scripts.chat_eval -i sft -a offline -x $EVAL_N -m $GEN --levels 1,2 -n 4 -t 1.0
-    stage chat_rl    $PY -m scripts.chat_rl --overwrite --levels 1,2 --num-rollouts $RL_ROLLOUTS --rollout-batch-size $RL_PROMPTS --n-samples-per-prompt 8 \
+    stage chat_rl    $PY -m scripts.chat_rl --overwrite $RL_RECIPE --num-rollouts $RL_ROLLOUTS --rollout-batch-size $RL_PROMPTS --n-samples-per-prompt 8 \
         --max-new-tokens $GEN --eval-every $RL_EVAL_EVERY --eval-max-problems $RL_EVAL_N --n-samples-per-eval-prompt 4 --save-every $RL_SAVE_EVERY --run "$WANDB_RUN"
     stage eval_rl    $PY -m scripts.chat_eval -i rl -a offline -x $EVAL_N -m $GEN --levels 1,2 --levels 3,4
     stage eval_rl_sampled $PY -m scripts.chat_eval -i rl -a offline -x $EVAL_N -m $GEN --levels 1,2 -n 4 -t 1.0

@@ -28,7 +28,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the speedrun's RL stage (speedrun.sh, tiny branch) and its card evals (eval_rl, eval_rl_sampled)
 SPEEDRUN_RL = [
     "--levels",
-    "1,2",
+    "3,4",
+    "--advantage-estimator",
+    "rloo",
     "--num-rollouts",
     "24",
     "--rollout-batch-size",

@@ -1,5 +1,6 @@
 """The whole tiny pipeline, end to end, with the smallest settings (NANORL_SMOKE=1)."""
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -355,3 +356,17 @@ def test_rehearsal_after_a_tiny_run_runs_every_stage_and_continues_after_kills(t
     url = (run / "mirror.url").read_text().strip()
     with pytest.raises(OSError):
         urllib.request.urlopen(url, timeout=5)
+
+
+def test_the_rl_recipe_experiments_start_from_the_tiny_runs_rl_flags(tmp_path):
+    """dev/rl_recipe.py runs chat_rl with the tiny speedrun's RL flags plus an experiment's own: the flags it calls
+    the speedrun's are the ones `bash speedrun.sh` runs (a recipe compared against the card must differ only in its
+    own flags)."""
+    spec = importlib.util.spec_from_file_location("rl_recipe", ROOT / "dev" / "rl_recipe.py")
+    rl_recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rl_recipe)
+    env = {**os.environ, "NANORL_TINY": "1", "NANORL_SKIP_INSTALL": "1", "NANORL_BASE_DIR": str(tmp_path / "base")}
+    env.pop("NANORL_SMOKE", None)
+    _, _, module, opts = split_command(dry_run(env)["chat_rl"])
+    assert module == "scripts.chat_rl"
+    assert [o for o in opts if o[0] != "--overwrite"] == options(rl_recipe.SPEEDRUN_RL)
