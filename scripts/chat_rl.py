@@ -190,6 +190,8 @@ def load_prompts(args, parser, reward_cfg):
         eval_name = args.eval_task or args.task
         train_items, train_task = task_prompts(args, args.task, "train", label_needed)
         eval_items, eval_task = task_prompts(args, eval_name, "test", label_needed)
+        if eval_name == "offline":  # named as chat_eval's card rows name it: which levels were held out
+            eval_name = f"offline levels {args.levels}"
     graders, rm_name = None, f"remote:{reward_cfg.rm_url}"
     if args.agent:
         graders, rm_name = {}, f"agent:{args.agent}"

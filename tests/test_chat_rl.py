@@ -137,6 +137,9 @@ def test_first_step_is_exactly_on_policy(base_dir):
         f"  saved: step 2 in {ck}\n  chat with it: python -m scripts.chat_cli -i rl -g onpolicy"
     )
     assert f"loaded sft checkpoint t step 0 from {base_dir / 'sft_checkpoints' / 't'}" in log
+    # the report's RL section names the held-out problems as chat_eval's card rows do: the offline task's levels
+    section = (base_dir / "report" / "chat-rl.md").read_text()
+    assert "- offline levels 1 pass@1 (T=1, 4 problems x 2 samples) after (step 2): " in section
     # the logger's curves start at a "before" point: the step-0 eval
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
