@@ -350,13 +350,18 @@ POLICY_LOSSES = {"ppo_clip": ppo_clip_loss, "gspo": gspo_loss, "cispo": cispo_lo
 @dataclass(frozen=True)
 class LossConfig:
     """The policy loss's settings, fixed for a run: the per-token loss (kind: ppo_clip | gspo | cispo) and its clip
-    range (eps_clip_high: DAPO's clip-higher, default eps_clip; eps_clip_c: dual clip), the aggregation (loss_agg,
-    max_len for seq_mean_token_sum_norm), the entropy bonus and the KL loss to the reference (0 = off)."""
+    range (eps_clip_high: DAPO's clip-higher, default eps_clip; eps_clip_c: dual clip), the importance weights against
+    the sampler (use_tis, with tis_weights' clip, clip_low and mode), the aggregation (loss_agg, max_len for
+    seq_mean_token_sum_norm), the entropy bonus and the KL loss to the reference (0 = off)."""
 
     kind: str = "ppo_clip"
     eps_clip: float = 0.2
     eps_clip_high: float | None = None
     eps_clip_c: float | None = None
+    use_tis: bool = False
+    tis_clip: float = 2.0
+    tis_clip_low: float = 0.0
+    tis_mode: str = "truncate"
     loss_agg: str = "token_mean"
     max_len: int | None = None
     entropy_coef: float = 0.0
@@ -368,17 +373,19 @@ class LossConfig:
             raise ValueError(f"unknown policy loss {self.kind!r}, expected one of {', '.join(POLICY_LOSSES)}")
 
 
-def policy_loss(logp, old_logp, advantages, mask, cfg=LossConfig(), tis_weights=None, entropy=None, ref_logp=None):
+def policy_loss(logp, old_logp, advantages, mask, cfg=LossConfig(), rollout_logp=None, entropy=None, ref_logp=None):
     """
     The one loss path of every estimator (cfg: a LossConfig):
-      per-token policy loss (cfg.kind)  x  importance weights (TIS / IcePop, if given)
+      per-token policy loss (cfg.kind)  x  importance weights (TIS / IcePop of old_logp over rollout_logp, if on)
       -> aggregate_loss(cfg.loss_agg)  - entropy_coef * aggregated entropy  + kl_coef * aggregated KL(pi || ref)
-    Returns (loss, metrics) with metrics pg_loss, entropy_loss / kl_loss when used, and the policy loss's own.
+    Returns (loss, metrics): pg_loss, entropy_loss, kl_loss and tis_weights' metrics when used, the policy loss's own.
     """
     loss_fn = POLICY_LOSSES[cfg.kind]
     pg, metrics = loss_fn(logp, old_logp, advantages, mask, cfg.eps_clip, cfg.eps_clip_high, cfg.eps_clip_c)
-    if tis_weights is not None:
-        pg = pg * tis_weights.detach()
+    if cfg.use_tis:  # the tokens came from the sampler, not from the policy the loss assumes
+        tis, tis_metrics = tis_weights(old_logp, rollout_logp, mask, cfg.tis_clip, cfg.tis_clip_low, cfg.tis_mode)
+        pg = pg * tis
+        metrics.update(tis_metrics)
     loss = aggregate_loss(pg, mask, cfg.loss_agg, cfg.max_len)
     metrics["pg_loss"] = loss.detach()
     if cfg.entropy_coef:

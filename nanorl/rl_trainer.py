@@ -73,6 +73,10 @@ class Trainer:
             eps_clip=cfg.eps_clip,
             eps_clip_high=cfg.eps_clip_high,
             eps_clip_c=cfg.eps_clip_c,
+            use_tis=cfg.use_tis,
+            tis_clip=cfg.tis_clip,
+            tis_clip_low=cfg.tis_clip_low,
+            tis_mode=cfg.tis_mode,
             loss_agg=cfg.loss_aggregation,
             max_len=cfg.group.max_response_len,
             entropy_coef=cfg.entropy_coef,
@@ -234,15 +238,8 @@ class Trainer:
             rows = {name: t[mb, : mask.size(1)] for name, t in targets.items()}  # its samples, cut to its length
             logp, ent = self.forward_logp(model, batch)
             old = rows.get("old_lp", logp.detach())
-            tis = None
-            if cfg.use_tis:
-                tis, tis_metrics = rl.tis_weights(
-                    old, batch["rollout_logp"], mask, cfg.tis_clip, cfg.tis_clip_low, cfg.tis_mode
-                )
             ref = rows.get("ref_lp")
-            loss, metrics = rl.policy_loss(logp, old, rows["adv"], mask, self.loss_cfg, tis, ent, ref)
-            if tis is not None:
-                metrics.update(tis_metrics)
+            loss, metrics = rl.policy_loss(logp, old, rows["adv"], mask, self.loss_cfg, batch["rollout_logp"], ent, ref)
             # each micro-batch's loss is re-weighted to its share of the global batch, by the aggregation's own unit
             # (tokens for token_mean, rows for the sequence means), and x world because the optimizer averages
             # gradients over the training ranks: the step equals one pass over the whole batch, however it is cut

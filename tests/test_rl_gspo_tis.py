@@ -17,11 +17,11 @@ def close(a, b, tol=1e-5):
     assert torch.allclose(a, b, atol=tol, rtol=tol), f"{a.tolist()} != {b.tolist()}"
 
 
-def gspo_grad(lp, old, A, m, tis, agg="seq_mean_token_mean", eps=0.2):
+def gspo_grad(lp, old, A, m, rollout, tis, agg="seq_mean_token_mean", eps=0.2):
+    """GSPO's loss and gradient under the importance weights of old over rollout; tis: LossConfig's TIS settings."""
     logp = lp.clone().requires_grad_()
-    loss, _ = rl.policy_loss(
-        logp, old, A, m, rl.LossConfig(kind="gspo", eps_clip=eps, loss_agg=agg, max_len=lp.size(1)), tis_weights=tis
-    )
+    cfg = rl.LossConfig(kind="gspo", eps_clip=eps, use_tis=True, **tis, loss_agg=agg, max_len=lp.size(1))
+    loss, _ = rl.policy_loss(logp, old, A, m, cfg, rollout)
     loss.backward()
     return loss.detach(), logp.grad
 
@@ -35,11 +35,11 @@ def test_truncate_hand_values():
     close(tis, [[0.5, 2.0]])
     # on-policy, s = 1: loss = -mean(w) * s = -1.25; d/dlogp_t = -mean(w) * s / |y| = -.625 on both tokens
     # (the token-level form would give each token its own weight: -.25 and -1)
-    loss, g = gspo_grad(old.clone(), old, torch.tensor([1.0]), m, tis)
+    loss, g = gspo_grad(old.clone(), old, torch.tensor([1.0]), m, rollout, dict(tis_clip=3.0))
     close(loss, -1.25)
     close(g, [[-0.625, -0.625]])
     # off-policy: logp - old = (.2, 0): s = e^.1 (inside 1 +- .2): loss -1.25 e^.1, gradient -1.25 e^.1 / 2 each
-    loss, g = gspo_grad(torch.tensor([[0.2, 0.0]]), old, torch.tensor([1.0]), m, tis)
+    loss, g = gspo_grad(torch.tensor([[0.2, 0.0]]), old, torch.tensor([1.0]), m, rollout, dict(tis_clip=3.0))
     s = math.exp(0.1)
     close(loss, -1.25 * s)
     close(g, [[-0.625 * s, -0.625 * s]])
@@ -50,10 +50,11 @@ def test_icepop_hand_values():
     old = torch.zeros(1, 3)
     rollout = -torch.log(torch.tensor([[3.0, 1.2, 0.9]]))
     m = torch.ones(1, 3)
+    icepop = dict(tis_clip=1.5, tis_clip_low=0.5, tis_mode="icepop")
     tis, _ = rl.tis_weights(old, rollout, m, clip=1.5, clip_low=0.5, mode="icepop")
     close(tis, [[0.0, 1.2, 0.9]])
     # loss = mean(w) * s * 1 = .7; every token, the zeroed one too, gets mean(w) / |y| = .7 / 3
-    loss, g = gspo_grad(old.clone(), old, torch.tensor([-1.0]), m, tis)
+    loss, g = gspo_grad(old.clone(), old, torch.tensor([-1.0]), m, rollout, icepop)
     close(loss, 0.7)
     close(g, [[0.7 / 3] * 3])
 
@@ -90,11 +91,12 @@ def test_gradient_matches_slime_reference(mode, agg):
     raw = torch.exp(old - rollout)
     w = raw.clamp(0.0, 1.5) if mode == "truncate" else torch.where((raw >= 0.5) & (raw <= 1.5), raw, 0 * raw)
     w = w * m
-    tis, _ = rl.tis_weights(old, rollout, m, clip=1.5, clip_low=0.0 if mode == "truncate" else 0.5, mode=mode)
+    settings = dict(tis_clip=1.5, tis_clip_low=0.0 if mode == "truncate" else 0.5, tis_mode=mode)
+    tis, _ = rl.tis_weights(old, rollout, m, settings["tis_clip"], settings["tis_clip_low"], mode)
     close(tis, w)
     if mode == "icepop":
         assert ((w == 0) & (m == 1)).any(), "the example should hold IcePop-dropped tokens"
-    loss, grad = gspo_grad(lp, old, A, m, tis, agg, eps)
+    loss, grad = gspo_grad(lp, old, A, m, rollout, settings, agg, eps)
     ref_lp = lp.clone().requires_grad_()
     ref = slime_reference(ref_lp, old, A, m, w, eps, agg)
     ref.backward()

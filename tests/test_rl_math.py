@@ -4,6 +4,7 @@ literally (derivation in the comment) or come from plain-python loops in this fi
 never from the function under test.
 """
 
+import dataclasses
 import itertools
 import math
 import statistics
@@ -288,12 +289,14 @@ def test_policy_loss_dual_clip_and_tis():
     close(loss, (5.0 + 2.0 - 1.2) / 3)
     with pytest.raises(ValueError):
         rl.policy_loss(ratio.log(), torch.zeros(1, 3), A, m, rl.LossConfig(eps_clip_c=0.5))
-    # tis weights scale the per-token loss: on-policy, A = 1, 2, weights .5, 2 -> (-.5 - 4) / 2
+    # tis weights scale the per-token loss: on-policy, A = 1, 2, weights exp(old - rollout) = .5, 2 -> (-.5 - 4) / 2,
+    # and they carry no gradient
     lp = torch.zeros(1, 2, requires_grad=True)
-    loss, _ = rl.policy_loss(
-        lp, torch.zeros(1, 2), t([[1.0, 2.0]]), torch.ones(1, 2), tis_weights=t([[0.5, 2.0]]).requires_grad_()
-    )
+    rollout = t([[math.log(2.0), -math.log(2.0)]])
+    cfg = rl.LossConfig(use_tis=True, tis_clip=3.0)
+    loss, met = rl.policy_loss(lp, torch.zeros(1, 2), t([[1.0, 2.0]]), torch.ones(1, 2), cfg, rollout)
     close(loss, -2.25)
+    close(met["tis_mean"], 1.25)
     loss.backward()
     close(lp.grad, [[-0.25, -2.0]])
 
@@ -446,7 +449,7 @@ def test_every_policy_loss_through_every_option(kind, agg, tis_mode, extras):
     ent, ref = torch.rand(B, T, generator=g), old + 0.3 * torch.randn(B, T, generator=g)
     rollout = old + 0.8 * torch.randn(B, T, generator=g)
     tis = None
-    if tis_mode:
+    if tis_mode:  # the weights the loss should apply, for the reference
         tis, _ = rl.tis_weights(old, rollout, m, clip=1.5, clip_low=0.5, mode=tis_mode)
     eps, eps_high = (0.1, 0.15) if kind == "gspo" else (0.2, 0.28)
     eps_c = 2.0 if extras == "dual_clip" else None
@@ -456,6 +459,10 @@ def test_every_policy_loss_through_every_option(kind, agg, tis_mode, extras):
         eps_clip=eps,
         eps_clip_high=eps_high,
         eps_clip_c=eps_c,
+        use_tis=tis_mode is not None,
+        tis_clip=1.5,
+        tis_clip_low=0.5,
+        tis_mode=tis_mode or "truncate",
         loss_agg=agg,
         max_len=T,
         entropy_coef=ent_coef,
@@ -463,7 +470,7 @@ def test_every_policy_loss_through_every_option(kind, agg, tis_mode, extras):
         kl_coef=kl_coef,
     )
     logp = lp.clone().requires_grad_()
-    loss, met = rl.policy_loss(logp, old, A, m, cfg, tis_weights=tis, entropy=ent, ref_logp=ref)
+    loss, met = rl.policy_loss(logp, old, A, m, cfg, rollout_logp=rollout, entropy=ent, ref_logp=ref)
     L = lambda x: x.tolist()
     expected = _reference_loss(
         kind,
@@ -484,8 +491,9 @@ def test_every_policy_loss_through_every_option(kind, agg, tis_mode, extras):
     )
     close(loss, expected)
     if tis_mode:  # the weights really were applied: without them the loss differs
-        plain, _ = rl.policy_loss(lp, old, A, m, cfg, entropy=ent, ref_logp=ref)
+        plain, _ = rl.policy_loss(lp, old, A, m, dataclasses.replace(cfg, use_tis=False), entropy=ent, ref_logp=ref)
         assert abs(float(plain) - expected) > 1e-4
+        assert set(met) >= {"tis_mean", "tis_min", "tis_max", "tis_clipfrac"}
     if extras == "entropy_kl":
         assert "kl_loss" in met and "entropy_loss" in met
     # gradient: finite differences of the reference on one trained token of each row
