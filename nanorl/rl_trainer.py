@@ -147,11 +147,10 @@ class Trainer:
         """
         mask = sample_rows(samples, [s.loss_mask for s in samples]).to(self.device)
         rewards = torch.tensor([s.scalar_reward() for s in samples], dtype=torch.float32, device=self.device)
+        inputs = dict(self.advantage_inputs, kl=None, values=old_values)
         # the KL penalty in the reward: k1 per token against the reference, when there is one and the penalty is on
-        kl = None
         if ref_lp is not None and self.cfg.kl_coef > 0:
-            kl = rl.kl_estimate(old_lp, ref_lp, "k1") * mask
-        inputs = dict(self.advantage_inputs, kl=kl, values=old_values)
+            inputs["kl"] = rl.kl_estimate(old_lp, ref_lp, "k1") * mask
         # exactly the inputs the estimator takes (its row names them): a name it lacks would raise, not be dropped
         adv, returns = self.estimator.advantages(rewards, mask, **{k: inputs[k] for k in self.estimator.inputs})
         if self.cfg.normalize_advantages:
