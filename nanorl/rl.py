@@ -383,6 +383,8 @@ def policy_loss(logp, old_logp, advantages, mask, cfg=LossConfig(), rollout_logp
     loss_fn = POLICY_LOSSES[cfg.kind]
     pg, metrics = loss_fn(logp, old_logp, advantages, mask, cfg.eps_clip, cfg.eps_clip_high, cfg.eps_clip_c)
     if cfg.use_tis:  # the tokens came from the sampler, not from the policy the loss assumes
+        if rollout_logp is None:
+            raise ValueError("LossConfig.use_tis weighs by the sampler's log-probs: pass rollout_logp")
         tis, tis_metrics = tis_weights(old_logp, rollout_logp, mask, cfg.tis_clip, cfg.tis_clip_low, cfg.tis_mode)
         pg = pg * tis
         metrics.update(tis_metrics)

@@ -297,6 +297,8 @@ def test_policy_loss_dual_clip_and_tis():
     loss, met = rl.policy_loss(lp, torch.zeros(1, 2), t([[1.0, 2.0]]), torch.ones(1, 2), cfg, rollout)
     close(loss, -2.25)
     close(met["tis_mean"], 1.25)
+    with pytest.raises(ValueError, match="rollout_logp"):  # TIS on, but no sampler log-probs to weigh by
+        rl.policy_loss(lp, torch.zeros(1, 2), t([[1.0, 2.0]]), torch.ones(1, 2), cfg)
     loss.backward()
     close(lp.grad, [[-0.25, -2.0]])
 
