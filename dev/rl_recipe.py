@@ -6,6 +6,8 @@ into an experiment folder of its own, evaluate the result like the card does, an
     python dev/rl_recipe.py rl --base ~/.cache/nanorl/tiny --name lr02_s7 --seed 7 -- --lr-scale 0.02
     # the card's evals of a checkpoint (200 greedy, 200 x 4 at T=1), per problem, into <exp>/card_eval.json
     python dev/rl_recipe.py eval --base ~/.cache/nanorl/tiny --name lr02_s7          # --name sft: the SFT checkpoint
+    # greedy on level 3,4 training problems: 200 the RL run of --seed was dealt, and 200 it was not
+    python dev/rl_recipe.py seen --base ~/.cache/nanorl/tiny --name lr02_s7 --seed 7
     # right->wrong / wrong->right against another evaluation (default: the SFT checkpoint's)
     python dev/rl_recipe.py flips --base ~/.cache/nanorl/tiny lr02_s7 [other]
     # per-step entropy / reward / response length of a run, and a table of every evaluated run
@@ -50,6 +52,10 @@ SPEEDRUN_RL = [
     "--run",
     "dummy",
 ]
+# the prompts the speedrun's RL stage is dealt: its rollouts x its prompts per rollout
+DEALT = int(SPEEDRUN_RL[SPEEDRUN_RL.index("--num-rollouts") + 1]) * int(
+    SPEEDRUN_RL[SPEEDRUN_RL.index("--rollout-batch-size") + 1]
+)
 CARD = {
     "problems": 200,
     "max_tokens": 128,
@@ -94,24 +100,28 @@ def cmd_rl(a, extra):
     return rc
 
 
-def cmd_eval(a):
-    """The card's two evals of one checkpoint, per problem: exactly chat_eval's calls (engine batch, seeds)."""
-    import torch  # noqa: F401 (after the environment is set)
-
+def load_engine(a):
+    """The checkpoint of run a.name in an Engine of the card's batch -> (engine, tokenizer, its metadata)."""
     os.environ["NANORL_BASE_DIR"] = a.base if a.name in ("sft", "card") else exp_dir(a.base, a.name)
     sys.path.insert(0, ROOT)
     from nanorl.common import compute_init
     from nanorl.engine import Engine
     from nanorl.model_loading import load_model
-    from nanorl.rl import pass_at_k
-    from scripts.chat_eval import run_generative
-    from tasks import get_task
 
     _, _, _, _, device = compute_init("cpu")
     # sft: the SFT checkpoint itself; card: the RL checkpoint the speedrun wrote (its newest tag); else an experiment
     source, tag = {"sft": ("sft", None), "card": ("rl", None)}.get(a.name, ("rl", "exp"))
     model, tokenizer, meta = load_model(source, device, phase="eval", model_tag=tag, step=a.step)
-    engine = Engine(model, tokenizer, batch_size=CARD["batch"])
+    return Engine(model, tokenizer, batch_size=CARD["batch"]), tokenizer, meta
+
+
+def cmd_eval(a):
+    """The card's two evals of one checkpoint, per problem: exactly chat_eval's calls (engine batch, seeds)."""
+    engine, tokenizer, meta = load_engine(a)
+    from nanorl.rl import pass_at_k
+    from scripts.chat_eval import run_generative
+    from tasks import get_task
+
     task = get_task("offline", "test", levels=CARD["levels"])
     idx = list(range(min(len(task), CARD["problems"])))
     t0 = time.time()
@@ -144,6 +154,23 @@ def cmd_eval(a):
         f"| levels 3,4 greedy {out['accuracy34']:.4f} "
         f"({out['eval_s']}s)"
     )
+
+
+def cmd_seen(a):
+    """Greedy accuracy (the card's decode) on level 3,4 TRAINING problems: the first 200 an RL run of --seed was dealt
+    (its prompt order; --dealt, by default the speedrun's rollouts x prompts) and the 200 after those -> printed."""
+    engine, tokenizer, _ = load_engine(a)
+    from nanorl.prompts import PromptSource
+    from scripts.chat_eval import run_generative
+    from tasks import get_task
+
+    task = get_task("offline", "train", levels=CARD["hard_levels"])
+    order, _ = PromptSource(list(range(len(task))), seed=a.seed).get(a.dealt + CARD["problems"])
+    for which, idx in (("seen", order[: CARD["problems"]]), ("unseen", order[a.dealt :])):
+        right, _ = run_generative(engine, tokenizer, task, idx, 1, CARD["max_tokens"], 0.0, None, CARD["seed"])
+        print(
+            f"{a.name}: greedy on {len(idx)} {which} training problems of seed {a.seed}: {sum(c or 0 for c in right) / len(idx):.4f}"
+        )
 
 
 def load_eval(base, name):
@@ -233,7 +260,7 @@ def cmd_table(a):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[1])
-    p.add_argument("command", choices=["rl", "eval", "flips", "curves", "table"])
+    p.add_argument("command", choices=["rl", "eval", "seen", "flips", "curves", "table"])
     p.add_argument("names", nargs="*", help="flips: the run, then the one to compare with (default sft); curves: a run")
     p.add_argument(
         "--base",
@@ -241,8 +268,9 @@ def main():
         help="the tiny speedrun's directory, NANORL_BASE_DIR/tiny (its tokenizer and SFT checkpoint)",
     )
     p.add_argument("--name", default=None, help="the experiment's name (rl, eval)")
-    p.add_argument("--seed", type=int, default=42, help="rl: chat_rl's --seed")
-    p.add_argument("--step", type=int, default=None, help="eval: the checkpoint step (default: the last)")
+    p.add_argument("--seed", type=int, default=42, help="rl: chat_rl's --seed; seen: the run's seed")
+    p.add_argument("--step", type=int, default=None, help="eval, seen: the checkpoint step (default: the last)")
+    p.add_argument("--dealt", type=int, default=DEALT, help="seen: how many prompts the RL run was dealt")
     p.add_argument("--no-eval", dest="eval", action="store_false", help="rl: skip the card's evals after the run")
     argv = sys.argv[1:]
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []
@@ -250,11 +278,12 @@ def main():
     if a.command in ("flips", "curves"):
         a.name = a.names[0] if a.names else None
         a.other = a.names[1] if len(a.names) > 1 else "sft"
-    if a.command in ("rl", "eval", "flips", "curves") and not a.name:
+    if a.command in ("rl", "eval", "seen", "flips", "curves") and not a.name:
         p.error(f"{a.command} needs a run name")
     return {
         "rl": lambda: cmd_rl(a, extra),
         "eval": lambda: cmd_eval(a),
+        "seen": lambda: cmd_seen(a),
         "flips": lambda: cmd_flips(a),
         "curves": lambda: cmd_curves(a),
         "table": lambda: cmd_table(a),

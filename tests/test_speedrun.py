@@ -370,3 +370,22 @@ def test_the_rl_recipe_experiments_start_from_the_tiny_runs_rl_flags(tmp_path):
     _, _, module, opts = split_command(dry_run(env)["chat_rl"])
     assert module == "scripts.chat_rl"
     assert [o for o in opts if o[0] != "--overwrite"] == options(rl_recipe.SPEEDRUN_RL)
+
+
+def test_the_rl_recipe_seen_problems_are_the_ones_chat_rl_deals_first():
+    """`dev/rl_recipe.py seen` grades the level 3,4 training problems an RL run of a seed was dealt: the task rows its
+    prompt order puts first, as many as the speedrun's rollouts x prompts. Those rows are the ones chat_rl's own
+    prompt source hands out for that seed."""
+    spec = importlib.util.spec_from_file_location("rl_recipe", ROOT / "dev" / "rl_recipe.py")
+    rl_recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rl_recipe)
+    assert rl_recipe.DEALT == 24 * 16  # the speedrun's RL stage: 24 rollouts of 16 prompts
+    from nanorl.prompts import PromptSource, task_prompts
+    from tasks import get_task
+
+    task = get_task("offline", "train", levels=(3, 4), n=500)
+    dealt, _ = PromptSource(task_prompts(task, "offline", "train"), seed=7).get(40)
+    rows, _ = PromptSource(list(range(len(task))), seed=7).get(40)
+    assert [p["metadata"]["row"] for p in dealt] == rows
+    assert [p["conversation"] for p in dealt] == [task.get_example(r) for r in rows]
+    assert sorted(rows) != rows  # shuffled: not simply the task's first rows
