@@ -14,7 +14,9 @@ tests/test_rl_run.py runs trace_step on the tiny model and compares it with docs
 """
 
 import argparse
+import ast
 import contextlib
+import inspect
 import os
 import sys
 import tempfile
@@ -49,9 +51,10 @@ def tiny_model(base):
 
 def trace_step(run, step=0):
     """Run run.step(step) under the tracer -> {"lines": {file: n}, "functions": {file: {qualname}},
-    "calls": {(caller file, caller, callee file, callee)}}: every call whose nearest project caller sits in another
-    file (torch's wrappers and hooks in between are skipped)."""
-    where, lines, functions, calls = {}, defaultdict(set), defaultdict(set), set()
+    "calls": {(caller file, caller, callee file, callee)}, "parameters": {(file, qualname): n}}: every call whose
+    nearest project caller sits in another file (torch's wrappers and hooks in between are skipped), and how many
+    parameters each function entered declares (self and *args, **kwargs included)."""
+    where, lines, functions, calls, parameters = {}, defaultdict(set), defaultdict(set), set(), {}
 
     def project_file(code):
         if code not in where:
@@ -70,6 +73,9 @@ def trace_step(run, step=0):
         if here is None:
             return None  # not a project frame: its lines are not counted (the calls it makes still are)
         functions[here].add(frame.f_code.co_qualname)
+        code = frame.f_code
+        star = bool(code.co_flags & inspect.CO_VARARGS) + bool(code.co_flags & inspect.CO_VARKEYWORDS)
+        parameters[here, code.co_qualname] = code.co_argcount + code.co_kwonlyargcount + star
         back = frame.f_back
         while back is not None and project_file(back.f_code) is None:
             back = back.f_back
@@ -84,7 +90,37 @@ def trace_step(run, step=0):
     finally:
         sys.settrace(None)
         threading.settrace(None)
-    return {"lines": {f: len(n) for f, n in lines.items()}, "functions": dict(functions), "calls": calls}
+    lines = {f: len(n) for f, n in lines.items()}
+    return {"lines": lines, "functions": dict(functions), "calls": calls, "parameters": parameters}
+
+
+def widest_returns(functions):
+    """{file: {qualname}} as the trace gives them -> {(file, qualname): the most values one of the function's return
+    statements gives back (a tuple's length, else 1; 0 when it returns nothing)}, read from each file's syntax tree."""
+    out = {}
+    for f, names in functions.items():
+        defs = {}
+
+        def visit(node, prefix):
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    defs[prefix + child.name] = child
+                    local = "." if isinstance(child, ast.ClassDef) else ".<locals>."
+                    visit(child, prefix + child.name + local)
+                else:
+                    visit(child, prefix)
+
+        def own_returns(node):  # the function's own: not those of the functions defined inside it
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, ast.Return) and child.value is not None:
+                    yield len(child.value.elts) if isinstance(child.value, ast.Tuple) else 1
+                if not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+                    yield from own_returns(child)
+
+        visit(ast.parse((ROOT / f).read_text()), "")
+        for q in names & defs.keys():
+            out[f, q] = max(own_returns(defs[q]), default=0)
+    return out
 
 
 def tables(trace):

@@ -20,6 +20,7 @@ turns its logits into tokens. nanorl/engine.py schedules requests over these; th
 
 import collections
 import sys
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -483,18 +484,25 @@ def tempered(logits, temperature):
     return (logits - logits.amax(dim=-1, keepdim=True)) / t[:, None]
 
 
-def sample_tokens(logits, temperature, top_k, top_p, uniform, filtered=True):
-    """
-    One token per row of fp32 logits (B, V) by inverse-CDF sampling with one uniform per row.
-    temperature (B,) (0 = greedy), top_k (B,) long (V = off), top_p (B,) (1 = off); filtered=False skips
-    the sort when no row uses top-k/top-p. Total: whatever the values, the most likely token stays a candidate.
-    """
-    return sample_with_logprobs(logits, temperature, top_k, top_p, uniform, filtered)[0]
+class SamplerSettings(NamedTuple):
+    """Each row's sampler, on the logits' device: temperature (B,) fp32 (0 = greedy), top_k (B,) long (V = off),
+    top_p (B,) fp32 (1 = off)."""
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
 
 
-def sample_with_logprobs(
-    logits, temperature, top_k, top_p, uniform, filtered=True, greedy=True, forced=None, unit=False
-):
+def sample_tokens(logits, settings, uniform, filtered=True):
+    """
+    One token per row of fp32 logits (B, V) by inverse-CDF sampling with one uniform per row, as each row's
+    SamplerSettings say; filtered=False skips the sort when no row uses top-k/top-p. Total: whatever the values, the
+    most likely token stays a candidate.
+    """
+    return sample_with_logprobs(logits, settings, uniform, filtered)[0]
+
+
+def sample_with_logprobs(logits, settings, uniform, filtered=True, greedy=True, forced=None, unit=False):
     """sample_tokens(), then each row's token replaced by forced[row] where that is >= 0 (tool output), and the
     log-prob of every token under the distribution sampled from: log_softmax(tempered), before top-k/top-p (the
     trainer cannot apply those filters). greedy=False promises no row has temperature 0 (skips an argmax),
@@ -504,7 +512,7 @@ def sample_with_logprobs(
     an all-greedy eval needs). -> (tokens (B,) long, log-probs (B,) fp32)."""
     x = logits
     if not unit:
-        x = tempered(logits, temperature)
+        x = tempered(logits, settings.temperature)
     if uniform is None:
         tok = logits.argmax(-1)
     else:
@@ -513,13 +521,13 @@ def sample_with_logprobs(
             # shares its batch (inverse-CDF sampling in sorted order picks another token for the same uniform)
             V = x.size(-1)
             rank = torch.arange(V, device=logits.device).expand_as(x)
-            sorts = ((top_k < V) | (top_p < 1))[:, None]
+            sorts = ((settings.top_k < V) | (settings.top_p < 1))[:, None]
             x_sorted, order_sorted = x.sort(dim=-1, descending=True)
             order = torch.where(sorts, order_sorted, rank)
             probs = torch.softmax(torch.where(sorts, x_sorted, x), dim=-1)
             # top-k and top-p both keep a prefix of the sorted tokens; rank 0 is kept whatever top_p is (a top_p of
             # 1e-50 is 0 in float32, and "mass before it < 0" would keep nothing)
-            keep = (rank < top_k[:, None]) & (probs.cumsum(-1) - probs < top_p[:, None])
+            keep = (rank < settings.top_k[:, None]) & (probs.cumsum(-1) - probs < settings.top_p[:, None])
             probs = probs * (keep | (rank == 0) | ~sorts)
         else:
             probs = torch.softmax(x, dim=-1)
@@ -539,7 +547,7 @@ def sample_with_logprobs(
             idx = order.gather(1, idx)
         tok = idx[:, 0]
         if greedy:
-            tok = torch.where(temperature > 0, tok, logits.argmax(-1))
+            tok = torch.where(settings.temperature > 0, tok, logits.argmax(-1))
     if forced is not None:
         tok = torch.where(forced >= 0, forced, tok)
     return tok, torch.log_softmax(x, dim=-1).gather(1, tok[:, None])[:, 0]

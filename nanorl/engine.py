@@ -44,6 +44,7 @@ from torch.nn.attention import sdpa_kernel
 from nanorl.decode import (
     KERNEL_NAMES,
     LockstepDecode,
+    SamplerSettings,
     attention_backends,
     checked_decode_graphs,
     engine_autocast,
@@ -615,8 +616,8 @@ class Engine:
         f, u, t, k, p = torch.from_numpy(host).to(self.device)
         if greedy.all():  # every row greedy (an eval, a chat at T = 0): no uniforms, the argmax alone
             u = None
-        settings = t.float(), k.long(), p.float()  # in the dtypes the sampler takes
-        tok, logp = sample_with_logprobs(logits, *settings, u, filtered, bool(greedy.any()), f.long(), unit)
+        settings = SamplerSettings(t.float(), k.long(), p.float())  # in the dtypes the sampler takes
+        tok, logp = sample_with_logprobs(logits, settings, u, filtered, bool(greedy.any()), f.long(), unit)
         out = torch.stack([tok.double(), logp.double()], 1).cpu().numpy()  # the step's one device -> host sync
         for i in np.flatnonzero(rec.append(slots, out, forced)):
             self._record(self.slots[slots[i]], int(out[i, 0]), float(out[i, 1]), forced[i] < 0)

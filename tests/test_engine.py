@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from nanorl.decode import sample_tokens
+from nanorl.decode import SamplerSettings, sample_tokens
 from nanorl.engine import Engine, Request
 from nanorl.gpt import GPTConfig, build_model
 from nanorl.tokenizer import SPLIT_PATTERN, Tokenizer
@@ -678,13 +678,12 @@ def test_extreme_sampling_settings_are_greedy_and_fail_nothing_else(kwargs):
     V = 50
     logits = torch.randn(4, V)
     for u in (0.0, 0.5, 1 - 2**-53):
-        t = sample_tokens(
-            logits,
+        settings = SamplerSettings(
             torch.full((4,), kwargs.get("temperature", 1.0)),
             torch.full((4,), kwargs.get("top_k", V)),
             torch.full((4,), kwargs.get("top_p", 1.0)),
-            torch.full((4,), u, dtype=torch.float64),
         )
+        t = sample_tokens(logits, settings, torch.full((4,), u, dtype=torch.float64))
         assert t.tolist() == logits.argmax(-1).tolist()
 
 

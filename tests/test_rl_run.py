@@ -158,7 +158,7 @@ def documented_step():
 
 def test_one_default_grpo_step_executes_what_docs_rl_md_tables_say(base_dir, monkeypatch):  # noqa: F811
     monkeypatch.syspath_prepend(ROOT / "dev")
-    from trace_step import FLAGS, build_run, tables, trace_step
+    from trace_step import FLAGS, build_run, tables, trace_step, widest_returns
 
     monkeypatch.setenv("NANORL_BASE_DIR", str(base_dir))
     # chat_rl's defaults and the offline task's own grader, nothing exempt ("t": the fixture also holds a teacher)
@@ -171,6 +171,15 @@ def test_one_default_grpo_step_executes_what_docs_rl_md_tables_say(base_dir, mon
     for f, (n, k) in files.items():  # the counts move a little with the sampled answers
         assert abs(trace["lines"][f] - n) <= max(10, 0.1 * n), (f, trace["lines"][f], n, regenerate)
         assert abs(len(trace["functions"][f]) - k) <= max(2, 0.1 * k), (f, len(trace["functions"][f]), k, regenerate)
+    # no function on the step's path takes more than 8 parameters or gives back more than 3 values: a group that
+    # belongs together travels as one
+    wide = {fn: n for fn, n in trace["parameters"].items() if n > 8}
+    assert not wide and len(trace["parameters"]) == sum(len(q) for q in trace["functions"].values()), wide
+    returns = widest_returns(trace["functions"])
+    unread = {(f, q) for f, names in trace["functions"].items() for q in names} - returns.keys()
+    assert all(q.rsplit(".", 1)[-1].startswith("<") for _, q in unread), unread  # only comprehensions and lambdas
+    assert {fn: n for fn, n in returns.items() if n > 3} == {}
+    assert returns["nanorl/rl.py", "policy_loss"] == 2 and returns["nanorl/engine.py", "SlotRecords.lists"] == 3
 
 
 # -----------------------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import torch
 
-from nanorl.decode import row_seed, sample_tokens, sample_with_logprobs, uniform_from_counter
+from nanorl.decode import SamplerSettings, row_seed, sample_tokens, sample_with_logprobs, uniform_from_counter
 
 
 def test_top_k_top_p_and_temperature_by_hand():
@@ -26,17 +26,17 @@ def test_top_k_top_p_and_temperature_by_hand():
         (0.0, V, 1.0, 0.99, 1),  # greedy: the argmax whatever the uniform
     ]
     T, k, p, u, want = (torch.tensor(c) for c in zip(*rows))
-    got = sample_tokens(logits, T.float(), k.long(), p.float(), u.double())
+    got = sample_tokens(logits, SamplerSettings(T.float(), k.long(), p.float()), u.double())
     assert got.tolist() == want.tolist()
     # the recorded log-prob is log_softmax(logits / T) of the token, before top-k/top-p (T = 1 when greedy)
-    tok, lp = sample_with_logprobs(logits, T.float(), k.long(), p.float(), u.double())
+    tok, lp = sample_with_logprobs(logits, SamplerSettings(T.float(), k.long(), p.float()), u.double())
     assert tok.tolist() == want.tolist()
     probs = {1.0: [0.1, 0.4, 0.3, 0.2], 0.5: [1 / 30, 16 / 30, 9 / 30, 4 / 30], 0.0: [0.1, 0.4, 0.3, 0.2]}
     expect = [math.log(probs[t][w]) for t, w in zip(T.tolist(), want.tolist())]
     torch.testing.assert_close(lp, torch.tensor(expect), atol=1e-6, rtol=0)
     # forced tokens replace the draw and get their own log-prob
     forced = torch.tensor([3] + [-1] * 9)
-    tok, lp = sample_with_logprobs(logits, T.float(), k.long(), p.float(), u.double(), forced=forced)
+    tok, lp = sample_with_logprobs(logits, SamplerSettings(T.float(), k.long(), p.float()), u.double(), forced=forced)
     assert tok.tolist() == [3] + want.tolist()[1:] and abs(lp[0].item() - math.log(0.2)) < 1e-6
 
 
@@ -48,9 +48,8 @@ def test_sampling_is_exact_inverse_cdf():
     L = logits.expand(N, 50)
 
     def freq(temperature=1.0, top_k=50, top_p=1.0, filtered=True):
-        t = sample_tokens(
-            L, torch.full((N,), temperature), torch.full((N,), top_k), torch.full((N,), top_p), u, filtered
-        )
+        settings = SamplerSettings(torch.full((N,), temperature), torch.full((N,), top_k), torch.full((N,), top_p))
+        t = sample_tokens(L, settings, u, filtered)
         return torch.bincount(t, minlength=50).double() / N
 
     p = torch.softmax(logits[0] / 0.7, -1).double()
@@ -105,7 +104,7 @@ def test_a_request_seeded_0_does_not_start_with_token_0():
     logits = torch.zeros(1, 300)
     logits[0, 0] = -20.0
     u = torch.from_numpy(uniform_from_counter(np.array([row_seed(0, 0)]), np.array([0])))
-    assert sample_tokens(logits, torch.ones(1), torch.tensor([300]), torch.ones(1), u).item() != 0
+    assert sample_tokens(logits, SamplerSettings(torch.ones(1), torch.tensor([300]), torch.ones(1)), u).item() != 0
 
 
 def test_the_engine_shortcuts_change_nothing():
@@ -121,14 +120,14 @@ def test_the_engine_shortcuts_change_nothing():
         (torch.tensor([0.7, 1.3, 0.7, 1, 1, 0.2]), False, False),
     ]:
         for filtered in (True, False):
-            want = sample_with_logprobs(logits, T, k, p, u, filtered)
-            got = sample_with_logprobs(logits, T, k, p, u, filtered, greedy=greedy, unit=unit)
+            want = sample_with_logprobs(logits, SamplerSettings(T, k, p), u, filtered)
+            got = sample_with_logprobs(logits, SamplerSettings(T, k, p), u, filtered, greedy=greedy, unit=unit)
             assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
     # uniform=None (every row greedy) is the argmax, with the log-prob the general path gives it
     zero = torch.zeros(6)
     for filtered in (True, False):
-        want = sample_with_logprobs(logits, zero, k, p, u, filtered)
-        got = sample_with_logprobs(logits, zero, k, p, None, filtered, unit=True)
+        want = sample_with_logprobs(logits, SamplerSettings(zero, k, p), u, filtered)
+        got = sample_with_logprobs(logits, SamplerSettings(zero, k, p), None, filtered, unit=True)
         assert torch.equal(want[0], got[0]) and torch.equal(got[0], logits.argmax(-1))
         assert torch.equal(want[1], got[1])
 
@@ -152,7 +151,9 @@ def test_a_cpu_sampling_step_at_t1_runs_only_the_ops_it_needs():
     logits, one = torch.randn(2, 300) * 3 + 40, torch.ones(2)
     u = torch.tensor([0.3, 1 - 2.0**-60], dtype=torch.float64)  # the second rounds to 1.0 in float32
     with Ops() as ops:
-        tok, lp = sample_with_logprobs(logits, one, torch.full((2,), 300), one, u, False, greedy=False, unit=True)
+        tok, lp = sample_with_logprobs(
+            logits, SamplerSettings(one, torch.full((2,), 300), one), u, False, greedy=False, unit=True
+        )
     assert not {"amax", "sub", "nextafter", "minimum", "all", "gt"} & set(ops.names), ops.names
     assert ops.names.count("gather") == 1, ops.names  # the log-prob's only
     cdf = torch.softmax(logits, -1).cumsum(-1)
