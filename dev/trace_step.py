@@ -50,7 +50,8 @@ def tiny_model(base):
 
 
 def trace_step(run, step=0):
-    """Run run.step(step) under the tracer -> {"lines": {file: n}, "functions": {file: {qualname}},
+    """Run run.step(step) under the tracer -> {"lines": {file: n}, "executed": {file: {line number}},
+    "functions": {file: {qualname}},
     "calls": {(caller file, caller, callee file, callee)}, "parameters": {(file, qualname): n}}: every call whose
     nearest project caller sits in another file (torch's wrappers and hooks in between are skipped), and how many
     parameters each function entered declares (self and *args, **kwargs included)."""
@@ -90,8 +91,14 @@ def trace_step(run, step=0):
     finally:
         sys.settrace(None)
         threading.settrace(None)
-    lines = {f: len(n) for f, n in lines.items()}
-    return {"lines": lines, "functions": dict(functions), "calls": calls, "parameters": parameters}
+    executed, lines = dict(lines), {f: len(n) for f, n in lines.items()}
+    return {
+        "lines": lines,
+        "executed": executed,
+        "functions": dict(functions),
+        "calls": calls,
+        "parameters": parameters,
+    }
 
 
 def widest_returns(functions):

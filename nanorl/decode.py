@@ -327,11 +327,11 @@ class LockstepDecode:
     def __call__(self, idx, pos, shared=0, group=None):
         if pos >= self.cache.max_len:
             raise ValueError(f"KV cache is full: position {pos} >= max_len {self.cache.max_len}")
-        m, (B,), H, Hkv, D = self.model, idx.shape, self.H, self.Hkv, self.D
-        C, n = (self.C,), m.transformer.norm_f
-        cos, sin = m.cos[pos], m.sin[pos]
-        x = F.embedding(idx, m.transformer.wte.weight)  # (B, C)
-        if not m.config.norm_weight:
+        model, (B,), H, Hkv, D = self.model, idx.shape, self.H, self.Hkv, self.D
+        C, norm_f = (self.C,), model.transformer.norm_f
+        cos, sin = model.cos[pos], model.sin[pos]
+        x = F.embedding(idx, model.transformer.wte.weight)  # (B, C)
+        if not model.config.norm_weight:
             x = F.rms_norm(x, C)
         for attn, w1, e1, wo, w2, e2, gate, fc, proj, kc, vc in self.layers:
             h = F.rms_norm(x, C, w1, e1)
@@ -347,7 +347,7 @@ class LockstepDecode:
             u = F.relu(u).square() if gate is None else F.silu(F.linear(h, gate)) * u
             x = x + F.linear(u, proj)
         self.cache.pos[:B] += 1
-        return m.logits_from_hidden(F.rms_norm(x, C, n.weight, n.eps))
+        return model.logits_from_hidden(F.rms_norm(x, C, norm_f.weight, norm_f.eps))
 
 
 # --- CUDA graphs of the decode step -----------------------------------------------------------------------------------

@@ -131,8 +131,8 @@ class ETA:
         return seconds / gained * (1 - self.progress) / 60 if gained > 0 else None
 
     def __str__(self):
-        m = self.minutes()
-        return "?" if m is None else f"{m:.1f}m"
+        minutes = self.minutes()
+        return "?" if minutes is None else f"{minutes:.1f}m"
 
 
 def synchronize(device_type):

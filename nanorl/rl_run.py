@@ -442,25 +442,26 @@ STEP_FIELDS = [
     ("gnorm", "train/grad_norm", ".3f", "gradient norm before clipping"),
     ("lp_diff", "train/train_rollout_logprob_abs_diff", ".1e", "mean |trainer - sampler log-prob| per token (near 0: the engine samples the model being trained)"),
     ("pad", "train/padding_frac", ".0%", "share of padding in the training batches"),
-    ("dropped", lambda m: int(m.get("rollout/groups_dropped", 0)), "", "groups removed by the dynamic-sampling filter"),
-    ("dt", lambda m: f"{m['dt']:.1f}s (rollout {m.get('time/rollout', 0):.1f}s, waiting {m['perf/idle_frac']:.0%})", "", "seconds for the step (rollout: sampling and scoring; waiting: on other ranks)"),
+    ("dropped", lambda metrics: int(metrics.get("rollout/groups_dropped", 0)), "", "groups removed by the dynamic-sampling filter"),
+    ("dt", lambda metrics: f"{metrics['dt']:.1f}s (rollout {metrics.get('time/rollout', 0):.1f}s, waiting {metrics['perf/idle_frac']:.0%})", "", "seconds for the step (rollout: sampling and scoring; waiting: on other ranks)"),
     ("eta", "eta", "", "time left, evals and saves included"),
 ]  # fmt: skip
 TOOL_FIELDS = ("tool_calls", "tool_errors", "max_turns_hit")  # --multi-turn's tail: tools, err, max_turns
 
 
-def step_line(done, num_rollouts, m):
-    """`step 00001/60 | reward 0.250 | len 31.5 | ...`, the line of rollout done+1: the fields of STEP_FIELDS from m
-    (the step's metrics, its seconds `dt` and `eta`), then with --multi-turn the tool use per response, with --agent
-    the episodes lost (raised, timed out, no number) out of the rollout's `episodes`, and the calls per episode."""
-    fields = [(name, key(m) if callable(key) else m[key], spec) for name, key, spec, _ in STEP_FIELDS]
+def step_line(done, num_rollouts, metrics):
+    """`step 00001/60 | reward 0.250 | len 31.5 | ...`, the line of rollout done+1: the fields of STEP_FIELDS from
+    metrics (the step's, with its seconds `dt` and `eta`), then with --multi-turn the tool use per response, with
+    --agent the episodes lost (raised, timed out, no number) out of the rollout's `episodes`, and the calls per
+    episode."""
+    fields = [(name, key(metrics) if callable(key) else metrics[key], spec) for name, key, spec, _ in STEP_FIELDS]
     line = f"step {done + 1:05d}/{num_rollouts} | " + " | ".join(f"{name} {v:{spec}}" for name, v, spec in fields)
-    if f"rollout/{TOOL_FIELDS[0]}_mean" in m:
-        calls, errors, max_turns = (m[f"rollout/{k}_mean"] for k in TOOL_FIELDS)
+    if f"rollout/{TOOL_FIELDS[0]}_mean" in metrics:
+        calls, errors, max_turns = (metrics[f"rollout/{k}_mean"] for k in TOOL_FIELDS)
         line += f" | tools {calls:.2f} err {errors:.2f} max_turns {max_turns:.2f}"
-    if "rollout/agent_lost_frac" in m:
-        lost, episodes = round(m["rollout/agent_lost_frac"] * m["episodes"]), m["episodes"]
-        line += f" | agent lost {lost}/{episodes} calls {m['rollout/agent_calls_mean']:.2f}"
+    if "rollout/agent_lost_frac" in metrics:
+        lost, episodes = round(metrics["rollout/agent_lost_frac"] * metrics["episodes"]), metrics["episodes"]
+        line += f" | agent lost {lost}/{episodes} calls {metrics['rollout/agent_calls_mean']:.2f}"
     return line
 
 

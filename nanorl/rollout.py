@@ -355,7 +355,7 @@ class RolloutWorker:
         with --partial-rollout, tool use with --multi-turn."""
         n, rewards = len(samples), [s.scalar_reward() for s in samples]
         tokens = sum(s.response_length for s in samples)
-        m = {
+        metrics = {
             **{f"rollout/{k}": v for k, v in fstats.items()},
             "rollout/reward_mean": sum(rewards) / n,
             "rollout/reward_std": float(torch.tensor(rewards).std()) if n > 1 else 0.0,
@@ -368,13 +368,13 @@ class RolloutWorker:
         components = [k for k in next((s.reward for s in samples if isinstance(s.reward, dict)), {}) if k != "total"]
         for k in components:
             total = sum(s.reward.get(k, 0.0) for s in samples if isinstance(s.reward, dict))
-            m[f"rollout/reward_{k}"] = total / n
+            metrics[f"rollout/reward_{k}"] = total / n
         if self.cfg.partial_rollout:
-            m["rollout/partial_parked_groups"] = len(buffer.partial)
-            m["rollout/partial_resumed_samples"] = sum(s.metadata.get("resumed", 0) > 0 for s in samples)
+            metrics["rollout/partial_parked_groups"] = len(buffer.partial)
+            metrics["rollout/partial_resumed_samples"] = sum(s.metadata.get("resumed", 0) > 0 for s in samples)
         if self.cfg.multi_turn:  # per response: tool calls, calls that errored, and whether it ran into --max-turns
             for k in ("tool_calls", "tool_errors", "max_turns_hit"):
-                m[f"rollout/{k}_mean"] = sum(s.metadata.get(k, 0) for s in samples) / n
+                metrics[f"rollout/{k}_mean"] = sum(s.metadata.get(k, 0) for s in samples) / n
         if hasattr(self.custom_generate, "metrics"):  # a generate function's own counts (--agent's lost episodes)
-            m.update(self.custom_generate.metrics(samples))
-        return m
+            metrics.update(self.custom_generate.metrics(samples))
+        return metrics

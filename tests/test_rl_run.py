@@ -180,6 +180,14 @@ def test_one_default_grpo_step_executes_what_docs_rl_md_tables_say(base_dir, mon
     assert all(q.rsplit(".", 1)[-1].startswith("<") for _, q in unread), unread  # only comprehensions and lambdas
     assert {fn: n for fn, n in returns.items() if n > 3} == {}
     assert returns["nanorl/rl.py", "policy_loss"] == 2 and returns["nanorl/engine.py", "SlotRecords.lists"] == 3
+    # one meaning per name: no executed line calls anything `m` (it once meant the model, the metrics, the minutes)
+    named_m = [
+        (f, n)
+        for f, numbers in trace["executed"].items()
+        for n, text in enumerate((ROOT / f).read_text().splitlines(), 1)
+        if n in numbers and re.search(r"(?<![\w.'\"])m(?![\w'\"])", text.split("#")[0])
+    ]
+    assert named_m == []
 
 
 # -----------------------------------------------------------------------------------------------
