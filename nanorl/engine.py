@@ -613,11 +613,11 @@ class Engine:
         # the step's one host -> device copy: forced tokens, uniforms (made on the host) and settings, in float64
         counter = rec.start[slots] + rec.n_gen[slots]  # how many tokens each sample has drawn
         host = np.stack([forced, uniform_from_counter(rec.seed[slots], counter), temperature, top_k, top_p])
-        f, u, t, k, p = torch.from_numpy(host).to(self.device)
+        forced_t, uniform, temperature_t, top_k_t, top_p_t = torch.from_numpy(host).to(self.device)
         if greedy.all():  # every row greedy (an eval, a chat at T = 0): no uniforms, the argmax alone
-            u = None
-        settings = SamplerSettings(t.float(), k.long(), p.float())  # in the dtypes the sampler takes
-        tok, logp = sample_with_logprobs(logits, settings, u, filtered, bool(greedy.any()), f.long(), unit)
+            uniform = None
+        settings = SamplerSettings(temperature_t.float(), top_k_t.long(), top_p_t.float())  # the sampler's dtypes
+        tok, logp = sample_with_logprobs(logits, settings, uniform, filtered, bool(greedy.any()), forced_t.long(), unit)
         out = torch.stack([tok.double(), logp.double()], 1).cpu().numpy()  # the step's one device -> host sync
         for i in np.flatnonzero(rec.append(slots, out, forced)):
             self._record(self.slots[slots[i]], int(out[i, 0]), float(out[i, 1]), forced[i] < 0)
