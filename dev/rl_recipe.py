@@ -168,9 +168,8 @@ def cmd_seen(a):
     order, _ = PromptSource(list(range(len(task))), seed=a.seed).get(a.dealt + CARD["problems"])
     for which, idx in (("seen", order[: CARD["problems"]]), ("unseen", order[a.dealt :])):
         right, _ = run_generative(engine, tokenizer, task, idx, 1, CARD["max_tokens"], 0.0, None, CARD["seed"])
-        print(
-            f"{a.name}: greedy on {len(idx)} {which} training problems of seed {a.seed}: {sum(c or 0 for c in right) / len(idx):.4f}"
-        )
+        accuracy = sum(c or 0 for c in right) / len(idx)
+        print(f"{a.name}: greedy on {len(idx)} {which} training problems of seed {a.seed}: {accuracy:.4f}")
 
 
 def load_eval(base, name):

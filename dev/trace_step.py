@@ -50,11 +50,10 @@ def tiny_model(base):
 
 
 def trace_step(run, step=0):
-    """Run run.step(step) under the tracer -> {"lines": {file: n}, "executed": {file: {line number}},
-    "functions": {file: {qualname}},
-    "calls": {(caller file, caller, callee file, callee)}, "parameters": {(file, qualname): n}}: every call whose
-    nearest project caller sits in another file (torch's wrappers and hooks in between are skipped), and how many
-    parameters each function entered declares (self and *args, **kwargs included)."""
+    """Run run.step(step) under the tracer -> {"lines": {file: n}, "executed": {file: {line number}}, "functions":
+    {file: {qualname}}, "calls": {(caller file, caller, callee file, callee)}, "parameters": {(file, qualname): n}}:
+    every call whose nearest project caller sits in another file (torch's wrappers and hooks in between are skipped),
+    and how many parameters each function entered declares (self and *args, **kwargs included)."""
     where, lines, functions, calls, parameters = {}, defaultdict(set), defaultdict(set), set(), {}
 
     def project_file(code):
