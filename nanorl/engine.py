@@ -167,16 +167,19 @@ def check_request(r, max_len, vocab_size):
         v = getattr(r, name)
         if not isinstance(v, int) or v < least:
             raise ValueError(f"{name} must be an int >= {least}, got {v!r}")
-    for name in ("temperature", "top_p", "top_k"):  # NaN passes every range check below; inf is no setting
-        v = getattr(r, name)
-        if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)):
-            raise ValueError(f"{name} must be a finite number, got {v!r}")
-    if not r.temperature >= 0:
-        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {r.temperature}")
-    if r.top_k is not None and (not isinstance(r.top_k, int) or r.top_k < 1):
-        raise ValueError(f"top_k must be >= 1 (or None), got {r.top_k}")
-    if r.top_p is not None and not 0 < r.top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1] (or None), got {r.top_p}")
+    # the sampler's settings, one rule each: a number of the right kind in its range (a range refuses NaN, which no
+    # comparison holds for, and temperature's refuses inf)
+    if not (_is_number(r.temperature) and 0 <= r.temperature < math.inf):
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {r.temperature!r}")
+    if r.top_k is not None and (isinstance(r.top_k, bool) or not isinstance(r.top_k, int) or r.top_k < 1):
+        raise ValueError(f"top_k must be an int >= 1 (or None), got {r.top_k!r}")
+    if r.top_p is not None and not (_is_number(r.top_p) and 0 < r.top_p <= 1):
+        raise ValueError(f"top_p must be a number in (0, 1] (or None), got {r.top_p!r}")
+
+
+def _is_number(v):
+    """An int or a float, and no bool (which isinstance counts as an int)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 # --- the host's records of the samples in flight -----------------------------------------------

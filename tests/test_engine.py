@@ -696,6 +696,8 @@ def test_extreme_sampling_settings_are_greedy_and_fail_nothing_else(kwargs):
         ("top_p", float("inf")),
         ("top_k", float("inf")),
         ("temperature", "0.5"),
+        ("temperature", None),
+        ("top_k", True),
     ],
 )
 def test_non_finite_sampling_values_are_refused_naming_the_field(field, value):
