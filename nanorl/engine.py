@@ -515,18 +515,17 @@ class Engine:
     def _prefill(self, groups):
         dev = self.device
         prompts = [torch.tensor(g[0].handle.request.prompt_ids) for g in groups]
-        first = torch.tensor([g[0].slot for g in groups], device=dev)
+        # each prompt's row (its first sample's) and its length, in one host -> device copy
+        first, lens = torch.tensor([[g[0].slot for g in groups], [len(p) for p in prompts]], device=dev)
         self.cache.pos[first] = 0
-        lens = torch.tensor([len(p) for p in prompts], device=dev)
         last = (torch.arange(len(groups), device=dev), lens - 1)  # each prompt's last token
         logits = self._forward(torch.nn.utils.rnn.pad_sequence(prompts, batch_first=True).to(dev), first, last)
         # a short prompt's padding left garbage past its end: the mask never shows it and decode overwrites it
         self.cache.pos[first] = lens
         samples = [s for g in groups for s in g]
         slots = np.array([s.slot for s in samples])
-        rows = torch.from_numpy(slots).to(dev)
         which = np.array([i for i, g in enumerate(groups) for _ in g])  # the group of each sample
-        which_t = torch.from_numpy(which).to(dev)
+        rows, which_t = torch.from_numpy(np.stack([slots, which])).to(dev)  # one host -> device copy
         if len(samples) > len(groups):  # prefix sharing: a request's other samples start from a copy of its first row
             self.cache.copy_rows(first[which_t], rows)
         # each prefill's number: rows with one number hold the same prompt KV (what _shared_prompts looks for)
@@ -547,7 +546,7 @@ class Engine:
         if not holes:
             return
         src = [s.slot for s in movers]
-        src_t, dst_t = torch.tensor(src, device=self.device), torch.tensor(holes, device=self.device)
+        src_t, dst_t = torch.tensor([src, holes], device=self.device)
         self.cache.copy_rows(src_t, dst_t)
         self.input_ids[dst_t] = self.input_ids[src_t]
         self.records.move(src, holes)
