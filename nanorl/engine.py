@@ -453,13 +453,15 @@ class Engine:
                 if self.cancel_requested:  # the only holes a step starts with: every step ends compacted
                     self._drop_cancelled()
                     self._compact()
-                # admit: queued samples take the free slots n_busy.., a request's samples next to each other (one
-                # group, one prefill). Prompts are prefilled together, up to prefill_tokens padded tokens a forward
+                # admit: queued samples take the free slots n_busy.. and start their records there (one whose prefill
+                # fails ends empty, not with the slot's last sample's tokens), a request's samples next to each other
+                # (one group, one prefill). Prompts are prefilled together, up to prefill_tokens padded tokens a forward
                 with self.lock:
                     free = min(self.batch_size - self.n_busy, len(self.pending))
                     take = [self.pending.popleft() for _ in range(free)]
                 for slot, s in enumerate(take, start=self.n_busy):
                     s.slot, self.slots[slot] = slot, s
+                    self.records.fill(s, self.markup.python_end)
                 self.n_busy += len(take)
                 chunk, longest = [], 0
                 for g in [list(samples) for _, samples in itertools.groupby(take, key=lambda s: s.handle)]:
@@ -531,8 +533,6 @@ class Engine:
         # each prefill's number: rows with one number hold the same prompt KV (what _shared_prompts looks for)
         self.records.prefill[slots] = self.prefills + 1 + which
         self.prefills += len(groups)
-        for s in samples:
-            self.records.fill(s, self.markup.python_end)
         self.input_ids[rows] = self._sample_and_record(logits[which_t], slots)
 
     def _compact(self):

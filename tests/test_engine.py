@@ -731,6 +731,8 @@ def test_a_failing_request_ends_alone():
     got = run_checked(engine, [good[0]] + [good[1]])  # prefilled in one forward with the bad prompt, then alone
     assert [c.status for c in bad.completions] == ["error"] * 3 and "breaks the model" in bad.error
     assert [[c.tokens for c in cs] for cs in got] == [[c.tokens for c in cs] for cs in want]
+    again = engine.submit(Request([1, BAD], num_samples=3, max_tokens=10))  # in the slots the good samples used
+    assert [(c.status, c.tokens) for c in again.result()] == [("error", [])] * 3  # none of their tokens
     # a tool whose output cannot be tokenized fails its own request only
     script = {
         BOS: PY_START,
