@@ -276,14 +276,13 @@ def ppo_clip_loss(logp, old_logp, advantages, mask, eps_clip=0.2, eps_clip_high=
     A = advantages.detach()
     ratio = _ratio(logp, old_logp)
     pg, clipped, dual = _clipped_surrogate(ratio, A, eps_clip, eps_high, eps_clip_c)
-    with torch.no_grad():
-        metrics = {
-            "clipfrac": masked_mean(clipped.float(), mask),
-            "clipfrac_low": masked_mean(((ratio < 1 - eps_clip) & (A < 0)).float(), mask),
-            "clipfrac_high": masked_mean(((ratio > 1 + eps_high) & (A > 0)).float(), mask),
-            "ppo_kl": masked_mean(old_logp - logp, mask),
-            "dual_clip_frac": masked_mean(dual.float(), mask),
-        }
+    metrics = {
+        "clipfrac": masked_mean(clipped.float(), mask),
+        "clipfrac_low": masked_mean(((ratio < 1 - eps_clip) & (A < 0)).float(), mask),
+        "clipfrac_high": masked_mean(((ratio > 1 + eps_high) & (A > 0)).float(), mask),
+        "ppo_kl": masked_mean(old_logp - logp, mask).detach(),
+        "dual_clip_frac": masked_mean(dual.float(), mask),
+    }
     return pg, metrics
 
 
@@ -308,18 +307,17 @@ def gspo_loss(logp, old_logp, advantages, mask, eps_clip=3e-4, eps_clip_high=Non
     # the value clamped against overflow, the gradient s_i * grad log_s_i kept (a clamp would zero it)
     s_seq = torch.exp(log_s.detach().clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO) + log_s - log_s.detach())
     pg, _, dual = _clipped_surrogate(s_seq[:, None].expand_as(logp), A, eps_clip, eps_high, eps_clip_c)
-    with torch.no_grad():
-        s, A = log_s.exp(), A[:, 0]
-        rows = (mask.sum(-1) > 0).float()
-        low, high = (s < 1 - eps_clip) & (A < 0), (s > 1 + eps_high) & (A > 0)
-        metrics = {
-            "clipfrac": masked_mean((low | high).float(), rows),  # fraction of sequences
-            "clipfrac_low": masked_mean(low.float(), rows),
-            "clipfrac_high": masked_mean(high.float(), rows),
-            "ppo_kl": masked_mean(old_logp - logp, mask),
-            "dual_clip_frac": masked_mean(dual.float(), mask),
-            "seq_ratio_mean": masked_mean(s, rows),
-        }
+    s, A = log_s.detach().exp(), A[:, 0]
+    rows = (mask.sum(-1) > 0).float()
+    low, high = (s < 1 - eps_clip) & (A < 0), (s > 1 + eps_high) & (A > 0)
+    metrics = {
+        "clipfrac": masked_mean((low | high).float(), rows),  # fraction of sequences
+        "clipfrac_low": masked_mean(low.float(), rows),
+        "clipfrac_high": masked_mean(high.float(), rows),
+        "ppo_kl": masked_mean(old_logp - logp, mask).detach(),
+        "dual_clip_frac": masked_mean(dual.float(), mask),
+        "seq_ratio_mean": masked_mean(s, rows),
+    }
     return pg, metrics
 
 
@@ -336,11 +334,10 @@ def cispo_loss(logp, old_logp, advantages, mask, eps_clip=0.2, eps_clip_high=Non
     A = advantages.detach()
     ratio = _ratio(logp, old_logp).detach()
     w = ratio.clamp(1 - eps_clip, 1 + eps_high)
-    with torch.no_grad():
-        metrics = {
-            "clipfrac": masked_mean((w != ratio).float(), mask),
-            "ppo_kl": masked_mean(old_logp - logp, mask),
-        }
+    metrics = {
+        "clipfrac": masked_mean((w != ratio).float(), mask),
+        "ppo_kl": masked_mean(old_logp - logp, mask).detach(),
+    }
     return -w * A * logp, metrics
 
 

@@ -90,10 +90,8 @@ class Trainer:
         """The samples packed into micro-batches (collate_packed), rows no longer than `model`'s context. The model
         runs on the packed rows; the loss reads per-sample (B, T) rows, unpacked from its outputs."""
         max_tokens = self.cfg.max_tokens_per_gpu
-        batches = [
-            collate_packed(samples, rows, self.device)
-            for rows in pack_micro_batches(samples, max_tokens, min(max_tokens, model.config.sequence_len))
-        ]
+        packed = pack_micro_batches(samples, max_tokens, min(max_tokens, model.config.sequence_len))
+        batches = [collate_packed(samples, rows, self.device) for rows in packed]
         if self.sharded:
             # every forward/backward of the sharded policy gathers weights with the other ranks: all must run as many
             # micro-batches; a rank with fewer repeats its last one as a "dummy" (run, never counted)
