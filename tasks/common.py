@@ -143,12 +143,10 @@ ANSWER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")  # 18, -3, 1,080,
 def normalize_number(s):
     """'1,080' -> '1080', '-3.0' -> '-3', '2.50' -> '2.5': exact string arithmetic, so a 400-digit answer
     is just a long string (float() would overflow)."""
-    sign = "-" if s.startswith("-") else ""
     whole, _, frac = s.lstrip("-").replace(",", "").partition(".")
     whole, frac = whole.lstrip("0") or "0", frac.rstrip("0")
-    if whole == "0" and not frac:
-        sign = ""  # -0 is 0
-    return sign + whole + ("." + frac if frac else "")
+    number = whole + ("." + frac if frac else "")
+    return "-" + number if s.startswith("-") and number != "0" else number  # -0 is 0
 
 
 def extract_answer(text):
