@@ -142,11 +142,8 @@ def synchronize(device_type):
         getattr(torch, device_type).synchronize()
 
 
-class Timer:
-    """Wall-clock sections for the rollout/ref/train/eval time split."""
-
-    def __init__(self):
-        self.times = {}
+class Timer(dict):
+    """Wall-clock sections for the rollout/ref/train/eval time split: {section name: seconds}."""
 
     @contextmanager
     def section(self, name, device_type="cpu"):
@@ -157,4 +154,4 @@ class Timer:
             yield
         finally:
             synchronize(device_type)
-            self.times[name] = self.times.get(name, 0.0) + time.time() - t0
+            self[name] = self.get(name, 0.0) + time.time() - t0

@@ -241,8 +241,8 @@ class RLRun:
         timer = Timer()
         metrics.update(self.trainer.train_step(done, samples, timer))
         metrics["rollout/max_staleness"] = max(done - s.weight_version for s in samples)  # policy versions behind
-        metrics.update({f"time/{k}": v for k, v in timer.times.items()})
-        train_s = max(timer.times.get("train", 1e-9), 1e-9)
+        metrics.update({f"time/{k}": v for k, v in timer.items()})
+        train_s = max(timer.get("train", 1e-9), 1e-9)
         metrics["perf/train_tok_per_s"] = sum(len(s.tokens) for s in samples) / train_s
         # the ranks' names may differ (a filter that dropped groups on one rank only): the union is averaged
         if self.ddp:
