@@ -147,11 +147,10 @@ class Timer(dict):
 
     @contextmanager
     def section(self, name, device_type="cpu"):
-        """Time the block as section `name` (added up over repeats), the device's queued work included."""
+        """Time the block as section `name` (added up over repeats), the device's queued work included. A block that
+        raises is not timed: its exception ends the step the timer was for."""
         synchronize(device_type)
         t0 = time.time()
-        try:
-            yield
-        finally:
-            synchronize(device_type)
-            self[name] = self.get(name, 0.0) + time.time() - t0
+        yield
+        synchronize(device_type)
+        self[name] = self.get(name, 0.0) + time.time() - t0
