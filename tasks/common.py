@@ -153,9 +153,7 @@ def extract_answer(text):
     """The number right after the last `####`, normalised; None when there is none (see the docstring above)."""
     if text is None or "####" not in text:
         return None
-    words = text.rsplit("####", 1)[1].split()
-    if not words:
-        return None
+    words = text.rsplit("####", 1)[1].split() or [""]  # nothing after it: an empty word, which is no number
     word = words[0].lstrip("$").rstrip(".,;:!?")
     return normalize_number(word) if ANSWER.fullmatch(word) else None
 
