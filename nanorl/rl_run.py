@@ -283,13 +283,15 @@ class RLRun:
         return metrics
 
     def log_step(self, done, metrics, dt):
-        """The step line of rollout done+1, and its metrics into the history, the logger and report/rl_history.json."""
+        """The metrics of rollout done+1 into the history and the logger; rank 0 prints its step line and writes
+        report/rl_history.json."""
         self.eta.tick((done + 1) / self.cfg.num_rollouts)  # wall clock between step lines: evals and saves count
-        episodes = self.cfg.rollout_batch_size * self.worker.cfg.group.n_samples_per_prompt  # (--agent's tail)
-        print0(step_line(done, self.cfg.num_rollouts, {**metrics, "dt": dt, "eta": self.eta, "episodes": episodes}))
         self.history.append({"step": done + 1, **metrics})
         self.logger.log(metrics, step=done + 1)
-        if self.rank == 0:  # the report's curves, whole after every step
+        if self.rank == 0:  # the step line, and the report's curves, whole after every step
+            episodes = self.cfg.rollout_batch_size * self.worker.cfg.group.n_samples_per_prompt  # (--agent's tail)
+            line = step_line(done, self.cfg.num_rollouts, {**metrics, "dt": dt, "eta": self.eta, "episodes": episodes})
+            print(line, flush=True)
             write_json({"train": self.history, "eval": self.eval_history}, self.history_path)
 
     def weights_checksum(self):
