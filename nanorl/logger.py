@@ -142,19 +142,15 @@ def synchronize(device_type):
         getattr(torch, device_type).synchronize()
 
 
-class Timer:
-    """Wall-clock sections for the rollout/ref/train/eval time split."""
-
-    def __init__(self):
-        self.times = {}
+class Timer(dict):
+    """Wall-clock sections for the rollout/ref/train/eval time split: {section name: seconds}."""
 
     @contextmanager
     def section(self, name, device_type="cpu"):
-        """Time the block as section `name` (added up over repeats), the device's queued work included."""
+        """Time the block as section `name` (added up over repeats), the device's queued work included. A block that
+        raises is not timed: its exception ends the step the timer was for."""
         synchronize(device_type)
         t0 = time.time()
-        try:
-            yield
-        finally:
-            synchronize(device_type)
-            self.times[name] = self.times.get(name, 0.0) + time.time() - t0
+        yield
+        synchronize(device_type)
+        self[name] = self.get(name, 0.0) + time.time() - t0

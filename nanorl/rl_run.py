@@ -241,8 +241,8 @@ class RLRun:
         timer = Timer()
         metrics.update(self.trainer.train_step(done, samples, timer))
         metrics["rollout/max_staleness"] = max(done - s.weight_version for s in samples)  # policy versions behind
-        metrics.update({f"time/{k}": v for k, v in timer.times.items()})
-        train_s = max(timer.times.get("train", 1e-9), 1e-9)
+        metrics.update({f"time/{k}": v for k, v in timer.items()})
+        train_s = max(timer.get("train", 1e-9), 1e-9)
         metrics["perf/train_tok_per_s"] = sum(len(s.tokens) for s in samples) / train_s
         # the ranks' names may differ (a filter that dropped groups on one rank only): the union is averaged
         if self.ddp:
@@ -283,13 +283,15 @@ class RLRun:
         return metrics
 
     def log_step(self, done, metrics, dt):
-        """The step line of rollout done+1, and its metrics into the history, the logger and report/rl_history.json."""
+        """The metrics of rollout done+1 into the history and the logger; rank 0 prints its step line and writes
+        report/rl_history.json."""
         self.eta.tick((done + 1) / self.cfg.num_rollouts)  # wall clock between step lines: evals and saves count
-        episodes = self.cfg.rollout_batch_size * self.worker.cfg.group.n_samples_per_prompt  # (--agent's tail)
-        print0(step_line(done, self.cfg.num_rollouts, {**metrics, "dt": dt, "eta": self.eta, "episodes": episodes}))
         self.history.append({"step": done + 1, **metrics})
         self.logger.log(metrics, step=done + 1)
-        if self.rank == 0:  # the report's curves, whole after every step
+        if self.rank == 0:  # the step line, and the report's curves, whole after every step
+            episodes = self.cfg.rollout_batch_size * self.worker.cfg.group.n_samples_per_prompt  # (--agent's tail)
+            line = step_line(done, self.cfg.num_rollouts, {**metrics, "dt": dt, "eta": self.eta, "episodes": episodes})
+            print(line, flush=True)
             write_json({"train": self.history, "eval": self.eval_history}, self.history_path)
 
     def weights_checksum(self):

@@ -320,6 +320,12 @@ class RolloutWorker:
     def response_text(self, s):
         return self.tokenizer.decode([t for t in s.tokens[s.prompt_length :] if t not in self.stop_tokens])
 
+    def grade(self, s, text):
+        """The (value, error) of one sample's response `text` from the grader of its split; while that runs, it is
+        the sample in flight."""
+        self.inflight["scoring"] = {"metadata": s.metadata, "response": text[:200]}
+        return safe_reward(self.graders[s.metadata["split"]], text, s.label, s.metadata)
+
     def score(self, groups, count_failures=True):
         """Reward every unscored sample of groups (custom generate functions may score their own). A reward that
         fails is counted (training rollouts only) and its sample dropped from training or scored 0 (--rm-failure)."""
@@ -333,11 +339,8 @@ class RolloutWorker:
             ]
             self.inflight["scoring"] = {"remote": r.rm_url, "samples": len(payloads)}
             results = remote_rewards(r.rm_url, payloads, r.rm_concurrency, r.rm_timeout, r.rm_retries)
-        else:
-            results = []
-            for s, t in zip(todo, texts):
-                self.inflight["scoring"] = {"metadata": s.metadata, "response": t[:200]}
-                results.append(safe_reward(self.graders[s.metadata["split"]], t, s.label, s.metadata))
+        else:  # the graders of the splits: one sample at a time
+            results = [self.grade(s, t) for s, t in zip(todo, texts)]
         self.inflight.pop("scoring", None)
         failed = set_rewards(groups, todo, results, self.rewards.rm_failure)
         if count_failures:

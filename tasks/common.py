@@ -143,21 +143,17 @@ ANSWER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")  # 18, -3, 1,080,
 def normalize_number(s):
     """'1,080' -> '1080', '-3.0' -> '-3', '2.50' -> '2.5': exact string arithmetic, so a 400-digit answer
     is just a long string (float() would overflow)."""
-    sign = "-" if s.startswith("-") else ""
     whole, _, frac = s.lstrip("-").replace(",", "").partition(".")
     whole, frac = whole.lstrip("0") or "0", frac.rstrip("0")
-    if whole == "0" and not frac:
-        sign = ""  # -0 is 0
-    return sign + whole + ("." + frac if frac else "")
+    number = whole + ("." + frac if frac else "")
+    return "-" + number if s.startswith("-") and number != "0" else number  # -0 is 0
 
 
 def extract_answer(text):
     """The number right after the last `####`, normalised; None when there is none (see the docstring above)."""
     if text is None or "####" not in text:
         return None
-    words = text.rsplit("####", 1)[1].split()
-    if not words:
-        return None
+    words = text.rsplit("####", 1)[1].split() or [""]  # nothing after it: an empty word, which is no number
     word = words[0].lstrip("$").rstrip(".,;:!?")
     return normalize_number(word) if ANSWER.fullmatch(word) else None
 
