@@ -117,15 +117,15 @@ class MuonAdamW(torch.optim.Optimizer):
             self.average_gradients()
         pg, self._averaged, self._group = self._group, False, None
         for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]  # a parameter without a gradient stays as is
             if group["kind"] == "muon":
-                self._muon(group, pg)
+                self._muon(group, params, pg)
             else:
-                self._adamw(group)
+                self._adamw(group, params)
 
-    def _muon(self, group, pg):
+    def _muon(self, group, params, pg):
         lr, mom, wd = group["lr"], group["momentum"], group["weight_decay"]
         world, rank = (dist.get_world_size(pg), dist.get_rank(pg)) if _distributed() else (1, 0)
-        params = [p for p in group["params"] if p.grad is not None]
         if world == 1:  # one process orthogonalises every matrix itself: nothing to split or gather
             for p in params:
                 update = orthogonalize(self._look_ahead(p, mom), group["ns_steps"], self.ns_dtype, self.ns_matmuls)
@@ -184,11 +184,9 @@ class MuonAdamW(torch.optim.Optimizer):
             p.mul_(1 - lr * wd)
         p.add_(update, alpha=-lr * scale)
 
-    def _adamw(self, group):
+    def _adamw(self, group, params):
         lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-        for p in group["params"]:
-            if p.grad is None:
-                continue
+        for p in params:
             state = self.state[p]
             if "step" not in state:
                 state["step"] = 0
