@@ -31,17 +31,16 @@ def orthogonalize(G, steps=5, dtype=torch.float32, matmuls=None):
     which is all Muon needs. It iterates in `dtype` with its matmuls inside the context `matmuls`: MuonAdamW
     passes bf16 on GPU (fast, and accurate enough) with precision.bf16_matmuls' context, fp32 elsewhere.
     """
-    if G.size(-2) > G.size(-1):  # a tall matrix: orthogonalise its transpose, whose Gram matrix is the smaller one
-        return orthogonalize(G.mT, steps, dtype, matmuls).mT
+    tall = G.size(-2) > G.size(-1)  # a tall matrix: orthogonalise its transpose, whose Gram matrix is the smaller one
     a, b, c = 3.4445, -4.7750, 2.0315
-    X = G.to(dtype)
+    X = (G.mT if tall else G).to(dtype)
     X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)  # spectral norm <= Frobenius norm <= 1
     with matmuls or nullcontext():
         for _ in range(steps):
             A = X @ X.mT
             B = b * A + c * (A @ A)
             X = a * X + B @ X
-    return X.to(G.dtype)
+    return (X.mT if tall else X).to(G.dtype)
 
 
 def _distributed():
