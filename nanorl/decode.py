@@ -115,15 +115,15 @@ class KVCache:
     """
     A pre-allocated KV cache with its own position per row, so one batch holds prompts of different
     lengths and rows that are refilled at different times (continuous batching).
-    k, v: (n_layer, B, n_kv_head, max_len, head_dim). pos[b] = how many tokens row b holds.
+    k, v: (n_layer, B, n_kv_head, max_len, head_dim), the halves of kv. pos[b] = how many tokens row b holds.
     A forward with the cache calls begin() once (which moves each row's position past the new tokens), then attend()
     once per layer.
     """
 
     def __init__(self, n_layer, batch_size, n_kv_head, max_len, head_dim, device, dtype):
-        shape = (n_layer, batch_size, n_kv_head, max_len, head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        # keys and values in one tensor, so copy_rows moves both at once; k and v are its two halves (views)
+        self.kv = torch.zeros((2, n_layer, batch_size, n_kv_head, max_len, head_dim), device=device, dtype=dtype)
+        self.k, self.v = self.kv
         self.pos = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.max_len = max_len
         # each cache row's index and each key's position, made once: begin() indexes them for every forward
@@ -178,8 +178,7 @@ class KVCache:
         """Copy the cached tokens of rows src into rows dst. Prefix sharing: prefill a prompt once, then fan it out
         to the n rows that sample from it; and moving a row."""
         L = int(self.pos[src].max())
-        self.k[:, dst, :, :L] = self.k[:, src, :, :L]
-        self.v[:, dst, :, :L] = self.v[:, src, :, :L]
+        self.kv[:, :, dst, :, :L] = self.kv[:, :, src, :, :L]
         self.pos[dst] = self.pos[src]
 
 

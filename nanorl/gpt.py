@@ -448,12 +448,11 @@ class GPT(nn.Module):
         if torch.is_grad_enabled() and h.requires_grad:  # a backward will come: it recomputes each chunk's logits
             chunk_fn = partial(checkpoint, chunk_fn, use_reentrant=False, context_fn=self.checkpoint_context_fn)
         chunks = [chunk_fn(h[s : s + chunk_size], tgt[s : s + chunk_size]) for s in range(0, tgt.numel(), chunk_size)]
-        lps, ents = zip(*chunks)
         # new tensors, not views of the concatenation: FSDP2 hooks backward onto what a forward method returns and
         # warns that an in-place op on a returned view would bypass that hook
-        logp = torch.cat(lps).view_as(targets).clone()
+        logp, ent = (torch.cat(parts).view_as(targets).clone() for parts in zip(*chunks))
         if return_entropy:
-            return logp, torch.cat(ents).view_as(targets).clone()
+            return logp, ent
         return logp
 
 

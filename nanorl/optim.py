@@ -31,17 +31,16 @@ def orthogonalize(G, steps=5, dtype=torch.float32, matmuls=None):
     which is all Muon needs. It iterates in `dtype` with its matmuls inside the context `matmuls`: MuonAdamW
     passes bf16 on GPU (fast, and accurate enough) with precision.bf16_matmuls' context, fp32 elsewhere.
     """
-    if G.size(-2) > G.size(-1):  # a tall matrix: orthogonalise its transpose, whose Gram matrix is the smaller one
-        return orthogonalize(G.mT, steps, dtype, matmuls).mT
+    tall = G.size(-2) > G.size(-1)  # a tall matrix: orthogonalise its transpose, whose Gram matrix is the smaller one
     a, b, c = 3.4445, -4.7750, 2.0315
-    X = G.to(dtype)
+    X = (G.mT if tall else G).to(dtype)
     X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)  # spectral norm <= Frobenius norm <= 1
     with matmuls or nullcontext():
         for _ in range(steps):
             A = X @ X.mT
             B = b * A + c * (A @ A)
             X = a * X + B @ X
-    return X.to(G.dtype)
+    return (X.mT if tall else X).to(G.dtype)
 
 
 def _distributed():
@@ -117,15 +116,15 @@ class MuonAdamW(torch.optim.Optimizer):
             self.average_gradients()
         pg, self._averaged, self._group = self._group, False, None
         for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]  # a parameter without a gradient stays as is
             if group["kind"] == "muon":
-                self._muon(group, pg)
+                self._muon(group, params, pg)
             else:
-                self._adamw(group)
+                self._adamw(group, params)
 
-    def _muon(self, group, pg):
+    def _muon(self, group, params, pg):
         lr, mom, wd = group["lr"], group["momentum"], group["weight_decay"]
         world, rank = (dist.get_world_size(pg), dist.get_rank(pg)) if _distributed() else (1, 0)
-        params = [p for p in group["params"] if p.grad is not None]
         if world == 1:  # one process orthogonalises every matrix itself: nothing to split or gather
             for p in params:
                 update = orthogonalize(self._look_ahead(p, mom), group["ns_steps"], self.ns_dtype, self.ns_matmuls)
@@ -184,11 +183,9 @@ class MuonAdamW(torch.optim.Optimizer):
             p.mul_(1 - lr * wd)
         p.add_(update, alpha=-lr * scale)
 
-    def _adamw(self, group):
+    def _adamw(self, group, params):
         lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-        for p in group["params"]:
-            if p.grad is None:
-                continue
+        for p in params:
             state = self.state[p]
             if "step" not in state:
                 state["step"] = 0

@@ -73,8 +73,10 @@ def _check_size(v):
 
 
 def _eval(node):
+    # a literal needs no _check_size: calculator's length limit keeps it within both size limits (at most
+    # _MAX_EXPR_CHARS characters, 4 bits each in hex; tests/test_calculator.py holds the limits to that)
     if isinstance(node, ast.Constant) and type(node.value) in (int, float, str):  # no bool, complex or bytes
-        return _check_size(node.value)
+        return node.value
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
         v = _eval(node.operand)
         if not _is_num(v):

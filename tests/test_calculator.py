@@ -2,6 +2,7 @@ import time
 
 import pytest
 
+from nanorl import toolcalls
 from nanorl.toolcalls import calculator
 
 
@@ -73,3 +74,13 @@ def test_a_malformed_number_is_invalid_syntax_and_prints_nothing():
         assert calculator("1if 1 else 2") == "Error: invalid syntax"
         assert calculator("3 + 4") == "7"
     assert seen == []
+
+
+def test_the_length_limit_bounds_every_literal():
+    """_eval does not size-check a literal: the expression's length limit keeps it within both size limits (a hex
+    digit is 4 bits, a string literal's value is no longer than its source)."""
+    assert 4 * toolcalls._MAX_EXPR_CHARS <= toolcalls._MAX_INT_BITS
+    assert toolcalls._MAX_EXPR_CHARS <= toolcalls._MAX_STR_CHARS
+    n = toolcalls._MAX_EXPR_CHARS - 2
+    assert calculator("0x" + "f" * n) == str(16**n - 1)
+    assert calculator("'" + "a" * n + "'") == "a" * n
