@@ -509,9 +509,7 @@ def sample_with_logprobs(logits, settings, uniform, filtered=True, greedy=True, 
     themselves, first and alone, on CPU and CUDA, so raw logits give the same bits as tempered() ones without its two
     passes over the vocab), uniform=None that every row is greedy (the argmax alone: no softmax, cumsum or search, as
     an all-greedy eval needs). -> (tokens (B,) long, log-probs (B,) fp32)."""
-    x = logits
-    if not unit:
-        x = tempered(logits, settings.temperature)
+    x = logits if unit else tempered(logits, settings.temperature)
     if uniform is None:
         tok = logits.argmax(-1)
     else:
