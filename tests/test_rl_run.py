@@ -156,6 +156,7 @@ def documented_step():
     return files, calls
 
 
+@pytest.mark.fp32("docs/rl.md's tables are the default fp32 step's; CUDA's dtype layout also runs precision.py")
 def test_one_default_grpo_step_executes_what_docs_rl_md_tables_say(base_dir, monkeypatch):  # noqa: F811
     monkeypatch.syspath_prepend(ROOT / "dev")
     from trace_step import FLAGS, build_run, tables, trace_step, widest_returns
